@@ -4,7 +4,8 @@ import os
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-COMPILE_ARGS = ["-O3", "-fopenmp", "-std=c++17"]
+# -fno-math-errno lets sqrtf vectorise; no -ffast-math: results must stay IEEE (torch's).
+COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
 if os.environ.get("DISTEMB_NATIVE") == "1":
     COMPILE_ARGS.append("-march=native")
 
