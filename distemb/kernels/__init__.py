@@ -33,53 +33,98 @@ else:
 IMPL_NAME = "compiled" if HAS_EXT else "reference"
 
 
-def _ids(a):
+def _ids(name, a):
+    """``a`` as a C-contiguous int64 array (int32 ids are widened; no other conversion)."""
+    a = np.asarray(a)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array, got dtype={a.dtype}")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _f32(a):
-    return np.ascontiguousarray(a, dtype=np.float32)
+def _grads(a):
+    """``a`` as C-contiguous float32; other dtypes raise rather than round-trip silently."""
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        raise TypeError(f"grads: expected float32, got dtype={a.dtype}")
+    return np.ascontiguousarray(a)
 
 
-def _check_table(name, a, ndim=2):
-    if a.dtype != np.float32 or a.ndim != ndim or not a.flags.c_contiguous:
-        raise TypeError(f"{name}: expected a C-contiguous float32 array of {ndim} dims, "
-                        f"got dtype={a.dtype}, ndim={a.ndim}")
+def _check_table(name, a, rows_like=None, ndim=2):
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != ndim \
+            or not a.flags.c_contiguous or not a.flags.writeable:
+        raise TypeError(f"{name}: expected a writeable C-contiguous float32 array of {ndim} "
+                        f"dims, got {type(a).__name__} dtype={getattr(a, 'dtype', None)}, "
+                        f"ndim={getattr(a, 'ndim', None)}")
+    if rows_like is not None and a.shape[:ndim] != rows_like.shape[:ndim]:
+        raise ValueError(f"{name}: expected shape {rows_like.shape[:ndim]} (as weight), "
+                         f"got {a.shape}")
 
 
 def _check_rows(rows, grads, weight):
+    if rows.ndim != 1:
+        raise ValueError(f"rows: expected a 1-d array, got shape {rows.shape}")
     if grads.ndim != 2 or grads.shape[0] != rows.shape[0] or grads.shape[1] != weight.shape[1]:
         raise ValueError(f"grads: expected shape ({rows.shape[0]}, {weight.shape[1]}), "
                          f"got {tuple(grads.shape)}")
 
 
-def dedup_sum(ids, grads, num_threads=1):
+def dedup_sum(ids, grads, num_threads=1, out=None):
     """Deduplicate ``ids`` and sum the gradient rows of each duplicate.
+
+    Rows of equal ids are summed in batch order, so the result is deterministic and
+    independent of ``num_threads``.
 
     Args:
         ids: (N,) integer ids, any order, duplicates allowed.
         grads: (N, D) float32 gradient rows, one per id.
         num_threads: OpenMP threads.
+        out: optional reusable (M, D) float32 C-contiguous buffer with M >= N; the sums
+            are written to its first U rows and a view of them is returned. Reuse it only
+            once the previous result is no longer needed (the optimizer's step owns one:
+            ``push_update`` consumes the sums before returning).
 
     Returns:
         (uniq, summed): ascending unique ids (int64) and their (U, D) float32 sums.
     """
-    ids = _ids(ids).reshape(-1)
-    grads = _f32(grads)
+    ids = _ids("ids", ids).reshape(-1)
+    grads = _grads(grads)
     if grads.ndim != 2 or grads.shape[0] != ids.shape[0]:
         raise ValueError(f"grads: expected shape ({ids.shape[0]}, D), got {tuple(grads.shape)}")
-    return _impl.dedup_sum(ids, grads, num_threads=num_threads)
+    if out is not None:
+        _check_table("out", out)
+        if out.shape[0] < ids.shape[0] or out.shape[1] != grads.shape[1]:
+            raise ValueError(f"out: expected shape (>= {ids.shape[0]}, {grads.shape[1]}), "
+                             f"got {out.shape}")
+    return _impl.dedup_sum(ids, grads, num_threads=num_threads, out=out)
 
 
 def gather_rows(table, rows, out=None, num_threads=1):
-    """Copy ``table[rows]`` into ``out`` (allocated when None) and return it."""
-    _check_table("table", table)
-    rows = _ids(rows)
+    """Copy ``table[rows]`` into ``out`` (allocated when None) and return it.
+
+    Args:
+        table: (R, D) float32 C-contiguous array.
+        rows: (N,) integer row ids, each in [0, R) (checked by the caller).
+        out: optional (N, D) float32 C-contiguous destination, e.g. a buffer the caller
+            reuses across calls when it does not hand the rows on to someone who keeps them.
+        num_threads: OpenMP threads.
+
+    Returns:
+        ``out``.
+    """
+    if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.ndim != 2 \
+            or not table.flags.c_contiguous:
+        raise TypeError(f"table: expected a C-contiguous float32 2-d array, got "
+                        f"dtype={getattr(table, 'dtype', None)}")
+    rows = _ids("rows", rows)
+    if rows.ndim != 1:
+        raise ValueError(f"rows: expected a 1-d array, got shape {rows.shape}")
     if out is None:
         out = np.empty((rows.shape[0], table.shape[1]), dtype=np.float32)
-    elif out.shape != (rows.shape[0], table.shape[1]) or out.dtype != np.float32:
-        raise ValueError(f"out: expected float32 {(rows.shape[0], table.shape[1])}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    elif (not isinstance(out, np.ndarray) or out.shape != (rows.shape[0], table.shape[1])
+          or out.dtype != np.float32 or not out.flags.c_contiguous):
+        raise ValueError(f"out: expected a C-contiguous float32 array of shape "
+                         f"{(rows.shape[0], table.shape[1])}, got "
+                         f"{getattr(out, 'dtype', None)} {getattr(out, 'shape', None)}")
     _impl.gather_rows(table, rows, out, num_threads=num_threads)
     return out
 
@@ -87,16 +132,19 @@ def gather_rows(table, rows, out=None, num_threads=1):
 def sgd_update(weight, rows, grads, lr, num_threads=1):
     """In place: ``weight[rows] -= lr * grads``. ``rows`` must be unique."""
     _check_table("weight", weight)
-    rows, grads = _ids(rows), _f32(grads)
+    rows, grads = _ids("rows", rows), _grads(grads)
     _check_rows(rows, grads, weight)
     _impl.sgd_update(weight, rows, grads, float(lr), num_threads=num_threads)
 
 
 def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
-    """In place, torch.optim.Adagrad's sparse rule on unique ``rows``."""
+    """In place, torch.optim.Adagrad's sparse rule on unique ``rows``.
+
+    ``s += g*g; w -= clr * (g / (sqrt(s) + eps))``, element-wise in float32.
+    """
     _check_table("weight", weight)
-    _check_table("state_sum", state_sum)
-    rows, grads = _ids(rows), _f32(grads)
+    _check_table("state_sum", state_sum, weight)
+    rows, grads = _ids("rows", rows), _grads(grads)
     _check_rows(rows, grads, weight)
     _impl.adagrad_update(weight, state_sum, rows, grads, float(clr), float(eps),
                          num_threads=num_threads)
@@ -105,8 +153,8 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
 def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     """In place, row-wise Adagrad (one accumulator per row: the mean of g^2)."""
     _check_table("weight", weight)
-    _check_table("state_sum", state_sum, ndim=1)
-    rows, grads = _ids(rows), _f32(grads)
+    _check_table("state_sum", state_sum, weight, ndim=1)
+    rows, grads = _ids("rows", rows), _grads(grads)
     _check_rows(rows, grads, weight)
     _impl.rowwise_adagrad_update(weight, state_sum, rows, grads, float(clr), float(eps),
                                  num_threads=num_threads)
@@ -119,11 +167,16 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
     ``step`` is the global step (torch semantics); with ``row_steps`` (int64, one per
     table row) each row counts and bias-corrects its own steps instead.
     """
-    for name, a in (("weight", weight), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check_table(name, a)
-    if row_steps is not None and (row_steps.dtype != np.int64 or row_steps.ndim != 1):
-        raise TypeError(f"row_steps: expected a 1-d int64 array, got {row_steps.dtype}")
-    rows, grads = _ids(rows), _f32(grads)
+    _check_table("weight", weight)
+    _check_table("exp_avg", exp_avg, weight)
+    _check_table("exp_avg_sq", exp_avg_sq, weight)
+    if row_steps is not None and (
+            not isinstance(row_steps, np.ndarray) or row_steps.dtype != np.int64
+            or row_steps.shape != weight.shape[:1] or not row_steps.flags.c_contiguous):
+        raise TypeError(f"row_steps: expected a C-contiguous int64 array of shape "
+                        f"{weight.shape[:1]}, got {getattr(row_steps, 'dtype', None)} "
+                        f"{getattr(row_steps, 'shape', None)}")
+    rows, grads = _ids("rows", rows), _grads(grads)
     _check_rows(rows, grads, weight)
     _impl.adam_update(weight, exp_avg, exp_avg_sq, rows, grads, float(lr), float(beta1),
                       float(beta2), float(eps), int(step), row_steps=row_steps,

@@ -7,10 +7,14 @@ Inputs are assumed validated by :mod:`distemb.kernels` (dtypes, contiguity, rang
 import numpy as np
 
 
-def dedup_sum(ids, grads, num_threads=1):
-    """Unique ids (ascending) and the sum of the gradient rows of each."""
+def dedup_sum(ids, grads, num_threads=1, out=None):
+    """Unique ids (ascending) and the sum of the gradient rows of each (into out[:U])."""
     uniq, inverse = np.unique(ids, return_inverse=True)
-    summed = np.zeros((uniq.shape[0], grads.shape[1]), dtype=np.float32)
+    if out is None:
+        summed = np.zeros((uniq.shape[0], grads.shape[1]), dtype=np.float32)
+    else:
+        summed = out[:uniq.shape[0]]
+        summed[...] = 0
     np.add.at(summed, inverse, grads)
     return uniq, summed
 

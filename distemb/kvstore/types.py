@@ -60,7 +60,11 @@ class KVClient:
         raise NotImplementedError
 
     def push_update(self, name, ids, grads, rule, hyper):
-        """Apply update ``rule`` with ``hyper`` to rows ``ids`` (unique) of ``name``."""
+        """Apply update ``rule`` with ``hyper`` to rows ``ids`` (unique) of ``name``.
+
+        ``grads`` is consumed (applied, or copied into a message) before this returns:
+        the caller may reuse its buffer right after.
+        """
         raise NotImplementedError
 
     def barrier(self):

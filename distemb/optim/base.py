@@ -56,6 +56,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": []}], defaults)
         self._embs = params
         self._steps = {p.name: 0 for p in params}
+        self._sum_buffers = {}
         for emb in params:
             emb._optm_state = emb.kvstore.init_optimizer(emb.name, self.rule,
                                                          self.rule_options())
@@ -104,11 +105,25 @@ class SparseOptimizer(torch.optim.Optimizer):
             if ids is None:
                 continue
             nt = emb.weight.context.num_threads
-            uniq, summed = kernels.dedup_sum(ids, grads, nt)
+            buf = self._sum_buffer(emb, len(ids))
+            uniq, summed = kernels.dedup_sum(ids, grads, nt, out=buf)
             self._steps[emb.name] += 1
             emb.kvstore.push_update(emb.name, uniq, summed, self.rule,
                                     self.hyper(group, self._steps[emb.name]))
         return loss
+
+    def _sum_buffer(self, emb, n):
+        """This table's reusable buffer for summed gradients, at least ``n`` rows.
+
+        Reuse is safe: ``push_update`` consumes the sums before it returns (KVClient
+        contract), and a fresh 2 MB array per step costs more in page faults than the
+        dedup itself.
+        """
+        buf = self._sum_buffers.get(emb.name)
+        if buf is None or buf.shape[0] < n:
+            buf = np.empty((n, emb.embedding_dim), dtype=np.float32)
+            self._sum_buffers[emb.name] = buf
+        return buf
 
     def _state_names(self, emb):
         return dict(emb.optm_state or {})
