@@ -3,8 +3,9 @@
 One run builds, for each id distribution and thread count, every contender of
 :mod:`bench_systems` on the same table size and the same id batches, then times them in
 turns (one repeat of each, then the next repeat) so that load from other processes hits
-all of them alike. Each cell is the median over ``--repeats`` of ``--steps`` calls.
-Ratios are same-run: a contender's steps/s over the baseline's steps/s.
+all of them alike. A repeat's rate is 1 / (median time of its ``--steps`` calls); each
+cell is the median over ``--repeats``. Ratios are same-run: a contender's steps/s over
+the baseline's. Thread scaling is its own block, the thread counts timed in turns.
 
 Example:
     OMP_WAIT_POLICY=passive python benchmarks/bench_step.py --threads 1 2
@@ -41,11 +42,20 @@ def id_batches(dist, num_rows, batch, count, seed=0):
 
 
 def time_calls(contender, start, steps):
-    """Seconds for ``steps`` consecutive calls, from batch ``start`` on."""
-    t0 = time.perf_counter()
+    """Calls per second of ``steps`` consecutive calls from batch ``start`` on.
+
+    Each call is timed alone and the rate is 1 / median call time: on machines shared
+    with other jobs, a call that lost the core to another process says nothing about
+    this code, and every call here does the same work.
+    """
+    if contender.threads is not None:
+        torch.set_num_threads(contender.threads)
+    times = []
     for k in range(start, start + steps):
+        t0 = time.perf_counter()
         contender.run(k)
-    return time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
+    return 1.0 / statistics.median(times)
 
 
 def build(args, dist, threads, batches, upstream, tag):
@@ -63,9 +73,30 @@ def build(args, dist, threads, batches, upstream, tag):
 def measure(args, dist, threads):
     """steps/s medians of every contender for one (distribution, thread count)."""
     torch.set_num_threads(threads)
+    batches, upstream = inputs(args, dist)
+    return run_turns(args, build(args, dist, threads, batches, upstream, f"{dist}-{threads}"))
+
+
+def measure_threads(args, dist):
+    """distemb Adagrad at each thread count, timed in turns (same load for each)."""
+    batches, upstream = inputs(args, dist)
+    contenders = []
+    for t in args.threads:
+        c = bs.distemb_step("Adagrad", batches, upstream, args.rows, t, f"{dist}-scaling-{t}")
+        c.name = f"distemb Adagrad {t} thread(s)"
+        contenders.append(c)
+    return run_turns(args, contenders)
+
+
+def inputs(args, dist):
+    """The id batches and the upstream gradient every contender of a block shares."""
     batches = id_batches(dist, args.rows, args.batch, args.pool)
     upstream = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
-    contenders = build(args, dist, threads, batches, upstream, f"{dist}-{threads}")
+    return batches, upstream
+
+
+def run_turns(args, contenders):
+    """Warm up, then time one repeat of each contender in turn; medians per contender."""
     cursor = [0] * len(contenders)
     for i, c in enumerate(contenders):  # warm-up: first touches, lazy state, caches
         time_calls(c, 0, args.warmup)
@@ -73,7 +104,7 @@ def measure(args, dist, threads):
     rates = [[] for _ in contenders]
     for _ in range(args.repeats):
         for i, c in enumerate(contenders):
-            rates[i].append(args.steps / time_calls(c, cursor[i], args.steps))
+            rates[i].append(time_calls(c, cursor[i], args.steps))
             cursor[i] += args.steps
     result = {c.name: (statistics.median(r), c.rows_per_call, c.kind)
               for c, r in zip(contenders, rates)}
@@ -139,18 +170,16 @@ def main(argv=None):
     print("# calls/s: steps/s for full steps, kernel calls/s for kernels; rows/s: ids "
           "looked up per s (steps, gathers, dedup) or unique rows updated per s (updates)")
     dists = ["uniform", "zipf"] if args.dist == "both" else [args.dist]
-    summary = {}
     for dist in dists:
         for threads in args.threads:
-            res = measure(args, dist, threads)
-            print_table(dist, threads, res)
-            summary[(dist, threads)] = res["distemb Adagrad"][0]
+            print_table(dist, threads, measure(args, dist, threads))
     if len(args.threads) > 1:
-        print("\n## distemb Adagrad steps/s by threads (medians)")
+        print("\n## thread scaling, timed in turns: distemb Adagrad steps/s (medians)")
         for dist in dists:
-            cells = "  ".join(f"{t}t: {summary[(dist, t)]:.1f}" for t in args.threads)
-            print(f"{dist}: {cells}  ({args.threads[-1]}t/{args.threads[0]}t = "
-                  f"{summary[(dist, args.threads[-1])] / summary[(dist, args.threads[0])]:.2f}x)")
+            res = measure_threads(args, dist)
+            rates = [r for r, _, _ in res.values()]
+            cells = "  ".join(f"{name}: {r:.1f}" for name, r in zip(res, rates))
+            print(f"{dist}: {cells}  (last/first = {rates[-1] / rates[0]:.2f}x)")
     sys.stdout.flush()
     if args.dgl:
         # DGL's DistTensor.__del__ raises in standalone mode at interpreter exit

@@ -47,9 +47,10 @@ class Contender:
         rows_per_call: rows one call processes (rows/s = calls/s * this).
     """
 
-    def __init__(self, name, kind, run, rows_per_call, close=None):
+    def __init__(self, name, kind, run, rows_per_call, close=None, threads=None):
         self.name, self.kind, self.run = name, kind, run
         self.rows_per_call = rows_per_call
+        self.threads = threads  # torch threads to set before timing (None: leave as is)
         self._close = close
 
     def close(self):
@@ -75,7 +76,7 @@ def distemb_step(opt_name, batches, upstream, num_rows, num_threads, tag):
                                 init_func=_uniform_init, context=ctx)
     opt = DISTEMB_OPTIMIZERS[opt_name]([emb])
     return Contender(f"distemb {opt_name}", "step", _user_step(emb, opt, batches, upstream),
-                     upstream.shape[0], ctx.close)
+                     upstream.shape[0], ctx.close, threads=num_threads)
 
 
 def torch_step(opt_name, batches, upstream, num_rows):

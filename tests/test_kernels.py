@@ -21,7 +21,11 @@ THREADS = [1, 2]
 
 @pytest.fixture(params=["compiled", "reference"])
 def impl(request, monkeypatch):
-    """The kernel implementation behind distemb.kernels for this test."""
+    """The kernel implementation behind distemb.kernels for this test.
+
+    Small test inputs would otherwise run on one thread whatever ``num_threads`` says.
+    """
+    monkeypatch.setattr(kernels, "MIN_FLOATS_PER_THREAD", 1)
     if request.param == "compiled":
         if not kernels.HAS_EXT:
             pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT set or not built)")
@@ -261,6 +265,8 @@ def test_dispatch_rejects_bad_input(impl):
         kernels.adagrad_update(w, s[:3], rows, g, 0.1, 1e-10)
     with pytest.raises(TypeError, match="state_sum"):
         kernels.rowwise_adagrad_update(w, s, rows, g, 0.1, 1e-10)
+    with pytest.raises(ValueError, match="num_threads"):
+        kernels.gather_rows(w, rows, num_threads=0)
     with pytest.raises(TypeError, match="row_steps"):
         kernels.adam_update(w, s, s.copy(), rows, g, 0.1, 0.9, 0.99, 1e-8, 1,
                             row_steps=np.zeros(4, np.int32))
@@ -271,3 +277,15 @@ def test_compiled_kernels_loaded():
         pytest.skip("DISTEMB_NO_EXT forces the reference twins")
     assert kernels.HAS_EXT, "distemb._kernels did not import: build it (setup.py build_ext)"
     assert kernels.IMPL_NAME == "compiled"
+
+
+def test_small_work_runs_on_one_thread(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "_impl", reference)
+    monkeypatch.setattr(reference, "gather_rows",
+                        lambda t, r, o, num_threads: calls.append(num_threads))
+    table = np.zeros((10, 4), np.float32)
+    kernels.gather_rows(table, np.arange(3), num_threads=8)
+    big = np.zeros((4 * kernels.MIN_FLOATS_PER_THREAD, 1), np.float32)
+    kernels.gather_rows(big, np.arange(big.shape[0]), num_threads=8)
+    assert calls == [1, 4]

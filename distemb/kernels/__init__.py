@@ -33,6 +33,20 @@ else:
 IMPL_NAME = "compiled" if HAS_EXT else "reference"
 
 
+# Waking a sleeping OpenMP thread (OMP_WAIT_POLICY=passive) costs tens of microseconds,
+# about the time to stream this many floats through one core: below it, extra threads
+# only add a fork/join.
+MIN_FLOATS_PER_THREAD = 1 << 15
+
+
+def _threads(num_threads, num_floats):
+    """Threads worth using for ``num_floats`` of work, at most ``num_threads``."""
+    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) \
+            or num_threads < 1:
+        raise ValueError(f"num_threads: expected a positive int, got {num_threads!r}")
+    return int(max(1, min(num_threads, num_floats // MIN_FLOATS_PER_THREAD)))
+
+
 def _ids(name, a):
     """``a`` as a C-contiguous int64 array (int32 ids are widened; no other conversion)."""
     a = np.asarray(a)
@@ -95,7 +109,8 @@ def dedup_sum(ids, grads, num_threads=1, out=None):
         if out.shape[0] < ids.shape[0] or out.shape[1] != grads.shape[1]:
             raise ValueError(f"out: expected shape (>= {ids.shape[0]}, {grads.shape[1]}), "
                              f"got {out.shape}")
-    return _impl.dedup_sum(ids, grads, num_threads=num_threads, out=out)
+    return _impl.dedup_sum(ids, grads, num_threads=_threads(num_threads, grads.size),
+                           out=out)
 
 
 def gather_rows(table, rows, out=None, num_threads=1):
@@ -125,7 +140,7 @@ def gather_rows(table, rows, out=None, num_threads=1):
         raise ValueError(f"out: expected a C-contiguous float32 array of shape "
                          f"{(rows.shape[0], table.shape[1])}, got "
                          f"{getattr(out, 'dtype', None)} {getattr(out, 'shape', None)}")
-    _impl.gather_rows(table, rows, out, num_threads=num_threads)
+    _impl.gather_rows(table, rows, out, num_threads=_threads(num_threads, out.size))
     return out
 
 
@@ -134,7 +149,8 @@ def sgd_update(weight, rows, grads, lr, num_threads=1):
     _check_table("weight", weight)
     rows, grads = _ids("rows", rows), _grads(grads)
     _check_rows(rows, grads, weight)
-    _impl.sgd_update(weight, rows, grads, float(lr), num_threads=num_threads)
+    _impl.sgd_update(weight, rows, grads, float(lr),
+                     num_threads=_threads(num_threads, grads.size))
 
 
 def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
@@ -147,7 +163,7 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     rows, grads = _ids("rows", rows), _grads(grads)
     _check_rows(rows, grads, weight)
     _impl.adagrad_update(weight, state_sum, rows, grads, float(clr), float(eps),
-                         num_threads=num_threads)
+                         num_threads=_threads(num_threads, grads.size))
 
 
 def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
@@ -157,7 +173,7 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads
     rows, grads = _ids("rows", rows), _grads(grads)
     _check_rows(rows, grads, weight)
     _impl.rowwise_adagrad_update(weight, state_sum, rows, grads, float(clr), float(eps),
-                                 num_threads=num_threads)
+                                 num_threads=_threads(num_threads, grads.size))
 
 
 def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
@@ -180,4 +196,4 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
     _check_rows(rows, grads, weight)
     _impl.adam_update(weight, exp_avg, exp_avg_sq, rows, grads, float(lr), float(beta1),
                       float(beta2), float(eps), int(step), row_steps=row_steps,
-                      num_threads=num_threads)
+                      num_threads=_threads(num_threads, grads.size))
