@@ -34,6 +34,12 @@ cdef extern from *:
 # Rows ahead to prefetch: enough to cover a DRAM miss at ~0.3 us of work per row.
 DEF PREFETCH_AHEAD = 8
 DEF RADIX_BITS = 11
+# Rows per work chunk. Chunks are handed out dynamically: on a machine shared with
+# other jobs a helper thread may wake late, and with a static split its half of the
+# rows would wait for it; dynamically, the threads that run take the chunks.
+# Every row (and every duplicate segment) is still done by one thread, in order, so
+# results do not depend on the schedule.
+DEF CHUNK_ROWS = 64
 
 
 cdef inline int _bit_length(uint64_t x) noexcept nogil:
@@ -76,8 +82,9 @@ cdef void _radix_sort(uint64_t *keys, uint64_t *tmp, Py_ssize_t n, int lo_bit,
         memcpy(keys, src, n * sizeof(uint64_t))
 
 
-def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, int num_threads=1):
-    """Ascending unique ids and, per id, the sum of its rows in batch order."""
+def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, int num_threads=1,
+              out=None):
+    """Ascending unique ids and, per id, the sum of its rows in batch order (into out[:U])."""
     cdef Py_ssize_t n = ids.shape[0], d = grads.shape[1], i, k, j, nu = 0, seg
     cdef int64_t lo = 0, hi = 0
     cdef int pos_bits, id_bits
@@ -128,7 +135,7 @@ def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, int num_threads
         nu = starts.size()
         starts.push_back(n)
     uniq_np = np.empty(nu, dtype=np.int64)
-    summed_np = np.empty((nu, d), dtype=np.float32)
+    summed_np = np.empty((nu, d), dtype=np.float32) if out is None else out[:nu]
     if nu == 0:
         return uniq_np, summed_np
     cdef int64_t[::1] uniq = uniq_np
@@ -136,7 +143,7 @@ def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, int num_threads
     cdef int64_t *pu = &uniq[0]
     cdef float *ps = &summed[0, 0]
     with nogil:
-        for k in prange(nu, num_threads=num_threads, schedule='static'):
+        for k in prange(nu, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
             pu[k] = pid[order[starts[k]]]
             dst = ps + k * d
             memcpy(dst, g0 + order[starts[k]] * d, d * sizeof(float))
@@ -158,7 +165,7 @@ def gather_rows(const float[:, ::1] table, const int64_t[::1] rows, float[:, ::1
     cdef const int64_t *r = &rows[0]
     cdef float *o = &out[0, 0]
     with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='static'):
+        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
             if i + PREFETCH_AHEAD < n:
                 prefetch_row(t + r[i + PREFETCH_AHEAD] * d, nbytes, 0)
             memcpy(o + i * d, t + r[i] * d, nbytes)
@@ -179,7 +186,7 @@ def sgd_update(float[:, ::1] weight, const int64_t[::1] rows, const float[:, ::1
     cdef float *w
     cdef const float *g
     with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='static'):
+        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
             if i + PREFETCH_AHEAD < n:
                 prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
             w = w0 + r[i] * d
@@ -204,7 +211,7 @@ def adagrad_update(float[:, ::1] weight, float[:, ::1] state_sum, const int64_t[
     cdef float *s
     cdef const float *g
     with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='static'):
+        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
             if i + PREFETCH_AHEAD < n:
                 prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
                 prefetch_row(s0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
@@ -234,7 +241,7 @@ def rowwise_adagrad_update(float[:, ::1] weight, float[::1] state_sum,
     cdef float *w
     cdef const float *g
     with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='static'):
+        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
             if i + PREFETCH_AHEAD < n:
                 prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
                 prefetch_row(s + r[i + PREFETCH_AHEAD], 4, 1)
@@ -274,7 +281,7 @@ def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_a
     cdef float *v
     cdef const float *g
     with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='static'):
+        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
             if i + PREFETCH_AHEAD < n:
                 prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
                 prefetch_row(m0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
