@@ -5,6 +5,12 @@
 twins in :mod:`distemb.kernels.reference`. Functions here validate dtypes and layout once
 and then trust the compiled code: ids must already be range-checked by the caller.
 
+Output buffers: ``gather_rows(out=...)`` and ``dedup_sum(out=...)`` write into a buffer
+the caller owns and reuses, which avoids a fresh allocation per step. Reuse is only safe
+where nobody keeps the previous result: the optimizer's step owns its dedup buffer
+(``push_update`` consumes the sums before returning), whereas a ``DistEmbedding`` lookup
+always gets fresh rows, because the user and the trace keep them past the next lookup.
+
 Example:
     >>> import numpy as np
     >>> from distemb import kernels
