@@ -85,12 +85,12 @@ class RowStepAdamRule(AdamRule):
     """Adam whose bias correction counts each row's own updates (DGL's SparseAdam)."""
 
     name = "adam_row_step"
-    states = AdamRule.states + (StateSpec("step", per_row=True, dtype="int64"),)
+    states = AdamRule.states + (StateSpec("row_step", per_row=True, dtype="int64"),)
 
     def apply(self, weight, states, rows, grads, hyper, num_threads=1):
         kernels.adam_update(weight, states["exp_avg"], states["exp_avg_sq"], rows, grads,
                             hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], 0,
-                            row_steps=states["step"], num_threads=num_threads)
+                            row_steps=states["row_step"], num_threads=num_threads)
 
 
 RULES = {r.name: r for r in (SGDRule(), AdagradRule(), RowWiseAdagradRule(), AdamRule(),
