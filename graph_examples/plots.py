@@ -82,8 +82,19 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
     ax_loss.set_ylabel("loss")
     ax_loss.set_title("training loss")
     ax_loss.grid(alpha=0.3)
-    ax_emb.scatter(xy[:, 0], xy[:, 1], c=colours, cmap="tab20" if colours is not None else None,
-                   s=4, alpha=0.7, linewidths=0)
+    # Big dots for small graphs, small ones where thousands overlap.
+    size = float(np.clip(3000 / len(rows), 3, 40))
+    if colours is None:
+        ax_emb.scatter(xy[:, 0], xy[:, 1], s=size, alpha=0.7, linewidths=0)
+    else:
+        classes = np.unique(colours[colours >= 0])
+        cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
+        for i, c in enumerate(classes):
+            at = colours == c
+            ax_emb.scatter(xy[at, 0], xy[at, 1], s=size, alpha=0.7, linewidths=0,
+                           color=cmap(i % cmap.N), label=str(c))
+        if len(classes) <= 10:
+            ax_emb.legend(title="class", markerscale=max(1.0, 20 / size), fontsize="small")
     ax_emb.set_title(f"embeddings ({method.upper()}, {len(rows)} of {n} nodes)")
     ax_emb.set_xticks([])
     ax_emb.set_yticks([])
