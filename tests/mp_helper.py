@@ -92,8 +92,14 @@ class ProcessGroup:
         return outputs
 
     def kill_all(self):
-        for p in self.procs:
-            if p.poll() is None:
+        """SIGTERM (so a launcher can stop its own children), then SIGKILL after 5 s."""
+        alive = [p for p in self.procs if p.poll() is None]
+        for p in alive:
+            p.terminate()
+        for p in alive:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
 

@@ -20,6 +20,7 @@ Example (servers started by ``distemb-launch``)::
 import numpy as np
 
 from distemb import kernels
+from distemb.config import CONSISTENCY
 from distemb.errors import KVStoreError, PartitionError, TransportError
 from distemb.kvstore.types import DataMeta, KVClient
 from distemb.kvstore.local import init_shard
@@ -40,6 +41,8 @@ class RemoteKVClient(KVClient):
     Args:
         cfg: the job's :class:`~distemb.config.ClusterConfig`.
         rank: this trainer's rank (0..num_trainers-1).
+        consistency: 'sync', 'sync_exact' or 'async' (default: ``cfg.consistency``); all
+            trainers of a job must use the same.
         connections: one :class:`~distemb.transport.base.Connection` per server (default:
             TCP connections to the addresses in ``cfg``).
         num_threads: OpenMP threads of shared-memory gathers.
@@ -48,12 +51,15 @@ class RemoteKVClient(KVClient):
         ServerUnavailableError: a server cannot be reached within ``cfg.timeout_s``.
     """
 
-    def __init__(self, cfg, rank, connections=None, num_threads=1):
+    def __init__(self, cfg, rank, connections=None, num_threads=1, consistency=None):
         if not 0 <= rank < cfg.num_trainers:
             raise KVStoreError(f"rank: expected 0..{cfg.num_trainers - 1}, got {rank}")
         self.cfg, self.rank, self.num_threads = cfg, rank, num_threads
         self.num_servers = len(cfg.servers)
-        self.consistency = cfg.consistency
+        self.consistency = consistency or cfg.consistency
+        if self.consistency not in CONSISTENCY:
+            raise KVStoreError(f"consistency: expected one of {list(CONSISTENCY)}, got "
+                               f"{self.consistency!r}")
         self._conns = list(connections) if connections is not None else [
             tcp.connect(s.host, s.port, cfg.timeout_s, cfg.max_message_bytes,
                         peer=f"server {i} ({s.host}:{s.port})")
@@ -262,15 +268,16 @@ class RemoteKVClient(KVClient):
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
         hyper = {k: (v if isinstance(v, int) else float(v)) for k, v in hyper.items()}
-        requests = {sid: Update(name=name, rule=rule, hyper=hyper, seq=seq, parts=r[0],
-                                counts=r[1], ids=r[2], grads=grads[r[3]])
+        exact = self.consistency == "sync_exact"
+        requests = {sid: Update(name=name, rule=rule, hyper=hyper, seq=seq, exact=exact,
+                                parts=r[0], counts=r[1], ids=r[2], grads=grads[r[3]])
                     for sid, r in routes.items()}
-        if self.consistency == "sync_exact":
+        if exact:
             # Every owning server hears from every trainer each step, even with no rows,
             # so it knows when the step's contributions are complete.
             for sid in self._parts_by_server(meta.policy):
                 requests.setdefault(sid, Update(
-                    name=name, rule=rule, hyper=hyper, seq=seq, parts=[], counts=[],
+                    name=name, rule=rule, hyper=hyper, seq=seq, exact=True, parts=[], counts=[],
                     ids=np.empty(0, np.int64),
                     grads=np.empty((0, grads.shape[1]), np.float32)))
         self._call(requests, wait=self.consistency != "async")

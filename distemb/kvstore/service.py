@@ -6,10 +6,10 @@ Every request is decoded and checked (:mod:`distemb.transport.messages`), and ev
 range-checked against its shard before a kernel sees it, so a bad request gets an error
 reply and the server keeps serving.
 
-Consistency of ``UPDATE`` (``ClusterConfig.consistency``):
+Consistency of ``UPDATE`` (chosen by the trainers, see ``ClusterConfig.consistency``):
 
 - ``sync`` / ``async``: applied on arrival, in arrival order (one writer per row).
-- ``sync_exact``: the contributions of all trainers to step ``seq`` of a table are
+- ``sync_exact`` (requests with ``exact``): the contributions of all trainers to step ``seq`` of a table are
   buffered, concatenated, their duplicate ids summed, and applied once; every trainer's
   request is answered after that one update, so two trainers on half batches equal one
   trainer on the whole batch.
@@ -54,18 +54,17 @@ class KVService:
     Args:
         server: the :class:`KVServer` holding this server's shards.
         server_id, num_servers: this server's id; part p belongs to server p % num_servers.
-        num_trainers: trainers that must say BYE (and join barriers).
-        consistency: 'sync', 'sync_exact' or 'async'.
+        num_trainers: trainers that must say BYE (and join barriers and exact steps).
         timeout_s: how long a sync_exact step or a barrier waits for the other trainers.
         arena: a :class:`~distemb.transport.shm.ShmArena` to allocate shards in shared
             memory, or None for private memory.
         on_all_bye: called once every trainer has said BYE.
     """
 
-    def __init__(self, server, server_id, num_servers, num_trainers, consistency="sync",
-                 timeout_s=60.0, arena=None, on_all_bye=None):
+    def __init__(self, server, server_id, num_servers, num_trainers, timeout_s=60.0,
+                 arena=None, on_all_bye=None):
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
-        self.num_trainers, self.consistency, self.timeout_s = num_trainers, consistency, timeout_s
+        self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye = arena, on_all_bye
         self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
         self._cond = threading.Condition()  # sync_exact buffers and barriers
@@ -197,7 +196,7 @@ class KVService:
         if m.grads.dtype != np.float32 or m.grads.ndim != 2:
             raise KVStoreError(f"grads of {m.name!r}: expected 2-d float32, got "
                                f"{m.grads.dtype} {m.grads.ndim}-d")
-        if self.consistency == "sync_exact":
+        if m.exact:
             return self._update_exact(m)
         for part, ids, sl in self._rows(m):
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)

@@ -51,6 +51,10 @@ def int_list(v):
     return isinstance(v, list) and len(v) <= 1 << 16 and all(int_value(x) and x >= 0 for x in v)
 
 
+def flag(v):
+    return isinstance(v, bool)
+
+
 def text(v):
     return isinstance(v, str) and len(v) <= 256
 
@@ -170,9 +174,11 @@ class OptInit(Message):
 
 
 class Update(RowsMessage):
+    """``exact``: buffer until every trainer sent step ``seq``, sum, apply once."""
+
     SERVICE = Service.UPDATE
-    FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "parts": int_list,
-              "counts": int_list}
+    FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag,
+              "parts": int_list, "counts": int_list}
     ARRAYS = ("ids", "grads")
 
 

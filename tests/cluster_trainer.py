@@ -1,0 +1,74 @@
+"""A trainer of the cluster tests, and the single-process oracle it is compared with.
+
+Run by distemb-launch: ``python tests/cluster_trainer.py OUT_DIR [--steps N]``. Each of
+the T trainers takes its slice of every step's batch, trains a DistEmbedding with
+SparseAdagrad, and rank 0 saves the final table to OUT_DIR/final.npy.
+
+``disjoint`` batches (trainer r only sees ids with id % T == r) make the sync-mode
+result independent of the order the servers apply the trainers' updates in.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+import distemb
+from distemb.partition import range_policy
+
+N, D, B, LR = 40, 8, 24, 0.1
+
+
+def batch(step, num_trainers, disjoint):
+    """The whole batch of ``step``: (ids, targets), trainer r's slice is the r-th 1/T."""
+    rng = np.random.default_rng(1000 + step)
+    per, T = B // num_trainers, num_trainers
+    if disjoint:
+        ids = np.concatenate([rng.integers(0, N // T, per) * T + r for r in range(T)])
+    else:
+        ids = rng.integers(0, N, B)  # duplicate-heavy: 24 draws from 40 rows
+    targets = rng.standard_normal((B, D)).astype(np.float32)
+    return torch.from_numpy(ids), torch.from_numpy(targets)
+
+
+def init(shape, dtype):
+    """Deterministic initial rows (every trainer passes the same function)."""
+    return torch.full(shape, 0.5, dtype=dtype)
+
+
+def loss_of(rows, targets):
+    # A sum over samples: the gradient of the whole batch is the sum of the slices'.
+    return ((rows - targets) ** 2).sum()
+
+
+def train(out, steps, disjoint):
+    ctx = distemb.initialize(backend="pytorch", num_threads=1)
+    torch.set_num_threads(1)
+    rank, T = ctx.rank, ctx.num_trainers
+    emb = distemb.DistEmbedding(N, D, name="emb", init_func=init,
+                                part_policy=range_policy(N, ctx.num_servers))
+    opt = distemb.SparseAdagrad([emb], lr=LR)
+    per = B // T
+    for step in range(steps):
+        ids, targets = batch(step, T, disjoint)
+        sl = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        loss_of(emb(ids[sl]), targets[sl]).backward()
+        opt.step()
+        if ctx.client.consistency == "sync":
+            ctx.client.barrier()  # everyone pulls the same weights next step
+    ctx.client.barrier()
+    if rank == 0:
+        np.save(os.path.join(out, "final.npy"), emb.weight[torch.arange(N)].numpy())
+    distemb.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--disjoint", action="store_true")
+    args = parser.parse_args()
+    train(args.out, args.steps, args.disjoint)
+    sys.exit(0)
