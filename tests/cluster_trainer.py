@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 import distemb
+from distemb.context import DistContext
+from distemb.kernels import reference
 from distemb.partition import range_policy
 
 N, D, B, LR = 40, 8, 24, 0.1
@@ -62,6 +64,34 @@ def train(out, steps, disjoint):
     if rank == 0:
         np.save(os.path.join(out, "final.npy"), emb.weight[torch.arange(N)].numpy())
     distemb.shutdown()
+
+
+def oracle_whole_batch(steps):
+    """The sync_exact oracle: one embedded process trains on every step's whole batch."""
+    ctx = DistContext.embedded(backend="pytorch", num_threads=1)
+    emb = distemb.DistEmbedding(N, D, name="oracle", init_func=init, context=ctx)
+    opt = distemb.SparseAdagrad([emb], lr=LR)
+    for step in range(steps):
+        ids, targets = batch(step, 2, disjoint=False)
+        opt.zero_grad()
+        loss_of(emb(ids), targets).backward()
+        opt.step()
+    return emb.weight[torch.arange(N)].numpy()
+
+
+def oracle_sequential(steps, num_trainers=2):
+    """The sync oracle (numpy): each trainer's update, from the same weights, one by one."""
+    w = np.full((N, D), 0.5, np.float32)
+    s = np.zeros_like(w)
+    per = B // num_trainers
+    for step in range(steps):
+        ids, targets = (t.numpy() for t in batch(step, num_trainers, disjoint=True))
+        slices = [slice(r * per, (r + 1) * per) for r in range(num_trainers)]
+        grads = [(ids[sl], 2 * (w[ids[sl]] - targets[sl])) for sl in slices]
+        for rows, g in grads:
+            uniq, summed = reference.dedup_sum(rows, g)
+            reference.adagrad_update(w, s, uniq, summed, LR, 1e-10)
+    return w
 
 
 if __name__ == "__main__":

@@ -4,16 +4,23 @@
 LocalKVClient, and a RemoteKVClient over TCP to two server processes, with and without
 shared memory. The server clusters live for the module (spawning is the slow part);
 each test gets a fresh client and drops its tables afterwards.
+
+With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
+trainer of an ``mpirun`` job) the one client kind is a RemoteKVClient over MPI to the
+job's servers, read from ``$DISTEMB_CONFIG``.
 """
+import os
+
 import pytest
 
 from mp_helper import ProcessGroup, cluster_dict, write_json
 
-from distemb.config import parse_cluster_config
+from distemb.config import load_cluster_config, parse_cluster_config
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore.remote import RemoteKVClient
 
-CLIENT_KINDS = ["local", "tcp", "tcp_shm"]
+MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
+CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm"]
 
 
 class Cluster:
@@ -61,11 +68,24 @@ def client(request, clusters):
         yield kv
         kv.close()
         return
-    kv = clusters(request.param).client()
+    if request.param == "mpi":
+        kv = RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
+                            int(os.environ["DISTEMB_RANK"]))
+    else:
+        kv = clusters(request.param).client()
     yield kv
     for name in kv.names():
         kv.delete_data(name)
     kv.close(goodbye=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mpi_goodbye():
+    """Under mpirun, say goodbye once the suite is done so the servers exit."""
+    yield
+    if MPI_SUITE:
+        RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
+                       int(os.environ["DISTEMB_RANK"])).close(goodbye=True)
 
 
 def pytest_collection_modifyitems(items):

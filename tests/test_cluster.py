@@ -8,70 +8,48 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 import cluster_trainer as job
 from mp_helper import ProcessGroup, child_env, cluster_dict, free_port, write_json
 
 from distemb.config import parse_cluster_config
-from distemb.context import DistContext
-from distemb.embedding import DistEmbedding
 from distemb.errors import ServerUnavailableError
-from distemb.kernels import reference
 from distemb.kvstore.remote import RemoteKVClient
-from distemb.optim import SparseAdagrad
 from distemb.partition import range_policy
 
 pytestmark = pytest.mark.multiprocess
 TRAINER = os.path.join(os.path.dirname(__file__), "cluster_trainer.py")
 
 
-def launch(tmp_path, consistency, extra=(), steps=20, servers=2, trainers=2, expect=0):
-    """Run cluster_trainer.py under distemb-launch (local); return the launcher's output."""
+def launch(tmp_path, consistency, extra=(), steps=20, servers=2, trainers=2, expect=0,
+           launcher="local", env=None):
+    """Run cluster_trainer.py under distemb-launch; return the launcher's output."""
     ip = tmp_path / "ip.txt"
     ip.write_text(f"# one machine\n127.0.0.1 {free_port()}\n")
     argv = [sys.executable, "-m", "distemb.launch", "--ip-config", str(ip),
+            "--launcher", launcher,
             "--num-servers", str(servers), "--num-trainers", str(trainers),
             "--consistency", consistency, "--config-out", str(tmp_path / "cluster.json"),
             "--timeout", "30", "--", sys.executable, TRAINER, str(tmp_path),
             "--steps", str(steps), *extra]
     with ProcessGroup() as group:
-        group.spawn(argv, expect=expect)
+        group.spawn(argv, env=env, expect=expect)
         return next(iter(group.wait_all(timeout=100).values()))
 
 
 @pytest.mark.timeout(120)
 def test_two_by_two_sync_exact_equals_one_trainer_on_whole_batch(tmp_path):
     launch(tmp_path, "sync_exact")
-    got = np.load(tmp_path / "final.npy")
-    ctx = DistContext.embedded(backend="pytorch", num_threads=1)
-    emb = DistEmbedding(job.N, job.D, name="oracle", init_func=job.init, context=ctx)
-    opt = SparseAdagrad([emb], lr=job.LR)
-    for step in range(20):
-        ids, targets = job.batch(step, 2, disjoint=False)
-        opt.zero_grad()
-        job.loss_of(emb(ids), targets).backward()
-        opt.step()
-    want = emb.weight[torch.arange(job.N)].numpy()
+    want = job.oracle_whole_batch(20)
     assert not np.allclose(want, 0.5), "the oracle did not train"
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.timeout(120)
 def test_two_by_two_sync_equals_sequential_application(tmp_path):
     launch(tmp_path, "sync", extra=["--disjoint"])
-    got = np.load(tmp_path / "final.npy")
-    w = np.full((job.N, job.D), 0.5, np.float32)
-    s = np.zeros_like(w)
-    per = job.B // 2
-    for step in range(20):
-        ids, targets = (t.numpy() for t in job.batch(step, 2, disjoint=True))
-        grads = [(ids[sl], 2 * (w[ids[sl]] - targets[sl]))
-                 for sl in (slice(0, per), slice(per, 2 * per))]  # both from the same w
-        for rows, g in grads:  # each trainer's update applied on its own, one after another
-            uniq, summed = reference.dedup_sum(rows, g)
-            reference.adagrad_update(w, s, uniq, summed, job.LR, 1e-10)
-    np.testing.assert_allclose(got, w, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), job.oracle_sequential(20),
+                               rtol=0, atol=1e-5)
 
 
 @pytest.mark.timeout(60)

@@ -35,6 +35,21 @@ INIT_CHUNK_BYTES = 64 << 20
 ERRORS = {"PartitionError": PartitionError}
 
 
+def open_connections(cfg):
+    """One connection per server of ``cfg``, over its transport.
+
+    Raises:
+        ServerUnavailableError: a TCP server cannot be reached within ``cfg.timeout_s``.
+    """
+    if cfg.transport == "mpi":
+        # mpi4py is an optional extra, and importing it initialises MPI: only under mpirun.
+        from distemb.transport import mpi
+        return mpi.connect_all(len(cfg.servers), cfg.timeout_s, cfg.max_message_bytes)
+    return [tcp.connect(s.host, s.port, cfg.timeout_s, cfg.max_message_bytes,
+                        peer=f"server {i} ({s.host}:{s.port})")
+            for i, s in enumerate(cfg.servers)]
+
+
 class RemoteKVClient(KVClient):
     """KVClient over a cluster of KVStore servers.
 
@@ -44,7 +59,7 @@ class RemoteKVClient(KVClient):
         consistency: 'sync', 'sync_exact' or 'async' (default: ``cfg.consistency``); all
             trainers of a job must use the same.
         connections: one :class:`~distemb.transport.base.Connection` per server (default:
-            TCP connections to the addresses in ``cfg``).
+            :func:`open_connections`).
         num_threads: OpenMP threads of shared-memory gathers.
 
     Raises:
@@ -60,10 +75,7 @@ class RemoteKVClient(KVClient):
         if self.consistency not in CONSISTENCY:
             raise KVStoreError(f"consistency: expected one of {list(CONSISTENCY)}, got "
                                f"{self.consistency!r}")
-        self._conns = list(connections) if connections is not None else [
-            tcp.connect(s.host, s.port, cfg.timeout_s, cfg.max_message_bytes,
-                        peer=f"server {i} ({s.host}:{s.port})")
-            for i, s in enumerate(cfg.servers)]
+        self._conns = list(connections) if connections is not None else open_connections(cfg)
         self._meta, self._shm, self._seq = {}, {}, {}
         self._closed = False
         self.server_info = [r.fields for r in self._call(

@@ -150,7 +150,27 @@ def listen(host, port, backlog=128):
     return sock
 
 
-def _serve_connection(conn, handle):
+class _InFlight:
+    """Requests being answered, so a stopping server first sends the replies it owes."""
+
+    def __init__(self):
+        self._n, self._cond = 0, threading.Condition()
+
+    def __enter__(self):
+        with self._cond:
+            self._n += 1
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._n -= 1
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout):
+        with self._cond:
+            self._cond.wait_for(lambda: self._n == 0, timeout)
+
+
+def _serve_connection(conn, handle, inflight):
     """Answer requests on ``conn`` until the peer leaves or sends a malformed frame."""
     try:
         while True:
@@ -162,9 +182,10 @@ def _serve_connection(conn, handle):
                 # The stream is out of step after a bad frame: answer, then hang up.
                 conn.send(Error(kind=type(e).__name__, message=str(e)).encode())
                 return
-            reply = handle(frame)
-            if reply is not None:
-                conn.send(reply)
+            with inflight:
+                reply = handle(frame)
+                if reply is not None:
+                    conn.send(reply)
     except TransportError:
         pass  # the peer went away while we answered
     finally:
@@ -176,9 +197,10 @@ def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES):
 
     Each client gets a thread that reads frames and sends back ``handle(frame)`` (None:
     no reply). A malformed frame gets an error reply and its connection is closed; other
-    clients are unaffected.
+    clients are unaffected. Replies under way when ``stop`` is set are still sent.
     """
     listener.settimeout(0.1)
+    inflight = _InFlight()
     while not stop.is_set():
         try:
             sock, addr = listener.accept()
@@ -189,5 +211,7 @@ def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES):
                 break
             raise
         conn = TcpConnection(sock, None, max_bytes, peer=f"client {addr[0]}:{addr[1]}")
-        threading.Thread(target=_serve_connection, args=(conn, handle), daemon=True).start()
+        threading.Thread(target=_serve_connection, args=(conn, handle, inflight),
+                         daemon=True).start()
     listener.close()
+    inflight.wait_idle(timeout=2.0)
