@@ -9,10 +9,10 @@ reply and the server keeps serving.
 Consistency of ``UPDATE`` (chosen by the trainers, see ``ClusterConfig.consistency``):
 
 - ``sync`` / ``async``: applied on arrival, in arrival order (one writer per row).
-- ``sync_exact`` (requests with ``exact``): the contributions of all trainers to step ``seq`` of a table are
-  buffered, concatenated, their duplicate ids summed, and applied once; every trainer's
-  request is answered after that one update, so two trainers on half batches equal one
-  trainer on the whole batch.
+- ``sync_exact`` (requests with ``exact``): the contributions of all trainers to step
+  ``seq`` of a table are buffered, concatenated, their duplicate ids summed, and applied
+  once; every trainer's request is answered after that one update, so two trainers on
+  half batches equal one trainer on the whole batch.
 
 Example:
     >>> import numpy as np
