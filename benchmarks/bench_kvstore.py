@@ -8,10 +8,15 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 - ``1s x 1t tcp``: the same with shared memory off.
 - ``2s x 2t tcp``: two servers and two trainers, shared memory off (every row over TCP);
   steps/s is per trainer, and rows/s counts both trainers.
+- with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
+  its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
+  one partition per machine, so its second server is a backup server of the same
+  partition, and DGL always reads co-located partitions through shared memory.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
+        [--dgl]
 """
 import argparse
 import json
@@ -86,6 +91,46 @@ def run_cluster(args, servers, trainers, shm):
                 for r in range(trainers)]
 
 
+def run_dgl(args, servers, trainers, workdir):
+    """DGL's distributed KVStore on 127.0.0.1; per-trainer steps/s."""
+    ip = os.path.join(workdir, "ip.txt")
+    with open(ip, "w") as f:
+        f.write(f"127.0.0.1 {free_port()}\n")
+    common = dict(os.environ, DGL_IP_CONFIG=ip, DGL_NUM_SERVER=str(servers),
+                  DGL_NUM_CLIENT=str(trainers), DGL_CONF_PATH=os.path.join(workdir, "g.json"),
+                  DGL_NUM_SAMPLER="0", DGL_GRAPH_FORMAT="csc", OMP_NUM_THREADS="1",
+                  OMP_WAIT_POLICY="passive", BENCH_DIM=str(args.dim),
+                  BENCH_BATCH=str(args.batch), BENCH_STEPS=str(args.steps),
+                  BENCH_WARMUP=str(args.warmup), MASTER_PORT=str(free_port()))
+    job = os.path.join(ROOT, "benchmarks", "dgl_kvstore_job.py")
+    procs = [subprocess.Popen([sys.executable, job], env=dict(
+        common, DGL_ROLE="server", DGL_SERVER_ID=str(s)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL) for s in range(servers)]
+    try:
+        trainers_p = [subprocess.Popen([sys.executable, job], env=dict(
+            common, DGL_ROLE="default", DGL_DIST_MODE="distributed", RANK=str(r),
+            WORLD_SIZE=str(trainers)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True) for r in range(trainers)]
+        outs = [p.communicate(timeout=600)[0] for p in trainers_p]
+        for p in procs:
+            p.wait(timeout=60)  # DGL servers exit once every trainer has
+    finally:
+        for p in procs + trainers_p:
+            if p.poll() is None:
+                p.kill()
+    return [json.loads(line)["steps_per_s"] for out in outs for line in out.splitlines()
+            if line.startswith("{")]
+
+
+def dgl_rows(args):
+    import dgl  # optional: only with --dgl
+    with tempfile.TemporaryDirectory() as workdir:
+        g = dgl.rand_graph(args.rows, 2 * args.rows)
+        dgl.distributed.partition_graph(g, "g", 1, workdir, part_method="random")
+        return [("DGL DistEmbedding, 1 server x 1 trainer", run_dgl(args, 1, 1, workdir)),
+                ("DGL DistEmbedding, 2 servers x 2 trainers", run_dgl(args, 2, 2, workdir))]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
@@ -93,6 +138,7 @@ def main():
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--dgl", action="store_true", help="also run DGL's distributed KVStore")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -104,6 +150,8 @@ def main():
     rows.append(("1 server x 1 trainer, shm", run_cluster(args, 1, 1, shm=True)))
     rows.append(("1 server x 1 trainer, tcp", run_cluster(args, 1, 1, shm=False)))
     rows.append(("2 servers x 2 trainers, tcp", run_cluster(args, 2, 2, shm=False)))
+    if args.dgl:
+        rows += dgl_rows(args)
     print(f"B={args.batch} D={args.dim} N={args.rows} steps={args.steps}, one thread per "
           f"process, {os.cpu_count()} cores\n")
     print("| configuration | steps/s per trainer | rows/s (all trainers) | vs in-process |")
