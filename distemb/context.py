@@ -1,8 +1,11 @@
 """DistContext: one explicit object holding the role, ranks, backend and KVStore client.
 
 ``initialize()`` builds the context of this process and makes it current; tables made
-without ``context=`` use the current one, and ask for an embedded default on first use,
-so ``DistEmbedding(n, d)`` works with no set-up, as with ``dgl.distributed``. That
+without ``context=`` use the current one, and ask for a default on first use, so
+``DistEmbedding(n, d)`` works with no set-up, as with ``dgl.distributed``. The default is
+embedded, unless ``distemb-launch`` started this process: then ``$DISTEMB_CONFIG`` names
+the cluster config and ``$DISTEMB_RANK`` this trainer's rank, and the context is a
+trainer's, with a :class:`~distemb.kvstore.remote.RemoteKVClient` to the servers. That
 "current" slot is distemb's one piece of process-wide state: the drop-in API needs it.
 Tests and libraries build their own contexts and pass them explicitly.
 
@@ -16,8 +19,10 @@ import itertools
 import os
 
 from distemb.backend import load_backend
+from distemb.config import load_cluster_config
 from distemb.errors import DistEmbError
 from distemb.kvstore import LocalKVClient
+from distemb.kvstore.remote import RemoteKVClient
 
 
 def default_num_threads():
@@ -56,6 +61,20 @@ class DistContext:
         nt = num_threads or default_num_threads()
         return cls(LocalKVClient(num_threads=nt), backend=backend, num_threads=nt)
 
+    @classmethod
+    def trainer(cls, config_path, rank, backend=None, num_threads=None, consistency=None):
+        """A trainer's context, its tables held by the servers of ``config_path``.
+
+        Raises:
+            ConfigError: the cluster config is invalid.
+            ServerUnavailableError: a server cannot be reached within the config's timeout.
+        """
+        cfg = load_cluster_config(config_path)
+        nt = num_threads or default_num_threads()
+        client = RemoteKVClient(cfg, rank, num_threads=nt, consistency=consistency)
+        return cls(client, backend=backend, role="trainer", rank=rank,
+                   num_trainers=cfg.num_trainers, num_threads=nt)
+
     @property
     def num_servers(self):
         return self.client.num_servers
@@ -78,10 +97,40 @@ class DistContext:
 _current = []  # the process's current context (see module docstring); at most one entry
 
 
-def initialize(backend=None, num_threads=None):
+def _env_rank():
+    value = os.environ.get("DISTEMB_RANK", "0")
+    if not value.isdigit():
+        raise DistEmbError(f"DISTEMB_RANK: expected a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _from_env(backend=None, num_threads=None, consistency=None):
+    """A trainer context when $DISTEMB_CONFIG is set, else an embedded one."""
+    path = os.environ.get("DISTEMB_CONFIG")
+    if not path:
+        if consistency not in (None, "sync"):
+            raise DistEmbError(f"consistency={consistency!r}: only meaningful for a trainer "
+                               "of a cluster ($DISTEMB_CONFIG is not set)")
+        return DistContext.embedded(backend=backend, num_threads=num_threads)
+    role = os.environ.get("DISTEMB_ROLE", "trainer")
+    if role != "trainer":
+        raise DistEmbError(f"DISTEMB_ROLE: initialize() makes trainer contexts, got {role!r} "
+                           "(servers run 'python -m distemb.server')")
+    return DistContext.trainer(path, _env_rank(), backend, num_threads, consistency)
+
+
+def initialize(backend=None, num_threads=None, consistency=None):
     """Create this process's context and make it current.
 
-    Embedded unless a cluster config names servers to join (see ``distemb-launch``).
+    Embedded unless ``$DISTEMB_CONFIG`` names a cluster config (``distemb-launch`` sets
+    it, with ``$DISTEMB_RANK``): then a trainer context joining that cluster's servers.
+
+    Args:
+        backend: backend name (default: $DISTEMB_BACKEND or 'pytorch').
+        num_threads: kernel threads (default: $DISTEMB_NUM_THREADS or the usable cores).
+        consistency: 'sync' (default: ``step()`` returns once every server applied the
+            update), 'sync_exact' (the servers sum all trainers' pushes of a step and apply
+            them once) or 'async' (no wait; see docs). Default: the cluster config's.
 
     Returns:
         the new :class:`DistContext`.
@@ -89,15 +138,15 @@ def initialize(backend=None, num_threads=None):
     if _current and not _current[0].closed:
         raise DistEmbError("initialize(): distemb is already initialized in this process; "
                            "call distemb.shutdown() first")
-    ctx = DistContext.embedded(backend=backend, num_threads=num_threads)
+    ctx = _from_env(backend, num_threads, consistency)
     _current[:] = [ctx]
     return ctx
 
 
 def current_context():
-    """The current context; an embedded one is created on first use."""
+    """The current context; made on first use (a trainer's under distemb-launch)."""
     if not _current or _current[0].closed:
-        _current[:] = [DistContext.embedded()]
+        _current[:] = [_from_env()]
     return _current[0]
 
 

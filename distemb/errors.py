@@ -23,3 +23,11 @@ class KVStoreError(DistEmbError):
 
 class TraceOverflowError(DistEmbError):
     """An embedding's gradient trace grew past its bound: step()/zero_grad() was never called."""
+
+
+class TransportError(KVStoreError):
+    """A message could not be sent or received, or a frame on the wire is malformed."""
+
+
+class ServerUnavailableError(TransportError):
+    """A KVStore server is dead, unreachable, or did not answer within the timeout."""
