@@ -1,0 +1,152 @@
+// Dedup + coalesce: ascending unique ids and the sum of the gradient rows of each.
+// A stable radix sort of (id, position) pairs keeps each id's rows in batch order, so a
+// row's sum is accumulated in the same order as on the CPU and the result is
+// deterministic (and bitwise equal to distemb/kernels/reference.py).
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_run_length_encode.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <climits>
+
+#include "common.cuh"
+
+namespace distemb {
+namespace {
+
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// Where each array lives in the caller's workspace, for a batch of n ids.
+struct Layout {
+  size_t sorted_ids, pos_in, pos_sorted, counts, offsets, cub_temp;
+
+  explicit Layout(int64_t n) {
+    const size_t ids = align_up(n * sizeof(int64_t)), ints = align_up(n * sizeof(int32_t));
+    sorted_ids = 0;
+    pos_in = sorted_ids + ids;
+    pos_sorted = pos_in + ints;
+    counts = pos_sorted + ints;
+    offsets = counts + ints;
+    cub_temp = offsets + ints;
+  }
+};
+
+template <typename T>
+T* at(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+}
+
+template <typename T>
+const T* at(const void* base, size_t offset) {
+  return reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
+}
+
+// CUB's scratch need for the three passes of dedup_sort; they run one after another,
+// so they share one buffer.
+cudaError_t cub_temp_bytes(int n, size_t* bytes) {
+  size_t sort = 0, encode = 0, scan = 0;
+  DISTEMB_TRY(cub::DeviceRadixSort::SortPairs(nullptr, sort, static_cast<const int64_t*>(nullptr),
+                                              static_cast<int64_t*>(nullptr),
+                                              static_cast<const int32_t*>(nullptr),
+                                              static_cast<int32_t*>(nullptr), n));
+  DISTEMB_TRY(cub::DeviceRunLengthEncode::Encode(nullptr, encode,
+                                                 static_cast<const int64_t*>(nullptr),
+                                                 static_cast<int64_t*>(nullptr),
+                                                 static_cast<int32_t*>(nullptr),
+                                                 static_cast<int64_t*>(nullptr), n));
+  DISTEMB_TRY(cub::DeviceScan::ExclusiveSum(nullptr, scan, static_cast<int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), n));
+  *bytes = sort > encode ? sort : encode;
+  *bytes = *bytes > scan ? *bytes : scan;
+  return cudaSuccess;
+}
+
+cudaError_t workspace_bytes(int64_t n, size_t* bytes) {
+  size_t cub_bytes = 0;
+  DISTEMB_TRY(cub_temp_bytes(static_cast<int>(n), &cub_bytes));
+  *bytes = Layout(n).cub_temp + align_up(cub_bytes);
+  return cudaSuccess;
+}
+
+// Positions are int32 (half the sort traffic of int64), hence the cap on n.
+bool bad_batch(int64_t n) { return n < 0 || n > INT_MAX; }
+
+__global__ void iota_kernel(int32_t* out, int64_t n) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = static_cast<int32_t>(i);
+}
+
+// One thread per output element, summing its column over the id's rows in batch order.
+__global__ void segment_sum_kernel(const float* grads, int64_t d, const int32_t* pos_sorted,
+                                   const int32_t* counts, const int32_t* offsets, int64_t total,
+                                   float* summed) {
+  for (int64_t t = thread_index(); t < total; t += thread_count()) {
+    const int64_t k = t / d, j = t - k * d;
+    const int32_t* pos = pos_sorted + offsets[k];
+    float acc = grads[pos[0] * d + j];
+    for (int32_t q = 1; q < counts[k]; ++q) acc += grads[pos[q] * d + j];
+    summed[t] = acc;
+  }
+}
+
+}  // namespace
+}  // namespace distemb
+
+DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, size_t* bytes_host, int device) {
+  if (distemb::bad_batch(n) || bytes_host == nullptr) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  return distemb::workspace_bytes(n, bytes_host);
+}
+
+DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, void* workspace,
+                                        size_t workspace_bytes, int64_t* uniq,
+                                        int64_t* num_unique, int device, void* stream) {
+  if (distemb::bad_batch(n)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  size_t needed = 0;
+  DISTEMB_TRY(distemb::workspace_bytes(n, &needed));
+  if (workspace_bytes < needed) return cudaErrorInvalidValue;
+  const cudaStream_t s = distemb::as_stream(stream);
+  if (n == 0) return cudaMemsetAsync(num_unique, 0, sizeof(int64_t), s);
+
+  const distemb::Layout lay(n);
+  int64_t* sorted_ids = distemb::at<int64_t>(workspace, lay.sorted_ids);
+  int32_t* pos_in = distemb::at<int32_t>(workspace, lay.pos_in);
+  int32_t* pos_sorted = distemb::at<int32_t>(workspace, lay.pos_sorted);
+  int32_t* counts = distemb::at<int32_t>(workspace, lay.counts);
+  int32_t* offsets = distemb::at<int32_t>(workspace, lay.offsets);
+  void* temp = distemb::at<char>(workspace, lay.cub_temp);
+  size_t temp_bytes = workspace_bytes - lay.cub_temp;
+  const int count = static_cast<int>(n);
+
+  distemb::iota_kernel<<<distemb::blocks_for(n), distemb::kThreads, 0, s>>>(pos_in, n);
+  DISTEMB_TRY(cudaGetLastError());
+  DISTEMB_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, ids, sorted_ids, pos_in,
+                                              pos_sorted, count, 0, 64, s));
+  // Counts past the last run stay 0, so scanning all n of them (the unique count is
+  // not known on the host) yields correct offsets for the runs.
+  DISTEMB_TRY(cudaMemsetAsync(counts, 0, n * sizeof(int32_t), s));
+  DISTEMB_TRY(cub::DeviceRunLengthEncode::Encode(temp, temp_bytes, sorted_ids, uniq, counts,
+                                                 num_unique, count, s));
+  return cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, offsets, count, s);
+}
+
+DISTEMB_API int distemb_cuda_dedup_sum(const float* grads, int64_t n, int64_t d,
+                                       const void* workspace, size_t workspace_bytes,
+                                       int64_t num_unique, float* summed, int device,
+                                       void* stream) {
+  const distemb::Layout lay(n);
+  if (distemb::bad_batch(n) || d <= 0 || num_unique < 0 || num_unique > n ||
+      workspace_bytes < lay.cub_temp) {
+    return cudaErrorInvalidValue;
+  }
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (num_unique == 0) return cudaSuccess;
+  const int64_t total = num_unique * d;
+  distemb::segment_sum_kernel<<<distemb::blocks_for(total), distemb::kThreads, 0,
+                                distemb::as_stream(stream)>>>(
+      grads, d, distemb::at<int32_t>(workspace, lay.pos_sorted),
+      distemb::at<int32_t>(workspace, lay.counts), distemb::at<int32_t>(workspace, lay.offsets),
+      total, summed);
+  return cudaGetLastError();
+}

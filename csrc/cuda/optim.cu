@@ -1,0 +1,154 @@
+// Fused sparse optimizer updates, in place on float32 tables, one pass over each row.
+// Arithmetic mirrors distemb/kernels/reference.py operation by operation, in float32;
+// the build passes -fmad=false so that no multiply-add is contracted and results stay
+// bitwise equal to the CPU kernels (the rows are memory-bound, the FMA gains nothing).
+#include <cmath>
+
+#include "common.cuh"
+
+namespace distemb {
+namespace {
+
+// One thread per element: rows are unique, so no two threads touch the same address.
+__global__ void sgd_kernel(float* weight, int64_t d, const int64_t* rows, const float* grads,
+                           int64_t total, float lr) {
+  for (int64_t t = thread_index(); t < total; t += thread_count()) {
+    const int64_t i = t / d;
+    float* w = weight + rows[i] * d + (t - i * d);
+    *w = *w - lr * grads[t];
+  }
+}
+
+__global__ void adagrad_kernel(float* weight, float* state_sum, int64_t d, const int64_t* rows,
+                               const float* grads, int64_t total, float clr, float eps) {
+  for (int64_t t = thread_index(); t < total; t += thread_count()) {
+    const int64_t i = t / d;
+    const int64_t at = rows[i] * d + (t - i * d);
+    const float g = grads[t];
+    const float s = state_sum[at] + g * g;
+    state_sum[at] = s;
+    weight[at] = weight[at] - clr * (g / (sqrtf(s) + eps));
+  }
+}
+
+// One warp per row: the row's accumulator needs a reduction over the row first.
+__global__ void rowwise_adagrad_kernel(float* weight, float* state_sum, int64_t d,
+                                       const int64_t* rows, const float* grads, int64_t n,
+                                       float clr, float eps) {
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t i = thread_index() / kWarp; i < n; i += thread_count() / kWarp) {
+    const int64_t r = rows[i];
+    const float* g = grads + i * d;
+    float acc = 0.0f;
+    for (int64_t j = lane; j < d; j += kWarp) acc += g[j] * g[j];
+    const float s = state_sum[r] + warp_sum(acc) / static_cast<float>(d);
+    __syncwarp();  // every lane has read state_sum[r] before lane 0 overwrites it
+    if (lane == 0) state_sum[r] = s;
+    const float std_dev = sqrtf(s) + eps;
+    float* w = weight + r * d;
+    for (int64_t j = lane; j < d; j += kWarp) w[j] = w[j] - clr * (g[j] / std_dev);
+  }
+}
+
+__device__ __host__ inline float adam_step_size(double lr, double beta1, double beta2,
+                                                double step) {
+  return static_cast<float>(lr * sqrt(1.0 - pow(beta2, step)) / (1.0 - pow(beta1, step)));
+}
+
+// One warp per row, so a row's step count is read and bumped once (by lane 0).
+__global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq, int64_t d,
+                            const int64_t* rows, const float* grads, int64_t n, double lr,
+                            double beta1, double beta2, float eps, float global_step_size,
+                            int64_t* row_steps) {
+  const int lane = threadIdx.x % kWarp;
+  const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
+  for (int64_t i = thread_index() / kWarp; i < n; i += thread_count() / kWarp) {
+    const int64_t r = rows[i];
+    float step_size = global_step_size;
+    if (row_steps != nullptr) {
+      if (lane == 0) {
+        const int64_t st = row_steps[r] + 1;
+        row_steps[r] = st;
+        step_size = adam_step_size(lr, beta1, beta2, static_cast<double>(st));
+      }
+      step_size = __shfl_sync(0xffffffffu, step_size, 0);
+    }
+    const float* g = grads + i * d;
+    const int64_t base = r * d;
+    for (int64_t j = lane; j < d; j += kWarp) {
+      const float gj = g[j];
+      float m = exp_avg[base + j];
+      float v = exp_avg_sq[base + j];
+      m = m + (gj - m) * (1.0f - b1);
+      v = v + (gj * gj - v) * (1.0f - b2);
+      exp_avg[base + j] = m;
+      exp_avg_sq[base + j] = v;
+      weight[base + j] = weight[base + j] - step_size * (m / (sqrtf(v) + eps));
+    }
+  }
+}
+
+bool bad_sizes(int64_t d, int64_t n) { return n < 0 || d <= 0; }
+
+}  // namespace
+}  // namespace distemb
+
+using distemb::as_stream;
+using distemb::blocks_for;
+using distemb::kThreads;
+using distemb::kWarp;
+
+DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t d, const int64_t* rows,
+                                        const float* grads, int64_t n, float lr, int device,
+                                        void* stream) {
+  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  distemb::sgd_kernel<<<blocks_for(n * d), kThreads, 0, as_stream(stream)>>>(
+      weight, d, rows, grads, n * d, lr);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int64_t d,
+                                            const int64_t* rows, const float* grads,
+                                            int64_t n, float clr, float eps, int device,
+                                            void* stream) {
+  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  distemb::adagrad_kernel<<<blocks_for(n * d), kThreads, 0, as_stream(stream)>>>(
+      weight, state_sum, d, rows, grads, n * d, clr, eps);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_rowwise_adagrad_update(float* weight, float* state_sum, int64_t d,
+                                                    const int64_t* rows, const float* grads,
+                                                    int64_t n, float clr, float eps,
+                                                    int device, void* stream) {
+  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  distemb::rowwise_adagrad_kernel<<<blocks_for(n * kWarp), kThreads, 0, as_stream(stream)>>>(
+      weight, state_sum, d, rows, grads, n, clr, eps);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* exp_avg_sq,
+                                         int64_t d, const int64_t* rows, const float* grads,
+                                         int64_t n, double lr, double beta1, double beta2,
+                                         double eps, int64_t step, int64_t* row_steps,
+                                         int device, void* stream) {
+  if (distemb::bad_sizes(d, n) || (row_steps == nullptr && step < 1)) {
+    return cudaErrorInvalidValue;
+  }
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const float global_step_size =
+      row_steps == nullptr
+          ? distemb::adam_step_size(lr, beta1, beta2, static_cast<double>(step))
+          : 0.0f;
+  distemb::adam_kernel<<<blocks_for(n * kWarp), kThreads, 0, as_stream(stream)>>>(
+      weight, exp_avg, exp_avg_sq, d, rows, grads, n, lr, beta1, beta2,
+      static_cast<float>(eps), global_step_size, row_steps);
+  return cudaGetLastError();
+}
