@@ -22,6 +22,23 @@ inline unsigned blocks_for(int64_t threads_needed) {
 
 inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+// Rows are spread over groups of `lanes` threads (a power of two up to a warp, see
+// lanes_per_row), one group per row at a time, its lanes striding over the columns.
+// This avoids a 64-bit division per element and keeps narrow rows from idling a warp.
+inline int lanes_per_row(int64_t d) {
+  int lanes = 1;
+  while (lanes < d && lanes < kWarp) lanes *= 2;
+  return lanes;
+}
+
+__device__ inline int64_t first_row(int lanes) {
+  return static_cast<int64_t>(blockIdx.x) * (blockDim.x / lanes) + threadIdx.x / lanes;
+}
+
+__device__ inline int64_t row_stride(int lanes) {
+  return static_cast<int64_t>(gridDim.x) * (blockDim.x / lanes);
+}
+
 __device__ inline int64_t thread_index() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }

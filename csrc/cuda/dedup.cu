@@ -1,7 +1,6 @@
 // Dedup + coalesce: ascending unique ids and the sum of the gradient rows of each.
-// A stable radix sort of (id, position) pairs keeps each id's rows in batch order, so a
-// row's sum is accumulated in the same order as on the CPU and the result is
-// deterministic (and bitwise equal to distemb/kernels/reference.py).
+// A stable radix sort of (id, position) pairs keeps each id's rows in batch order, and
+// each sum adds them in that order, as the CPU kernels do: results are deterministic.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
@@ -76,16 +75,33 @@ __global__ void iota_kernel(int32_t* out, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = static_cast<int32_t>(i);
 }
 
-// One thread per output element, summing its column over the id's rows in batch order.
-__global__ void segment_sum_kernel(const float* grads, int64_t d, const int32_t* pos_sorted,
-                                   const int32_t* counts, const int32_t* offsets, int64_t total,
-                                   float* summed) {
-  for (int64_t t = thread_index(); t < total; t += thread_count()) {
-    const int64_t k = t / d, j = t - k * d;
+// Rows of one id are loaded this many at a time: a zipf head id can have thousands of
+// rows, and loading them one by one would leave its thread waiting on memory.
+constexpr int kBatchLoads = 16;
+
+// One group of lanes per unique id, each lane summing its columns over the id's rows in
+// batch order (loads are batched, the additions stay sequential).
+__global__ void segment_sum_kernel(const float* __restrict__ grads, int64_t d,
+                                   const int32_t* __restrict__ pos_sorted,
+                                   const int32_t* counts, const int32_t* offsets,
+                                   int64_t num_unique, int lanes, float* summed) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t k = first_row(lanes); k < num_unique; k += row_stride(lanes)) {
     const int32_t* pos = pos_sorted + offsets[k];
-    float acc = grads[pos[0] * d + j];
-    for (int32_t q = 1; q < counts[k]; ++q) acc += grads[pos[q] * d + j];
-    summed[t] = acc;
+    const int32_t count = counts[k];
+    for (int64_t j = lane; j < d; j += lanes) {
+      float acc = grads[pos[0] * d + j];
+      int32_t q = 1;
+      for (; q + kBatchLoads <= count; q += kBatchLoads) {
+        float v[kBatchLoads];
+#pragma unroll
+        for (int u = 0; u < kBatchLoads; ++u) v[u] = grads[pos[q + u] * d + j];
+#pragma unroll
+        for (int u = 0; u < kBatchLoads; ++u) acc += v[u];
+      }
+      for (; q < count; ++q) acc += grads[pos[q] * d + j];
+      summed[k * d + j] = acc;
+    }
   }
 }
 
@@ -142,11 +158,11 @@ DISTEMB_API int distemb_cuda_dedup_sum(const float* grads, int64_t n, int64_t d,
   }
   DISTEMB_TRY(cudaSetDevice(device));
   if (num_unique == 0) return cudaSuccess;
-  const int64_t total = num_unique * d;
-  distemb::segment_sum_kernel<<<distemb::blocks_for(total), distemb::kThreads, 0,
+  const int lanes = distemb::lanes_per_row(d);
+  distemb::segment_sum_kernel<<<distemb::blocks_for(num_unique * lanes), distemb::kThreads, 0,
                                 distemb::as_stream(stream)>>>(
       grads, d, distemb::at<int32_t>(workspace, lay.pos_sorted),
       distemb::at<int32_t>(workspace, lay.counts), distemb::at<int32_t>(workspace, lay.offsets),
-      total, summed);
+      num_unique, lanes, summed);
   return cudaGetLastError();
 }

@@ -4,11 +4,12 @@
 namespace distemb {
 namespace {
 
-__global__ void gather_kernel(const float* table, int64_t d, const int64_t* rows,
-                              int64_t total, float* out) {
-  for (int64_t t = thread_index(); t < total; t += thread_count()) {
-    const int64_t i = t / d;
-    out[t] = table[rows[i] * d + (t - i * d)];
+__global__ void gather_kernel(const float* table, int64_t d, const int64_t* rows, int64_t n,
+                              int lanes, float* out) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    const float* src = table + rows[i] * d;
+    for (int64_t j = lane; j < d; j += lanes) out[i * d + j] = src[j];
   }
 }
 
@@ -32,7 +33,8 @@ DISTEMB_API int distemb_cuda_gather_rows(const float* table, int64_t d, const in
   if (n < 0 || d <= 0) return cudaErrorInvalidValue;
   DISTEMB_TRY(cudaSetDevice(device));
   if (n == 0) return cudaSuccess;
-  distemb::gather_kernel<<<distemb::blocks_for(n * d), distemb::kThreads, 0,
-                           distemb::as_stream(stream)>>>(table, d, rows, n * d, out);
+  const int lanes = distemb::lanes_per_row(d);
+  distemb::gather_kernel<<<distemb::blocks_for(n * lanes), distemb::kThreads, 0,
+                           distemb::as_stream(stream)>>>(table, d, rows, n, lanes, out);
   return cudaGetLastError();
 }

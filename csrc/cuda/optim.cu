@@ -1,7 +1,8 @@
 // Fused sparse optimizer updates, in place on float32 tables, one pass over each row.
 // Arithmetic mirrors distemb/kernels/reference.py operation by operation, in float32;
-// the build passes -fmad=false so that no multiply-add is contracted and results stay
-// bitwise equal to the CPU kernels (the rows are memory-bound, the FMA gains nothing).
+// the build passes -fmad=false so that no multiply-add is contracted and rounding follows
+// the CPU kernels (the rows are memory-bound, the FMA gains nothing). Row-wise Adagrad's
+// mean is reduced across a warp, in another order than on the CPU.
 #include <cmath>
 
 #include "common.cuh"
@@ -9,25 +10,28 @@
 namespace distemb {
 namespace {
 
-// One thread per element: rows are unique, so no two threads touch the same address.
+// Rows are unique, so no two threads touch the same address.
 __global__ void sgd_kernel(float* weight, int64_t d, const int64_t* rows, const float* grads,
-                           int64_t total, float lr) {
-  for (int64_t t = thread_index(); t < total; t += thread_count()) {
-    const int64_t i = t / d;
-    float* w = weight + rows[i] * d + (t - i * d);
-    *w = *w - lr * grads[t];
+                           int64_t n, int lanes, float lr) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    float* w = weight + rows[i] * d;
+    const float* g = grads + i * d;
+    for (int64_t j = lane; j < d; j += lanes) w[j] = w[j] - lr * g[j];
   }
 }
 
 __global__ void adagrad_kernel(float* weight, float* state_sum, int64_t d, const int64_t* rows,
-                               const float* grads, int64_t total, float clr, float eps) {
-  for (int64_t t = thread_index(); t < total; t += thread_count()) {
-    const int64_t i = t / d;
-    const int64_t at = rows[i] * d + (t - i * d);
-    const float g = grads[t];
-    const float s = state_sum[at] + g * g;
-    state_sum[at] = s;
-    weight[at] = weight[at] - clr * (g / (sqrtf(s) + eps));
+                               const float* grads, int64_t n, int lanes, float clr, float eps) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    const int64_t base = rows[i] * d;
+    const float* g = grads + i * d;
+    for (int64_t j = lane; j < d; j += lanes) {
+      const float s = state_sum[base + j] + g[j] * g[j];
+      state_sum[base + j] = s;
+      weight[base + j] = weight[base + j] - clr * (g[j] / (sqrtf(s) + eps));
+    }
   }
 }
 
@@ -36,7 +40,7 @@ __global__ void rowwise_adagrad_kernel(float* weight, float* state_sum, int64_t 
                                        const int64_t* rows, const float* grads, int64_t n,
                                        float clr, float eps) {
   const int lane = threadIdx.x % kWarp;
-  for (int64_t i = thread_index() / kWarp; i < n; i += thread_count() / kWarp) {
+  for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
     const int64_t r = rows[i];
     const float* g = grads + i * d;
     float acc = 0.0f;
@@ -62,7 +66,7 @@ __global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq, in
                             int64_t* row_steps) {
   const int lane = threadIdx.x % kWarp;
   const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
-  for (int64_t i = thread_index() / kWarp; i < n; i += thread_count() / kWarp) {
+  for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
     const int64_t r = rows[i];
     float step_size = global_step_size;
     if (row_steps != nullptr) {
@@ -104,8 +108,9 @@ DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t d, const int64_t*
   if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
   DISTEMB_TRY(cudaSetDevice(device));
   if (n == 0) return cudaSuccess;
-  distemb::sgd_kernel<<<blocks_for(n * d), kThreads, 0, as_stream(stream)>>>(
-      weight, d, rows, grads, n * d, lr);
+  const int lanes = distemb::lanes_per_row(d);
+  distemb::sgd_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
+      weight, d, rows, grads, n, lanes, lr);
   return cudaGetLastError();
 }
 
@@ -116,8 +121,9 @@ DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int
   if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
   DISTEMB_TRY(cudaSetDevice(device));
   if (n == 0) return cudaSuccess;
-  distemb::adagrad_kernel<<<blocks_for(n * d), kThreads, 0, as_stream(stream)>>>(
-      weight, state_sum, d, rows, grads, n * d, clr, eps);
+  const int lanes = distemb::lanes_per_row(d);
+  distemb::adagrad_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
+      weight, state_sum, d, rows, grads, n, lanes, clr, eps);
   return cudaGetLastError();
 }
 
