@@ -42,10 +42,15 @@ def _flag(name):
 
 
 def _find_nvcc():
-    for candidate in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+    explicit = os.environ.get("NVCC")
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise OSError(f"NVCC={explicit} is not an executable file")
+        return explicit
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.access(nvcc, os.X_OK):
+        raise OSError("nvcc not found (put the CUDA toolkit's bin on PATH or set NVCC)")
+    return nvcc
 
 
 class BuildExtWithCuda(build_ext):
@@ -60,12 +65,19 @@ class BuildExtWithCuda(build_ext):
         target = self._cuda_target()
         try:
             self._build_cuda(target)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            if _flag("DISTEMB_REQUIRE_CUDA"):
-                raise RuntimeError(f"DISTEMB_REQUIRE_CUDA=1 but the CUDA build failed: {exc}")
-            sys.stderr.write(f"WARNING: distemb CUDA kernels not built ({exc}); the CPU "
-                             "kernels are installed and CUDA tables will be unavailable. "
-                             "Set DISTEMB_NO_CUDA=1 to silence this.\n")
+        except subprocess.CalledProcessError as exc:
+            self._cuda_failed(f"{exc.cmd[0]} exited with status {exc.returncode}, "
+                              "see its messages above", exc)
+        except OSError as exc:
+            self._cuda_failed(str(exc), exc)
+
+    def _cuda_failed(self, reason, exc):
+        if _flag("DISTEMB_REQUIRE_CUDA"):
+            raise RuntimeError(f"DISTEMB_REQUIRE_CUDA=1 but the CUDA build failed: {reason}") \
+                from exc
+        sys.stderr.write(f"WARNING: distemb CUDA kernels not built ({reason}); the CPU "
+                         "kernels are installed and CUDA tables will be unavailable. "
+                         "Set DISTEMB_NO_CUDA=1 to silence this.\n")
 
     def get_outputs(self):
         """Return the Cython outputs plus the CUDA library when it was built."""
@@ -79,8 +91,6 @@ class BuildExtWithCuda(build_ext):
 
     def _build_cuda(self, target):
         nvcc = _find_nvcc()
-        if nvcc is None:
-            raise OSError("nvcc not found (put it on PATH or set NVCC)")
         if not self.force and os.path.exists(target) and all(
                 os.path.getmtime(src) <= os.path.getmtime(target) for src in CUDA_DEPENDS):
             self.announce(f"{target} is up to date", level=logging.INFO)
