@@ -58,7 +58,7 @@ def bench_fused(args, batches, grads, device):
 
     def step(ids, out_grads):
         cuda.gather_rows(weight, ids)
-        uniq, summed = cuda.dedup_sum(ids, out_grads)
+        uniq, summed = cuda.dedup_sum(ids, out_grads, num_rows=args.rows)
         cuda.adagrad_update(weight, state, uniq, summed, LR, EPS)
 
     try:

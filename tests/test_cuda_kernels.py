@@ -59,6 +59,10 @@ def test_error_codes_reach_python():
     # Sizes are checked before any device is touched, so this runs without a GPU.
     code = lib.distemb_cuda_sgd_update(None, 0, None, None, 1, 0.1, 0, None)
     assert code == CUDA_INVALID_VALUE
+    nbytes = ctypes.c_size_t(0)
+    for end_bit in (0, 65):
+        assert lib.distemb_cuda_dedup_workspace_bytes(10, end_bit, ctypes.byref(nbytes),
+                                                      0) == CUDA_INVALID_VALUE
     with pytest.raises(cuda.CudaKernelError, match="distemb_cuda_sgd_update.*invalid argument"):
         cuda.check_status(lib, "distemb_cuda_sgd_update", code)
 
@@ -122,6 +126,8 @@ def test_cpu_tensors_are_rejected(name):
      TypeError, "ids: expected dtype torch.int64, got torch.int32"),
     (lambda: cuda.dedup_sum(torch.tensor([1, 2]), torch.ones(3, 3)),
      ValueError, r"grads: expected shape \(2, 3\), got \(3, 3\)"),
+    (lambda: cuda.dedup_sum(torch.tensor([1, 2]), torch.ones(2, 3), num_rows=0),
+     ValueError, "num_rows: expected >= 1"),
     (lambda: cuda.gather_rows(torch.ones(4, 3).t(), torch.tensor([0])),
      ValueError, "table: expected a contiguous tensor"),
     (lambda: cuda.sgd_update([[0.0]], torch.tensor([0]), torch.ones(1, 1), 0.1),
@@ -182,16 +188,17 @@ def _assert_close(gpu_tensor, expected):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", DIMS)
-def test_dedup_sum_matches_reference(device, d):
+@pytest.mark.parametrize("num_rows", [None, NUM_ROWS], ids=["all_bits", "table_bits"])
+def test_dedup_sum_matches_reference(device, d, num_rows):
     rng = np.random.default_rng(d)
     ids = _zipf_ids(rng)
     grads = rng.standard_normal((ids.shape[0], d)).astype(np.float32)
     want_uniq, want_sum = reference.dedup_sum(ids, grads)
-    uniq, summed = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device))
+    uniq, summed = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device), num_rows=num_rows)
     np.testing.assert_array_equal(uniq.cpu().numpy(), want_uniq)
     _assert_close(summed, want_sum)
     # Sums run in batch order: a second run gives the same bits.
-    again = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device))[1]
+    again = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device), num_rows=num_rows)[1]
     assert torch.equal(summed, again)
 
 
@@ -203,6 +210,10 @@ def test_dedup_sum_of_empty_and_single_batches(device):
     uniq, summed = cuda.dedup_sum(torch.tensor([7, 7, 7], device=device),
                                   torch.ones(3, 2, device=device))
     assert uniq.tolist() == [7] and summed.tolist() == [[3.0, 3.0]]
+    # A one-row table sorts on a single bit.
+    uniq, summed = cuda.dedup_sum(torch.zeros(4, dtype=torch.int64, device=device),
+                                  torch.ones(4, 1, device=device), num_rows=1)
+    assert uniq.tolist() == [0] and summed.tolist() == [[4.0]]
 
 
 @pytest.mark.gpu

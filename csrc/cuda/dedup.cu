@@ -43,12 +43,12 @@ const T* at(const void* base, size_t offset) {
 
 // CUB's scratch need for the three passes of dedup_sort; they run one after another,
 // so they share one buffer.
-cudaError_t cub_temp_bytes(int n, size_t* bytes) {
+cudaError_t cub_temp_bytes(int n, int end_bit, size_t* bytes) {
   size_t sort = 0, encode = 0, scan = 0;
   DISTEMB_TRY(cub::DeviceRadixSort::SortPairs(nullptr, sort, static_cast<const int64_t*>(nullptr),
                                               static_cast<int64_t*>(nullptr),
                                               static_cast<const int32_t*>(nullptr),
-                                              static_cast<int32_t*>(nullptr), n));
+                                              static_cast<int32_t*>(nullptr), n, 0, end_bit));
   DISTEMB_TRY(cub::DeviceRunLengthEncode::Encode(nullptr, encode,
                                                  static_cast<const int64_t*>(nullptr),
                                                  static_cast<int64_t*>(nullptr),
@@ -61,15 +61,17 @@ cudaError_t cub_temp_bytes(int n, size_t* bytes) {
   return cudaSuccess;
 }
 
-cudaError_t workspace_bytes(int64_t n, size_t* bytes) {
+cudaError_t workspace_bytes(int64_t n, int end_bit, size_t* bytes) {
   size_t cub_bytes = 0;
-  DISTEMB_TRY(cub_temp_bytes(static_cast<int>(n), &cub_bytes));
+  DISTEMB_TRY(cub_temp_bytes(static_cast<int>(n), end_bit, &cub_bytes));
   *bytes = Layout(n).cub_temp + align_up(cub_bytes);
   return cudaSuccess;
 }
 
 // Positions are int32 (half the sort traffic of int64), hence the cap on n.
 bool bad_batch(int64_t n) { return n < 0 || n > INT_MAX; }
+
+bool bad_end_bit(int end_bit) { return end_bit < 1 || end_bit > 64; }
 
 __global__ void iota_kernel(int32_t* out, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = static_cast<int32_t>(i);
@@ -108,19 +110,22 @@ __global__ void segment_sum_kernel(const float* __restrict__ grads, int64_t d,
 }  // namespace
 }  // namespace distemb
 
-DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, size_t* bytes_host, int device) {
-  if (distemb::bad_batch(n) || bytes_host == nullptr) return cudaErrorInvalidValue;
+DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, int end_bit, size_t* bytes_host,
+                                                   int device) {
+  if (distemb::bad_batch(n) || distemb::bad_end_bit(end_bit) || bytes_host == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   DISTEMB_TRY(cudaSetDevice(device));
-  return distemb::workspace_bytes(n, bytes_host);
+  return distemb::workspace_bytes(n, end_bit, bytes_host);
 }
 
-DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, void* workspace,
-                                        size_t workspace_bytes, int64_t* uniq,
+DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int end_bit,
+                                        void* workspace, size_t workspace_bytes, int64_t* uniq,
                                         int64_t* num_unique, int device, void* stream) {
-  if (distemb::bad_batch(n)) return cudaErrorInvalidValue;
+  if (distemb::bad_batch(n) || distemb::bad_end_bit(end_bit)) return cudaErrorInvalidValue;
   DISTEMB_TRY(cudaSetDevice(device));
   size_t needed = 0;
-  DISTEMB_TRY(distemb::workspace_bytes(n, &needed));
+  DISTEMB_TRY(distemb::workspace_bytes(n, end_bit, &needed));
   if (workspace_bytes < needed) return cudaErrorInvalidValue;
   const cudaStream_t s = distemb::as_stream(stream);
   if (n == 0) return cudaMemsetAsync(num_unique, 0, sizeof(int64_t), s);
@@ -138,7 +143,7 @@ DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, void* wor
   distemb::iota_kernel<<<distemb::blocks_for(n), distemb::kThreads, 0, s>>>(pos_in, n);
   DISTEMB_TRY(cudaGetLastError());
   DISTEMB_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, ids, sorted_ids, pos_in,
-                                              pos_sorted, count, 0, 64, s));
+                                              pos_sorted, count, 0, end_bit, s));
   // Counts past the last run stay 0, so scanning all n of them (the unique count is
   // not known on the host) yields correct offsets for the runs.
   DISTEMB_TRY(cudaMemsetAsync(counts, 0, n * sizeof(int32_t), s));

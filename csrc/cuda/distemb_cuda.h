@@ -17,7 +17,7 @@
 #define DISTEMB_API extern "C" __attribute__((visibility("default")))
 
 /* Bumped whenever a signature below changes; the Python loader checks it. */
-#define DISTEMB_CUDA_ABI_VERSION 1
+#define DISTEMB_CUDA_ABI_VERSION 2
 
 DISTEMB_API int distemb_cuda_abi_version(void);
 DISTEMB_API const char* distemb_cuda_error_string(int code);
@@ -25,13 +25,16 @@ DISTEMB_API int distemb_cuda_device_count(int* count_host);
 
 /* Dedup in two phases, because the output size (the unique count) is data dependent:
  * 1. dedup_workspace_bytes: how much scratch memory a batch of n ids needs.
+ *    The sort reads bits [0, end_bit) of each id: 64 for any ids, or fewer when every
+ *    id is known to lie in [0, 2^end_bit) (fewer radix passes); same end_bit below.
  * 2. dedup_sort: sorts ids, writes ascending unique ids to uniq (capacity n) and their
  *    number to *num_unique (one device int64). The caller reads the count back.
  * 3. dedup_sum: writes the (num_unique, d) summed gradients to summed, reusing the
  *    workspace that phase 2 filled (keep it alive and untouched in between). */
-DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, size_t* bytes_host, int device);
-DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, void* workspace,
-                                        size_t workspace_bytes, int64_t* uniq,
+DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, int end_bit, size_t* bytes_host,
+                                                   int device);
+DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int end_bit,
+                                        void* workspace, size_t workspace_bytes, int64_t* uniq,
                                         int64_t* num_unique, int device, void* stream);
 DISTEMB_API int distemb_cuda_dedup_sum(const float* grads, int64_t n, int64_t d,
                                        const void* workspace, size_t workspace_bytes,

@@ -29,7 +29,7 @@ import torch
 CUDA_LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "_cuda_kernels.so")
 # Must equal DISTEMB_CUDA_ABI_VERSION in csrc/cuda/distemb_cuda.h.
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_BATCH = 2**31 - 1  # the dedup kernels index positions with int32
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -39,8 +39,8 @@ _SIGNATURES = {
     "distemb_cuda_abi_version": (_INT, []),
     "distemb_cuda_error_string": (ctypes.c_char_p, [_INT]),
     "distemb_cuda_device_count": (_INT, [ctypes.POINTER(_INT)]),
-    "distemb_cuda_dedup_workspace_bytes": (_INT, [_I64, ctypes.POINTER(_SIZE), _INT]),
-    "distemb_cuda_dedup_sort": (_INT, [_P, _I64, _P, _SIZE, _P, _P, _INT, _P]),
+    "distemb_cuda_dedup_workspace_bytes": (_INT, [_I64, _INT, ctypes.POINTER(_SIZE), _INT]),
+    "distemb_cuda_dedup_sort": (_INT, [_P, _I64, _INT, _P, _SIZE, _P, _P, _INT, _P]),
     "distemb_cuda_dedup_sum": (_INT, [_P, _I64, _I64, _P, _SIZE, _I64, _P, _INT, _P]),
     "distemb_cuda_gather_rows": (_INT, [_P, _I64, _P, _I64, _P, _INT, _P]),
     "distemb_cuda_sgd_update": (_INT, [_P, _I64, _P, _P, _I64, _F32, _INT, _P]),
@@ -212,7 +212,7 @@ def _call(lib, name, device, *args):
         check_status(lib, name, getattr(lib, name)(*args, device, stream))
 
 
-def dedup_sum(ids, grads):
+def dedup_sum(ids, grads, num_rows=None):
     """Deduplicate ``ids`` and sum the gradient rows of each duplicate, on the GPU.
 
     Sums accumulate in batch order, so results are deterministic. Synchronises once with
@@ -221,13 +221,17 @@ def dedup_sum(ids, grads):
     Args:
         ids: (N,) int64 CUDA tensor of ids, any order, duplicates allowed.
         grads: (N, D) float32 CUDA tensor, one gradient row per id.
+        num_rows: optional table size. When given, every id must lie in [0, num_rows)
+            (not checked): the sort then reads only the bits that range needs, in fewer
+            passes. Ids outside it give wrong results.
 
     Returns:
         (uniq, summed): ascending unique ids (int64, (U,)) and their (U, D) float32 sums.
 
     Raises:
         TypeError: wrong type, dtype or a CPU tensor.
-        ValueError: wrong shape, non-contiguous, mixed devices or more than MAX_BATCH ids.
+        ValueError: wrong shape, non-contiguous, mixed devices, more than MAX_BATCH ids
+            or ``num_rows`` < 1.
         CudaUnavailableError: the CUDA kernels cannot run here.
         CudaKernelError: a kernel failed.
     """
@@ -237,6 +241,9 @@ def dedup_sum(ids, grads):
     _shape("grads", grads, (n, d))
     if n > MAX_BATCH:
         raise ValueError(f"ids: at most {MAX_BATCH} ids per call, got {n}")
+    if num_rows is not None and int(num_rows) < 1:
+        raise ValueError(f"num_rows: expected >= 1 (the table size), got {num_rows}")
+    end_bit = 64 if num_rows is None else max(1, (int(num_rows) - 1).bit_length())
     device = _same_device(ids=ids, grads=grads)
     lib = require_cuda()
     if n == 0:
@@ -244,12 +251,13 @@ def dedup_sum(ids, grads):
     nbytes = _SIZE(0)
     with torch.cuda.device(device):
         check_status(lib, "distemb_cuda_dedup_workspace_bytes",
-                     lib.distemb_cuda_dedup_workspace_bytes(n, ctypes.byref(nbytes), device))
+                     lib.distemb_cuda_dedup_workspace_bytes(n, end_bit, ctypes.byref(nbytes),
+                                                            device))
     workspace = torch.empty(nbytes.value, dtype=torch.uint8, device=ids.device)
     uniq = torch.empty(n, dtype=torch.int64, device=ids.device)
     count = torch.empty(1, dtype=torch.int64, device=ids.device)
-    _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, workspace.data_ptr(),
-          nbytes.value, uniq.data_ptr(), count.data_ptr())
+    _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, end_bit,
+          workspace.data_ptr(), nbytes.value, uniq.data_ptr(), count.data_ptr())
     num_unique = int(count.item())
     summed = torch.empty((num_unique, d), dtype=torch.float32, device=ids.device)
     if d > 0:
