@@ -103,7 +103,8 @@ def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_a
                 double beta1, double beta2, double eps, int64_t step,
                 int64_t[::1] row_steps=None, int num_threads=1):
     cdef Py_ssize_t n = rows.shape[0], d = weight.shape[1], i, j, r
-    cdef float b1 = <float>beta1, b2 = <float>beta2, feps = <float>eps
+    # 1 - beta in double, then rounded, as torch computes it
+    cdef float omb1 = <float>(1.0 - beta1), omb2 = <float>(1.0 - beta2), feps = <float>eps
     cdef float g, m, v, fstep
     cdef double st, global_size = lr * sqrt(1.0 - pow(beta2, <double>step)) / (1.0 - pow(beta1, <double>step))
     cdef bint per_row = row_steps is not None
@@ -119,9 +120,9 @@ def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_a
             for j in range(d):
                 g = grads[i, j]
                 m = exp_avg[r, j]
-                m = m + (g - m) * (1 - b1)
+                m = m + (g - m) * omb1
                 v = exp_avg_sq[r, j]
-                v = v + (g * g - v) * (1 - b2)
+                v = v + (g * g - v) * omb2
                 exp_avg[r, j] = m
                 exp_avg_sq[r, j] = v
                 weight[r, j] = weight[r, j] - fstep * (m / (<float>sqrt(v) + feps))

@@ -80,7 +80,8 @@ def gather_rows(table, rows, out=None, num_threads=1):
     elif out.shape != (rows.shape[0], table.shape[1]) or out.dtype != np.float32:
         raise ValueError(f"out: expected float32 {(rows.shape[0], table.shape[1])}, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    return _impl.gather_rows(table, rows, out, num_threads=num_threads)
+    _impl.gather_rows(table, rows, out, num_threads=num_threads)
+    return out
 
 
 def sgd_update(weight, rows, grads, lr, num_threads=1):

@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine (idempotent):
+#   make demo   the main job: DeepWalk on WordNet, embedded
+#   make test   the test suite (compiled kernels, then the reference twins)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.distemb-installed
+APT    := openmpi-bin libopenmpi-dev wordnet-base
+export OMP_WAIT_POLICY ?= passive
+
+.PHONY: test test-fast demo bench system clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# Debian packages: MPI for the mpirun tests, WordNet for the graph examples.
+system:
+	@missing=$$(for p in $(APT); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  echo "installing Debian packages: $$missing"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null \
+	  || echo "warning: could not install $$missing (MPI/WordNet tests will skip with a reason)"; \
+	fi
+
+$(STAMP): $(PY) setup.py setup.cfg pyproject.toml $(wildcard csrc/*.pyx csrc/cuda/*.cu) | system
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,dgl,mpi,examples]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+	DISTEMB_NO_EXT=1 $(PY) -m pytest -q tests/test_kernels.py tests/test_optim_oracle.py
+
+demo: $(STAMP)
+	$(PY) graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_step.py
+
+clean:
+	rm -rf build *.egg-info distemb/*.so csrc/*.cpp

@@ -1,0 +1,123 @@
+"""PyTorch backend: trainers, autograd, devices."""
+
+import numpy as np
+import torch
+
+NAME = "pytorch"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+           "int32": torch.int32, "int64": torch.int64, "int8": torch.int8,
+           "uint8": torch.uint8, "bool": torch.bool}
+
+
+def dtype_name(dtype):
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPES:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in _DTYPES:
+        raise TypeError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def dtype(name):
+    return _DTYPES[dtype_name(name)]
+
+
+def tensor(data, dtype=None):
+    return torch.as_tensor(data, dtype=None if dtype is None else _DTYPES[dtype_name(dtype)])
+
+
+def zeros(shape, dtype):
+    return torch.zeros(shape, dtype=_DTYPES[dtype_name(dtype)])
+
+
+def empty(shape, dtype):
+    return torch.empty(shape, dtype=_DTYPES[dtype_name(dtype)])
+
+
+def arange(start, stop, dtype="int64"):
+    return torch.arange(start, stop, dtype=_DTYPES[dtype_name(dtype)])
+
+
+def shape(t):
+    return tuple(t.shape)
+
+
+def dtype_of(t):
+    return dtype_name(t.dtype)
+
+
+def ndim(t):
+    return t.dim()
+
+
+def to_numpy(t):
+    if isinstance(t, np.ndarray):
+        return t
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu().numpy()
+    return np.asarray(t)
+
+
+def from_numpy(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def is_tensor(x):
+    return isinstance(x, torch.Tensor)
+
+
+def gather_row(t, idx):
+    return t[idx]
+
+
+def scatter_row_inplace(t, idx, v):
+    t[idx] = v
+
+
+def index_add_inplace(t, idx, v):
+    t.index_add_(0, idx, v)
+
+
+def unique(t, return_inverse=False):
+    return torch.unique(t, sorted=True, return_inverse=return_inverse)
+
+
+def cat(seq, dim=0):
+    return torch.cat(list(seq), dim=dim)
+
+
+def reshape(t, shape):
+    return t.reshape(shape)
+
+
+def astype(t, dtype):
+    return t.to(_DTYPES[dtype_name(dtype)])
+
+
+def device_of(t):
+    return str(t.device)
+
+
+def copy_to(t, device):
+    return t.to(device, non_blocking=True)
+
+
+def is_recording():
+    return torch.is_grad_enabled()
+
+
+def attach_grad(t):
+    return t.requires_grad_()
+
+
+def grad(t):
+    return t.grad
+
+
+def no_grad():
+    return torch.no_grad()
+
+

@@ -1,0 +1,118 @@
+"""DistEmbedding: a sharded embedding table that records a trace while autograd records."""
+import warnings
+
+from distemb.errors import TraceOverflowError
+from distemb.tensor import DistTensor
+
+DEFAULT_TRACE_LIMIT = 1024
+
+
+def _positive_int(value, what):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what}: expected a positive int, got {value!r}")
+    return value
+
+
+class DistEmbedding:
+    """A learnable table of ``num_embeddings`` rows, sparsely updated by distemb optimizers.
+
+    A drop-in for ``dgl.distributed.DistEmbedding``: ``emb(ids)`` returns the rows; while
+    autograd records it also appends ``(ids, rows)`` to a trace that the optimizer's
+    ``step()`` consumes (and ``zero_grad()`` clears). Lookups under ``torch.no_grad()``
+    record nothing.
+
+    Args:
+        num_embeddings: number of rows (the table is not tied to a graph's node count).
+        embedding_dim: length of each row.
+        name: KVStore name; tables of the same name share storage.
+        init_func: ``init_func(shape, dtype)`` initialises each shard (zeros when None,
+            as in DGL).
+        part_policy: sharding of the rows (default: even ranges over the servers).
+        context: the :class:`~distemb.context.DistContext` (default: the current one).
+        trace_limit: lookups recorded before a missing ``step()``/``zero_grad()`` raises
+            :class:`~distemb.errors.TraceOverflowError` (a warning is issued at half).
+
+    Example:
+        >>> import torch
+        >>> emb = DistEmbedding(10, 4, name="doc-emb",
+        ...                     init_func=lambda shape, dtype: torch.ones(shape, dtype=dtype))
+        >>> rows = emb(torch.tensor([1, 1, 7]))
+        >>> rows.shape, len(emb.trace)
+        (torch.Size([3, 4]), 1)
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, name=None, init_func=None,
+                 part_policy=None, context=None, trace_limit=DEFAULT_TRACE_LIMIT):
+        _positive_int(num_embeddings, "num_embeddings")
+        _positive_int(embedding_dim, "embedding_dim")
+        self._tensor = DistTensor((num_embeddings, embedding_dim), "float32", name=name,
+                                  init_func=init_func, part_policy=part_policy,
+                                  persistent=True, context=context)
+        self._F = self._tensor.context.F
+        self._trace = []
+        self._trace_limit = _positive_int(trace_limit, "trace_limit")
+        self._optm_state = None
+
+    def __call__(self, idx, device="cpu"):
+        """Rows ``idx`` (int32/int64, any shape) on ``device``; traced while recording."""
+        F = self._F
+        ids, shape = self._tensor._ids(idx)
+        rows = F.from_numpy(self._tensor.context.client.pull(self._tensor.name, ids))
+        rows = F.copy_to(F.reshape(rows, shape + (self.embedding_dim,)), device)
+        if F.is_recording():
+            n = len(self._trace)
+            if n >= self._trace_limit:
+                raise TraceOverflowError(
+                    f"DistEmbedding {self.name!r}: {n} lookups recorded without an "
+                    "optimizer step() or zero_grad(); call one every iteration, or wrap "
+                    "inference in torch.no_grad() (raise trace_limit if this is intended)")
+            if n == self._trace_limit // 2:
+                warnings.warn(f"DistEmbedding {self.name!r}: {n} lookups recorded since the "
+                              "last step()/zero_grad()", ResourceWarning, stacklevel=2)
+            rows = F.attach_grad(rows)
+            self._trace.append((ids, rows))
+        return rows
+
+    def reset_trace(self):
+        """Forget recorded lookups (the optimizer calls this)."""
+        self._trace = []
+
+    @property
+    def trace(self):
+        """Recorded ``(ids, rows)`` pairs since the last step()/zero_grad()."""
+        return list(self._trace)
+
+    @property
+    def name(self):
+        return self._tensor.name
+
+    @property
+    def num_embeddings(self):
+        return self._tensor.shape[0]
+
+    @property
+    def embedding_dim(self):
+        return self._tensor.shape[1]
+
+    @property
+    def part_policy(self):
+        return self._tensor.part_policy
+
+    @property
+    def weight(self):
+        """The :class:`DistTensor` of the rows."""
+        return self._tensor
+
+    @property
+    def kvstore(self):
+        """The KVStore client holding the rows."""
+        return self._tensor.context.client
+
+    @property
+    def optm_state(self):
+        """KVStore names of the optimizer state, set when an optimizer adopts the table."""
+        return self._optm_state
+
+    def __repr__(self):
+        return (f"DistEmbedding(name={self.name!r}, num_embeddings={self.num_embeddings}, "
+                f"embedding_dim={self.embedding_dim})")

@@ -1,0 +1,6 @@
+"""Key-value store: servers own shards; clients pull, push and push updates."""
+from distemb.kvstore.local import LocalKVClient
+from distemb.kvstore.server import KVServer
+from distemb.kvstore.types import DataMeta, KVClient
+
+__all__ = ["KVClient", "KVServer", "LocalKVClient", "DataMeta"]

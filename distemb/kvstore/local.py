@@ -1,0 +1,104 @@
+"""LocalKVClient: the embedded default, a KVClient driving an in-process KVServer."""
+import numpy as np
+
+from distemb.errors import KVStoreError
+from distemb.kvstore.server import KVServer
+from distemb.kvstore.types import DataMeta, KVClient
+from distemb.rules import RULES, state_init, state_name
+
+
+def init_shard(init_func, shape, dtype, name):
+    """One shard's initial array: zeros, or ``init_func(shape, dtype)`` checked."""
+    if init_func is None:
+        return np.zeros(shape, dtype=dtype)
+    arr = np.asarray(init_func(shape, dtype))
+    if arr.shape != shape:
+        raise KVStoreError(f"init_func of {name!r}: returned shape {arr.shape}, "
+                           f"expected {shape}")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+class LocalKVClient(KVClient):
+    """Embedded KVClient: every partition of every table lives in this process.
+
+    Args:
+        server: the in-process :class:`KVServer` (a new one when None).
+        num_threads: OpenMP threads of that server's kernels.
+
+    Example:
+        >>> from distemb.partition import range_policy
+        >>> kv = LocalKVClient()
+        >>> kv.init_data("t", (5, 2), "float32", range_policy(5))
+        >>> kv.pull("t", np.array([4])).shape
+        (1, 2)
+    """
+
+    def __init__(self, server=None, num_threads=1):
+        self.server = server or KVServer(num_threads=num_threads)
+        self._meta = {}
+
+    def init_data(self, name, shape, dtype, policy, init_func=None):
+        if name in self._meta:
+            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        for part in range(policy.num_partitions):
+            sshape = (policy.get_part_size(part),) + tuple(shape[1:])
+            self.server.create(name, part, init_shard(init_func, sshape, dtype, name))
+        self._meta[name] = DataMeta(tuple(shape), dtype, policy)
+
+    def data_meta(self, name):
+        return self._meta.get(name)
+
+    def names(self):
+        return list(self._meta)
+
+    def delete_data(self, name):
+        self._meta.pop(name, None)
+        self.server.drop(name)
+
+    def _meta_of(self, name):
+        try:
+            return self._meta[name]
+        except KeyError:
+            raise KVStoreError(f"name {name!r} is not in the KVStore "
+                               f"(known: {sorted(self._meta)[:10]})") from None
+
+    def pull(self, name, ids):
+        meta = self._meta_of(name)
+        if meta.policy.num_partitions == 1:  # local ids are global ids
+            return self.server.pull(name, 0, ids)
+        out = np.empty((len(ids),) + meta.shape[1:], dtype=meta.dtype)
+        for part, pos, local in meta.policy.split(ids):
+            out[pos] = self.server.pull(name, part, local)
+        return out
+
+    def push(self, name, ids, values):
+        meta = self._meta_of(name)
+        if meta.policy.num_partitions == 1:
+            self.server.push(name, 0, ids, values)
+            return
+        for part, pos, local in meta.policy.split(ids):
+            self.server.push(name, part, local, values[pos])
+
+    def init_optimizer(self, name, rule, options):
+        meta = self._meta_of(name)
+        names = {}
+        for spec in RULES[rule].states:
+            sname = state_name(name, spec.name)
+            self.delete_data(sname)  # a new optimizer starts from fresh state, as torch's does
+            shape = (meta.shape[0],) + spec.shape(meta.shape[1])
+            self.init_data(sname, shape, spec.dtype, meta.policy,
+                           lambda s, d, spec=spec: state_init(spec, s, options))
+            names[spec.name] = sname
+        return names
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        meta = self._meta_of(name)
+        if meta.policy.num_partitions == 1:
+            self.server.update(name, 0, ids, grads, rule, hyper)
+            return
+        for part, pos, local in meta.policy.split(ids):
+            self.server.update(name, part, local, grads[pos], rule, hyper)
+
+    def close(self):
+        for name in list(self._meta):
+            self.delete_data(name)

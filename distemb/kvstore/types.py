@@ -1,0 +1,70 @@
+"""The KVClient interface: what trainers need from wherever the rows live.
+
+Arrays crossing this interface are numpy (the common ground of trainers, servers and
+kernels); trainers convert with the backend's zero-copy ``from_numpy``/``to_numpy``.
+Ids are global (type-wise) int64 ids, already validated against the table's policy.
+"""
+from dataclasses import dataclass
+
+from distemb.partition import PartitionPolicy
+
+
+@dataclass(frozen=True)
+class DataMeta:
+    """Shape, dtype name and partition policy of one named tensor."""
+
+    shape: tuple
+    dtype: str
+    policy: PartitionPolicy
+
+
+class KVClient:
+    """Interface of a key-value store client; implementations share one test suite.
+
+    Implementations: :class:`~distemb.kvstore.local.LocalKVClient` (embedded, in
+    process) and the remote client of the multi-process store.
+    """
+
+    num_servers = 1
+
+    def init_data(self, name, shape, dtype, policy, init_func=None):
+        """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None)."""
+        raise NotImplementedError
+
+    def data_meta(self, name):
+        """The :class:`DataMeta` of ``name``, or None if absent."""
+        raise NotImplementedError
+
+    def names(self):
+        """Names of all tensors in the store."""
+        raise NotImplementedError
+
+    def delete_data(self, name):
+        """Drop ``name`` and its shards."""
+        raise NotImplementedError
+
+    def pull(self, name, ids):
+        """Rows ``ids`` of ``name`` as a new numpy array (len(ids),) + shape[1:]."""
+        raise NotImplementedError
+
+    def push(self, name, ids, values):
+        """Write ``values`` into rows ``ids`` of ``name`` (last write wins for duplicates)."""
+        raise NotImplementedError
+
+    def init_optimizer(self, name, rule, options):
+        """Create the optimizer state of table ``name`` for update rule ``rule``.
+
+        Returns:
+            dict state name -> KVStore name of that state tensor.
+        """
+        raise NotImplementedError
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        """Apply update ``rule`` with ``hyper`` to rows ``ids`` (unique) of ``name``."""
+        raise NotImplementedError
+
+    def barrier(self):
+        """Wait for every trainer (no-op with one)."""
+
+    def close(self):
+        """Release connections and, for an embedded store, its memory."""

@@ -1,0 +1,5 @@
+"""Sparse optimizers for DistEmbedding (a drop-in for ``dgl.distributed.optim``)."""
+from distemb.optim.base import SparseOptimizer
+from distemb.optim.optimizers import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
+
+__all__ = ["SparseOptimizer", "SparseSGD", "SparseAdagrad", "SparseRowWiseAdagrad", "SparseAdam"]

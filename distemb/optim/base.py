@@ -1,0 +1,179 @@
+"""SparseOptimizer: collects traces, deduplicates, routes; subclasses own the maths.
+
+``step()`` takes every lookup recorded by each table since the last step, concatenates
+ids and gradients, sums the gradients of duplicate ids (as PyTorch does; DGL averages
+them), and pushes one update per table to the rows' owner, which runs the subclass's
+fused rule in place (:mod:`distemb.rules`). ``step()`` consumes the trace: a second
+``step()`` without new lookups is a no-op.
+
+Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
+``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
+"""
+import numpy as np
+import torch
+
+from distemb import checkpoint, kernels
+from distemb.embedding import DistEmbedding
+from distemb.errors import DistEmbError
+
+
+def check_hyper(name, value, low=0.0, high=None, low_open=False):
+    """Validate one hyperparameter; the error names it and its range."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
+    if not ok:
+        rng = f"{'>' if low_open else '>='} {low}" + ("" if high is None else f" and < {high}")
+        raise ValueError(f"{name}: expected a number {rng}, got {value!r}")
+    return float(value)
+
+
+class SparseOptimizer(torch.optim.Optimizer):
+    """Base of distemb's sparse optimizers.
+
+    Subclasses set ``rule`` (a key of :data:`distemb.rules.RULES`), optionally
+    ``rule_options()`` (state initialisation), and ``hyper(group, step)`` (the plain-float
+    hyperparameters of one step of one table).
+
+    Args:
+        params: list of :class:`~distemb.embedding.DistEmbedding` to optimise.
+        defaults: hyperparameters of the one param group (``lr`` among them).
+    """
+
+    rule = ""
+
+    def __init__(self, params, defaults):
+        if isinstance(params, DistEmbedding):
+            params = [params]
+        params = list(params)
+        if not params:
+            raise ValueError("params: expected a non-empty list of DistEmbedding, got []")
+        for i, p in enumerate(params):
+            if not isinstance(p, DistEmbedding):
+                raise TypeError(f"params[{i}]: expected a DistEmbedding, got {type(p).__name__}")
+        names = [p.name for p in params]
+        if len(set(names)) != len(names):
+            raise ValueError(f"params: each DistEmbedding may appear once, got names {names}")
+        super().__init__([{"params": []}], defaults)
+        self._embs = params
+        self._steps = {p.name: 0 for p in params}
+        for emb in params:
+            emb._optm_state = emb.kvstore.init_optimizer(emb.name, self.rule,
+                                                         self.rule_options())
+
+    def rule_options(self):
+        """Options the rule's state initialisation reads (e.g. initial accumulator)."""
+        return {}
+
+    def hyper(self, group, step):
+        """The hyperparameters of one update at global step ``step``."""
+        raise NotImplementedError
+
+    @property
+    def embeddings(self):
+        return list(self._embs)
+
+    def zero_grad(self, set_to_none=True):
+        """Clear every table's trace (recorded lookups not yet stepped)."""
+        for emb in self._embs:
+            emb.reset_trace()
+
+    def _gradients(self, emb):
+        """(ids, grads) of every traced lookup of ``emb`` that received a gradient."""
+        ids, grads = [], []
+        for idx, rows in emb._trace:
+            if rows.grad is not None:
+                ids.append(idx)
+                grads.append(rows.grad.reshape(-1, emb.embedding_dim))
+        if not ids:
+            return None, None
+        g = grads[0] if len(grads) == 1 else torch.cat(grads)
+        g = g.detach().to("cpu", torch.float32).contiguous().numpy()
+        return (ids[0] if len(ids) == 1 else np.concatenate(ids)), g
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply the traced gradients of every table, then clear the traces."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        for emb in self._embs:
+            ids, grads = self._gradients(emb)
+            emb.reset_trace()
+            if ids is None:
+                continue
+            nt = emb.weight.context.num_threads
+            uniq, summed = kernels.dedup_sum(ids, grads, nt)
+            self._steps[emb.name] += 1
+            emb.kvstore.push_update(emb.name, uniq, summed, self.rule,
+                                    self.hyper(group, self._steps[emb.name]))
+        return loss
+
+    def _state_names(self, emb):
+        return dict(emb.optm_state or {})
+
+    def state_dict(self):
+        """Steps, state tensors (whole, as torch tensors) and param_groups."""
+        state = {}
+        for emb in self._embs:
+            entry = {"step": self._steps[emb.name]}
+            for sname, kvname in self._state_names(emb).items():
+                entry[sname] = torch.from_numpy(checkpoint._all_rows(emb.kvstore, kvname))
+            state[emb.name] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []}
+                  for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Restore what :meth:`state_dict` returned (tables must have the same shapes)."""
+        state = state_dict.get("state", {})
+        for emb in self._embs:
+            if emb.name not in state:
+                raise DistEmbError(f"state_dict: no state for table {emb.name!r} "
+                                   f"(has {sorted(state)})")
+            entry = state[emb.name]
+            for sname, kvname in self._state_names(emb).items():
+                if sname not in entry:
+                    raise DistEmbError(f"state_dict: table {emb.name!r} lacks state {sname!r}")
+                arr = np.ascontiguousarray(np.asarray(entry[sname]))
+                meta = emb.kvstore.data_meta(kvname)
+                if arr.shape != meta.shape:
+                    raise DistEmbError(f"state_dict: state {sname!r} of {emb.name!r} has shape "
+                                       f"{arr.shape}, expected {meta.shape}")
+                emb.kvstore.push(kvname, np.arange(arr.shape[0], dtype=np.int64),
+                                 arr.astype(meta.dtype, copy=False))
+            self._steps[emb.name] = int(entry["step"])
+        self._load_groups(state_dict["param_groups"])
+
+    def _load_groups(self, groups):
+        if len(groups) != len(self.param_groups):
+            raise DistEmbError(f"param_groups: expected {len(self.param_groups)} group(s), "
+                               f"got {len(groups)}")
+        for mine, saved in zip(self.param_groups, groups):
+            mine.update({k: (tuple(v) if isinstance(v, list) else v)
+                         for k, v in saved.items() if k != "params"})
+
+    def save(self, path):
+        """Save every table's rows and this optimizer's state to ``path`` (.npz)."""
+        names = []
+        for emb in self._embs:
+            names += [emb.name] + list(self._state_names(emb).values())
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        checkpoint.save(path, self._embs[0].kvstore, names,
+                        {"optimizer": type(self).__name__, "rule": self.rule,
+                         "steps": self._steps, "param_groups": groups})
+
+    def load(self, path):
+        """Restore rows and state saved by :meth:`save` (the tables may be resharded)."""
+        meta = checkpoint.read_meta(path)
+        if meta.get("rule") != self.rule:
+            raise DistEmbError(f"{path}: saved by {meta.get('optimizer')} (rule "
+                               f"{meta.get('rule')!r}), cannot load into {type(self).__name__}")
+        for emb in self._embs:
+            names = [emb.name] + list(self._state_names(emb).values())
+            checkpoint.restore(path, emb.kvstore, names)
+            if emb.name not in meta["steps"]:
+                raise DistEmbError(f"{path}: has no table {emb.name!r}")
+            self._steps[emb.name] = int(meta["steps"][emb.name])
+        self._load_groups(meta["param_groups"])

@@ -1,0 +1,98 @@
+"""The sparse optimizers. Each names its rule and computes that rule's hyperparameters.
+
+Concurrency (all of them): the rule runs on the rows' owner, which applies one update per
+shard at a time, so a row and its state have one writer (DESIGN.md). Step counts are
+global per table and live with the optimizer, exactly as ``torch.optim`` counts them.
+"""
+from distemb.optim.base import SparseOptimizer, check_hyper
+
+
+class SparseSGD(SparseOptimizer):
+    """``w -= lr * g``, equal to ``torch.optim.SGD`` on ``nn.Embedding(sparse=True)``.
+
+    Example:
+        >>> from distemb import DistEmbedding
+        >>> opt = SparseSGD([DistEmbedding(10, 4, name="doc-sgd")], lr=0.1)
+        >>> opt.param_groups[0]["lr"]
+        0.1
+    """
+
+    rule = "sgd"
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": check_hyper("lr", lr)})
+
+    def hyper(self, group, step):
+        return {"lr": group["lr"]}
+
+
+class SparseAdagrad(SparseOptimizer):
+    """``torch.optim.Adagrad`` on sparse rows: ``s += g^2; w -= clr * g / (sqrt(s) + eps)``.
+
+    ``clr = lr / (1 + (step - 1) * lr_decay)`` with a global step count, as torch.
+
+    Example:
+        >>> from distemb import DistEmbedding
+        >>> opt = SparseAdagrad([DistEmbedding(10, 4, name="doc-adagrad")], lr=0.01)
+    """
+
+    rule = "adagrad"
+
+    def __init__(self, params, lr, eps=1e-10, lr_decay=0.0, initial_accumulator_value=0.0):
+        super().__init__(params, {
+            "lr": check_hyper("lr", lr), "eps": check_hyper("eps", eps),
+            "lr_decay": check_hyper("lr_decay", lr_decay),
+            "initial_accumulator_value": check_hyper("initial_accumulator_value",
+                                                     initial_accumulator_value)})
+
+    def rule_options(self):
+        return {"initial_accumulator_value": self.defaults["initial_accumulator_value"]}
+
+    def hyper(self, group, step):
+        return {"clr": group["lr"] / (1 + (step - 1) * group["lr_decay"]), "eps": group["eps"]}
+
+
+class SparseRowWiseAdagrad(SparseAdagrad):
+    """Row-wise Adagrad: one accumulator per row, ``s += mean(g^2)`` (PyTorch-BigGraph, FBGEMM).
+
+    Uses D times less state memory than :class:`SparseAdagrad`; eps is placed as torch
+    places it: ``w -= clr * g / (sqrt(s) + eps)``.
+
+    Example:
+        >>> from distemb import DistEmbedding
+        >>> opt = SparseRowWiseAdagrad([DistEmbedding(10, 4, name="doc-rowwise")], lr=0.01)
+    """
+
+    rule = "rowwise_adagrad"
+
+
+class SparseAdam(SparseOptimizer):
+    """``torch.optim.SparseAdam``: lazy Adam on the rows a batch touched.
+
+    Args:
+        step_mode: ``'global'`` (default, torch's semantics: one step count per table,
+            incremented each ``step()`` that table got gradients, used for every row's
+            bias correction) or ``'per_row'`` (each row counts its own updates, as DGL's
+            SparseAdam and lazy-Adam do; the counts are optimizer state).
+
+    Example:
+        >>> from distemb import DistEmbedding
+        >>> opt = SparseAdam([DistEmbedding(10, 4, name="doc-adam")], lr=0.01)
+    """
+
+    def __init__(self, params, lr=0.001, betas=(0.9, 0.999), eps=1e-8, step_mode="global"):
+        if step_mode not in ("global", "per_row"):
+            raise ValueError(f"step_mode: expected 'global' or 'per_row', got {step_mode!r}")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas: expected a pair of floats, got {betas!r}")
+        self.rule = "adam" if step_mode == "global" else "adam_row_step"
+        super().__init__(params, {
+            "lr": check_hyper("lr", lr), "eps": check_hyper("eps", eps),
+            "betas": (check_hyper("betas[0]", betas[0], 0.0, 1.0),
+                      check_hyper("betas[1]", betas[1], 0.0, 1.0)),
+            "step_mode": step_mode})
+
+    def hyper(self, group, step):
+        beta1, beta2 = group["betas"]
+        return {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
+                "step": step}
