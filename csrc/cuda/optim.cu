@@ -65,7 +65,8 @@ __global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq, in
                             double beta1, double beta2, float eps, float global_step_size,
                             int64_t* row_steps) {
   const int lane = threadIdx.x % kWarp;
-  const float b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
+  // 1 - beta in double, then rounded, as torch (and the CPU kernels) compute it.
+  const float omb1 = static_cast<float>(1.0 - beta1), omb2 = static_cast<float>(1.0 - beta2);
   for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
     const int64_t r = rows[i];
     float step_size = global_step_size;
@@ -83,8 +84,8 @@ __global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq, in
       const float gj = g[j];
       float m = exp_avg[base + j];
       float v = exp_avg_sq[base + j];
-      m = m + (gj - m) * (1.0f - b1);
-      v = v + (gj * gj - v) * (1.0f - b2);
+      m = m + (gj - m) * omb1;
+      v = v + (gj * gj - v) * omb2;
       exp_avg[base + j] = m;
       exp_avg_sq[base + j] = v;
       weight[base + j] = weight[base + j] - step_size * (m / (sqrtf(v) + eps));

@@ -12,19 +12,25 @@ nothing is copied or converted behind the caller's back. As on the CPU, row ids 
 in range and, for the updates, unique; that is the caller's contract, not checked here.
 
 Example:
+    >>> import numpy as np
     >>> import torch
+    >>> from distemb import kernels
     >>> from distemb.kernels import cuda
     >>> if cuda.cuda_available():
     ...     ids = torch.tensor([3, 1, 3], device="cuda")
     ...     uniq, summed = cuda.dedup_sum(ids, torch.ones(3, 2, device="cuda"))
-    ...     print(uniq.tolist(), summed.tolist())
-    [1, 3] [[1.0, 1.0], [2.0, 2.0]]
+    ... else:  # the CPU kernels give the same results
+    ...     uniq, summed = kernels.dedup_sum([3, 1, 3], np.ones((3, 2), np.float32))
+    >>> uniq.tolist(), summed.tolist()
+    ([1, 3], [[1.0, 1.0], [2.0, 2.0]])
 """
 import ctypes
 import functools
 import os
 
 import torch
+
+from distemb.errors import DistEmbError
 
 CUDA_LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "_cuda_kernels.so")
@@ -58,11 +64,11 @@ _BUILD_HINT = ("Build it with the CUDA toolkit's nvcc on PATH (or NVCC=/path/to/
                "DISTEMB_NO_CUDA=1 skips the CUDA build on purpose.")
 
 
-class CudaUnavailableError(RuntimeError):
+class CudaUnavailableError(DistEmbError, RuntimeError):
     """The CUDA kernels cannot run here: library not built, no GPU, or CPU-only torch."""
 
 
-class CudaKernelError(RuntimeError):
+class CudaKernelError(DistEmbError, RuntimeError):
     """A CUDA kernel entry point returned a CUDA error code."""
 
 
