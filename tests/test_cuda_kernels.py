@@ -93,6 +93,18 @@ def test_no_gpu_raises_clear_error(monkeypatch):
     assert not cuda.cuda_available()
 
 
+def test_driver_too_old_for_library_is_explained(monkeypatch):
+    """Where torch sees a GPU the library cannot use, the library's CUDA error is named."""
+    lib = _built_library()
+    count = ctypes.c_int(0)
+    if lib.distemb_cuda_device_count(ctypes.byref(count)) == 0:
+        pytest.skip("the library can use a GPU here, so this failure cannot be provoked")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(cuda.CudaUnavailableError, match="no usable GPU although torch does"):
+        cuda.require_cuda()
+
+
 def test_import_loads_nothing():
     code = ("import sys, distemb, distemb.kernels\n"
             "assert 'distemb.kernels.cuda' not in sys.modules\n"

@@ -24,7 +24,8 @@ DISTEMB_API const char* distemb_cuda_error_string(int code);
 DISTEMB_API int distemb_cuda_device_count(int* count_host);
 
 /* Dedup in two phases, because the output size (the unique count) is data dependent:
- * 1. dedup_workspace_bytes: how much scratch memory a batch of n ids needs.
+ * 1. dedup_workspace_bytes: how much scratch memory a batch of n ids needs (allocate it
+ *    256-byte aligned, as cudaMalloc and torch's allocator do).
  *    The sort reads bits [0, end_bit) of each id: 64 for any ids, or fewer when every
  *    id is known to lie in [0, 2^end_bit) (fewer radix passes); same end_bit below.
  * 2. dedup_sort: sorts ids, writes ascending unique ids to uniq (capacity n) and their

@@ -123,7 +123,7 @@ def require_cuda(path=CUDA_LIB_PATH):
 
     Raises:
         CudaUnavailableError: the library is not built, torch was built without CUDA,
-            or no CUDA device is visible.
+            no CUDA device is visible, or the driver is too old for the library.
     """
     lib = load_library(path)
     if torch.version.cuda is None:
@@ -137,6 +137,16 @@ def require_cuda(path=CUDA_LIB_PATH):
             f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, "
             f"CUDA {torch.version.cuda}, CUDA_VISIBLE_DEVICES={visible!r}); use the CPU "
             "kernels (distemb.kernels).")
+    # torch may ship an older CUDA runtime than the one linked into the library, so the
+    # driver can suit torch and still be too old for these kernels.
+    count = ctypes.c_int(0)
+    code = lib.distemb_cuda_device_count(ctypes.byref(count))
+    if code != 0 or count.value == 0:
+        text = lib.distemb_cuda_error_string(code).decode(errors="replace")
+        raise CudaUnavailableError(
+            f"the distemb CUDA kernels see no usable GPU although torch does: {text} "
+            f"(CUDA error {code}). The library links nvcc's CUDA runtime statically; the "
+            "NVIDIA driver must support that CUDA version (see `nvcc --version`).")
     return lib
 
 
