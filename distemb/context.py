@@ -136,8 +136,11 @@ def initialize(backend=None, num_threads=None, consistency=None):
         the new :class:`DistContext`.
     """
     if _current and not _current[0].closed:
-        raise DistEmbError("initialize(): distemb is already initialized in this process; "
-                           "call distemb.shutdown() first")
+        how = ("by an earlier initialize()" if not getattr(_current[0], "implicit", False)
+               else "implicitly, by a table created before initialize()")
+        raise DistEmbError(f"initialize(): distemb is already initialized in this process "
+                           f"({how}); call initialize() before creating tables, or "
+                           "distemb.shutdown() first")
     ctx = _from_env(backend, num_threads, consistency)
     _current[:] = [ctx]
     return ctx
@@ -146,7 +149,9 @@ def initialize(backend=None, num_threads=None, consistency=None):
 def current_context():
     """The current context; made on first use (a trainer's under distemb-launch)."""
     if not _current or _current[0].closed:
-        _current[:] = [_from_env()]
+        ctx = _from_env()
+        ctx.implicit = True
+        _current[:] = [ctx]
     return _current[0]
 
 

@@ -1,4 +1,12 @@
-"""Exception types. Every error distemb raises on bad input derives from DistEmbError."""
+"""Exception types. Every error distemb raises on bad input derives from DistEmbError.
+
+Example:
+    >>> try:
+    ...     raise PartitionError("ids: id 9 is out of range")
+    ... except DistEmbError as e:
+    ...     print(type(e).__name__, isinstance(e, ValueError))
+    PartitionError True
+"""
 
 
 class DistEmbError(Exception):

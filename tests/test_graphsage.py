@@ -5,7 +5,16 @@ import pytest
 
 pytest.importorskip("dgl", reason="DGL is an optional extra: pip install .[dgl]")
 
+import distemb  # noqa: E402
 from graph_examples import graphsage  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_current_context():
+    """The example calls distemb.initialize(): start and end with no current context."""
+    distemb.shutdown()
+    yield
+    distemb.shutdown()
 
 
 def test_graphsage_trains_and_writes_outputs(tmp_path):

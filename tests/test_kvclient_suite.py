@@ -13,6 +13,7 @@ from distemb.errors import KVStoreError
 from distemb.kernels import reference
 from distemb.optim import SparseAdagrad, SparseAdam
 from distemb.partition import HashPartitionBook, PartitionPolicy, range_policy
+from distemb.rules import RULES, state_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,3 +140,16 @@ def test_dist_embedding_training_matches_torch(client, opt):
             o.step()
     all_ids = torch.arange(n)
     torch.testing.assert_close(emb.weight[all_ids], ref.weight.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_optimizer_state_lives_beside_rows(client, rule):
+    client.init_data("w", (20, 4), "float32", range_policy(20, 2))
+    names = client.init_optimizer("w", rule, {"initial_accumulator_value": 0.5})
+    assert set(names) == {s.name for s in RULES[rule].states}
+    for sname, kvname in names.items():
+        assert kvname == state_name("w", sname) and client.data_meta(kvname).shape[0] == 20
+    hyper = {"lr": 0.1, "clr": 0.1, "eps": 1e-10, "beta1": 0.9, "beta2": 0.999, "step": 1}
+    client.push_update("w", np.array([2, 11]), np.ones((2, 4), np.float32), rule, hyper)
+    w = client.pull("w", np.arange(20))
+    assert (w[[2, 11]] < 0).all() and (np.delete(w, [2, 11], axis=0) == 0).all()

@@ -92,3 +92,20 @@ def test_forgotten_step_raises_instead_of_leaking(ctx):
     assert any("4 lookups recorded" in str(w.message) for w in caught)
     with pytest.raises(TraceOverflowError, match="without an optimizer step\\(\\) or zero_grad"):
         emb(torch.tensor([1]))
+
+
+def test_initialize_after_implicit_context_names_the_cause():
+    import distemb
+
+    distemb.shutdown()
+    try:
+        DistTensor((2, 2), torch.float32)  # creates the implicit embedded context
+        with pytest.raises(distemb.DistEmbError, match="implicitly, by a table created before"):
+            distemb.initialize()
+        distemb.shutdown()
+        ctx = distemb.initialize()
+        with pytest.raises(distemb.DistEmbError, match="by an earlier initialize\\(\\)"):
+            distemb.initialize()
+        assert distemb.current_context() is ctx
+    finally:
+        distemb.shutdown()

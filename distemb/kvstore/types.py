@@ -3,6 +3,15 @@
 Arrays crossing this interface are numpy (the common ground of trainers, servers and
 kernels); trainers convert with the backend's zero-copy ``from_numpy``/``to_numpy``.
 Ids are global (type-wise) int64 ids, already validated against the table's policy.
+
+Example:
+    >>> import numpy as np
+    >>> from distemb.kvstore import LocalKVClient
+    >>> from distemb.partition import range_policy
+    >>> kv: KVClient = LocalKVClient()
+    >>> kv.init_data("t", (3, 2), "float32", range_policy(3))
+    >>> kv.data_meta("t").shape
+    (3, 2)
 """
 from dataclasses import dataclass
 

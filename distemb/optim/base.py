@@ -8,6 +8,13 @@ fused rule in place (:mod:`distemb.rules`). ``step()`` consumes the trace: a sec
 
 Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
 ``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
+
+Example:
+    >>> import torch
+    >>> from distemb import DistEmbedding, SparseAdagrad
+    >>> opt = SparseAdagrad([DistEmbedding(5, 2, name="doc-base")], lr=1.0)
+    >>> isinstance(opt, SparseOptimizer), isinstance(opt, torch.optim.Optimizer)
+    (True, True)
 """
 import numpy as np
 import torch
