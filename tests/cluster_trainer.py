@@ -44,39 +44,64 @@ def loss_of(rows, targets):
     return ((rows - targets) ** 2).sum()
 
 
-def train(out, steps, disjoint):
+def side_ids(step, ids, per):
+    """The 'side' table: only rank 0 looks it up, and only on even steps."""
+    return ids[:per] if step % 2 == 0 else None
+
+
+def train(out, steps, disjoint, side=False):
     ctx = distemb.initialize(backend="pytorch", num_threads=1)
     torch.set_num_threads(1)
     rank, T = ctx.rank, ctx.num_trainers
     emb = distemb.DistEmbedding(N, D, name="emb", init_func=init,
                                 part_policy=range_policy(N, ctx.num_servers))
-    opt = distemb.SparseAdagrad([emb], lr=LR)
+    tables = [emb]
+    if side:
+        tables.append(distemb.DistEmbedding(N, D, name="side", init_func=init,
+                                            part_policy=range_policy(N, ctx.num_servers)))
+    opt = distemb.SparseAdagrad(tables, lr=LR)
     per = B // T
     for step in range(steps):
         ids, targets = batch(step, T, disjoint)
         sl = slice(rank * per, (rank + 1) * per)
         opt.zero_grad()
-        loss_of(emb(ids[sl]), targets[sl]).backward()
+        loss = loss_of(emb(ids[sl]), targets[sl])
+        extra = side_ids(step, ids, per) if side and rank == 0 else None
+        if extra is not None:
+            loss = loss + loss_of(tables[1](extra), targets[:per])
+        loss.backward()
         opt.step()
         if ctx.client.consistency == "sync":
             ctx.client.barrier()  # everyone pulls the same weights next step
     ctx.client.barrier()
     if rank == 0:
         np.save(os.path.join(out, "final.npy"), emb.weight[torch.arange(N)].numpy())
+        if side:
+            np.save(os.path.join(out, "side.npy"), tables[1].weight[torch.arange(N)].numpy())
     distemb.shutdown()
 
 
-def oracle_whole_batch(steps):
-    """The sync_exact oracle: one embedded process trains on every step's whole batch."""
+def oracle_whole_batch(steps, side=False):
+    """The sync_exact oracle: one embedded process trains on every step's whole batch.
+
+    Returns:
+        the final table, or (table, side table) with ``side``.
+    """
     ctx = DistContext.embedded(backend="pytorch", num_threads=1)
     emb = distemb.DistEmbedding(N, D, name="oracle", init_func=init, context=ctx)
-    opt = distemb.SparseAdagrad([emb], lr=LR)
+    side_emb = distemb.DistEmbedding(N, D, name="oracle-side", init_func=init, context=ctx)
+    opt = distemb.SparseAdagrad([emb, side_emb] if side else [emb], lr=LR)
     for step in range(steps):
         ids, targets = batch(step, 2, disjoint=False)
         opt.zero_grad()
-        loss_of(emb(ids), targets).backward()
+        loss = loss_of(emb(ids), targets)
+        extra = side_ids(step, ids, B // 2) if side else None
+        if extra is not None:
+            loss = loss + loss_of(side_emb(extra), targets[:B // 2])
+        loss.backward()
         opt.step()
-    return emb.weight[torch.arange(N)].numpy()
+    final = emb.weight[torch.arange(N)].numpy()
+    return (final, side_emb.weight[torch.arange(N)].numpy()) if side else final
 
 
 def oracle_sequential(steps, num_trainers=2):
@@ -99,6 +124,8 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--disjoint", action="store_true")
+    parser.add_argument("--side", action="store_true",
+                        help="a second table that only rank 0 uses, on even steps")
     args = parser.parse_args()
-    train(args.out, args.steps, args.disjoint)
+    train(args.out, args.steps, args.disjoint, args.side)
     sys.exit(0)

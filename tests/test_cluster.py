@@ -46,6 +46,16 @@ def test_two_by_two_sync_exact_equals_one_trainer_on_whole_batch(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_sync_exact_with_a_table_one_trainer_does_not_touch(tmp_path):
+    """Rank 1 never looks up 'side': its empty pushes keep the servers' steps complete."""
+    launch(tmp_path, "sync_exact", extra=["--side"], steps=6)
+    want, want_side = job.oracle_whole_batch(6, side=True)
+    assert not np.allclose(want_side, 0.5), "the side table did not train"
+    np.testing.assert_allclose(np.load(tmp_path / "final.npy"), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "side.npy"), want_side, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
 def test_two_by_two_sync_equals_sequential_application(tmp_path):
     launch(tmp_path, "sync", extra=["--disjoint"])
     np.testing.assert_allclose(np.load(tmp_path / "final.npy"), job.oracle_sequential(20),

@@ -294,6 +294,10 @@ class RemoteKVClient(KVClient):
                     grads=np.empty((0, grads.shape[1]), np.float32)))
         self._call(requests, wait=self.consistency != "async")
 
+    @property
+    def needs_every_step(self):
+        return self.consistency == "sync_exact"
+
     def barrier(self):
         if self.cfg.num_trainers > 1:
             self._call({0: Barrier(rank=self.rank)})

@@ -35,6 +35,9 @@ class KVClient:
     """
 
     num_servers = 1
+    #: True when every trainer must push one update per table per optimizer step, even an
+    #: empty one (synchronous-exact mode: servers wait for all trainers' contributions).
+    needs_every_step = False
 
     def init_data(self, name, shape, dtype, policy, init_func=None):
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None)."""

@@ -4,7 +4,9 @@
 ids and gradients, sums the gradients of duplicate ids (as PyTorch does; DGL averages
 them), and pushes one update per table to the rows' owner, which runs the subclass's
 fused rule in place (:mod:`distemb.rules`). ``step()`` consumes the trace: a second
-``step()`` without new lookups is a no-op.
+``step()`` without new lookups is a no-op. In synchronous-exact mode
+(``client.needs_every_step``) a table without gradients still pushes an empty update, so
+every table's step count advances on every ``step()``.
 
 Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
 ``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
@@ -109,7 +111,12 @@ class SparseOptimizer(torch.optim.Optimizer):
             ids, grads = self._gradients(emb)
             emb.reset_trace()
             if ids is None:
-                continue
+                if not emb.kvstore.needs_every_step:
+                    continue
+                # sync_exact: the servers wait for every trainer's push of this step, so a
+                # trainer without rows pushes an empty one (and counts the step like the rest).
+                ids = np.empty(0, np.int64)
+                grads = np.empty((0, emb.embedding_dim), np.float32)
             nt = emb.weight.context.num_threads
             uniq, summed = kernels.dedup_sum(ids, grads, nt)
             self._steps[emb.name] += 1
