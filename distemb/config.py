@@ -295,7 +295,12 @@ def load_cluster_config(path):
 
 def write_cluster_config(cfg, path):
     """Write ``cfg`` as JSON to ``path`` (atomically: readers never see half a file)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
-    os.replace(tmp, path)
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write the cluster config: {e.strerror}") from None
