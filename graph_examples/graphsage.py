@@ -118,8 +118,14 @@ def evaluate(model, emb, graph, labels, nodes, args):
 
 
 def _shard(nodes, ctx):
-    """This trainer's share of the training nodes (all of them when alone)."""
-    return nodes[ctx.rank::ctx.num_trainers] if ctx.num_trainers > 1 else nodes
+    """This trainer's share of the training nodes (all of them when alone).
+
+    Shares are equal in size so every trainer takes the same number of steps: DDP's
+    gradient all-reduce needs every trainer at every step.
+    """
+    if ctx.num_trainers == 1:
+        return nodes
+    return nodes[ctx.rank::ctx.num_trainers][:len(nodes) // ctx.num_trainers]
 
 
 def train(ds, args, ctx):
