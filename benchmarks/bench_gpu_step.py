@@ -64,7 +64,7 @@ def bench_fused(args, batches, grads, device):
     try:
         return time_steps(step, batches, grads, args.warmup)
     finally:
-        del weight, state
+        step = weight = state = None  # drop the table before the next benchmark allocates
         torch.cuda.empty_cache()
 
 
@@ -81,7 +81,7 @@ def bench_torch(args, batches, grads, device):
     try:
         return time_steps(step, batches, grads, args.warmup)
     finally:
-        del emb, opt
+        step = emb = opt = None
         torch.cuda.empty_cache()
 
 

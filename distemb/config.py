@@ -144,14 +144,19 @@ def read_config_file(path):
         raise ConfigError(f"{path}: not valid {kind}: {e}") from e
 
 
-def load_partition_config(path):
-    """Read and validate a distemb partition-policy file (YAML or JSON)."""
+def _load(path, parse):
+    """``parse`` the data of config file ``path``; every error starts with the path."""
     try:
-        return parse_partition_config(read_config_file(path))
+        return parse(read_config_file(path))
     except ConfigError as e:
         if str(e).startswith(path):
             raise
         raise ConfigError(f"{path}: {e}") from None
+
+
+def load_partition_config(path):
+    """Read and validate a distemb partition-policy file (YAML or JSON)."""
+    return _load(path, parse_partition_config)
 
 
 # --- cluster config: the one file distemb-launch hands to every process -------------
@@ -285,12 +290,7 @@ def parse_cluster_config(raw):
 
 def load_cluster_config(path):
     """Read and validate a cluster config (JSON); errors start with the path."""
-    try:
-        return parse_cluster_config(read_config_file(path))
-    except ConfigError as e:
-        if str(e).startswith(path):
-            raise
-        raise ConfigError(f"{path}: {e}") from None
+    return _load(path, parse_cluster_config)
 
 
 def write_cluster_config(cfg, path):

@@ -123,13 +123,6 @@ class RemoteKVClient(KVClient):
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
 
-    def _meta_of(self, name):
-        try:
-            return self._meta[name]
-        except KeyError:
-            raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self._meta)[:10]})") from None
-
     def _parts_by_server(self, policy):
         by = {}
         for part in range(policy.num_partitions):

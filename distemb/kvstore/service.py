@@ -32,7 +32,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.errors import KVStoreError
-from distemb.kvstore.server import KVServer
+from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import RULES, state_init, state_name
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.messages import Error, Reply, Service, decode_request

@@ -15,6 +15,7 @@ Example:
 """
 from dataclasses import dataclass
 
+from distemb.errors import KVStoreError
 from distemb.partition import PartitionPolicy
 
 
@@ -74,6 +75,14 @@ class KVClient:
     def push_update(self, name, ids, grads, rule, hyper):
         """Apply update ``rule`` with ``hyper`` to rows ``ids`` (unique) of ``name``."""
         raise NotImplementedError
+
+    def _meta_of(self, name):
+        """The DataMeta of ``name`` (implementations keep them in ``self._meta``)."""
+        try:
+            return self._meta[name]
+        except KeyError:
+            raise KVStoreError(f"name {name!r} is not in the KVStore "
+                               f"(known: {sorted(self._meta)[:10]})") from None
 
     def barrier(self):
         """Wait for every trainer (no-op with one)."""
