@@ -29,7 +29,7 @@ from graph_examples.errors import DatasetError  # noqa: E402
 DEFAULT_SPLIT = (0.6, 0.2, 0.2)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value to compare
 class GraphDataset:
     """A graph with node labels and a fixed train/validation/test split.
 
