@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hide this fraction of edges before training and report ROC-AUC")
     p.add_argument("--eval-max-iter", type=int, default=300,
                    help="logistic regression iterations for node classification")
+    p.add_argument("--table-name", help="distemb table-name prefix, the same in every "
+                   "trainer of one job (default: fresh tables for this run)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="out/deepwalk", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -130,7 +132,8 @@ def train(graph, args) -> dict:
         dict with 'embeddings' (N, dim) float32, 'losses' (per step), 'steps',
         'pairs', 'seconds' and 'phase_seconds' (sample, forward_backward, step).
     """
-    tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed)
+    tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
+                         args.table_name)
     batches = SkipGramBatches(graph, args.walk_length, args.window, args.num_walks,
                               args.negatives, args.batch_size, args.p, args.q, args.seed)
     total = -(-batches.pairs_per_epoch() // args.batch_size) * args.epochs

@@ -84,3 +84,13 @@ def test_max_steps_stops_early_and_phases_add_up(tmp_path):
     assert metrics["steps"] == 7 and metrics["pairs"] == 7 * 128
     phases = sum(metrics[f"{p}_seconds"] for p in ("sample", "forward_backward", "step"))
     assert phases <= metrics["train_seconds"] + 0.02
+
+
+@needs_core
+def test_distemb_runs_in_one_process_start_fresh(tmp_path):
+    # distemb reuses a table of an existing name: a second run must not continue the
+    # first one's rows.
+    main(FAST + ["--out", str(tmp_path / "a")])
+    main(FAST + ["--out", str(tmp_path / "b")])
+    assert np.array_equal(np.load(tmp_path / "a" / "embeddings.npy"),
+                          np.load(tmp_path / "b" / "embeddings.npy"))
