@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from graph_examples.datasets import GraphDataset, load_dataset  # noqa: E402
+from graph_examples.datasets import DATASET_NAMES, GraphDataset, load_dataset  # noqa: E402
 from graph_examples.evaluate import (link_prediction_auc, node_classification,  # noqa: E402
                                      split_edges)
 from graph_examples.plots import save_training_plot  # noqa: E402
@@ -69,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Parse the command line (see --help)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", default="karate",
-                   help="karate, wordnet, sbm or edgelist (see graph_examples/datasets.py)")
+    p.add_argument("--dataset", default="karate", choices=DATASET_NAMES,
+                   help="graph to embed (see graph_examples/datasets.py)")
     p.add_argument("--edges", help="edge list file, for --dataset edgelist")
     p.add_argument("--labels", help="node label file, for --dataset edgelist")
     p.add_argument("--data-opt", action="append", type=_data_option, default=[],

@@ -56,6 +56,7 @@ def test_link_prediction_flag_reports_auc(tmp_path):
     (["--link-prediction", "1.0"], r"--link-prediction: must be in \[0, 1\)"),
     (["--data-opt", "oops"], "--data-opt: expected KEY=VALUE"),
     (["--max-steps", "-1"], "--max-steps: must be >= 0, got -1"),
+    (["--dataset", "cora"], "invalid choice: 'cora'"),
 ])
 def test_bad_arguments_exit_with_a_message(capsys, argv, message):
     with pytest.raises(SystemExit):
