@@ -29,7 +29,7 @@ from graph_examples.errors import DatasetError  # noqa: E402
 DEFAULT_SPLIT = (0.6, 0.2, 0.2)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value to compare
 class GraphDataset:
     """A graph with node labels and a fixed train/validation/test split.
 
@@ -245,6 +245,7 @@ def load_edgelist(path: Union[str, Path], labels_path: Optional[Union[str, Path]
     The optional labels file holds `node label` lines; integer labels are kept as
     given (num_classes = max + 1), other labels are numbered in sorted order. Nodes
     named only in the labels file become isolated nodes; nodes without a label get -1.
+    When every id is an integer, ids compare as integers ('007' and '7' are one node).
 
     Args:
         path: edge list file.
@@ -299,6 +300,7 @@ _LOADERS = {
     "sbm": load_sbm,
     "edgelist": load_edgelist,
 }
+DATASET_NAMES = tuple(sorted(_LOADERS))
 
 
 def load_dataset(name: str, **kwargs) -> GraphDataset:
@@ -317,7 +319,7 @@ def load_dataset(name: str, **kwargs) -> GraphDataset:
     """
     loader = _LOADERS.get(name)
     if loader is None:
-        raise DatasetError(f"dataset: unknown name {name!r}; expected one of {sorted(_LOADERS)}")
+        raise DatasetError(f"dataset: unknown name {name!r}; expected one of {list(DATASET_NAMES)}")
     signature = inspect.signature(loader)
     try:
         signature.bind(**kwargs)

@@ -11,6 +11,7 @@ Example:
 """
 import argparse
 import ast
+import itertools
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from graph_examples.datasets import GraphDataset, load_dataset  # noqa: E402
+from graph_examples.datasets import DATASET_NAMES, GraphDataset, load_dataset  # noqa: E402
 from graph_examples.evaluate import (link_prediction_auc, node_classification,  # noqa: E402
                                      split_edges)
 from graph_examples.plots import save_training_plot  # noqa: E402
@@ -68,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Parse the command line (see --help)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", default="karate",
-                   help="karate, wordnet, sbm or edgelist (see graph_examples/datasets.py)")
+    p.add_argument("--dataset", default="karate", choices=DATASET_NAMES,
+                   help="graph to embed (see graph_examples/datasets.py)")
     p.add_argument("--edges", help="edge list file, for --dataset edgelist")
     p.add_argument("--labels", help="node label file, for --dataset edgelist")
     p.add_argument("--data-opt", action="append", type=_data_option, default=[],
@@ -86,11 +87,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4096, help="pairs per step")
     p.add_argument("--epochs", type=int, default=1, help="passes of fresh walks")
     p.add_argument("--lr", type=float, default=0.01, help="SparseAdam learning rate")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many steps (0: run every epoch to the end)")
     p.add_argument("--seed", type=int, default=0, help="seed for walks, negatives, init")
     p.add_argument("--link-prediction", type=float, default=0.0, metavar="FRACTION",
                    help="hide this fraction of edges before training and report ROC-AUC")
     p.add_argument("--eval-max-iter", type=int, default=300,
                    help="logistic regression iterations for node classification")
+    p.add_argument("--table-name", help="distemb table-name prefix, the same in every "
+                   "trainer of one job (default: fresh tables for this run)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="out/deepwalk", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -99,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "epochs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.max_steps < 0:
+        p.error(f"--max-steps: must be >= 0, got {args.max_steps}")
     if not 0.0 <= args.link_prediction < 1.0:
         p.error(f"--link-prediction: must be in [0, 1), got {args.link_prediction}")
     if args.dataset == "edgelist" and not args.edges:
@@ -123,37 +130,48 @@ def train(graph, args) -> dict:
 
     Returns:
         dict with 'embeddings' (N, dim) float32, 'losses' (per step), 'steps',
-        'pairs', 'seconds'.
+        'pairs', 'seconds' and 'phase_seconds' (sample, forward_backward, step).
     """
-    tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed)
+    tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
+                         args.table_name)
     batches = SkipGramBatches(graph, args.walk_length, args.window, args.num_walks,
                               args.negatives, args.batch_size, args.p, args.q, args.seed)
-    per_epoch = -(-batches.pairs_per_epoch() // args.batch_size)
+    total = -(-batches.pairs_per_epoch() // args.batch_size) * args.epochs
+    if args.max_steps:
+        total = min(total, args.max_steps)
     losses, pairs = [], 0
-    bar = tqdm(total=per_epoch * args.epochs, disable=args.quiet, unit="step",
-               dynamic_ncols=True)
-    start = time.perf_counter()
-    for epoch in range(args.epochs):
-        for centers, contexts, negatives in batches.epoch(epoch):
-            b, k = negatives.shape
-            tables.zero_grad()
-            u = tables.node(centers)
-            # One context lookup for positives and negatives: one pull, one trace entry.
-            ctx = tables.context(torch.cat([contexts, negatives.reshape(-1)]))
-            loss = skipgram_loss(u, ctx[:b], ctx[b:].reshape(b, k, -1))
-            loss.backward()
-            tables.step()
-            losses.append(loss.item())
-            pairs += b
-            bar.update(1)
-            if len(losses) % 50 == 0:
-                rate = pairs / (time.perf_counter() - start)
-                bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]):.4f}",
-                                pairs_s=f"{rate:,.0f}")
+    # Where the time goes: making batches (walks, pairs, negatives), lookups with
+    # forward and backward, and the optimizer step.
+    phase = dict(sample=0.0, forward_backward=0.0, step=0.0)
+    stream = ((epoch, batch) for epoch in range(args.epochs) for batch in batches.epoch(epoch))
+    bar = tqdm(total=total, disable=args.quiet, unit="step", dynamic_ncols=True)
+    start = tick = time.perf_counter()
+    for epoch, (centers, contexts, negatives) in itertools.islice(stream, total):
+        t1 = time.perf_counter()
+        b, k = negatives.shape
+        tables.zero_grad()
+        u = tables.node(centers)
+        # One context lookup for positives and negatives: one pull, one trace entry.
+        ctx = tables.context(torch.cat([contexts, negatives.reshape(-1)]))
+        loss = skipgram_loss(u, ctx[:b], ctx[b:].reshape(b, k, -1))
+        loss.backward()
+        t2 = time.perf_counter()
+        tables.step()
+        losses.append(loss.item())
+        tock = time.perf_counter()
+        phase["sample"] += t1 - tick
+        phase["forward_backward"] += t2 - t1
+        phase["step"] += tock - t2
+        tick = tock
+        pairs += b
+        bar.update(1)
+        if len(losses) % 50 == 0:
+            bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]):.4f}",
+                            pairs_s=f"{pairs / (tock - start):,.0f}")
     seconds = time.perf_counter() - start
     bar.close()
     return dict(embeddings=tables.export(), losses=losses, steps=len(losses), pairs=pairs,
-                seconds=seconds)
+                seconds=seconds, phase_seconds=phase)
 
 
 def format_table(rows) -> str:
@@ -185,6 +203,8 @@ def main(argv=None) -> dict:
                    train_seconds=round(result["seconds"], 2), load_seconds=round(load_s, 2),
                    pairs_per_second=round(result["pairs"] / result["seconds"]),
                    steps_per_second=round(result["steps"] / result["seconds"], 1),
+                   **{f"{name}_seconds": round(sec, 2)
+                      for name, sec in result["phase_seconds"].items()},
                    final_loss=round(float(np.mean(result["losses"][-50:])), 4))
     if dataset.num_classes >= 2 and len(dataset.train_idx):
         scores = node_classification(emb, dataset, "test", args.eval_max_iter, args.seed)

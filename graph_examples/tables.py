@@ -5,7 +5,7 @@ torch.nn.Embedding(sparse=True) with torch.optim.SparseAdam, the baseline distem
 checked against. Both start the same way as word2vec: node rows uniform in
 +-0.5/dim, context rows zero (were both zero, every gradient would stay zero).
 """
-from typing import Protocol
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
@@ -89,20 +89,23 @@ class DistembTables:
         dim: embedding width.
         lr: SparseAdam learning rate.
         seed: node-table initialisation seed.
-        name: table-name prefix; tables with the same name share storage.
+        name: table-name prefix. Tables of one name share storage (distemb reuses an
+            existing table instead of initialising it), which trainers of one job
+            need; None gives fresh, uniquely named tables, right for one process.
 
     Example:
-        >>> tables = DistembTables(34, 8, lr=0.01, name="doc")
+        >>> tables = DistembTables(34, 8, lr=0.01)
         >>> loss = (tables.node(torch.tensor([0])) * tables.context(torch.tensor([1]))).sum()
         >>> loss.backward(); tables.step(); tables.zero_grad()
     """
 
     def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0,
-                 name: str = "deepwalk"):
-        self._node = distemb.DistEmbedding(num_nodes, dim, name=f"{name}-node",
+                 name: Optional[str] = None):
+        self._node = distemb.DistEmbedding(num_nodes, dim,
+                                           name=name and f"{name}-node",
                                            init_func=_node_init(dim, seed))
         self._context = distemb.DistEmbedding(
-            num_nodes, dim, name=f"{name}-context",
+            num_nodes, dim, name=name and f"{name}-context",
             init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
         self._opt = distemb.SparseAdam([self._node, self._context], lr=lr)
 
@@ -126,8 +129,8 @@ class DistembTables:
         return torch.cat(parts).numpy().astype(np.float32, copy=False)
 
 
-def make_tables(backend: str, num_nodes: int, dim: int, lr: float,
-                seed: int = 0) -> SkipGramTables:
+def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0,
+                name: Optional[str] = None) -> SkipGramTables:
     """Build skip-gram tables on a backend.
 
     Args:
@@ -136,6 +139,7 @@ def make_tables(backend: str, num_nodes: int, dim: int, lr: float,
         dim: embedding width, >= 1.
         lr: learning rate, > 0.
         seed: node-table initialisation seed.
+        name: distemb table-name prefix (see DistembTables); ignored by 'torch'.
 
     Returns:
         A SkipGramTables implementation.
@@ -151,5 +155,5 @@ def make_tables(backend: str, num_nodes: int, dim: int, lr: float,
     if backend == "torch":
         return TorchTables(num_nodes, dim, lr, seed)
     if backend == "distemb":
-        return DistembTables(num_nodes, dim, lr, seed)
+        return DistembTables(num_nodes, dim, lr, seed, name)
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")

@@ -9,6 +9,7 @@ file numbers (0..44, e.g. 3 = noun.Tops, 29 = verb.body).
 """
 import hashlib
 import os
+import warnings
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
@@ -187,6 +188,9 @@ def load_wordnet_arrays(root: Union[str, Path] = DEFAULT_ROOT,
     Raises:
         DatasetNotFoundError: the data files are missing.
         DatasetError: the data files are malformed.
+
+    Warns:
+        RuntimeWarning: the cache could not be written (the parse is still returned).
     """
     if not use_cache:
         return parse_wordnet(root)
@@ -198,11 +202,15 @@ def load_wordnet_arrays(root: Union[str, Path] = DEFAULT_ROOT,
         except (OSError, KeyError, ValueError):
             pass  # a truncated or foreign cache file: re-parse and overwrite it
     arrays = parse_wordnet(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a concurrent reader never sees half a file.
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, **arrays._asdict())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so a concurrent reader never sees half a file.
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, **arrays._asdict())
+        os.replace(tmp, path)
+    except OSError as exc:
+        # A read-only home must not stop the example: it only costs a re-parse.
+        warnings.warn(f"WordNet cache not written to {path}: {exc}", RuntimeWarning)
     return arrays
 
 

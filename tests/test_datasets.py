@@ -241,6 +241,24 @@ def test_mini_wordnet_cache_hit_and_invalidation(tmp_path):
     assert len(list(cache.glob("wordnet-*.npz"))) == 2
 
 
+def test_unwritable_cache_warns_and_still_loads(tmp_path):
+    root = write_mini_wordnet(tmp_path / "wn")
+    not_a_dir = write(tmp_path / "file", "")
+    with pytest.warns(RuntimeWarning, match="WordNet cache not written"):
+        ds = load_dataset("wordnet", root=root, cache_dir=not_a_dir / "cache")
+    assert ds.graph.num_nodes() == 6
+
+
+def test_corrupt_cache_is_replaced(tmp_path):
+    root = write_mini_wordnet(tmp_path / "wn")
+    cache = tmp_path / "cache"
+    load_dataset("wordnet", root=root, cache_dir=cache)
+    (path,) = cache.glob("wordnet-*.npz")
+    path.write_bytes(b"not an npz")
+    assert load_dataset("wordnet", root=root, cache_dir=cache).graph.num_nodes() == 6
+    assert path.read_bytes()[:2] == b"PK"  # rewritten as a zip (npz) file
+
+
 def test_mini_wordnet_bad_pointer_target(tmp_path):
     files = dict(MINI, verb=["00000100 29 v 01 be 0 001 + 00009999 n 0101 | exist"])
     with pytest.raises(DatasetError, match="1 pointers target unknown synsets.*00009999"):

@@ -55,6 +55,8 @@ def test_link_prediction_flag_reports_auc(tmp_path):
     (["--dataset", "edgelist"], "--dataset edgelist needs --edges PATH"),
     (["--link-prediction", "1.0"], r"--link-prediction: must be in \[0, 1\)"),
     (["--data-opt", "oops"], "--data-opt: expected KEY=VALUE"),
+    (["--max-steps", "-1"], "--max-steps: must be >= 0, got -1"),
+    (["--dataset", "cora"], "invalid choice: 'cora'"),
 ])
 def test_bad_arguments_exit_with_a_message(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -76,3 +78,20 @@ def test_distemb_backend_matches_torch(tmp_path):
     a = np.load(tmp_path / "torch" / "embeddings.npy")
     b = np.load(tmp_path / "distemb" / "embeddings.npy")
     assert np.abs(a - b).max() < 1e-4
+
+
+def test_max_steps_stops_early_and_phases_add_up(tmp_path):
+    metrics = main(FAST + ["--backend", "torch", "--max-steps", "7", "--out", str(tmp_path)])
+    assert metrics["steps"] == 7 and metrics["pairs"] == 7 * 128
+    phases = sum(metrics[f"{p}_seconds"] for p in ("sample", "forward_backward", "step"))
+    assert phases <= metrics["train_seconds"] + 0.02
+
+
+@needs_core
+def test_distemb_runs_in_one_process_start_fresh(tmp_path):
+    # distemb reuses a table of an existing name: a second run must not continue the
+    # first one's rows.
+    main(FAST + ["--out", str(tmp_path / "a")])
+    main(FAST + ["--out", str(tmp_path / "b")])
+    assert np.array_equal(np.load(tmp_path / "a" / "embeddings.npy"),
+                          np.load(tmp_path / "b" / "embeddings.npy"))

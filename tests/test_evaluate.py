@@ -86,6 +86,20 @@ def test_pca_projection_keeps_the_main_axis():
     assert abs(np.corrcoef(xy[:, 1], x[:, 1])[0, 1]) > 0.99
 
 
+def test_tsne_projection_separates_clusters():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0, 1, (30, 8)), rng.normal(20, 1, (30, 8))])
+    xy = project_2d(x, "tsne", seed=0)
+    assert xy.shape == (60, 2)
+    gap = np.linalg.norm(xy[:30].mean(0) - xy[30:].mean(0))
+    assert gap > 3 * max(xy[:30].std(0).max(), xy[30:].std(0).max())
+
+
+def test_projection_rejects_unknown_method():
+    with pytest.raises(ValueError, match="method: expected 'pca' or 'tsne', got 'umap'"):
+        project_2d(np.zeros((5, 3)), "umap")
+
+
 def test_training_plot_writes_a_png(tmp_path, sbm):
     emb = torch.nn.functional.one_hot(sbm.labels, 5).float() + 0.1 * torch.randn(2000, 5)
     path = save_training_plot(tmp_path / "sub" / "report.png", [3.0, 2.0, 1.5], emb,

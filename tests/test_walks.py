@@ -128,3 +128,13 @@ def test_batches_reject_bad_sizes(karate):
     with pytest.raises(ValueError, match="batch_size: must be >= 1, got 0"):
         SkipGramBatches(karate.graph, walk_length=5, window=2, num_walks=1, negatives=1,
                         batch_size=0)
+
+
+def test_default_chunks_hold_a_few_batches(karate):
+    # Big chunks made the loss jump at each chunk boundary (the model fit the chunk's
+    # nodes); the default keeps a chunk to about 4 batches.
+    batches = SkipGramBatches(karate.graph, walk_length=8, window=2, num_walks=3,
+                              negatives=2, batch_size=50, seed=1)
+    assert batches.pairs_per_walk() == 2 * (7 + 6)
+    assert batches.walks_per_chunk == 8  # ceil(4 * 50 / 26)
+    assert sum(len(c) for c, _, _ in batches.epoch(0)) == batches.pairs_per_epoch()
