@@ -182,14 +182,9 @@ class SkipGramBatches:
         Yields:
             (centers (B,), contexts (B,), negatives (B, negatives)) int64 tensors.
         """
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        dgl.seed(self.seed * 1_000_003 + index)
-        starts = self.start_nodes.repeat(self.num_walks)
-        starts = starts[torch.randperm(len(starts), generator=gen)]
+        gen = self.generator(index)
         carry_c = carry_x = torch.empty(0, dtype=torch.int64)
-        for lo in range(0, len(starts), self.walks_per_chunk):
-            walks = random_walks(self.graph, starts[lo:lo + self.walks_per_chunk],
-                                 self.walk_length, self.p, self.q)
+        for walks in self.walk_chunks(index, gen):
             centers, contexts = skipgram_pairs(walks, self.window)
             order = torch.randperm(len(centers), generator=gen)
             centers = torch.cat([carry_c, centers[order]])
@@ -201,6 +196,27 @@ class SkipGramBatches:
             carry_c, carry_x = centers[full:], contexts[full:]
         if len(carry_c):
             yield self._batch(carry_c, carry_x, gen)
+
+    def generator(self, index: int) -> torch.Generator:
+        """Return the seeded generator of epoch `index` (start order, shuffles, negatives)."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+
+    def walk_chunks(self, index: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+        """Yield the walks of epoch `index`, a chunk at a time, as epoch() cuts them.
+
+        Args:
+            index: epoch number.
+            gen: the epoch's generator (see generator()); it draws the start order.
+
+        Yields:
+            int64 (walks, walk_length) tensors, -1 padded.
+        """
+        dgl.seed(self.seed * 1_000_003 + index)
+        starts = self.start_nodes.repeat(self.num_walks)
+        starts = starts[torch.randperm(len(starts), generator=gen)]
+        for lo in range(0, len(starts), self.walks_per_chunk):
+            yield random_walks(self.graph, starts[lo:lo + self.walks_per_chunk],
+                               self.walk_length, self.p, self.q)
 
     def _batch(self, centers, contexts, gen) -> Batch:
         return centers, contexts, self.sampler.sample((len(centers), self.negatives), gen)
