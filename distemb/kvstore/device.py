@@ -1,7 +1,8 @@
 """DeviceKVClient: an embedded KVClient whose tables live in torch tensors on one device.
 
 A GPU-resident table is one whole tensor on its device (the partition policy is kept as
-metadata, its size checked): lookups gather with the CUDA kernels and updates run the
+metadata, its size checked, and ``init_func`` still fills one shard at a time, so a
+table starts as it would on the host): lookups gather with the CUDA kernels and updates run the
 rules of :mod:`distemb.rules` with :mod:`distemb.kernels.cuda`, so rows, ids and
 gradients never leave the GPU. Arrays crossing this client are torch tensors on its
 device (ids int64), where host clients use numpy. Embedded only: a server process holds
@@ -11,6 +12,7 @@ This module imports torch; :mod:`distemb.kvstore` does not import it, so servers
 load it (the context imports it when a table asks for a device).
 
 """
+import numpy as np
 import torch
 
 from distemb.errors import KVStoreError
@@ -90,23 +92,39 @@ class DeviceKVClient(KVClient):
         self._meta = {}
 
     def init_data(self, name, shape, dtype, policy, init_func=None):
-        """Create ``name``; ``init_func(shape, dtype_name)`` fills the whole table once."""
+        """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard.
+
+        Zeros when ``init_func`` is None. It may return numpy arrays or torch tensors; each
+        shard's rows land at their global ids, as a host client would place them.
+        """
         if name in self._meta:
             raise KVStoreError(f"name {name!r} already exists in the KVStore")
         shape = tuple(shape)
         if policy.get_size() != shape[0]:
             raise KVStoreError(f"policy of {name!r}: {policy.policy_str} has "
                                f"{policy.get_size()} ids, but shape[0] is {shape[0]}")
+        self._tables[name] = self._initial(name, shape, dtype, policy, init_func)
+        self._meta[name] = DataMeta(shape, dtype, policy)
+
+    def _initial(self, name, shape, dtype, policy, init_func):
         tdtype = getattr(torch, dtype)
         if init_func is None:
-            table = torch.zeros(shape, dtype=tdtype, device=self.device)
-        else:
-            table = torch.as_tensor(init_func(shape, dtype)).to(self.device, tdtype)
-            if tuple(table.shape) != shape:
+            return torch.zeros(shape, dtype=tdtype, device=self.device)
+        shards = []
+        for part in range(policy.num_partitions):
+            sshape = (policy.get_part_size(part),) + shape[1:]
+            shard = torch.as_tensor(init_func(sshape, dtype)).to(self.device, tdtype)
+            if tuple(shard.shape) != sshape:
                 raise KVStoreError(f"init_func of {name!r}: returned shape "
-                                   f"{tuple(table.shape)}, expected {shape}")
-        self._tables[name] = table.contiguous()
-        self._meta[name] = DataMeta(shape, dtype, policy)
+                                   f"{tuple(shard.shape)}, expected {sshape}")
+            shards.append(shard)
+        if len(shards) == 1:
+            return shards[0].contiguous()
+        table = torch.empty(shape, dtype=tdtype, device=self.device)
+        for part, pos, local in policy.split(np.arange(shape[0], dtype=np.int64)):
+            table[torch.from_numpy(pos).to(self.device)] = \
+                shards[part][torch.from_numpy(local).to(self.device)]
+        return table
 
     def data_meta(self, name):
         return self._meta.get(name)
@@ -169,7 +187,7 @@ class DeviceKVClient(KVClient):
         impl.apply(self.ops, self._table(name), states, ids, grads, hyper)
 
     def from_host(self, array):
-        return torch.as_tensor(array).to(self.device)
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def to_host(self, array):
         return array.cpu().numpy()
