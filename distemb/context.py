@@ -53,6 +53,7 @@ class DistContext:
         self.role, self.rank, self.num_trainers = role, rank, num_trainers
         self.num_threads = num_threads or default_num_threads()
         self._names = itertools.count()
+        self._device_clients = {}
         self.closed = False
 
     @classmethod
@@ -79,14 +80,54 @@ class DistContext:
     def num_servers(self):
         return self.client.num_servers
 
+    def client_for(self, device):
+        """The KVClient of tables on ``device``: this context's client for host tables.
+
+        For a CUDA device, one :class:`~distemb.kvstore.device.DeviceKVClient` per device,
+        made on first use and closed with the context.
+
+        Args:
+            device: None or 'cpu' (host tables), or a CUDA device ('cuda', 'cuda:N', a
+                ``torch.device``).
+
+        Returns:
+            The :class:`~distemb.kvstore.KVClient` holding such tables.
+
+        Raises:
+            DistEmbError: a GPU-resident table in a context that is not embedded, or
+                whose backend is not pytorch.
+            ValueError: ``device`` is neither 'cpu' nor a CUDA device.
+            CudaUnavailableError: the CUDA kernels cannot run here (it says why).
+        """
+        if device is None or str(device) == "cpu":
+            return self.client
+        if self.role != "embedded":
+            raise DistEmbError(f"device={device!r}: GPU-resident tables are embedded-only, "
+                               f"but this context's role is {self.role!r} (its tables live "
+                               "on the servers); create the table on the host and look rows "
+                               "up with emb(ids, device=...)")
+        if self.F.name != "pytorch":
+            raise DistEmbError(f"device={device!r}: GPU-resident tables need the pytorch "
+                               f"backend, this context's is {self.F.name!r}")
+        # Imported here, not at the top: this module is imported by server processes,
+        # which must never import torch (tests/test_backend.py); device.py imports it.
+        from distemb.kvstore import device as device_kv
+
+        dev = device_kv.cuda_device(device)
+        if dev not in self._device_clients:
+            self._device_clients[dev] = device_kv.DeviceKVClient(dev)
+        return self._device_clients[dev]
+
     def new_name(self, prefix):
         """A name no other anonymous tensor of this context has."""
         return f"{prefix}-{next(self._names)}"
 
     def close(self):
-        """Release the client (and, embedded, every table)."""
+        """Release the clients (and, embedded, every table)."""
         if not self.closed:
             self.client.close()
+            for client in self._device_clients.values():
+                client.close()
             self.closed = True
 
     def __repr__(self):

@@ -2,8 +2,9 @@
 
 ``ctx`` gives every test its own embedded context (no shared tables); ``zipf_ids`` makes
 duplicate-heavy ids. ``client`` runs each test of tests/test_kvclient_suite.py on every
-KVClient: the embedded LocalKVClient, and a RemoteKVClient over TCP to two server
-processes, with and without shared memory. The server clusters live for the module
+KVClient: the embedded LocalKVClient, a RemoteKVClient over TCP to two server
+processes, with and without shared memory, and a DeviceKVClient on the CPU running the
+CUDA twin (tests/cpu_cuda_twin.py), seen through numpy by ``HostView``. The server clusters live for the module
 (spawning is the slow part); each test gets a fresh client and drops its tables afterwards.
 
 With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
@@ -15,14 +16,51 @@ import os
 import numpy as np
 import pytest
 
+from cpu_cuda_twin import CpuCudaTwin
 from mp_helper import ProcessGroup, cluster_dict, write_json
 
 from distemb.config import load_cluster_config, parse_cluster_config
-from distemb.kvstore import LocalKVClient
+from distemb.kvstore import KVClient, LocalKVClient
+from distemb.kvstore.device import DeviceKVClient
 from distemb.kvstore.remote import RemoteKVClient
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
-CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm"]
+CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin"]
+
+
+class HostView(KVClient):
+    """A device client behind the numpy interface: arrays cross through from/to_host."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def init_data(self, name, shape, dtype, policy, init_func=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func)
+
+    def data_meta(self, name):
+        return self.inner.data_meta(name)
+
+    def names(self):
+        return self.inner.names()
+
+    def delete_data(self, name):
+        self.inner.delete_data(name)
+
+    def pull(self, name, ids):
+        return self.inner.to_host(self.inner.pull(name, self.inner.from_host(ids)))
+
+    def push(self, name, ids, values):
+        self.inner.push(name, self.inner.from_host(ids), self.inner.from_host(values))
+
+    def init_optimizer(self, name, rule, options):
+        return self.inner.init_optimizer(name, rule, options)
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        self.inner.push_update(name, self.inner.from_host(ids), self.inner.from_host(grads),
+                               rule, hyper)
+
+    def close(self):
+        self.inner.close()
 
 
 class Cluster:
@@ -65,8 +103,9 @@ def clusters(tmp_path_factory):
 @pytest.fixture(params=CLIENT_KINDS)
 def client(request, clusters):
     """A KVClient of each kind; remote ones talk to two server processes."""
-    if request.param == "local":
-        kv = LocalKVClient()
+    if request.param in ("local", "device_twin"):
+        kv = LocalKVClient() if request.param == "local" else HostView(
+            DeviceKVClient("cpu", ops=CpuCudaTwin()))
         yield kv
         kv.close()
         return

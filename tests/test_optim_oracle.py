@@ -29,7 +29,7 @@ class RowWiseAdagradOracle(torch.optim.Optimizer):
     def __init__(self, params, lr, eps=1e-10):
         super().__init__(params, {"lr": lr, "eps": eps})
         for p in self.param_groups[0]["params"]:
-            self.state[p]["sum"] = torch.zeros(p.shape[0])
+            self.state[p]["sum"] = torch.zeros(p.shape[0], device=p.device)
 
     def step(self):
         g = self.param_groups[0]
@@ -49,7 +49,7 @@ class PerRowAdamOracle(torch.optim.Optimizer):
         for p in self.param_groups[0]["params"]:
             st = self.state[p]
             st["m"], st["v"] = torch.zeros_like(p), torch.zeros_like(p)
-            st["t"] = torch.zeros(p.shape[0], dtype=torch.float64)
+            st["t"] = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
 
     def step(self):
         g = self.param_groups[0]
@@ -105,29 +105,37 @@ def kernel_impl(request, monkeypatch):
     return request.param
 
 
-def run_both(ctx, case, dim, policy_kind="one-part", steps=STEPS, seed=0):
+def run_both(ctx, case, dim, policy_kind="one-part", steps=STEPS, seed=0, table_device=None,
+             lookup_device=None, oracle_device="cpu"):
+    """Our table and the oracle's after ``steps`` steps, and the initial weights (on CPU).
+
+    ``table_device`` and ``lookup_device`` go to ``DistEmbedding(device=)`` and
+    ``emb(ids, device=)``; ``oracle_device`` is where the torch oracle runs.
+    """
     make_ours, make_torch = CASES[case]
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(ROWS, dim, generator=gen)
-    ref = torch.nn.Embedding(ROWS, dim, sparse=True)
+    ref = torch.nn.Embedding(ROWS, dim, sparse=True).to(oracle_device)
     ref.weight.data.copy_(w0)
     ref_opt = make_torch([ref.weight])
     emb = DistEmbedding(ROWS, dim, name=f"oracle-{case}-{dim}", context=ctx,
-                        part_policy=_policy(policy_kind, ROWS))
+                        part_policy=_policy(policy_kind, ROWS), device=table_device)
     emb.weight[torch.arange(ROWS)] = w0
     opt = make_ours([emb])
     for _ in range(steps):
         ids = torch.from_numpy(zipf_ids(rng, ROWS, BATCH))
         upstream = torch.randn(BATCH, dim, generator=gen)
         ref_opt.zero_grad()
-        (ref(ids) * upstream).sum().backward()
+        (ref(ids.to(oracle_device)) * upstream.to(oracle_device)).sum().backward()
         ref_opt.step()
         half = BATCH // 2
-        a, b = emb(ids[:half]), emb(ids[half:].int())  # int32 ids too
-        ((a * upstream[:half]).sum() + (b * upstream[half:]).sum()).backward()
+        a = emb(ids[:half], device=lookup_device)
+        b = emb(ids[half:].int(), device=lookup_device)  # int32 ids too
+        up = upstream.to(a.device)
+        ((a * up[:half]).sum() + (b * up[half:]).sum()).backward()
         opt.step()
-    return emb.weight[torch.arange(ROWS)], ref.weight.detach(), w0
+    return emb.weight[torch.arange(ROWS)].cpu(), ref.weight.detach().cpu(), w0
 
 
 def assert_within(ours, expected):

@@ -7,6 +7,10 @@ The functions here have the names and semantics of :mod:`distemb.kernels` (the n
 twins in :mod:`distemb.kernels.reference` define them) but take torch CUDA tensors and
 enqueue their work on the current CUDA stream of the tensors' device.
 
+Every function also takes the ``num_threads`` keyword of its CPU twin and ignores it, so
+code written against one kernel module runs with either (the update rules of
+:mod:`distemb.rules` take the module as an argument).
+
 Inputs must already have the exact dtype (int64 ids, float32 rows) and be contiguous:
 nothing is copied or converted behind the caller's back. As on the CPU, row ids must be
 in range and, for the updates, unique; that is the caller's contract, not checked here.
@@ -228,7 +232,7 @@ def _call(lib, name, device, *args):
         check_status(lib, name, getattr(lib, name)(*args, device, stream))
 
 
-def dedup_sum(ids, grads, num_rows=None):
+def dedup_sum(ids, grads, num_rows=None, num_threads=1):
     """Deduplicate ``ids`` and sum the gradient rows of each duplicate, on the GPU.
 
     Sums accumulate in batch order, so results are deterministic. Synchronises once with
@@ -240,6 +244,7 @@ def dedup_sum(ids, grads, num_rows=None):
         num_rows: optional table size. When given, every id must lie in [0, num_rows)
             (not checked): the sort then reads only the bits that range needs, in fewer
             passes. Ids outside it give wrong results.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Returns:
         (uniq, summed): ascending unique ids (int64, (U,)) and their (U, D) float32 sums.
@@ -282,13 +287,14 @@ def dedup_sum(ids, grads, num_rows=None):
     return uniq[:num_unique], summed
 
 
-def gather_rows(table, rows, out=None):
+def gather_rows(table, rows, out=None, num_threads=1):
     """Copy ``table[rows]`` into ``out`` (allocated when None) on the GPU and return it.
 
     Args:
         table: (R, D) float32 CUDA tensor.
         rows: (N,) int64 CUDA tensor of row ids in [0, R).
         out: optional (N, D) float32 CUDA tensor to write into.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Returns:
         ``out``.
@@ -314,7 +320,7 @@ def gather_rows(table, rows, out=None):
     return out
 
 
-def sgd_update(weight, rows, grads, lr):
+def sgd_update(weight, rows, grads, lr, num_threads=1):
     """In place on the GPU: ``weight[rows] -= lr * grads``. ``rows`` must be unique.
 
     Args:
@@ -322,6 +328,7 @@ def sgd_update(weight, rows, grads, lr):
         rows: (N,) int64 CUDA tensor of unique row ids in [0, R).
         grads: (N, D) float32 CUDA tensor.
         lr: learning rate.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Raises:
         TypeError: wrong type, dtype or a CPU tensor.
@@ -337,7 +344,7 @@ def sgd_update(weight, rows, grads, lr):
               rows.data_ptr(), grads.data_ptr(), rows.shape[0], float(lr))
 
 
-def adagrad_update(weight, state_sum, rows, grads, clr, eps):
+def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     """In place on the GPU, torch.optim.Adagrad's sparse rule on unique ``rows``.
 
     Args:
@@ -347,6 +354,7 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps):
         grads: (N, D) float32 CUDA tensor.
         clr: the step's learning rate (after torch's lr_decay).
         eps: added to the root of the state.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Raises:
         TypeError: wrong type, dtype or a CPU tensor.
@@ -365,7 +373,7 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps):
               rows.shape[0], float(clr), float(eps))
 
 
-def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps):
+def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     """In place on the GPU, row-wise Adagrad (one accumulator per row: the mean of g^2).
 
     Args:
@@ -375,6 +383,7 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps):
         grads: (N, D) float32 CUDA tensor.
         clr: the step's learning rate.
         eps: added to the root of the state.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Raises:
         TypeError: wrong type, dtype or a CPU tensor.
@@ -394,7 +403,7 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps):
 
 
 def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
-                row_steps=None):
+                row_steps=None, num_threads=1):
     """In place on the GPU, torch.optim.SparseAdam's rule on unique ``rows``.
 
     ``step`` is the global step (torch semantics); with ``row_steps`` each row counts and
@@ -412,6 +421,7 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
         eps: added to the root of the second moment.
         step: the optimizer's step count, >= 1; ignored when ``row_steps`` is given.
         row_steps: optional (R,) int64 CUDA tensor of per-row step counts, in place.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Raises:
         TypeError: wrong type, dtype or a CPU tensor.

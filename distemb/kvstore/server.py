@@ -93,4 +93,4 @@ class KVServer:
         weight = self.shard(name, part)
         states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
         with self._lock:
-            impl.apply(weight, states, local_ids, grads, hyper, self.num_threads)
+            impl.apply(kernels, weight, states, local_ids, grads, hyper, self.num_threads)

@@ -8,6 +8,12 @@ fused rule in place (:mod:`distemb.rules`). ``step()`` consumes the trace: a sec
 (``client.needs_every_step``) a table without gradients still pushes an empty update, so
 every table's step count advances on every ``step()``.
 
+Where gradients are summed follows the data: a GPU-resident table (``emb.kvstore.device``
+set) sums and updates on its device with its client's kernels (``emb.kvstore.ops``); a
+host table whose lookups returned rows on a GPU (``emb(ids, device='cuda')``) sums on
+that GPU and copies only the unique rows' sums to the host; otherwise everything stays
+in numpy on the host.
+
 Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
 ``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
 
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 from distemb import checkpoint, kernels
+from distemb.kernels import cuda
 from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError
 
@@ -87,17 +94,46 @@ class SparseOptimizer(torch.optim.Optimizer):
             emb.reset_trace()
 
     def _gradients(self, emb):
-        """(ids, grads) of every traced lookup of ``emb`` that received a gradient."""
+        """(ids, grads) lists of every traced lookup of ``emb`` that received a gradient."""
         ids, grads = [], []
         for idx, rows in emb._trace:
             if rows.grad is not None:
                 ids.append(idx)
                 grads.append(rows.grad.reshape(-1, emb.embedding_dim))
-        if not ids:
-            return None, None
+        return ids, grads
+
+    @staticmethod
+    def _host_arrays(ids, grads):
+        """The traced ids and gradients as numpy arrays, concatenated."""
         g = grads[0] if len(grads) == 1 else torch.cat(grads)
         g = g.detach().to("cpu", torch.float32).contiguous().numpy()
         return (ids[0] if len(ids) == 1 else np.concatenate(ids)), g
+
+    @staticmethod
+    def _device_dedup(ops, device, ids, grads, emb, num_threads):
+        """Sum duplicate ids' gradients on ``device`` with ``ops.dedup_sum``."""
+        ids = [torch.as_tensor(i).to(device) for i in ids]  # host ids: numpy int64
+        grads = [g.to(device) for g in grads]
+        ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        g = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(torch.float32).contiguous()
+        return ops.dedup_sum(ids, g, num_rows=emb.num_embeddings, num_threads=num_threads)
+
+    def _summed(self, emb, ids, grads):
+        """(unique ids, summed gradients) in the arrays of ``emb.kvstore``; None if empty."""
+        kv, nt = emb.kvstore, emb.weight.context.num_threads
+        if kv.device is not None:  # a GPU-resident table: never leave its device
+            return self._device_dedup(kv.ops, kv.device, ids, grads, emb, nt) if ids else None
+        on_gpu = [g.device for g in grads if g.is_cuda]
+        if on_gpu:  # rows were looked up onto a GPU: sum there, move only the sums
+            uniq, summed = self._device_dedup(cuda, on_gpu[0], ids, grads, emb, nt)
+            return uniq.cpu().numpy(), summed.cpu().numpy()
+        if not ids:
+            if not kv.needs_every_step:
+                return None
+            # sync_exact: the servers wait for every trainer's push of this step, so a
+            # trainer without rows pushes an empty one (and counts the step like the rest).
+            return np.empty(0, np.int64), np.empty((0, emb.embedding_dim), np.float32)
+        return kernels.dedup_sum(*self._host_arrays(ids, grads), nt)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,15 +146,10 @@ class SparseOptimizer(torch.optim.Optimizer):
         for emb in self._embs:
             ids, grads = self._gradients(emb)
             emb.reset_trace()
-            if ids is None:
-                if not emb.kvstore.needs_every_step:
-                    continue
-                # sync_exact: the servers wait for every trainer's push of this step, so a
-                # trainer without rows pushes an empty one (and counts the step like the rest).
-                ids = np.empty(0, np.int64)
-                grads = np.empty((0, emb.embedding_dim), np.float32)
-            nt = emb.weight.context.num_threads
-            uniq, summed = kernels.dedup_sum(ids, grads, nt)
+            summed = self._summed(emb, ids, grads)
+            if summed is None:
+                continue
+            uniq, summed = summed
             self._steps[emb.name] += 1
             emb.kvstore.push_update(emb.name, uniq, summed, self.rule,
                                     self.hyper(group, self._steps[emb.name]))
@@ -155,8 +186,9 @@ class SparseOptimizer(torch.optim.Optimizer):
                 if arr.shape != meta.shape:
                     raise DistEmbError(f"state_dict: state {sname!r} of {emb.name!r} has shape "
                                        f"{arr.shape}, expected {meta.shape}")
-                emb.kvstore.push(kvname, np.arange(arr.shape[0], dtype=np.int64),
-                                 arr.astype(meta.dtype, copy=False))
+                kv = emb.kvstore
+                kv.push(kvname, kv.from_host(np.arange(arr.shape[0], dtype=np.int64)),
+                        kv.from_host(arr.astype(meta.dtype, copy=False)))
             self._steps[emb.name] = int(entry["step"])
         self._load_groups(state_dict["param_groups"])
 
