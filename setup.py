@@ -1,13 +1,106 @@
-"""Extension building only; metadata lives in setup.cfg."""
+"""Extension building only; metadata lives in setup.cfg.
+
+Builds the Cython CPU kernels (``distemb._kernels``) and, when ``nvcc`` is found, the
+CUDA kernels in ``csrc/cuda`` as a plain shared library ``distemb/_cuda_kernels.so``
+(an ``extern "C"`` API loaded with ctypes, so no torch CUDA toolchain is needed).
+Environment switches: ``DISTEMB_NO_CUDA=1`` skips the CUDA build, ``DISTEMB_REQUIRE_CUDA=1``
+turns a missing nvcc or a failed CUDA build into an error, ``NVCC`` names the compiler.
+"""
+import glob
+import logging
 import os
+import shutil
+import subprocess
+import sys
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # -fno-math-errno lets sqrtf vectorise; no -ffast-math: results must stay IEEE (torch's).
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
 if os.environ.get("DISTEMB_NATIVE") == "1":
     COMPILE_ARGS.append("-march=native")
+
+CUDA_SOURCES = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+CUDA_DEPENDS = CUDA_SOURCES + sorted(glob.glob(os.path.join("csrc", "cuda", "*.*h")))
+CUDA_LIB = os.path.join("distemb", "_cuda_kernels.so")
+NVCC_FLAGS = [
+    "-O3", "-std=c++17", "-shared", "-cudart", "static",
+    # Unfused float arithmetic keeps results bitwise equal to the CPU kernels.
+    "-fmad=false",
+    "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+    # Hide the static cudart's symbols so they cannot clash with torch's libcudart.
+    "-Xlinker", "--exclude-libs=ALL",
+    "-gencode", "arch=compute_80,code=sm_80",
+    "-gencode", "arch=compute_90,code=sm_90",
+    "-gencode", "arch=compute_90,code=compute_90",  # PTX, JIT-compiled on newer GPUs
+]
+
+
+def _flag(name):
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def _find_nvcc():
+    explicit = os.environ.get("NVCC")
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise OSError(f"NVCC={explicit} is not an executable file")
+        return explicit
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.access(nvcc, os.X_OK):
+        raise OSError("nvcc not found (put the CUDA toolkit's bin on PATH or set NVCC)")
+    return nvcc
+
+
+class BuildExtWithCuda(build_ext):
+    """build_ext that also compiles the CUDA library with nvcc after the Cython build."""
+
+    def run(self):
+        """Build the Cython extensions, then the CUDA library when possible."""
+        super().run()
+        if _flag("DISTEMB_NO_CUDA"):
+            self.announce("DISTEMB_NO_CUDA set: skipping the CUDA kernels", level=logging.INFO)
+            return
+        target = self._cuda_target()
+        try:
+            self._build_cuda(target)
+        except subprocess.CalledProcessError as exc:
+            self._cuda_failed(f"{exc.cmd[0]} exited with status {exc.returncode}, "
+                              "see its messages above", exc)
+        except OSError as exc:
+            self._cuda_failed(str(exc), exc)
+
+    def _cuda_failed(self, reason, exc):
+        if _flag("DISTEMB_REQUIRE_CUDA"):
+            raise RuntimeError(f"DISTEMB_REQUIRE_CUDA=1 but the CUDA build failed: {reason}") \
+                from exc
+        sys.stderr.write(f"WARNING: distemb CUDA kernels not built ({reason}); the CPU "
+                         "kernels are installed and CUDA tables will be unavailable. "
+                         "Set DISTEMB_NO_CUDA=1 to silence this.\n")
+
+    def get_outputs(self):
+        """Return the Cython outputs plus the CUDA library when it was built."""
+        outputs = super().get_outputs()
+        target = self._cuda_target()
+        return outputs + [target] if os.path.exists(target) else outputs
+
+    def _cuda_target(self):
+        # In place for `build_ext --inplace` and editable installs, else in build_lib.
+        return CUDA_LIB if self.inplace else os.path.join(self.build_lib, CUDA_LIB)
+
+    def _build_cuda(self, target):
+        nvcc = _find_nvcc()
+        if not self.force and os.path.exists(target) and all(
+                os.path.getmtime(src) <= os.path.getmtime(target) for src in CUDA_DEPENDS):
+            self.announce(f"{target} is up to date", level=logging.INFO)
+            return
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        cmd = [nvcc, *NVCC_FLAGS, "-o", target, *CUDA_SOURCES]
+        self.announce("compiling CUDA kernels: " + " ".join(cmd), level=logging.INFO)
+        subprocess.run(cmd, check=True)
+
 
 extensions = [
     Extension(
@@ -19,4 +112,7 @@ extensions = [
     )
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": 3}))
+setup(
+    ext_modules=cythonize(extensions, compiler_directives={"language_level": 3}),
+    cmdclass={"build_ext": BuildExtWithCuda},
+)

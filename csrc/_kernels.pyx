@@ -263,8 +263,8 @@ def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_a
     """torch.optim.SparseAdam on unique rows; per-row bias correction with row_steps."""
     cdef Py_ssize_t n = rows.shape[0], d = weight.shape[1], i, j
     cdef long nbytes = d * sizeof(float)
-    cdef float b1 = <float>beta1, b2 = <float>beta2, feps = <float>eps
-    cdef float om1 = 1 - b1, om2 = 1 - b2
+    # 1 - beta in double, then rounded, as torch computes it
+    cdef float omb1 = <float>(1.0 - beta1), omb2 = <float>(1.0 - beta2), feps = <float>eps
     cdef float gj, mj, vj, fstep
     cdef double st, global_size = lr * sqrt(1.0 - pow(beta2, <double>step)) / (1.0 - pow(beta1, <double>step))
     cdef bint per_row = row_steps is not None
@@ -298,8 +298,8 @@ def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_a
             g = g0 + i * d
             for j in range(d):
                 gj = g[j]
-                mj = m[j] + (gj - m[j]) * om1
-                vj = v[j] + (gj * gj - v[j]) * om2
+                mj = m[j] + (gj - m[j]) * omb1
+                vj = v[j] + (gj * gj - v[j]) * omb2
                 m[j] = mj
                 v[j] = vj
                 w[j] = w[j] - fstep * (mj / (sqrtf(vj) + feps))

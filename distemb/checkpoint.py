@@ -27,7 +27,8 @@ CHUNK_ROWS = 1 << 20
 
 def _all_rows(client, name):
     n = client.data_meta(name).shape[0]
-    parts = [client.pull(name, np.arange(s, min(s + CHUNK_ROWS, n), dtype=np.int64))
+    parts = [client.to_host(client.pull(
+                 name, client.from_host(np.arange(s, min(s + CHUNK_ROWS, n), dtype=np.int64))))
              for s in range(0, n, CHUNK_ROWS)]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -75,5 +76,6 @@ def restore(path, client, names):
                                    f"live tensor has shape {got}")
             for s in range(0, arr.shape[0], CHUNK_ROWS):
                 ids = np.arange(s, min(s + CHUNK_ROWS, arr.shape[0]), dtype=np.int64)
-                client.push(name, ids, np.ascontiguousarray(arr[s:s + len(ids)]))
+                client.push(name, client.from_host(ids),
+                            client.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
     return meta

@@ -144,11 +144,163 @@ def read_config_file(path):
         raise ConfigError(f"{path}: not valid {kind}: {e}") from e
 
 
-def load_partition_config(path):
-    """Read and validate a distemb partition-policy file (YAML or JSON)."""
+def _load(path, parse):
+    """``parse`` the data of config file ``path``; every error starts with the path."""
     try:
-        return parse_partition_config(read_config_file(path))
+        return parse(read_config_file(path))
     except ConfigError as e:
         if str(e).startswith(path):
             raise
         raise ConfigError(f"{path}: {e}") from None
+
+
+def load_partition_config(path):
+    """Read and validate a distemb partition-policy file (YAML or JSON)."""
+    return _load(path, parse_partition_config)
+
+
+# --- cluster config: the one file distemb-launch hands to every process -------------
+#
+#     {"version": 1, "job_id": "a1b2", "transport": "tcp", "consistency": "sync",
+#      "shared_memory": true, "timeout_s": 60.0, "num_trainers": 2,
+#      "servers": [{"host": "127.0.0.1", "port": 30050, "machine": 0}, ...],
+#      "trainer_machines": [0, 0], "master_addr": "127.0.0.1", "master_port": 29500,
+#      "part_config": null}
+
+TRANSPORTS = ("tcp", "mpi")
+CONSISTENCY = ("sync", "sync_exact", "async")
+
+
+@dataclass(frozen=True)
+class ServerEntry:
+    """Where one KVStore server listens; its index in ``servers`` is its id."""
+
+    host: str = field(metadata={"help": "IPv4 address the server binds and clients dial"})
+    port: int = field(metadata={"help": "TCP port (1..65535)"})
+    machine: int = field(metadata={"help": "machine index (line of the ip_config)"})
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything a server or trainer needs to join one distemb job."""
+
+    job_id: str = field(metadata={"help": "names the job's shared-memory files"})
+    servers: Tuple[ServerEntry, ...] = field(metadata={"help": "server i owns partitions "
+                                                               "p with p % len(servers) == i"})
+    num_trainers: int = field(metadata={"help": "trainer processes in the job (> 0)"})
+    trainer_machines: Tuple[int, ...] = field(metadata={"help": "machine of each trainer rank"})
+    transport: str = field(default="tcp", metadata={"help": "'tcp' or 'mpi' (under mpirun)"})
+    consistency: str = field(default="sync", metadata={
+        "help": "'sync' (step waits for every server), 'sync_exact' (trainers' pushes of "
+                "one step summed, applied once) or 'async' (no wait)"})
+    shared_memory: bool = field(default=True, metadata={
+        "help": "trainers pull from co-located servers' shards through /dev/shm"})
+    timeout_s: float = field(default=60.0, metadata={"help": "seconds before a silent "
+                                                             "server is an error"})
+    max_message_bytes: int = field(default=1 << 30, metadata={"help": "largest frame payload"})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "torch.distributed master"})
+    master_port: int = field(default=29500, metadata={"help": "torch.distributed port"})
+    part_config: Optional[str] = field(default=None, metadata={"help": "partition config path"})
+    version: int = field(default=1, metadata={"help": "schema version (1)"})
+
+    def to_dict(self):
+        """Plain data for JSON (round-trips through :func:`parse_cluster_config`)."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["servers"] = [vars(s).copy() for s in self.servers]
+        d["trainer_machines"] = list(self.trainer_machines)
+        return d
+
+
+def _str(value, path):
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: must be a non-empty string, got {value!r}")
+    return value
+
+
+def _port(value, path):
+    _int(value, path, 1)
+    if value > 65535:
+        raise ConfigError(f"{path}: must be <= 65535, got {value}")
+    return value
+
+
+def _server(raw, path):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must be a mapping, got {type(raw).__name__}")
+    for key in ("host", "port", "machine"):
+        if key not in raw:
+            raise ConfigError(f"{path}.{key}: missing")
+    return ServerEntry(_str(raw["host"], f"{path}.host"), _port(raw["port"], f"{path}.port"),
+                       _int(raw["machine"], f"{path}.machine", 0))
+
+
+def parse_cluster_config(raw):
+    """Validate a cluster-config mapping.
+
+    Raises:
+        ConfigError: with the field path, e.g. ``servers[1].port: must be <= 65535``.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"<root>: must be a mapping, got {type(raw).__name__}")
+    known = set(ClusterConfig.__dataclass_fields__)
+    extra = sorted(set(raw) - known)
+    if extra:
+        raise ConfigError(f"{extra[0]}: unknown field (allowed: {sorted(known)})")
+    for key in ("job_id", "servers", "num_trainers", "trainer_machines"):
+        if key not in raw:
+            raise ConfigError(f"{key}: missing")
+    if _int(raw.get("version", 1), "version", 1) != 1:
+        raise ConfigError(f"version: must be 1, got {raw['version']}")
+    servers = raw["servers"]
+    if not isinstance(servers, list) or not servers:
+        raise ConfigError(f"servers: must be a non-empty list, got {servers!r:.80}")
+    servers = tuple(_server(s, f"servers[{i}]") for i, s in enumerate(servers))
+    seen = {}
+    for i, s in enumerate(servers):
+        if (s.host, s.port) in seen:
+            raise ConfigError(f"servers[{i}].port: {s.host}:{s.port} is also servers"
+                              f"[{seen[(s.host, s.port)]}]")
+        seen[(s.host, s.port)] = i
+    num_trainers = _int(raw["num_trainers"], "num_trainers", 1)
+    machines = raw["trainer_machines"]
+    if not isinstance(machines, list) or len(machines) != num_trainers:
+        raise ConfigError(f"trainer_machines: must list one machine per trainer "
+                          f"({num_trainers}), got {machines!r:.80}")
+    machines = tuple(_int(m, f"trainer_machines[{i}]", 0) for i, m in enumerate(machines))
+    timeout = raw.get("timeout_s", 60.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"timeout_s: must be a number > 0, got {timeout!r}")
+    shm = raw.get("shared_memory", True)
+    if not isinstance(shm, bool):
+        raise ConfigError(f"shared_memory: must be true or false, got {shm!r}")
+    part = raw.get("part_config")
+    if part is not None:
+        _str(part, "part_config")
+    return ClusterConfig(
+        job_id=_str(raw["job_id"], "job_id"), servers=servers, num_trainers=num_trainers,
+        trainer_machines=machines,
+        transport=_choice(raw.get("transport", "tcp"), "transport", TRANSPORTS),
+        consistency=_choice(raw.get("consistency", "sync"), "consistency", CONSISTENCY),
+        shared_memory=shm, timeout_s=float(timeout),
+        max_message_bytes=_int(raw.get("max_message_bytes", 1 << 30), "max_message_bytes",
+                               1 << 20),
+        master_addr=_str(raw.get("master_addr", "127.0.0.1"), "master_addr"),
+        master_port=_port(raw.get("master_port", 29500), "master_port"), part_config=part)
+
+
+def load_cluster_config(path):
+    """Read and validate a cluster config (JSON); errors start with the path."""
+    return _load(path, parse_cluster_config)
+
+
+def write_cluster_config(cfg, path):
+    """Write ``cfg`` as JSON to ``path`` (atomically: readers never see half a file)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write the cluster config: {e.strerror}") from None

@@ -1,8 +1,11 @@
 """DistContext: one explicit object holding the role, ranks, backend and KVStore client.
 
 ``initialize()`` builds the context of this process and makes it current; tables made
-without ``context=`` use the current one, and ask for an embedded default on first use,
-so ``DistEmbedding(n, d)`` works with no set-up, as with ``dgl.distributed``. That
+without ``context=`` use the current one, and ask for a default on first use, so
+``DistEmbedding(n, d)`` works with no set-up, as with ``dgl.distributed``. The default is
+embedded, unless ``distemb-launch`` started this process: then ``$DISTEMB_CONFIG`` names
+the cluster config and ``$DISTEMB_RANK`` this trainer's rank, and the context is a
+trainer's, with a :class:`~distemb.kvstore.remote.RemoteKVClient` to the servers. That
 "current" slot is distemb's one piece of process-wide state: the drop-in API needs it.
 Tests and libraries build their own contexts and pass them explicitly.
 
@@ -16,8 +19,10 @@ import itertools
 import os
 
 from distemb.backend import load_backend
+from distemb.config import load_cluster_config
 from distemb.errors import DistEmbError
 from distemb.kvstore import LocalKVClient
+from distemb.kvstore.remote import RemoteKVClient
 
 
 def default_num_threads():
@@ -48,6 +53,7 @@ class DistContext:
         self.role, self.rank, self.num_trainers = role, rank, num_trainers
         self.num_threads = num_threads or default_num_threads()
         self._names = itertools.count()
+        self._device_clients = {}
         self.closed = False
 
     @classmethod
@@ -56,18 +62,72 @@ class DistContext:
         nt = num_threads or default_num_threads()
         return cls(LocalKVClient(num_threads=nt), backend=backend, num_threads=nt)
 
+    @classmethod
+    def trainer(cls, config_path, rank, backend=None, num_threads=None, consistency=None):
+        """A trainer's context, its tables held by the servers of ``config_path``.
+
+        Raises:
+            ConfigError: the cluster config is invalid.
+            ServerUnavailableError: a server cannot be reached within the config's timeout.
+        """
+        cfg = load_cluster_config(config_path)
+        nt = num_threads or default_num_threads()
+        client = RemoteKVClient(cfg, rank, num_threads=nt, consistency=consistency)
+        return cls(client, backend=backend, role="trainer", rank=rank,
+                   num_trainers=cfg.num_trainers, num_threads=nt)
+
     @property
     def num_servers(self):
         return self.client.num_servers
+
+    def client_for(self, device):
+        """The KVClient of tables on ``device``: this context's client for host tables.
+
+        For a CUDA device, one :class:`~distemb.kvstore.device.DeviceKVClient` per device,
+        made on first use and closed with the context.
+
+        Args:
+            device: None or 'cpu' (host tables), or a CUDA device ('cuda', 'cuda:N', a
+                ``torch.device``).
+
+        Returns:
+            The :class:`~distemb.kvstore.KVClient` holding such tables.
+
+        Raises:
+            DistEmbError: a GPU-resident table in a context that is not embedded, or
+                whose backend is not pytorch.
+            ValueError: ``device`` is neither 'cpu' nor a CUDA device.
+            CudaUnavailableError: the CUDA kernels cannot run here (it says why).
+        """
+        if device is None or str(device) == "cpu":
+            return self.client
+        if self.role != "embedded":
+            raise DistEmbError(f"device={device!r}: GPU-resident tables are embedded-only, "
+                               f"but this context's role is {self.role!r} (its tables live "
+                               "on the servers); create the table on the host and look rows "
+                               "up with emb(ids, device=...)")
+        if self.F.name != "pytorch":
+            raise DistEmbError(f"device={device!r}: GPU-resident tables need the pytorch "
+                               f"backend, this context's is {self.F.name!r}")
+        # Imported here, not at the top: this module is imported by server processes,
+        # which must never import torch (tests/test_backend.py); device.py imports it.
+        from distemb.kvstore import device as device_kv
+
+        dev = device_kv.cuda_device(device)
+        if dev not in self._device_clients:
+            self._device_clients[dev] = device_kv.DeviceKVClient(dev)
+        return self._device_clients[dev]
 
     def new_name(self, prefix):
         """A name no other anonymous tensor of this context has."""
         return f"{prefix}-{next(self._names)}"
 
     def close(self):
-        """Release the client (and, embedded, every table)."""
+        """Release the clients (and, embedded, every table)."""
         if not self.closed:
             self.client.close()
+            for client in self._device_clients.values():
+                client.close()
             self.closed = True
 
     def __repr__(self):
@@ -78,26 +138,61 @@ class DistContext:
 _current = []  # the process's current context (see module docstring); at most one entry
 
 
-def initialize(backend=None, num_threads=None):
+def _env_rank():
+    value = os.environ.get("DISTEMB_RANK", "0")
+    if not value.isdigit():
+        raise DistEmbError(f"DISTEMB_RANK: expected a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _from_env(backend=None, num_threads=None, consistency=None):
+    """A trainer context when $DISTEMB_CONFIG is set, else an embedded one."""
+    path = os.environ.get("DISTEMB_CONFIG")
+    if not path:
+        if consistency not in (None, "sync"):
+            raise DistEmbError(f"consistency={consistency!r}: only meaningful for a trainer "
+                               "of a cluster ($DISTEMB_CONFIG is not set)")
+        return DistContext.embedded(backend=backend, num_threads=num_threads)
+    role = os.environ.get("DISTEMB_ROLE", "trainer")
+    if role != "trainer":
+        raise DistEmbError(f"DISTEMB_ROLE: initialize() makes trainer contexts, got {role!r} "
+                           "(servers run 'python -m distemb.server')")
+    return DistContext.trainer(path, _env_rank(), backend, num_threads, consistency)
+
+
+def initialize(backend=None, num_threads=None, consistency=None):
     """Create this process's context and make it current.
 
-    Embedded unless a cluster config names servers to join (see ``distemb-launch``).
+    Embedded unless ``$DISTEMB_CONFIG`` names a cluster config (``distemb-launch`` sets
+    it, with ``$DISTEMB_RANK``): then a trainer context joining that cluster's servers.
+
+    Args:
+        backend: backend name (default: $DISTEMB_BACKEND or 'pytorch').
+        num_threads: kernel threads (default: $DISTEMB_NUM_THREADS or the usable cores).
+        consistency: 'sync' (default: ``step()`` returns once every server applied the
+            update), 'sync_exact' (the servers sum all trainers' pushes of a step and apply
+            them once) or 'async' (no wait; see docs). Default: the cluster config's.
 
     Returns:
         the new :class:`DistContext`.
     """
     if _current and not _current[0].closed:
-        raise DistEmbError("initialize(): distemb is already initialized in this process; "
-                           "call distemb.shutdown() first")
-    ctx = DistContext.embedded(backend=backend, num_threads=num_threads)
+        how = ("by an earlier initialize()" if not getattr(_current[0], "implicit", False)
+               else "implicitly, by a table created before initialize()")
+        raise DistEmbError(f"initialize(): distemb is already initialized in this process "
+                           f"({how}); call initialize() before creating tables, or "
+                           "distemb.shutdown() first")
+    ctx = _from_env(backend, num_threads, consistency)
     _current[:] = [ctx]
     return ctx
 
 
 def current_context():
-    """The current context; an embedded one is created on first use."""
+    """The current context; made on first use (a trainer's under distemb-launch)."""
     if not _current or _current[0].closed:
-        _current[:] = [DistContext.embedded()]
+        ctx = _from_env()
+        ctx.implicit = True
+        _current[:] = [ctx]
     return _current[0]
 
 

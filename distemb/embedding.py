@@ -2,6 +2,7 @@
 import warnings
 
 from distemb.errors import TraceOverflowError
+from distemb.kvstore.device import cuda_device
 from distemb.tensor import DistTensor
 
 DEFAULT_TRACE_LIMIT = 1024
@@ -31,6 +32,14 @@ class DistEmbedding:
         context: the :class:`~distemb.context.DistContext` (default: the current one).
         trace_limit: lookups recorded before a missing ``step()``/``zero_grad()`` raises
             :class:`~distemb.errors.TraceOverflowError` (a warning is issued at half).
+        device: where the table lives: None or 'cpu' (host memory or the servers), or a
+            CUDA device (embedded contexts only): the table is then one tensor on that GPU,
+            looked up and updated there with the CUDA kernels.
+
+    Raises:
+        CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
+            run here (not built, CPU-only torch or no GPU; the message says which).
+        DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
 
     Example:
         >>> import torch
@@ -39,26 +48,43 @@ class DistEmbedding:
         >>> rows = emb(torch.tensor([1, 1, 7]))
         >>> rows.shape, len(emb.trace)
         (torch.Size([3, 4]), 1)
+        >>> from distemb.kernels.cuda import CudaUnavailableError, cuda_available
+        >>> try:  # rows on a GPU, gradients summed there by the optimizer
+        ...     rows = emb(torch.tensor([1, 1, 7]), device="cuda")
+        ... except CudaUnavailableError as e:  # raised before any copy, with the reason
+        ...     assert not cuda_available()
     """
 
     def __init__(self, num_embeddings, embedding_dim, name=None, init_func=None,
-                 part_policy=None, context=None, trace_limit=DEFAULT_TRACE_LIMIT):
+                 part_policy=None, context=None, trace_limit=DEFAULT_TRACE_LIMIT, device=None):
         _positive_int(num_embeddings, "num_embeddings")
         _positive_int(embedding_dim, "embedding_dim")
         self._tensor = DistTensor((num_embeddings, embedding_dim), "float32", name=name,
                                   init_func=init_func, part_policy=part_policy,
-                                  persistent=True, context=context)
+                                  persistent=True, context=context, device=device)
         self._F = self._tensor.context.F
         self._trace = []
         self._trace_limit = _positive_int(trace_limit, "trace_limit")
         self._optm_state = None
 
-    def __call__(self, idx, device="cpu"):
-        """Rows ``idx`` (int32/int64, any shape) on ``device``; traced while recording."""
+    def __call__(self, idx, device=None):
+        """Rows ``idx`` (int32/int64, any shape) on ``device``; traced while recording.
+
+        Args:
+            idx: ids, any shape.
+            device: where the rows go (default: where the table lives, 'cpu' for host
+                tables). With a CUDA device, the optimizer sums their gradients there.
+
+        Raises:
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+        """
         F = self._F
+        if device is not None and str(device).startswith("cuda"):
+            device = cuda_device(device)  # the reason it cannot be used, before any copy
         ids, shape = self._tensor._ids(idx)
-        rows = F.from_numpy(self._tensor.context.client.pull(self._tensor.name, ids))
-        rows = F.copy_to(F.reshape(rows, shape + (self.embedding_dim,)), device)
+        rows = self._tensor._pull(ids, shape)
+        if device is not None:
+            rows = F.copy_to(rows, device)
         if F.is_recording():
             n = len(self._trace)
             if n >= self._trace_limit:
@@ -105,8 +131,13 @@ class DistEmbedding:
 
     @property
     def kvstore(self):
-        """The KVStore client holding the rows."""
-        return self._tensor.context.client
+        """The KVStore client holding the rows (a device client for a GPU table)."""
+        return self._tensor.client
+
+    @property
+    def device(self):
+        """The torch device of the table, or None for a host table (numpy rows)."""
+        return self._tensor.device
 
     @property
     def optm_state(self):

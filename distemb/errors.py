@@ -1,4 +1,12 @@
-"""Exception types. Every error distemb raises on bad input derives from DistEmbError."""
+"""Exception types. Every error distemb raises on bad input derives from DistEmbError.
+
+Example:
+    >>> try:
+    ...     raise PartitionError("ids: id 9 is out of range")
+    ... except DistEmbError as e:
+    ...     print(type(e).__name__, isinstance(e, ValueError))
+    PartitionError True
+"""
 
 
 class DistEmbError(Exception):
@@ -23,3 +31,11 @@ class KVStoreError(DistEmbError):
 
 class TraceOverflowError(DistEmbError):
     """An embedding's gradient trace grew past its bound: step()/zero_grad() was never called."""
+
+
+class TransportError(KVStoreError):
+    """A message could not be sent or received, or a frame on the wire is malformed."""
+
+
+class ServerUnavailableError(TransportError):
+    """A KVStore server is dead, unreachable, or did not answer within the timeout."""

@@ -2,7 +2,7 @@
 import numpy as np
 
 from distemb.context import current_context
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, PartitionError
 from distemb.partition import range_policy
 
 
@@ -30,6 +30,15 @@ class DistTensor:
         part_policy: how rows are sharded (default: even ranges over the servers).
         persistent: keep the data after this object is garbage collected.
         context: the :class:`~distemb.context.DistContext` (default: the current one).
+        device: where the rows live: None or 'cpu' (host memory, or the servers of a
+            cluster), or a CUDA device ('cuda', 'cuda:N'; embedded contexts only): the
+            whole tensor is then one torch tensor on that GPU, ``t[ids]`` returns rows
+            there, and names are looked up among that device's tensors only.
+
+    Raises:
+        CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
+            run here (not built, CPU-only torch or no GPU; the message says which).
+        DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
 
     Example:
         >>> import torch
@@ -37,12 +46,18 @@ class DistTensor:
         >>> t[torch.tensor([1, 3])] = torch.ones(2, 2)
         >>> t[torch.tensor([3])]
         tensor([[1., 1.]])
+        >>> from distemb.kernels.cuda import CudaUnavailableError, cuda_available
+        >>> try:
+        ...     g = DistTensor((4, 2), torch.float32, name="doc-t-gpu", device="cuda")
+        ... except CudaUnavailableError:  # no GPU (or no CUDA build) here: says which
+        ...     assert not cuda_available()
     """
 
     def __init__(self, shape, dtype, name=None, init_func=None, part_policy=None,
-                 persistent=False, context=None):
+                 persistent=False, context=None, device=None):
         ctx = context or current_context()
         self._ctx, F = ctx, ctx.F
+        self._client = ctx.client_for(device)
         self._shape = _check_shape(shape)
         self._dtype = F.dtype_name(dtype)
         if part_policy is None:
@@ -53,18 +68,22 @@ class DistTensor:
         self._policy = part_policy
         self._name = name or ctx.new_name("anonymous")
         self._persistent = persistent
-        meta = ctx.client.data_meta(self._name)
+        meta = self._client.data_meta(self._name)
         self._owner = meta is None
         if meta is None:
+            # A device client takes torch tensors as they come; host clients take numpy.
+            convert = F.to_numpy if self._client.device is None else (lambda t: t)
             wrapped = None if init_func is None else (
-                lambda s, d: F.to_numpy(init_func(s, F.dtype(d))))
-            ctx.client.init_data(self._name, self._shape, self._dtype, part_policy, wrapped)
+                lambda s, d: convert(init_func(s, F.dtype(d))))
+            self._client.init_data(self._name, self._shape, self._dtype, part_policy, wrapped)
         elif meta.shape != self._shape or meta.dtype != self._dtype:
             raise KVStoreError(f"name {self._name!r} exists with shape {meta.shape} and dtype "
                                f"{meta.dtype}; got shape {self._shape} and dtype {self._dtype}")
 
     def _ids(self, ids):
-        """Validated int64 numpy ids (flattened) and the shape they came in."""
+        """Validated int64 ids (flattened) of this tensor's client, and their shape."""
+        if self._client.device is not None:
+            return self._device_ids(ids)
         arr = self._ctx.F.to_numpy(ids) if self._ctx.F.is_tensor(ids) else np.asarray(ids)
         if arr.dtype.kind not in "iu":
             raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {arr.dtype}")
@@ -72,13 +91,35 @@ class DistTensor:
         self._policy.check_ids(flat, f"ids of {self._name!r}")
         return flat, arr.shape
 
+    def _device_ids(self, ids):
+        """Ids as a contiguous int64 tensor on the device, range-checked there."""
+        F = self._ctx.F
+        t = ids if F.is_tensor(ids) else F.tensor(np.asarray(ids))
+        if t.is_floating_point() or t.is_complex() or F.dtype_of(t) == "bool":
+            raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {t.dtype}")
+        flat = t.reshape(-1).to(self._client.device, F.dtype("int64")).contiguous()
+        bad = (flat < 0) | (flat >= self._shape[0])
+        if bool(bad.any()):  # one synchronisation, no copy of the ids to the host
+            raise PartitionError(f"ids of {self._name!r}: id {int(flat[bad][0])} is out of "
+                                 f"range for {self._policy.policy_str} (expected 0 <= id < "
+                                 f"{self._shape[0]})")
+        return flat, tuple(t.shape)
+
+    def _pull(self, flat, shape):
+        """Rows ``flat`` (from :meth:`_ids`) as a tensor of ``shape`` + row shape."""
+        rows = self._client.pull(self._name, flat)
+        if self._client.device is None:
+            rows = self._ctx.F.from_numpy(rows)
+        return self._ctx.F.reshape(rows, shape + self._shape[1:])
+
     def __getitem__(self, ids):
-        flat, shape = self._ids(ids)
-        rows = self._ctx.client.pull(self._name, flat)
-        return self._ctx.F.from_numpy(rows.reshape(shape + self._shape[1:]))
+        return self._pull(*self._ids(ids))
 
     def __setitem__(self, ids, values):
         flat, _ = self._ids(ids)
+        if self._client.device is not None:
+            self._push_device(flat, values)
+            return
         F = self._ctx.F
         arr = F.to_numpy(values) if F.is_tensor(values) else np.asarray(values)
         if arr.dtype.name != self._dtype:
@@ -88,7 +129,19 @@ class DistTensor:
         if arr.size != int(np.prod(want)):
             raise ValueError(f"values: expected shape {want} for {len(flat)} ids, "
                              f"got {arr.shape}")
-        self._ctx.client.push(self._name, flat, np.ascontiguousarray(arr).reshape(want))
+        self._client.push(self._name, flat, np.ascontiguousarray(arr).reshape(want))
+
+    def _push_device(self, flat, values):
+        F = self._ctx.F
+        t = values if F.is_tensor(values) else F.tensor(np.asarray(values))
+        if F.dtype_of(t) != self._dtype:
+            raise TypeError(f"values: expected dtype {self._dtype} for {self._name!r}, "
+                            f"got {F.dtype_of(t)}")
+        want = (len(flat),) + self._shape[1:]
+        if t.numel() != int(np.prod(want)):
+            raise ValueError(f"values: expected shape {want} for {len(flat)} ids, "
+                             f"got {tuple(t.shape)}")
+        self._client.push(self._name, flat, t.to(self._client.device).reshape(want))
 
     def __len__(self):
         return self._shape[0]
@@ -96,7 +149,7 @@ class DistTensor:
     def __del__(self):
         try:
             if self._owner and not self._persistent and not self._ctx.closed:
-                self._ctx.client.delete_data(self._name)
+                self._client.delete_data(self._name)
         except Exception:  # interpreter shutdown: the store may already be gone
             pass
 
@@ -119,6 +172,16 @@ class DistTensor:
     @property
     def context(self):
         return self._ctx
+
+    @property
+    def client(self):
+        """The KVClient holding the rows (a device client for a GPU-resident tensor)."""
+        return self._client
+
+    @property
+    def device(self):
+        """The torch device of the rows, or None when they are numpy arrays on the host."""
+        return self._client.device
 
     def __repr__(self):
         return f"DistTensor(name={self._name!r}, shape={self._shape}, dtype={self._dtype})"

@@ -53,11 +53,11 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
     given, each row counts its own steps instead (incremented here, in place) and its
     bias correction uses that count (DGL / lazy-Adam semantics).
     """
-    b1, b2 = np.float32(beta1), np.float32(beta2)
+    omb1, omb2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)  # in double, as torch
     m = exp_avg[rows]
     v = exp_avg_sq[rows]
-    m = m + (grads - m) * (np.float32(1) - b1)
-    v = v + (grads * grads - v) * (np.float32(1) - b2)
+    m = m + (grads - m) * omb1
+    v = v + (grads * grads - v) * omb2
     exp_avg[rows] = m
     exp_avg_sq[rows] = v
     if row_steps is None:

@@ -63,13 +63,6 @@ class LocalKVClient(KVClient):
         self._meta.pop(name, None)
         self.server.drop(name)
 
-    def _meta_of(self, name):
-        try:
-            return self._meta[name]
-        except KeyError:
-            raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self._meta)[:10]})") from None
-
     def pull(self, name, ids):
         meta = self._meta_of(name)
         if meta.policy.num_partitions == 1:  # local ids are global ids

@@ -49,8 +49,16 @@ class KVServer:
         for key in [k for k in self._shards if k[0] == name]:
             del self._shards[key]
 
+    def drop_shard(self, name, part):
+        """Forget shard ``part`` of ``name`` (no-op when absent)."""
+        self._shards.pop((name, part), None)
+
     def has(self, name, part):
         return (name, part) in self._shards
+
+    def parts_of(self, name):
+        """Partition ids of ``name`` held here."""
+        return [p for (n, p) in list(self._shards) if n == name]
 
     def shard(self, name, part):
         """The array of shard ``part`` of ``name`` (shared, not copied)."""
@@ -85,4 +93,4 @@ class KVServer:
         weight = self.shard(name, part)
         states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
         with self._lock:
-            impl.apply(weight, states, local_ids, grads, hyper, self.num_threads)
+            impl.apply(kernels, weight, states, local_ids, grads, hyper, self.num_threads)

@@ -1,11 +1,25 @@
 """The KVClient interface: what trainers need from wherever the rows live.
 
-Arrays crossing this interface are numpy (the common ground of trainers, servers and
-kernels); trainers convert with the backend's zero-copy ``from_numpy``/``to_numpy``.
+Arrays crossing this interface are numpy for host clients (the common ground of
+trainers, servers and kernels; trainers convert with the backend's zero-copy
+``from_numpy``/``to_numpy``), and torch tensors on the client's ``device`` for
+:class:`~distemb.kvstore.device.DeviceKVClient` (GPU-resident tables). ``ops`` is the
+kernel module of those arrays, ``from_host``/``to_host`` convert numpy to and from them.
 Ids are global (type-wise) int64 ids, already validated against the table's policy.
+
+Example:
+    >>> import numpy as np
+    >>> from distemb.kvstore import LocalKVClient
+    >>> from distemb.partition import range_policy
+    >>> kv: KVClient = LocalKVClient()
+    >>> kv.init_data("t", (3, 2), "float32", range_policy(3))
+    >>> kv.data_meta("t").shape
+    (3, 2)
 """
 from dataclasses import dataclass
 
+from distemb import kernels
+from distemb.errors import KVStoreError
 from distemb.partition import PartitionPolicy
 
 
@@ -22,10 +36,18 @@ class KVClient:
     """Interface of a key-value store client; implementations share one test suite.
 
     Implementations: :class:`~distemb.kvstore.local.LocalKVClient` (embedded, in
-    process) and the remote client of the multi-process store.
+    process), the remote client of the multi-process store, and
+    :class:`~distemb.kvstore.device.DeviceKVClient` (embedded, tables on a GPU).
     """
 
+    #: The kernel module of this client's arrays (:mod:`distemb.kernels` for numpy).
+    ops = kernels
+    #: The torch device of this client's arrays; None for numpy arrays in host memory.
+    device = None
     num_servers = 1
+    #: True when every trainer must push one update per table per optimizer step, even an
+    #: empty one (synchronous-exact mode: servers wait for all trainers' contributions).
+    needs_every_step = False
 
     def init_data(self, name, shape, dtype, policy, init_func=None):
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None)."""
@@ -66,6 +88,22 @@ class KVClient:
         the caller may reuse its buffer right after.
         """
         raise NotImplementedError
+
+    def _meta_of(self, name):
+        """The DataMeta of ``name`` (implementations keep them in ``self._meta``)."""
+        try:
+            return self._meta[name]
+        except KeyError:
+            raise KVStoreError(f"name {name!r} is not in the KVStore "
+                               f"(known: {sorted(self._meta)[:10]})") from None
+
+    def from_host(self, array):
+        """A numpy array as an array of this client (the array itself for host clients)."""
+        return array
+
+    def to_host(self, array):
+        """An array of this client as a numpy array (the array itself for host clients)."""
+        return array
 
     def barrier(self):
         """Wait for every trainer (no-op with one)."""

@@ -4,15 +4,31 @@
 ids and gradients, sums the gradients of duplicate ids (as PyTorch does; DGL averages
 them), and pushes one update per table to the rows' owner, which runs the subclass's
 fused rule in place (:mod:`distemb.rules`). ``step()`` consumes the trace: a second
-``step()`` without new lookups is a no-op.
+``step()`` without new lookups is a no-op. In synchronous-exact mode
+(``client.needs_every_step``) a table without gradients still pushes an empty update, so
+every table's step count advances on every ``step()``.
+
+Where gradients are summed follows the data: a GPU-resident table (``emb.kvstore.device``
+set) sums and updates on its device with its client's kernels (``emb.kvstore.ops``); a
+host table whose lookups returned rows on a GPU (``emb(ids, device='cuda')``) sums on
+that GPU and copies only the unique rows' sums to the host; otherwise everything stays
+in numpy on the host.
 
 Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
 ``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
+
+Example:
+    >>> import torch
+    >>> from distemb import DistEmbedding, SparseAdagrad
+    >>> opt = SparseAdagrad([DistEmbedding(5, 2, name="doc-base")], lr=1.0)
+    >>> isinstance(opt, SparseOptimizer), isinstance(opt, torch.optim.Optimizer)
+    (True, True)
 """
 import numpy as np
 import torch
 
 from distemb import checkpoint, kernels
+from distemb.kernels import cuda
 from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError
 
@@ -79,17 +95,48 @@ class SparseOptimizer(torch.optim.Optimizer):
             emb.reset_trace()
 
     def _gradients(self, emb):
-        """(ids, grads) of every traced lookup of ``emb`` that received a gradient."""
+        """(ids, grads) lists of every traced lookup of ``emb`` that received a gradient."""
         ids, grads = [], []
         for idx, rows in emb._trace:
             if rows.grad is not None:
                 ids.append(idx)
                 grads.append(rows.grad.reshape(-1, emb.embedding_dim))
-        if not ids:
-            return None, None
+        return ids, grads
+
+    @staticmethod
+    def _host_arrays(ids, grads):
+        """The traced ids and gradients as numpy arrays, concatenated."""
         g = grads[0] if len(grads) == 1 else torch.cat(grads)
         g = g.detach().to("cpu", torch.float32).contiguous().numpy()
         return (ids[0] if len(ids) == 1 else np.concatenate(ids)), g
+
+    @staticmethod
+    def _device_dedup(ops, device, ids, grads, emb, num_threads):
+        """Sum duplicate ids' gradients on ``device`` with ``ops.dedup_sum``."""
+        ids = [torch.as_tensor(i).to(device) for i in ids]  # host ids: numpy int64
+        grads = [g.to(device) for g in grads]
+        ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        g = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(torch.float32).contiguous()
+        return ops.dedup_sum(ids, g, num_rows=emb.num_embeddings, num_threads=num_threads)
+
+    def _summed(self, emb, ids, grads):
+        """(unique ids, summed gradients) in the arrays of ``emb.kvstore``; None if empty."""
+        kv, nt = emb.kvstore, emb.weight.context.num_threads
+        if kv.device is not None:  # a GPU-resident table: never leave its device
+            return self._device_dedup(kv.ops, kv.device, ids, grads, emb, nt) if ids else None
+        on_gpu = [g.device for g in grads if g.is_cuda]
+        if on_gpu:  # rows were looked up onto a GPU: sum there, move only the sums
+            uniq, summed = self._device_dedup(cuda, on_gpu[0], ids, grads, emb, nt)
+            return uniq.cpu().numpy(), summed.cpu().numpy()
+        if not ids:
+            if not kv.needs_every_step:
+                return None
+            # sync_exact: the servers wait for every trainer's push of this step, so a
+            # trainer without rows pushes an empty one (and counts the step like the rest).
+            return np.empty(0, np.int64), np.empty((0, emb.embedding_dim), np.float32)
+        host_ids, host_grads = self._host_arrays(ids, grads)
+        return kernels.dedup_sum(host_ids, host_grads, nt,
+                                 out=self._sum_buffer(emb, len(host_ids)))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,11 +149,10 @@ class SparseOptimizer(torch.optim.Optimizer):
         for emb in self._embs:
             ids, grads = self._gradients(emb)
             emb.reset_trace()
-            if ids is None:
+            summed = self._summed(emb, ids, grads)
+            if summed is None:
                 continue
-            nt = emb.weight.context.num_threads
-            buf = self._sum_buffer(emb, len(ids))
-            uniq, summed = kernels.dedup_sum(ids, grads, nt, out=buf)
+            uniq, summed = summed
             self._steps[emb.name] += 1
             emb.kvstore.push_update(emb.name, uniq, summed, self.rule,
                                     self.hyper(group, self._steps[emb.name]))
@@ -116,8 +162,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         """This table's reusable buffer for summed gradients, at least ``n`` rows.
 
         Reuse is safe: ``push_update`` consumes the sums before it returns (KVClient
-        contract), and a fresh 2 MB array per step costs more in page faults than the
-        dedup itself.
+        contract); it spares a fresh (N, D) allocation, and its first touch, every step.
         """
         buf = self._sum_buffers.get(emb.name)
         if buf is None or buf.shape[0] < n:
@@ -156,8 +201,9 @@ class SparseOptimizer(torch.optim.Optimizer):
                 if arr.shape != meta.shape:
                     raise DistEmbError(f"state_dict: state {sname!r} of {emb.name!r} has shape "
                                        f"{arr.shape}, expected {meta.shape}")
-                emb.kvstore.push(kvname, np.arange(arr.shape[0], dtype=np.int64),
-                                 arr.astype(meta.dtype, copy=False))
+                kv = emb.kvstore
+                kv.push(kvname, kv.from_host(np.arange(arr.shape[0], dtype=np.int64)),
+                        kv.from_host(arr.astype(meta.dtype, copy=False)))
             self._steps[emb.name] = int(entry["step"])
         self._load_groups(state_dict["param_groups"])
 

@@ -1,0 +1,166 @@
+"""Steps/s of a sparse training step with tables in server processes, vs in-process.
+
+One step: look up B random rows of a (N, D) DistEmbedding, backward a trivial loss,
+SparseAdagrad.step(). Configurations, all measured in this run:
+
+- ``in-process`` (baseline): the embedded store, no servers.
+- ``1s x 1t shm``: one server and one trainer on this machine; pulls read /dev/shm.
+- ``1s x 1t tcp``: the same with shared memory off.
+- ``2s x 2t tcp``: two servers and two trainers, shared memory off (every row over TCP);
+  steps/s is per trainer, and rows/s counts both trainers.
+- with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
+  its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
+  one partition per machine, so its second server is a backup server of the same
+  partition, and DGL always reads co-located partitions through shared memory.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
+        [--dgl]
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import distemb
+from distemb.context import DistContext
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(ctx, args):
+    """Steps/s of ``args.steps`` timed steps (after warm-up) in context ``ctx``."""
+    emb = distemb.DistEmbedding(args.rows, args.dim, name="bench",
+                                init_func=lambda s, d: torch.full(s, 0.01, dtype=d),
+                                context=ctx)
+    opt = distemb.SparseAdagrad([emb], lr=0.01)
+    rng = np.random.default_rng(ctx.rank)
+    batches = [torch.from_numpy(rng.integers(0, args.rows, args.batch))
+               for _ in range(args.steps + args.warmup)]
+    for i, ids in enumerate(batches):
+        if i == args.warmup:
+            ctx.client.barrier()
+            start = time.perf_counter()
+        opt.zero_grad()
+        emb(ids).sum().backward()
+        opt.step()
+    ctx.client.barrier()
+    return args.steps / (time.perf_counter() - start)
+
+
+def trainer_main(args):
+    torch.set_num_threads(1)
+    ctx = distemb.initialize(num_threads=1)
+    rate = train(ctx, args)
+    with open(os.path.join(args.out, f"rank{ctx.rank}.json"), "w") as f:
+        json.dump({"steps_per_s": rate}, f)
+    distemb.shutdown()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cluster(args, servers, trainers, shm):
+    """Launch a job on 127.0.0.1 running this script as trainer; per-trainer steps/s."""
+    with tempfile.TemporaryDirectory() as out:
+        ip = os.path.join(out, "ip.txt")
+        with open(ip, "w") as f:
+            f.write(f"127.0.0.1 {free_port()}\n")
+        argv = [sys.executable, "-m", "distemb.launch", "--ip-config", ip, "--num-servers",
+                str(servers), "--num-trainers", str(trainers), "--config-out",
+                os.path.join(out, "cluster.json")]
+        argv += [] if shm else ["--no-shared-memory"]
+        argv += ["--", sys.executable, os.path.abspath(__file__), "--trainer", "--out", out,
+                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
+                 str(args.batch), "--dim", str(args.dim), "--rows", str(args.rows)]
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1")
+        subprocess.run(argv, env=env, check=True, timeout=600)
+        return [json.load(open(os.path.join(out, f"rank{r}.json")))["steps_per_s"]
+                for r in range(trainers)]
+
+
+def run_dgl(args, servers, trainers, workdir):
+    """DGL's distributed KVStore on 127.0.0.1; per-trainer steps/s."""
+    ip = os.path.join(workdir, "ip.txt")
+    with open(ip, "w") as f:
+        f.write(f"127.0.0.1 {free_port()}\n")
+    common = dict(os.environ, DGL_IP_CONFIG=ip, DGL_NUM_SERVER=str(servers),
+                  DGL_NUM_CLIENT=str(trainers), DGL_CONF_PATH=os.path.join(workdir, "g.json"),
+                  DGL_NUM_SAMPLER="0", DGL_GRAPH_FORMAT="csc", OMP_NUM_THREADS="1",
+                  OMP_WAIT_POLICY="passive", BENCH_DIM=str(args.dim),
+                  BENCH_BATCH=str(args.batch), BENCH_STEPS=str(args.steps),
+                  BENCH_WARMUP=str(args.warmup), MASTER_PORT=str(free_port()))
+    job = os.path.join(ROOT, "benchmarks", "dgl_kvstore_job.py")
+    procs = [subprocess.Popen([sys.executable, job], env=dict(
+        common, DGL_ROLE="server", DGL_SERVER_ID=str(s)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL) for s in range(servers)]
+    try:
+        trainers_p = [subprocess.Popen([sys.executable, job], env=dict(
+            common, DGL_ROLE="default", DGL_DIST_MODE="distributed", RANK=str(r),
+            WORLD_SIZE=str(trainers)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True) for r in range(trainers)]
+        outs = [p.communicate(timeout=600)[0] for p in trainers_p]
+        for p in procs:
+            p.wait(timeout=60)  # DGL servers exit once every trainer has
+    finally:
+        for p in procs + trainers_p:
+            if p.poll() is None:
+                p.kill()
+    return [json.loads(line)["steps_per_s"] for out in outs for line in out.splitlines()
+            if line.startswith("{")]
+
+
+def dgl_rows(args):
+    import dgl  # optional: only with --dgl
+    with tempfile.TemporaryDirectory() as workdir:
+        g = dgl.rand_graph(args.rows, 2 * args.rows)
+        dgl.distributed.partition_graph(g, "g", 1, workdir, part_method="random")
+        return [("DGL DistEmbedding, 1 server x 1 trainer", run_dgl(args, 1, 1, workdir)),
+                ("DGL DistEmbedding, 2 servers x 2 trainers", run_dgl(args, 2, 2, workdir))]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--dgl", action="store_true", help="also run DGL's distributed KVStore")
+    p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trainer:
+        return trainer_main(args)
+    torch.set_num_threads(1)
+    base = train(DistContext.embedded(num_threads=1), args)
+    rows = [("in-process (baseline)", [base])]
+    rows.append(("1 server x 1 trainer, shm", run_cluster(args, 1, 1, shm=True)))
+    rows.append(("1 server x 1 trainer, tcp", run_cluster(args, 1, 1, shm=False)))
+    rows.append(("2 servers x 2 trainers, tcp", run_cluster(args, 2, 2, shm=False)))
+    if args.dgl:
+        rows += dgl_rows(args)
+    print(f"B={args.batch} D={args.dim} N={args.rows} steps={args.steps}, one thread per "
+          f"process, {os.cpu_count()} cores\n")
+    print("| configuration | steps/s per trainer | rows/s (all trainers) | vs in-process |")
+    print("|---|---|---|---|")
+    for name, rates in rows:
+        mean = float(np.mean(rates))
+        total = sum(rates) * args.batch
+        print(f"| {name} | {mean:.1f} | {total / 1e6:.2f} M | {sum(rates) / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

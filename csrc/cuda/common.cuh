@@ -1,0 +1,66 @@
+// Launch helpers shared by the .cu files; internal, not part of the C API.
+#ifndef DISTEMB_CUDA_COMMON_CUH_
+#define DISTEMB_CUDA_COMMON_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "distemb_cuda.h"
+
+namespace distemb {
+
+constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+// Grid-stride loops cover any size; more blocks than this only adds scheduling cost.
+constexpr int64_t kMaxBlocks = 1 << 16;
+
+inline unsigned blocks_for(int64_t threads_needed) {
+  int64_t blocks = (threads_needed + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
+}
+
+inline cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// Rows are spread over groups of `lanes` threads (a power of two up to a warp, see
+// lanes_per_row), one group per row at a time, its lanes striding over the columns.
+// This avoids a 64-bit division per element and keeps narrow rows from idling a warp.
+inline int lanes_per_row(int64_t d) {
+  int lanes = 1;
+  while (lanes < d && lanes < kWarp) lanes *= 2;
+  return lanes;
+}
+
+__device__ inline int64_t first_row(int lanes) {
+  return static_cast<int64_t>(blockIdx.x) * (blockDim.x / lanes) + threadIdx.x / lanes;
+}
+
+__device__ inline int64_t row_stride(int lanes) {
+  return static_cast<int64_t>(gridDim.x) * (blockDim.x / lanes);
+}
+
+__device__ inline int64_t thread_index() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ inline int64_t thread_count() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+__device__ inline float warp_sum(float x) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+}  // namespace distemb
+
+// Return the CUDA error of `expr` from the enclosing C entry point.
+#define DISTEMB_TRY(expr)                                  \
+  do {                                                     \
+    cudaError_t distemb_err_ = (expr);                     \
+    if (distemb_err_ != cudaSuccess) return distemb_err_;  \
+  } while (0)
+
+#endif  // DISTEMB_CUDA_COMMON_CUH_

@@ -1,0 +1,69 @@
+/* C API of distemb's CUDA kernels (loaded with ctypes by distemb/kernels/cuda.py).
+ *
+ * Every pointer is a device pointer unless named *_host. Tables are row-major,
+ * contiguous float32; ids are int64. Each entry point makes `device` current, enqueues
+ * its work on `stream` (a cudaStream_t, NULL for the legacy default stream) and returns
+ * a cudaError_t as int: 0 on success, cudaErrorInvalidValue (1) for bad sizes. Work is
+ * asynchronous: errors inside kernels surface on a later call or synchronisation.
+ * Semantics are those of distemb/kernels/reference.py; `rows` passed to the updates
+ * must be unique and in range (the caller dedups and range-checks).
+ */
+#ifndef DISTEMB_CUDA_H_
+#define DISTEMB_CUDA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define DISTEMB_API extern "C" __attribute__((visibility("default")))
+
+/* Bumped whenever a signature below changes; the Python loader checks it. */
+#define DISTEMB_CUDA_ABI_VERSION 2
+
+DISTEMB_API int distemb_cuda_abi_version(void);
+DISTEMB_API const char* distemb_cuda_error_string(int code);
+DISTEMB_API int distemb_cuda_device_count(int* count_host);
+
+/* Dedup in two phases, because the output size (the unique count) is data dependent:
+ * 1. dedup_workspace_bytes: how much scratch memory a batch of n ids needs (allocate it
+ *    256-byte aligned, as cudaMalloc and torch's allocator do).
+ *    The sort reads bits [0, end_bit) of each id: 64 for any ids, or fewer when every
+ *    id is known to lie in [0, 2^end_bit) (fewer radix passes); same end_bit below.
+ * 2. dedup_sort: sorts ids, writes ascending unique ids to uniq (capacity n) and their
+ *    number to *num_unique (one device int64). The caller reads the count back.
+ * 3. dedup_sum: writes the (num_unique, d) summed gradients to summed, reusing the
+ *    workspace that phase 2 filled (keep it alive and untouched in between). */
+DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, int end_bit, size_t* bytes_host,
+                                                   int device);
+DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int end_bit,
+                                        void* workspace, size_t workspace_bytes, int64_t* uniq,
+                                        int64_t* num_unique, int device, void* stream);
+DISTEMB_API int distemb_cuda_dedup_sum(const float* grads, int64_t n, int64_t d,
+                                       const void* workspace, size_t workspace_bytes,
+                                       int64_t num_unique, float* summed, int device,
+                                       void* stream);
+
+DISTEMB_API int distemb_cuda_gather_rows(const float* table, int64_t d, const int64_t* rows,
+                                         int64_t n, float* out, int device, void* stream);
+
+DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t d, const int64_t* rows,
+                                        const float* grads, int64_t n, float lr, int device,
+                                        void* stream);
+DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int64_t d,
+                                            const int64_t* rows, const float* grads,
+                                            int64_t n, float clr, float eps, int device,
+                                            void* stream);
+/* state_sum holds one float per table row. */
+DISTEMB_API int distemb_cuda_rowwise_adagrad_update(float* weight, float* state_sum, int64_t d,
+                                                    const int64_t* rows, const float* grads,
+                                                    int64_t n, float clr, float eps,
+                                                    int device, void* stream);
+/* row_steps NULL: bias correction uses the global `step` (torch.optim.SparseAdam).
+ * Otherwise one int64 per table row, incremented here for each updated row, whose own
+ * count drives its bias correction (lazy Adam, as DGL). */
+DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* exp_avg_sq,
+                                         int64_t d, const int64_t* rows, const float* grads,
+                                         int64_t n, double lr, double beta1, double beta2,
+                                         double eps, int64_t step, int64_t* row_steps,
+                                         int device, void* stream);
+
+#endif  /* DISTEMB_CUDA_H_ */

@@ -1,0 +1,161 @@
+// Fused sparse optimizer updates, in place on float32 tables, one pass over each row.
+// Arithmetic mirrors distemb/kernels/reference.py operation by operation, in float32;
+// the build passes -fmad=false so that no multiply-add is contracted and rounding follows
+// the CPU kernels (the rows are memory-bound, the FMA gains nothing). Row-wise Adagrad's
+// mean is reduced across a warp, in another order than on the CPU.
+#include <cmath>
+
+#include "common.cuh"
+
+namespace distemb {
+namespace {
+
+// Rows are unique, so no two threads touch the same address.
+__global__ void sgd_kernel(float* weight, int64_t d, const int64_t* rows, const float* grads,
+                           int64_t n, int lanes, float lr) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    float* w = weight + rows[i] * d;
+    const float* g = grads + i * d;
+    for (int64_t j = lane; j < d; j += lanes) w[j] = w[j] - lr * g[j];
+  }
+}
+
+__global__ void adagrad_kernel(float* weight, float* state_sum, int64_t d, const int64_t* rows,
+                               const float* grads, int64_t n, int lanes, float clr, float eps) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    const int64_t base = rows[i] * d;
+    const float* g = grads + i * d;
+    for (int64_t j = lane; j < d; j += lanes) {
+      const float s = state_sum[base + j] + g[j] * g[j];
+      state_sum[base + j] = s;
+      weight[base + j] = weight[base + j] - clr * (g[j] / (sqrtf(s) + eps));
+    }
+  }
+}
+
+// One warp per row: the row's accumulator needs a reduction over the row first.
+__global__ void rowwise_adagrad_kernel(float* weight, float* state_sum, int64_t d,
+                                       const int64_t* rows, const float* grads, int64_t n,
+                                       float clr, float eps) {
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
+    const int64_t r = rows[i];
+    const float* g = grads + i * d;
+    float acc = 0.0f;
+    for (int64_t j = lane; j < d; j += kWarp) acc += g[j] * g[j];
+    const float s = state_sum[r] + warp_sum(acc) / static_cast<float>(d);
+    __syncwarp();  // every lane has read state_sum[r] before lane 0 overwrites it
+    if (lane == 0) state_sum[r] = s;
+    const float std_dev = sqrtf(s) + eps;
+    float* w = weight + r * d;
+    for (int64_t j = lane; j < d; j += kWarp) w[j] = w[j] - clr * (g[j] / std_dev);
+  }
+}
+
+__device__ __host__ inline float adam_step_size(double lr, double beta1, double beta2,
+                                                double step) {
+  return static_cast<float>(lr * sqrt(1.0 - pow(beta2, step)) / (1.0 - pow(beta1, step)));
+}
+
+// One warp per row, so a row's step count is read and bumped once (by lane 0).
+__global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq, int64_t d,
+                            const int64_t* rows, const float* grads, int64_t n, double lr,
+                            double beta1, double beta2, float eps, float global_step_size,
+                            int64_t* row_steps) {
+  const int lane = threadIdx.x % kWarp;
+  // 1 - beta in double, then rounded, as torch (and the CPU kernels) compute it.
+  const float omb1 = static_cast<float>(1.0 - beta1), omb2 = static_cast<float>(1.0 - beta2);
+  for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
+    const int64_t r = rows[i];
+    float step_size = global_step_size;
+    if (row_steps != nullptr) {
+      if (lane == 0) {
+        const int64_t st = row_steps[r] + 1;
+        row_steps[r] = st;
+        step_size = adam_step_size(lr, beta1, beta2, static_cast<double>(st));
+      }
+      step_size = __shfl_sync(0xffffffffu, step_size, 0);
+    }
+    const float* g = grads + i * d;
+    const int64_t base = r * d;
+    for (int64_t j = lane; j < d; j += kWarp) {
+      const float gj = g[j];
+      float m = exp_avg[base + j];
+      float v = exp_avg_sq[base + j];
+      m = m + (gj - m) * omb1;
+      v = v + (gj * gj - v) * omb2;
+      exp_avg[base + j] = m;
+      exp_avg_sq[base + j] = v;
+      weight[base + j] = weight[base + j] - step_size * (m / (sqrtf(v) + eps));
+    }
+  }
+}
+
+bool bad_sizes(int64_t d, int64_t n) { return n < 0 || d <= 0; }
+
+}  // namespace
+}  // namespace distemb
+
+using distemb::as_stream;
+using distemb::blocks_for;
+using distemb::kThreads;
+using distemb::kWarp;
+
+DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t d, const int64_t* rows,
+                                        const float* grads, int64_t n, float lr, int device,
+                                        void* stream) {
+  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const int lanes = distemb::lanes_per_row(d);
+  distemb::sgd_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
+      weight, d, rows, grads, n, lanes, lr);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int64_t d,
+                                            const int64_t* rows, const float* grads,
+                                            int64_t n, float clr, float eps, int device,
+                                            void* stream) {
+  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const int lanes = distemb::lanes_per_row(d);
+  distemb::adagrad_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
+      weight, state_sum, d, rows, grads, n, lanes, clr, eps);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_rowwise_adagrad_update(float* weight, float* state_sum, int64_t d,
+                                                    const int64_t* rows, const float* grads,
+                                                    int64_t n, float clr, float eps,
+                                                    int device, void* stream) {
+  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  distemb::rowwise_adagrad_kernel<<<blocks_for(n * kWarp), kThreads, 0, as_stream(stream)>>>(
+      weight, state_sum, d, rows, grads, n, clr, eps);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* exp_avg_sq,
+                                         int64_t d, const int64_t* rows, const float* grads,
+                                         int64_t n, double lr, double beta1, double beta2,
+                                         double eps, int64_t step, int64_t* row_steps,
+                                         int device, void* stream) {
+  if (distemb::bad_sizes(d, n) || (row_steps == nullptr && step < 1)) {
+    return cudaErrorInvalidValue;
+  }
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const float global_step_size =
+      row_steps == nullptr
+          ? distemb::adam_step_size(lr, beta1, beta2, static_cast<double>(step))
+          : 0.0f;
+  distemb::adam_kernel<<<blocks_for(n * kWarp), kThreads, 0, as_stream(stream)>>>(
+      weight, exp_avg, exp_avg_sq, d, rows, grads, n, lr, beta1, beta2,
+      static_cast<float>(eps), global_step_size, row_steps);
+  return cudaGetLastError();
+}

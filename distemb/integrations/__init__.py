@@ -1,0 +1,1 @@
+"""Optional integrations. Each imports its framework; the core never imports them."""

@@ -1,0 +1,271 @@
+"""KVService: turns protocol requests into calls on a KVServer (the server side of a job).
+
+One service runs in each server process, behind any transport: ``handle(frame)`` takes a
+request frame and returns the reply frame (None for a no-reply asynchronous update).
+Every request is decoded and checked (:mod:`distemb.transport.messages`), and every id is
+range-checked against its shard before a kernel sees it, so a bad request gets an error
+reply and the server keeps serving.
+
+Consistency of ``UPDATE`` (chosen by the trainers, see ``ClusterConfig.consistency``):
+
+- ``sync`` / ``async``: applied on arrival, in arrival order (one writer per row).
+- ``sync_exact`` (requests with ``exact``): the contributions of all trainers to step
+  ``seq`` of a table are buffered, concatenated, their duplicate ids summed, and applied
+  once; every trainer's request is answered after that one update, so two trainers on
+  half batches equal one trainer on the whole batch.
+
+Example:
+    >>> import numpy as np
+    >>> from distemb.transport.messages import Create, Pull
+    >>> svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
+    >>> _ = svc.handle(Create(name="w", dtype="float32", row_shape=[2], parts=[0],
+    ...                       part_rows=[3]).encode())
+    >>> svc.handle(Pull(name="w", parts=[0], counts=[1], ids=np.array([2])).encode()).arrays[0]
+    array([[0., 0.]], dtype=float32)
+"""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from distemb import kernels
+from distemb.errors import KVStoreError
+from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
+from distemb.rules import RULES, state_init, state_name
+from distemb.transport.base import FLAG_NO_REPLY
+from distemb.transport.messages import Error, Reply, Service, decode_request
+
+DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
+MAX_ROWS = 1 << 40
+
+
+class _ExactStep:
+    """Contributions of the trainers to one (table, step) in sync_exact mode."""
+
+    def __init__(self):
+        self.contribs, self.done, self.error, self.left = [], False, None, 0
+
+
+class KVService:
+    """Request handler of one KVStore server.
+
+    Args:
+        server: the :class:`KVServer` holding this server's shards.
+        server_id, num_servers: this server's id; part p belongs to server p % num_servers.
+        num_trainers: trainers that must say BYE (and join barriers and exact steps).
+        timeout_s: how long a sync_exact step or a barrier waits for the other trainers.
+        arena: a :class:`~distemb.transport.shm.ShmArena` to allocate shards in shared
+            memory, or None for private memory.
+        on_all_bye: called once every trainer has said BYE.
+    """
+
+    def __init__(self, server, server_id, num_servers, num_trainers, timeout_s=60.0,
+                 arena=None, on_all_bye=None):
+        self.server, self.server_id, self.num_servers = server, server_id, num_servers
+        self.num_trainers, self.timeout_s = num_trainers, timeout_s
+        self.arena, self.on_all_bye = arena, on_all_bye
+        self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
+        self._cond = threading.Condition()  # sync_exact buffers and barriers
+        self._exact = {}
+        self._barrier_gen, self._barrier_count = 0, 0
+        self._byes = set()
+        self._handlers = {Service.HELLO: self._hello, Service.CREATE: self._create,
+                          Service.DROP: self._drop, Service.PULL: self._pull,
+                          Service.PUSH: self._push, Service.OPT_INIT: self._opt_init,
+                          Service.UPDATE: self._update, Service.BARRIER: self._barrier,
+                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye}
+
+    def handle(self, frame):
+        """The reply frame to request ``frame`` (an Error frame when it fails)."""
+        try:
+            msg = decode_request(frame)
+            reply = self._handlers[msg.SERVICE](msg)
+        except Exception as e:  # any failure is the client's answer; the server goes on
+            if frame.flags & FLAG_NO_REPLY:
+                print(f"distemb server {self.server_id}: asynchronous request failed: {e}",
+                      file=sys.stderr, flush=True)
+                return None
+            return Error(kind=type(e).__name__, message=f"server {self.server_id}: {e}"
+                         ).encode()
+        if frame.flags & FLAG_NO_REPLY:
+            return None
+        return (reply or Reply()).encode()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _own(self, part):
+        if part % self.num_servers != self.server_id:
+            raise KVStoreError(f"partition {part} belongs to server {part % self.num_servers}"
+                               f", not server {self.server_id} (the partition config does "
+                               f"not match the {self.num_servers} servers)")
+
+    def _rows(self, m):
+        """(part, local ids, slice) per part of a rows message, ids range-checked."""
+        out, start = [], 0
+        for part, n in zip(m.parts, m.counts):
+            sl = slice(start, start + n)
+            start += n
+            ids = m.ids[sl]
+            rows = self.server.shard(m.name, part).shape[0]
+            if n and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                raise KVStoreError(f"id {bad} of shard {part} of {m.name!r} is out of range "
+                                   f"(expected 0 <= id < {rows})")
+            out.append((part, ids, sl))
+        return out
+
+    def _new_array(self, shape, dtype):
+        return self.arena.allocate(shape, dtype) if self.arena else np.zeros(shape, dtype)
+
+    def _forget(self, name, part):
+        if self.server.has(name, part):
+            if self.arena:
+                self.arena.release(self.server.shard(name, part))
+            self.server.drop_shard(name, part)
+
+    # -- handlers -----------------------------------------------------------------------
+
+    def _hello(self, m):
+        return Reply(fields={"server_id": self.server_id, "num_servers": self.num_servers,
+                             "pid": os.getpid(), "torch_imported": "torch" in sys.modules,
+                             "shared_memory": self.arena is not None})
+
+    def _create(self, m):
+        if m.dtype not in DTYPES:
+            raise KVStoreError(f"dtype: expected one of {list(DTYPES)}, got {m.dtype!r}")
+        existed = []
+        with self._lock:
+            for part, rows in zip(m.parts, m.part_rows):
+                self._own(part)
+                shape = (rows,) + tuple(m.row_shape)
+                if int(np.prod(shape)) > MAX_ROWS:
+                    raise KVStoreError(f"shard {part} of {m.name!r}: shape {shape} too large")
+                if self.server.has(m.name, part):
+                    have = self.server.shard(m.name, part)
+                    if have.shape != shape or have.dtype.name != m.dtype:
+                        raise KVStoreError(f"shard {part} of {m.name!r} exists with shape "
+                                           f"{have.shape} {have.dtype}, asked for {shape} "
+                                           f"{m.dtype}")
+                    existed.append(part)
+                else:
+                    self.server.create(m.name, part, self._new_array(shape, m.dtype))
+        return Reply(fields={"existed": existed})
+
+    def _drop(self, m):
+        with self._lock:
+            for part in self.server.parts_of(m.name):
+                self._forget(m.name, part)
+
+    def _pull(self, m):
+        rows = self._rows(m)
+        first = self.server.shard(m.name, m.parts[0]) if m.parts else None
+        if first is None:
+            return Reply(arrays=[np.empty((0,), np.float32)])
+        out = np.empty((m.ids.shape[0],) + first.shape[1:], dtype=first.dtype)
+        for part, ids, sl in rows:
+            self.server.pull(m.name, part, ids, out=out[sl])
+        return Reply(arrays=[out])
+
+    def _push(self, m):
+        for part, ids, sl in self._rows(m):
+            shard = self.server.shard(m.name, part)
+            if m.values.dtype != shard.dtype or m.values.shape[1:] != shard.shape[1:]:
+                raise KVStoreError(f"values of {m.name!r}: expected {shard.dtype} rows of "
+                                   f"shape {shard.shape[1:]}, got {m.values.dtype} "
+                                   f"{m.values.shape[1:]}")
+            self.server.push(m.name, part, ids, m.values[sl])
+
+    def _opt_init(self, m):
+        if m.rule not in RULES:
+            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {m.rule!r}")
+        with self._lock:
+            for part in m.parts:
+                self._own(part)
+                weight = self.server.shard(m.name, part)
+                for spec in RULES[m.rule].states:
+                    sname = state_name(m.name, spec.name)
+                    self._forget(sname, part)
+                    shape = (weight.shape[0],) + spec.shape(weight.shape[1])
+                    arr = self._new_array(shape, spec.dtype)
+                    arr[...] = state_init(spec, shape, m.options)
+                    self.server.create(sname, part, arr)
+
+    def _update(self, m):
+        if m.grads.dtype != np.float32 or m.grads.ndim != 2:
+            raise KVStoreError(f"grads of {m.name!r}: expected 2-d float32, got "
+                               f"{m.grads.dtype} {m.grads.ndim}-d")
+        if m.exact:
+            return self._update_exact(m)
+        for part, ids, sl in self._rows(m):
+            self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
+
+    def _update_exact(self, m):
+        self._rows(m)  # reject bad ids before they are buffered
+        key = (m.name, m.seq)
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            step = self._exact.setdefault(key, _ExactStep())
+            step.contribs.append(m)
+            if len(step.contribs) == self.num_trainers:
+                try:
+                    self._apply_summed(step.contribs)
+                except Exception as e:
+                    step.error = e
+                step.done = True
+                self._cond.notify_all()
+            while not step.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._exact.pop(key, None)
+                    raise KVStoreError(f"sync_exact: step {m.seq} of {m.name!r} got "
+                                       f"{len(step.contribs)} of {self.num_trainers} trainers' "
+                                       f"pushes within {self.timeout_s} s")
+                self._cond.wait(left)
+            step.left += 1
+            if step.left == len(step.contribs):
+                self._exact.pop(key, None)
+        if step.error is not None:
+            raise step.error
+
+    def _apply_summed(self, contribs):
+        """Sum every trainer's rows of each part (duplicates added) and update once."""
+        per_part = {}
+        for m in contribs:
+            for part, ids, sl in self._rows(m):
+                per_part.setdefault(part, []).append((ids, m.grads[sl]))
+        first = contribs[0]
+        for part, pieces in per_part.items():
+            ids = np.concatenate([p[0] for p in pieces])
+            grads = np.concatenate([p[1] for p in pieces])
+            uniq, summed = kernels.dedup_sum(ids, grads, self.server.num_threads)
+            self.server.update(first.name, part, uniq, summed, first.rule, first.hyper)
+
+    def _barrier(self, m):
+        with self._cond:
+            gen = self._barrier_gen
+            self._barrier_count += 1
+            if self._barrier_count == self.num_trainers:
+                self._barrier_gen, self._barrier_count = gen + 1, 0
+                self._cond.notify_all()
+            elif not self._cond.wait_for(lambda: self._barrier_gen != gen, self.timeout_s):
+                self._barrier_count -= 1
+                raise KVStoreError(f"barrier: not every one of {self.num_trainers} trainers "
+                                   f"arrived within {self.timeout_s} s")
+
+    def _shm_info(self, m):
+        paths, shapes, dtypes = [], [], []
+        for part in m.parts:
+            arr = self.server.shard(m.name, part)
+            paths.append(self.arena.path_of(arr) if self.arena else None)
+            shapes.append(list(arr.shape))
+            dtypes.append(arr.dtype.name)
+        return Reply(fields={"paths": paths, "shapes": shapes, "dtypes": dtypes})
+
+    def _bye(self, m):
+        with self._cond:
+            self._byes.add(m.rank)
+            done = len(self._byes) >= self.num_trainers
+        if done and self.on_all_bye:
+            self.on_all_bye()

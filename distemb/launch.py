@@ -1,0 +1,311 @@
+"""distemb-launch: start the servers and trainers of one job from a DGL ip_config.
+
+``distemb-launch --ip-config ip.txt --num-servers S --num-trainers T -- python train.py``
+
+``ip.txt`` has DGL's format: one ``IP [port]`` per machine, ``#`` comments. S servers and
+T trainers run on every machine (DGL's per-machine counts); server ``k`` of machine ``m``
+listens on ``port + k`` (port default 30050) and has id ``m * S + k``; trainer ranks are
+``m * T + k``. The launcher writes ONE validated cluster config (JSON) and gives every
+process its path in ``$DISTEMB_CONFIG`` with ``$DISTEMB_ROLE``/``$DISTEMB_RANK``;
+trainers also get ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` so
+dense layers can use ``torch.distributed`` (DDP).
+
+Launchers: ``local`` (every address must be loopback; all processes start here), ``ssh``
+(one ``ssh HOST 'cd DIR && ENV... CMD'`` per process; the config path must be on a
+shared file system) and ``mpirun`` (ranks < S*machines are servers, the rest trainers).
+``--dry-run`` prints the exact commands. If a process fails, or on Ctrl-C, every child is
+stopped by PID.
+
+Example::
+
+    distemb-launch --ip-config ip.txt --num-servers 2 --num-trainers 2 -- python train.py
+"""
+import argparse
+import ipaddress
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from distemb.config import (CONSISTENCY, TRANSPORTS, load_cluster_config,
+                            parse_cluster_config, write_cluster_config)
+from distemb.errors import ConfigError, DistEmbError
+from distemb.partition import load_policies
+from distemb.transport.shm import SHM_DIR
+
+DEFAULT_PORT = 30050
+STOP_GRACE_S = 5.0
+
+
+def read_ip_config(path):
+    """Machines of a DGL ip_config file.
+
+    Returns:
+        list of (ip, port or None), one per machine.
+
+    Raises:
+        ConfigError: ``path:line: ...`` naming the bad line and what was expected.
+    """
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: no such ip_config file")
+    machines = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            where = f"{path}:{n}"
+            if len(words) > 2:
+                raise ConfigError(f"{where}: expected 'IP [port]', got {line.strip()!r}")
+            try:
+                ip = str(ipaddress.ip_address(words[0]))
+            except ValueError:
+                raise ConfigError(f"{where}: {words[0]!r} is not an IP address "
+                                  f"(expected 'IP [port]')") from None
+            port = None
+            if len(words) == 2:
+                if not words[1].isdigit() or not 0 < int(words[1]) < 65536:
+                    raise ConfigError(f"{where}: port must be 1..65535, got {words[1]!r}")
+                port = int(words[1])
+            machines.append((ip, port))
+    if not machines:
+        raise ConfigError(f"{path}: no machines listed")
+    return machines
+
+
+def build_config(machines, num_servers, num_trainers, part_config=None, transport="tcp",
+                 consistency="sync", shared_memory=True, timeout_s=60.0, master_port=29500):
+    """The cluster config of S servers and T trainers per machine.
+
+    Raises:
+        ConfigError: invalid counts, or a partition config whose partitions cannot be
+            spread over the servers.
+    """
+    for what, v in (("--num-servers", num_servers), ("--num-trainers", num_trainers)):
+        if v < 1:
+            raise ConfigError(f"{what}: must be >= 1, got {v}")
+    servers = [{"host": ip, "port": (port or DEFAULT_PORT) + k, "machine": m}
+               for m, (ip, port) in enumerate(machines) for k in range(num_servers)]
+    if part_config:
+        parts = {p.num_partitions for p in load_policies(part_config).values()}
+        total = len(servers)
+        if any(p % total for p in parts):
+            raise ConfigError(f"--part-config {part_config}: {sorted(parts)} partition(s) do "
+                              f"not match {total} server(s) ({len(machines)} machine(s) x "
+                              f"{num_servers}): partition p lives on server p % servers, so "
+                              f"the partition count must be a multiple of the server count")
+    return parse_cluster_config({
+        "job_id": uuid.uuid4().hex[:12], "servers": servers,
+        "num_trainers": num_trainers * len(machines),
+        "trainer_machines": [m for m in range(len(machines)) for _ in range(num_trainers)],
+        "transport": transport, "consistency": consistency, "shared_memory": shared_memory,
+        "timeout_s": timeout_s, "master_addr": machines[0][0], "master_port": master_port,
+        "part_config": part_config})
+
+
+def server_env(cfg_path, sid):
+    return {"DISTEMB_CONFIG": cfg_path, "DISTEMB_ROLE": "server", "DISTEMB_RANK": str(sid)}
+
+
+def trainer_env(cfg, cfg_path, rank):
+    local = rank - cfg.trainer_machines.index(cfg.trainer_machines[rank])
+    return {"DISTEMB_CONFIG": cfg_path, "DISTEMB_ROLE": "trainer", "DISTEMB_RANK": str(rank),
+            "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(cfg.master_port),
+            "RANK": str(rank), "WORLD_SIZE": str(cfg.num_trainers), "LOCAL_RANK": str(local)}
+
+
+def server_cmd(python, cfg_path, sid):
+    return [python, "-m", "distemb.server", "--config", cfg_path, "--server-id", str(sid)]
+
+
+def plan(cfg, cfg_path, command, python):
+    """Every process of the job: list of (host, env, argv), servers first."""
+    procs = [(s.host, server_env(cfg_path, i), server_cmd(python, cfg_path, i))
+             for i, s in enumerate(cfg.servers)]
+    hosts = {s.machine: s.host for s in cfg.servers}
+    procs += [(hosts[m], trainer_env(cfg, cfg_path, r), list(command))
+              for r, m in enumerate(cfg.trainer_machines)]
+    return procs
+
+
+def ssh_argv(host, env, argv, cwd):
+    """The ssh command starting ``argv`` with ``env`` in ``cwd`` on ``host``."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    remote = f"cd {shlex.quote(cwd)} && {exports} {shlex.join(argv)}"
+    return ["ssh", "-o", "StrictHostKeyChecking=no", host, remote]
+
+
+def mpirun_argv(cfg, cfg_path, command, python):
+    """One mpirun whose ranks become servers (rank < servers) or trainers."""
+    n = len(cfg.servers) + cfg.num_trainers
+    return ["mpirun", "--oversubscribe", "-np", str(n), python, "-m", "distemb.launch",
+            "--mpi-child", cfg_path, "--", *command]
+
+
+def mpi_child(cfg_path, command):
+    """Inside mpirun: become this rank's server or trainer (exec, so MPI is set up once)."""
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "-1")))
+    if rank < 0:
+        raise DistEmbError("--mpi-child: no MPI rank in the environment (run under mpirun)")
+    cfg = load_cluster_config(cfg_path)
+    num_servers = len(cfg.servers)
+    if rank < num_servers:
+        os.environ.update(server_env(cfg_path, rank))
+        argv = server_cmd(sys.executable, cfg_path, rank)
+    else:
+        os.environ.update(trainer_env(cfg, cfg_path, rank - num_servers))
+        argv = list(command)
+    os.execvp(argv[0], argv)
+
+
+class Supervisor:
+    """Children of the launcher: started, watched, and stopped by PID."""
+
+    def __init__(self):
+        self.servers, self.trainers = [], []
+
+    def start(self, argv, env, server):
+        p = subprocess.Popen(argv, env=dict(os.environ, **env))
+        (self.servers if server else self.trainers).append(p)
+        return p
+
+    def stop_all(self):
+        alive = [p for p in self.servers + self.trainers if p.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in alive:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def watch(self):
+        """Wait for the trainers; stop everything when one fails. Returns the exit code."""
+        while True:
+            for p in self.servers + self.trainers:
+                code = p.poll()
+                if code not in (None, 0):
+                    print(f"distemb-launch: pid {p.pid} ({shlex.join(p.args[:4])} ...) exited "
+                          f"with {code}; stopping every process", file=sys.stderr, flush=True)
+                    self.stop_all()
+                    return code
+            if all(p.poll() == 0 for p in self.trainers):
+                break
+            time.sleep(0.1)
+        # Trainers that closed their context said goodbye and the servers are exiting;
+        # servers of trainers that never did are stopped after a grace period.
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.servers):
+            time.sleep(0.05)
+        self.stop_all()
+        return max([p.returncode or 0 for p in self.servers] + [0])
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="distemb-launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ip-config", help="DGL ip_config: one 'IP [port]' per machine")
+    parser.add_argument("--num-servers", type=int, default=1, help="servers per machine")
+    parser.add_argument("--num-trainers", type=int, default=1, help="trainers per machine")
+    parser.add_argument("--part-config", help="DGL partition config or distemb policy file")
+    parser.add_argument("--launcher", choices=("local", "ssh", "mpirun"), default="local")
+    parser.add_argument("--transport", choices=TRANSPORTS, help="default: mpi under "
+                        "--launcher mpirun, else tcp")
+    parser.add_argument("--consistency", choices=CONSISTENCY, default="sync")
+    parser.add_argument("--no-shared-memory", action="store_true",
+                        help="pull every row over the transport, even from local servers")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds before a silent server is an error")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--config-out", default="distemb_cluster.json",
+                        help="where to write the cluster config (shared file system for ssh)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    parser.add_argument("--mpi-child", metavar="CONFIG", help=argparse.SUPPRESS)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- trainer command")
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("missing the trainer command after '--'")
+    if not args.mpi_child and not args.ip_config:
+        parser.error("--ip-config is required")
+    return args
+
+
+def run(args):
+    """Write the config and start (or print) the job. Returns the exit code."""
+    if args.mpi_child:
+        mpi_child(args.mpi_child, args.command)
+    machines = read_ip_config(args.ip_config)
+    transport = args.transport or ("mpi" if args.launcher == "mpirun" else "tcp")
+    cfg = build_config(machines, args.num_servers, args.num_trainers, args.part_config,
+                       transport, args.consistency, not args.no_shared_memory, args.timeout,
+                       args.master_port)
+    if args.launcher == "local":
+        bad = [ip for ip, _ in machines if not ipaddress.ip_address(ip).is_loopback]
+        if bad:
+            raise ConfigError(f"{args.ip_config}: --launcher local runs everything on this "
+                              f"machine, but {bad[0]} is not a loopback address (use ssh)")
+    cfg_path = os.path.abspath(args.config_out)
+    write_cluster_config(cfg, cfg_path)
+    python = sys.executable
+    if args.launcher == "mpirun":
+        commands = [mpirun_argv(cfg, cfg_path, args.command, python)]
+    elif args.launcher == "ssh":
+        commands = [ssh_argv(h, env, argv, os.getcwd())
+                    for h, env, argv in plan(cfg, cfg_path, args.command, python)]
+    else:
+        commands = None
+    if args.dry_run:
+        for h, env, argv in ([] if commands else plan(cfg, cfg_path, args.command, python)):
+            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
+        for argv in commands or []:
+            print(shlex.join(argv))
+        return 0
+    sup = Supervisor()
+    try:
+        if commands and args.launcher == "mpirun":
+            sup.start(commands[0], {}, server=False)
+        else:
+            for i, (h, env, argv) in enumerate(plan(cfg, cfg_path, args.command, python)):
+                server = i < len(cfg.servers)
+                sup.start(ssh_argv(h, env, argv, os.getcwd()) if commands else argv, env,
+                          server)
+        return sup.watch()
+    except KeyboardInterrupt:
+        print("distemb-launch: interrupted; stopping every process", file=sys.stderr)
+        sup.stop_all()
+        return 130
+    finally:
+        if args.launcher == "local":
+            remove_shm_files(cfg.job_id)
+
+
+def remove_shm_files(job_id):
+    """Remove shared-memory shards a killed server of job ``job_id`` left behind."""
+    prefix = f"distemb-{job_id}-"
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else ():
+        if name.startswith(prefix):
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C does
+
+
+def main(argv=None):
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run(parse_args(argv))
+    except DistEmbError as e:
+        print(f"distemb-launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The KVStore server process: ``python -m distemb.server --config C --server-id N``.
+
+Holds the shards of the partitions it owns (p % num_servers == N) with the numpy backend
+only (this module and everything it imports never import torch), serves the protocol of
+:mod:`distemb.transport.messages` over the configured transport, and exits 0 once every
+trainer has said goodbye, or on SIGTERM/SIGINT. Shared-memory shard files are removed
+on the way out.
+
+Example (normally started by ``distemb-launch``)::
+
+    python -m distemb.server --config cluster.json --server-id 0
+"""
+import argparse
+import signal
+import sys
+import threading
+
+from distemb.config import load_cluster_config
+from distemb.context import default_num_threads
+from distemb.errors import DistEmbError
+from distemb.kvstore.server import KVServer
+from distemb.kvstore.service import KVService
+from distemb.transport import tcp
+from distemb.transport.shm import ShmArena
+
+
+def build_service(cfg, server_id, stop):
+    """The KVService of server ``server_id`` of ``cfg``; ``stop`` is set on the last BYE."""
+    arena = ShmArena(cfg.job_id, server_id) if cfg.shared_memory else None
+    return KVService(KVServer(server_id, default_num_threads()), server_id, len(cfg.servers),
+                     cfg.num_trainers, cfg.timeout_s, arena, stop.set)
+
+
+def run(cfg, server_id):
+    """Serve until every trainer said BYE or a signal arrives.
+
+    Raises:
+        DistEmbError: the server id is out of range or the port cannot be bound.
+    """
+    if not 0 <= server_id < len(cfg.servers):
+        raise DistEmbError(f"--server-id: expected 0..{len(cfg.servers) - 1}, got {server_id}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    service = build_service(cfg, server_id, stop)
+    try:
+        if cfg.transport == "mpi":
+            from distemb.transport import mpi  # mpi4py is an optional extra
+            mpi.serve(service.handle, stop)
+        else:
+            entry = cfg.servers[server_id]
+            listener = tcp.listen(entry.host, entry.port)
+            tcp.serve(listener, service.handle, stop, cfg.max_message_bytes)
+    finally:
+        if service.arena:
+            service.arena.close()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m distemb.server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="cluster config (JSON)")
+    parser.add_argument("--server-id", type=int, required=True, help="index in servers")
+    args = parser.parse_args(argv)
+    try:
+        run(load_cluster_config(args.config), args.server_id)
+    except DistEmbError as e:
+        print(f"distemb server {args.server_id}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

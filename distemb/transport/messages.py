@@ -1,0 +1,239 @@
+"""The KVStore protocol: service ids (one enum) and one small class per message.
+
+Each message class lists its scalar ``FIELDS`` (name -> checker) and its ``ARRAYS``;
+``encode()`` makes a :class:`~distemb.transport.base.Frame` and ``decode(frame)`` checks
+every field's type and every array's dtype and rank before anything uses them, so a
+hostile frame ends in :class:`~distemb.errors.TransportError`, never in a handler.
+
+Requests that address rows carry ``parts`` (partition ids on this server) and
+``counts`` (rows per part); their ``ids`` are local ids concatenated in part order.
+
+Example:
+    >>> import numpy as np
+    >>> m = Pull(name="w", parts=[0], counts=[2], ids=np.array([1, 0]))
+    >>> Pull.decode(m.encode()).ids.tolist()
+    [1, 0]
+"""
+import enum
+
+import numpy as np
+
+from distemb.errors import TransportError
+from distemb.transport.base import Frame
+
+
+class Service(enum.IntEnum):
+    """Service ids on the wire."""
+
+    HELLO = 1
+    CREATE = 2
+    DROP = 3
+    PULL = 4
+    PUSH = 5
+    OPT_INIT = 6
+    UPDATE = 7
+    BARRIER = 8
+    SHM_INFO = 9
+    BYE = 10
+    REPLY = 100
+    ERROR = 101
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def int_value(v):
+    return _is_int(v) and -(1 << 62) < v < (1 << 62)
+
+
+def int_list(v):
+    return isinstance(v, list) and len(v) <= 1 << 16 and all(int_value(x) and x >= 0 for x in v)
+
+
+def flag(v):
+    return isinstance(v, bool)
+
+
+def text(v):
+    return isinstance(v, str) and len(v) <= 256
+
+
+def scalar_dict(v):
+    return isinstance(v, dict) and len(v) <= 64 and all(
+        isinstance(k, str) and (isinstance(x, (int, float)) and not isinstance(x, bool))
+        for k, x in v.items())
+
+
+ID_DTYPE = np.dtype("int64")
+
+
+class Message:
+    """Base: ``FIELDS`` (name -> checker), ``ARRAYS`` (names; None = any count)."""
+
+    SERVICE = None
+    FIELDS = {}
+    ARRAYS = ()
+
+    def __init__(self, name="", flags=0, **kw):
+        self.name, self.flags = name, flags
+        for f in self.FIELDS:
+            setattr(self, f, kw.pop(f))
+        for a in self.ARRAYS:
+            setattr(self, a, kw.pop(a))
+        if kw:
+            raise TypeError(f"{type(self).__name__}: unknown arguments {sorted(kw)}")
+
+    def encode(self):
+        """The frame of this message."""
+        return Frame(int(self.SERVICE), self.name, {f: getattr(self, f) for f in self.FIELDS},
+                     [getattr(self, a) for a in self.ARRAYS], self.flags)
+
+    @classmethod
+    def decode(cls, frame):
+        """Check ``frame`` against this class and build the message.
+
+        Raises:
+            TransportError: wrong service, a missing or ill-typed field, or the wrong
+                number of arrays.
+        """
+        what = cls.__name__
+        if frame.service != cls.SERVICE:
+            raise TransportError(f"{what}: service {frame.service}, expected {cls.SERVICE}")
+        kw = {}
+        for f, check in cls.FIELDS.items():
+            if f not in frame.fields or not check(frame.fields[f]):
+                raise TransportError(f"{what}.{f}: missing or invalid "
+                                     f"({str(frame.fields.get(f))[:60]!r})")
+            kw[f] = frame.fields[f]
+        if len(frame.arrays) != len(cls.ARRAYS):
+            raise TransportError(f"{what}: expected {len(cls.ARRAYS)} arrays, got "
+                                 f"{len(frame.arrays)}")
+        kw.update(zip(cls.ARRAYS, frame.arrays))
+        msg = cls(name=frame.name, flags=frame.flags, **kw)
+        msg.check()
+        return msg
+
+    def check(self):
+        """Cross-field checks of a decoded message (override)."""
+
+
+class RowsMessage(Message):
+    """A request addressing rows: ``parts``/``counts`` must describe ``ids``."""
+
+    def check(self):
+        what = type(self).__name__
+        if len(self.parts) != len(self.counts) or len(set(self.parts)) != len(self.parts):
+            raise TransportError(f"{what}: parts {self.parts[:8]} and counts "
+                                 f"{self.counts[:8]} must be equal-length, parts unique")
+        if self.ids.dtype != ID_DTYPE or self.ids.ndim != 1 or \
+                self.ids.shape[0] != sum(self.counts):
+            raise TransportError(f"{what}.ids: expected int64 of shape ({sum(self.counts)},), "
+                                 f"got {self.ids.dtype} {self.ids.shape}")
+        for a in self.ARRAYS[1:]:
+            v = getattr(self, a)
+            if v.ndim < 1 or v.shape[0] != self.ids.shape[0]:
+                raise TransportError(f"{what}.{a}: expected {self.ids.shape[0]} rows, got "
+                                     f"shape {v.shape}")
+
+
+class Hello(Message):
+    SERVICE = Service.HELLO
+    FIELDS = {"rank": int_value}
+
+
+class Create(Message):
+    SERVICE = Service.CREATE
+    FIELDS = {"dtype": text, "row_shape": int_list, "parts": int_list, "part_rows": int_list}
+
+    def check(self):
+        if len(self.parts) != len(self.part_rows) or len(self.row_shape) > 3:
+            raise TransportError("Create: parts and part_rows must be equal-length, "
+                                 "row_shape at most 3 dims")
+
+
+class Drop(Message):
+    SERVICE = Service.DROP
+
+
+class Pull(RowsMessage):
+    SERVICE = Service.PULL
+    FIELDS = {"parts": int_list, "counts": int_list}
+    ARRAYS = ("ids",)
+
+
+class Push(RowsMessage):
+    SERVICE = Service.PUSH
+    FIELDS = {"parts": int_list, "counts": int_list}
+    ARRAYS = ("ids", "values")
+
+
+class OptInit(Message):
+    SERVICE = Service.OPT_INIT
+    FIELDS = {"rule": text, "options": scalar_dict, "parts": int_list}
+
+
+class Update(RowsMessage):
+    """``exact``: buffer until every trainer sent step ``seq``, sum, apply once."""
+
+    SERVICE = Service.UPDATE
+    FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag,
+              "parts": int_list, "counts": int_list}
+    ARRAYS = ("ids", "grads")
+
+
+class Barrier(Message):
+    SERVICE = Service.BARRIER
+    FIELDS = {"rank": int_value}
+
+
+class ShmInfo(Message):
+    SERVICE = Service.SHM_INFO
+    FIELDS = {"parts": int_list}
+
+
+class Bye(Message):
+    SERVICE = Service.BYE
+    FIELDS = {"rank": int_value}
+
+
+class Reply(Message):
+    """Success: ``fields`` (any JSON object) and any arrays."""
+
+    SERVICE = Service.REPLY
+
+    def __init__(self, name="", flags=0, fields=None, arrays=()):
+        self.name, self.flags = name, flags
+        self.fields, self.arrays = dict(fields or {}), list(arrays)
+
+    def encode(self):
+        return Frame(int(self.SERVICE), self.name, self.fields, self.arrays, self.flags)
+
+    @classmethod
+    def decode(cls, frame):
+        if frame.service != cls.SERVICE:
+            raise TransportError(f"Reply: service {frame.service}, expected {cls.SERVICE}")
+        return cls(frame.name, frame.flags, frame.fields, frame.arrays)
+
+
+class Error(Message):
+    """Failure: ``kind`` (an error class name) and ``message``."""
+
+    SERVICE = Service.ERROR
+    FIELDS = {"kind": text, "message": lambda v: isinstance(v, str)}
+
+
+REQUESTS = {m.SERVICE: m for m in (Hello, Create, Drop, Pull, Push, OptInit, Update,
+                                   Barrier, ShmInfo, Bye)}
+
+
+def decode_request(frame):
+    """The request message of ``frame``.
+
+    Raises:
+        TransportError: the service id is not a request, or the message is invalid.
+    """
+    cls = REQUESTS.get(frame.service)
+    if cls is None:
+        raise TransportError(f"frame: unknown request service id {frame.service}")
+    return cls.decode(frame)

@@ -1,0 +1,89 @@
+"""Shared-memory shards: arrays in /dev/shm files, mapped by a server and its neighbours.
+
+A server on a machine allocates every shard it owns as a file under /dev/shm and maps
+it read-write; a trainer on the same machine maps the same file read-only and gathers
+rows from it directly (a pull with no round trip). Only the server writes (DESIGN.md,
+Concurrency: one writer per row), so trainers never modify the mapping.
+
+Files are named ``distemb-<job>-s<server>-<n>``; the server unlinks them on shutdown
+(a mapped file stays readable by trainers that still hold it).
+
+Example:
+    >>> arena = ShmArena("doc", 0)
+    >>> a = arena.allocate((2, 3), "float32")
+    >>> b = attach(arena.path_of(a), (2, 3), "float32")
+    >>> a[1] = 7; float(b[1, 0])
+    7.0
+    >>> arena.close()
+"""
+import itertools
+import os
+
+import numpy as np
+
+from distemb.errors import TransportError
+
+SHM_DIR = "/dev/shm"
+
+
+class ShmArena:
+    """Allocates a server's shard arrays as shared-memory files and removes them.
+
+    Args:
+        job: job id shared by the processes of one cluster (part of every file name).
+        server_id: the owning server.
+        directory: where files go (default /dev/shm).
+    """
+
+    def __init__(self, job, server_id, directory=SHM_DIR):
+        if not os.path.isdir(directory):
+            raise TransportError(f"shared memory: {directory} does not exist")
+        self.prefix = os.path.join(directory, f"distemb-{job}-s{server_id}-")
+        self._ids = itertools.count()
+        self._paths = {}  # id(array) -> path
+
+    def allocate(self, shape, dtype):
+        """A zero-filled array of ``shape``/``dtype`` backed by a new shm file."""
+        path = f"{self.prefix}{next(self._ids)}"
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        with open(path, "w+b") as f:
+            f.truncate(max(size, 1))
+        arr = np.memmap(path, dtype=dtype, mode="r+", shape=tuple(shape)) if size else \
+            np.zeros(shape, dtype)
+        self._paths[id(arr)] = path
+        return arr
+
+    def path_of(self, arr):
+        """The file behind ``arr`` (None when it is not from this arena)."""
+        return self._paths.get(id(arr))
+
+    def release(self, arr):
+        """Unlink the file behind ``arr`` (mappings stay valid until dropped)."""
+        path = self._paths.pop(id(arr), None)
+        if path and os.path.exists(path):
+            os.unlink(path)
+
+    def close(self):
+        """Unlink every file this arena made."""
+        for path in self._paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
+        self._paths.clear()
+
+
+def attach(path, shape, dtype):
+    """Map a shard file read-only.
+
+    Raises:
+        TransportError: the file is missing or smaller than ``shape`` needs.
+    """
+    need = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise TransportError(f"shared memory: cannot open {path}: {e}") from None
+    if size < need:
+        raise TransportError(f"shared memory: {path} has {size} bytes, shard needs {need}")
+    if need == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=tuple(shape))

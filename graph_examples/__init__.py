@@ -1,0 +1,1 @@
+"""Example pipelines built on distemb's public API: datasets, walks, evaluation, plots."""

@@ -1,0 +1,230 @@
+"""DeepWalk / node2vec: skip-gram with negative sampling over random walks, on distemb tables.
+
+Each step looks up B center rows in the node table and B * (1 + negatives) rows in the
+context table, minimises -log s(u.v) - sum log s(-u.n), and lets a sparse Adam update
+only those rows. `--backend torch` runs the same model on torch.nn.Embedding(sparse=True)
+with torch.optim.SparseAdam, the baseline distemb is measured against.
+
+Example:
+    python graph_examples/deepwalk.py --dataset karate --epochs 5 --out out/karate
+    python graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet
+"""
+import argparse
+import ast
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# OpenMP threads that spin while idle (the default) slow every process sharing a small
+# machine tens of times over; this must be set before torch and DGL load OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+os.environ.setdefault("DGLBACKEND", "pytorch")
+if __package__ in (None, ""):
+    # Run as a script (`python graph_examples/deepwalk.py`): make the package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from graph_examples.datasets import DATASET_NAMES, GraphDataset, load_dataset  # noqa: E402
+from graph_examples.evaluate import (link_prediction_auc, node_classification,  # noqa: E402
+                                     split_edges)
+from graph_examples.plots import save_training_plot  # noqa: E402
+from graph_examples.tables import BACKENDS, make_tables  # noqa: E402
+from graph_examples.walks import SkipGramBatches  # noqa: E402
+
+
+def skipgram_loss(u: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Return the mean negative-sampling loss of a batch.
+
+    Args:
+        u: (B, D) center rows.
+        v: (B, D) context rows.
+        n: (B, K, D) negative rows.
+
+    Returns:
+        Scalar: mean over the batch of -log s(u.v) - sum_k log s(-u.n_k).
+    """
+    positive = F.logsigmoid((u * v).sum(-1))
+    negative = F.logsigmoid(-torch.bmm(n, u.unsqueeze(2)).squeeze(2)).sum(-1)
+    return -(positive + negative).mean()
+
+
+def _data_option(text: str):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--data-opt: expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value  # a plain string such as a path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse the command line (see --help)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", default="karate", choices=DATASET_NAMES,
+                   help="graph to embed (see graph_examples/datasets.py)")
+    p.add_argument("--edges", help="edge list file, for --dataset edgelist")
+    p.add_argument("--labels", help="node label file, for --dataset edgelist")
+    p.add_argument("--data-opt", action="append", type=_data_option, default=[],
+                   metavar="KEY=VALUE", help="extra loader argument, e.g. num_nodes=100000")
+    p.add_argument("--backend", choices=BACKENDS, default="distemb",
+                   help="embedding tables and optimizer")
+    p.add_argument("--dim", type=int, default=128, help="embedding width")
+    p.add_argument("--walk-length", type=int, default=20, help="nodes per walk")
+    p.add_argument("--window", type=int, default=3, help="skip-gram window")
+    p.add_argument("--num-walks", type=int, default=2, help="walks per node per epoch")
+    p.add_argument("--p", type=float, default=1.0, help="node2vec return parameter")
+    p.add_argument("--q", type=float, default=1.0, help="node2vec in-out parameter")
+    p.add_argument("--negatives", type=int, default=5, help="negatives per pair")
+    p.add_argument("--batch-size", type=int, default=4096, help="pairs per step")
+    p.add_argument("--epochs", type=int, default=1, help="passes of fresh walks")
+    p.add_argument("--lr", type=float, default=0.01, help="SparseAdam learning rate")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many steps (0: run every epoch to the end)")
+    p.add_argument("--seed", type=int, default=0, help="seed for walks, negatives, init")
+    p.add_argument("--link-prediction", type=float, default=0.0, metavar="FRACTION",
+                   help="hide this fraction of edges before training and report ROC-AUC")
+    p.add_argument("--eval-max-iter", type=int, default=300,
+                   help="logistic regression iterations for node classification")
+    p.add_argument("--table-name", help="distemb table-name prefix, the same in every "
+                   "trainer of one job (default: fresh tables for this run)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default="out/deepwalk", help="output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    for name in ("dim", "walk_length", "window", "num_walks", "negatives", "batch_size",
+                 "epochs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.max_steps < 0:
+        p.error(f"--max-steps: must be >= 0, got {args.max_steps}")
+    if not 0.0 <= args.link_prediction < 1.0:
+        p.error(f"--link-prediction: must be in [0, 1), got {args.link_prediction}")
+    if args.dataset == "edgelist" and not args.edges:
+        p.error("--dataset edgelist needs --edges PATH")
+    return args
+
+
+def load(args) -> GraphDataset:
+    """Load the dataset named on the command line."""
+    kwargs = dict(args.data_opt)
+    if args.dataset == "edgelist":
+        kwargs.update(path=args.edges, labels_path=args.labels)
+    return load_dataset(args.dataset, **kwargs)
+
+
+def train(graph, args) -> dict:
+    """Train skip-gram tables on walks over graph.
+
+    Args:
+        graph: the (possibly edge-reduced) training graph.
+        args: parsed command line.
+
+    Returns:
+        dict with 'embeddings' (N, dim) float32, 'losses' (per step), 'steps',
+        'pairs', 'seconds' and 'phase_seconds' (sample, forward_backward, step).
+    """
+    tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
+                         args.table_name)
+    batches = SkipGramBatches(graph, args.walk_length, args.window, args.num_walks,
+                              args.negatives, args.batch_size, args.p, args.q, args.seed)
+    total = -(-batches.pairs_per_epoch() // args.batch_size) * args.epochs
+    if args.max_steps:
+        total = min(total, args.max_steps)
+    losses, pairs = [], 0
+    # Where the time goes: making batches (walks, pairs, negatives), lookups with
+    # forward and backward, and the optimizer step.
+    phase = dict(sample=0.0, forward_backward=0.0, step=0.0)
+    stream = ((epoch, batch) for epoch in range(args.epochs) for batch in batches.epoch(epoch))
+    bar = tqdm(total=total, disable=args.quiet, unit="step", dynamic_ncols=True)
+    start = tick = time.perf_counter()
+    for epoch, (centers, contexts, negatives) in itertools.islice(stream, total):
+        t1 = time.perf_counter()
+        b, k = negatives.shape
+        tables.zero_grad()
+        u = tables.node(centers)
+        # One context lookup for positives and negatives: one pull, one trace entry.
+        ctx = tables.context(torch.cat([contexts, negatives.reshape(-1)]))
+        loss = skipgram_loss(u, ctx[:b], ctx[b:].reshape(b, k, -1))
+        loss.backward()
+        t2 = time.perf_counter()
+        tables.step()
+        losses.append(loss.item())
+        tock = time.perf_counter()
+        phase["sample"] += t1 - tick
+        phase["forward_backward"] += t2 - t1
+        phase["step"] += tock - t2
+        tick = tock
+        pairs += b
+        bar.update(1)
+        if len(losses) % 50 == 0:
+            bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]):.4f}",
+                            pairs_s=f"{pairs / (tock - start):,.0f}")
+    seconds = time.perf_counter() - start
+    bar.close()
+    return dict(embeddings=tables.export(), losses=losses, steps=len(losses), pairs=pairs,
+                seconds=seconds, phase_seconds=phase)
+
+
+def format_table(rows) -> str:
+    """Return (name, value) rows as an aligned two-column text table."""
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv=None) -> dict:
+    """Run DeepWalk from the command line; return the metrics written to metrics.json."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    dataset = load(args)
+    load_s = time.perf_counter() - t0
+    graph, edges = dataset.graph, None
+    if args.link_prediction:
+        edges = split_edges(graph, args.link_prediction, args.seed)
+        graph = edges.train_graph
+    result = train(graph, args)
+    emb = result["embeddings"]
+
+    metrics = dict(dataset=dataset.name, backend=args.backend, nodes=graph.num_nodes(),
+                   edges=dataset.graph.num_edges() // 2, dim=args.dim, epochs=args.epochs,
+                   steps=result["steps"], pairs=result["pairs"],
+                   train_seconds=round(result["seconds"], 2), load_seconds=round(load_s, 2),
+                   pairs_per_second=round(result["pairs"] / result["seconds"]),
+                   steps_per_second=round(result["steps"] / result["seconds"], 1),
+                   **{f"{name}_seconds": round(sec, 2)
+                      for name, sec in result["phase_seconds"].items()},
+                   final_loss=round(float(np.mean(result["losses"][-50:])), 4))
+    if dataset.num_classes >= 2 and len(dataset.train_idx):
+        scores = node_classification(emb, dataset, "test", args.eval_max_iter, args.seed)
+        metrics.update(test_micro_f1=round(scores.micro_f1, 4),
+                       test_macro_f1=round(scores.macro_f1, 4))
+    if edges is not None:
+        metrics["link_auc"] = round(
+            link_prediction_auc(emb, edges.pos_edges, edges.neg_edges, "dot"), 4)
+
+    np.save(out / "embeddings.npy", emb)
+    np.save(out / "node_ids.npy", dataset.node_ids)
+    (out / "metrics.json").write_text(json.dumps(dict(metrics, args=vars(args)), indent=2,
+                                                 default=str) + "\n")
+    save_training_plot(out / "report.png", result["losses"], emb, dataset.labels,
+                       title=f"DeepWalk on {dataset.name} ({args.backend})")
+    print(format_table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
+                        for k, v in metrics.items()]))
+    print(f"wrote {out}/embeddings.npy, node_ids.npy, metrics.json, report.png")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

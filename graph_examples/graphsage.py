@@ -1,0 +1,220 @@
+"""GraphSAGE whose input features are a learnable DistEmbedding (nodes have no features).
+
+DGL's NeighborSampler + DataLoader yield blocks; the sampled input nodes are looked up in
+a distemb table, which a sparse optimizer updates (only those rows), while the dense
+SAGE layers use torch.optim.Adam. Node classification; reports accuracy.
+
+Runs unchanged embedded (the default) and under ``distemb-launch`` with several trainers:
+each trainer then takes its share of the training nodes and the dense layers are wrapped
+in DistributedDataParallel (gloo) using the MASTER_ADDR/RANK/WORLD_SIZE the launcher sets.
+
+Example:
+    python graph_examples/graphsage.py --dataset wordnet --epochs 3 --out out/graphsage-wordnet
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch/DGL load OpenMP
+os.environ.setdefault("DGLBACKEND", "pytorch")
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import distemb  # noqa: E402
+from distemb.integrations.dgl import dgl, lookup  # noqa: E402
+from graph_examples.datasets import load_dataset  # noqa: E402
+from graph_examples.deepwalk import _data_option, format_table  # noqa: E402
+from graph_examples.plots import save_training_plot  # noqa: E402
+
+OPTIMIZERS = {"adam": distemb.SparseAdam, "adagrad": distemb.SparseAdagrad,
+              "rowwise_adagrad": distemb.SparseRowWiseAdagrad, "sgd": distemb.SparseSGD}
+
+
+class SAGE(torch.nn.Module):
+    """Mean-aggregator GraphSAGE over DGL blocks; ``hidden`` returns the last hidden layer."""
+
+    def __init__(self, in_dim, hidden, num_classes, num_layers, dropout=0.2):
+        super().__init__()
+        dims = [in_dim] + [hidden] * (num_layers - 1) + [num_classes]
+        self.layers = torch.nn.ModuleList(dgl.nn.SAGEConv(a, b, "mean")
+                                          for a, b in zip(dims[:-1], dims[1:]))
+        self.dropout = torch.nn.Dropout(dropout)
+
+    def forward(self, blocks, x, return_hidden=False):
+        h = x
+        for i, (layer, block) in enumerate(zip(self.layers, blocks)):
+            if i == len(self.layers) - 1 and return_hidden:
+                return h[:block.num_dst_nodes()]
+            h = layer(block, h)
+            if i < len(self.layers) - 1:
+                h = self.dropout(F.relu(h))
+        return h
+
+
+def parse_args(argv=None):
+    """Parse the command line (see --help)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", default="wordnet", help="karate, wordnet or sbm")
+    p.add_argument("--data-opt", action="append", type=_data_option, default=[],
+                   metavar="KEY=VALUE", help="extra loader argument, e.g. num_nodes=5000")
+    p.add_argument("--dim", type=int, default=64, help="width of the learnable input table")
+    p.add_argument("--hidden", type=int, default=128, help="hidden width")
+    p.add_argument("--fanouts", default="10,10", help="neighbours sampled per layer")
+    p.add_argument("--batch-size", type=int, default=1024, help="output nodes per step")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training nodes")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no cap)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
+                   help="distemb sparse optimizer of the input table")
+    p.add_argument("--emb-lr", type=float, default=0.01, help="sparse optimizer learning rate")
+    p.add_argument("--lr", type=float, default=0.005, help="Adam learning rate of the SAGE layers")
+    p.add_argument("--seed", type=int, default=0, help="seed of init, sampling and shuffling")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default="out/graphsage", help="output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        args.fanouts = [int(f) for f in args.fanouts.split(",")]
+    except ValueError:
+        p.error(f"--fanouts: expected comma-separated integers, got {args.fanouts!r}")
+    for name in ("dim", "hidden", "batch_size", "epochs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if not args.fanouts or min(args.fanouts) < 1:
+        p.error(f"--fanouts: each must be >= 1, got {args.fanouts}")
+    return args
+
+
+def _loader(graph, nodes, fanouts, batch_size, shuffle, seed):
+    # DGL suggests CPU affinity for worker processes; we use none (num_workers=0).
+    warnings.filterwarnings("ignore", message="Dataloader CPU affinity opt")
+    sampler = dgl.dataloading.NeighborSampler(fanouts)
+    torch.manual_seed(seed)
+    return dgl.dataloading.DataLoader(graph, nodes, sampler, batch_size=batch_size,
+                                      shuffle=shuffle, drop_last=False)
+
+
+@torch.no_grad()
+def evaluate(model, emb, graph, labels, nodes, args):
+    """Accuracy on ``nodes`` and their last hidden layer (sampled neighbourhoods)."""
+    model.eval()
+    correct, hidden = 0, []
+    for input_nodes, output_nodes, blocks in _loader(graph, nodes, args.fanouts, 4096,
+                                                     False, args.seed):
+        x = lookup(emb, input_nodes)
+        correct += int((model(blocks, x).argmax(1) == labels[output_nodes]).sum())
+        hidden.append(model(blocks, x, return_hidden=True))
+    model.train()
+    return correct / max(1, len(nodes)), torch.cat(hidden)
+
+
+def _shard(nodes, ctx):
+    """This trainer's share of the training nodes (all of them when alone).
+
+    Shares are equal in size so every trainer takes the same number of steps: DDP's
+    gradient all-reduce needs every trainer at every step.
+    """
+    if ctx.num_trainers == 1:
+        return nodes
+    return nodes[ctx.rank::ctx.num_trainers][:len(nodes) // ctx.num_trainers]
+
+
+def train(ds, args, ctx):
+    """Train the table and the SAGE layers; return metrics, losses and the model."""
+    graph, labels = ds.graph, ds.labels
+    gen = torch.Generator().manual_seed(args.seed)
+    emb = distemb.DistEmbedding(graph.num_nodes(), args.dim, name=f"sage-{ds.name}",
+                                init_func=lambda s, d: (torch.randn(s, generator=gen) * 0.1).to(d))
+    model = SAGE(args.dim, args.hidden, ds.num_classes, len(args.fanouts))
+    dense = model
+    if ctx.num_trainers > 1:
+        torch.distributed.init_process_group("gloo")
+        dense = torch.nn.parallel.DistributedDataParallel(model)
+    sparse_opt = OPTIMIZERS[args.optimizer]([emb], lr=args.emb_lr)
+    dense_opt = torch.optim.Adam(dense.parameters(), lr=args.lr)
+    nodes = _shard(ds.train_idx, ctx)
+    steps_per_epoch = -(-len(nodes) // args.batch_size)
+    total = steps_per_epoch * args.epochs
+    if args.max_steps:
+        total = min(total, args.max_steps)
+    losses, seen, step = [], 0, 0
+    bar = tqdm(total=total, disable=args.quiet, unit="step", dynamic_ncols=True)
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        for input_nodes, output_nodes, blocks in _loader(graph, nodes, args.fanouts,
+                                                         args.batch_size, True,
+                                                         args.seed + epoch):
+            logits = dense(blocks, lookup(emb, input_nodes))
+            loss = F.cross_entropy(logits, labels[output_nodes])
+            loss.backward()
+            sparse_opt.step()
+            dense_opt.step()
+            dense_opt.zero_grad()
+            losses.append(loss.item())
+            seen += len(output_nodes)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-20:]):.3f}",
+                            nodes_s=f"{seen / (time.perf_counter() - start):,.0f}")
+            if step >= total:
+                break
+        if step >= total:
+            break
+    bar.close()
+    seconds = time.perf_counter() - start
+    return dict(emb=emb, model=model, losses=losses, steps=step, seconds=seconds, seen=seen)
+
+
+def main(argv=None):
+    """Run GraphSAGE from the command line; return the metrics written to metrics.json."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ctx = distemb.initialize()
+    try:
+        ds = load_dataset(args.dataset, **dict(args.data_opt))
+        if ds.num_classes < 2:
+            raise SystemExit(f"--dataset {args.dataset}: needs node labels for classification")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = train(ds, args, ctx)
+        emb, model = result["emb"], result["model"]
+        val_acc, _ = evaluate(model, emb, ds.graph, ds.labels, ds.val_idx, args)
+        test_acc, hidden = evaluate(model, emb, ds.graph, ds.labels, ds.test_idx, args)
+        metrics = dict(dataset=ds.name, nodes=ds.graph.num_nodes(), classes=ds.num_classes,
+                       trainers=ctx.num_trainers, rank=ctx.rank, optimizer=args.optimizer,
+                       steps=result["steps"], train_seconds=round(result["seconds"], 2),
+                       nodes_per_second=round(result["seen"] / result["seconds"]),
+                       final_loss=round(float(np.mean(result["losses"][-20:])), 4),
+                       val_accuracy=round(val_acc, 4), test_accuracy=round(test_acc, 4))
+        if ctx.rank == 0:
+            with torch.no_grad():
+                table = torch.cat([emb(torch.arange(s, min(s + 65536, ds.graph.num_nodes())))
+                                   for s in range(0, ds.graph.num_nodes(), 65536)])
+            np.save(out / "embeddings.npy", table.numpy())
+            np.save(out / "node_ids.npy", ds.node_ids)
+            (out / "metrics.json").write_text(json.dumps(dict(metrics, args=vars(args)),
+                                                         indent=2, default=str) + "\n")
+            save_training_plot(out / "report.png", result["losses"], hidden,
+                               ds.labels[ds.test_idx],
+                               title=f"GraphSAGE on {ds.name}: test nodes' last hidden layer")
+        print(format_table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
+                            for k, v in metrics.items()]))
+        if ctx.rank == 0:
+            print(f"wrote {out}/embeddings.npy, node_ids.npy, metrics.json, report.png")
+        return metrics
+    finally:
+        distemb.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Skip-gram embedding tables (node and context) on one of two backends, behind one interface.
+
+'distemb' uses distemb.DistEmbedding with distemb.SparseAdam; 'torch' uses
+torch.nn.Embedding(sparse=True) with torch.optim.SparseAdam, the baseline distemb is
+checked against. Both start the same way as word2vec: node rows uniform in
++-0.5/dim, context rows zero (were both zero, every gradient would stay zero).
+"""
+from typing import Optional, Protocol
+
+import numpy as np
+import torch
+
+import distemb
+
+BACKENDS = ("distemb", "torch")
+
+
+class SkipGramTables(Protocol):
+    """Node and context tables plus the sparse optimizer that updates both."""
+
+    def node(self, ids: torch.Tensor) -> torch.Tensor:
+        """Return node-table rows for ids, recorded for the next step()."""
+
+    def context(self, ids: torch.Tensor) -> torch.Tensor:
+        """Return context-table rows for ids, recorded for the next step()."""
+
+    def step(self) -> None:
+        """Apply the gradients of the rows looked up since zero_grad()."""
+
+    def zero_grad(self) -> None:
+        """Forget gradients and recorded lookups."""
+
+    def export(self) -> np.ndarray:
+        """Return the node table as a float32 (N, dim) array."""
+
+
+def _node_init(dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def init(shape, dtype=torch.float32):
+        return (torch.rand(shape, generator=gen, dtype=dtype) - 0.5) / dim
+
+    return init
+
+
+class TorchTables:
+    """Tables as torch.nn.Embedding(sparse=True), trained by torch.optim.SparseAdam.
+
+    Args:
+        num_nodes: rows per table.
+        dim: embedding width.
+        lr: SparseAdam learning rate.
+        seed: node-table initialisation seed.
+
+    Example:
+        >>> tables = TorchTables(34, 8, lr=0.01)
+        >>> loss = (tables.node(torch.tensor([0])) * tables.context(torch.tensor([1]))).sum()
+        >>> loss.backward(); tables.step(); tables.zero_grad()
+    """
+
+    def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0):
+        self._node = torch.nn.Embedding(num_nodes, dim, sparse=True,
+                                        _weight=_node_init(dim, seed)((num_nodes, dim)))
+        self._context = torch.nn.Embedding(num_nodes, dim, sparse=True,
+                                           _weight=torch.zeros(num_nodes, dim))
+        self._opt = torch.optim.SparseAdam([self._node.weight, self._context.weight], lr=lr)
+
+    def node(self, ids):
+        return self._node(ids)
+
+    def context(self, ids):
+        return self._context(ids)
+
+    def step(self):
+        self._opt.step()
+
+    def zero_grad(self):
+        self._opt.zero_grad(set_to_none=True)
+
+    def export(self):
+        return self._node.weight.detach().numpy().copy()
+
+
+class DistembTables:
+    """Tables as distemb.DistEmbedding, trained by distemb.SparseAdam (embedded mode).
+
+    Args:
+        num_nodes: rows per table.
+        dim: embedding width.
+        lr: SparseAdam learning rate.
+        seed: node-table initialisation seed.
+        name: table-name prefix. Tables of one name share storage (distemb reuses an
+            existing table instead of initialising it), which trainers of one job
+            need; None gives fresh, uniquely named tables, right for one process.
+
+    Example:
+        >>> tables = DistembTables(34, 8, lr=0.01)
+        >>> loss = (tables.node(torch.tensor([0])) * tables.context(torch.tensor([1]))).sum()
+        >>> loss.backward(); tables.step(); tables.zero_grad()
+    """
+
+    def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0,
+                 name: Optional[str] = None):
+        self._node = distemb.DistEmbedding(num_nodes, dim,
+                                           name=name and f"{name}-node",
+                                           init_func=_node_init(dim, seed))
+        self._context = distemb.DistEmbedding(
+            num_nodes, dim, name=name and f"{name}-context",
+            init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        self._opt = distemb.SparseAdam([self._node, self._context], lr=lr)
+
+    def node(self, ids):
+        return self._node(ids)
+
+    def context(self, ids):
+        return self._context(ids)
+
+    def step(self):
+        self._opt.step()
+
+    def zero_grad(self):
+        self._opt.zero_grad()
+
+    def export(self, chunk: int = 65536):
+        n = self._node.num_embeddings
+        with torch.no_grad():  # lookups under no_grad record no trace
+            parts = [self._node(torch.arange(lo, min(lo + chunk, n)))
+                     for lo in range(0, n, chunk)]
+        return torch.cat(parts).numpy().astype(np.float32, copy=False)
+
+
+def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0,
+                name: Optional[str] = None) -> SkipGramTables:
+    """Build skip-gram tables on a backend.
+
+    Args:
+        backend: 'distemb' or 'torch'.
+        num_nodes: rows per table.
+        dim: embedding width, >= 1.
+        lr: learning rate, > 0.
+        seed: node-table initialisation seed.
+        name: distemb table-name prefix (see DistembTables); ignored by 'torch'.
+
+    Returns:
+        A SkipGramTables implementation.
+
+    Raises:
+        ValueError: unknown backend, dim < 1 or lr <= 0.
+        ImportError: backend 'distemb' without distemb installed.
+    """
+    if dim < 1:
+        raise ValueError(f"dim: must be >= 1, got {dim}")
+    if not lr > 0:
+        raise ValueError(f"lr: must be > 0, got {lr}")
+    if backend == "torch":
+        return TorchTables(num_nodes, dim, lr, seed)
+    if backend == "distemb":
+        return DistembTables(num_nodes, dim, lr, seed, name)
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")

@@ -1,0 +1,131 @@
+"""A trainer of the cluster tests, and the single-process oracle it is compared with.
+
+Run by distemb-launch: ``python tests/cluster_trainer.py OUT_DIR [--steps N]``. Each of
+the T trainers takes its slice of every step's batch, trains a DistEmbedding with
+SparseAdagrad, and rank 0 saves the final table to OUT_DIR/final.npy.
+
+``disjoint`` batches (trainer r only sees ids with id % T == r) make the sync-mode
+result independent of the order the servers apply the trainers' updates in.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+import distemb
+from distemb.context import DistContext
+from distemb.kernels import reference
+from distemb.partition import range_policy
+
+N, D, B, LR = 40, 8, 24, 0.1
+
+
+def batch(step, num_trainers, disjoint):
+    """The whole batch of ``step``: (ids, targets), trainer r's slice is the r-th 1/T."""
+    rng = np.random.default_rng(1000 + step)
+    per, T = B // num_trainers, num_trainers
+    if disjoint:
+        ids = np.concatenate([rng.integers(0, N // T, per) * T + r for r in range(T)])
+    else:
+        ids = rng.integers(0, N, B)  # duplicate-heavy: 24 draws from 40 rows
+    targets = rng.standard_normal((B, D)).astype(np.float32)
+    return torch.from_numpy(ids), torch.from_numpy(targets)
+
+
+def init(shape, dtype):
+    """Deterministic initial rows (every trainer passes the same function)."""
+    return torch.full(shape, 0.5, dtype=dtype)
+
+
+def loss_of(rows, targets):
+    # A sum over samples: the gradient of the whole batch is the sum of the slices'.
+    return ((rows - targets) ** 2).sum()
+
+
+def side_ids(step, ids, per):
+    """The 'side' table: only rank 0 looks it up, and only on even steps."""
+    return ids[:per] if step % 2 == 0 else None
+
+
+def train(out, steps, disjoint, side=False):
+    ctx = distemb.initialize(backend="pytorch", num_threads=1)
+    torch.set_num_threads(1)
+    rank, T = ctx.rank, ctx.num_trainers
+    emb = distemb.DistEmbedding(N, D, name="emb", init_func=init,
+                                part_policy=range_policy(N, ctx.num_servers))
+    tables = [emb]
+    if side:
+        tables.append(distemb.DistEmbedding(N, D, name="side", init_func=init,
+                                            part_policy=range_policy(N, ctx.num_servers)))
+    opt = distemb.SparseAdagrad(tables, lr=LR)
+    per = B // T
+    for step in range(steps):
+        ids, targets = batch(step, T, disjoint)
+        sl = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        loss = loss_of(emb(ids[sl]), targets[sl])
+        extra = side_ids(step, ids, per) if side and rank == 0 else None
+        if extra is not None:
+            loss = loss + loss_of(tables[1](extra), targets[:per])
+        loss.backward()
+        opt.step()
+        if ctx.client.consistency == "sync":
+            ctx.client.barrier()  # everyone pulls the same weights next step
+    ctx.client.barrier()
+    if rank == 0:
+        np.save(os.path.join(out, "final.npy"), emb.weight[torch.arange(N)].numpy())
+        if side:
+            np.save(os.path.join(out, "side.npy"), tables[1].weight[torch.arange(N)].numpy())
+    distemb.shutdown()
+
+
+def oracle_whole_batch(steps, side=False):
+    """The sync_exact oracle: one embedded process trains on every step's whole batch.
+
+    Returns:
+        the final table, or (table, side table) with ``side``.
+    """
+    ctx = DistContext.embedded(backend="pytorch", num_threads=1)
+    emb = distemb.DistEmbedding(N, D, name="oracle", init_func=init, context=ctx)
+    side_emb = distemb.DistEmbedding(N, D, name="oracle-side", init_func=init, context=ctx)
+    opt = distemb.SparseAdagrad([emb, side_emb] if side else [emb], lr=LR)
+    for step in range(steps):
+        ids, targets = batch(step, 2, disjoint=False)
+        opt.zero_grad()
+        loss = loss_of(emb(ids), targets)
+        extra = side_ids(step, ids, B // 2) if side else None
+        if extra is not None:
+            loss = loss + loss_of(side_emb(extra), targets[:B // 2])
+        loss.backward()
+        opt.step()
+    final = emb.weight[torch.arange(N)].numpy()
+    return (final, side_emb.weight[torch.arange(N)].numpy()) if side else final
+
+
+def oracle_sequential(steps, num_trainers=2):
+    """The sync oracle (numpy): each trainer's update, from the same weights, one by one."""
+    w = np.full((N, D), 0.5, np.float32)
+    s = np.zeros_like(w)
+    per = B // num_trainers
+    for step in range(steps):
+        ids, targets = (t.numpy() for t in batch(step, num_trainers, disjoint=True))
+        slices = [slice(r * per, (r + 1) * per) for r in range(num_trainers)]
+        grads = [(ids[sl], 2 * (w[ids[sl]] - targets[sl])) for sl in slices]
+        for rows, g in grads:
+            uniq, summed = reference.dedup_sum(rows, g)
+            reference.adagrad_update(w, s, uniq, summed, LR, 1e-10)
+    return w
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--disjoint", action="store_true")
+    parser.add_argument("--side", action="store_true",
+                        help="a second table that only rank 0 uses, on even steps")
+    args = parser.parse_args()
+    train(args.out, args.steps, args.disjoint, args.side)
+    sys.exit(0)

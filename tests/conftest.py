@@ -1,0 +1,158 @@
+"""Shared fixtures.
+
+``ctx`` gives every test its own embedded context (no shared tables); ``zipf_ids`` makes
+duplicate-heavy ids. ``client`` runs each test of tests/test_kvclient_suite.py on every
+KVClient: the embedded LocalKVClient, a RemoteKVClient over TCP to two server
+processes, with and without shared memory, and a DeviceKVClient on the CPU running the
+CUDA twin (tests/cpu_cuda_twin.py), seen through numpy by ``HostView``. The server clusters live for the module
+(spawning is the slow part); each test gets a fresh client and drops its tables afterwards.
+
+With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
+trainer of an ``mpirun`` job) the one client kind is a RemoteKVClient over MPI to the
+job's servers, read from ``$DISTEMB_CONFIG``.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from cpu_cuda_twin import CpuCudaTwin
+from mp_helper import ProcessGroup, cluster_dict, write_json
+
+from distemb.config import load_cluster_config, parse_cluster_config
+from distemb.kvstore import KVClient, LocalKVClient
+from distemb.kvstore.device import DeviceKVClient
+from distemb.kvstore.remote import RemoteKVClient
+
+MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
+CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin"]
+
+
+class HostView(KVClient):
+    """A device client behind the numpy interface: arrays cross through from/to_host."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def init_data(self, name, shape, dtype, policy, init_func=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func)
+
+    def data_meta(self, name):
+        return self.inner.data_meta(name)
+
+    def names(self):
+        return self.inner.names()
+
+    def delete_data(self, name):
+        self.inner.delete_data(name)
+
+    def pull(self, name, ids):
+        return self.inner.to_host(self.inner.pull(name, self.inner.from_host(ids)))
+
+    def push(self, name, ids, values):
+        self.inner.push(name, self.inner.from_host(ids), self.inner.from_host(values))
+
+    def init_optimizer(self, name, rule, options):
+        return self.inner.init_optimizer(name, rule, options)
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        self.inner.push_update(name, self.inner.from_host(ids), self.inner.from_host(grads),
+                               rule, hyper)
+
+    def close(self):
+        self.inner.close()
+
+
+class Cluster:
+    """Servers of one test module and the config that names them."""
+
+    def __init__(self, tmp_path, num_servers, **fields):
+        self.raw = cluster_dict(num_servers, **fields)
+        self.path = write_json(tmp_path / "cluster.json", self.raw)
+        self.cfg = parse_cluster_config(self.raw)
+        self.group = ProcessGroup()
+        self.servers = self.group.spawn_servers(self.path, num_servers)
+
+    def client(self, rank=0):
+        return RemoteKVClient(self.cfg, rank)
+
+    def stop(self, timeout=20):
+        """Say goodbye as the only trainer; assert every server exits 0."""
+        try:
+            self.client().close(goodbye=True)
+            self.group.wait_all(timeout)
+        finally:
+            self.group.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory):
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            made[kind] = Cluster(tmp_path_factory.mktemp(kind), 2,
+                                 shared_memory=kind == "tcp_shm", timeout_s=20.0)
+        return made[kind]
+
+    yield get
+    for cluster in made.values():
+        cluster.stop()
+
+
+@pytest.fixture(params=CLIENT_KINDS)
+def client(request, clusters):
+    """A KVClient of each kind; remote ones talk to two server processes."""
+    if request.param in ("local", "device_twin"):
+        kv = LocalKVClient() if request.param == "local" else HostView(
+            DeviceKVClient("cpu", ops=CpuCudaTwin()))
+        yield kv
+        kv.close()
+        return
+    if request.param == "mpi":
+        kv = RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
+                            int(os.environ["DISTEMB_RANK"]))
+    else:
+        kv = clusters(request.param).client()
+    yield kv
+    for name in kv.names():
+        kv.delete_data(name)
+    kv.close(goodbye=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mpi_goodbye():
+    """Under mpirun, say goodbye once the suite is done so the servers exit."""
+    yield
+    if MPI_SUITE:
+        RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
+                       int(os.environ["DISTEMB_RANK"])).close(goodbye=True)
+
+
+def pytest_collection_modifyitems(items):
+    """Remote variants of the suite spawn processes: mark them multiprocess."""
+    for item in items:
+        if "client" in getattr(item, "fixturenames", ()) and \
+                any(k in item.nodeid for k in ("[tcp", "-tcp")):
+            item.add_marker(pytest.mark.multiprocess)
+
+
+os.environ.setdefault("DGLBACKEND", "pytorch")
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
+@pytest.fixture
+def ctx():
+    """A fresh embedded DistContext with the pytorch backend, closed afterwards."""
+    from distemb.context import DistContext
+
+    c = DistContext.embedded(backend="pytorch", num_threads=2)
+    yield c
+    c.close()
+
+
+def zipf_ids(rng, num_rows, size, a=1.2):
+    """Duplicate-heavy ids: zipf ranks scattered over the table by a fixed permutation."""
+    ranks = (rng.zipf(a, size) - 1) % num_rows
+    perm = np.random.default_rng(12345).permutation(num_rows)
+    return perm[ranks].astype(np.int64)

@@ -1,0 +1,113 @@
+"""The one multi-process test helper: spawn, free ports, a timeout, every exit code checked.
+
+Processes get this checkout on PYTHONPATH and one thread each (2-core machines). The
+helper only ever signals the PIDs it started.
+
+Example:
+    >>> with ProcessGroup() as group:
+    ...     p = group.spawn([sys.executable, "-c", "print(1)"])
+    ...     group.wait_all(timeout=30)
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 nobody listens on (bound to port 0, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra):
+    """Environment of a spawned process: this checkout first, one thread per process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def cluster_dict(num_servers, num_trainers=1, **fields):
+    """A cluster config (plain data) with servers on fresh 127.0.0.1 ports."""
+    raw = {"job_id": uuid.uuid4().hex[:8], "num_trainers": num_trainers,
+           "trainer_machines": [0] * num_trainers,
+           "servers": [{"host": "127.0.0.1", "port": free_port(), "machine": 0}
+                       for _ in range(num_servers)]}
+    raw.update(fields)
+    return raw
+
+
+def write_json(path, raw):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(raw, f)
+    return str(path)
+
+
+class ProcessGroup:
+    """Processes started by one test; on exit every one still running is killed.
+
+    ``wait_all`` asserts each exit code (0 unless ``expect`` says otherwise).
+    """
+
+    def __init__(self):
+        self.procs = []
+
+    def spawn(self, args, env=None, expect=0, **kw):
+        """Start ``args``; ``expect`` is the exit code wait_all asserts (None: any)."""
+        p = subprocess.Popen(args, env=env or child_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, **kw)
+        p.expect = expect
+        self.procs.append(p)
+        return p
+
+    def spawn_servers(self, config_path, num_servers):
+        return [self.spawn([sys.executable, "-m", "distemb.server", "--config", config_path,
+                            "--server-id", str(i)]) for i in range(num_servers)]
+
+    def wait_all(self, timeout):
+        """Wait for every process; assert its exit code. Returns {pid: output}."""
+        deadline = time.monotonic() + timeout
+        outputs = {}
+        for p in self.procs:
+            try:
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                out, _ = p.communicate()
+                raise AssertionError(f"pid {p.pid} {p.args} did not exit within {timeout} s; "
+                                     f"output:\n{out}") from None
+            outputs[p.pid] = out
+            if p.expect is not None:
+                assert p.returncode == p.expect, (
+                    f"pid {p.pid} {p.args} exited {p.returncode}, expected {p.expect}; "
+                    f"output:\n{out}")
+        return outputs
+
+    def kill_all(self):
+        """SIGTERM (so a launcher can stop its own children), then SIGKILL after 5 s."""
+        alive = [p for p in self.procs if p.poll() is None]
+        for p in alive:
+            p.terminate()
+        for p in alive:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill_all()
+        for p in self.procs:
+            if p.stdout:
+                p.stdout.close()

@@ -1,0 +1,222 @@
+"""GPU dispatch: tables on a CUDA device, and GPU lookups of host tables.
+
+Three groups. Without a GPU: every way of asking for one fails with CudaUnavailableError
+(or DistEmbError where the context cannot hold a device table) naming the reason, before
+any copy. On CPU, through the device path: a DeviceKVClient on device 'cpu' whose ``ops``
+is tests/cpu_cuda_twin.py (the kernels.cuda functions on CPU tensors) runs every
+optimizer against the torch oracle, so everything but the CUDA kernels is proven here.
+With a GPU (marked ``gpu``, skipped without one): the same oracle runs on CUDA tables,
+and host tables with rows looked up onto the GPU.
+"""
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_cuda_twin import CpuCudaTwin
+from distemb.context import DistContext
+from distemb.embedding import DistEmbedding
+from distemb.errors import DistEmbError, PartitionError
+from distemb.kernels import cuda
+from distemb.kvstore import LocalKVClient
+from distemb.kvstore import device as device_kv
+from distemb.optim import SparseAdagrad, SparseAdam
+from distemb.tensor import DistTensor
+from tests.test_optim_oracle import CASES, assert_within, run_both
+
+NO_GPU = not cuda.cuda_available()
+REASON = "not built|CPU-only build|no CUDA device|no usable GPU"
+needs_no_gpu = pytest.mark.skipif(not NO_GPU, reason="a usable GPU is present here, so the "
+                                  "no-GPU errors cannot be provoked")
+
+
+# --- without a GPU: clear errors ---------------------------------------------------------
+
+def test_unavailable_error_is_a_distemb_error():
+    assert issubclass(cuda.CudaUnavailableError, DistEmbError)
+
+
+@needs_no_gpu
+def test_gpu_table_without_gpu_says_why(ctx):
+    with pytest.raises(cuda.CudaUnavailableError, match=REASON):
+        DistEmbedding(10, 4, name="gpu-emb", context=ctx, device="cuda")
+    with pytest.raises(cuda.CudaUnavailableError, match=REASON):
+        DistTensor((4, 2), "float32", name="gpu-t", context=ctx, device="cuda:0")
+    with pytest.raises(cuda.CudaUnavailableError, match=REASON):
+        DistTensor((4, 2), "float32", context=ctx, device=torch.device("cuda"))
+    assert ctx.client.names() == [] and ctx._device_clients == {}
+
+
+def test_library_built_without_cuda_says_how_to_build(ctx, tmp_path, monkeypatch):
+    missing = str(tmp_path / "missing.so")
+    monkeypatch.setattr(cuda, "require_cuda", functools.partial(cuda.require_cuda, missing))
+    with pytest.raises(cuda.CudaUnavailableError, match="not built.*nvcc"):
+        DistEmbedding(10, 4, name="nolib", context=ctx, device="cuda")
+    emb = DistEmbedding(10, 4, name="nolib-host", context=ctx)
+    with pytest.raises(cuda.CudaUnavailableError, match="not built.*nvcc"):
+        emb(torch.tensor([1]), device="cuda")
+
+
+@needs_no_gpu
+def test_gpu_lookup_of_host_table_fails_before_any_copy(ctx):
+    emb = DistEmbedding(10, 4, name="host", context=ctx)
+    with pytest.raises(cuda.CudaUnavailableError, match=REASON):
+        emb(torch.tensor([1, 2]), device="cuda")
+    assert emb.trace == []  # nothing looked up, nothing recorded
+    assert emb(torch.tensor([1, 2]), device="cpu").device.type == "cpu"
+
+
+def test_trainer_context_refuses_gpu_tables():
+    ctx = DistContext(LocalKVClient(), backend="pytorch", role="trainer", num_threads=1)
+    try:
+        with pytest.raises(DistEmbError, match="device='cuda'.*embedded-only.*'trainer'"):
+            DistEmbedding(10, 4, name="t", context=ctx, device="cuda")
+        assert ctx.client_for(None) is ctx.client and ctx.client_for("cpu") is ctx.client
+    finally:
+        ctx.close()
+
+
+def test_numpy_backend_refuses_gpu_tables():
+    ctx = DistContext.embedded(backend="numpy", num_threads=1)
+    try:
+        with pytest.raises(DistEmbError, match="pytorch backend.*'numpy'"):
+            DistTensor((4, 2), "float32", context=ctx, device="cuda")
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("device", ["mps", "tpu:0"])
+def test_other_devices_are_named_in_the_error(ctx, device):
+    with pytest.raises(ValueError, match=f"device: expected None, 'cpu' or a CUDA device.*"
+                                         f"{device}"):
+        DistTensor((4, 2), "float32", context=ctx, device=device)
+
+
+def test_host_tables_keep_the_host_path(ctx):
+    emb = DistEmbedding(10, 4, name="host", context=ctx, device="cpu")
+    assert emb.device is None and emb.kvstore is ctx.client
+    assert emb.kvstore.ops is __import__("distemb.kernels").kernels
+    emb(torch.tensor([1, 1]))
+    assert isinstance(emb.trace[0][0], np.ndarray)  # ids stay numpy on the host path
+
+
+# --- the device path on CPU, through the CUDA twin ---------------------------------------
+
+@pytest.fixture
+def twin(monkeypatch):
+    """Make device='cuda' give a DeviceKVClient on the CPU running CpuCudaTwin."""
+    ops = CpuCudaTwin()
+    monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(device_kv.DeviceKVClient, "ops", ops)
+    return ops
+
+
+@pytest.mark.parametrize("dim", [1, 7, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_device_path_matches_torch_oracle(ctx, twin, case, dim):
+    ours, expected, w0 = run_both(ctx, case, dim, table_device="cuda")
+    assert (expected - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"
+    assert_within(ours, expected)
+    rule_kernel = {"sgd": "sgd_update", "rowwise_adagrad": "rowwise_adagrad_update"}.get(
+        case, "adam_update" if case.startswith("adam-") or case == "adam" else "adagrad_update")
+    # every step summed and updated through the device client's kernels, not the host's
+    assert twin.calls["dedup_sum"] == 50 and twin.calls[rule_kernel] == 50
+    assert twin.calls["gather_rows"] >= 100
+
+
+def test_device_table_lives_in_one_tensor_of_its_client(ctx, twin):
+    emb = DistEmbedding(6, 3, name="dev", context=ctx, device="cuda",
+                        init_func=lambda shape, dtype: torch.ones(shape, dtype=dtype))
+    kv = emb.kvstore
+    assert isinstance(kv, device_kv.DeviceKVClient) and kv is ctx.client_for("cuda")
+    assert emb.device == torch.device("cpu") and kv.ops is twin
+    assert ctx.client.names() == [] and kv.names() == ["dev"]
+    rows = emb(torch.tensor([[5, 0], [5, 5]]))
+    assert rows.shape == (2, 2, 3) and rows.requires_grad
+    assert isinstance(emb.trace[0][0], torch.Tensor) and emb.trace[0][0].dtype == torch.int64
+    with pytest.raises(PartitionError, match="id 6 is out of range.*0 <= id < 6"):
+        emb(torch.tensor([1, 6]))
+    with pytest.raises(TypeError, match="ids: expected an integer tensor"):
+        emb(torch.tensor([1.0]))
+    ctx.close()
+    assert kv.names() == []
+
+
+def test_device_tensor_push_pull_last_write_wins(ctx, twin):
+    t = DistTensor((5, 2), torch.float32, name="dt", context=ctx, device="cuda")
+    t[torch.tensor([3, 1, 3])] = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    assert t[torch.tensor([1, 3, 0])].tolist() == [[2, 2], [3, 3], [0, 0]]
+    with pytest.raises(TypeError, match="values: expected dtype float32"):
+        t[torch.tensor([0])] = torch.ones(1, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"values: expected shape \(1, 2\)"):
+        t[torch.tensor([0])] = torch.ones(3)
+    same = DistTensor((5, 2), torch.float32, name="dt", context=ctx, device="cuda")
+    assert same[torch.tensor([3])].tolist() == [[3, 3]]  # attached, not created
+
+
+def test_device_optimizer_state_dict_and_checkpoint_round_trip(ctx, twin, tmp_path):
+    emb = DistEmbedding(8, 3, name="ck", context=ctx, device="cuda",
+                        init_func=lambda shape, dtype: torch.randn(shape, dtype=dtype))
+    opt = SparseAdam([emb], lr=0.1)
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"]["ck"]["step"] == 1 and sd["state"]["ck"]["exp_avg"].abs().sum() > 0
+    opt.save(tmp_path / "ck.npz")
+    saved = emb.weight[torch.arange(8)].clone()
+    emb(torch.tensor([1])).sum().backward()
+    opt.step()
+    assert not torch.equal(emb.weight[torch.arange(8)], saved)
+    opt.load(tmp_path / "ck.npz")
+    assert torch.equal(emb.weight[torch.arange(8)], saved)
+    again = SparseAdam([emb], lr=0.1)
+    again.load_state_dict(sd)
+    assert torch.equal(again.state_dict()["state"]["ck"]["exp_avg"], sd["state"]["ck"]["exp_avg"])
+
+
+def test_lookup_on_another_device_sums_on_the_table_device(ctx, twin):
+    emb = DistEmbedding(4, 2, name="move", context=ctx, device="cuda")
+    opt = SparseAdagrad([emb], lr=1.0)
+    rows = emb(torch.tensor([1, 1, 3]), device="cpu")
+    assert rows.device.type == "cpu"
+    rows.sum().backward()
+    opt.step()
+    assert twin.calls["dedup_sum"] == 1 and twin.calls["adagrad_update"] == 1
+    assert emb.weight[torch.tensor([0, 1, 3])][:, 0].tolist() == pytest.approx([0, -1, -1])
+
+
+# --- with a GPU ----------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu():
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device: torch.cuda.is_available() is False (torch "
+                    f"{torch.__version__}, CUDA {torch.version.cuda})")
+    return device_kv.cuda_device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1, 7, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_table_matches_torch_oracle_on_gpu(ctx, gpu, case, dim):
+    ours, expected, w0 = run_both(ctx, case, dim, table_device=gpu, oracle_device=gpu)
+    assert (expected - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"
+    assert_within(ours, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [1, 7, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_lookups_of_host_table_match_cpu_oracle(ctx, gpu, case, dim):
+    ours, expected, w0 = run_both(ctx, case, dim, lookup_device=gpu)
+    assert (expected - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"
+    assert_within(ours, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_table_rows_and_trace_stay_on_the_gpu(ctx, gpu):
+    emb = DistEmbedding(10, 4, name="stay", context=ctx, device="cuda")
+    rows = emb(torch.tensor([1, 2, 2]))
+    assert rows.device == gpu and emb.trace[0][0].device == gpu
+    assert emb.kvstore.ops is cuda

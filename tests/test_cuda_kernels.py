@@ -1,0 +1,307 @@
+"""CUDA kernels: the build, the C API and its error paths here; results against the
+numpy reference where a GPU is present (tests marked ``gpu``)."""
+import ctypes
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from distemb.kernels import cuda, reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+NVCC = os.environ.get("NVCC") or shutil.which("nvcc")
+CUDA_INVALID_VALUE = 1  # cudaErrorInvalidValue
+
+
+def _built_library():
+    """The installed library, skipping only where the build was legitimately skipped."""
+    if not os.path.exists(cuda.CUDA_LIB_PATH):
+        if NVCC is None:
+            pytest.skip("nvcc not found, so setup.py did not build the CUDA kernels")
+        if os.environ.get("DISTEMB_NO_CUDA", "") not in ("", "0"):
+            pytest.skip("DISTEMB_NO_CUDA set, so setup.py did not build the CUDA kernels")
+    return cuda.load_library()
+
+
+def _exported_symbols(path):
+    out = subprocess.run(["nm", "-D", "--defined-only", path], check=True,
+                         capture_output=True, text=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+def test_sources_compile_for_sm80(tmp_path):
+    if NVCC is None:
+        pytest.skip("nvcc not found on PATH (set NVCC to test the CUDA sources)")
+    lib = tmp_path / "lib.so"
+    subprocess.run([NVCC, "-O3", "-std=c++17", "-shared", "-cudart", "static", "-fmad=false",
+                    "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+                    "-Xlinker", "--exclude-libs=ALL", "-gencode", "arch=compute_80,code=sm_80",
+                    "-o", str(lib), *CUDA_SOURCES], check=True, timeout=300)
+    assert cuda.load_library(str(lib)).distemb_cuda_abi_version() == cuda.ABI_VERSION
+
+
+def test_built_library_exports_exactly_the_api():
+    _built_library()
+    if shutil.which("nm") is None:
+        pytest.skip("nm (binutils) not found")
+    # Nothing else leaks: the static CUDA runtime must not clash with torch's.
+    assert _exported_symbols(cuda.CUDA_LIB_PATH) == set(cuda.SYMBOLS)
+
+
+def test_error_codes_reach_python():
+    lib = _built_library()
+    # Sizes are checked before any device is touched, so this runs without a GPU.
+    code = lib.distemb_cuda_sgd_update(None, 0, None, None, 1, 0.1, 0, None)
+    assert code == CUDA_INVALID_VALUE
+    nbytes = ctypes.c_size_t(0)
+    for end_bit in (0, 65):
+        assert lib.distemb_cuda_dedup_workspace_bytes(10, end_bit, ctypes.byref(nbytes),
+                                                      0) == CUDA_INVALID_VALUE
+    with pytest.raises(cuda.CudaKernelError, match="distemb_cuda_sgd_update.*invalid argument"):
+        cuda.check_status(lib, "distemb_cuda_sgd_update", code)
+
+
+def test_device_count_agrees_with_torch():
+    lib = _built_library()
+    count = ctypes.c_int(-1)
+    code = lib.distemb_cuda_device_count(ctypes.byref(count))
+    if torch.cuda.is_available():
+        assert (code, count.value) == (0, torch.cuda.device_count())
+    else:
+        assert code != 0
+        assert lib.distemb_cuda_error_string(code)
+
+
+def test_missing_library_says_how_to_build(tmp_path):
+    missing = str(tmp_path / "missing.so")
+    with pytest.raises(cuda.CudaUnavailableError, match="not built.*nvcc.*DISTEMB_NO_CUDA=1"):
+        cuda.require_cuda(missing)
+    assert not cuda.cuda_available(missing)
+
+
+def test_no_gpu_raises_clear_error(monkeypatch):
+    _built_library()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(cuda.CudaUnavailableError, match="CPU-only build|no CUDA device"):
+        cuda.require_cuda()
+    assert not cuda.cuda_available()
+
+
+def test_driver_too_old_for_library_is_explained(monkeypatch):
+    """Where torch sees a GPU the library cannot use, the library's CUDA error is named."""
+    lib = _built_library()
+    count = ctypes.c_int(0)
+    if lib.distemb_cuda_device_count(ctypes.byref(count)) == 0:
+        pytest.skip("the library can use a GPU here, so this failure cannot be provoked")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(cuda.CudaUnavailableError, match="no usable GPU although torch does"):
+        cuda.require_cuda()
+
+
+def test_import_loads_nothing():
+    code = ("import sys, distemb, distemb.kernels\n"
+            "assert 'distemb.kernels.cuda' not in sys.modules\n"
+            "from distemb.kernels import cuda\n"
+            "assert cuda.load_library.cache_info().currsize == 0\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def _cpu_calls():
+    w, rows, g = torch.zeros(4, 2), torch.tensor([0, 2]), torch.ones(2, 2)
+    return {
+        "dedup_sum": lambda: cuda.dedup_sum(rows, g),
+        "gather_rows": lambda: cuda.gather_rows(w, rows),
+        "sgd_update": lambda: cuda.sgd_update(w, rows, g, 0.1),
+        "adagrad_update": lambda: cuda.adagrad_update(w, torch.zeros(4, 2), rows, g, 0.1, 1e-10),
+        "rowwise_adagrad_update":
+            lambda: cuda.rowwise_adagrad_update(w, torch.zeros(4), rows, g, 0.1, 1e-10),
+        "adam_update": lambda: cuda.adam_update(w, torch.zeros(4, 2), torch.zeros(4, 2), rows,
+                                                g, 0.1, 0.9, 0.999, 1e-8, 1),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_cpu_calls()))
+def test_cpu_tensors_are_rejected(name):
+    with pytest.raises(TypeError, match="expected a CUDA tensor, got device cpu"):
+        _cpu_calls()[name]()
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: cuda.dedup_sum(torch.tensor([1, 2], dtype=torch.int32), torch.ones(2, 3)),
+     TypeError, "ids: expected dtype torch.int64, got torch.int32"),
+    (lambda: cuda.dedup_sum(torch.tensor([1, 2]), torch.ones(3, 3)),
+     ValueError, r"grads: expected shape \(2, 3\), got \(3, 3\)"),
+    (lambda: cuda.dedup_sum(torch.tensor([1, 2]), torch.ones(2, 3), num_rows=0),
+     ValueError, "num_rows: expected >= 1"),
+    (lambda: cuda.gather_rows(torch.ones(4, 3).t(), torch.tensor([0])),
+     ValueError, "table: expected a contiguous tensor"),
+    (lambda: cuda.sgd_update([[0.0]], torch.tensor([0]), torch.ones(1, 1), 0.1),
+     TypeError, "weight: expected a torch.Tensor, got list"),
+    (lambda: cuda.rowwise_adagrad_update(torch.ones(4, 2), torch.ones(4, 2), torch.tensor([0]),
+                                         torch.ones(1, 2), 0.1, 1e-10),
+     ValueError, r"state_sum: expected 1 dims, got shape \(4, 2\)"),
+    (lambda: cuda.adam_update(*[torch.ones(4, 2)] * 3, torch.tensor([0]), torch.ones(1, 2),
+                              0.1, 0.9, 0.999, 1e-8, step=0),
+     ValueError, "step: expected >= 1"),
+    (lambda: cuda.adam_update(*[torch.ones(4, 2)] * 3, torch.tensor([0]), torch.ones(1, 2),
+                              0.1, 0.9, 0.999, 1e-8, 1, row_steps=torch.zeros(3, dtype=torch.int64)),
+     ValueError, r"row_steps: expected shape \(4,\), got \(3,\)"),
+])
+def test_bad_arguments_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# --- with a GPU: every kernel against distemb.kernels.reference -------------------------
+
+NUM_ROWS = 50_000
+BATCH = 200_000
+DIMS = (1, 7, 128)
+
+
+@pytest.fixture(scope="module")
+def device():
+    """The CUDA device, or a skip saying why there is none."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device: torch.cuda.is_available() is False "
+                    f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+    cuda.require_cuda()
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _zipf_ids(rng, n=BATCH):
+    """Duplicate-heavy ids: a few rows appear thousands of times."""
+    return ((rng.zipf(1.2, size=n) - 1) % NUM_ROWS).astype(np.int64)
+
+
+def _case(rng, d):
+    """Unique rows of a zipf batch, their gradients and a random table."""
+    rows = np.unique(_zipf_ids(rng))
+    rng.shuffle(rows)  # the updates take unique rows in any order
+    grads = rng.standard_normal((rows.shape[0], d)).astype(np.float32)
+    table = rng.standard_normal((NUM_ROWS, d)).astype(np.float32)
+    return rows, grads, table
+
+
+def _gpu(a, device):
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def _assert_close(gpu_tensor, expected):
+    np.testing.assert_allclose(gpu_tensor.cpu().numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("num_rows", [None, NUM_ROWS], ids=["all_bits", "table_bits"])
+def test_dedup_sum_matches_reference(device, d, num_rows):
+    rng = np.random.default_rng(d)
+    ids = _zipf_ids(rng)
+    grads = rng.standard_normal((ids.shape[0], d)).astype(np.float32)
+    want_uniq, want_sum = reference.dedup_sum(ids, grads)
+    uniq, summed = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device), num_rows=num_rows)
+    np.testing.assert_array_equal(uniq.cpu().numpy(), want_uniq)
+    _assert_close(summed, want_sum)
+    # Sums run in batch order: a second run gives the same bits.
+    again = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device), num_rows=num_rows)[1]
+    assert torch.equal(summed, again)
+
+
+@pytest.mark.gpu
+def test_dedup_sum_of_empty_and_single_batches(device):
+    uniq, summed = cuda.dedup_sum(torch.empty(0, dtype=torch.int64, device=device),
+                                  torch.empty(0, 3, device=device))
+    assert uniq.shape == (0,) and summed.shape == (0, 3)
+    uniq, summed = cuda.dedup_sum(torch.tensor([7, 7, 7], device=device),
+                                  torch.ones(3, 2, device=device))
+    assert uniq.tolist() == [7] and summed.tolist() == [[3.0, 3.0]]
+    # A one-row table sorts on a single bit.
+    uniq, summed = cuda.dedup_sum(torch.zeros(4, dtype=torch.int64, device=device),
+                                  torch.ones(4, 1, device=device), num_rows=1)
+    assert uniq.tolist() == [0] and summed.tolist() == [[4.0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+def test_gather_rows_matches_reference(device, d):
+    rng = np.random.default_rng(10 + d)
+    ids = _zipf_ids(rng)
+    table = rng.standard_normal((NUM_ROWS, d)).astype(np.float32)
+    want = reference.gather_rows(table, ids, np.empty((ids.shape[0], d), np.float32))
+    got = cuda.gather_rows(_gpu(table, device), _gpu(ids, device))
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+def test_sgd_update_matches_reference(device, d):
+    rows, grads, table = _case(np.random.default_rng(20 + d), d)
+    weight = _gpu(table, device)
+    reference.sgd_update(table, rows, grads, 0.05)
+    cuda.sgd_update(weight, _gpu(rows, device), _gpu(grads, device), 0.05)
+    _assert_close(weight, table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("rowwise", [False, True], ids=["adagrad", "rowwise"])
+def test_adagrad_updates_match_reference(device, d, rowwise):
+    rng = np.random.default_rng(30 + d)
+    rows, grads, table = _case(rng, d)
+    state = np.zeros(NUM_ROWS if rowwise else (NUM_ROWS, d), np.float32)
+    weight, state_gpu = _gpu(table, device), _gpu(state, device)
+    ref_fn = reference.rowwise_adagrad_update if rowwise else reference.adagrad_update
+    gpu_fn = cuda.rowwise_adagrad_update if rowwise else cuda.adagrad_update
+    for _ in range(3):  # later steps read the state earlier steps wrote
+        ref_fn(table, state, rows, grads, 0.1, 1e-10)
+        gpu_fn(weight, state_gpu, _gpu(rows, device), _gpu(grads, device), 0.1, 1e-10)
+    _assert_close(state_gpu, state)
+    _assert_close(weight, table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("per_row", [False, True], ids=["global_step", "row_steps"])
+def test_adam_update_matches_reference(device, d, per_row):
+    rng = np.random.default_rng(40 + d)
+    _, _, table = _case(rng, d)
+    m, v = np.zeros_like(table), np.zeros_like(table)
+    steps = np.zeros(NUM_ROWS, np.int64) if per_row else None
+    weight, m_gpu, v_gpu = _gpu(table, device), _gpu(m, device), _gpu(v, device)
+    steps_gpu = _gpu(steps, device) if per_row else None
+    for step in range(1, 4):  # different rows each step, so per-row counts diverge
+        rows = np.unique(_zipf_ids(rng, 50_000))
+        grads = rng.standard_normal((rows.shape[0], d)).astype(np.float32)
+        reference.adam_update(table, m, v, rows, grads, 0.01, 0.9, 0.999, 1e-8, step,
+                              row_steps=steps)
+        cuda.adam_update(weight, m_gpu, v_gpu, _gpu(rows, device), _gpu(grads, device), 0.01,
+                         0.9, 0.999, 1e-8, step, row_steps=steps_gpu)
+    if per_row:
+        np.testing.assert_array_equal(steps_gpu.cpu().numpy(), steps)
+    _assert_close(m_gpu, m)
+    _assert_close(v_gpu, v)
+    _assert_close(weight, table)
+
+
+@pytest.mark.gpu
+def test_dedup_then_adagrad_matches_torch(device):
+    """The fused pipeline equals torch.nn.Embedding(sparse=True) + torch.optim.Adagrad."""
+    rng = np.random.default_rng(50)
+    ids = _gpu(_zipf_ids(rng, 20_000), device)
+    grads = torch.randn(ids.shape[0], 16, device=device)
+    emb = torch.nn.Embedding(NUM_ROWS, 16, sparse=True).to(device)
+    weight = emb.weight.detach().clone()
+    state = torch.zeros_like(weight)
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.1)
+    emb(ids).backward(grads)
+    opt.step()
+    uniq, summed = cuda.dedup_sum(ids, grads)
+    cuda.adagrad_update(weight, state, uniq, summed, 0.1, 1e-10)
+    torch.testing.assert_close(weight, emb.weight.detach(), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,150 @@
+"""Optimizer API: zero_grad, no-op steps, LR schedulers, state_dict, save/load, bad input."""
+import numpy as np
+import pytest
+import torch
+
+from distemb.context import DistContext
+from distemb.embedding import DistEmbedding
+from distemb.errors import DistEmbError
+from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
+from distemb.partition import HashPartitionBook, NodePartitionPolicy
+from tests.conftest import zipf_ids
+
+OPTIMIZERS = {
+    "sgd": lambda e: SparseSGD(e, lr=0.1),
+    "adagrad": lambda e: SparseAdagrad(e, lr=0.1, lr_decay=0.01),
+    "rowwise": lambda e: SparseRowWiseAdagrad(e, lr=0.1),
+    "adam": lambda e: SparseAdam(e, lr=0.01),
+    "adam-per-row": lambda e: SparseAdam(e, lr=0.01, step_mode="per_row"),
+}
+ROWS, DIM = 200, 8
+
+
+def _tables(ctx, policy=None):
+    init = lambda s, d: torch.randn(s, generator=torch.Generator().manual_seed(1)).to(d)
+    return [DistEmbedding(ROWS, DIM, name=n, context=ctx, init_func=init, part_policy=policy)
+            for n in ("a", "b")]
+
+
+def _train(embs, opt, steps, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        loss = 0
+        for emb in embs:
+            rows = emb(torch.from_numpy(zipf_ids(rng, ROWS, 64)))
+            loss = loss + (rows ** 2).sum()
+        loss.backward()
+        opt.step()
+
+
+def _weights(embs):
+    return [e.weight[torch.arange(ROWS)] for e in embs]
+
+
+def test_zero_grad_clears_and_empty_step_is_noop(ctx):
+    emb, = _tables(ctx)[:1]
+    opt = SparseSGD([emb], lr=1.0)
+    before = emb.weight[torch.arange(ROWS)]
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.zero_grad()
+    opt.step()
+    opt.step()
+    torch.testing.assert_close(emb.weight[torch.arange(ROWS)], before, rtol=0, atol=0)
+
+
+def test_lookup_without_backward_is_ignored(ctx):
+    emb, other = _tables(ctx)
+    opt = SparseSGD([emb], lr=1.0)
+    emb(torch.tensor([3]))  # traced but never part of a loss: no gradient
+    emb(torch.tensor([4])).sum().backward()
+    before = emb.weight[torch.tensor([3, 4])]
+    opt.step()
+    after = emb.weight[torch.tensor([3, 4])]
+    assert torch.equal(after[0], before[0]) and torch.allclose(after[1], before[1] - 1)
+
+
+def test_step_lr_drives_param_groups(ctx):
+    emb, = _tables(ctx)[:1]
+    opt = SparseSGD([emb], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    moved = []
+    for _ in range(3):
+        before = emb.weight[torch.tensor([0])]
+        emb(torch.tensor([0])).sum().backward()
+        opt.step()
+        sched.step()
+        moved.append(float((before - emb.weight[torch.tensor([0])])[0, 0]))
+    assert moved == pytest.approx([1.0, 0.5, 0.25])
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_dict_roundtrip_continues_exactly(name):
+    ctx_a = DistContext.embedded(num_threads=1)
+    ctx_b = DistContext.embedded(num_threads=1)
+    embs_a, embs_b = _tables(ctx_a), _tables(ctx_b)
+    opt_a, opt_b = OPTIMIZERS[name](embs_a), OPTIMIZERS[name](embs_b)
+    _train(embs_a, opt_a, 5, seed=0)
+    sd = opt_a.state_dict()
+    for ea, eb in zip(embs_a, embs_b):
+        eb.weight[torch.arange(ROWS)] = ea.weight[torch.arange(ROWS)]
+    opt_b.load_state_dict(sd)
+    _train(embs_a, opt_a, 5, seed=1)
+    _train(embs_b, opt_b, 5, seed=1)
+    for wa, wb in zip(_weights(embs_a), _weights(embs_b)):
+        torch.testing.assert_close(wa, wb, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_save_load_continues_exactly_even_resharded(tmp_path, name):
+    """Train, save; load into a fresh, differently sharded job; both continue identically."""
+    path = str(tmp_path / "ck.npz")
+    ctx_a = DistContext.embedded(num_threads=1)
+    embs_a = _tables(ctx_a)
+    opt_a = OPTIMIZERS[name](embs_a)
+    sched = torch.optim.lr_scheduler.StepLR(opt_a, 2, 0.5)
+    for _ in range(3):
+        _train(embs_a, opt_a, 1, seed=0)
+        sched.step()
+    opt_a.save(path)
+    ctx_b = DistContext.embedded(num_threads=1)
+    hashed = NodePartitionPolicy(HashPartitionBook(3, node_counts={"_N": ROWS}))
+    embs_b = _tables(ctx_b, policy=hashed)
+    opt_b = OPTIMIZERS[name](embs_b)
+    opt_b.load(path)
+    assert opt_b.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"]
+    for wa, wb in zip(_weights(embs_a), _weights(embs_b)):
+        torch.testing.assert_close(wa, wb, rtol=0, atol=0)
+    _train(embs_a, opt_a, 4, seed=7)
+    _train(embs_b, opt_b, 4, seed=7)
+    for wa, wb in zip(_weights(embs_a), _weights(embs_b)):
+        torch.testing.assert_close(wa, wb, rtol=0, atol=0)
+
+
+def test_load_errors(tmp_path, ctx):
+    embs = _tables(ctx)
+    SparseSGD(embs, lr=0.1).save(str(tmp_path / "sgd.npz"))
+    with pytest.raises(DistEmbError, match="saved by SparseSGD .*cannot load into SparseAdagrad"):
+        SparseAdagrad(embs, lr=0.1).load(str(tmp_path / "sgd.npz"))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(DistEmbError, match="not a distemb checkpoint"):
+        SparseSGD(embs, lr=0.1).load(str(tmp_path / "junk.npz"))
+    small = DistEmbedding(ROWS + 1, DIM, name="a2", context=ctx)
+    opt = SparseSGD(embs, lr=0.1)
+    sd = opt.state_dict()
+    with pytest.raises(DistEmbError, match="no state for table 'a2'"):
+        SparseSGD([small], lr=0.1).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda e: SparseSGD(e, lr=-1), "lr: expected a number >= 0.0, got -1"),
+    (lambda e: SparseAdagrad(e, lr=0.1, eps=-1e-3), "eps: expected a number >= 0.0"),
+    (lambda e: SparseAdam(e, lr=0.1, betas=(0.9, 1.0)), "betas\\[1\\]: expected a number >= 0.0 and < 1.0"),
+    (lambda e: SparseAdam(e, lr=0.1, betas=0.9), "betas: expected a pair"),
+    (lambda e: SparseAdam(e, lr=0.1, step_mode="row"), "step_mode: expected 'global' or 'per_row'"),
+    (lambda e: SparseSGD([], lr=0.1), "params: expected a non-empty list"),
+    (lambda e: SparseSGD([e[0], e[0]], lr=0.1), "each DistEmbedding may appear once"),
+    (lambda e: SparseSGD([torch.zeros(2)], lr=0.1), "params\\[0\\]: expected a DistEmbedding, got Tensor"),
+])
+def test_bad_optimizer_arguments(ctx, make, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make(_tables(ctx))

@@ -1,0 +1,111 @@
+"""DistTensor and DistEmbedding: lookups, traces, naming, and every bad input."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from distemb.embedding import DistEmbedding
+from distemb.errors import KVStoreError, PartitionError, TraceOverflowError
+from distemb.partition import range_policy
+from distemb.tensor import DistTensor
+
+
+def test_dist_tensor_pull_push(ctx):
+    t = DistTensor((10, 3), torch.float32, name="t", context=ctx,
+                   init_func=lambda shape, dtype: torch.ones(shape, dtype=dtype))
+    assert t.shape == (10, 3) and t.dtype == torch.float32 and len(t) == 10
+    t[torch.tensor([2, 4])] = torch.zeros(2, 3)
+    assert t[torch.tensor([4, 5])].tolist() == [[0, 0, 0], [1, 1, 1]]
+    assert t[np.array([[2, 5]])].shape == (1, 2, 3)  # any id shape, like nn.Embedding
+
+
+def test_dist_tensor_bad_input(ctx):
+    t = DistTensor((10, 3), torch.float32, name="t", context=ctx)
+    with pytest.raises(PartitionError, match="id 10 is out of range .*0 <= id < 10"):
+        t[torch.tensor([1, 10])]
+    with pytest.raises(PartitionError, match="id -1 is out of range"):
+        t[torch.tensor([-1])]
+    with pytest.raises(TypeError, match="ids: expected an integer tensor .* got float32"):
+        t[torch.tensor([1.0])]
+    with pytest.raises(TypeError, match="values: expected dtype float32 .* got float64"):
+        t[torch.tensor([1])] = torch.zeros(1, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="values: expected shape \\(2, 3\\)"):
+        t[torch.tensor([1, 2])] = torch.zeros(2, 4)
+    with pytest.raises(KVStoreError, match="'t' exists with shape \\(10, 3\\).*got shape \\(10, 4\\)"):
+        DistTensor((10, 4), torch.float32, name="t", context=ctx)
+    with pytest.raises(TypeError, match="dtype: expected one of"):
+        DistTensor((10, 3), "complex64", context=ctx)
+    with pytest.raises(ValueError, match="shape: expected a non-empty tuple"):
+        DistTensor((0, 3), torch.float32, context=ctx)
+    with pytest.raises(ValueError, match="part_policy: node~_N has 5 ids, but shape\\[0\\] is 10"):
+        DistTensor((10, 3), torch.float32, context=ctx, part_policy=range_policy(5))
+
+
+def test_same_name_attaches_and_anonymous_is_freed(ctx):
+    a = DistTensor((4, 2), torch.float32, name="shared", context=ctx, persistent=True)
+    a[torch.tensor([1])] = torch.ones(1, 2)
+    b = DistTensor((4, 2), torch.float32, name="shared", context=ctx)
+    assert b[torch.tensor([1])].tolist() == [[1, 1]]
+    anon = DistTensor((4, 2), torch.float32, context=ctx)
+    name = anon.name
+    assert ctx.client.data_meta(name) is not None
+    del anon
+    assert ctx.client.data_meta(name) is None
+
+
+def test_embedding_properties_and_trace(ctx):
+    emb = DistEmbedding(50, 4, name="e", context=ctx)
+    assert (emb.num_embeddings, emb.embedding_dim, emb.name) == (50, 4, "e")
+    assert emb.weight.shape == (50, 4) and emb.kvstore is ctx.client
+    assert emb.part_policy.get_size() == 50 and emb.optm_state is None
+    rows = emb(torch.tensor([1, 2], dtype=torch.int32))
+    assert rows.requires_grad and len(emb.trace) == 1
+    with torch.no_grad():
+        emb(torch.tensor([3]))
+    assert len(emb.trace) == 1, "lookups under no_grad must not be traced"
+    emb.reset_trace()
+    assert emb.trace == []
+
+
+def test_embedding_not_tied_to_graph_size(ctx):
+    emb = DistEmbedding(7, 3, context=ctx)
+    assert emb.part_policy.get_size() == 7
+
+
+def test_embedding_bad_input(ctx):
+    with pytest.raises(ValueError, match="num_embeddings: expected a positive int, got 0"):
+        DistEmbedding(0, 4, context=ctx)
+    with pytest.raises(ValueError, match="embedding_dim: expected a positive int, got -1"):
+        DistEmbedding(4, -1, context=ctx)
+    emb = DistEmbedding(4, 2, context=ctx)
+    with pytest.raises(PartitionError, match="out of range"):
+        emb(torch.tensor([4]))
+
+
+def test_forgotten_step_raises_instead_of_leaking(ctx):
+    emb = DistEmbedding(10, 2, context=ctx, trace_limit=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            emb(torch.tensor([1]))
+    assert any("4 lookups recorded" in str(w.message) for w in caught)
+    with pytest.raises(TraceOverflowError, match="without an optimizer step\\(\\) or zero_grad"):
+        emb(torch.tensor([1]))
+
+
+def test_initialize_after_implicit_context_names_the_cause():
+    import distemb
+
+    distemb.shutdown()
+    try:
+        DistTensor((2, 2), torch.float32)  # creates the implicit embedded context
+        with pytest.raises(distemb.DistEmbError, match="implicitly, by a table created before"):
+            distemb.initialize()
+        distemb.shutdown()
+        ctx = distemb.initialize()
+        with pytest.raises(distemb.DistEmbError, match="by an earlier initialize\\(\\)"):
+            distemb.initialize()
+        assert distemb.current_context() is ctx
+    finally:
+        distemb.shutdown()

@@ -1,0 +1,160 @@
+"""Frames and messages: round trips, and hostile bytes that a server must survive."""
+import json
+import os
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from distemb.errors import PartitionError, TransportError
+from distemb.partition import range_policy
+from distemb.transport.base import HEADER, MAGIC, VERSION, Frame, encode_head
+from distemb.transport.messages import Pull, Service, Update, decode_request
+from distemb.transport.tcp import TcpConnection
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def pair():
+    a, b = socket.socketpair()
+    return TcpConnection(a, timeout=5), TcpConnection(b, timeout=5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int64", "int32", "int8",
+                                   "uint8", "bool"])
+def test_frame_round_trip_keeps_dtype_shape_and_bytes(dtype):
+    a, b = pair()
+    arr = (np.arange(24) % 5).astype(dtype).reshape(2, 3, 4)
+    a.send(Frame(Service.PUSH, "näme", {"parts": [1], "x": 2.5}, [arr, arr[:0]], flags=1))
+    f = b.recv()
+    assert (f.service, f.name, f.fields, f.flags) == (Service.PUSH, "näme",
+                                                      {"parts": [1], "x": 2.5}, 1)
+    assert f.arrays[0].dtype == arr.dtype and f.arrays[1].shape == (0, 3, 4)
+    np.testing.assert_array_equal(f.arrays[0], arr)
+
+
+def test_large_payload_arrives_intact():
+    a, b = pair()
+    arr = np.random.default_rng(0).standard_normal((3000, 128)).astype(np.float32)
+    t = threading.Thread(target=a.send, args=(Frame(Service.PULL, arrays=[arr]),))
+    t.start()
+    got = b.recv().arrays[0]
+    t.join()
+    np.testing.assert_array_equal(got, arr)
+
+
+def raw_header(service=Service.PULL, name_len=0, num_arrays=0, fields_len=0, payload=0,
+               magic=MAGIC, version=VERSION):
+    return HEADER.pack(magic, version, service, 0, name_len, num_arrays, fields_len, payload)
+
+
+@pytest.mark.parametrize("data,match", [
+    (raw_header(magic=b"EVIL"), "bad magic"),
+    (raw_header(version=9), "protocol version 9"),
+    (raw_header(payload=1 << 62), "over the limit"),
+    (raw_header(name_len=5000), "over the limits"),
+    (raw_header(num_arrays=1, payload=8) + struct.pack("<BB", 99, 1) + struct.pack("<Q", 1),
+     "unknown dtype code 99"),
+    (raw_header(num_arrays=1, payload=8) + struct.pack("<BB", 1, 1) + struct.pack("<Q", 1 << 40),
+     "needs more bytes"),
+    (raw_header(num_arrays=1, payload=16) + struct.pack("<BB", 1, 1) + struct.pack("<Q", 2),
+     "arrays hold 8 bytes"),
+    (raw_header(name_len=2) + b"\xff\xfe", "UTF-8"),
+    (raw_header(fields_len=2) + b"[]", "JSON object"),
+])
+def test_malformed_frames_are_rejected_before_allocation(data, match):
+    a, b = pair()
+    a.sock.sendall(data)
+    with pytest.raises(TransportError, match=match):
+        b.recv()
+
+
+@pytest.mark.parametrize("frame,match", [
+    (Frame(77), "unknown request service id 77"),
+    (Frame(Service.PULL, "w", {"parts": [0]}, [np.arange(2)]), "Pull.counts"),
+    (Frame(Service.PULL, "w", {"parts": [0], "counts": [3]}, [np.arange(2)]), "Pull.ids"),
+    (Frame(Service.PULL, "w", {"parts": [0], "counts": ["x"]}, [np.arange(2)]), "Pull.counts"),
+    (Frame(Service.PULL, "w", {"parts": [0, 0], "counts": [1, 1]}, [np.arange(2)]), "unique"),
+    (Frame(Service.UPDATE, "w", {"rule": "sgd", "hyper": {"lr": "x"}, "seq": 1, "exact": False,
+                                 "parts": [0], "counts": [1]},
+           [np.arange(1), np.ones((1, 2), np.float32)]), "Update.hyper"),
+])
+def test_invalid_messages_are_rejected(frame, match):
+    with pytest.raises(TransportError, match=match):
+        decode_request(frame)
+
+
+def test_message_encode_decode_round_trip():
+    m = Update(name="w", rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10}, seq=3, exact=True,
+               parts=[0, 2], counts=[1, 1], ids=np.array([4, 0]),
+               grads=np.ones((2, 3), np.float32))
+    d = decode_request(m.encode())
+    assert (d.rule, d.hyper, d.seq, d.exact, d.parts) == ("adagrad", m.hyper, 3, True, [0, 2])
+
+
+HOSTILE = [
+    os.urandom(4096),
+    raw_header(payload=1 << 62),
+    raw_header(num_arrays=1, payload=8) + struct.pack("<BB", 200, 1) + struct.pack("<Q", 1),
+    raw_header(num_arrays=1, payload=1 << 29) + struct.pack("<BB", 1, 1)
+    + struct.pack("<Q", 1 << 27) + b"short",  # promises 512 MiB, then hangs up
+    raw_header(service=250) + b"",
+    raw_header(fields_len=9) + b'{"a":[[[[',
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("data", HOSTILE, ids=["random", "huge", "dtype", "short", "service",
+                                                "json"])
+def test_server_survives_hostile_frames_and_serves_others(clusters, data):
+    cluster = clusters("tcp")
+    kv = cluster.client()
+    try:
+        kv.init_data("h", (4, 2), "float32", range_policy(4, 2))
+        entry = cluster.cfg.servers[0]
+        with socket.create_connection((entry.host, entry.port), timeout=10) as evil:
+            evil.sendall(data)
+            evil.shutdown(socket.SHUT_WR)
+            reply = b""
+            try:
+                while chunk := evil.recv(65536):
+                    reply += chunk
+            except ConnectionResetError:
+                pass  # closed with our junk unread: a reset, which is allowed
+        if reply:  # an error frame, never a crash or silence on a half-read stream
+            assert reply[:4] == MAGIC and reply[5] == Service.ERROR
+        kv.push("h", np.array([0, 3]), np.ones((2, 2), np.float32))
+        assert kv.pull("h", np.array([0, 3])).tolist() == [[1.0, 1.0]] * 2
+    finally:
+        kv.delete_data("h")
+        kv.close(goodbye=False)
+
+
+@pytest.mark.multiprocess
+def test_bad_request_gets_error_reply_and_connection_goes_on(clusters):
+    """Ids out of range and unknown tables: error replies on a connection that stays usable."""
+    kv = clusters("tcp").client()
+    try:
+        kv.init_data("r", (4, 2), "float32", range_policy(4, 2))
+        conn = kv._conns[0]
+        conn.send(Pull(name="r", parts=[0], counts=[1], ids=np.array([99])).encode())
+        err = conn.recv()
+        assert err.service == Service.ERROR and "id 99 of shard 0 of 'r' is out of range" \
+            in err.fields["message"]
+        conn.send(Pull(name="zz", parts=[0], counts=[1], ids=np.array([0])).encode())
+        assert "no shard 0 of 'zz'" in conn.recv().fields["message"]
+        conn.send(Pull(name="r", parts=[1], counts=[1], ids=np.array([0])).encode())
+        assert "server 0 has no shard 1 of 'r'" in conn.recv().fields["message"]
+        with pytest.raises(PartitionError, match="id 4 is out of range"):
+            kv.pull("r", np.array([4]))
+        assert kv.pull("r", np.array([1, 2])).shape == (2, 2)
+    finally:
+        kv.delete_data("r")
+        kv.close(goodbye=False)
+
+
+def test_fields_are_json_not_pickle():
+    head = encode_head(Frame(Service.HELLO, fields={"rank": 0}))
+    assert json.loads(head[HEADER.size:]) == {"rank": 0}
