@@ -7,12 +7,14 @@ STAMP  := $(VENV)/.distemb-installed
 APT    := openmpi-bin libopenmpi-dev wordnet-base
 export OMP_WAIT_POLICY ?= passive
 
-.PHONY: test test-fast demo bench system clean
+.PHONY: test demo bench data system clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
 # Debian packages: MPI for the mpirun tests, WordNet for the graph examples.
+data: system
+
 system:
 	@missing=$$(for p in $(APT); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -34,8 +36,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet
 
+# The side-by-side measurements (each prints its table; see benchmarks/README.md).
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_kvstore.py --dgl
+	$(PY) benchmarks/bench_deepwalk.py --dataset wordnet
 
 clean:
 	rm -rf build *.egg-info distemb/*.so csrc/*.cpp
