@@ -5,14 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-import distemb
 from graph_examples.deepwalk import main, parse_args, skipgram_loss
 from graph_examples.tables import make_tables
 
 FAST = ["--dataset", "karate", "--dim", "8", "--walk-length", "8", "--window", "2",
         "--num-walks", "4", "--batch-size", "128", "--epochs", "3", "--quiet"]
-needs_core = pytest.mark.skipif(not hasattr(distemb, "DistEmbedding"),
-                                reason="distemb core (DistEmbedding) not on this branch yet")
 
 
 def test_skipgram_loss_matches_definition():
@@ -69,7 +66,6 @@ def test_make_tables_rejects_unknown_backend():
         make_tables("jax", 10, 4, 0.1)
 
 
-@needs_core
 def test_distemb_backend_matches_torch(tmp_path):
     # SparseAdam in distemb matches torch.optim.SparseAdam, so the same batches must
     # give the same embeddings up to float rounding.
@@ -87,7 +83,6 @@ def test_max_steps_stops_early_and_phases_add_up(tmp_path):
     assert phases <= metrics["train_seconds"] + 0.02
 
 
-@needs_core
 def test_distemb_runs_in_one_process_start_fresh(tmp_path):
     # distemb reuses a table of an existing name: a second run must not continue the
     # first one's rows.
@@ -95,3 +90,19 @@ def test_distemb_runs_in_one_process_start_fresh(tmp_path):
     main(FAST + ["--out", str(tmp_path / "b")])
     assert np.array_equal(np.load(tmp_path / "a" / "embeddings.npy"),
                           np.load(tmp_path / "b" / "embeddings.npy"))
+
+
+def test_distemb_deepwalk_beats_random_embeddings_by_a_wide_margin(tmp_path):
+    """Short distemb run on a 4-class planted partition vs random vectors, same evaluation."""
+    from graph_examples.datasets import load_dataset
+    from graph_examples.evaluate import node_classification
+
+    data = ["--data-opt", "num_nodes=1000", "--data-opt", "num_classes=4"]
+    metrics = main(["--dataset", "sbm", *data, "--dim", "16", "--walk-length", "10",
+                    "--num-walks", "4", "--batch-size", "512", "--lr", "0.05",
+                    "--backend", "distemb", "--quiet", "--out", str(tmp_path)])
+    ds = load_dataset("sbm", num_nodes=1000, num_classes=4)
+    rand = np.random.default_rng(0).standard_normal((1000, 16)).astype(np.float32)
+    chance = node_classification(rand, ds, "test").micro_f1
+    assert chance < 0.4, f"random embeddings should be near chance (0.25), got {chance}"
+    assert metrics["test_micro_f1"] > chance + 0.4, (metrics["test_micro_f1"], chance)
