@@ -18,7 +18,7 @@ import torch
 from distemb.errors import KVStoreError
 from distemb.kernels import cuda
 from distemb.kvstore.types import DataMeta, KVClient
-from distemb.rules import RULES, state_init, state_name
+from distemb.rules import RULES, state_name
 
 
 def cuda_device(device):
@@ -163,20 +163,6 @@ class DeviceKVClient(KVClient):
         positions = torch.arange(ids.shape[0], device=ids.device)
         last = torch.zeros_like(uniq).scatter_reduce_(0, inverse, positions, "amax")
         table.index_copy_(0, uniq, values.to(table.dtype)[last])
-
-    def init_optimizer(self, name, rule, options):
-        meta = self._meta_of(name)
-        if rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}")
-        names = {}
-        for spec in RULES[rule].states:
-            sname = state_name(name, spec.name)
-            self.delete_data(sname)  # a new optimizer starts from fresh state, as torch's does
-            shape = (meta.shape[0],) + spec.shape(meta.shape[1])
-            self.init_data(sname, shape, spec.dtype, meta.policy,
-                           lambda s, d, spec=spec: state_init(spec, s, options))
-            names[spec.name] = sname
-        return names
 
     def push_update(self, name, ids, grads, rule, hyper):
         try:

@@ -4,7 +4,6 @@ import numpy as np
 from distemb.errors import KVStoreError
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import DataMeta, KVClient
-from distemb.rules import RULES, state_init, state_name
 
 
 def init_shard(init_func, shape, dtype, name):
@@ -79,18 +78,6 @@ class LocalKVClient(KVClient):
             return
         for part, pos, local in meta.policy.split(ids):
             self.server.push(name, part, local, values[pos])
-
-    def init_optimizer(self, name, rule, options):
-        meta = self._meta_of(name)
-        names = {}
-        for spec in RULES[rule].states:
-            sname = state_name(name, spec.name)
-            self.delete_data(sname)  # a new optimizer starts from fresh state, as torch's does
-            shape = (meta.shape[0],) + spec.shape(meta.shape[1])
-            self.init_data(sname, shape, spec.dtype, meta.policy,
-                           lambda s, d, spec=spec: state_init(spec, s, options))
-            names[spec.name] = sname
-        return names
 
     def push_update(self, name, ids, grads, rule, hyper):
         meta = self._meta_of(name)

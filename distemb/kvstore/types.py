@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from distemb import kernels
 from distemb.errors import KVStoreError
 from distemb.partition import PartitionPolicy
+from distemb.rules import RULES, state_init, state_name
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,24 @@ class KVClient:
     def init_optimizer(self, name, rule, options):
         """Create the optimizer state of table ``name`` for update rule ``rule``.
 
+        The default creates each state tensor with :meth:`init_data`, sharded like the
+        table; a state that exists is replaced (a new optimizer starts fresh, as torch's).
+
         Returns:
             dict state name -> KVStore name of that state tensor.
         """
-        raise NotImplementedError
+        meta = self._meta_of(name)
+        if rule not in RULES:
+            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}")
+        names = {}
+        for spec in RULES[rule].states:
+            sname = state_name(name, spec.name)
+            self.delete_data(sname)
+            shape = (meta.shape[0],) + spec.shape(meta.shape[1])
+            self.init_data(sname, shape, spec.dtype, meta.policy,
+                           lambda s, d, spec=spec: state_init(spec, s, options))
+            names[spec.name] = sname
+        return names
 
     def push_update(self, name, ids, grads, rule, hyper):
         """Apply update ``rule`` with ``hyper`` to rows ``ids`` (unique) of ``name``.
