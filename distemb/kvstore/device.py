@@ -126,12 +126,6 @@ class DeviceKVClient(KVClient):
                 shards[part][torch.from_numpy(local).to(self.device)]
         return table
 
-    def data_meta(self, name):
-        return self._meta.get(name)
-
-    def names(self):
-        return list(self._meta)
-
     def delete_data(self, name):
         self._meta.pop(name, None)
         self._tables.pop(name, None)

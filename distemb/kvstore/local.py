@@ -52,12 +52,6 @@ class LocalKVClient(KVClient):
             self.server.create(name, part, init_shard(init_func, sshape, dtype, name))
         self._meta[name] = DataMeta(tuple(shape), dtype, policy)
 
-    def data_meta(self, name):
-        return self._meta.get(name)
-
-    def names(self):
-        return list(self._meta)
-
     def delete_data(self, name):
         self._meta.pop(name, None)
         self.server.drop(name)

@@ -188,12 +188,6 @@ class RemoteKVClient(KVClient):
                 if path:
                     self._shm[(name, part)] = attach(path, tuple(shp), dt)
 
-    def data_meta(self, name):
-        return self._meta.get(name)
-
-    def names(self):
-        return list(self._meta)
-
     def delete_data(self, name):
         meta = self._meta.pop(name, None)
         if meta is None:

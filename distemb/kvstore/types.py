@@ -54,13 +54,15 @@ class KVClient:
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None)."""
         raise NotImplementedError
 
+    # Implementations keep the DataMeta of every tensor they know in ``self._meta``.
+
     def data_meta(self, name):
         """The :class:`DataMeta` of ``name``, or None if absent."""
-        raise NotImplementedError
+        return self._meta.get(name)
 
     def names(self):
-        """Names of all tensors in the store."""
-        raise NotImplementedError
+        """Names of all tensors this client knows."""
+        return list(self._meta)
 
     def delete_data(self, name):
         """Drop ``name`` and its shards."""
@@ -105,7 +107,7 @@ class KVClient:
         raise NotImplementedError
 
     def _meta_of(self, name):
-        """The DataMeta of ``name`` (implementations keep them in ``self._meta``)."""
+        """The DataMeta of ``name``; KVStoreError when absent."""
         try:
             return self._meta[name]
         except KeyError:
