@@ -239,7 +239,7 @@ class KVService:
         for part, pieces in per_part.items():
             ids = np.concatenate([p[0] for p in pieces])
             grads = np.concatenate([p[1] for p in pieces])
-            uniq, summed = kernels.dedup_sum(ids, grads, self.server.num_threads)
+            uniq, summed = kernels.dedup_sum(ids, grads, num_threads=self.server.num_threads)
             self.server.update(first.name, part, uniq, summed, first.rule, first.hyper)
 
     def _barrier(self, m):
