@@ -5,7 +5,7 @@ placements; the alias says what it holds, its docstring comment the shape and dt
 Nothing is checked by these names: they document contracts that the functions using
 them validate.
 """
-from typing import Any, Tuple
+from typing import Any, Tuple, Type
 
 Array = Any
 #: (N,) int64 global (type-wise) ids, validated against a table's policy; duplicates allowed.
@@ -20,3 +20,9 @@ Rows = Array
 Tensor = Any
 #: The shape of a tensor, (rows,) + row shape.
 Shape = Tuple[int, ...]
+
+
+def check_shape(what: str, have, want, error: Type[Exception] = ValueError) -> None:
+    """Raise ``error`` naming ``what`` when shape ``have`` is not ``want``."""
+    if tuple(have) != tuple(want):
+        raise error(f"{what} has shape {tuple(have)}, expected {tuple(want)}")

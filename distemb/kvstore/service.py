@@ -33,7 +33,7 @@ import numpy as np
 from distemb import kernels
 from distemb.errors import KVStoreError
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
-from distemb.rules import RULES, state_init, state_name
+from distemb.rules import rule_of, state_init, state_name
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.messages import Error, Reply, Service, decode_request
 
@@ -178,13 +178,12 @@ class KVService:
             self.server.push(m.name, part, ids, m.values[sl])
 
     def _opt_init(self, m):
-        if m.rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {m.rule!r}")
+        impl = rule_of(m.rule)
         with self._lock:
             for part in m.parts:
                 self._own(part)
                 weight = self.server.shard(m.name, part)
-                for spec in RULES[m.rule].states:
+                for spec in impl.states:
                     sname = state_name(m.name, spec.name)
                     self._forget(sname, part)
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
@@ -196,6 +195,9 @@ class KVService:
         if m.grads.dtype != np.float32 or m.grads.ndim != 2:
             raise KVStoreError(f"grads of {m.name!r}: expected 2-d float32, got "
                                f"{m.grads.dtype} {m.grads.ndim}-d")
+        # The wire carries the hyperparameters' fields: check them against the rule now,
+        # naming a missing, unknown or mistyped field, before any row is touched.
+        m.hyper = rule_of(m.rule).hyper_from(m.hyper)
         if m.exact:
             return self._update_exact(m)
         for part, ids, sl in self._rows(m):
