@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from distemb import kernels
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, PartitionError
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import rule_of, state_init, state_name
 from distemb.transport.base import FLAG_NO_REPLY
@@ -111,8 +111,8 @@ class KVService:
             rows = self.server.shard(m.name, part).shape[0]
             if n and (int(ids.min()) < 0 or int(ids.max()) >= rows):
                 bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                raise KVStoreError(f"id {bad} of shard {part} of {m.name!r} is out of range "
-                                   f"(expected 0 <= id < {rows})")
+                raise PartitionError(f"id {bad} of shard {part} of {m.name!r} is out of range "
+                                     f"(expected 0 <= id < {rows})")
             out.append((part, ids, sl))
         return out
 
