@@ -5,7 +5,9 @@ split by owning server and sent to all of them before any reply is read, so serv
 concurrently; an update costs one round trip per server per step (the optimizer has
 already deduplicated and coalesced the rows). With shared memory on, rows of shards whose
 server runs on this trainer's machine are gathered straight from /dev/shm (no round
-trip); writes still go to the owning server, the only writer of its rows.
+trip); writes still go to the owning server, the only writer of its rows, but their
+arrays travel through this trainer's request slot in /dev/shm
+(:class:`~distemb.transport.shm.RequestSlot`): the frame on the socket only names them.
 
 ``init_data`` and ``init_optimizer`` are collective, as in DGL: every trainer calls them
 in the same order (DistEmbedding/optimizer construction does), the first creator's
@@ -29,9 +31,9 @@ from distemb.kvstore.local import init_shard
 from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
-from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, OptInit, Pull,
-                                        Push, Reply, Service, ShmInfo, Update)
-from distemb.transport.shm import attach
+from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, OptInit,
+                                        Pull, Push, Reply, Service, ShmInfo, Update)
+from distemb.transport.shm import RequestSlot, attach
 
 INIT_CHUNK_BYTES = 64 << 20
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).
@@ -45,6 +47,15 @@ class Route(NamedTuple):
     counts: List[int]         # how many ids fall in each of those partitions
     local_ids: np.ndarray     # the ids, local to their partition, grouped by partition
     positions: np.ndarray     # where each id sits in the caller's request
+
+
+def _take(rows, positions):
+    """``rows[positions]``, without the copy when the positions are all rows in order."""
+    n = len(positions)
+    if n == len(rows) and (n == 0 or (positions[0] == 0 and positions[-1] == n - 1 and
+                                      bool((np.diff(positions) == 1).all()))):
+        return rows[:n]
+    return rows[positions]
 
 
 def open_connections(cfg):
@@ -88,7 +99,7 @@ class RemoteKVClient(KVClient):
             raise KVStoreError(f"consistency: expected one of {list(CONSISTENCY)}, got "
                                f"{self.consistency!r}")
         self._conns = list(connections) if connections is not None else open_connections(cfg)
-        self._meta, self._shm, self._seq = {}, {}, {}
+        self._meta, self._shm, self._seq, self._slots = {}, {}, {}, {}
         self._closed = False
         self.server_info = [r.fields for r in self._call(
             {sid: Hello(rank=rank) for sid in range(self.num_servers)}).values()]
@@ -100,6 +111,8 @@ class RemoteKVClient(KVClient):
         machine = cfg.trainer_machines[rank]
         self._local = {sid for sid, s in enumerate(cfg.servers) if cfg.shared_memory
                        and s.machine == machine and self.server_info[sid].get("shared_memory")}
+        # Updates and pushes to a co-located server hand their arrays over in /dev/shm.
+        self._slots = {sid: RequestSlot(cfg.job_id, rank, sid) for sid in self._local}
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -130,7 +143,7 @@ class RemoteKVClient(KVClient):
         for sid, msg in requests.items():
             if not wait:
                 msg.flags |= FLAG_NO_REPLY
-            self._conns[sid].send(msg.encode())
+            self._conns[sid].send(self._frame_for(sid, msg, wait))
         if while_waiting is not None:
             while_waiting()
         if not wait:
@@ -153,6 +166,20 @@ class RemoteKVClient(KVClient):
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
+
+    def _frame_for(self, sid, msg, wait):
+        """The frame of ``msg``; an update or push to a co-located server goes via /dev/shm.
+
+        Only when the reply is awaited: the slot is reused by the next request, so the
+        server must be done with it first (asynchronous updates travel in the frame).
+        """
+        frame = msg.encode()
+        slot = self._slots.get(sid) if wait else None
+        if slot is None or frame.service not in (Service.UPDATE, Service.PUSH):
+            return frame
+        path, layout = slot.write(frame.arrays)
+        return InShm(name=frame.name, flags=frame.flags, service=frame.service,
+                     fields=frame.fields, path=path, layout=layout).encode()
 
     def _check_open(self):
         if self._closed:
@@ -269,7 +296,7 @@ class RemoteKVClient(KVClient):
             (len(ids),) + meta.shape[1:])
         routes, _ = self._route(name, ids)
         self._call({sid: Push(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids,
-                              values=values[r.positions]) for sid, r in routes.items()})
+                              values=_take(values, r.positions)) for sid, r in routes.items()})
 
     def init_optimizer(self, name, rule, options):
         meta = self._meta_of(name)
@@ -304,7 +331,7 @@ class RemoteKVClient(KVClient):
             return Update(name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=exact,
                           parts=parts, counts=counts, ids=local_ids, grads=rows)
 
-        requests = {sid: update(r.parts, r.counts, r.local_ids, grads[r.positions])
+        requests = {sid: update(r.parts, r.counts, r.local_ids, _take(grads, r.positions))
                     for sid, r in routes.items()}
         if exact:
             # Every owning server hears from every trainer each step, even with no rows,
@@ -345,5 +372,7 @@ class RemoteKVClient(KVClient):
         finally:
             self._closed = True
             self._shm.clear()
+            for slot in self._slots.values():
+                slot.close()
             for conn in self._conns:
                 conn.close()

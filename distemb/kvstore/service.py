@@ -35,7 +35,8 @@ from distemb.errors import KVStoreError, PartitionError
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import rule_of, state_init, state_name
 from distemb.transport.base import FLAG_NO_REPLY
-from distemb.transport.messages import Error, Reply, Service, decode_request
+from distemb.transport.messages import Error, InShm, Reply, Service, decode_request
+from distemb.transport.shm import SlotReader
 
 DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
 MAX_ROWS = 1 << 40
@@ -66,6 +67,8 @@ class KVService:
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye = arena, on_all_bye
+        # Co-located trainers hand updates and pushes over in their request slots.
+        self.slots = SlotReader(arena.job, arena.directory) if arena else None
         self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
         self._cond = threading.Condition()  # sync_exact buffers and barriers
         self._exact = {}
@@ -80,6 +83,8 @@ class KVService:
     def handle(self, frame):
         """The reply frame to request ``frame`` (an Error frame when it fails)."""
         try:
+            if frame.service == Service.IN_SHM:
+                frame = self._from_slot(frame)
             msg = decode_request(frame)
             reply = self._handlers[msg.SERVICE](msg)
         except Exception as e:  # any failure is the client's answer; the server goes on
@@ -94,6 +99,18 @@ class KVService:
         return (reply or Reply()).encode()
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _from_slot(self, frame):
+        """The request an InShm frame wraps, its arrays viewed in the trainer's slot.
+
+        The views are read while the trainer waits for the reply (it reuses the slot
+        only after it), so the request is applied as if its arrays had come in the frame.
+        """
+        if self.slots is None:
+            raise KVStoreError("request in shared memory, but this server has shared "
+                               "memory off")
+        msg = InShm.decode(frame)
+        return msg.inner(self.slots.arrays(msg.path, msg.layout))
 
     def _own(self, part):
         if part % self.num_servers != self.server_id:

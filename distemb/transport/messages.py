@@ -35,6 +35,7 @@ class Service(enum.IntEnum):
     BARRIER = 8
     SHM_INFO = 9
     BYE = 10
+    IN_SHM = 11
     REPLY = 100
     ERROR = 101
 
@@ -195,6 +196,25 @@ class ShmInfo(Message):
 class Bye(Message):
     SERVICE = Service.BYE
     FIELDS = {"rank": int_value}
+
+
+class InShm(Message):
+    """A request whose arrays lie in the sender's shared-memory request slot.
+
+    ``service`` and ``fields`` are those of the wrapped request (Update or Push),
+    ``path`` the slot file and ``layout`` one ``[dtype code, shape, offset]`` per array
+    (:mod:`distemb.transport.shm`). The server rebuilds the request with the arrays
+    viewed in place and decodes it as if it had come with them (:func:`decode_request`).
+    """
+
+    SERVICE = Service.IN_SHM
+    FIELDS = {"service": lambda v: v in (Service.UPDATE, Service.PUSH),
+              "fields": lambda v: isinstance(v, dict), "path": text,
+              "layout": lambda v: isinstance(v, list)}
+
+    def inner(self, arrays):
+        """The wrapped request's frame, with ``arrays`` (the views of the slot)."""
+        return Frame(self.service, self.name, self.fields, list(arrays), self.flags)
 
 
 class Reply(Message):

@@ -8,6 +8,14 @@ Concurrency: one writer per row), so trainers never modify the mapping.
 Files are named ``distemb-<job>-s<server>-<n>``; the server unlinks them on shutdown
 (a mapped file stays readable by trainers that still hold it).
 
+The other direction (co-located writes): a trainer writes the arrays of an update or a
+push into its :class:`RequestSlot` (one file per trainer and server,
+``distemb-<job>-t<rank>-s<server>-<token>-<generation>``) and sends only a small frame naming the
+file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
+server maps the file (:class:`SlotReader`), reads the arrays in place and applies the
+request, still the only writer of its rows. The trainer reuses the slot only after the
+server's reply, so the server never reads a slot being rewritten.
+
 Example:
     >>> arena = ShmArena("doc", 0)
     >>> a = arena.allocate((2, 3), "float32")
@@ -18,10 +26,16 @@ Example:
 """
 import itertools
 import os
+import re
+import uuid
 
 import numpy as np
 
 from distemb.errors import TransportError
+from distemb.transport.base import CODE_OF, DTYPE_CODES, MAX_ARRAYS, MAX_NDIM
+
+#: Array offsets in a request slot are multiples of this (cache-line aligned rows).
+SLOT_ALIGN = 64
 
 SHM_DIR = "/dev/shm"
 
@@ -38,6 +52,7 @@ class ShmArena:
     def __init__(self, job, server_id, directory=SHM_DIR):
         if not os.path.isdir(directory):
             raise TransportError(f"shared memory: {directory} does not exist")
+        self.job, self.directory = job, directory
         self.prefix = os.path.join(directory, f"distemb-{job}-s{server_id}-")
         self._ids = itertools.count()
         self._paths = {}  # id(array) -> path
@@ -87,3 +102,134 @@ def attach(path, shape, dtype):
     if need == 0:
         return np.zeros(shape, dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=tuple(shape))
+
+
+def _aligned(n):
+    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+class RequestSlot:
+    """A trainer's shared-memory buffer for the arrays of its requests to one server.
+
+    The file grows (a new generation, the old one unlinked) when a request needs more
+    room; it is reused for every request, so the caller must not write it again before
+    the server answered the previous one.
+
+    Args:
+        job: the job id; rank: this trainer; server_id: the co-located server.
+        directory: where the file lives (default /dev/shm).
+
+    Example:
+        >>> slot = RequestSlot("doc", 0, 0)
+        >>> path, layout = slot.write([np.arange(3)])
+        >>> reader = SlotReader("doc", os.path.dirname(path))
+        >>> reader.arrays(path, layout)[0].tolist()
+        [0, 1, 2]
+        >>> slot.close(); reader.close()
+    """
+
+    def __init__(self, job, rank, server_id, directory=SHM_DIR):
+        # A token per slot: a later client of the same rank never reuses a file name a
+        # server still has mapped.
+        self._prefix = os.path.join(directory, f"distemb-{job}-t{rank}-s{server_id}-"
+                                               f"{uuid.uuid4().hex[:12]}-")
+        self._gen = itertools.count()
+        self.path, self._map = None, None
+
+    def write(self, arrays):
+        """Copy ``arrays`` into the slot.
+
+        Returns:
+            (path, layout): the file, and ``[dtype code, shape, offset]`` per array, as
+            :meth:`SlotReader.arrays` takes them.
+        """
+        layout, need = [], 0
+        for a in arrays:
+            layout.append([CODE_OF[a.dtype], list(a.shape), need])
+            need = _aligned(need + a.nbytes)
+        if self._map is None or self._map.shape[0] < need:
+            self._grow(max(need, 1 << 20, 0 if self._map is None else 2 * self._map.shape[0]))
+        for a, (_, shape, off) in zip(arrays, layout):
+            if a.nbytes:
+                view = np.ndarray(shape, a.dtype, buffer=self._map, offset=off)
+                np.copyto(view, a, casting="no")
+        return self.path, layout
+
+    def _grow(self, size):
+        old = self.path
+        self.path = f"{self._prefix}{next(self._gen)}"
+        with open(self.path, "w+b") as f:
+            f.truncate(size)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(size,))
+        if old and os.path.exists(old):
+            os.unlink(old)  # the server's mapping of it stays valid until it remaps
+
+    def close(self):
+        """Unlink the file (mappings stay valid until dropped)."""
+        if self.path and os.path.exists(self.path):
+            os.unlink(self.path)
+        self.path, self._map = None, None
+
+
+class SlotReader:
+    """A server's mappings of its co-located trainers' request slots.
+
+    Only files named like a :class:`RequestSlot` of job ``job`` in ``directory`` are
+    opened; one mapping per trainer is kept (a newer generation replaces the older).
+
+    Args:
+        job: the job id; directory: where slots live (default /dev/shm).
+    """
+
+    def __init__(self, job, directory=SHM_DIR):
+        self._name = re.compile(rf"(distemb-{re.escape(job)}-t\d+-s\d+-)[0-9a-f]{{12}}-\d+")
+        self.directory = directory
+        self._maps = {}  # slot prefix -> (path, mapping)
+
+    def arrays(self, path, layout):
+        """Views of the arrays ``layout`` describes in the slot file ``path``.
+
+        Raises:
+            TransportError: the path is not a slot of this job, the file is missing, or
+                a descriptor is invalid or reaches past the end of the file.
+        """
+        mapping = self._mapping(path)
+        if not isinstance(layout, list) or len(layout) > MAX_ARRAYS:
+            raise TransportError(f"slot layout: expected a list of at most {MAX_ARRAYS} "
+                                 f"arrays, got {str(layout)[:60]}")
+        out = []
+        for i, desc in enumerate(layout):
+            ok = isinstance(desc, list) and len(desc) == 3 and desc[0] in DTYPE_CODES and \
+                isinstance(desc[1], list) and len(desc[1]) <= MAX_NDIM and \
+                all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                    for d in desc[1] + [desc[2]]) and desc[2] % SLOT_ALIGN == 0
+            if not ok:
+                raise TransportError(f"slot array {i}: invalid descriptor {str(desc)[:60]}")
+            dtype, shape, off = DTYPE_CODES[desc[0]], tuple(desc[1]), desc[2]
+            nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64)) if shape else \
+                dtype.itemsize
+            if off + nbytes > mapping.shape[0]:
+                raise TransportError(f"slot array {i}: {nbytes} bytes at offset {off} reach "
+                                     f"past the end of {path} ({mapping.shape[0]} bytes)")
+            out.append(np.ndarray(shape, dtype, buffer=mapping, offset=off))
+        return out
+
+    def _mapping(self, path):
+        match = self._name.fullmatch(os.path.basename(str(path)))
+        if match is None or os.path.dirname(str(path)) != self.directory:
+            raise TransportError(f"slot path: {str(path)[:80]!r} is not a request slot of "
+                                 f"this job in {self.directory}")
+        have = self._maps.get(match.group(1))
+        if have is not None and have[0] == path:
+            return have[1]
+        try:
+            size = os.path.getsize(path)
+            mapping = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+        except (OSError, ValueError) as e:
+            raise TransportError(f"slot path: cannot map {path}: {e}") from None
+        self._maps[match.group(1)] = (path, mapping)
+        return mapping
+
+    def close(self):
+        """Drop every mapping."""
+        self._maps.clear()
