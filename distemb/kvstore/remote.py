@@ -353,6 +353,18 @@ class RemoteKVClient(KVClient):
             return np.empty(0, np.int64), np.empty((0, dim), np.float32)
         return summed
 
+    def _sum_buffer(self, name, n, dim):
+        """With the whole table on one co-located server: a buffer in its request slot.
+
+        The summed gradients are then handed to the server where they were summed, with
+        no copy (``push_update`` follows ``coalesce`` before any other request).
+        """
+        sids = set(self._parts_by_server(self._meta_of(name).policy))
+        slot = self._slots.get(next(iter(sids))) if len(sids) == 1 else None
+        if slot is None:
+            return super()._sum_buffer(name, n, dim)
+        return slot.view((max(n, 1), dim), np.float32)
+
     def barrier(self):
         if self.cfg.num_trainers > 1:
             self._call({0: Barrier(rank=self.rank)})

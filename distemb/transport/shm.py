@@ -137,25 +137,59 @@ class RequestSlot:
         self.path, self._map = None, None
 
     def write(self, arrays):
-        """Copy ``arrays`` into the slot.
+        """Copy ``arrays`` into the slot; an array already in it (see :meth:`view`) stays.
 
         Returns:
             (path, layout): the file, and ``[dtype code, shape, offset]`` per array, as
             :meth:`SlotReader.arrays` takes them.
         """
-        layout, need = [], 0
-        for a in arrays:
-            layout.append([CODE_OF[a.dtype], list(a.shape), need])
-            need = _aligned(need + a.nbytes)
+        placed = [self._offset_of(a) for a in arrays]
+        start = max([off + a.nbytes for a, off in zip(arrays, placed) if off is not None],
+                    default=0)
+        offsets, need = [], _aligned(start)
+        for a, off in zip(arrays, placed):
+            offsets.append(need if off is None else off)
+            if off is None:
+                need = _aligned(need + a.nbytes)
         if self._map is None or self._map.shape[0] < need:
-            self._grow(max(need, 1 << 20, 0 if self._map is None else 2 * self._map.shape[0]))
-        for a, (_, shape, off) in zip(arrays, layout):
-            if a.nbytes:
-                view = np.ndarray(shape, a.dtype, buffer=self._map, offset=off)
+            if any(off is not None for off in placed):  # growing would drop them
+                return self._write_moved(arrays)
+            self._grow(need)
+        for a, off, at in zip(arrays, placed, offsets):
+            if off is None and a.nbytes:
+                view = np.ndarray(a.shape, a.dtype, buffer=self._map, offset=at)
                 np.copyto(view, a, casting="no")
-        return self.path, layout
+        return self.path, [[CODE_OF[a.dtype], list(a.shape), at]
+                           for a, at in zip(arrays, offsets)]
+
+    def _write_moved(self, arrays):
+        copies = [np.array(a) for a in arrays]
+        self._grow(sum(_aligned(a.nbytes) for a in copies))
+        return self.write(copies)
+
+    def view(self, shape, dtype):
+        """An array at the start of the slot, to fill in place (a coalescing buffer).
+
+        :meth:`write` sends it without a copy; it is valid until the next request to
+        this server is written.
+        """
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self._map is None or self._map.shape[0] < nbytes:
+            self._grow(nbytes)
+        return np.ndarray(shape, dtype, buffer=self._map, offset=0)
+
+    def _offset_of(self, a):
+        """The offset of ``a`` in the current mapping, or None when it is not wholly in it."""
+        if self._map is None or not a.flags.c_contiguous or not a.nbytes:
+            return None
+        base = self._map.ctypes.data
+        off = a.ctypes.data - base
+        if 0 <= off and off + a.nbytes <= self._map.shape[0] and off % SLOT_ALIGN == 0:
+            return off
+        return None
 
     def _grow(self, size):
+        size = max(size, 1 << 20, 0 if self._map is None else 2 * self._map.shape[0])
         old = self.path
         self.path = f"{self._prefix}{next(self._gen)}"
         with open(self.path, "w+b") as f:

@@ -1,0 +1,157 @@
+"""Co-located writes through shared memory: request slots, their reader, and the client path.
+
+A trainer on the machine of the owning server writes an update's (or a push's) arrays into
+its request slot in /dev/shm and sends a small InShm frame; the server views them in place
+and applies the request. The oracle is the reference update rule (and plain TCP).
+"""
+import os
+
+import numpy as np
+import pytest
+
+from distemb.errors import TransportError
+from distemb.kernels import reference
+from distemb.kvstore.remote import RemoteKVClient
+from distemb.kvstore.server import KVServer
+from distemb.kvstore.service import KVService
+from distemb.partition import range_policy
+from distemb.rules import AdagradHyper, SGDHyper
+from distemb.transport import tcp
+from distemb.transport.base import Connection
+from distemb.transport.messages import InShm, Push, Service
+from distemb.transport.shm import RequestSlot, ShmArena, SlotReader
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def slot_dir(tmp_path):
+    return str(tmp_path)
+
+
+def test_slot_round_trip_then_growth_remaps(slot_dir):
+    slot, reader = RequestSlot("job", 3, 1, slot_dir), SlotReader("job", slot_dir)
+    ids = np.array([5, 1, 9], np.int64)
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path, layout = slot.write([ids, rows])
+    got = reader.arrays(path, layout)
+    np.testing.assert_array_equal(got[0], ids)
+    np.testing.assert_array_equal(got[1], rows)
+    big = np.ones((1 << 18, 8), np.float32)  # 8 MiB: past the first file's size
+    path2, layout2 = slot.write([ids, big])
+    assert path2 != path and not os.path.exists(path)  # old generation unlinked
+    got = reader.arrays(path2, layout2)
+    np.testing.assert_array_equal(got[1], big)
+    slot.close()
+    assert not os.path.exists(path2)
+
+
+@pytest.mark.parametrize("path,layout,match", [
+    ("/etc/passwd", [[4, [1], 0]], "not a request slot"),
+    ("{dir}/distemb-otherjob-t0-s0-0123456789ab-0", [[4, [1], 0]], "not a request slot"),
+    ("{slot}", [[99, [1], 0]], "invalid descriptor"),
+    ("{slot}", [[4, [1], 8]], "invalid descriptor"),        # not aligned
+    ("{slot}", [[4, [-1], 0]], "invalid descriptor"),
+    ("{slot}", [[4, [1 << 40], 0]], "past the end"),
+    ("{slot}", "nope", "expected a list"),
+])
+def test_slot_reader_rejects_hostile_paths_and_layouts(slot_dir, path, layout, match):
+    slot, reader = RequestSlot("job", 0, 0, slot_dir), SlotReader("job", slot_dir)
+    real, _ = slot.write([np.arange(4)])
+    with pytest.raises(TransportError, match=match):
+        reader.arrays(path.format(dir=slot_dir, slot=real), layout)
+    slot.close()
+
+
+def test_server_without_shared_memory_rejects_in_shm_requests():
+    svc = KVService(KVServer(), 0, 1, 1)
+    frame = InShm(name="w", service=int(Service.PUSH), fields={"parts": [0], "counts": [1]},
+                  path="/dev/shm/x", layout=[]).encode()
+    reply = svc.handle(frame)
+    assert reply.service == Service.ERROR and "shared memory off" in reply.fields["message"]
+
+
+def test_server_applies_a_push_from_a_slot(tmp_path):
+    arena = ShmArena("jobx", 0, str(tmp_path))
+    svc = KVService(KVServer(), 0, 1, 1, arena=arena)
+    svc.server.create("w", 0, np.zeros((4, 2), np.float32))
+    slot = RequestSlot("jobx", 0, 0, str(tmp_path))
+    msg = Push(name="w", parts=[0], counts=[2], ids=np.array([3, 1]),
+               values=np.array([[1, 2], [3, 4]], np.float32)).encode()
+    path, layout = slot.write(msg.arrays)
+    reply = svc.handle(InShm(name="w", service=msg.service, fields=msg.fields, path=path,
+                             layout=layout).encode())
+    assert reply.service == Service.REPLY
+    assert svc.server.shard("w", 0).tolist() == [[0, 0], [3, 4], [0, 0], [1, 2]]
+    slot.close()
+    arena.close()
+
+
+class Recording(Connection):
+    """A real TCP connection that also records the service and payload of each frame sent."""
+
+    def __init__(self, conn):
+        self.conn, self.peer, self.sent = conn, conn.peer, []
+
+    def send(self, frame):
+        self.sent.append((frame.service, sum(a.nbytes for a in frame.arrays)))
+        self.conn.send(frame)
+
+    def recv(self):
+        return self.conn.recv()
+
+    def close(self):
+        self.conn.close()
+
+
+def connect(cfg):
+    return [Recording(tcp.connect(s.host, s.port, cfg.timeout_s)) for s in cfg.servers]
+
+
+def fence(kv):
+    """A synchronous request to every server: each connection's earlier (asynchronous)
+    requests have been applied once it returns (a server serves a connection in order)."""
+    kv.init_data("fence", (2, 1), "float32", range_policy(2, 2))
+    kv.delete_data("fence")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("consistency", ["sync", "async"])
+def test_colocated_updates_travel_in_shared_memory(clusters, consistency):
+    """sync: updates and pushes go as InShm frames with no payload; async: in the frame."""
+    cluster = clusters("tcp_shm")
+    conns = connect(cluster.cfg)
+    kv = RemoteKVClient(cluster.cfg, 0, connections=conns, consistency=consistency)
+    try:
+        n, d = 50, 8
+        rng = np.random.default_rng(3)
+        init = rng.standard_normal((n, d)).astype(np.float32)
+        kv.init_data("w", (n, d), "float32", range_policy(n, 2))
+        kv.push("w", np.arange(n), init)
+        kv.init_optimizer("w", "adagrad", {"initial_accumulator_value": 0.0})
+        weight, state = init.copy(), np.zeros_like(init)
+        hyper = AdagradHyper(clr=0.1, eps=1e-10)
+        for conn in conns:
+            conn.sent.clear()
+        for _ in range(6):
+            ids = np.unique(rng.integers(0, n, 30)).astype(np.int64)
+            grads = rng.standard_normal((len(ids), d)).astype(np.float32)
+            kv.push_update("w", ids, grads, "adagrad", hyper)
+            reference.adagrad_update(weight, state, ids, grads, hyper.clr, hyper.eps)
+        fence(kv)
+        np.testing.assert_allclose(kv.pull("w", np.arange(n)), weight, rtol=1e-6, atol=1e-6)
+        sent = [s for conn in conns for s in conn.sent if s[0] in (Service.UPDATE, Service.PUSH, Service.IN_SHM)]
+        if consistency == "sync":
+            assert sent and all(s == (Service.IN_SHM, 0) for s in sent), sent
+        else:
+            assert sent and all(s[0] == Service.UPDATE and s[1] > 0 for s in sent), sent
+        kv.push("w", np.array([4, 40]), np.full((2, d), 7.0, np.float32))
+        assert (kv.pull("w", np.array([40, 4])) == 7.0).all()
+        kv.push_update("w", np.array([4]), np.ones((1, d), np.float32), "sgd",
+                       SGDHyper(lr=1.0))
+        fence(kv)
+        assert (kv.pull("w", np.array([4])) == 6.0).all()
+    finally:
+        for name in kv.names():
+            kv.delete_data(name)
+        kv.close(goodbye=False)
