@@ -169,6 +169,64 @@ def load_partition_config(path):
 
 TRANSPORTS = ("tcp", "mpi")
 CONSISTENCY = ("sync", "sync_exact", "async")
+CACHE_POLICIES = ("lru", "lfu")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A trainer-side cache of hot rows in front of the servers (distemb.kvstore.cache).
+
+    Give exactly one of ``rows``, ``bytes`` and ``fraction``: the capacity of each
+    table's cache. Validated on construction; errors name the field (``cache.rows``).
+    """
+
+    policy: str = field(default="lru", metadata={"help": "'lru' (least recently used is "
+                                                         "evicted) or 'lfu' (least often)"})
+    rows: Optional[int] = field(default=None, metadata={"help": "rows per table (> 0)"})
+    bytes: Optional[int] = field(default=None, metadata={
+        "help": "bytes per table, counting each row and its optimizer state (> 0)"})
+    fraction: Optional[float] = field(default=None, metadata={
+        "help": "rows per table as a fraction of the table's rows (0 < f <= 1)"})
+    staleness: int = field(default=0, metadata={
+        "help": "0: exact (a cached row is used only while its owner says it is current); "
+                "s > 0: a cached row may be up to s steps old (a relaxation)"})
+
+    def __post_init__(self):
+        _choice(self.policy, "cache.policy", CACHE_POLICIES)
+        given = [k for k in ("rows", "bytes", "fraction") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"cache: give exactly one of rows, bytes, fraction, got "
+                              f"{given or 'none'}")
+        if self.rows is not None:
+            _int(self.rows, "cache.rows", 1)
+        if self.bytes is not None:
+            _int(self.bytes, "cache.bytes", 1)
+        if self.fraction is not None and (isinstance(self.fraction, bool) or not isinstance(
+                self.fraction, (int, float)) or not 0 < self.fraction <= 1):
+            raise ConfigError(f"cache.fraction: must be a number in (0, 1], got "
+                              f"{self.fraction!r}")
+        _int(self.staleness, "cache.staleness", 0)
+
+    def capacity(self, num_rows, row_bytes):
+        """Rows of a table of ``num_rows`` rows of ``row_bytes`` bytes (state included)."""
+        if self.rows is not None:
+            want = self.rows
+        elif self.bytes is not None:
+            want = self.bytes // max(1, row_bytes)
+        else:
+            want = int(self.fraction * num_rows)
+        return max(1, min(num_rows, want))
+
+
+def parse_cache_config(raw, path="cache"):
+    """A :class:`CacheConfig` from a mapping; ConfigError names the field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must be a mapping, got {type(raw).__name__}")
+    extra = sorted(set(raw) - set(CacheConfig.__dataclass_fields__))
+    if extra:
+        raise ConfigError(f"{path}.{extra[0]}: unknown field (allowed: "
+                          f"{sorted(CacheConfig.__dataclass_fields__)})")
+    return CacheConfig(**raw)
 
 
 @dataclass(frozen=True)
@@ -201,6 +259,8 @@ class ClusterConfig:
     master_addr: str = field(default="127.0.0.1", metadata={"help": "torch.distributed master"})
     master_port: int = field(default=29500, metadata={"help": "torch.distributed port"})
     part_config: Optional[str] = field(default=None, metadata={"help": "partition config path"})
+    cache: Optional[CacheConfig] = field(default=None, metadata={
+        "help": "trainer-side cache of hot rows (None: off)"})
     version: int = field(default=1, metadata={"help": "schema version (1)"})
 
     def to_dict(self):
@@ -208,6 +268,7 @@ class ClusterConfig:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["servers"] = [vars(s).copy() for s in self.servers]
         d["trainer_machines"] = list(self.trainer_machines)
+        d["cache"] = None if self.cache is None else vars(self.cache).copy()
         return d
 
 
@@ -285,7 +346,8 @@ def parse_cluster_config(raw):
         max_message_bytes=_int(raw.get("max_message_bytes", 1 << 30), "max_message_bytes",
                                1 << 20),
         master_addr=_str(raw.get("master_addr", "127.0.0.1"), "master_addr"),
-        master_port=_port(raw.get("master_port", 29500), "master_port"), part_config=part)
+        master_port=_port(raw.get("master_port", 29500), "master_port"), part_config=part,
+        cache=None if raw.get("cache") is None else parse_cache_config(raw["cache"]))
 
 
 def load_cluster_config(path):

@@ -22,6 +22,7 @@ from distemb.backend import load_backend
 from distemb.config import load_cluster_config
 from distemb.errors import DistEmbError
 from distemb.kvstore import LocalKVClient
+from distemb.kvstore.cache import CachedKVClient
 from distemb.kvstore.remote import RemoteKVClient
 
 
@@ -73,6 +74,8 @@ class DistContext:
         cfg = load_cluster_config(config_path)
         nt = num_threads or default_num_threads()
         client = RemoteKVClient(cfg, rank, num_threads=nt, consistency=consistency)
+        if cfg.cache is not None:  # hot rows kept by this trainer (distemb.kvstore.cache)
+            client = CachedKVClient(client, cfg.cache)
         return cls(client, backend=backend, role="trainer", rank=rank,
                    num_trainers=cfg.num_trainers, num_threads=nt)
 

@@ -77,7 +77,8 @@ def read_ip_config(path):
 
 
 def build_config(machines, num_servers, num_trainers, part_config=None, transport="tcp",
-                 consistency="sync", shared_memory=True, timeout_s=60.0, master_port=29500):
+                 consistency="sync", shared_memory=True, timeout_s=60.0, master_port=29500,
+                 cache=None):
     """The cluster config of S servers and T trainers per machine.
 
     Raises:
@@ -103,7 +104,16 @@ def build_config(machines, num_servers, num_trainers, part_config=None, transpor
         "trainer_machines": [m for m in range(len(machines)) for _ in range(num_trainers)],
         "transport": transport, "consistency": consistency, "shared_memory": shared_memory,
         "timeout_s": timeout_s, "master_addr": machines[0][0], "master_port": master_port,
-        "part_config": part_config})
+        "part_config": part_config, "cache": cache})
+
+
+def cache_options(args):
+    """The ``cache`` mapping of the --cache-* options (None when no size is given)."""
+    sizes = {k: v for k, v in (("rows", args.cache_rows), ("bytes", args.cache_bytes),
+                               ("fraction", args.cache_fraction)) if v is not None}
+    if not sizes:
+        return None
+    return dict(sizes, policy=args.cache_policy, staleness=args.cache_staleness)
 
 
 def server_env(cfg_path, sid):
@@ -219,6 +229,14 @@ def parse_args(argv):
     parser.add_argument("--consistency", choices=CONSISTENCY, default="sync")
     parser.add_argument("--no-shared-memory", action="store_true",
                         help="pull every row over the transport, even from local servers")
+    parser.add_argument("--cache-rows", type=int, help="trainer cache: rows per table")
+    parser.add_argument("--cache-bytes", type=int, help="trainer cache: bytes per table "
+                        "(rows and their optimizer state)")
+    parser.add_argument("--cache-fraction", type=float,
+                        help="trainer cache: a fraction of each table's rows")
+    parser.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
+    parser.add_argument("--cache-staleness", type=int, default=0,
+                        help="0: exact cache (default); s > 0: rows up to s steps old")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds before a silent server is an error")
     parser.add_argument("--master-port", type=int, default=29500)
@@ -245,7 +263,7 @@ def run(args):
     transport = args.transport or ("mpi" if args.launcher == "mpirun" else "tcp")
     cfg = build_config(machines, args.num_servers, args.num_trainers, args.part_config,
                        transport, args.consistency, not args.no_shared_memory, args.timeout,
-                       args.master_port)
+                       args.master_port, cache_options(args))
     if args.launcher == "local":
         bad = [ip for ip, _ in machines if not ipaddress.ip_address(ip).is_loopback]
         if bad:

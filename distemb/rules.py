@@ -25,7 +25,7 @@ Example:
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar, Dict, Mapping, Tuple, Type
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type
 
 import numpy as np
 
@@ -227,6 +227,12 @@ def rule_of(name) -> UpdateRule:
 def state_name(table: str, state: str) -> str:
     """Name under which a table's optimizer state is stored in the KVStore."""
     return f"{table}~opt~{state}"
+
+
+def state_owner(name: str) -> Optional[str]:
+    """The table whose optimizer state ``name`` is (see :func:`state_name`), else None."""
+    table, sep, _ = name.partition("~opt~")
+    return table if sep else None
 
 
 def state_init(spec: StateSpec, shape: Tuple[int, ...], options: Mapping[str, float]):

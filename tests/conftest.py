@@ -3,7 +3,8 @@
 ``ctx`` gives every test its own embedded context (no shared tables); ``zipf_ids`` makes
 duplicate-heavy ids. ``client`` runs each test of tests/test_kvclient_suite.py on every
 KVClient: the embedded LocalKVClient, a RemoteKVClient over TCP to two server
-processes, with and without shared memory, and a DeviceKVClient on the CPU running the
+processes, with and without shared memory, each of the trainer caches of ``CACHES`` in
+front of a RemoteKVClient, and a DeviceKVClient on the CPU running the
 CUDA twin (tests/cpu_cuda_twin.py), seen through numpy by ``HostView``. The server clusters live for the module
 (spawning is the slow part); each test gets a fresh client and drops its tables afterwards.
 
@@ -19,13 +20,20 @@ import pytest
 from cpu_cuda_twin import CpuCudaTwin
 from mp_helper import ProcessGroup, cluster_dict, write_json
 
-from distemb.config import load_cluster_config, parse_cluster_config
+from distemb.config import CacheConfig, load_cluster_config, parse_cluster_config
 from distemb.kvstore import KVClient, LocalKVClient
+from distemb.kvstore.cache import CachedKVClient
 from distemb.kvstore.device import DeviceKVClient
 from distemb.kvstore.remote import RemoteKVClient
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
-CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin"]
+#: Trainer caches in front of the remote clients: "<cluster kind>+<cache name>".
+CACHES = {"lru_exact": CacheConfig(policy="lru", rows=4),            # evicts all the time
+          "lfu_exact": CacheConfig(policy="lfu", fraction=0.5),
+          "lru_stale3": CacheConfig(policy="lru", bytes=4096, staleness=3)}
+CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin",
+                                          "tcp+lru_exact", "tcp_shm+lfu_exact",
+                                          "tcp+lru_stale3"]
 
 
 class HostView(KVClient):
@@ -113,7 +121,10 @@ def client(request, clusters):
         kv = RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
                             int(os.environ["DISTEMB_RANK"]))
     else:
-        kv = clusters(request.param).client()
+        kind, _, cache = request.param.partition("+")
+        kv = clusters(kind).client()
+        if cache:
+            kv = CachedKVClient(kv, CACHES[cache])
     yield kv
     for name in kv.names():
         kv.delete_data(name)

@@ -32,7 +32,8 @@ from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, OptInit,
-                                        Pull, Push, Reply, Service, ShmInfo, Update)
+                                        Pull, Push, Reply, Service, ShmInfo, Update,
+                                        VersionedPull)
 from distemb.transport.shm import RequestSlot, attach
 
 INIT_CHUNK_BYTES = 64 << 20
@@ -319,17 +320,30 @@ class RemoteKVClient(KVClient):
         return names
 
     def push_update(self, name, ids, grads, rule, hyper):
+        self.push_update_versions(name, ids, grads, rule, hyper, versions=False)
+
+    def push_update_versions(self, name, ids, grads, rule, hyper, versions=True):
+        """:meth:`push_update`, returning the rows' versions after it (for a cache).
+
+        Returns:
+            int64 versions, one per id (see :meth:`KVServer.versions
+            <distemb.kvstore.server.KVServer.versions>`), or None when ``versions`` is
+            False or the consistency is async (no reply).
+        """
         meta = self._meta_of(name)
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
-        routes, _ = self._route(name, np.ascontiguousarray(ids, dtype=np.int64))
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        routes, _ = self._route(name, ids)
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
         exact = self.consistency == "sync_exact"
+        wait = self.consistency != "async"
+        want = versions and wait
 
         def update(parts, counts, local_ids, rows):
             return Update(name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=exact,
-                          parts=parts, counts=counts, ids=local_ids, grads=rows)
+                          versions=want, parts=parts, counts=counts, ids=local_ids, grads=rows)
 
         requests = {sid: update(r.parts, r.counts, r.local_ids, _take(grads, r.positions))
                     for sid, r in routes.items()}
@@ -339,7 +353,55 @@ class RemoteKVClient(KVClient):
             for sid in self._parts_by_server(meta.policy):
                 requests.setdefault(sid, update([], [], np.empty(0, np.int64),
                                                 np.empty((0, grads.shape[1]), np.float32)))
-        self._call(requests, wait=self.consistency != "async")
+        out = np.empty(len(ids), np.int64) if want else None
+
+        def take(sid, frame):
+            if sid not in routes:
+                return
+            route = routes[sid]
+            if len(frame.arrays) != 1 or frame.arrays[0].shape != route.positions.shape:
+                raise KVStoreError(f"server {sid}: update reply without the rows' versions")
+            out[route.positions] = frame.arrays[0]
+
+        self._call(requests, wait=wait, on_reply=take if want else None)
+        return out
+
+    def pull_versioned(self, name, ids, have, states=()):
+        """The rows of ``ids`` whose version on their server differs from ``have``.
+
+        Args:
+            name: the table; ids: global ids; have: int64 version held of each (-1: none).
+            states: optimizer state names (e.g. ``["sum"]``) to return with the rows.
+
+        Returns:
+            (positions in ``ids``, their current versions, their rows, [state rows]).
+        """
+        self._check_open()
+        meta = self._meta_of(name)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        have = np.ascontiguousarray(have, dtype=np.int64)
+        routes, _ = self._route(name, ids)
+        got = []
+
+        def take(sid, frame):
+            a = frame.arrays
+            if len(a) != 3 + len(states) or any(x.shape[0] != a[0].shape[0] for x in a) or \
+                    a[2].shape[1:] != meta.shape[1:]:
+                raise KVStoreError(f"server {sid}: versioned pull reply of the wrong shape")
+            got.append((routes[sid].positions[a[0]], a[1], a[2], a[3:]))
+
+        self._call({sid: VersionedPull(name=name, parts=r.parts, counts=r.counts,
+                                       states=list(states), ids=r.local_ids,
+                                       have=have[r.positions])
+                    for sid, r in routes.items()}, on_reply=take)
+        if len(got) == 1:
+            return got[0][0], got[0][1], got[0][2], list(got[0][3])
+        if not got:
+            return (np.empty(0, np.int64), np.empty(0, np.int64),
+                    np.empty((0,) + meta.shape[1:], meta.dtype), [])
+        return (np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got]),
+                np.concatenate([g[2] for g in got]),
+                [np.concatenate([g[3][i] for g in got]) for i in range(len(states))])
 
     def coalesce(self, name, ids, grads, F):
         """As the host clients; in sync_exact mode an empty step still pushes (nothing).

@@ -18,7 +18,11 @@ import numpy as np
 
 from distemb import kernels
 from distemb.errors import KVStoreError
-from distemb.rules import Hyper, rule_of, state_name
+from distemb.rules import Hyper, rule_of, state_name, state_owner
+
+#: Distance between the first versions of two version arrays of one server, so a
+#: table dropped and made again never repeats a version a trainer's cache holds.
+VERSION_EPOCH = 1 << 40
 
 
 class KVServer:
@@ -33,6 +37,11 @@ class KVServer:
         self.server_id = server_id
         self.num_threads = num_threads
         self._shards = {}
+        # Per-row write counters of shards that trainer caches validate against, made on
+        # the first versioned pull (KVService): every write of a row (or of its optimizer
+        # state) after that bumps its version.
+        self._versions = {}
+        self._epochs = 0
         # One writer per row (DESIGN.md): updates to a shard never interleave.
         self._lock = threading.Lock()
 
@@ -48,10 +57,12 @@ class KVServer:
         """Forget every shard of ``name``."""
         for key in [k for k in self._shards if k[0] == name]:
             del self._shards[key]
+            self._versions.pop(key, None)
 
     def drop_shard(self, name, part):
         """Forget shard ``part`` of ``name`` (no-op when absent)."""
         self._shards.pop((name, part), None)
+        self._versions.pop((name, part), None)
 
     def has(self, name, part):
         return (name, part) in self._shards
@@ -78,14 +89,52 @@ class KVServer:
         np.take(arr, local_ids, axis=0, out=out)
         return out
 
+    def versions(self, name, part):
+        """Write counters of the rows of shard ``part`` of ``name`` (made on first use).
+
+        A row's version changes with every write of the row or of its optimizer state;
+        an update adds the number of trainers' gradients it applied (sync_exact sums).
+        """
+        key = (name, part)
+        ver = self._versions.get(key)
+        if ver is None:
+            rows = self.shard(name, part).shape[0]
+            with self._lock:
+                ver = self._versions.get(key)
+                if ver is None:
+                    self._epochs += 1
+                    ver = np.full(rows, self._epochs * VERSION_EPOCH, np.int64)
+                    self._versions[key] = ver
+        return ver
+
+    def bump_all(self, name, part):
+        """Change every version of shard ``part`` of ``name`` (its state was reset)."""
+        ver = self._versions.get((name, part))
+        if ver is not None:
+            with self._lock:
+                ver += 1
+
+    def _bump(self, name, part, local_ids, by=1):
+        ver = self._versions.get((name, part))
+        if ver is not None:
+            ver[local_ids] += by  # duplicate ids (a push) change once: enough
+
     def push(self, name, part, local_ids, values):
         """Write rows ``local_ids`` of the shard."""
         arr = self.shard(name, part)
         with self._lock:
             arr[local_ids] = values
+            self._bump(name, part, local_ids)
+            owner = state_owner(name)
+            if owner is not None:
+                self._bump(owner, part, local_ids)
 
-    def update(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper) -> None:
+    def update(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper,
+               contributions=1) -> None:
         """Apply optimizer rule ``rule`` in place to unique rows ``local_ids``.
+
+        ``contributions`` (an int, or one per id) is how many trainers' gradients each
+        row's sum holds; it is added to the rows' versions.
 
         Raises:
             KVStoreError: no such shard or rule, or ``hyper`` is not the rule's type.
@@ -96,3 +145,4 @@ class KVServer:
         states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
         with self._lock:
             impl.apply(kernels, weight, states, local_ids, grads, hyper, self.num_threads)
+            self._bump(name, part, local_ids, contributions)

@@ -47,6 +47,7 @@ class _ExactStep:
 
     def __init__(self):
         self.contribs, self.done, self.error, self.left = [], False, None, 0
+        self.replies = {}  # id(message) -> its versions reply, taken when applied
 
 
 class KVService:
@@ -78,7 +79,8 @@ class KVService:
                           Service.DROP: self._drop, Service.PULL: self._pull,
                           Service.PUSH: self._push, Service.OPT_INIT: self._opt_init,
                           Service.UPDATE: self._update, Service.BARRIER: self._barrier,
-                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye}
+                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye,
+                          Service.VERSIONED_PULL: self._versioned_pull}
 
     def handle(self, frame):
         """The reply frame to request ``frame`` (an Error frame when it fails)."""
@@ -199,6 +201,7 @@ class KVService:
         with self._lock:
             for part in m.parts:
                 self._own(part)
+                self.server.bump_all(m.name, part)  # cached copies of the state are void
                 weight = self.server.shard(m.name, part)
                 for spec in impl.states:
                     sname = state_name(m.name, spec.name)
@@ -219,6 +222,32 @@ class KVService:
             return self._update_exact(m)
         for part, ids, sl in self._rows(m):
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
+        return self._versions_reply(m)
+
+    def _versions_reply(self, m):
+        """The versions of ``m``'s rows, when it asked for them (a trainer cache)."""
+        if not m.versions:
+            return None
+        out = np.empty(m.ids.shape[0], np.int64)
+        for part, ids, sl in self._rows(m):
+            out[sl] = self.server.versions(m.name, part)[ids]
+        return Reply(arrays=[out])
+
+    def _versioned_pull(self, m):
+        """Rows (and optimizer states) whose version differs from the trainer's copy."""
+        pos, vers, rows, states = [], [], [], [[] for _ in m.states]
+        for part, ids, sl in self._rows(m):
+            cur = self.server.versions(m.name, part)[ids]
+            stale = np.flatnonzero(cur != m.have[sl])
+            pos.append(stale + sl.start)
+            vers.append(cur[stale])
+            rows.append(self.server.pull(m.name, part, ids[stale]))
+            for i, sname in enumerate(m.states):
+                states[i].append(self.server.pull(state_name(m.name, sname), part, ids[stale]))
+        if not pos:
+            raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
+        return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
+                     + [np.concatenate(st) for st in states])
 
     def _update_exact(self, m):
         self._rows(m)  # reject bad ids before they are buffered
@@ -230,6 +259,7 @@ class KVService:
             if len(step.contribs) == self.num_trainers:
                 try:
                     self._apply_summed(step.contribs)
+                    step.replies = {id(c): self._versions_reply(c) for c in step.contribs}
                 except Exception as e:
                     step.error = e
                 step.done = True
@@ -247,6 +277,7 @@ class KVService:
                 self._exact.pop(key, None)
         if step.error is not None:
             raise step.error
+        return step.replies.get(id(m))
 
     def _apply_summed(self, contribs):
         """Sum every trainer's rows of each part (duplicates added) and update once."""
@@ -259,7 +290,10 @@ class KVService:
             ids = np.concatenate([p[0] for p in pieces])
             grads = np.concatenate([p[1] for p in pieces])
             uniq, summed = kernels.dedup_sum(ids, grads, num_threads=self.server.num_threads)
-            self.server.update(first.name, part, uniq, summed, first.rule, first.hyper)
+            # Each trainer's ids are unique: a row's count is its number of contributors.
+            counts = np.bincount(np.searchsorted(uniq, ids), minlength=len(uniq))
+            self.server.update(first.name, part, uniq, summed, first.rule, first.hyper,
+                               contributions=counts)
 
     def _barrier(self, m):
         with self._cond:

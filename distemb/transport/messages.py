@@ -36,6 +36,7 @@ class Service(enum.IntEnum):
     SHM_INFO = 9
     BYE = 10
     IN_SHM = 11
+    VERSIONED_PULL = 12
     REPLY = 100
     ERROR = 101
 
@@ -74,12 +75,14 @@ class Message:
 
     SERVICE = None
     FIELDS = {}
+    DEFAULTS = {}  # optional fields and their values when absent
     ARRAYS = ()
 
     def __init__(self, name="", flags=0, **kw):
         self.name, self.flags = name, flags
         for f in self.FIELDS:
-            setattr(self, f, kw.pop(f))
+            setattr(self, f, kw.pop(f) if f in kw or f not in self.DEFAULTS
+                    else self.DEFAULTS[f])
         for a in self.ARRAYS:
             setattr(self, a, kw.pop(a))
         if kw:
@@ -103,6 +106,8 @@ class Message:
             raise TransportError(f"{what}: service {frame.service}, expected {cls.SERVICE}")
         kw = {}
         for f, check in cls.FIELDS.items():
+            if f not in frame.fields and f in cls.DEFAULTS:
+                continue
             if f not in frame.fields or not check(frame.fields[f]):
                 raise TransportError(f"{what}.{f}: missing or invalid "
                                      f"({str(frame.fields.get(f))[:60]!r})")
@@ -175,12 +180,39 @@ class OptInit(Message):
 
 
 class Update(RowsMessage):
-    """``exact``: buffer until every trainer sent step ``seq``, sum, apply once."""
+    """``exact``: buffer until every trainer sent step ``seq``, sum, apply once.
+
+    ``versions``: the reply carries the rows' versions after the update (int64, one per
+    id, in request order), for a trainer cache's replica check.
+    """
 
     SERVICE = Service.UPDATE
     FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag,
-              "parts": int_list, "counts": int_list}
+              "parts": int_list, "counts": int_list, "versions": flag}
+    DEFAULTS = {"versions": False}
     ARRAYS = ("ids", "grads")
+
+
+def text_list(v):
+    return isinstance(v, list) and len(v) <= 8 and all(text(x) for x in v)
+
+
+class VersionedPull(RowsMessage):
+    """A trainer cache's pull: ``have`` is the version it holds of each row (-1: none).
+
+    The reply has the positions (in ``ids``) of the rows whose version differs, their
+    current versions, their rows, and the rows of each optimizer state named in
+    ``states``, in that order.
+    """
+
+    SERVICE = Service.VERSIONED_PULL
+    FIELDS = {"parts": int_list, "counts": int_list, "states": text_list}
+    ARRAYS = ("ids", "have")
+
+    def check(self):
+        super().check()
+        if self.have.dtype != ID_DTYPE:
+            raise TransportError(f"VersionedPull.have: expected int64, got {self.have.dtype}")
 
 
 class Barrier(Message):
@@ -244,7 +276,7 @@ class Error(Message):
 
 
 REQUESTS = {m.SERVICE: m for m in (Hello, Create, Drop, Pull, Push, OptInit, Update,
-                                   Barrier, ShmInfo, Bye)}
+                                   Barrier, ShmInfo, Bye, VersionedPull)}
 
 
 def decode_request(frame):

@@ -1,0 +1,335 @@
+"""CachedKVClient: a trainer-side cache of hot rows in front of a RemoteKVClient.
+
+Graph mini-batches touch a few hot rows most of the time (power-law degrees), so a
+trainer keeps a copy of them. The cache is a view of the remote client (storage calls
+and coalescing go to it); it changes how rows of float32 (N, D) tables are pulled and
+what happens after an update:
+
+- Each cached row is held with its optimizer state and the *version* its owning server
+  gave it (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`: a
+  per-row counter every write of the row or its state changes).
+- A pull sends the ids with the versions held (one request per server, as before); the
+  server returns only the rows whose version differs, with their state. So hot rows
+  cost 16 bytes each instead of a row.
+- ``push_update`` still sends the update to the owner (one writer per row: the server's
+  copy is the reference), and also applies it to the cached copy with the same rule and
+  kernels. The server answers with the rows' versions after the update: a cached copy is
+  kept current only if its version moved by exactly one (nobody else's gradient reached
+  the row meanwhile, in sync_exact nobody else's in the same sum); otherwise it is
+  dropped. The per-row maths does not depend on which other rows are updated, so the
+  copy is bit-identical to the server's.
+
+Modes (:class:`~distemb.config.CacheConfig`):
+
+- *exact* (``staleness=0``, the default): every pull validates every cached row, so
+  results are identical to no cache in every consistency mode (tested bit for bit with
+  2 servers x 2 trainers). Savings come from rows no one else changed since this
+  trainer last saw them: all of them with one trainer, the ones only it touches with
+  several.
+- *bounded staleness* ``s`` (HET's relaxation): a cached row validated less than ``s``
+  steps ago is used without asking its server, so it may lack up to ``s - 1`` steps of
+  other trainers' updates (this trainer's own updates are in it). Updates are still
+  written through to the owner every step (so nothing is pending at eviction), and a
+  copy whose version shows someone else's write is refetched at its next validation.
+
+Policies: ``lru`` evicts the least recently used rows, ``lfu`` the least often used.
+Capacity per table: rows, bytes (row plus optimizer state) or a fraction of the table.
+
+Example (servers started by ``distemb-launch``)::
+
+    client = CachedKVClient(RemoteKVClient(cfg, rank), CacheConfig(fraction=0.1))
+"""
+from typing import Dict, Optional
+
+import numpy as np
+
+from distemb import kernels
+from distemb.config import CacheConfig
+from distemb.kvstore.types import KVClient
+from distemb.rules import rule_of, state_owner
+
+
+class TableCache:
+    """The cached rows of one table: values, optimizer state, versions, use stamps.
+
+    Args:
+        num_rows: rows of the table; dim: its row width; capacity: cached rows.
+        states: {state name: (row shape, dtype)} of the table's update rule.
+    """
+
+    def __init__(self, num_rows: int, dim: int, capacity: int, states=None, rule=None):
+        self.capacity, self.rule = capacity, rule
+        self.slot_of = np.full(num_rows, -1, np.int64)      # global id -> slot
+        self.ids = np.full(capacity, -1, np.int64)          # slot -> global id
+        self.values = np.zeros((capacity, dim), np.float32)
+        self.states = {name: np.zeros((capacity,) + shape, dtype)
+                       for name, (shape, dtype) in (states or {}).items()}
+        self.version = np.full(capacity, -1, np.int64)
+        self.checked = np.zeros(capacity, np.int64)         # step of the last validation
+        self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
+        self.step = 0
+
+    def evict(self, slots):
+        """Forget the rows in ``slots``."""
+        slots = slots[slots >= 0]
+        self.slot_of[self.ids[slots]] = -1
+        self.ids[slots] = -1
+        self.version[slots] = -1
+
+    def forget(self, ids):
+        """Forget the rows ``ids`` (global) where cached."""
+        self.evict(self.slot_of[ids])
+
+    def admit(self, ids, keep):
+        """Slots for new rows ``ids`` (not cached), evicting the lowest stamps.
+
+        Rows in slots ``keep`` (used by the same request) are not evicted. Returns the
+        slots of the first ``len(slots)`` ids; the others do not fit.
+        """
+        free = np.flatnonzero(self.ids == -1)
+        room = self.capacity - len(keep)
+        need = min(len(ids), room) - len(free)
+        if need > 0:
+            stamps = self.stamp.astype(np.float64)
+            stamps[keep] = np.inf
+            stamps[free] = np.inf
+            victims = np.argpartition(stamps, need - 1)[:need]
+            self.evict(victims)
+            free = np.concatenate([free, victims])
+        slots = free[:min(len(ids), len(free))]
+        self.ids[slots] = ids[:len(slots)]
+        self.slot_of[ids[:len(slots)]] = slots
+        return slots
+
+
+class CachedKVClient(KVClient):
+    """A cache of hot rows in front of a :class:`~distemb.kvstore.remote.RemoteKVClient`.
+
+    Owns ``inner`` (closing the cache closes it). Tables other than float32 (N, D) and
+    optimizer state tensors pass straight through.
+
+    Args:
+        inner: the remote client (it must offer ``pull_versioned`` and
+            ``push_update_versions``).
+        config: a :class:`~distemb.config.CacheConfig`.
+
+    Raises:
+        TypeError: ``inner`` cannot validate cached rows, or ``config`` is not a CacheConfig.
+
+    Example::
+
+        kv = CachedKVClient(RemoteKVClient(cfg, 0), CacheConfig(policy="lfu", rows=10_000))
+        kv.init_data("w", (10**6, 64), "float32", range_policy(10**6, kv.num_servers))
+        rows = kv.pull("w", np.array([3, 3, 7]))     # misses: rows come with versions
+        kv.stats()["hit_rows"]
+    """
+
+    def __init__(self, inner: KVClient, config: CacheConfig):
+        if not (hasattr(inner, "pull_versioned") and hasattr(inner, "push_update_versions")):
+            raise TypeError(f"inner: expected a client whose servers version rows (a "
+                            f"RemoteKVClient), got {type(inner).__name__}")
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        self.inner, self.config = inner, config
+        self.num_servers, self.num_threads = inner.num_servers, inner.num_threads
+        self._tables: Dict[str, Optional[TableCache]] = {}
+        self._tick = 0
+        self._stats = dict(pulls=0, rows=0, unique_rows=0, hit_rows=0, fetched_rows=0,
+                           bytes_pulled=0, bytes_sent=0, evicted_replicas=0)
+
+    # -- pass-through storage -----------------------------------------------------------
+
+    @property
+    def consistency(self):
+        return self.inner.consistency
+
+    @property
+    def ops(self):
+        return self.inner.ops
+
+    def data_meta(self, name):
+        return self.inner.data_meta(name)
+
+    def names(self):
+        return self.inner.names()
+
+    def init_data(self, name, shape, dtype, policy, init_func=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func)
+
+    def delete_data(self, name):
+        self.inner.delete_data(name)
+        self._tables.pop(name, None)
+        self._tables.pop(state_owner(name), None)
+
+    def barrier(self):
+        self.inner.barrier()
+
+    def close(self, **kw):
+        """Close the wrapped client (keywords go to its ``close``)."""
+        self._tables.clear()
+        self.inner.close(**kw)
+
+    def from_host(self, array):
+        return self.inner.from_host(array)
+
+    def to_host(self, array):
+        return self.inner.to_host(array)
+
+    def tensor_in(self, x, F):
+        return self.inner.tensor_in(x, F)
+
+    def ids_in(self, name, ids, F):
+        return self.inner.ids_in(name, ids, F)
+
+    def values_in(self, name, values, F, num_ids):
+        return self.inner.values_in(name, values, F, num_ids)
+
+    def rows_out(self, rows, F):
+        return self.inner.rows_out(rows, F)
+
+    def coalesce(self, name, ids, grads, F):
+        return self.inner.coalesce(name, ids, grads, F)
+
+    def view_on(self, device):
+        """Itself on the host; on a GPU, a view of the cache (rows still come through it)."""
+        return KVClient.view_on(self, device)
+
+    def stats(self):
+        """Counters since construction: rows asked, rows served without data, bytes.
+
+        ``bytes_pulled`` counts every array of the pull replies (rows, states, versions,
+        positions); ``bytes_sent`` the ids and versions of the pull requests.
+        """
+        return dict(self._stats)
+
+    # -- the cache ----------------------------------------------------------------------
+
+    def _table(self, name, rule=None) -> Optional[TableCache]:
+        """The cache of ``name``, made on first use; None for tables it does not cache."""
+        if name in self._tables and rule is None:
+            return self._tables[name]
+        meta = self._meta_of(name)
+        cache = None
+        if meta.dtype == "float32" and len(meta.shape) == 2 and state_owner(name) is None:
+            states, row_bytes = {}, 4 * meta.shape[1]
+            if rule is not None:
+                for spec in rule_of(rule).states:
+                    shape = spec.shape(meta.shape[1])
+                    states[spec.name] = (shape, np.dtype(spec.dtype))
+                    row_bytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+            cap = self.config.capacity(meta.shape[0], row_bytes)
+            cache = TableCache(meta.shape[0], meta.shape[1], cap, states,
+                               None if rule is None else rule_of(rule).name)
+        self._tables[name] = cache
+        return cache
+
+    def init_optimizer(self, name, rule, options):
+        names = self.inner.init_optimizer(name, rule, options)
+        self._table(name, rule=rule)  # fresh: cached copies of the old state are void
+        return names
+
+    def push(self, name, ids, values):
+        self.inner.push(name, ids, values)
+        cache = self._tables.get(state_owner(name) or name)
+        if cache is not None:
+            cache.forget(np.asarray(ids, dtype=np.int64))
+
+    def pull(self, name, ids):
+        cache = self._table(name)
+        if cache is None:
+            return self.inner.pull(name, ids)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
+        uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        self._tick += 1
+        slots = cache.slot_of[uniq]
+        cached = slots >= 0
+        ask = np.ones(len(uniq), bool)
+        if self.config.staleness:
+            ask[cached] = cache.step - cache.checked[slots[cached]] >= self.config.staleness
+        asked = np.flatnonzero(ask)
+        have = np.where(cached, cache.version[np.maximum(slots, 0)], -1)[asked]
+        state_names = list(cache.states)
+        if len(asked):
+            pos, vers, rows, states = self.inner.pull_versioned(name, uniq[asked], have,
+                                                                state_names)
+        else:  # every row fresh enough (bounded staleness): no request at all
+            pos, vers = np.empty(0, np.int64), np.empty(0, np.int64)
+            rows = np.empty((0, cache.values.shape[1]), np.float32)
+            states = [np.empty((0,) + a.shape[1:], a.dtype) for a in cache.states.values()]
+        got = asked[pos]
+        st = self._stats
+        st["pulls"] += 1
+        st["rows"] += len(ids)
+        st["unique_rows"] += len(uniq)
+        st["fetched_rows"] += len(got)
+        st["hit_rows"] += len(uniq) - len(got)
+        st["bytes_sent"] += 16 * len(asked)
+        if len(asked):
+            st["bytes_pulled"] += pos.nbytes + vers.nbytes + rows.nbytes + sum(
+                s.nbytes for s in states)
+        cache.checked[slots[ask & cached]] = cache.step
+        out = np.empty((len(uniq), cache.values.shape[1]), np.float32)
+        # Fetched rows: refresh cached copies, admit new ones (evicting), pass the rest.
+        refresh = cached[got]
+        at = slots[got[refresh]]
+        self._store(cache, at, vers[refresh], rows[refresh], [s[refresh] for s in states])
+        new = ~refresh
+        if new.any():
+            keep = slots[cached]
+            fresh = cache.admit(uniq[got[new]], keep)
+            k = len(fresh)
+            self._store(cache, fresh, vers[new][:k], rows[new][:k], [s[new][:k] for s in states])
+            slots[got[new][:k]] = fresh
+            out[got[new][k:]] = rows[new][k:]
+        in_cache = slots >= 0
+        out[in_cache] = cache.values[slots[in_cache]]
+        used = slots[in_cache]
+        if self.config.policy == "lru":
+            cache.stamp[used] = self._tick
+        else:
+            cache.stamp[used] += counts[in_cache]
+        return out[inverse]
+
+    def _store(self, cache, slots, versions, rows, states):
+        if not len(slots):
+            return
+        cache.values[slots] = rows
+        for sname, arr in zip(cache.states, states):
+            cache.states[sname][slots] = arr
+        cache.version[slots] = versions
+        cache.checked[slots] = cache.step
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        """Send the update to the owner; apply it to cached copies the owner confirms."""
+        cache = self._tables.get(name)
+        impl = rule_of(rule)
+        if cache is None or cache.rule != impl.name:
+            self.inner.push_update(name, ids, grads, rule, hyper)
+            if cache is not None:
+                cache.forget(np.asarray(ids, dtype=np.int64))
+            return
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        slots = cache.slot_of[ids]
+        mine = np.flatnonzero(slots >= 0)
+        at = slots[mine]
+        if len(at):
+            # The same rule and kernels as the owner: bit-identical per row.
+            impl.apply(kernels, cache.values, cache.states, at,
+                       np.ascontiguousarray(grads[mine]), impl.check_hyper(hyper),
+                       self.num_threads)
+        versions = self.inner.push_update_versions(name, ids, grads, rule, hyper)
+        cache.step += 1
+        if not len(at):
+            return
+        if versions is None:  # async: no answer; the next validation tells
+            cache.version[at] += 1
+            return
+        ok = versions[mine] == cache.version[at] + 1
+        cache.version[at[ok]] = versions[mine][ok]
+        others = at[~ok]  # someone else's gradient reached these rows
+        self._stats["evicted_replicas"] += len(others)
+        if self.config.staleness:
+            cache.version[others] = -1  # usable until the next validation refetches it
+        else:
+            cache.evict(others)
