@@ -8,6 +8,7 @@ SparseAdagrad, and rank 0 saves the final table to OUT_DIR/final.npy.
 result independent of the order the servers apply the trainers' updates in.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -74,6 +75,9 @@ def train(out, steps, disjoint, side=False):
         if ctx.client.consistency == "sync":
             ctx.client.barrier()  # everyone pulls the same weights next step
     ctx.client.barrier()
+    if hasattr(ctx.client, "stats"):  # a trainer cache (distemb-launch --cache-*)
+        with open(os.path.join(out, f"cache{rank}.json"), "w") as f:
+            json.dump(ctx.client.stats(), f)
     if rank == 0:
         np.save(os.path.join(out, "final.npy"), emb.weight[torch.arange(N)].numpy())
         if side:

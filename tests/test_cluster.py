@@ -23,15 +23,18 @@ TRAINER = os.path.join(os.path.dirname(__file__), "cluster_trainer.py")
 
 
 def launch(tmp_path, consistency, extra=(), steps=20, servers=2, trainers=2, expect=0,
-           launcher="local", env=None):
-    """Run cluster_trainer.py under distemb-launch; return the launcher's output."""
+           launcher="local", env=None, options=()):
+    """Run cluster_trainer.py under distemb-launch; return the launcher's output.
+
+    ``options`` go to distemb-launch, ``extra`` to the trainer.
+    """
     ip = tmp_path / "ip.txt"
     ip.write_text(f"# one machine\n127.0.0.1 {free_port()}\n")
     argv = [sys.executable, "-m", "distemb.launch", "--ip-config", str(ip),
             "--launcher", launcher,
             "--num-servers", str(servers), "--num-trainers", str(trainers),
             "--consistency", consistency, "--config-out", str(tmp_path / "cluster.json"),
-            "--timeout", "30", "--", sys.executable, TRAINER, str(tmp_path),
+            "--timeout", "30", *options, "--", sys.executable, TRAINER, str(tmp_path),
             "--steps", str(steps), *extra]
     with ProcessGroup() as group:
         group.spawn(argv, env=env, expect=expect)
