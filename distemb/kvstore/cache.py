@@ -32,7 +32,11 @@ Modes (:class:`~distemb.config.CacheConfig`):
   written through to the owner every step (so nothing is pending at eviction), and a
   copy whose version shows someone else's write is refetched at its next validation.
 
-Policies: ``lru`` evicts the least recently used rows, ``lfu`` the least often used.
+Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
+counts how often each row was pulled lately (halved every :data:`DECAY` pulls) and keeps
+a new row only in a free slot or in place of a row seen less often (TinyLFU admission):
+rows it does not keep come without their optimizer state, so a cold row costs what it
+costs without a cache.
 Capacity per table: rows, bytes (row plus optimizer state) or a fraction of the table.
 
 Example (servers started by ``distemb-launch``)::
@@ -47,6 +51,13 @@ from distemb import kernels
 from distemb.config import CacheConfig
 from distemb.kvstore.types import KVClient
 from distemb.rules import rule_of, state_owner
+
+#: The version of a cached copy someone else may have changed (bounded staleness): it is
+#: refetched, with its state, at its next validation. Servers' versions are >= 0, and
+#: -1/-2 mean "not held" in a versioned pull.
+UNKNOWN = -3
+#: Pulls after which the LFU counts of a table halve, so old popularity fades.
+DECAY = 32
 
 
 class TableCache:
@@ -67,7 +78,37 @@ class TableCache:
         self.version = np.full(capacity, -1, np.int64)
         self.checked = np.zeros(capacity, np.int64)         # step of the last validation
         self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
+        self.seen = np.zeros(num_rows, np.int32)            # recent pulls of every row
+        self.pulls = 0
         self.step = 0
+
+    def count(self, ids):
+        """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
+        self.pulls += 1
+        if self.pulls % DECAY == 0:
+            self.seen >>= 1
+        self.seen[ids] += 1
+
+    def worth_keeping(self, ids, keep):
+        """Which of the new rows ``ids`` (unique, not cached) to keep: LFU admission.
+
+        Free slots take the most often seen first; then a new row displaces a cached one
+        (not in slots ``keep``) only if it was seen more often (TinyLFU), so rows seen once
+        are not fetched with their optimizer state just to be evicted.
+        """
+        order = np.argsort(-self.seen[ids], kind="stable")
+        free = int((self.ids == -1).sum())
+        out = np.zeros(len(ids), bool)
+        out[order[:free]] = True
+        rest = order[free:]
+        if len(rest):
+            held = np.ones(self.capacity, bool)
+            held[self.ids == -1] = False
+            held[keep] = False
+            victims = np.sort(self.seen[self.ids[held]])[:len(rest)]
+            n = len(victims)
+            out[rest[:n][self.seen[ids[rest[:n]]] > victims]] = True
+        return out
 
     def evict(self, slots):
         """Forget the rows in ``slots``."""
@@ -242,22 +283,54 @@ class CachedKVClient(KVClient):
         self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
         uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
         self._tick += 1
+        cache.count(uniq)
         slots = cache.slot_of[uniq]
         cached = slots >= 0
         ask = np.ones(len(uniq), bool)
         if self.config.staleness:
             ask[cached] = cache.step - cache.checked[slots[cached]] >= self.config.staleness
+        # -2: not held, will be kept (fetch its state too); -1: passes through.
+        have = np.full(len(uniq), -1, np.int64)
+        have[cached] = cache.version[slots[cached]]
+        new = np.flatnonzero(~cached)
+        keep_new = np.ones(len(new), bool) if self.config.policy == "lru" else \
+            cache.worth_keeping(uniq[new], slots[cached])
+        have[new[keep_new]] = -2
         asked = np.flatnonzero(ask)
-        have = np.where(cached, cache.version[np.maximum(slots, 0)], -1)[asked]
-        state_names = list(cache.states)
         if len(asked):
-            pos, vers, rows, states = self.inner.pull_versioned(name, uniq[asked], have,
-                                                                state_names)
+            pos, vers, rows, states = self.inner.pull_versioned(name, uniq[asked], have[asked],
+                                                                list(cache.states))
         else:  # every row fresh enough (bounded staleness): no request at all
             pos, vers = np.empty(0, np.int64), np.empty(0, np.int64)
             rows = np.empty((0, cache.values.shape[1]), np.float32)
             states = [np.empty((0,) + a.shape[1:], a.dtype) for a in cache.states.values()]
         got = asked[pos]
+        self._count(ids, uniq, got, asked, [pos, vers, rows] + list(states))
+        cache.checked[slots[ask & cached]] = cache.step
+        out = np.empty((len(uniq), cache.values.shape[1]), np.float32)
+        with_state = have[got] != -1  # states came for these fetched rows, in order
+        refresh = cached[got]
+        sub = refresh[with_state]
+        self._store(cache, slots[got[refresh]], vers[refresh], rows[refresh],
+                    [st[sub] for st in states])
+        admit = ~refresh & with_state
+        if admit.any():
+            fresh = cache.admit(uniq[got[admit]], slots[cached])
+            k = len(fresh)
+            sub = admit[with_state]
+            self._store(cache, fresh, vers[admit][:k], rows[admit][:k],
+                        [st[sub][:k] for st in states])
+            slots[got[admit][:k]] = fresh
+        passing = slots[got] < 0
+        out[got[passing]] = rows[passing]
+        in_cache = slots >= 0
+        out[in_cache] = cache.values[slots[in_cache]]
+        used = slots[in_cache]
+        cache.stamp[used] = self._tick if self.config.policy == "lru" else \
+            cache.seen[uniq[in_cache]]
+        return out[inverse]
+
+    def _count(self, ids, uniq, got, asked, arrays):
         st = self._stats
         st["pulls"] += 1
         st["rows"] += len(ids)
@@ -265,31 +338,7 @@ class CachedKVClient(KVClient):
         st["fetched_rows"] += len(got)
         st["hit_rows"] += len(uniq) - len(got)
         st["bytes_sent"] += 16 * len(asked)
-        if len(asked):
-            st["bytes_pulled"] += pos.nbytes + vers.nbytes + rows.nbytes + sum(
-                s.nbytes for s in states)
-        cache.checked[slots[ask & cached]] = cache.step
-        out = np.empty((len(uniq), cache.values.shape[1]), np.float32)
-        # Fetched rows: refresh cached copies, admit new ones (evicting), pass the rest.
-        refresh = cached[got]
-        at = slots[got[refresh]]
-        self._store(cache, at, vers[refresh], rows[refresh], [s[refresh] for s in states])
-        new = ~refresh
-        if new.any():
-            keep = slots[cached]
-            fresh = cache.admit(uniq[got[new]], keep)
-            k = len(fresh)
-            self._store(cache, fresh, vers[new][:k], rows[new][:k], [s[new][:k] for s in states])
-            slots[got[new][:k]] = fresh
-            out[got[new][k:]] = rows[new][k:]
-        in_cache = slots >= 0
-        out[in_cache] = cache.values[slots[in_cache]]
-        used = slots[in_cache]
-        if self.config.policy == "lru":
-            cache.stamp[used] = self._tick
-        else:
-            cache.stamp[used] += counts[in_cache]
-        return out[inverse]
+        st["bytes_pulled"] += sum(a.nbytes for a in arrays) if len(asked) else 0
 
     def _store(self, cache, slots, versions, rows, states):
         if not len(slots):
@@ -323,13 +372,14 @@ class CachedKVClient(KVClient):
         if not len(at):
             return
         if versions is None:  # async: no answer; the next validation tells
-            cache.version[at] += 1
+            cache.version[at] = np.where(cache.version[at] >= 0, cache.version[at] + 1,
+                                         UNKNOWN)
             return
         ok = versions[mine] == cache.version[at] + 1
         cache.version[at[ok]] = versions[mine][ok]
         others = at[~ok]  # someone else's gradient reached these rows
         self._stats["evicted_replicas"] += len(others)
         if self.config.staleness:
-            cache.version[others] = -1  # usable until the next validation refetches it
+            cache.version[others] = UNKNOWN  # used until its next validation refetches it
         else:
             cache.evict(others)

@@ -370,38 +370,45 @@ class RemoteKVClient(KVClient):
         """The rows of ``ids`` whose version on their server differs from ``have``.
 
         Args:
-            name: the table; ids: global ids; have: int64 version held of each (-1: none).
-            states: optimizer state names (e.g. ``["sum"]``) to return with the rows.
+            name: the table; ids: global ids.
+            have: int64 version held of each row; -1: not held and not to be kept (the
+                row only), -2: not held, to be kept (the row and its states).
+            states: optimizer state names (e.g. ``["sum"]``) to return with kept rows.
 
         Returns:
-            (positions in ``ids``, their current versions, their rows, [state rows]).
+            (positions in ``ids``, their current versions, their rows, [state rows of the
+            positions whose ``have`` is not -1, in order]).
         """
         self._check_open()
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         have = np.ascontiguousarray(have, dtype=np.int64)
         routes, _ = self._route(name, ids)
-        got = []
+        got = {}
 
         def take(sid, frame):
             a = frame.arrays
-            if len(a) != 3 + len(states) or any(x.shape[0] != a[0].shape[0] for x in a) or \
-                    a[2].shape[1:] != meta.shape[1:]:
+            n = a[0].shape[0] if a else -1
+            if len(a) != 3 + len(states) or a[1].shape[0] != n or a[2].shape != (
+                    (n,) + meta.shape[1:]) or n > len(routes[sid].positions) or \
+                    a[0].dtype != np.int64 or (n and (a[0].min() < 0 or a[0].max() >= len(
+                        routes[sid].positions))):
                 raise KVStoreError(f"server {sid}: versioned pull reply of the wrong shape")
-            got.append((routes[sid].positions[a[0]], a[1], a[2], a[3:]))
+            got[sid] = (routes[sid].positions[a[0]], a[1], a[2], a[3:])
 
         self._call({sid: VersionedPull(name=name, parts=r.parts, counts=r.counts,
                                        states=list(states), ids=r.local_ids,
                                        have=have[r.positions])
                     for sid, r in routes.items()}, on_reply=take)
-        if len(got) == 1:
-            return got[0][0], got[0][1], got[0][2], list(got[0][3])
-        if not got:
+        parts = [got[sid] for sid in routes]
+        if not parts:
             return (np.empty(0, np.int64), np.empty(0, np.int64),
                     np.empty((0,) + meta.shape[1:], meta.dtype), [])
-        return (np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got]),
-                np.concatenate([g[2] for g in got]),
-                [np.concatenate([g[3][i] for g in got]) for i in range(len(states))])
+        if len(parts) == 1:
+            return parts[0][0], parts[0][1], parts[0][2], list(parts[0][3])
+        return (np.concatenate([g[0] for g in parts]), np.concatenate([g[1] for g in parts]),
+                np.concatenate([g[2] for g in parts]),
+                [np.concatenate([g[3][i] for g in parts]) for i in range(len(states))])
 
     def coalesce(self, name, ids, grads, F):
         """As the host clients; in sync_exact mode an empty step still pushes (nothing).

@@ -237,13 +237,17 @@ class KVService:
         """Rows (and optimizer states) whose version differs from the trainer's copy."""
         pos, vers, rows, states = [], [], [], [[] for _ in m.states]
         for part, ids, sl in self._rows(m):
+            # Versions first: a row written meanwhile then carries an older version than
+            # its contents, which the next validation refetches (never the reverse).
             cur = self.server.versions(m.name, part)[ids]
-            stale = np.flatnonzero(cur != m.have[sl])
+            have = m.have[sl]
+            stale = np.flatnonzero(cur != have)
             pos.append(stale + sl.start)
             vers.append(cur[stale])
             rows.append(self.server.pull(m.name, part, ids[stale]))
+            keep = ids[stale[have[stale] != -1]]  # -1: the trainer does not keep the row
             for i, sname in enumerate(m.states):
-                states[i].append(self.server.pull(state_name(m.name, sname), part, ids[stale]))
+                states[i].append(self.server.pull(state_name(m.name, sname), part, keep))
         if not pos:
             raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]

@@ -198,11 +198,12 @@ def text_list(v):
 
 
 class VersionedPull(RowsMessage):
-    """A trainer cache's pull: ``have`` is the version it holds of each row (-1: none).
+    """A trainer cache's pull: ``have`` is the version it holds of each row.
 
-    The reply has the positions (in ``ids``) of the rows whose version differs, their
-    current versions, their rows, and the rows of each optimizer state named in
-    ``states``, in that order.
+    ``have`` is -1 for a row the trainer will not keep (it wants the row only) and -2
+    for one it does not hold but will keep. The reply has the positions (in ``ids``) of
+    the rows whose version differs, their current versions, their rows, and the rows of
+    each optimizer state named in ``states`` for those of them with ``have != -1``.
     """
 
     SERVICE = Service.VERSIONED_PULL

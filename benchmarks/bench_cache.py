@@ -1,0 +1,315 @@
+"""The trainer cache on real access patterns: hit rate vs size, bytes per step, steps/s.
+
+Id streams, drawn once in this process from WordNet (graph_examples' loader):
+
+- ``sage``: the input nodes of DGL's ``NeighborSampler([10, 10])`` mini-batches (1,024
+  seed nodes from the training split per batch; trainer r of T takes every T-th node);
+- ``deepwalk``: the ids one DeepWalk skip-gram step looks up (4,096 pairs: centres in the
+  node table, contexts and 5 negatives each in the context table), from
+  ``graph_examples.walks.SkipGramBatches``.
+
+Each step looks the ids up in DistEmbedding tables, backwards ``(rows ** 2).sum()`` and
+runs SparseAdagrad.step(), with the tables held by KVStore server processes over TCP
+(``--no-shared-memory`` semantics: every row crosses a socket).
+
+1. Hit rate vs cache size (1 server x 1 trainer, exact mode, D=16: the hit rate does not
+   depend on D): the share of looked-up unique rows served without their data, for LRU
+   and LFU, after a warm-up; written as a PNG plot.
+2. Bytes and steps/s (D=128, ``sage`` ids): no cache vs a cache of ``--fraction`` of the
+   rows, exact and bounded staleness ``s``, 1 server x 1 trainer and 2 servers x 2
+   trainers. Bytes are the array payloads each trainer received (pull replies, update
+   replies) and sent, per step, counted on its sockets.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fraction 0.1]
+        [--staleness 5] [--plot out/bench_cache_hit_rate.png]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import distemb  # noqa: E402
+from distemb.config import CacheConfig, parse_cluster_config  # noqa: E402
+from distemb.context import DistContext  # noqa: E402
+from distemb.kvstore.cache import CachedKVClient  # noqa: E402
+from distemb.kvstore.remote import RemoteKVClient  # noqa: E402
+from distemb.partition import range_policy  # noqa: E402
+from distemb.transport import tcp  # noqa: E402
+from distemb.transport.base import Connection  # noqa: E402
+
+SIZES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
+
+
+# -- id streams ---------------------------------------------------------------------------
+
+def sage_stream(graph, train_idx, steps, rank, num_trainers, seed=0):
+    """Per step, {table: ids}: the input nodes of NeighborSampler([10, 10]) batches."""
+    from distemb.integrations.dgl import dgl
+
+    nodes = train_idx[rank::num_trainers]
+    sampler = dgl.dataloading.NeighborSampler([10, 10])
+    torch.manual_seed(seed + rank)
+    loader = dgl.dataloading.DataLoader(graph, nodes, sampler, batch_size=1024, shuffle=True,
+                                        drop_last=False)
+    out = []
+    while len(out) < steps:
+        for input_nodes, _, _ in loader:
+            out.append({"nodes": input_nodes.numpy().astype(np.int64)})
+            if len(out) == steps:
+                break
+    return out
+
+
+def deepwalk_stream(graph, steps, rank, seed=0):
+    """Per step, {table: ids}: a skip-gram batch's centres and contexts + negatives."""
+    from graph_examples.walks import SkipGramBatches
+
+    batches = SkipGramBatches(graph, walk_length=20, window=3, num_walks=2, negatives=5,
+                              batch_size=4096, seed=seed + rank)
+    out = []
+    for centers, contexts, negatives in batches.epoch(0):
+        out.append({"nodes": centers.numpy().astype(np.int64),
+                    "contexts": torch.cat([contexts, negatives.reshape(-1)]).numpy()
+                    .astype(np.int64)})
+        if len(out) == steps:
+            break
+    return out
+
+
+# -- one trainer ----------------------------------------------------------------------------
+
+class Counting(Connection):
+    """A TCP connection that counts the array bytes it sends and receives."""
+
+    def __init__(self, conn):
+        self.conn, self.peer, self.sent, self.received = conn, conn.peer, 0, 0
+
+    def send(self, frame):
+        self.sent += sum(a.nbytes for a in frame.arrays)
+        self.conn.send(frame)
+
+    def recv(self):
+        frame = self.conn.recv()
+        self.received += sum(a.nbytes for a in frame.arrays)
+        return frame
+
+    def close(self):
+        self.conn.close()
+
+
+def run_steps(cfg, rank, stream, num_rows, dim, cache, warmup, label):
+    """Train on ``stream`` as trainer ``rank``; per-step numbers after ``warmup`` steps."""
+    torch.set_num_threads(1)
+    conns = [Counting(tcp.connect(s.host, s.port, cfg.timeout_s)) for s in cfg.servers]
+    client = RemoteKVClient(cfg, rank, connections=conns, num_threads=1)
+    if cache is not None:
+        client = CachedKVClient(client, cache)
+    ctx = DistContext(client, backend="pytorch", num_threads=1)
+    tables = {name: distemb.DistEmbedding(
+        num_rows, dim, name=f"{label}-{name}", context=ctx,
+        part_policy=range_policy(num_rows, len(cfg.servers)),
+        init_func=lambda s, d: torch.full(s, 0.01, dtype=d)) for name in stream[0]}
+    opt = distemb.SparseAdagrad(list(tables.values()), lr=0.01)
+    for i, step in enumerate(stream):
+        if i == warmup:
+            client.barrier()
+            start = time.perf_counter()
+            sent0, recv0 = sum(c.sent for c in conns), sum(c.received for c in conns)
+            stats0 = client.stats() if cache is not None else None
+        opt.zero_grad()
+        loss = sum((tables[name](torch.from_numpy(ids)) ** 2).sum()
+                   for name, ids in step.items())
+        loss.backward()
+        opt.step()
+    client.barrier()
+    seconds = time.perf_counter() - start
+    n = len(stream) - warmup
+    out = dict(steps_per_s=n / seconds,
+               received_per_step=(sum(c.received for c in conns) - recv0) / n,
+               sent_per_step=(sum(c.sent for c in conns) - sent0) / n)
+    if cache is not None:
+        st = {k: v - stats0[k] for k, v in client.stats().items()}
+        out["hit_rate"] = st["hit_rows"] / max(1, st["unique_rows"])
+    client.close(goodbye=True)
+    return out
+
+
+def trainer_main(args):
+    spec = json.load(open(args.trainer))
+    cfg = parse_cluster_config(spec["cluster"])
+    stream = [{k: np.asarray(v) for k, v in s.items()} for s in np.load(
+        spec["streams"][args.rank], allow_pickle=True)["steps"]]
+    cache = None if spec["cache"] is None else CacheConfig(**spec["cache"])
+    out = run_steps(cfg, args.rank, stream, spec["num_rows"], spec["dim"], cache,
+                    spec["warmup"], spec["label"])
+    with open(os.path.join(spec["out"], f"rank{args.rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+# -- jobs -----------------------------------------------------------------------------------
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1", OMP_NUM_THREADS="1")
+
+
+def cluster(num_servers, num_trainers):
+    return {"job_id": uuid.uuid4().hex[:8], "num_trainers": num_trainers,
+            "trainer_machines": [0] * num_trainers, "shared_memory": False, "timeout_s": 120.0,
+            "servers": [{"host": "127.0.0.1", "port": free_port(), "machine": 0}
+                        for _ in range(num_servers)]}
+
+
+def run_job(streams, num_servers, num_rows, dim, cache, warmup, label):
+    """Servers and one trainer process per stream; the trainers' results."""
+    raw = cluster(num_servers, len(streams))
+    with tempfile.TemporaryDirectory() as out:
+        cfg_path = os.path.join(out, "cluster.json")
+        json.dump(raw, open(cfg_path, "w"))
+        paths = []
+        for r, stream in enumerate(streams):
+            paths.append(os.path.join(out, f"stream{r}.npz"))
+            holder = np.empty(len(stream), dtype=object)
+            holder[:] = stream
+            np.savez(paths[-1], steps=holder)
+        spec = dict(cluster=raw, streams=paths, num_rows=num_rows, dim=dim, warmup=warmup,
+                    cache=None if cache is None else vars(cache), out=out, label=label)
+        json.dump(spec, open(os.path.join(out, "spec.json"), "w"))
+        servers = [subprocess.Popen([sys.executable, "-m", "distemb.server", "--config",
+                                     cfg_path, "--server-id", str(s)], env=env())
+                   for s in range(num_servers)]
+        trainers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trainer",
+                                      os.path.join(out, "spec.json"), "--rank", str(r)],
+                                     env=env()) for r in range(len(streams))]
+        try:
+            for p in trainers + servers:
+                if p.wait(timeout=900) != 0:
+                    raise RuntimeError(f"{p.args} exited {p.returncode}")
+        finally:
+            for p in trainers + servers:
+                if p.poll() is None:
+                    p.kill()
+        return [json.load(open(os.path.join(out, f"rank{r}.json")))
+                for r in range(len(streams))]
+
+
+def hit_rates(streams, num_rows, warmup):
+    """{(stream, policy): [hit rate per size]}, 1 server x 1 trainer, D=16, exact."""
+    out = {}
+    for sname, stream in streams.items():
+        for policy in ("lru", "lfu"):
+            rates = []
+            for frac in SIZES:
+                res = run_job([stream], 1, num_rows, 16, CacheConfig(policy=policy,
+                                                                     fraction=frac),
+                              warmup, f"hr-{sname}-{policy}-{frac}")
+                rates.append(res[0]["hit_rate"])
+                print(f"  hit rate {sname} {policy} {frac:.0%}: {rates[-1]:.3f}", flush=True)
+            out[(sname, policy)] = rates
+    return out
+
+
+def plot(rates, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (sname, policy), r in rates.items():
+        ax.plot([100 * s for s in SIZES], [100 * x for x in r], marker="o",
+                linestyle="-" if policy == "lru" else "--", label=f"{sname} ids, {policy}")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache size (% of the table's rows)")
+    ax.set_ylabel("hit rate (% of unique rows per step)")
+    ax.set_title("Trainer cache on WordNet, exact mode, 1 trainer")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=40, help="timed steps per trainer")
+    p.add_argument("--warmup", type=int, default=10, help="steps before timing")
+    p.add_argument("--fraction", type=float, default=0.1, help="cache size of part 2")
+    p.add_argument("--policy", default="lfu", choices=("lru", "lfu"))
+    p.add_argument("--staleness", type=int, default=5)
+    p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
+    p.add_argument("--skip-hit-rate", action="store_true")
+    p.add_argument("--trainer", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trainer:
+        return trainer_main(args)
+    from graph_examples.datasets import load_dataset
+
+    ds = load_dataset("wordnet")
+    n = ds.graph.num_nodes()
+    total = args.steps + args.warmup
+    t0 = time.perf_counter()
+    sage = [sage_stream(ds.graph, ds.train_idx, total, r, T) for T in (1, 2) for r in range(T)]
+    walk = deepwalk_stream(ds.graph, total, 0)
+    print(f"WordNet: {n} nodes; streams drawn in {time.perf_counter() - t0:.1f} s; sage "
+          f"batches: {np.mean([len(s['nodes']) for s in sage[0]]):.0f} ids "
+          f"({np.mean([len(np.unique(s['nodes'])) for s in sage[0]]):.0f} unique); deepwalk: "
+          f"{np.mean([sum(len(v) for v in s.values()) for s in walk]):.0f} ids", flush=True)
+    if not args.skip_hit_rate:
+        rates = hit_rates({"sage": sage[0], "deepwalk": walk}, n, args.warmup)
+        plot(rates, args.plot)
+        print(f"\nhit rate (% of unique rows per step) vs cache size, plot: {args.plot}\n")
+        print("| ids, policy | " + " | ".join(f"{s:.0%}" for s in SIZES) + " |")
+        print("|---|" + "---|" * len(SIZES))
+        for (sname, policy), r in rates.items():
+            print(f"| {sname}, {policy} | " + " | ".join(f"{100 * x:.1f}" for x in r) + " |")
+    exact = CacheConfig(policy=args.policy, fraction=args.fraction)
+    stale = CacheConfig(policy=args.policy, fraction=args.fraction, staleness=args.staleness)
+    rows = []
+    for servers, streams in ((1, sage[:1]), (2, sage[1:])):
+        base = None
+        for name, cache in (("no cache", None), (f"{args.policy} {args.fraction:.0%} exact",
+                                                  exact),
+                            (f"{args.policy} {args.fraction:.0%} staleness "
+                             f"{args.staleness}", stale)):
+            res = run_job(streams, servers, n, 128, cache, args.warmup,
+                          f"t{servers}-{name.replace(' ', '_')}")
+            rate = float(np.mean([r["steps_per_s"] for r in res]))
+            recv = float(np.mean([r["received_per_step"] for r in res]))
+            sent = float(np.mean([r["sent_per_step"] for r in res]))
+            hit = np.mean([r.get("hit_rate", 0.0) for r in res])
+            base = base or (rate, recv)
+            rows.append((f"{servers}s x {len(streams)}t tcp", name, rate, rate / base[0],
+                         recv, 1 - recv / base[1], sent, hit))
+            print(f"  {rows[-1]}", flush=True)
+    print(f"\nsage ids, D=128, {args.steps} timed steps per trainer, one thread per process, "
+          f"{os.cpu_count()} cores\n")
+    print("| job | cache | steps/s per trainer | vs no cache | bytes received per step "
+          "| fewer bytes | bytes sent per step | hit rate |")
+    print("|---|---|---|---|---|---|---|---|")
+    for job, name, rate, ratio, recv, saved, sent, hit in rows:
+        print(f"| {job} | {name} | {rate:.1f} | {ratio:.2f}x | {recv / 1e6:.2f} MB | "
+              f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
