@@ -15,15 +15,15 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
 1. Hit rate vs cache size (1 server x 1 trainer, exact mode, D=16: the hit rate does not
    depend on D): the share of looked-up unique rows served without their data, for LRU
    and LFU, after a warm-up; written as a PNG plot.
-2. Bytes and steps/s (D=128, ``sage`` ids): no cache vs a cache of ``--fraction`` of the
-   rows, exact and bounded staleness ``s``, 1 server x 1 trainer and 2 servers x 2
-   trainers. Bytes are the array payloads each trainer received (pull replies, update
+2. Bytes and steps/s (D=128; ``sage`` ids, and synthetic zipf(1.1) ids, 13,000 per step,
+   for contrast): no cache vs a cache of ``--fraction`` of the rows, exact and bounded
+   staleness ``s``, 1 server x 1 trainer and 2 servers x 2 trainers. Bytes are the array payloads each trainer received (pull replies, update
    replies) and sent, per step, counted on its sockets.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fraction 0.1]
-        [--staleness 5] [--plot out/bench_cache_hit_rate.png]
+        [--staleness 5] [--plot out/bench_cache_hit_rate.png] [--streams sage,zipf]
 """
 import argparse
 import json
@@ -70,6 +70,14 @@ def sage_stream(graph, train_idx, steps, rank, num_trainers, seed=0):
             if len(out) == steps:
                 break
     return out
+
+
+def zipf_stream(num_rows, steps, rank, size=13_000, a=1.1, seed=0):
+    """Per step, {table: ids}: ``size`` zipf(a) draws, ranks scattered over the table."""
+    rng = np.random.default_rng(seed + 100 + rank)
+    perm = np.random.default_rng(seed).permutation(num_rows)
+    return [{"nodes": perm[(rng.zipf(a, size) - 1) % num_rows].astype(np.int64)}
+            for _ in range(steps)]
 
 
 def deepwalk_stream(graph, steps, rank, seed=0):
@@ -257,6 +265,7 @@ def main():
     p.add_argument("--staleness", type=int, default=5)
     p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
     p.add_argument("--skip-hit-rate", action="store_true")
+    p.add_argument("--streams", default="sage,zipf", help="id streams of part 2")
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -270,6 +279,7 @@ def main():
     t0 = time.perf_counter()
     sage = [sage_stream(ds.graph, ds.train_idx, total, r, T) for T in (1, 2) for r in range(T)]
     walk = deepwalk_stream(ds.graph, total, 0)
+    zipf = [zipf_stream(n, total, r) for T in (1, 2) for r in range(T)]
     print(f"WordNet: {n} nodes; streams drawn in {time.perf_counter() - t0:.1f} s; sage "
           f"batches: {np.mean([len(s['nodes']) for s in sage[0]]):.0f} ids "
           f"({np.mean([len(np.unique(s['nodes'])) for s in sage[0]]):.0f} unique); deepwalk: "
@@ -285,25 +295,28 @@ def main():
     exact = CacheConfig(policy=args.policy, fraction=args.fraction)
     stale = CacheConfig(policy=args.policy, fraction=args.fraction, staleness=args.staleness)
     rows = []
-    for servers, streams in ((1, sage[:1]), (2, sage[1:])):
+    jobs = [(name, servers, st[:1] if servers == 1 else st[1:]) for name, st in
+            (("sage", sage), ("zipf", zipf)) if name in args.streams.split(",")
+            for servers in (1, 2)]
+    for sname, servers, streams in jobs:
         base = None
         for name, cache in (("no cache", None), (f"{args.policy} {args.fraction:.0%} exact",
                                                   exact),
                             (f"{args.policy} {args.fraction:.0%} staleness "
                              f"{args.staleness}", stale)):
             res = run_job(streams, servers, n, 128, cache, args.warmup,
-                          f"t{servers}-{name.replace(' ', '_')}")
+                          f"{sname}{servers}-{name.replace(' ', '_')}")
             rate = float(np.mean([r["steps_per_s"] for r in res]))
             recv = float(np.mean([r["received_per_step"] for r in res]))
             sent = float(np.mean([r["sent_per_step"] for r in res]))
             hit = np.mean([r.get("hit_rate", 0.0) for r in res])
             base = base or (rate, recv)
-            rows.append((f"{servers}s x {len(streams)}t tcp", name, rate, rate / base[0],
-                         recv, 1 - recv / base[1], sent, hit))
+            rows.append((f"{sname}, {servers}s x {len(streams)}t tcp", name, rate,
+                         rate / base[0], recv, 1 - recv / base[1], sent, hit))
             print(f"  {rows[-1]}", flush=True)
-    print(f"\nsage ids, D=128, {args.steps} timed steps per trainer, one thread per process, "
+    print(f"\nD=128, {args.steps} timed steps per trainer, one thread per process, "
           f"{os.cpu_count()} cores\n")
-    print("| job | cache | steps/s per trainer | vs no cache | bytes received per step "
+    print("| ids, job | cache | steps/s per trainer | vs no cache | bytes received per step "
           "| fewer bytes | bytes sent per step | hit rate |")
     print("|---|---|---|---|---|---|---|---|")
     for job, name, rate, ratio, recv, saved, sent, hit in rows:
