@@ -33,9 +33,13 @@ class Backend:
             raise BackendError(f"'{fn}' is not part of the F.* contract "
                                f"(see distemb/backend/contract.py)")
         try:
-            return getattr(self._module, fn)
+            value = getattr(self._module, fn)
         except AttributeError:
             raise BackendError(f"backend '{self.name}' does not implement '{fn}'") from None
+        # Cached on the instance: the next F.fn is a plain attribute (on the hot path of
+        # every lookup and step), and __getattr__ runs only for names not yet checked.
+        setattr(self, fn, value)
+        return value
 
     def has(self, fn):
         """Whether this backend implements contract function ``fn``."""
