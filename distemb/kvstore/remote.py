@@ -56,8 +56,8 @@ class RemoteKVClient(KVClient):
     Args:
         cfg: the job's :class:`~distemb.config.ClusterConfig`.
         rank: this trainer's rank (0..num_trainers-1).
-        consistency: 'sync', 'sync_exact' or 'async' (default: ``cfg.consistency``); all
-            trainers of a job must use the same.
+        consistency: a :class:`~distemb.enums.Consistency` or its value (default:
+            ``cfg.consistency``); all trainers of a job must use the same.
         connections: one :class:`~distemb.transport.base.Connection` per server (default:
             :func:`open_connections`).
         num_threads: OpenMP threads of shared-memory gathers.
