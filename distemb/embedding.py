@@ -129,8 +129,7 @@ class DistEmbedding:
             when there is nothing to push. The client is the view of the first traced
             lookup (all lookups of a step sum together there, whatever their device).
         """
-        grad = self._F.grad
-        done = [(e, g) for e in self._trace for g in (grad(e.rows),) if g is not None]
+        done = [(e, g) for e in self._trace for g in (self._F.grad(e.rows),) if g is not None]
         self._trace = []
         client = done[0][0].client if done else self.kvstore
         summed = client.coalesce(self.name, [e.ids for e, _ in done], [g for _, g in done],

@@ -6,8 +6,9 @@ package loads nothing; the numpy backend never imports torch. Asking a backend f
 function it lacks raises :class:`~distemb.errors.BackendError` naming both.
 
 Example:
+    >>> import numpy as np
     >>> F = load_backend("numpy")
-    >>> F.tensor([[1, 2, 3], [4, 5, 6]], "float32").shape
+    >>> F.reshape(F.from_numpy(np.arange(6, dtype="float32")), (2, 3)).shape
     (2, 3)
 """
 import importlib
