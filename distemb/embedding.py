@@ -129,11 +129,11 @@ class DistEmbedding:
             when there is nothing to push. The client is the view of the first traced
             lookup (all lookups of a step sum together there, whatever their device).
         """
-        done = [e for e in self._trace if self._F.grad(e.rows) is not None]
+        done = [(e, g) for e in self._trace for g in (self._F.grad(e.rows),) if g is not None]
         self._trace = []
-        client = done[0].client if done else self.kvstore
-        summed = client.coalesce(self.name, [e.ids for e in done],
-                                 [self._F.grad(e.rows) for e in done], self._F)
+        client = done[0][0].client if done else self.kvstore
+        summed = client.coalesce(self.name, [e.ids for e, _ in done], [g for _, g in done],
+                                 self._F)
         return None if summed is None else (client,) + tuple(summed)
 
     @property

@@ -24,16 +24,16 @@ Example:
 """
 import dataclasses
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type
 
 import numpy as np
 
 from distemb.arrays import Array, Rows, UniqueIds
+from distemb.enums import Choice
 from distemb.errors import KVStoreError
 
 
-class RuleName(str, Enum):
+class RuleName(Choice):
     """The update rules a table can be optimised with (the wire carries ``.value``)."""
 
     #: plain SGD: ``w -= lr * g``; no state.
@@ -220,8 +220,7 @@ def rule_of(name) -> UpdateRule:
     try:
         return RULES[RuleName(name)]
     except ValueError:
-        raise KVStoreError(f"rule: expected one of {[r.value for r in RuleName]}, "
-                           f"got {name!r}") from None
+        raise KVStoreError(f"rule: expected one of {RuleName.values()}, got {name!r}") from None
 
 
 def state_name(table: str, state: str) -> str:

@@ -7,7 +7,7 @@ capacity and configuration errors.
 import numpy as np
 import pytest
 
-from distemb.config import CacheConfig, parse_cache_config
+from distemb.config import CacheConfig, parse_cache_config, parse_cluster_config
 from distemb.errors import ConfigError
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore.cache import CachedKVClient
@@ -109,18 +109,28 @@ def test_lru_never_holds_more_than_its_capacity(pair):
     assert cached.stats()["hit_rows"] > 0
 
 
-def test_cache_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match="exactly one of rows, bytes, fraction"):
-        CacheConfig(rows=3, fraction=0.5)
-    with pytest.raises(ConfigError, match=r"cache.fraction: must be a number in \(0, 1\]"):
-        CacheConfig(fraction=1.5)
-    with pytest.raises(ConfigError, match="cache.policy: must be one of"):
-        CacheConfig(policy="fifo", rows=3)
-    with pytest.raises(ConfigError, match="cache.staleness: must be >= 0"):
-        CacheConfig(rows=3, staleness=-1)
-    with pytest.raises(ConfigError, match="cache.size: unknown field"):
-        parse_cache_config({"size": 3})
-    assert CacheConfig(bytes=1000).capacity(100, 40) == 25
+@pytest.mark.parametrize("raw,match", [
+    ({"rows": 3, "fraction": 0.5}, "cache.rows: give exactly one of rows, bytes, fraction"),
+    ({"fraction": 1.5}, r"cache.fraction: must be in \(0, 1\], got 1.5"),
+    ({"policy": "fifo", "rows": 3}, "cache.policy: must be one of"),
+    ({"rows": 3, "staleness": -1}, "cache.staleness: must be >= 0"),
+    ({"rows": 0}, "cache.rows: must be >= 1, got 0"),
+    ({"size": 3}, "cache.size: unknown field"),
+])
+def test_cache_config_errors_name_the_field(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_cache_config(raw)
+
+
+def test_cache_config_sizes_and_cluster_config_round_trip():
+    assert parse_cache_config({"bytes": 1000}).capacity(100, 40) == 25
+    assert parse_cache_config({"fraction": 0.1}).capacity(1000, 8) == 100
+    raw = {"job_id": "j", "num_trainers": 1, "trainer_machines": [0],
+           "servers": [{"host": "127.0.0.1", "port": 30050, "machine": 0}],
+           "cache": {"policy": "lfu", "rows": 7, "staleness": 2}}
+    cfg = parse_cluster_config(raw)
+    assert cfg.cache.policy == "lfu" and cfg.cache.rows == 7
+    assert parse_cluster_config(cfg.to_dict()) == cfg
 
 
 def test_cache_needs_a_client_whose_servers_version_rows():

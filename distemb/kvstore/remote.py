@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import numpy as np
 
 from distemb import kernels
-from distemb.config import CONSISTENCY
+from distemb.enums import Consistency, Transport
 from distemb.errors import KVStoreError, PartitionError, TransportError
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name
 from distemb.kvstore.local import init_shard
@@ -65,7 +65,7 @@ def open_connections(cfg):
     Raises:
         ServerUnavailableError: a TCP server cannot be reached within ``cfg.timeout_s``.
     """
-    if cfg.transport == "mpi":
+    if cfg.transport == Transport.MPI:
         # mpi4py is an optional extra, and importing it initialises MPI: only under mpirun.
         from distemb.transport import mpi
         return mpi.connect_all(len(cfg.servers), cfg.timeout_s, cfg.max_message_bytes)
@@ -80,8 +80,8 @@ class RemoteKVClient(KVClient):
     Args:
         cfg: the job's :class:`~distemb.config.ClusterConfig`.
         rank: this trainer's rank (0..num_trainers-1).
-        consistency: 'sync', 'sync_exact' or 'async' (default: ``cfg.consistency``); all
-            trainers of a job must use the same.
+        consistency: a :class:`~distemb.enums.Consistency` or its value (default:
+            ``cfg.consistency``); all trainers of a job must use the same.
         connections: one :class:`~distemb.transport.base.Connection` per server (default:
             :func:`open_connections`).
         num_threads: OpenMP threads of shared-memory gathers.
@@ -95,10 +95,8 @@ class RemoteKVClient(KVClient):
             raise KVStoreError(f"rank: expected 0..{cfg.num_trainers - 1}, got {rank}")
         self.cfg, self.rank, self.num_threads = cfg, rank, num_threads
         self.num_servers = len(cfg.servers)
-        self.consistency = consistency or cfg.consistency
-        if self.consistency not in CONSISTENCY:
-            raise KVStoreError(f"consistency: expected one of {list(CONSISTENCY)}, got "
-                               f"{self.consistency!r}")
+        self.consistency = Consistency.parse(consistency or cfg.consistency, "consistency",
+                                             KVStoreError)
         self._conns = list(connections) if connections is not None else open_connections(cfg)
         self._meta, self._shm, self._seq, self._slots = {}, {}, {}, {}
         self._closed = False
@@ -337,8 +335,8 @@ class RemoteKVClient(KVClient):
         routes, _ = self._route(name, ids)
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
-        exact = self.consistency == "sync_exact"
-        wait = self.consistency != "async"
+        exact = self.consistency == Consistency.SYNC_EXACT
+        wait = self.consistency != Consistency.ASYNC
         want = versions and wait
 
         def update(parts, counts, local_ids, rows):
@@ -417,7 +415,7 @@ class RemoteKVClient(KVClient):
         trainer without rows for a table pushes an empty update (and counts the step).
         """
         summed = super().coalesce(name, ids, grads, F)
-        if summed is None and self.consistency == "sync_exact":
+        if summed is None and self.consistency == Consistency.SYNC_EXACT:
             dim = self._meta_of(name).shape[1]
             return np.empty(0, np.int64), np.empty((0, dim), np.float32)
         return summed

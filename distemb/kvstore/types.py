@@ -232,8 +232,9 @@ class KVClient(ABC):
         if not ids:
             return None
         dim = self._meta_of(name).shape[1]
-        host_ids = [np.asarray(self.tensor_in(i, F), dtype=np.int64).reshape(-1) for i in ids]
-        host_grads = [np.asarray(self.tensor_in(g, F), dtype=np.float32).reshape(-1, dim)
+        # ids of a host table are this client's (numpy) whichever view looked them up
+        host_ids = [np.asarray(i, dtype=np.int64).reshape(-1) for i in ids]
+        host_grads = [np.asarray(F.to_numpy(g), dtype=np.float32).reshape(-1, dim)
                       for g in grads]
         flat = host_ids[0] if len(host_ids) == 1 else np.concatenate(host_ids)
         g = host_grads[0] if len(host_grads) == 1 else np.concatenate(host_grads)

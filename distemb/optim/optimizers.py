@@ -4,17 +4,17 @@ Concurrency (all of them): the rule runs on the rows' owner, which applies one u
 shard at a time, so a row and its state have one writer (DESIGN.md). Step counts are
 global per table and live with the optimizer, exactly as ``torch.optim`` counts them.
 """
-from enum import Enum
 from typing import Iterable, Tuple, Union
 
 from distemb.embedding import DistEmbedding
+from distemb.enums import Choice
 from distemb.optim.base import SparseOptimizer, check_hyper
 from distemb.rules import AdagradHyper, AdamHyper, RuleName, SGDHyper
 
 Params = Union[DistEmbedding, Iterable[DistEmbedding]]
 
 
-class StepMode(str, Enum):
+class StepMode(Choice):
     """How Adam counts steps for its bias correction.
 
     Example:
