@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import distemb  # noqa: E402
-from distemb.config import CacheConfig, parse_cluster_config  # noqa: E402
+from distemb.config import parse_cache_config, parse_cluster_config  # noqa: E402
 from distemb.context import DistContext  # noqa: E402
 from distemb.kvstore.cache import CachedKVClient  # noqa: E402
 from distemb.kvstore.remote import RemoteKVClient  # noqa: E402
@@ -159,7 +159,7 @@ def trainer_main(args):
     cfg = parse_cluster_config(spec["cluster"])
     stream = [{k: np.asarray(v) for k, v in s.items()} for s in np.load(
         spec["streams"][args.rank], allow_pickle=True)["steps"]]
-    cache = None if spec["cache"] is None else CacheConfig(**spec["cache"])
+    cache = None if spec["cache"] is None else parse_cache_config(spec["cache"])
     out = run_steps(cfg, args.rank, stream, spec["num_rows"], spec["dim"], cache,
                     spec["warmup"], spec["label"])
     with open(os.path.join(spec["out"], f"rank{args.rank}.json"), "w") as f:
@@ -200,7 +200,7 @@ def run_job(streams, num_servers, num_rows, dim, cache, warmup, label):
             holder[:] = stream
             np.savez(paths[-1], steps=holder)
         spec = dict(cluster=raw, streams=paths, num_rows=num_rows, dim=dim, warmup=warmup,
-                    cache=None if cache is None else vars(cache), out=out, label=label)
+                    cache=None if cache is None else cache.to_dict(), out=out, label=label)
         json.dump(spec, open(os.path.join(out, "spec.json"), "w"))
         servers = [subprocess.Popen([sys.executable, "-m", "distemb.server", "--config",
                                      cfg_path, "--server-id", str(s)], env=env())
@@ -227,8 +227,8 @@ def hit_rates(streams, num_rows, warmup):
         for policy in ("lru", "lfu"):
             rates = []
             for frac in SIZES:
-                res = run_job([stream], 1, num_rows, 16, CacheConfig(policy=policy,
-                                                                     fraction=frac),
+                res = run_job([stream], 1, num_rows, 16,
+                              parse_cache_config({"policy": policy, "fraction": frac}),
                               warmup, f"hr-{sname}-{policy}-{frac}")
                 rates.append(res[0]["hit_rate"])
                 print(f"  hit rate {sname} {policy} {frac:.0%}: {rates[-1]:.3f}", flush=True)
@@ -292,8 +292,9 @@ def main():
         print("|---|" + "---|" * len(SIZES))
         for (sname, policy), r in rates.items():
             print(f"| {sname}, {policy} | " + " | ".join(f"{100 * x:.1f}" for x in r) + " |")
-    exact = CacheConfig(policy=args.policy, fraction=args.fraction)
-    stale = CacheConfig(policy=args.policy, fraction=args.fraction, staleness=args.staleness)
+    exact = parse_cache_config({"policy": args.policy, "fraction": args.fraction})
+    stale = parse_cache_config({"policy": args.policy, "fraction": args.fraction,
+                                "staleness": args.staleness})
     rows = []
     jobs = [(name, servers, st[:1] if servers == 1 else st[1:]) for name, st in
             (("sage", sage), ("zipf", zipf)) if name in args.streams.split(",")

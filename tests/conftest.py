@@ -20,7 +20,7 @@ import pytest
 from cpu_cuda_twin import CpuCudaTwin
 from mp_helper import ProcessGroup, cluster_dict, write_json
 
-from distemb.config import CacheConfig, load_cluster_config, parse_cluster_config
+from distemb.config import load_cluster_config, parse_cache_config, parse_cluster_config
 from distemb.kvstore import KVClient, LocalKVClient
 from distemb.kvstore.cache import CachedKVClient
 from distemb.kvstore.device import DeviceKVClient
@@ -28,9 +28,9 @@ from distemb.kvstore.remote import RemoteKVClient
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
 #: Trainer caches in front of the remote clients: "<cluster kind>+<cache name>".
-CACHES = {"lru_exact": CacheConfig(policy="lru", rows=4),            # evicts all the time
-          "lfu_exact": CacheConfig(policy="lfu", fraction=0.5),
-          "lru_stale3": CacheConfig(policy="lru", bytes=4096, staleness=3)}
+CACHES = {"lru_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # evicts a lot
+          "lfu_exact": parse_cache_config({"policy": "lfu", "fraction": 0.5}),
+          "lru_stale3": parse_cache_config({"policy": "lru", "bytes": 4096, "staleness": 3})}
 CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin",
                                           "tcp+lru_exact", "tcp_shm+lfu_exact",
                                           "tcp+lru_stale3"]

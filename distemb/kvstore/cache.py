@@ -41,7 +41,7 @@ Capacity per table: rows, bytes (row plus optimizer state) or a fraction of the 
 
 Example (servers started by ``distemb-launch``)::
 
-    client = CachedKVClient(RemoteKVClient(cfg, rank), CacheConfig(fraction=0.1))
+    client = CachedKVClient(RemoteKVClient(cfg, rank), parse_cache_config({"fraction": 0.1}))
 """
 from typing import Dict, Optional
 
@@ -159,7 +159,8 @@ class CachedKVClient(KVClient):
 
     Example::
 
-        kv = CachedKVClient(RemoteKVClient(cfg, 0), CacheConfig(policy="lfu", rows=10_000))
+        kv = CachedKVClient(RemoteKVClient(cfg, 0), parse_cache_config({"policy": "lfu",
+                                                                   "rows": 10_000}))
         kv.init_data("w", (10**6, 64), "float32", range_policy(10**6, kv.num_servers))
         rows = kv.pull("w", np.array([3, 3, 7]))     # misses: rows come with versions
         kv.stats()["hit_rows"]
