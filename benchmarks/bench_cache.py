@@ -17,8 +17,12 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
    and LFU, after a warm-up; written as a PNG plot.
 2. Bytes and steps/s (D=128; ``sage`` ids, and synthetic zipf(1.1) ids, 13,000 per step,
    for contrast): no cache vs a cache of ``--fraction`` of the rows, exact and bounded
-   staleness ``s``, 1 server x 1 trainer and 2 servers x 2 trainers. Bytes are the array payloads each trainer received (pull replies, update
-   replies) and sent, per step, counted on its sockets.
+   staleness ``s``, 1 server x 1 trainer and 2 servers x 2 trainers. Bytes are the
+   array payloads each trainer received (pull replies, update replies) and sent, per
+   step, counted on its sockets.
+
+Also printed: the hit rate of a clairvoyant static cache of the most frequent rows of
+the stream (an upper bound for any policy that keeps a fixed share of rows).
 
 Usage::
 
@@ -236,6 +240,22 @@ def hit_rates(streams, num_rows, warmup):
     return out
 
 
+def static_hit_rates(streams, num_rows, warmup):
+    """{(stream, 'static top-k'): [hit rate per size]}: the most frequent rows, kept."""
+    out = {}
+    for sname, stream in streams.items():
+        steps = [np.unique(np.concatenate(list(s.values()))) for s in stream]
+        freq = np.bincount(np.concatenate(steps), minlength=num_rows)
+        order = np.argsort(-freq, kind="stable")
+        rates = []
+        for frac in SIZES:
+            top = np.zeros(num_rows, bool)
+            top[order[:int(frac * num_rows)]] = True
+            rates.append(float(np.mean([top[ids].mean() for ids in steps[warmup:]])))
+        out[(sname, "static top-k")] = rates
+    return out
+
+
 def plot(rates, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -243,8 +263,9 @@ def plot(rates, path):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for (sname, policy), r in rates.items():
+        style = {"lru": "-", "lfu": "--"}.get(policy, ":")
         ax.plot([100 * s for s in SIZES], [100 * x for x in r], marker="o",
-                linestyle="-" if policy == "lru" else "--", label=f"{sname} ids, {policy}")
+                linestyle=style, label=f"{sname} ids, {policy}")
     ax.set_xscale("log")
     ax.set_xlabel("cache size (% of the table's rows)")
     ax.set_ylabel("hit rate (% of unique rows per step)")
@@ -286,6 +307,7 @@ def main():
           f"{np.mean([sum(len(v) for v in s.values()) for s in walk]):.0f} ids", flush=True)
     if not args.skip_hit_rate:
         rates = hit_rates({"sage": sage[0], "deepwalk": walk}, n, args.warmup)
+        rates.update(static_hit_rates({"sage": sage[0], "deepwalk": walk}, n, args.warmup))
         plot(rates, args.plot)
         print(f"\nhit rate (% of unique rows per step) vs cache size, plot: {args.plot}\n")
         print("| ids, policy | " + " | ".join(f"{s:.0%}" for s in SIZES) + " |")
