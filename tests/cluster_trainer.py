@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 import distemb
+from distemb.config import parse_cache_config
 from distemb.context import DistContext
 from distemb.kernels import reference
+from distemb.kvstore.cache import CachedKVClient
 from distemb.partition import range_policy
 
 N, D, B, LR = 40, 8, 24, 0.1
@@ -50,13 +52,25 @@ def side_ids(step, ids, per):
     return ids[:per] if step % 2 == 0 else None
 
 
-def train(out, steps, disjoint, side=False):
+#: ``--twins``: the same training on tables behind trainer caches, in the same job.
+TWINS = {"exact": {"policy": "lfu", "rows": 12},
+         "stale": {"policy": "lru", "fraction": 1.0, "staleness": 5}}
+
+
+def train(out, steps, disjoint, side=False, twins=False):
     ctx = distemb.initialize(backend="pytorch", num_threads=1)
     torch.set_num_threads(1)
     rank, T = ctx.rank, ctx.num_trainers
     emb = distemb.DistEmbedding(N, D, name="emb", init_func=init,
                                 part_policy=range_policy(N, ctx.num_servers))
     tables = [emb]
+    # Twins share the job's connections: a cache is a view of the trainer's client.
+    caches = {k: CachedKVClient(ctx.client, parse_cache_config(v)) for k, v in TWINS.items()
+              } if twins else {}
+    twin_tables = {k: distemb.DistEmbedding(
+        N, D, name=f"emb-{k}", init_func=init, part_policy=range_policy(N, ctx.num_servers),
+        context=DistContext(kv, backend="pytorch", num_threads=1)) for k, kv in caches.items()}
+    twin_opts = {k: distemb.SparseAdagrad([t], lr=LR) for k, t in twin_tables.items()}
     if side:
         tables.append(distemb.DistEmbedding(N, D, name="side", init_func=init,
                                             part_policy=range_policy(N, ctx.num_servers)))
@@ -72,13 +86,18 @@ def train(out, steps, disjoint, side=False):
             loss = loss + loss_of(tables[1](extra), targets[:per])
         loss.backward()
         opt.step()
+        for k, t in twin_tables.items():
+            twin_opts[k].zero_grad()
+            loss_of(t(ids[sl]), targets[sl]).backward()
+            twin_opts[k].step()
         if ctx.client.consistency == "sync":
             ctx.client.barrier()  # everyone pulls the same weights next step
     ctx.client.barrier()
-    if hasattr(ctx.client, "stats"):  # a trainer cache (distemb-launch --cache-*)
-        with open(os.path.join(out, f"cache{rank}.json"), "w") as f:
-            json.dump(ctx.client.stats(), f)
+    with open(os.path.join(out, f"cache{rank}.json"), "w") as f:
+        json.dump({k: kv.stats() for k, kv in caches.items()}, f)
     if rank == 0:
+        for k, t in twin_tables.items():
+            np.save(os.path.join(out, f"final-{k}.npy"), t.weight[torch.arange(N)].numpy())
         np.save(os.path.join(out, "final.npy"), emb.weight[torch.arange(N)].numpy())
         if side:
             np.save(os.path.join(out, "side.npy"), tables[1].weight[torch.arange(N)].numpy())
@@ -130,6 +149,8 @@ if __name__ == "__main__":
     parser.add_argument("--disjoint", action="store_true")
     parser.add_argument("--side", action="store_true",
                         help="a second table that only rank 0 uses, on even steps")
+    parser.add_argument("--twins", action="store_true",
+                        help="also train copies of 'emb' behind the caches of TWINS")
     args = parser.parse_args()
-    train(args.out, args.steps, args.disjoint, args.side)
+    train(args.out, args.steps, args.disjoint, args.side, args.twins)
     sys.exit(0)

@@ -4,10 +4,14 @@ The KVClient suite runs with caches in front of the remote clients (tests/confte
 these tests cover what the suite cannot see: another writer, staleness bounds, admission,
 capacity and configuration errors.
 """
+import json
+
 import numpy as np
 import pytest
 
 from distemb.config import CacheConfig, parse_cache_config, parse_cluster_config
+from distemb.context import DistContext
+from distemb.enums import CachePolicy
 from distemb.errors import ConfigError
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore.cache import CachedKVClient
@@ -136,3 +140,16 @@ def test_cache_config_sizes_and_cluster_config_round_trip():
 def test_cache_needs_a_client_whose_servers_version_rows():
     with pytest.raises(TypeError, match="inner: expected a client whose servers version"):
         CachedKVClient(LocalKVClient(), CacheConfig(rows=3))
+
+
+def test_a_cluster_config_with_a_cache_gives_trainers_a_cached_client(clusters, tmp_path):
+    """What distemb-launch --cache-* writes: the trainer's context wraps its client."""
+    cluster = clusters("tcp")
+    path = tmp_path / "cached.json"
+    path.write_text(json.dumps(dict(cluster.raw, cache={"policy": "lfu", "rows": 5})))
+    ctx = DistContext.trainer(str(path), 0, backend="numpy")
+    try:
+        assert isinstance(ctx.client, CachedKVClient)
+        assert ctx.client.config.policy == CachePolicy.LFU and ctx.client.config.rows == 5
+    finally:
+        ctx.client.close(goodbye=False)  # the module's servers serve the other tests
