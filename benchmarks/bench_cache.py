@@ -28,6 +28,7 @@ Usage::
 
     PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fraction 0.1]
         [--staleness 5] [--plot out/bench_cache_hit_rate.png] [--streams sage,zipf]
+        [--rounds 3] [--skip-hit-rate]
 """
 import argparse
 import json
@@ -287,6 +288,7 @@ def main():
     p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
     p.add_argument("--skip-hit-rate", action="store_true")
     p.add_argument("--streams", default="sage,zipf", help="id streams of part 2")
+    p.add_argument("--rounds", type=int, default=3, help="rounds in turns (medians)")
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -321,24 +323,35 @@ def main():
     jobs = [(name, servers, st[:1] if servers == 1 else st[1:]) for name, st in
             (("sage", sage), ("zipf", zipf)) if name in args.streams.split(",")
             for servers in (1, 2)]
+    configs = (("no cache", None), (f"{args.policy} {args.fraction:.0%} exact", exact),
+               (f"{args.policy} {args.fraction:.0%} staleness {args.staleness}", stale))
     for sname, servers, streams in jobs:
-        base = None
-        for name, cache in (("no cache", None), (f"{args.policy} {args.fraction:.0%} exact",
-                                                  exact),
-                            (f"{args.policy} {args.fraction:.0%} staleness "
-                             f"{args.staleness}", stale)):
-            res = run_job(streams, servers, n, 128, cache, args.warmup,
-                          f"{sname}{servers}-{name.replace(' ', '_')}")
-            rate = float(np.mean([r["steps_per_s"] for r in res]))
-            recv = float(np.mean([r["received_per_step"] for r in res]))
-            sent = float(np.mean([r["sent_per_step"] for r in res]))
-            hit = np.mean([r.get("hit_rate", 0.0) for r in res])
-            base = base or (rate, recv)
-            rows.append((f"{sname}, {servers}s x {len(streams)}t tcp", name, rate,
-                         rate / base[0], recv, 1 - recv / base[1], sent, hit))
-            print(f"  {rows[-1]}", flush=True)
+        # The configurations in turns, each round against its own uncached run: the
+        # load of a shared machine drifts less between neighbours in time.
+        got = {name: [] for name, _ in configs}
+        for _ in range(args.rounds):
+            for name, cache in configs:
+                res = run_job(streams, servers, n, 128, cache, args.warmup,
+                              f"{sname}{servers}-{name.replace(' ', '_')}")
+                got[name].append(dict(
+                    rate=float(np.mean([r["steps_per_s"] for r in res])),
+                    recv=float(np.mean([r["received_per_step"] for r in res])),
+                    sent=float(np.mean([r["sent_per_step"] for r in res])),
+                    hit=float(np.mean([r.get("hit_rate", 0.0) for r in res]))))
+                print(f"  {sname} {servers}x{len(streams)} {name}: {got[name][-1]}", flush=True)
+        base = got["no cache"]
+        for name, _ in configs:
+            runs = got[name]
+
+            def med(key, runs=runs):
+                return float(np.median([r[key] for r in runs]))
+
+            rows.append((f"{sname}, {servers}s x {len(streams)}t tcp", name, med("rate"),
+                         float(np.median([r["rate"] / b["rate"] for r, b in zip(runs, base)])),
+                         med("recv"), 1 - med("recv") / float(np.median(
+                             [b["recv"] for b in base])), med("sent"), med("hit")))
     print(f"\nD=128, {args.steps} timed steps per trainer, one thread per process, "
-          f"{os.cpu_count()} cores\n")
+          f"{os.cpu_count()} cores, medians of {args.rounds} rounds in turns\n")
     print("| ids, job | cache | steps/s per trainer | vs no cache | bytes received per step "
           "| fewer bytes | bytes sent per step | hit rate |")
     print("|---|---|---|---|---|---|---|---|")
