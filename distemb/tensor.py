@@ -2,7 +2,7 @@
 import numpy as np
 
 from distemb.context import current_context
-from distemb.errors import KVStoreError, PartitionError
+from distemb.errors import KVStoreError
 from distemb.partition import range_policy
 
 
@@ -92,17 +92,16 @@ class DistTensor:
         return flat, arr.shape
 
     def _device_ids(self, ids):
-        """Ids as a contiguous int64 tensor on the device, range-checked there."""
+        """Ids as a contiguous int64 tensor on the device.
+
+        The device client range-checks them on the device (reads never wait for it to
+        say so, see :mod:`distemb.kvstore.device`).
+        """
         F = self._ctx.F
         t = ids if F.is_tensor(ids) else F.tensor(np.asarray(ids))
         if t.is_floating_point() or t.is_complex() or F.dtype_of(t) == "bool":
             raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {t.dtype}")
         flat = t.reshape(-1).to(self._client.device, F.dtype("int64")).contiguous()
-        bad = (flat < 0) | (flat >= self._shape[0])
-        if bool(bad.any()):  # one synchronisation, no copy of the ids to the host
-            raise PartitionError(f"ids of {self._name!r}: id {int(flat[bad][0])} is out of "
-                                 f"range for {self._policy.policy_str} (expected 0 <= id < "
-                                 f"{self._shape[0]})")
         return flat, tuple(t.shape)
 
     def _pull(self, flat, shape):

@@ -12,8 +12,10 @@ code written against one kernel module runs with either (the update rules of
 :mod:`distemb.rules` take the module as an argument).
 
 Inputs must already have the exact dtype (int64 ids, float32 rows) and be contiguous:
-nothing is copied or converted behind the caller's back. As on the CPU, row ids must be
-in range and, for the updates, unique; that is the caller's contract, not checked here.
+nothing is copied or converted behind the caller's back. As on the CPU, rows passed to
+the updates must be unique. Ids are not range-checked on the host (that would make the
+host wait for the device): :func:`gather_rows_checked` validates them on the device and
+the updates skip rows outside the table, so a bad id never touches memory outside it.
 
 Example:
     >>> import numpy as np
@@ -39,8 +41,13 @@ from distemb.errors import DistEmbError
 CUDA_LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "_cuda_kernels.so")
 # Must equal DISTEMB_CUDA_ABI_VERSION in csrc/cuda/distemb_cuda.h.
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_BATCH = 2**31 - 1  # the dedup kernels index positions with int32
+# Rows per chunk of dedup_sum's segment sum (kSumChunk in csrc/cuda/common.cuh, checked
+# when the library loads): the order of its additions, which tests/cpu_cuda_twin.py mirrors.
+SUM_CHUNK = 32
+# The flags of gather_rows_checked before any bad id: (count, smallest, largest).
+CLEAN_ID_FLAGS = (0, 2**63 - 1, -2**63)
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _F32, _F64, _SIZE = ctypes.c_float, ctypes.c_double, ctypes.c_size_t
@@ -49,16 +56,20 @@ _SIGNATURES = {
     "distemb_cuda_abi_version": (_INT, []),
     "distemb_cuda_error_string": (ctypes.c_char_p, [_INT]),
     "distemb_cuda_device_count": (_INT, [ctypes.POINTER(_INT)]),
-    "distemb_cuda_dedup_workspace_bytes": (_INT, [_I64, _INT, ctypes.POINTER(_SIZE), _INT]),
-    "distemb_cuda_dedup_sort": (_INT, [_P, _I64, _INT, _P, _SIZE, _P, _P, _INT, _P]),
-    "distemb_cuda_dedup_sum": (_INT, [_P, _I64, _I64, _P, _SIZE, _I64, _P, _INT, _P]),
+    "distemb_cuda_sum_chunk_rows": (_INT, []),
+    "distemb_cuda_dedup_workspace_bytes":
+        (_INT, [_I64, _I64, _INT, ctypes.POINTER(_SIZE), _INT]),
+    "distemb_cuda_dedup_sort": (_INT, [_P, _I64, _I64, _INT, _P, _SIZE, _P, _P, _INT, _P]),
+    "distemb_cuda_dedup_sum": (_INT, [_P, _I64, _I64, _P, _SIZE, _P, _INT, _P]),
     "distemb_cuda_gather_rows": (_INT, [_P, _I64, _P, _I64, _P, _INT, _P]),
-    "distemb_cuda_sgd_update": (_INT, [_P, _I64, _P, _P, _I64, _F32, _INT, _P]),
-    "distemb_cuda_adagrad_update": (_INT, [_P, _P, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
+    "distemb_cuda_gather_rows_checked": (_INT, [_P, _I64, _I64, _P, _I64, _P, _P, _INT, _P]),
+    "distemb_cuda_sgd_update": (_INT, [_P, _I64, _I64, _P, _P, _I64, _F32, _INT, _P]),
+    "distemb_cuda_adagrad_update":
+        (_INT, [_P, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
     "distemb_cuda_rowwise_adagrad_update":
-        (_INT, [_P, _P, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
-    "distemb_cuda_adam_update": (_INT, [_P, _P, _P, _I64, _P, _P, _I64, _F64, _F64, _F64, _F64,
-                                        _I64, _P, _INT, _P]),
+        (_INT, [_P, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
+    "distemb_cuda_adam_update": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64,
+                                        _F64, _I64, _P, _INT, _P]),
 }
 SYMBOLS = tuple(sorted(_SIGNATURES))
 
@@ -113,6 +124,11 @@ def load_library(path=CUDA_LIB_PATH):
     if version != ABI_VERSION:
         raise CudaUnavailableError(f"{path} has ABI version {version}, expected {ABI_VERSION}: "
                                    "a stale build. " + _BUILD_HINT)
+    chunk = lib.distemb_cuda_sum_chunk_rows()
+    if chunk != SUM_CHUNK:
+        raise CudaUnavailableError(f"{path} sums in chunks of {chunk} rows, expected "
+                                   f"{SUM_CHUNK} (distemb.kernels.cuda.SUM_CHUNK): a stale "
+                                   "build. " + _BUILD_HINT)
     return lib
 
 
@@ -232,18 +248,24 @@ def _call(lib, name, device, *args):
         check_status(lib, name, getattr(lib, name)(*args, device, stream))
 
 
-def dedup_sum(ids, grads, num_rows=None, num_threads=1):
+def dedup_sum(ids, grads, num_rows=None, out=None, num_threads=1):
     """Deduplicate ``ids`` and sum the gradient rows of each duplicate, on the GPU.
 
-    Sums accumulate in batch order, so results are deterministic. Synchronises once with
-    the current stream, to read the number of unique ids that sizes the output.
+    The rows of one id are summed in chunks of :data:`SUM_CHUNK` rows, each chunk in batch
+    order and all chunks at once, then the chunks' sums in chunk order: a fixed order, so
+    results are identical run to run, and a hot id with thousands of rows is summed by
+    many threads (the order differs from the CPU kernels' by rounding only). Every kernel
+    is enqueued before the host waits, once, to read the unique count that sizes the
+    returned views.
 
     Args:
         ids: (N,) int64 CUDA tensor of ids, any order, duplicates allowed.
         grads: (N, D) float32 CUDA tensor, one gradient row per id.
         num_rows: optional table size. When given, every id must lie in [0, num_rows)
             (not checked): the sort then reads only the bits that range needs, in fewer
-            passes. Ids outside it give wrong results.
+            passes. Ids outside it give wrong sums (never a fault).
+        out: optional reusable (M >= N, D) float32 CUDA tensor; the sums go to its first
+            U rows and a view of them is returned.
         num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Returns:
@@ -251,8 +273,8 @@ def dedup_sum(ids, grads, num_rows=None, num_threads=1):
 
     Raises:
         TypeError: wrong type, dtype or a CPU tensor.
-        ValueError: wrong shape, non-contiguous, mixed devices, more than MAX_BATCH ids
-            or ``num_rows`` < 1.
+        ValueError: wrong shape, non-contiguous, mixed devices, more than MAX_BATCH ids,
+            ``num_rows`` < 1 or an ``out`` too small.
         CudaUnavailableError: the CUDA kernels cannot run here.
         CudaKernelError: a kernel failed.
     """
@@ -265,26 +287,34 @@ def dedup_sum(ids, grads, num_rows=None, num_threads=1):
     if num_rows is not None and int(num_rows) < 1:
         raise ValueError(f"num_rows: expected >= 1 (the table size), got {num_rows}")
     end_bit = 64 if num_rows is None else max(1, (int(num_rows) - 1).bit_length())
-    device = _same_device(ids=ids, grads=grads)
+    tensors = dict(ids=ids, grads=grads)
+    if out is not None:
+        _tensor("out", out, torch.float32, 2)
+        if out.shape[0] < n or out.shape[1] != d:
+            raise ValueError(f"out: expected a (>= {n}, {d}) tensor, got {tuple(out.shape)}")
+        tensors["out"] = out
+    device = _same_device(**tensors)
     lib = require_cuda()
     if n == 0:
         return ids.new_empty(0), grads.new_empty((0, d))
     nbytes = _SIZE(0)
     with torch.cuda.device(device):
         check_status(lib, "distemb_cuda_dedup_workspace_bytes",
-                     lib.distemb_cuda_dedup_workspace_bytes(n, end_bit, ctypes.byref(nbytes),
+                     lib.distemb_cuda_dedup_workspace_bytes(n, d, end_bit, ctypes.byref(nbytes),
                                                             device))
     workspace = torch.empty(nbytes.value, dtype=torch.uint8, device=ids.device)
     uniq = torch.empty(n, dtype=torch.int64, device=ids.device)
     count = torch.empty(1, dtype=torch.int64, device=ids.device)
-    _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, end_bit,
+    # Sized for the most unique ids there can be, so the sum is enqueued before the count
+    # is known: the host waits once, after all the work, not between sort and sum.
+    summed = torch.empty((n, d), dtype=torch.float32, device=ids.device) if out is None else out
+    _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, d, end_bit,
           workspace.data_ptr(), nbytes.value, uniq.data_ptr(), count.data_ptr())
-    num_unique = int(count.item())
-    summed = torch.empty((num_unique, d), dtype=torch.float32, device=ids.device)
     if d > 0:
         _call(lib, "distemb_cuda_dedup_sum", device, grads.data_ptr(), n, d,
-              workspace.data_ptr(), nbytes.value, num_unique, summed.data_ptr())
-    return uniq[:num_unique], summed
+              workspace.data_ptr(), nbytes.value, summed.data_ptr())
+    num_unique = int(count.item())
+    return uniq[:num_unique], summed[:num_unique]
 
 
 def gather_rows(table, rows, out=None, num_threads=1):
@@ -320,12 +350,53 @@ def gather_rows(table, rows, out=None, num_threads=1):
     return out
 
 
+def gather_rows_checked(table, rows, flags, out=None, num_threads=1):
+    """As :func:`gather_rows`, validating ``rows`` on the GPU without stopping the stream.
+
+    A row id outside [0, R) reads a row of zeros instead of faulting, and is recorded in
+    ``flags``: (count, smallest, largest) of the bad ids seen, accumulated over calls
+    until the caller resets them to :data:`CLEAN_ID_FLAGS`. The caller reads ``flags``
+    when it next waits for the device anyway and reports the bad ids then.
+
+    Args:
+        table: (R, D) float32 CUDA tensor.
+        rows: (N,) int64 CUDA tensor of row ids, any values.
+        flags: (3,) int64 CUDA tensor, updated in place (start: :data:`CLEAN_ID_FLAGS`).
+        out: optional (N, D) float32 CUDA tensor to write into.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError: wrong type, dtype or a CPU tensor.
+        ValueError: wrong shape, non-contiguous or mixed devices.
+        CudaUnavailableError: the CUDA kernels cannot run here.
+        CudaKernelError: the kernel failed.
+    """
+    _tensor("table", table, torch.float32, 2)
+    _tensor("rows", rows, torch.int64, 1)
+    _tensor("flags", flags, torch.int64, 1)
+    _shape("flags", flags, (3,))
+    n, d = rows.shape[0], table.shape[1]
+    if out is None:
+        out = torch.empty((n, d), dtype=torch.float32, device=table.device)
+    _tensor("out", out, torch.float32, 2)
+    _shape("out", out, (n, d))
+    device = _same_device(table=table, rows=rows, flags=flags, out=out)
+    lib = require_cuda()
+    if n * d > 0:
+        _call(lib, "distemb_cuda_gather_rows_checked", device, table.data_ptr(),
+              table.shape[0], d, rows.data_ptr(), n, out.data_ptr(), flags.data_ptr())
+    return out
+
+
 def sgd_update(weight, rows, grads, lr, num_threads=1):
     """In place on the GPU: ``weight[rows] -= lr * grads``. ``rows`` must be unique.
 
     Args:
         weight: (R, D) float32 CUDA tensor, updated in place.
-        rows: (N,) int64 CUDA tensor of unique row ids in [0, R).
+        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
         grads: (N, D) float32 CUDA tensor.
         lr: learning rate.
         num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
@@ -340,7 +411,8 @@ def sgd_update(weight, rows, grads, lr, num_threads=1):
     device = _same_device(weight=weight, rows=rows, grads=grads)
     lib = require_cuda()
     if grads.numel() > 0:
-        _call(lib, "distemb_cuda_sgd_update", device, weight.data_ptr(), weight.shape[1],
+        _call(lib, "distemb_cuda_sgd_update", device, weight.data_ptr(), weight.shape[0],
+              weight.shape[1],
               rows.data_ptr(), grads.data_ptr(), rows.shape[0], float(lr))
 
 
@@ -350,7 +422,7 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     Args:
         weight: (R, D) float32 CUDA tensor, updated in place.
         state_sum: (R, D) float32 CUDA tensor of summed squared gradients, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids in [0, R).
+        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
         grads: (N, D) float32 CUDA tensor.
         clr: the step's learning rate (after torch's lr_decay).
         eps: added to the root of the state.
@@ -369,7 +441,7 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     lib = require_cuda()
     if grads.numel() > 0:
         _call(lib, "distemb_cuda_adagrad_update", device, weight.data_ptr(),
-              state_sum.data_ptr(), weight.shape[1], rows.data_ptr(), grads.data_ptr(),
+              state_sum.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(), grads.data_ptr(),
               rows.shape[0], float(clr), float(eps))
 
 
@@ -379,7 +451,7 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads
     Args:
         weight: (R, D) float32 CUDA tensor, updated in place.
         state_sum: (R,) float32 CUDA tensor, one accumulator per row, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids in [0, R).
+        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
         grads: (N, D) float32 CUDA tensor.
         clr: the step's learning rate.
         eps: added to the root of the state.
@@ -398,7 +470,7 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads
     lib = require_cuda()
     if grads.numel() > 0:
         _call(lib, "distemb_cuda_rowwise_adagrad_update", device, weight.data_ptr(),
-              state_sum.data_ptr(), weight.shape[1], rows.data_ptr(), grads.data_ptr(),
+              state_sum.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(), grads.data_ptr(),
               rows.shape[0], float(clr), float(eps))
 
 
@@ -413,7 +485,7 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
         weight: (R, D) float32 CUDA tensor, updated in place.
         exp_avg: (R, D) float32 CUDA tensor, first moments, in place.
         exp_avg_sq: (R, D) float32 CUDA tensor, second moments, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids in [0, R).
+        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
         grads: (N, D) float32 CUDA tensor.
         lr: learning rate.
         beta1: decay of the first moment.
@@ -448,6 +520,6 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
     lib = require_cuda()
     if grads.numel() > 0:
         _call(lib, "distemb_cuda_adam_update", device, weight.data_ptr(), exp_avg.data_ptr(),
-              exp_avg_sq.data_ptr(), weight.shape[1], rows.data_ptr(), grads.data_ptr(),
-              rows.shape[0], float(lr), float(beta1), float(beta2), float(eps), int(step),
+              exp_avg_sq.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
+              grads.data_ptr(), rows.shape[0], float(lr), float(beta1), float(beta2), float(eps), int(step),
               steps_ptr)

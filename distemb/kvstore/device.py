@@ -8,6 +8,15 @@ gradients never leave the GPU. Arrays crossing this client are torch tensors on 
 device (ids int64), where host clients use numpy. Embedded only: a server process holds
 numpy shards and never imports torch.
 
+Ids are validated on the device without stopping the stream: a lookup's gather reads
+zeros for an out-of-range id and records it in the table's flags (count, smallest,
+largest), which are copied to pinned host memory behind the gather. The client reports
+them (a :class:`~distemb.errors.PartitionError` naming the table and the range of the
+bad ids) at the next point where the copy is known to have landed without waiting: the
+next lookup of the table if the copy is done by then, at the latest the next
+``push_update`` (``opt.step()``), which runs after the dedup's one wait for the device
+and then applies nothing. Writes (``t[ids] = v``) are rare and check their ids at once.
+
 This module imports torch; :mod:`distemb.kvstore` does not import it, so servers never
 load it (the context imports it when a table asks for a device).
 
@@ -15,7 +24,7 @@ load it (the context imports it when a table asks for a device).
 import numpy as np
 import torch
 
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, PartitionError
 from distemb.kernels import cuda
 from distemb.kvstore.types import DataMeta, KVClient
 from distemb.rules import RULES, state_name
@@ -49,6 +58,65 @@ def cuda_device(device):
         raise ValueError(f"device: {device!r} does not exist, this process sees "
                          f"{torch.cuda.device_count()} CUDA device(s)")
     return torch.device("cuda", index)
+
+
+class IdCheck:
+    """Out-of-range ids seen by one table's device lookups, read back without waiting.
+
+    Args:
+        device: the table's ``torch.device``.
+        num_rows: the table's rows (valid ids are in [0, num_rows)).
+        what: how the error names the ids, e.g. ``"ids of 'emb'"``.
+
+    Example:
+        >>> check = IdCheck(torch.device("cpu"), 10, "ids of 't'")
+        >>> check.flags[:] = torch.tensor([2, -1, 12])  # what a gather recorded
+        >>> check.raise_seen(wait=True)
+        Traceback (most recent call last):
+        ...
+        distemb.errors.PartitionError: ids of 't': 2 out of range, from -1 to 12 ...
+    """
+
+    def __init__(self, device, num_rows, what):
+        self.num_rows, self.what = num_rows, what
+        self.flags = torch.tensor(cuda.CLEAN_ID_FLAGS, dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            self._host = torch.empty(3, dtype=torch.int64, pin_memory=True)
+            self._landed = torch.cuda.Event()
+        else:  # host memory already: nothing to copy or wait for
+            self._host, self._landed = self.flags, None
+
+    def recorded(self):
+        """Enqueue the copy of the flags to the host, behind the kernel that wrote them."""
+        if self._landed is not None:
+            self._host.copy_(self.flags, non_blocking=True)
+            self._landed.record()
+
+    def raise_seen(self, wait):
+        """Raise if the flags that reached the host show bad ids, and clear them.
+
+        Args:
+            wait: wait for the last copy (free right after the device was waited for);
+                otherwise look only if it has already landed.
+
+        Raises:
+            PartitionError: bad ids were seen: their count and range, and what happened.
+        """
+        if self._landed is not None:
+            if wait:
+                self._landed.synchronize()
+            elif not self._landed.query():
+                return
+        count, low, high = self._host.tolist()
+        if count == 0:
+            return
+        self.flags.copy_(torch.tensor(cuda.CLEAN_ID_FLAGS, dtype=torch.int64))
+        if self._host is not self.flags:
+            self._host.copy_(self.flags.cpu())
+        raise PartitionError(
+            f"{self.what}: {count} out of range, from {low} to {high} (expected 0 <= id < "
+            f"{self.num_rows}); found on the device in lookups since the last check: those "
+            "rows read as zeros, and a step() that would apply them applies nothing")
 
 
 class DeviceKVClient(KVClient):
@@ -90,6 +158,7 @@ class DeviceKVClient(KVClient):
             cuda.require_cuda()
         self._tables = {}
         self._meta = {}
+        self._checks = {}
 
     def init_data(self, name, shape, dtype, policy, init_func=None):
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard.
@@ -105,6 +174,8 @@ class DeviceKVClient(KVClient):
                                f"{policy.get_size()} ids, but shape[0] is {shape[0]}")
         self._tables[name] = self._initial(name, shape, dtype, policy, init_func)
         self._meta[name] = DataMeta(shape, dtype, policy)
+        self._checks[name] = IdCheck(self.device, shape[0],
+                                     f"ids of {name!r} ({policy.policy_str})")
 
     def _initial(self, name, shape, dtype, policy, init_func):
         tdtype = getattr(torch, dtype)
@@ -129,6 +200,7 @@ class DeviceKVClient(KVClient):
     def delete_data(self, name):
         self._meta.pop(name, None)
         self._tables.pop(name, None)
+        self._checks.pop(name, None)
 
     def _meta_of(self, name):
         self._table(name)  # raises the unknown-name error
@@ -142,15 +214,39 @@ class DeviceKVClient(KVClient):
                                f"(known: {sorted(self._meta)[:10]})") from None
 
     def pull(self, name, ids):
-        """Rows ``ids`` (int64 tensor on the device) of ``name``, a new tensor there."""
-        table = self._table(name)
+        """Rows ``ids`` (int64 tensor on the device) of ``name``, a new tensor there.
+
+        Ids are validated on the device (see the module docstring): an out-of-range id
+        reads zeros and is reported by a later call, never by a wait here.
+
+        Raises:
+            PartitionError: an earlier lookup of ``name`` had ids out of range.
+        """
+        table, check = self._table(name), self._checks[name]
+        check.raise_seen(wait=False)
         if table.dtype == torch.float32 and table.dim() == 2:
-            return self.ops.gather_rows(table, ids)
+            rows = self.ops.gather_rows_checked(table, ids, check.flags)
+            check.recorded()
+            return rows
+        self._check_now(name, ids)  # other tables: index_select would fault on a bad id
         return table.index_select(0, ids)
 
+    def _check_now(self, name, ids):
+        """Range-check ``ids`` of ``name`` here and now (one wait for the device)."""
+        bad = (ids < 0) | (ids >= self._meta[name].shape[0])
+        if bool(bad.any()):
+            raise PartitionError(f"ids of {name!r}: id {int(ids[bad][0])} is out of range for "
+                                 f"{self._meta[name].policy.policy_str} (expected 0 <= id < "
+                                 f"{self._meta[name].shape[0]})")
+
     def push(self, name, ids, values):
-        """Write ``values`` into rows ``ids``; for a duplicate id the last write wins."""
+        """Write ``values`` into rows ``ids``; for a duplicate id the last write wins.
+
+        Raises:
+            PartitionError: an id is out of range (checked at once: writes are rare).
+        """
         table = self._table(name)
+        self._check_now(name, ids)
         # index_copy_ leaves the winner of duplicate ids unspecified on a GPU: keep the
         # last position of each id, as host clients do.
         uniq, inverse = torch.unique(ids, return_inverse=True)
@@ -164,6 +260,9 @@ class DeviceKVClient(KVClient):
         except KeyError:
             raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}") from None
         states = {s.name: self._table(state_name(name, s.name)) for s in impl.states}
+        # The dedup that made these ids waited for the device, so the lookups' flags have
+        # landed: waiting costs nothing, and bad ids stop the update before it writes.
+        self._checks[name].raise_seen(wait=True)
         impl.apply(self.ops, self._table(name), states, ids, grads, hyper)
 
     def from_host(self, array):
