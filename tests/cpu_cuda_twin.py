@@ -21,19 +21,22 @@ import torch
 from distemb.kernels import cuda, reference
 
 
-def chunked_dedup_sum(ids, grads, chunk=cuda.SUM_CHUNK):
+def chunked_dedup_sum(ids, grads, chunk=cuda.SUM_CHUNK, num_rows=None):
     """Unique ids and summed rows, added in the order of the CUDA segment sum.
 
     Args:
         ids: (N,) int64 numpy ids.
         grads: (N, D) float32 numpy rows.
         chunk: rows per chunk (the CUDA kernel's ``SUM_CHUNK``).
+        num_rows: the table size, if given: ids outside [0, num_rows) count as num_rows.
 
     Returns:
         ``(uniq, summed)``: ascending unique ids and their (U, D) float32 sums, where a run
         of c rows of one id (in batch order) is cut into ceil(c / chunk) chunks, each summed
         left to right, and the chunks' sums are added left to right.
     """
+    if num_rows is not None:
+        ids = np.where((ids < 0) | (ids >= num_rows), num_rows, ids)
     order = np.argsort(ids, kind="stable")  # the radix sort is stable: batch order in a run
     uniq, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
     if uniq.shape[0] == 0:
@@ -95,11 +98,25 @@ class CpuCudaTwin:
             if out.shape[0] < ids_np.shape[0] or out.shape[1] != grads_np.shape[1]:
                 raise ValueError(f"out: expected a (>= {ids_np.shape[0]}, "
                                  f"{grads_np.shape[1]}) tensor, got {tuple(out.shape)}")
-        uniq, summed = chunked_dedup_sum(ids_np, grads_np)
+        uniq, summed = chunked_dedup_sum(ids_np, grads_np, num_rows=num_rows)
         if out is None:
             return torch.from_numpy(uniq), torch.from_numpy(summed)
         out[:uniq.shape[0]] = torch.from_numpy(summed)
         return torch.from_numpy(uniq), out[:uniq.shape[0]]
+
+    def dedup_sum_padded(self, ids, grads, num_rows, out=None, num_threads=1):
+        self.calls["dedup_sum_padded"] += 1
+        if num_rows is None:
+            raise ValueError("num_rows: expected the table size (>= 1), got None")
+        uniq, summed = self.dedup_sum(ids, grads, num_rows=num_rows, out=out)
+        self.calls["dedup_sum"] -= 1
+        n, u = ids.shape[0], uniq.shape[0]
+        padded_ids = torch.full((n,), num_rows, dtype=torch.int64)
+        padded_ids[:u] = uniq
+        padded = torch.zeros((n, grads.shape[1]), dtype=torch.float32) if out is None \
+            else out[:n]
+        padded[:u] = summed
+        return padded_ids, padded
 
     def gather_rows(self, table, rows, out=None, num_threads=1):
         self.calls["gather_rows"] += 1

@@ -121,7 +121,7 @@ def test_device_path_matches_torch_oracle(ctx, twin, case, dim):
     rule_kernel = {"sgd": "sgd_update", "rowwise_adagrad": "rowwise_adagrad_update"}.get(
         case, "adam_update" if case.startswith("adam-") or case == "adam" else "adagrad_update")
     # every step summed and updated through the device client's kernels, not the host's
-    assert twin.calls["dedup_sum"] == 50 and twin.calls[rule_kernel] == 50
+    assert twin.calls["dedup_sum_padded"] == 50 and twin.calls[rule_kernel] == 50
     assert twin.calls["gather_rows_checked"] >= 100  # lookups validate ids on the device
 
 
@@ -188,7 +188,7 @@ def test_lookup_on_another_device_sums_on_the_table_device(ctx, twin):
     assert rows.device.type == "cpu"
     rows.sum().backward()
     opt.step()
-    assert twin.calls["dedup_sum"] == 1 and twin.calls["adagrad_update"] == 1
+    assert twin.calls["dedup_sum_padded"] == 1 and twin.calls["adagrad_update"] == 1
     assert emb.weight[torch.tensor([0, 1, 3])][:, 0].tolist() == pytest.approx([0, -1, -1])
 
 

@@ -7,8 +7,10 @@ plain loop that states it), to equal a float64 sum within float32 rounding on sk
 zipf(1.1) batches of 65,536 rows whose hot id has over 5,000 rows, and to drive the
 optimizers to torch's results (SGD: to a float64 reference, see DESIGN.md). With a GPU
 (marked ``gpu``): the kernel equals the twin bit for bit on the same batches, twice.
-The deferred id check: a lookup with bad ids reads zeros, the next call reports the
-table and the range, and step() applies nothing.
+The deferred id check: a lookup with bad ids reads zeros, the next call that finds the
+flags landed reports the table and the range and does nothing; bad ids never alias
+valid ones in the sort and are never updated. The padded dedup (no wait for the device)
+fills unused slots with an id outside the table.
 """
 import inspect
 
@@ -80,7 +82,7 @@ def boundary_cases():
 
 def test_twin_has_the_signatures_of_the_cuda_functions_beyond_the_contract():
     twin = CpuCudaTwin()
-    for name in ("gather_rows_checked", "dedup_sum"):
+    for name in ("gather_rows_checked", "dedup_sum", "dedup_sum_padded"):
         assert inspect.signature(getattr(twin, name)) == inspect.signature(getattr(cuda, name))
 
 
@@ -126,6 +128,23 @@ def test_twin_on_zipf_65536_matches_float64(seed):
     assert np.array_equal(summed.view(np.int32), again.view(np.int32))  # deterministic
 
 
+def test_bad_ids_are_summed_apart_as_the_table_size():
+    ids = np.array([3, -1, 1023, 2048, 1023, -7], np.int64)
+    grads = np.arange(12, dtype=np.float32).reshape(6, 2)
+    uniq, summed = chunked_dedup_sum(ids, grads, num_rows=1024)
+    assert uniq.tolist() == [3, 1023, 1024]
+    assert summed.tolist() == [[0, 1], [12, 14], [2 + 6 + 10, 3 + 7 + 11]]
+
+
+def test_twin_padded_dedup_fills_unused_slots_outside_the_table():
+    twin = CpuCudaTwin()
+    ids = torch.tensor([5, 1, 5, 9])
+    uniq, summed = twin.dedup_sum_padded(ids, torch.ones(4, 2), num_rows=8)
+    assert uniq.tolist() == [1, 5, 8, 8] and summed[:3].tolist() == [[1, 1], [2, 2], [1, 1]]
+    with pytest.raises(ValueError, match="num_rows: expected the table size"):
+        twin.dedup_sum_padded(ids, torch.ones(4, 2), num_rows=None)
+
+
 # --- the optimizers through the twin on skewed 65,536-row batches ---------------------------
 
 @pytest.fixture
@@ -166,7 +185,7 @@ def test_skewed_batches_match_torch_through_the_twin(ctx, twin, case):
         ref_opt.step()
         (emb(ids) * up).sum().backward()
         opt.step()
-    assert twin.calls["dedup_sum"] == STEPS
+    assert twin.calls["dedup_sum_padded"] == STEPS
     expected = ref.weight.detach()
     assert (expected - w0).abs().max() > 1e-2
     torch.testing.assert_close(emb.weight[torch.arange(ROWS)], expected, rtol=1e-5,
@@ -209,7 +228,7 @@ def test_bad_ids_are_reported_by_step_and_nothing_is_applied(ctx, twin):
     assert rows[[1, 3, 4]].abs().sum() == 0 and rows[[0, 2]].tolist() == [[1, 1], [1, 1]]
     rows.sum().backward()
     with pytest.raises(PartitionError, match=r"ids of 'badids' \(.*\): 3 out of range, from -5 "
-                                             r"to 12 \(expected 0 <= id < 8\).*applies nothing"):
+                                             r"to 12 \(expected 0 <= id < 8\).*did nothing"):
         opt.step()
     assert torch.equal(emb.weight[torch.arange(8)], before)
     emb(torch.tensor([3])).sum().backward()  # reported once: the table works again
@@ -274,6 +293,30 @@ def test_gpu_sum_of_zipf_65536_equals_twin_and_is_deterministic(gpu, dim, num_ro
 
 
 @pytest.mark.gpu
+def test_gpu_padded_dedup_equals_twin_without_a_wait(gpu):
+    ids, grads = zipf_batch(3, rows=50_000, dim=8)
+    ids[::1000] = -3  # bad ids too: summed apart, as the id num_rows
+    ids[1::1000] = 50_000
+    uniq, summed = cuda.dedup_sum_padded(torch.from_numpy(ids).to(gpu),
+                                         torch.from_numpy(grads).to(gpu), num_rows=50_000)
+    want_uniq, want = chunked_dedup_sum(ids, grads, num_rows=50_000)
+    u = want_uniq.shape[0]
+    assert uniq.shape == (BATCH,) and want_uniq[-1] == 50_000
+    np.testing.assert_array_equal(uniq[:u].cpu().numpy(), want_uniq)
+    assert (uniq[u:] == 50_000).all()
+    _assert_bitwise(summed[:u], want)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_ids_never_alias_valid_ones(gpu):
+    ids = torch.tensor([3, -1, 1023, 2048, 1023, -7], device=gpu)
+    grads = torch.arange(12, dtype=torch.float32, device=gpu).reshape(6, 2)
+    uniq, summed = cuda.dedup_sum(ids, grads, num_rows=1024)  # 11-bit sort keys
+    assert uniq.tolist() == [3, 1023, 1024]
+    assert summed.tolist() == [[0, 1], [12, 14], [18, 21]]
+
+
+@pytest.mark.gpu
 def test_gpu_gather_checked_flags_bad_ids(gpu):
     table = torch.arange(12, dtype=torch.float32, device=gpu).reshape(6, 2)
     flags = torch.tensor(cuda.CLEAN_ID_FLAGS, dtype=torch.int64, device=gpu)
@@ -300,6 +343,7 @@ def test_gpu_bad_lookup_is_reported_by_step(ctx, gpu):
     before = emb.weight[torch.arange(8)].clone()
     rows = emb(torch.tensor([3, 8, -5], device=gpu))
     rows.sum().backward()
+    torch.cuda.synchronize()  # the flags have landed: step() must see them (it never waits)
     with pytest.raises(PartitionError, match=r"'gpu-bad'.*2 out of range, from -5 to 8"):
         opt.step()
     assert torch.equal(emb.weight[torch.arange(8)], before)

@@ -125,7 +125,7 @@ def test_device_cuda_runs_the_device_path_and_matches_torch(tmp_path, cuda_twin)
     main(FAST + ["--backend", "torch", "--out", str(tmp_path / "torch")])
     metrics = main(FAST + ["--device", "cuda", "--out", str(tmp_path / "gpu")])
     assert metrics["device"] == "cuda"
-    assert cuda_twin.calls["dedup_sum"] == 2 * metrics["steps"]  # node and context tables
+    assert cuda_twin.calls["dedup_sum_padded"] == 2 * metrics["steps"]  # node and context tables
     assert cuda_twin.calls["adam_update"] == 2 * metrics["steps"]
     a = np.load(tmp_path / "torch" / "embeddings.npy")
     b = np.load(tmp_path / "gpu" / "embeddings.npy")

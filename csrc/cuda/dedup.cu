@@ -12,7 +12,9 @@
 // The order of every addition is fixed by the ids alone, never by scheduling: results
 // are identical run to run (tests/cpu_cuda_twin.py reproduces it bit for bit). The
 // unique count stays on the device: every kernel after the sort reads it there, so the
-// whole dedup is enqueued without the host waiting in between.
+// whole dedup is enqueued without the host waiting in between, and with the table size
+// given, unused unique-id slots say "outside the table", so an update can consume all n
+// slots and the host need never learn the count.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
@@ -35,12 +37,13 @@ int64_t max_partials(int64_t n) { return 2 * n / kSumChunk + 1; }
 
 // Where each array lives in the caller's workspace, for a batch of n ids of width d.
 struct Layout {
-  size_t sorted_ids, pos_in, pos_sorted, counts, offsets, chunks, chunk_end, multi,
+  size_t keys, sorted_ids, pos_in, pos_sorted, counts, offsets, chunks, chunk_end, multi,
       partial_start, chunk_run, num_unique, partials, cub_temp;
 
   Layout(int64_t n, int64_t d) {
     const size_t ids = align_up(n * sizeof(int64_t)), ints = align_up(n * sizeof(int32_t));
-    sorted_ids = 0;
+    keys = 0;                            // the ids, those outside the table made num_rows
+    sorted_ids = keys + ids;
     pos_in = sorted_ids + ids;
     pos_sorted = pos_in + ints;
     counts = pos_sorted + ints;          // rows of run k (0 past the last run)
@@ -103,6 +106,22 @@ bool bad_end_bit(int end_bit) { return end_bit < 1 || end_bit > 64; }
 
 __global__ void iota_kernel(int32_t* out, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) out[i] = static_cast<int32_t>(i);
+}
+
+// Sort keys: every id outside [0, num_rows) becomes num_rows, so bad ids (validated on the
+// device, reported later) form one run past the table that the updates skip, instead of
+// aliasing valid ids in a sort that reads only the table's bits.
+__global__ void keys_kernel(const int64_t* ids, int64_t n, int64_t num_rows, int64_t* keys) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    const int64_t id = ids[i];
+    keys[i] = id < 0 || id >= num_rows ? num_rows : id;
+  }
+}
+
+// Unique-id slots past the unique count get `fill` (the table size: outside the table),
+// so a caller may hand all n slots to an update without knowing the count on the host.
+__global__ void pad_kernel(int64_t* uniq, int64_t n, const int64_t* num_unique, int64_t fill) {
+  for (int64_t i = *num_unique + thread_index(); i < n; i += thread_count()) uniq[i] = fill;
 }
 
 // Chunks of every run (0 for the empty runs past the last one).
@@ -210,11 +229,13 @@ DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, int64_t d, int end
   return distemb::workspace_bytes(n, d, end_bit, bytes_host);
 }
 
-DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d, int end_bit,
-                                        void* workspace, size_t workspace_bytes, int64_t* uniq,
+DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d,
+                                        int64_t num_rows, int end_bit, void* workspace,
+                                        size_t workspace_bytes, int64_t* uniq,
                                         int64_t* num_unique, int device, void* stream) {
-  if (distemb::bad_batch(n) || d < 0 || distemb::bad_end_bit(end_bit)) {
-    return cudaErrorInvalidValue;
+  if (distemb::bad_batch(n) || d < 0 || distemb::bad_end_bit(end_bit) ||
+      (num_rows > 0 && end_bit < 64 && (num_rows >> end_bit) != 0)) {
+    return cudaErrorInvalidValue;  // num_rows itself (the key of bad ids) must fit
   }
   DISTEMB_TRY(cudaSetDevice(device));
   size_t needed = 0;
@@ -224,6 +245,7 @@ DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d
   if (n == 0) return cudaMemsetAsync(num_unique, 0, sizeof(int64_t), s);
 
   const distemb::Layout lay(n, d);
+  int64_t* keys = distemb::at<int64_t>(workspace, lay.keys);
   int64_t* sorted_ids = distemb::at<int64_t>(workspace, lay.sorted_ids);
   int32_t* pos_in = distemb::at<int32_t>(workspace, lay.pos_in);
   int32_t* pos_sorted = distemb::at<int32_t>(workspace, lay.pos_sorted);
@@ -241,7 +263,14 @@ DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d
 
   distemb::iota_kernel<<<distemb::blocks_for(n), distemb::kThreads, 0, s>>>(pos_in, n);
   DISTEMB_TRY(cudaGetLastError());
-  DISTEMB_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, ids, sorted_ids, pos_in,
+  const int64_t* sort_keys = ids;
+  if (num_rows > 0) {
+    distemb::keys_kernel<<<distemb::blocks_for(n), distemb::kThreads, 0, s>>>(ids, n, num_rows,
+                                                                            keys);
+    DISTEMB_TRY(cudaGetLastError());
+    sort_keys = keys;
+  }
+  DISTEMB_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, sort_keys, sorted_ids, pos_in,
                                               pos_sorted, count, 0, end_bit, s));
   // Counts past the last run stay 0, so every pass below can run over all n entries
   // (the unique count is not known on the host) and those runs have no chunks.
@@ -250,6 +279,12 @@ DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d
                                                  unique_here, count, s));
   DISTEMB_TRY(cudaMemcpyAsync(num_unique, unique_here, sizeof(int64_t),
                               cudaMemcpyDeviceToDevice, s));
+  if (num_rows > 0) {
+    distemb::pad_kernel<<<distemb::blocks_for(n), distemb::kThreads, 0, s>>>(uniq, n,
+                                                                           unique_here,
+                                                                           num_rows);
+    DISTEMB_TRY(cudaGetLastError());
+  }
   DISTEMB_TRY(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, offsets, count, s));
   distemb::plan_kernel<<<distemb::blocks_for(n), distemb::kThreads, 0, s>>>(counts, n, chunks,
                                                                           multi);

@@ -34,6 +34,10 @@ DISTEMB_API int distemb_cuda_sum_chunk_rows(void);
  *    id is known to lie in [0, 2^end_bit) (fewer radix passes); same n, d, end_bit below.
  * 2. dedup_sort: sorts ids, writes ascending unique ids to uniq (capacity n) and their
  *    number to *num_unique (one device int64), and plans the chunks of the sum.
+ *    num_rows > 0 is the table size: ids outside [0, num_rows) are then summed as one
+ *    id num_rows (which the updates skip), and uniq[num_unique..n) is filled with
+ *    num_rows, so all n slots can go to an update with no count on the host; end_bit
+ *    must then cover num_rows itself. num_rows <= 0: ids are taken as they are.
  * 3. dedup_sum: writes the summed gradients of the unique ids to the first num_unique
  *    rows of summed (capacity (n, d)), reusing the workspace that phase 2 filled (keep
  *    it alive and untouched in between). The rows of one id are summed in chunks of
@@ -42,8 +46,9 @@ DISTEMB_API int distemb_cuda_sum_chunk_rows(void);
  *    many rows one id has. */
 DISTEMB_API int distemb_cuda_dedup_workspace_bytes(int64_t n, int64_t d, int end_bit,
                                                    size_t* bytes_host, int device);
-DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d, int end_bit,
-                                        void* workspace, size_t workspace_bytes, int64_t* uniq,
+DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d,
+                                        int64_t num_rows, int end_bit, void* workspace,
+                                        size_t workspace_bytes, int64_t* uniq,
                                         int64_t* num_unique, int device, void* stream);
 DISTEMB_API int distemb_cuda_dedup_sum(const float* grads, int64_t n, int64_t d,
                                        void* workspace, size_t workspace_bytes, float* summed,

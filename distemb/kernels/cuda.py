@@ -59,7 +59,8 @@ _SIGNATURES = {
     "distemb_cuda_sum_chunk_rows": (_INT, []),
     "distemb_cuda_dedup_workspace_bytes":
         (_INT, [_I64, _I64, _INT, ctypes.POINTER(_SIZE), _INT]),
-    "distemb_cuda_dedup_sort": (_INT, [_P, _I64, _I64, _INT, _P, _SIZE, _P, _P, _INT, _P]),
+    "distemb_cuda_dedup_sort":
+        (_INT, [_P, _I64, _I64, _I64, _INT, _P, _SIZE, _P, _P, _INT, _P]),
     "distemb_cuda_dedup_sum": (_INT, [_P, _I64, _I64, _P, _SIZE, _P, _INT, _P]),
     "distemb_cuda_gather_rows": (_INT, [_P, _I64, _P, _I64, _P, _INT, _P]),
     "distemb_cuda_gather_rows_checked": (_INT, [_P, _I64, _I64, _P, _I64, _P, _P, _INT, _P]),
@@ -248,6 +249,46 @@ def _call(lib, name, device, *args):
         check_status(lib, name, getattr(lib, name)(*args, device, stream))
 
 
+def _dedup(ids, grads, num_rows, out):
+    """Enqueue the whole dedup; returns (uniq, summed, count) sized for N unique ids."""
+    _tensor("ids", ids, torch.int64, 1)
+    _tensor("grads", grads, torch.float32, 2)
+    n, d = ids.shape[0], grads.shape[1]
+    _shape("grads", grads, (n, d))
+    if n > MAX_BATCH:
+        raise ValueError(f"ids: at most {MAX_BATCH} ids per call, got {n}")
+    if num_rows is not None and int(num_rows) < 1:
+        raise ValueError(f"num_rows: expected >= 1 (the table size), got {num_rows}")
+    # With the table size, ids outside it are sorted as the key num_rows: it must fit.
+    end_bit = 64 if num_rows is None else max(1, min(64, int(num_rows).bit_length()))
+    tensors = dict(ids=ids, grads=grads)
+    if out is not None:
+        _tensor("out", out, torch.float32, 2)
+        if out.shape[0] < n or out.shape[1] != d:
+            raise ValueError(f"out: expected a (>= {n}, {d}) tensor, got {tuple(out.shape)}")
+        tensors["out"] = out
+    device = _same_device(**tensors)
+    lib = require_cuda()
+    summed = torch.empty((n, d), dtype=torch.float32, device=ids.device) if out is None else out
+    count = torch.zeros(1, dtype=torch.int64, device=ids.device)
+    if n == 0:
+        return ids.new_empty(0), summed[:0], count
+    nbytes = _SIZE(0)
+    with torch.cuda.device(device):
+        check_status(lib, "distemb_cuda_dedup_workspace_bytes",
+                     lib.distemb_cuda_dedup_workspace_bytes(n, d, end_bit, ctypes.byref(nbytes),
+                                                            device))
+    workspace = torch.empty(nbytes.value, dtype=torch.uint8, device=ids.device)
+    uniq = torch.empty(n, dtype=torch.int64, device=ids.device)
+    _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, d,
+          0 if num_rows is None else int(num_rows), end_bit, workspace.data_ptr(),
+          nbytes.value, uniq.data_ptr(), count.data_ptr())
+    if d > 0:
+        _call(lib, "distemb_cuda_dedup_sum", device, grads.data_ptr(), n, d,
+              workspace.data_ptr(), nbytes.value, summed.data_ptr())
+    return uniq, summed[:n], count
+
+
 def dedup_sum(ids, grads, num_rows=None, out=None, num_threads=1):
     """Deduplicate ``ids`` and sum the gradient rows of each duplicate, on the GPU.
 
@@ -256,14 +297,14 @@ def dedup_sum(ids, grads, num_rows=None, out=None, num_threads=1):
     results are identical run to run, and a hot id with thousands of rows is summed by
     many threads (the order differs from the CPU kernels' by rounding only). Every kernel
     is enqueued before the host waits, once, to read the unique count that sizes the
-    returned views.
+    returned views (:func:`dedup_sum_padded` does not wait at all).
 
     Args:
         ids: (N,) int64 CUDA tensor of ids, any order, duplicates allowed.
         grads: (N, D) float32 CUDA tensor, one gradient row per id.
-        num_rows: optional table size. When given, every id must lie in [0, num_rows)
-            (not checked): the sort then reads only the bits that range needs, in fewer
-            passes. Ids outside it give wrong sums (never a fault).
+        num_rows: optional table size. When given, the sort reads only the bits that
+            range needs (fewer passes), and ids outside [0, num_rows) are summed together
+            as the one id ``num_rows``, which the updates skip.
         out: optional reusable (M >= N, D) float32 CUDA tensor; the sums go to its first
             U rows and a view of them is returned.
         num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
@@ -278,43 +319,39 @@ def dedup_sum(ids, grads, num_rows=None, out=None, num_threads=1):
         CudaUnavailableError: the CUDA kernels cannot run here.
         CudaKernelError: a kernel failed.
     """
-    _tensor("ids", ids, torch.int64, 1)
-    _tensor("grads", grads, torch.float32, 2)
-    n, d = ids.shape[0], grads.shape[1]
-    _shape("grads", grads, (n, d))
-    if n > MAX_BATCH:
-        raise ValueError(f"ids: at most {MAX_BATCH} ids per call, got {n}")
-    if num_rows is not None and int(num_rows) < 1:
-        raise ValueError(f"num_rows: expected >= 1 (the table size), got {num_rows}")
-    end_bit = 64 if num_rows is None else max(1, (int(num_rows) - 1).bit_length())
-    tensors = dict(ids=ids, grads=grads)
-    if out is not None:
-        _tensor("out", out, torch.float32, 2)
-        if out.shape[0] < n or out.shape[1] != d:
-            raise ValueError(f"out: expected a (>= {n}, {d}) tensor, got {tuple(out.shape)}")
-        tensors["out"] = out
-    device = _same_device(**tensors)
-    lib = require_cuda()
-    if n == 0:
-        return ids.new_empty(0), grads.new_empty((0, d))
-    nbytes = _SIZE(0)
-    with torch.cuda.device(device):
-        check_status(lib, "distemb_cuda_dedup_workspace_bytes",
-                     lib.distemb_cuda_dedup_workspace_bytes(n, d, end_bit, ctypes.byref(nbytes),
-                                                            device))
-    workspace = torch.empty(nbytes.value, dtype=torch.uint8, device=ids.device)
-    uniq = torch.empty(n, dtype=torch.int64, device=ids.device)
-    count = torch.empty(1, dtype=torch.int64, device=ids.device)
-    # Sized for the most unique ids there can be, so the sum is enqueued before the count
-    # is known: the host waits once, after all the work, not between sort and sum.
-    summed = torch.empty((n, d), dtype=torch.float32, device=ids.device) if out is None else out
-    _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, d, end_bit,
-          workspace.data_ptr(), nbytes.value, uniq.data_ptr(), count.data_ptr())
-    if d > 0:
-        _call(lib, "distemb_cuda_dedup_sum", device, grads.data_ptr(), n, d,
-              workspace.data_ptr(), nbytes.value, summed.data_ptr())
-    num_unique = int(count.item())
+    uniq, summed, count = _dedup(ids, grads, num_rows, out)
+    num_unique = int(count.item())  # the one wait, after every kernel is enqueued
     return uniq[:num_unique], summed[:num_unique]
+
+
+def dedup_sum_padded(ids, grads, num_rows, out=None, num_threads=1):
+    """:func:`dedup_sum` for a table of ``num_rows`` rows, without any wait for the GPU.
+
+    Returns all N slots: the U unique ids ascending, then ``num_rows`` (outside the table)
+    in every unused slot, whose sums are unspecified. The update kernels skip rows outside
+    the table, so the result goes to them as it is, and the host never learns U.
+
+    Args:
+        ids: (N,) int64 CUDA tensor of ids, any order, duplicates allowed.
+        grads: (N, D) float32 CUDA tensor, one gradient row per id.
+        num_rows: the table size, >= 1; ids outside [0, num_rows) are summed as the id
+            ``num_rows`` (skipped by the updates, like the padding).
+        out: optional reusable (M >= N, D) float32 CUDA tensor for the sums.
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
+
+    Returns:
+        (uniq, summed): (N,) int64 and (N, D) float32, padded as said above.
+
+    Raises:
+        TypeError: wrong type, dtype or a CPU tensor.
+        ValueError: as :func:`dedup_sum`.
+        CudaUnavailableError: the CUDA kernels cannot run here.
+        CudaKernelError: a kernel failed.
+    """
+    if num_rows is None:
+        raise ValueError("num_rows: expected the table size (>= 1), got None")
+    uniq, summed, _ = _dedup(ids, grads, num_rows, out)
+    return uniq, summed
 
 
 def gather_rows(table, rows, out=None, num_threads=1):

@@ -8,14 +8,16 @@ gradients never leave the GPU. Arrays crossing this client are torch tensors on 
 device (ids int64), where host clients use numpy. Embedded only: a server process holds
 numpy shards and never imports torch.
 
-Ids are validated on the device without stopping the stream: a lookup's gather reads
-zeros for an out-of-range id and records it in the table's flags (count, smallest,
-largest), which are copied to pinned host memory behind the gather. The client reports
-them (a :class:`~distemb.errors.PartitionError` naming the table and the range of the
-bad ids) at the next point where the copy is known to have landed without waiting: the
-next lookup of the table if the copy is done by then, at the latest the next
-``push_update`` (``opt.step()``), which runs after the dedup's one wait for the device
-and then applies nothing. Writes (``t[ids] = v``) are rare and check their ids at once.
+No step waits for the device. Ids are validated there without stopping the stream: a
+lookup's gather reads zeros for an out-of-range id and records it in the table's flags
+(count, smallest, largest), which are copied to pinned host memory behind the gather.
+The client reports them (a :class:`~distemb.errors.PartitionError` naming the table and
+the range of the bad ids) at its next lookup or ``push_update`` (``opt.step()``) of the
+table that finds the copy landed; that call then does nothing. Until then a bad id is
+harmless: the dedup sums it apart from every valid id, and the update kernels skip rows
+outside the table. Gradients arrive from ``dedup_sum_padded``: all N slots, the unused
+ones holding an id outside the table, so the host never needs the unique count. Writes
+(``t[ids] = v``) are rare and check their ids at once.
 
 This module imports torch; :mod:`distemb.kvstore` does not import it, so servers never
 load it (the context imports it when a table asks for a device).
@@ -116,7 +118,7 @@ class IdCheck:
         raise PartitionError(
             f"{self.what}: {count} out of range, from {low} to {high} (expected 0 <= id < "
             f"{self.num_rows}); found on the device in lookups since the last check: those "
-            "rows read as zeros, and a step() that would apply them applies nothing")
+            "rows read as zeros and are never updated, and this call did nothing")
 
 
 class DeviceKVClient(KVClient):
@@ -260,9 +262,9 @@ class DeviceKVClient(KVClient):
         except KeyError:
             raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}") from None
         states = {s.name: self._table(state_name(name, s.name)) for s in impl.states}
-        # The dedup that made these ids waited for the device, so the lookups' flags have
-        # landed: waiting costs nothing, and bad ids stop the update before it writes.
-        self._checks[name].raise_seen(wait=True)
+        # Bad ids seen by earlier lookups, if their flags have landed (never waits: the
+        # update kernels skip rows outside the table anyway).
+        self._checks[name].raise_seen(wait=False)
         impl.apply(self.ops, self._table(name), states, ids, grads, hyper)
 
     def from_host(self, array):

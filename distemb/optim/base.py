@@ -111,19 +111,25 @@ class SparseOptimizer(torch.optim.Optimizer):
         return (ids[0] if len(ids) == 1 else np.concatenate(ids)), g
 
     @staticmethod
-    def _device_dedup(ops, device, ids, grads, emb, num_threads):
-        """Sum duplicate ids' gradients on ``device`` with ``ops.dedup_sum``."""
+    def _device_dedup(ops, device, ids, grads, emb, num_threads, padded=False):
+        """Sum duplicate ids' gradients on ``device`` with ``ops.dedup_sum``.
+
+        ``padded``: with ``ops.dedup_sum_padded``, which never waits for the device (its
+        unused slots hold an id outside the table, which the device updates skip).
+        """
         ids = [torch.as_tensor(i).to(device) for i in ids]  # host ids: numpy int64
         grads = [g.to(device) for g in grads]
         ids = ids[0] if len(ids) == 1 else torch.cat(ids)
         g = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(torch.float32).contiguous()
-        return ops.dedup_sum(ids, g, num_rows=emb.num_embeddings, num_threads=num_threads)
+        dedup = ops.dedup_sum_padded if padded else ops.dedup_sum
+        return dedup(ids, g, num_rows=emb.num_embeddings, num_threads=num_threads)
 
     def _summed(self, emb, ids, grads):
         """(unique ids, summed gradients) in the arrays of ``emb.kvstore``; None if empty."""
         kv, nt = emb.kvstore, emb.weight.context.num_threads
-        if kv.device is not None:  # a GPU-resident table: never leave its device
-            return self._device_dedup(kv.ops, kv.device, ids, grads, emb, nt) if ids else None
+        if kv.device is not None:  # a GPU-resident table: never leave it, never wait for it
+            return (self._device_dedup(kv.ops, kv.device, ids, grads, emb, nt, padded=True)
+                    if ids else None)
         on_gpu = [g.device for g in grads if g.is_cuda]
         if on_gpu:  # rows were looked up onto a GPU: sum there, move only the sums
             uniq, summed = self._device_dedup(cuda, on_gpu[0], ids, grads, emb, nt)
