@@ -13,8 +13,9 @@ For each optimizer (SGD, Adagrad, row-wise Adagrad, Adam) and each id distributi
 
 Both use the same id batches, upstream gradients and initial weights; each runs alone on
 the GPU (the other's tables freed), rounds of steps synchronised once per round, the
-median round quoted. Also measured in the same run: the kernels alone (gather, dedup,
-update: ``distemb.kernels.cuda``), and the device copy bandwidth, from which the floor
+median round quoted. Also measured in the same run: the kernels alone (gather; and
+dedup_sum_padded + the update, as a GPU table's step runs them: ``distemb.kernels.cuda``;
+target: at most 3x the gather), and the device copy bandwidth, from which the floor
 of a step is the bytes it must move (gather B rows in and out, read B gradient rows,
 read and write the U touched rows of the table and of each per-element state) over that
 bandwidth. Prints every time, the ratios torch/distemb and "% of floor" (floor / time).
@@ -22,7 +23,7 @@ bandwidth. Prints every time, the ratios torch/distemb and "% of floor" (floor /
 Usage (needs a CUDA GPU and the CUDA kernels built: ``python setup.py build_ext
 --inplace`` with nvcc on PATH):
     python benchmarks/bench_gpu_step.py [--rows 10000000] [--dim 128] [--batch 65536]
-        [--optimizers sgd,adagrad,rowwise_adagrad,adam] [--ids zipf,uniform]
+        [--optimizers sgd,adagrad,rowwise_adagrad,adam] [--ids zipf,uniform] [--profile]
 """
 import argparse
 import statistics
@@ -118,10 +119,38 @@ def bench_distemb(args, name, batches, upstream, w0):
             loss.backward()
             opt.step()
 
-        return time_rounds(step, batches, args.rounds, args.per_round)
+        seconds = time_rounds(step, batches, args.rounds, args.per_round)
+        if args.profile:
+            profile_steps(step, batches[:5])
+        return seconds
     finally:
         ctx.close()
         free()
+
+
+def profile_steps(step, batches):
+    """Print each GPU kernel's share of the device time of a few distemb steps."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for ids in batches:
+            step(ids)
+        torch.cuda.synchronize()
+
+    def device_us(evt):
+        return getattr(evt, "self_device_time_total", None) or \
+            getattr(evt, "self_cuda_time_total", 0)
+
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0]
+    total = sum(device_us(e) for e in kernels)
+    if not total:
+        print("    profile: no GPU kernel recorded")
+        return
+    print(f"    profile of {len(batches)} steps: {total / len(batches):.0f} us of GPU time "
+          "per step; kernels by share:")
+    for evt in sorted(kernels, key=device_us, reverse=True)[:8]:
+        print(f"    {device_us(evt) / total:6.1%} {device_us(evt) / len(batches):8.1f} us  "
+              f"{evt.key[:90]}")
 
 
 def bench_torch(args, name, batches, upstream, w0, device):
@@ -155,7 +184,7 @@ def bench_kernels(args, name, batches, upstream, w0):
         cuda.gather_rows(weight, ids)
 
     def update(ids):
-        uniq, summed = cuda.dedup_sum(ids, upstream, num_rows=num_rows)
+        uniq, summed = cuda.dedup_sum_padded(ids, upstream, num_rows=num_rows)  # no wait
         if name == "sgd":
             cuda.sgd_update(weight, uniq, summed, 0.01)
         elif name == "adagrad":
@@ -197,6 +226,8 @@ def main(argv=None):
     parser.add_argument("--ids", default="zipf,uniform")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per case")
     parser.add_argument("--per-round", type=int, default=10, help="steps per round")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 5 distemb steps per case: each kernel's share")
     args = parser.parse_args(argv)
     names = [n for n in args.optimizers.split(",") if n]
     unknown = sorted(set(names) - set(OPTIMIZERS))
