@@ -273,7 +273,7 @@ def sgd_update(weight, rows, grads, lr, num_threads=1):
 
     Args:
         weight: (R, D) float32 CUDA tensor, updated in place.
-        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
+        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
         grads: (N, D) float32 CUDA tensor.
         lr: learning rate.
         num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
@@ -299,7 +299,7 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     Args:
         weight: (R, D) float32 CUDA tensor, updated in place.
         state_sum: (R, D) float32 CUDA tensor of summed squared gradients, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
+        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
         grads: (N, D) float32 CUDA tensor.
         clr: the step's learning rate (after torch's lr_decay).
         eps: added to the root of the state.
@@ -318,8 +318,8 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     lib = require_cuda()
     if grads.numel() > 0:
         _call(lib, "distemb_cuda_adagrad_update", device, weight.data_ptr(),
-              state_sum.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(), grads.data_ptr(),
-              rows.shape[0], float(clr), float(eps))
+              state_sum.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
+              grads.data_ptr(), rows.shape[0], float(clr), float(eps))
 
 
 def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
@@ -328,7 +328,7 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads
     Args:
         weight: (R, D) float32 CUDA tensor, updated in place.
         state_sum: (R,) float32 CUDA tensor, one accumulator per row, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
+        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
         grads: (N, D) float32 CUDA tensor.
         clr: the step's learning rate.
         eps: added to the root of the state.
@@ -347,8 +347,8 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads
     lib = require_cuda()
     if grads.numel() > 0:
         _call(lib, "distemb_cuda_rowwise_adagrad_update", device, weight.data_ptr(),
-              state_sum.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(), grads.data_ptr(),
-              rows.shape[0], float(clr), float(eps))
+              state_sum.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
+              grads.data_ptr(), rows.shape[0], float(clr), float(eps))
 
 
 def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
@@ -362,7 +362,7 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
         weight: (R, D) float32 CUDA tensor, updated in place.
         exp_avg: (R, D) float32 CUDA tensor, first moments, in place.
         exp_avg_sq: (R, D) float32 CUDA tensor, second moments, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids (ids outside [0, R) are skipped).
+        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
         grads: (N, D) float32 CUDA tensor.
         lr: learning rate.
         beta1: decay of the first moment.
@@ -398,5 +398,5 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
     if grads.numel() > 0:
         _call(lib, "distemb_cuda_adam_update", device, weight.data_ptr(), exp_avg.data_ptr(),
               exp_avg_sq.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
-              grads.data_ptr(), rows.shape[0], float(lr), float(beta1), float(beta2), float(eps), int(step),
-              steps_ptr)
+              grads.data_ptr(), rows.shape[0], float(lr), float(beta1), float(beta2),
+              float(eps), int(step), steps_ptr)
