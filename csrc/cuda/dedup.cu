@@ -145,25 +145,55 @@ __global__ void chunk_run_kernel(const int32_t* chunks, const int32_t* chunk_end
   }
 }
 
-// Loads are issued this many at a time so a group does not wait on each row in turn;
-// the additions that follow stay in row order.
+// Loads are issued this many rows at a time, for kCols columns of each, so a lane keeps
+// kBatchLoads * kCols loads in flight instead of waiting on each row in turn; the
+// additions that follow stay in row order for every column.
 constexpr int kBatchLoads = 8;
-static_assert(kSumChunk % kBatchLoads == 0, "a chunk is a whole number of load batches");
+constexpr int kCols = 4;
 
-// The sum of rows pos[0..len) of grads at column j, added in that order.
-__device__ inline float chunk_column_sum(const float* __restrict__ grads, int64_t d,
-                                         const int32_t* pos, int32_t len, int64_t j) {
-  float acc = grads[pos[0] * d + j];
+// dst[col] = rows[0][col] + rows[1][col] + ... + rows[len-1][col], added in that order,
+// for the columns col0, col0 + lanes, ... (kCols of them, those < d), where row r is
+// src + row_offset(r) (a multiple of d).
+template <typename RowOffset>
+__device__ inline void sum_rows(const float* __restrict__ src, int64_t d, int32_t len,
+                                RowOffset row_offset, int64_t col0, int lanes, float* dst) {
+  float acc[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t col = col0 + c * lanes;
+    acc[c] = col < d ? src[row_offset(0) + col] : 0.0f;
+  }
   int32_t q = 1;
   for (; q + kBatchLoads <= len; q += kBatchLoads) {
-    float v[kBatchLoads];
+    float v[kBatchLoads][kCols];
 #pragma unroll
-    for (int u = 0; u < kBatchLoads; ++u) v[u] = grads[pos[q + u] * d + j];
+    for (int u = 0; u < kBatchLoads; ++u) {
+      const int64_t base = row_offset(q + u);
 #pragma unroll
-    for (int u = 0; u < kBatchLoads; ++u) acc += v[u];
+      for (int c = 0; c < kCols; ++c) {
+        const int64_t col = col0 + c * lanes;
+        v[u][c] = col < d ? src[base + col] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatchLoads; ++u) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[c] += v[u][c];
+    }
   }
-  for (; q < len; ++q) acc += grads[pos[q] * d + j];
-  return acc;
+  for (; q < len; ++q) {
+    const int64_t base = row_offset(q);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t col = col0 + c * lanes;
+      if (col < d) acc[c] += src[base + col];
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t col = col0 + c * lanes;
+    if (col < d) dst[col] = acc[c];
+  }
 }
 
 // One group of lanes per chunk; the chunk count is the last inclusive-scan entry.
@@ -183,8 +213,9 @@ __global__ void chunk_sum_kernel(const float* __restrict__ grads, int64_t d, int
     const int32_t* pos = pos_sorted + offsets[k] + skip;
     float* dst = q == 1 ? summed + static_cast<int64_t>(k) * d
                         : partials + static_cast<int64_t>(partial_start[k] + j) * d;
-    for (int64_t col = lane; col < d; col += lanes) {
-      dst[col] = chunk_column_sum(grads, d, pos, len, col);
+    const auto row = [pos, d](int32_t r) { return static_cast<int64_t>(pos[r]) * d; };
+    for (int64_t col0 = lane; col0 < d; col0 += kCols * lanes) {
+      sum_rows(grads, d, len, row, col0, lanes, dst);
     }
   }
 }
@@ -199,18 +230,9 @@ __global__ void combine_kernel(int64_t d, const int64_t* num_unique, const int32
     const int32_t q = chunks[k];
     if (q < 2) continue;
     const float* p = partials + static_cast<int64_t>(partial_start[k]) * d;
-    for (int64_t col = lane; col < d; col += lanes) {
-      float acc = p[col];
-      int32_t j = 1;
-      for (; j + kBatchLoads <= q; j += kBatchLoads) {
-        float v[kBatchLoads];
-#pragma unroll
-        for (int b = 0; b < kBatchLoads; ++b) v[b] = p[(j + b) * d + col];
-#pragma unroll
-        for (int b = 0; b < kBatchLoads; ++b) acc += v[b];
-      }
-      for (; j < q; ++j) acc += p[j * d + col];
-      summed[k * d + col] = acc;
+    const auto row = [d](int32_t r) { return static_cast<int64_t>(r) * d; };
+    for (int64_t col0 = lane; col0 < d; col0 += kCols * lanes) {
+      sum_rows(p, d, q, row, col0, lanes, summed + k * d);
     }
   }
 }
