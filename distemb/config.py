@@ -198,6 +198,11 @@ class ClusterConfig:
     timeout_s: float = field(default=60.0, metadata={"help": "seconds before a silent "
                                                              "server is an error"})
     max_message_bytes: int = field(default=1 << 30, metadata={"help": "largest frame payload"})
+    idle_timeout_s: float = field(default=3600.0, metadata={
+        "help": "seconds a server keeps a connection that sends nothing"})
+    job_token: Optional[str] = field(default=None, metadata={
+        "help": "secret every trainer shows at its Hello (distemb-launch makes one); "
+                "None: servers accept any process that can connect"})
     master_addr: str = field(default="127.0.0.1", metadata={"help": "torch.distributed master"})
     master_port: int = field(default=29500, metadata={"help": "torch.distributed port"})
     part_config: Optional[str] = field(default=None, metadata={"help": "partition config path"})
@@ -276,6 +281,13 @@ def parse_cluster_config(raw):
     part = raw.get("part_config")
     if part is not None:
         _str(part, "part_config")
+    idle = raw.get("idle_timeout_s", 3600.0)
+    if isinstance(idle, bool) or not isinstance(idle, (int, float)) or idle <= 0:
+        raise ConfigError(f"idle_timeout_s: must be a number > 0, got {idle!r}")
+    token = raw.get("job_token")
+    if token is not None and (not isinstance(token, str) or not 16 <= len(token) <= 256):
+        got = f"{len(token)} characters" if isinstance(token, str) else repr(token)
+        raise ConfigError(f"job_token: must be a string of 16..256 characters, got {got}")
     return ClusterConfig(
         job_id=_str(raw["job_id"], "job_id"), servers=servers, num_trainers=num_trainers,
         trainer_machines=machines,
@@ -285,7 +297,8 @@ def parse_cluster_config(raw):
         max_message_bytes=_int(raw.get("max_message_bytes", 1 << 30), "max_message_bytes",
                                1 << 20),
         master_addr=_str(raw.get("master_addr", "127.0.0.1"), "master_addr"),
-        master_port=_port(raw.get("master_port", 29500), "master_port"), part_config=part)
+        master_port=_port(raw.get("master_port", 29500), "master_port"), part_config=part,
+        idle_timeout_s=float(idle), job_token=token)
 
 
 def load_cluster_config(path):
@@ -299,7 +312,9 @@ def write_cluster_config(cfg, path):
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        # Owner-only: the file holds the job's token, which admits a process to the job.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w",
+                       encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=1)
         os.replace(tmp, path)
     except OSError as e:

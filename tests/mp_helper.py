@@ -37,7 +37,8 @@ def child_env(**extra):
 
 def cluster_dict(num_servers, num_trainers=1, **fields):
     """A cluster config (plain data) with servers on fresh 127.0.0.1 ports."""
-    raw = {"job_id": uuid.uuid4().hex[:8], "num_trainers": num_trainers,
+    raw = {"job_id": uuid.uuid4().hex[:8], "job_token": uuid.uuid4().hex,
+           "num_trainers": num_trainers,
            "trainer_machines": [0] * num_trainers,
            "servers": [{"host": "127.0.0.1", "port": free_port(), "machine": 0}
                        for _ in range(num_servers)]}

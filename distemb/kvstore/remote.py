@@ -78,8 +78,9 @@ class RemoteKVClient(KVClient):
         self._conns = list(connections) if connections is not None else open_connections(cfg)
         self._meta, self._shm, self._seq = {}, {}, {}
         self._closed = False
-        self.server_info = [r.fields for r in self._call(
-            {sid: Hello(rank=rank) for sid in range(self.num_servers)}).values()]
+        hello = {sid: Hello(rank=rank, token=cfg.job_token or "")
+                 for sid in range(self.num_servers)}
+        self.server_info = [r.fields for r in self._call(hello).values()]
         for sid, info in enumerate(self.server_info):
             if info.get("server_id") != sid or info.get("num_servers") != self.num_servers:
                 raise KVStoreError(f"server {sid}: answers as server {info.get('server_id')} "

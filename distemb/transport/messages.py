@@ -138,8 +138,10 @@ class RowsMessage(Message):
 
 
 class Hello(Message):
+    """The handshake: fixes the connection's trainer ``rank``; ``token`` is the job's."""
+
     SERVICE = Service.HELLO
-    FIELDS = {"rank": int_value}
+    FIELDS = {"rank": int_value, "token": text}
 
 
 class Create(Message):

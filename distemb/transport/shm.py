@@ -5,8 +5,10 @@ it read-write; a trainer on the same machine maps the same file read-only and ga
 rows from it directly (a pull with no round trip). Only the server writes (DESIGN.md,
 Concurrency: one writer per row), so trainers never modify the mapping.
 
-Files are named ``distemb-<job>-s<server>-<n>``; the server unlinks them on shutdown
-(a mapped file stays readable by trainers that still hold it).
+Files are named ``distemb-p<pid>-<job>-s<server>-<n>`` after the owning server's pid;
+the server unlinks them on every exit it can catch (a mapped file stays readable by
+trainers that still hold it), and :func:`remove_orphans` removes the files of servers
+that are gone (killed by SIGKILL, say), as every launch on the machine does first.
 
 Example:
     >>> arena = ShmArena("doc", 0)
@@ -17,13 +19,17 @@ Example:
     >>> arena.close()
 """
 import itertools
+import logging
 import os
+import re
 
 import numpy as np
 
 from distemb.errors import TransportError
 
 SHM_DIR = "/dev/shm"
+_OWNED = re.compile(r"^distemb-p(\d+)-")
+log = logging.getLogger("distemb")
 
 
 class ShmArena:
@@ -38,18 +44,29 @@ class ShmArena:
     def __init__(self, job, server_id, directory=SHM_DIR):
         if not os.path.isdir(directory):
             raise TransportError(f"shared memory: {directory} does not exist")
-        self.prefix = os.path.join(directory, f"distemb-{job}-s{server_id}-")
+        self.directory = directory
+        self.prefix = os.path.join(directory, f"distemb-p{os.getpid()}-{job}-s{server_id}-")
         self._ids = itertools.count()
         self._paths = {}  # id(array) -> path
 
     def allocate(self, shape, dtype):
         """A zero-filled array of ``shape``/``dtype`` backed by a new shm file."""
         path = f"{self.prefix}{next(self._ids)}"
-        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        with open(path, "w+b") as f:
-            f.truncate(max(size, 1))
-        arr = np.memmap(path, dtype=dtype, mode="r+", shape=tuple(shape)) if size else \
-            np.zeros(shape, dtype)
+        size = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+        try:
+            with open(path, "w+b") as f:
+                # Reserve the pages now: a sparse file would fail later with SIGBUS, in
+                # the middle of training, when /dev/shm fills up.
+                os.posix_fallocate(f.fileno(), 0, max(size, 1))
+            arr = np.memmap(path, dtype=dtype, mode="r+", shape=tuple(shape)) if size else \
+                np.zeros(shape, dtype)
+        except BaseException as e:
+            if os.path.exists(path):
+                os.unlink(path)
+            if isinstance(e, OSError):
+                raise TransportError(f"shared memory: cannot allocate {size:,} bytes in "
+                                     f"{path}: {e}") from None
+            raise
         self._paths[id(arr)] = path
         return arr
 
@@ -69,6 +86,37 @@ class ShmArena:
             if os.path.exists(path):
                 os.unlink(path)
         self._paths.clear()
+
+
+def remove_orphans(directory=SHM_DIR):
+    """Unlink the shard files whose owning server process no longer exists.
+
+    Returns:
+        the paths removed.
+    """
+    removed = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        match = _OWNED.match(name)
+        if not match or _alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+        except OSError:
+            pass  # another launch removed it first, or it is not ours to remove
+    if removed:
+        log.info("removed %d shared-memory file(s) of dead servers", len(removed))
+    return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
 
 
 def attach(path, shape, dtype):
