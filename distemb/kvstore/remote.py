@@ -203,15 +203,23 @@ class RemoteKVClient(KVClient):
         meta.policy.check_ids(ids, f"ids of {name!r}")
         whole = self._shm.get((name, 0)) if meta.policy.num_partitions == 1 else None
         if whole is not None:  # one co-located shard: local ids are global ids
-            return self._gather(whole, ids)
+            rows = self._gather(whole, ids)
+            if rows is not None:
+                return rows
         out = np.empty((len(ids),) + meta.shape[1:], dtype=meta.dtype)
-        routes, shm = self._route(name, ids, skip_shm=bool(self._shm))
+        # Shared-memory parts are read unless a write kept them busy (then: the server).
+        routes, shm = self._route(name, ids, skip_shm=bool(self._shm) and whole is None)
         requests = {sid: Pull(name=name, parts=r[0], counts=r[1], ids=r[2])
                     for sid, r in routes.items()}
         for sid, msg in requests.items():  # remote rows travel while local ones are copied
             self._conns[sid].send(msg.encode())
+        busy = []
         for part, pos, local in shm:
-            out[pos] = self._gather(self._shm[(name, part)], local)
+            rows = self._gather(self._shm[(name, part)], local)
+            if rows is None:
+                busy.append((part, pos, local))
+            else:
+                out[pos] = rows
         failed = []
         for sid in requests:  # read every reply, even after an error, to stay in step
             frame = self._conns[sid].recv()
@@ -224,12 +232,17 @@ class RemoteKVClient(KVClient):
                 out[routes[sid][3]] = frame.arrays[0]
         if failed:
             raise KVStoreError(failed[0])
+        for part, pos, local in busy:
+            out[pos] = self._call({part % self.num_servers: Pull(
+                name=name, parts=[part], counts=[len(local)],
+                ids=local.astype(np.int64, copy=False))})[part % self.num_servers].arrays[0]
         return out
 
     def _gather(self, shard, local):
-        if shard.dtype == np.float32 and shard.ndim == 2:
-            return kernels.gather_rows(shard, local, None, self.num_threads)
-        return shard[local]
+        """Rows ``local`` of a mapped shard, never torn; None if writes kept it busy."""
+        if shard.array.dtype == np.float32 and shard.array.ndim == 2:
+            return shard.read(lambda a: kernels.gather_rows(a, local, None, self.num_threads))
+        return shard.read(lambda a: a[local])
 
     def push(self, name, ids, values):
         meta = self._meta_of(name)

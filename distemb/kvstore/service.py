@@ -184,19 +184,20 @@ class KVService:
                              "shared_memory": self.arena is not None})
 
     def _allocate_all(self, wanted, what):
-        """Allocate ``[(name, part, shape, dtype, fill)]`` after checking they all fit;
-        on any failure, free what this call made (shm files included) and re-raise."""
+        """Allocate ``[(name, part, shape, dtype, fill, owner)]`` after checking they all
+        fit; on any failure, free what this call made (shm files included) and re-raise."""
         nbytes = sum(int(np.prod(shape, dtype=object)) * np.dtype(dt).itemsize
-                     for _, _, shape, dt, _ in wanted)
+                     for _, _, shape, dt, _, _ in wanted)
         check_fits(nbytes, what, self.arena.directory if self.arena else None)
         made = []
         try:
-            for name, part, shape, dtype, fill in wanted:
+            for name, part, shape, dtype, fill, owner in wanted:
                 arr = self._new_array(shape, dtype)
                 made.append((name, part, arr))
                 if fill is not None:
                     arr[...] = fill
-                self.server.create(name, part, arr)
+                self.server.create(name, part, arr, owner=owner,
+                                   version=self.arena.version_of(arr) if self.arena else None)
         except BaseException:
             for name, part, arr in made:
                 if self.server.has(name, part) and self.server.shard(name, part) is arr:
@@ -234,7 +235,7 @@ class KVService:
                             raise KVStoreError(
                                 f"shard {part} of {m.name!r}: rows {shape[1:]} {m.dtype}, but "
                                 f"shard {others[0]} has rows {have.shape[1:]} {have.dtype}")
-                    wanted.append((m.name, part, shape, m.dtype, None))
+                    wanted.append((m.name, part, shape, m.dtype, None, None))
             self._allocate_all(wanted, f"table {m.name!r} ({len(wanted)} new shard(s))")
         return Reply(fields={"existed": existed})
 
@@ -281,8 +282,8 @@ class KVService:
                 for spec in RULES[m.rule].states:
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
                     wanted.append((state_name(m.name, spec.name), part, shape, spec.dtype,
-                                   state_init(spec, (1,) * len(shape), m.options)))
-            for sname, part, _, _, _ in wanted:  # a fresh optimizer starts from fresh state
+                                   state_init(spec, (1,) * len(shape), m.options), m.name))
+            for sname, part, _, _, _, _ in wanted:  # a fresh optimizer starts from fresh state
                 self._forget(sname, part)
             self._allocate_all(wanted, f"optimizer state of {m.name!r}")
 
