@@ -27,11 +27,12 @@ from distemb.kvstore.local import init_shard
 from distemb.rules import RULES, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
-from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, OptInit, Pull,
-                                        Push, Reply, Service, ShmInfo, Update)
+from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load, OptInit,
+                                        Pull, Push, Reply, Save, Service, ShmInfo, Update)
 from distemb.transport.shm import attach
 
 INIT_CHUNK_BYTES = 64 << 20
+IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge shard
 ERRORS = {"PartitionError": PartitionError}
 
 
@@ -92,7 +93,7 @@ class RemoteKVClient(KVClient):
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _call(self, requests, wait=True):
+    def _call(self, requests, wait=True, timeout=None):
         """Send ``{server id: message}`` to all, then read every reply.
 
         Returns:
@@ -112,7 +113,7 @@ class RemoteKVClient(KVClient):
             return {}
         replies, failed = {}, []
         for sid in requests:
-            frame = self._conns[sid].recv()
+            frame = self._conns[sid].recv(timeout)
             if frame.service == Service.ERROR:
                 failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
             elif frame.service != Service.REPLY:
@@ -294,6 +295,26 @@ class RemoteKVClient(KVClient):
                     ids=np.empty(0, np.int64),
                     grads=np.empty((0, grads.shape[1]), np.float32)))
         self._call(requests, wait=self.consistency != "async")
+
+    def _shard_requests(self, cls, name, **fields):
+        meta = self._meta_of(name)
+        requests = {}
+        for sid, parts in self._parts_by_server(meta.policy).items():
+            prog = [meta.policy.id_progression(p) for p in parts]
+            requests[sid] = cls(name=name, parts=parts, starts=[p[0] for p in prog],
+                                steps=[p[1] for p in prog], **fields)
+        return requests
+
+    def save_tensor(self, name, directory, save_id):
+        """Every server writes its own shards of ``name``, all at once (in parallel)."""
+        replies = self._call(self._shard_requests(Save, name, directory=directory,
+                                                  save_id=save_id), timeout=IO_TIMEOUT_S)
+        return [seg for sid in sorted(replies) for seg in replies[sid].fields["segments"]]
+
+    def load_tensor(self, name, directory):
+        """Every server reads, from the checkpoint's segments, the rows it owns."""
+        self._call(self._shard_requests(Load, name, directory=directory),
+                   timeout=IO_TIMEOUT_S)
 
     @property
     def needs_every_step(self):

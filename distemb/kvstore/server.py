@@ -26,6 +26,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.errors import KVStoreError
+from distemb.kvstore import snapshot
 from distemb.rules import RULES, state_name
 
 
@@ -181,3 +182,31 @@ class KVServer:
         states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
         with self._guard(name, part).write():
             impl.apply(kernels, weight, states, local_ids, grads, hyper, self.num_threads)
+
+    def save_shard(self, name, part, directory, save_id, start, step):
+        """Write shard ``part`` of ``name`` as a checkpoint segment (see
+        :mod:`distemb.kvstore.snapshot`); each block is copied under the shard's read
+        lock. Returns the segment's manifest record."""
+        arr, guard = self.shard(name, part), self._guard(name, part)
+
+        def read_block(lo, hi):
+            with guard.lock.read():
+                return arr[lo:hi].copy()
+        return snapshot.write_segment(directory, save_id, name, part, start, step,
+                                      arr.shape, arr.dtype.name, read_block)
+
+    def load_shard(self, name, part, directory, entry, start, step):
+        """Fill shard ``part`` of ``name`` (global ids ``start + step * k``) from the
+        segments of manifest record ``entry``, reading only the blocks it needs."""
+        arr, guard = self.shard(name, part), self._guard(name, part)
+        if entry.get("dtype") != arr.dtype.name or \
+                list(entry.get("shape", [])[1:]) != list(arr.shape[1:]):
+            raise KVStoreError(f"checkpoint: tensor {name!r} was saved as "
+                               f"{entry.get('shape')} {entry.get('dtype')}, the live one has "
+                               f"rows {arr.shape[1:]} {arr.dtype}")
+
+        def write_rows(local, rows):
+            with guard.write():
+                arr[local] = rows
+        snapshot.read_segments(directory, entry["segments"], arr.dtype, arr.shape[1:], start,
+                               step, arr.shape[0], write_rows)

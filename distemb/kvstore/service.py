@@ -34,6 +34,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.errors import KVStoreError, TransportError
+from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import RULES, state_init, state_name
@@ -90,7 +91,8 @@ class KVService:
                           Service.DROP: self._drop, Service.PULL: self._pull,
                           Service.PUSH: self._push, Service.OPT_INIT: self._opt_init,
                           Service.UPDATE: self._update, Service.BARRIER: self._barrier,
-                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye}
+                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye,
+                          Service.SAVE: self._save, Service.LOAD: self._load}
 
     def handle(self, frame, session=None):
         """The reply frame to request ``frame`` (an Error frame when it fails).
@@ -374,3 +376,18 @@ class KVService:
             done = len(self._byes) >= self.num_trainers
         if done and self.on_all_bye:
             self.on_all_bye()
+
+    def _save(self, m, session):
+        segments = []
+        for part, start, step in zip(m.parts, m.starts, m.steps):
+            self._own(part)
+            segments.append(self.server.save_shard(m.name, part, m.directory, m.save_id,
+                                                   start, step))
+        return Reply(fields={"segments": segments})
+
+    def _load(self, m, session):
+        entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
+                                      m.directory)
+        for part, start, step in zip(m.parts, m.starts, m.steps):
+            self._own(part)
+            self.server.load_shard(m.name, part, m.directory, entry, start, step)

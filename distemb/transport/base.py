@@ -201,8 +201,9 @@ class Connection:
         """Send ``frame``; raise :class:`~distemb.errors.TransportError` subclasses."""
         raise NotImplementedError
 
-    def recv(self):
-        """The next frame from the peer (blocks up to the connection's timeout)."""
+    def recv(self, timeout=None):
+        """The next frame from the peer (blocks up to ``timeout`` s for it to begin;
+        default: the connection's timeout)."""
         raise NotImplementedError
 
     def close(self):

@@ -85,13 +85,14 @@ class MpiConnection(Connection):
         for view in payload_views(frame):
             self.comm.Send([view, MPI.BYTE], dest=self.dest, tag=TAG_DATA)
 
-    def recv(self):
+    def recv(self, timeout=None):
         status = MPI.Status()
-        deadline = time.monotonic() + self.timeout
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout
         while not self.comm.Iprobe(source=self.dest, tag=TAG_HEAD, status=status):
             if time.monotonic() > deadline:
                 raise ServerUnavailableError(f"{self.peer}: no answer within "
-                                             f"{self.timeout} s")
+                                             f"{timeout} s")
             time.sleep(POLL_S)
         head = _recv_head(self.comm, status, self.dest)
         return _decode(self.comm, self.dest, head, self.max_bytes)

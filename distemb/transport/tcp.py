@@ -85,8 +85,8 @@ class TcpConnection(Connection):
         self._read_into(memoryview(buf))
         return bytes(buf)
 
-    def recv(self):
-        """The next frame.
+    def recv(self, timeout=None):
+        """The next frame; ``timeout`` (s) overrides the wait for its first byte.
 
         Raises:
             ServerUnavailableError: the peer closed, reset or timed out.
@@ -94,9 +94,10 @@ class TcpConnection(Connection):
         """
         head = bytearray(HEADER.size)
         view = memoryview(head)
+        idle = self.idle_timeout if timeout is None else timeout
         try:
-            if self.idle_timeout != self.timeout:  # wait for a frame, then read it briskly
-                self.sock.settimeout(self.idle_timeout)
+            if idle != self.timeout:  # wait for a frame, then read it briskly
+                self.sock.settimeout(idle)
                 try:
                     got = self.sock.recv_into(view)
                 finally:
@@ -105,7 +106,7 @@ class TcpConnection(Connection):
                     raise ConnectionResetError("peer closed the connection")
                 view = view[got:]
         except OSError as e:
-            self._fail(e, "waiting for a request", self.idle_timeout)
+            self._fail(e, "waiting for a frame", idle)
         try:
             self._read_into(view)
             header = parse_header(bytes(head), self.max_bytes)
