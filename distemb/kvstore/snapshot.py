@@ -27,6 +27,7 @@ import json
 import os
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -80,12 +81,20 @@ def write_segment(directory, save_id, name, part, start, step, shape, dtype, rea
     tmp = final + ".tmp"
     crcs = []
     try:
-        with open(tmp, "wb") as f:
+        # Two stages: block k goes to disk in a thread while block k+1 is copied and
+        # checksummed (both release the GIL), so the CRC costs no time; two blocks in
+        # memory at most.
+        with open(tmp, "wb") as f, ThreadPoolExecutor(1) as disk:
+            pending = None
             for lo in range(0, rows, block_rows):
                 block = np.ascontiguousarray(read_block(lo, min(rows, lo + block_rows)))
                 view = memoryview(block).cast("B")
                 crcs.append(zlib.crc32(view))
-                f.write(view)
+                if pending is not None:
+                    pending.result()
+                pending = disk.submit(f.write, view)
+            if pending is not None:
+                pending.result()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
