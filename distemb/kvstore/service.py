@@ -33,18 +33,20 @@ import time
 import numpy as np
 
 from distemb import kernels
+from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, TransportError
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import RULES, state_init, state_name
+from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, Session
 from distemb.transport.messages import Error, Reply, Service, decode_request
 
+log = logging.getLogger("distemb")
 DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
 MAX_ROWS = 1 << 40
 MAX_TABLE_NAME = 256
-log = logging.getLogger("distemb")
 
 
 class RefusedError(KVStoreError):
@@ -77,8 +79,9 @@ class KVService:
     an error reply and the connection is closed.
     """
 
-    def __init__(self, server, server_id, num_servers, num_trainers, timeout_s=60.0,
-                 arena=None, on_all_bye=None, token=None):
+    def __init__(self, server, server_id, num_servers, num_trainers,
+                 timeout_s=default_of(ClusterConfig, "timeout_s"), arena=None, on_all_bye=None,
+                 token=None):
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye, self.token = arena, on_all_bye, token
@@ -113,7 +116,8 @@ class KVService:
             if isinstance(e, (TransportError, RefusedError)):
                 session.closing = True  # undecodable or unauthorised: hang up after this
             if frame.flags & FLAG_NO_REPLY and not session.closing:
-                log.warning("server %s: asynchronous request failed: %s", self.server_id, e)
+                log.warning("distemb server %d: asynchronous request failed: %s",
+                            self.server_id, e)
                 return None
             return Error(kind=type(e).__name__, message=f"server {self.server_id}: {e}"
                          ).encode()
