@@ -69,9 +69,25 @@ class ProcessGroup:
         self.procs.append(p)
         return p
 
-    def spawn_servers(self, config_path, num_servers):
-        return [self.spawn([sys.executable, "-m", "distemb.server", "--config", config_path,
-                            "--server-id", str(i)]) for i in range(num_servers)]
+    def spawn_servers(self, config_path, num_servers, wait=60.0):
+        """Start the servers of ``config_path`` and wait (up to ``wait`` s) until each
+        accepts connections, so a short ``timeout_s`` under test measures failures, not
+        the start-up of Python on a busy machine."""
+        procs = [self.spawn([sys.executable, "-m", "distemb.server", "--config", config_path,
+                             "--server-id", str(i)]) for i in range(num_servers)]
+        with open(config_path, encoding="utf-8") as f:
+            entries = json.load(f)["servers"][:num_servers]
+        deadline = time.monotonic() + wait
+        for p, entry in zip(procs, entries):
+            while True:
+                try:
+                    socket.create_connection((entry["host"], entry["port"]), timeout=1).close()
+                    break
+                except OSError:
+                    if p.poll() is not None or time.monotonic() > deadline:
+                        break  # the test sees the failure (exit code or connect error)
+                    time.sleep(0.05)
+        return procs
 
     def wait_all(self, timeout):
         """Wait for every process; assert its exit code. Returns {pid: output}."""
