@@ -33,6 +33,7 @@ import zipfile
 
 import numpy as np
 
+from distemb.arrays import check_shape
 from distemb.errors import DistEmbError
 from distemb.kvstore.snapshot import (FORMAT, MANIFEST, SEGMENT_FILE, VERSION, manifest_path,
                                       read_manifest)
@@ -40,12 +41,24 @@ from distemb.kvstore.snapshot import (FORMAT, MANIFEST, SEGMENT_FILE, VERSION, m
 CHUNK_ROWS = 1 << 20
 
 
-def _all_rows(client, name):
+def all_rows(client, name: str) -> np.ndarray:
+    """Every row of tensor ``name`` of ``client``, as one numpy array, pulled in chunks."""
     n = client.data_meta(name).shape[0]
     parts = [client.to_host(client.pull(
                  name, client.from_host(np.arange(s, min(s + CHUNK_ROWS, n), dtype=np.int64))))
              for s in range(0, n, CHUNK_ROWS)]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def push_rows(client, name: str, array: np.ndarray) -> None:
+    """Write ``array`` (every row of ``name``) into ``client``, in chunks of CHUNK_ROWS rows.
+
+    Chunks keep each request under a transport's frame limit for remote tables.
+    """
+    for s in range(0, array.shape[0], CHUNK_ROWS):
+        ids = np.arange(s, min(s + CHUNK_ROWS, array.shape[0]), dtype=np.int64)
+        client.push(name, client.from_host(ids),
+                    client.from_host(np.ascontiguousarray(array[s:s + len(ids)])))
 
 
 def _fsync_dir(path):
@@ -152,10 +165,10 @@ def restore(path, client, names):
             raise DistEmbError(f"{path}: has no tensor {name!r} (has "
                                f"{sorted(meta['tensors'])[:10]})")
         want = client.data_meta(name)
-        if want is None or tuple(entry.get("shape", ())) != want.shape:
-            raise DistEmbError(f"{path}: tensor {name!r} has shape {tuple(entry['shape'])}, "
-                               f"but the live tensor has shape "
-                               f"{None if want is None else want.shape}")
+        if want is None:
+            raise DistEmbError(f"{path}: tensor {name!r} is not in the live store")
+        check_shape(f"{path}: tensor {name!r}", entry.get("shape", ()), want.shape,
+                    DistEmbError)
         client.load_tensor(name, path)
     return meta
 
@@ -168,15 +181,11 @@ def _restore_npz(path, client, names, meta):
                 raise DistEmbError(f"{path}: has no tensor {name!r} (has {meta['tensors']})")
             arr = z[key]
             want = client.data_meta(name)
-            if want is None or tuple(arr.shape) != want.shape:
-                got = None if want is None else want.shape
-                raise DistEmbError(f"{path}: tensor {name!r} has shape {arr.shape}, but the "
-                                   f"live tensor has shape {got}")
-            for s in range(0, arr.shape[0], CHUNK_ROWS):
-                ids = np.arange(s, min(s + CHUNK_ROWS, arr.shape[0]), dtype=np.int64)
-                client.push(name, client.from_host(ids),
-                            client.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
+            if want is None:
+                raise DistEmbError(f"{path}: tensor {name!r} is not in the live store")
+            check_shape(f"{path}: tensor {name!r}", arr.shape, want.shape, DistEmbError)
+            push_rows(client, name, arr)
     return meta
 
 
-__all__ = ["save", "restore", "read_meta", "MANIFEST"]
+__all__ = ["save", "restore", "read_meta", "all_rows", "push_rows", "MANIFEST"]

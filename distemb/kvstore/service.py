@@ -34,11 +34,11 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import ClusterConfig
-from distemb.errors import KVStoreError, TransportError
+from distemb.errors import KVStoreError, PartitionError, TransportError
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
-from distemb.rules import RULES, state_init, state_name
+from distemb.rules import rule_of, state_init, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, Session
 from distemb.transport.messages import Error, Reply, Service, decode_request
@@ -157,8 +157,8 @@ class KVService:
             rows = self.server.shard(m.name, part).shape[0]
             if n and (int(ids.min()) < 0 or int(ids.max()) >= rows):
                 bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                raise KVStoreError(f"id {bad} of shard {part} of {m.name!r} is out of range "
-                                   f"(expected 0 <= id < {rows})")
+                raise PartitionError(f"id {bad} of shard {part} of {m.name!r} is out of range "
+                                     f"(expected 0 <= id < {rows})")
             out.append((part, ids, sl))
         return out
 
@@ -275,8 +275,7 @@ class KVService:
             self.server.push(m.name, part, ids, m.values[sl])
 
     def _opt_init(self, m, session):
-        if m.rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {m.rule!r}")
+        impl = rule_of(m.rule)
         with self._lock:
             wanted = []
             for part in m.parts:
@@ -285,7 +284,7 @@ class KVService:
                 if weight.dtype != np.float32 or weight.ndim != 2:
                     raise KVStoreError(f"optimizer of {m.name!r}: needs a 2-d float32 table, "
                                        f"it is {weight.ndim}-d {weight.dtype}")
-                for spec in RULES[m.rule].states:
+                for spec in impl.states:
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
                     wanted.append((state_name(m.name, spec.name), part, shape, spec.dtype,
                                    state_init(spec, (1,) * len(shape), m.options), m.name))
@@ -297,8 +296,9 @@ class KVService:
         if m.grads.dtype != np.float32 or m.grads.ndim != 2:
             raise KVStoreError(f"grads of {m.name!r}: expected 2-d float32, got "
                                f"{m.grads.dtype} {m.grads.ndim}-d")
-        if m.rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {m.rule!r}")
+        # The wire carries the hyperparameters' fields: check them against the rule now,
+        # naming a missing, unknown or mistyped field, before any row is touched.
+        m.hyper = rule_of(m.rule).hyper_from(m.hyper)
         for part in m.parts:
             weight = self.server.shard(m.name, part)
             if weight.dtype != np.float32 or weight.ndim != 2 or \
@@ -348,7 +348,7 @@ class KVService:
         for part, pieces in per_part.items():
             ids = np.concatenate([p[0] for p in pieces])
             grads = np.concatenate([p[1] for p in pieces])
-            uniq, summed = kernels.dedup_sum(ids, grads, self.server.num_threads)
+            uniq, summed = kernels.dedup_sum(ids, grads, num_threads=self.server.num_threads)
             self.server.update(first.name, part, uniq, summed, first.rule, first.hyper)
 
     def _barrier(self, m, session):
