@@ -18,7 +18,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.kvstore import KVServer
-from distemb.rules import RULES
+from distemb.rules import AdagradHyper, rule_of
 from distemb.transport.shm import ShmArena, attach
 
 
@@ -39,7 +39,7 @@ def main():
         srv.create("w", 0, w, version=arena.version_of(w))
         srv.create("w~opt~sum", 0, s, owner="w")
         mapped = attach(arena.path_of(w), w.shape, "float32")
-        rule, hyper = RULES["adagrad"], {"clr": 0.01, "eps": 1e-10}
+        rule, hyper = rule_of("adagrad"), AdagradHyper(clr=0.01, eps=1e-10)
         batches = [np.unique(rng.integers(0, args.rows, args.batch)) for _ in range(64)]
         grads = np.full((args.batch, args.dim), 0.001, np.float32)
         contenders = {

@@ -12,6 +12,7 @@ from mp_helper import ProcessGroup, cluster_dict, write_json
 from distemb.config import parse_cluster_config
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
+from distemb.rules import SGDHyper
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 ROWS, DIM, UPDATES = 64, 4096, 150
@@ -47,7 +48,7 @@ def test_pulls_never_see_a_torn_row_during_concurrent_updates(tmp_path, shm):
                 for _ in range(UPDATES):
                     grads = np.repeat(rng.integers(1, 100, (ROWS, 1)).astype(np.float32),
                                       DIM, axis=1)  # one value per row: rows stay equal
-                    writer.push_update("w", ids, grads, "sgd", {"lr": 1.0})
+                    writer.push_update("w", ids, grads, "sgd", SGDHyper(lr=1.0))
             finally:
                 done.set()
 
