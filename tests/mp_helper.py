@@ -77,16 +77,7 @@ class ProcessGroup:
                              "--server-id", str(i)]) for i in range(num_servers)]
         with open(config_path, encoding="utf-8") as f:
             entries = json.load(f)["servers"][:num_servers]
-        deadline = time.monotonic() + wait
-        for p, entry in zip(procs, entries):
-            while True:
-                try:
-                    socket.create_connection((entry["host"], entry["port"]), timeout=1).close()
-                    break
-                except OSError:
-                    if p.poll() is not None or time.monotonic() > deadline:
-                        break  # the test sees the failure (exit code or connect error)
-                    time.sleep(0.05)
+        self.wait_listening([(e["host"], e["port"]) for e in entries], wait)
         return procs
 
     def wait_listening(self, addresses, timeout=60.0):
