@@ -113,8 +113,8 @@ class Counting(Connection):
         self.sent += sum(a.nbytes for a in frame.arrays)
         self.conn.send(frame)
 
-    def recv(self):
-        frame = self.conn.recv()
+    def recv(self, timeout=None):
+        frame = self.conn.recv(timeout)
         self.received += sum(a.nbytes for a in frame.arrays)
         return frame
 

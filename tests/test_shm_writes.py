@@ -97,8 +97,8 @@ class Recording(Connection):
         self.sent.append((frame.service, sum(a.nbytes for a in frame.arrays)))
         self.conn.send(frame)
 
-    def recv(self):
-        return self.conn.recv()
+    def recv(self, timeout=None):
+        return self.conn.recv(timeout)
 
     def close(self):
         self.conn.close()
