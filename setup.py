@@ -109,7 +109,13 @@ extensions = [
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],
         language="c++",
-    )
+    ),
+    Extension(
+        "distemb._hashtable",
+        ["csrc/_hashtable.pyx"],
+        extra_compile_args=COMPILE_ARGS,
+        language="c++",
+    ),
 ]
 
 setup(
