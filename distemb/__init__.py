@@ -25,6 +25,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "DistTensor": "distemb.tensor",
     "DistEmbedding": "distemb.embedding",
+    "DynamicEmbedding": "distemb.dynamic",
+    "StoreEmbedding": "distemb.dynamic",
     "SparseOptimizer": "distemb.optim",
     "SparseSGD": "distemb.optim",
     "SparseAdagrad": "distemb.optim",

@@ -10,7 +10,14 @@ import numpy as np
 
 
 class HashTable:
-    """int64 key -> int64 slot, as the compiled HashTable."""
+    """int64 key -> int64 slot, as the compiled HashTable.
+
+    Example:
+        >>> t = HashTable()
+        >>> out, new = np.empty(2, np.int64), np.empty(2, np.uint8)
+        >>> t.find_or_insert(np.array([4, 4]), out, new), out.tolist()
+        (1, [0, 0])
+    """
 
     def __init__(self, buckets=16, max_load=0.75):
         self._buckets = 16

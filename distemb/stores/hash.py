@@ -29,7 +29,12 @@ FREE = -1  # slot_key of a slot no key holds
 
 
 class EvictPolicy(enum.Enum):
-    """Which keys an eviction removes first."""
+    """Which keys an eviction removes first.
+
+    Example:
+        >>> EvictPolicy.parse("lfu")
+        <EvictPolicy.LFU: 'lfu'>
+    """
 
     LRU = "lru"  # least recently looked up (timestamp)
     LFU = "lfu"  # looked up in the fewest batches (count), then least recently
@@ -142,6 +147,10 @@ class HashStore(RowStore):
             self._grow(self._index.high_water)
             self._init_slots(keys[new], slots[new])
         return slots
+
+    def find(self, keys):
+        """Slots of ``keys``, -1 where absent (nothing inserted, no access counted)."""
+        return self._index.find(keys)
 
     def lookup(self, keys):
         """Rows of ``keys`` (inserted when absent), counted as an access for eviction.
