@@ -255,6 +255,10 @@ class HashStore(RowStore):
         self.remove(keys)
         return keys
 
+    def load_factor(self):
+        """Keys held per bucket of the index."""
+        return self._index.size / self._index.buckets
+
     def access_counts(self, keys):
         """(last lookup tick, lookup batches) of each key (MissingKeyError when absent)."""
         slots = self.slots(keys)
