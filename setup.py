@@ -22,6 +22,19 @@ COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
 if os.environ.get("DISTEMB_NATIVE") == "1":
     COMPILE_ARGS.append("-march=native")
 
+
+def _cpu_has(flag):
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+# float16 conversions in one instruction (F16C, every x86-64 CPU since 2012) when the
+# building CPU has it; otherwise gcc's library calls, correct but slow.
+HALF_ARGS = ["-mf16c"] if _cpu_has("f16c") else []
+
 CUDA_SOURCES = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
 CUDA_DEPENDS = CUDA_SOURCES + sorted(glob.glob(os.path.join("csrc", "cuda", "*.*h")))
 CUDA_LIB = os.path.join("distemb", "_cuda_kernels.so")
@@ -107,6 +120,15 @@ extensions = [
         "distemb._kernels",
         ["csrc/_kernels.pyx"],
         extra_compile_args=COMPILE_ARGS,
+        extra_link_args=["-fopenmp"],
+        language="c++",
+    ),
+    Extension(
+        "distemb._halfkernels",
+        ["csrc/_halfkernels.pyx"],
+        include_dirs=["csrc"],
+        depends=["csrc/half_kernels.h"],
+        extra_compile_args=COMPILE_ARGS + HALF_ARGS,
         extra_link_args=["-fopenmp"],
         language="c++",
     ),

@@ -14,16 +14,22 @@ import pytest
 import torch
 
 from distemb import kernels
+from distemb.kernels import half
 from distemb.errors import MissingKeyError, StoreError
 from distemb.rules import RULES
 from distemb.stores import DenseStore, FileStore, HashStore, RowStore, key_normal
 
-KINDS = ["dense", "hash", "hash_twin", "file"]
+KINDS = ["dense", "hash", "hash_twin", "file", "dense_bf16", "hash_bf16", "file_fp16"]
+#: Half-precision stores: weights rounded to nearest-even on every store, so comparisons
+#: with float32 oracles use this relative tolerance (and exact ones round the oracle).
+HALF_RTOL = {"bfloat16": 3e-2, "float16": 4e-3}
 
 
 class StoreFactory:
     def __init__(self, kind, tmp_path):
         self.kind, self.tmp_path, self.made = kind, tmp_path, []
+        self.dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(kind.split("_")[-1],
+                                                                 "float32")
         rng = np.random.default_rng(123)
         self._hash_keys = np.unique(np.concatenate([
             rng.integers(-2 ** 62, 2 ** 62, 4000), [0, -1, 2 ** 63 - 1]]))
@@ -34,18 +40,23 @@ class StoreFactory:
         return self._hash_keys[rows] if self.kind.startswith("hash") else rows
 
     def make(self, num_rows, dim, init=None):
-        if self.kind == "dense":
-            s = DenseStore(num_rows, dim, init=init)
-        elif self.kind == "file":
+        if self.kind.startswith("dense"):
+            s = DenseStore(num_rows, dim, init=init, dtype=self.dtype)
+        elif self.kind.startswith("file"):
             s = FileStore(os.path.join(self.tmp_path, f"fs{len(self.made)}"), num_rows, dim,
-                          init=init)
+                          init=init, dtype=self.dtype)
         else:
             # the dense stores hold rows 0..N-1 from the start; the hash store gets its keys
             # on first use, with the init of the key the oracle row maps to
             key_init = None if init is None else (lambda k: init(self._row_of(k)))
-            s = HashStore(dim, init=key_init, native=(self.kind == "hash"))
+            s = HashStore(dim, init=key_init, native=(self.kind != "hash_twin"),
+                          dtype=self.dtype)
         self.made.append(s)
         return s
+
+    def rounded(self, rows):
+        """float32 ``rows`` as this store keeps them (rounded to its weight dtype)."""
+        return rows if self.dtype == "float32" else half.decode(half.encode(rows, self.dtype))
 
     def _row_of(self, keys):
         order = np.argsort(self._hash_keys)
@@ -54,7 +65,7 @@ class StoreFactory:
 
 @pytest.fixture(params=KINDS)
 def store(request, tmp_path):
-    if request.param == "hash" and not kernels.HAS_EXT:
+    if request.param in ("hash", "hash_bf16") and not kernels.HAS_EXT:
         pytest.skip("compiled hash index not loaded (DISTEMB_NO_EXT set or not built)")
     factory = StoreFactory(request.param, tmp_path)
     yield factory
@@ -65,14 +76,15 @@ def store(request, tmp_path):
 def test_is_a_row_store_with_a_weight_column(store):
     s = store.make(10, 3)
     assert isinstance(s, RowStore)
-    assert s.columns()["weight"] == ((3,), "float32") and s.dim == 3 and s.dtype == "float32"
+    assert s.columns()["weight"] == ((3,), store.dtype) and s.dim == 3
+    assert s.dtype == store.dtype and s.ops is (kernels if store.dtype == "float32" else half)
 
 
 def test_initial_rows_come_from_init_per_key(store):
     init = key_normal(5, seed=3)
     s = store.make(50, 5, init=init)
     rows = np.array([49, 0, 7, 7])
-    np.testing.assert_array_equal(s.gather(store.key_of(rows)), init(rows))
+    np.testing.assert_array_equal(s.gather(store.key_of(rows)), store.rounded(init(rows)))
 
 
 def test_scatter_gather_round_trip_last_duplicate_wins(store):
@@ -122,7 +134,7 @@ def test_update_rules_match_torch_optim(store, case):
     for spec in rule.states:
         s.add_column(spec.name, spec.shape(dim), spec.dtype)
     ref = torch.nn.Embedding(rows_n, dim, sparse=True)
-    ref.weight.data.copy_(torch.from_numpy(init(np.arange(rows_n))))
+    ref.weight.data.copy_(torch.from_numpy(store.rounded(init(np.arange(rows_n)))))
     opt = make_torch([ref.weight])
     rng = np.random.default_rng(0)
     for step in range(1, steps + 1):
@@ -136,7 +148,9 @@ def test_update_rules_match_torch_optim(store, case):
         uniq = grad.indices()[0].numpy()
         s.update(rule, store.key_of(uniq), np.ascontiguousarray(grad.values().numpy()), h)
     got = torch.from_numpy(s.gather(store.key_of(np.arange(rows_n))))
-    torch.testing.assert_close(got, ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    want = ref.weight.detach()
+    rtol = HALF_RTOL.get(store.dtype, 1e-5)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()))
     assert (got - torch.from_numpy(init(np.arange(rows_n)))).abs().max() > 1e-3
 
 
@@ -162,7 +176,8 @@ def test_size_keys_nbytes(store):
     s = store.make(12, 2)
     s.gather(store.key_of([4, 4, 9]))
     assert set(store.key_of([4, 9]).tolist()) <= set(s.keys().tolist())
-    assert s.size() == len(s.keys()) and s.nbytes() >= s.size() * 2 * 4
+    row_bytes = 2 * (4 if store.dtype == "float32" else 2)
+    assert s.size() == len(s.keys()) and s.nbytes() >= s.size() * row_bytes
 
 
 def test_bad_keys_raise_clear_errors(store):

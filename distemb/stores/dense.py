@@ -2,6 +2,7 @@
 import numpy as np
 
 from distemb.errors import StoreError
+from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kernels.hashtable import keys_array
 from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
 
@@ -9,8 +10,8 @@ from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
 INIT_CHUNK = 1 << 16
 
 
-def fill_rows(arr, init, start=0, stop=None):
-    """``arr[k - start] = init(k)`` for keys ``k`` in [start, stop), in chunks."""
+def fill_rows(arr, init, start=0, stop=None, encode=lambda rows: rows):
+    """``arr[k - start] = encode(init(k))`` for keys ``k`` in [start, stop), in chunks."""
     stop = arr.shape[0] + start if stop is None else stop
     for lo in range(start, stop, INIT_CHUNK):
         keys = np.arange(lo, min(lo + INIT_CHUNK, stop), dtype=np.int64)
@@ -18,7 +19,7 @@ def fill_rows(arr, init, start=0, stop=None):
         if rows.shape != (len(keys), arr.shape[1]):
             raise StoreError(f"init: returned shape {rows.shape} for {len(keys)} keys, "
                              f"expected {(len(keys), arr.shape[1])}")
-        arr[lo - start:lo - start + len(keys)] = rows
+        arr[lo - start:lo - start + len(keys)] = encode(rows)
 
 
 class DenseStore(RowStore):
@@ -27,7 +28,7 @@ class DenseStore(RowStore):
     Args:
         num_rows: rows (keys) of the shard.
         dim: row length.
-        dtype: weight dtype (``"float32"``).
+        dtype: weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         init: ``init(keys) -> rows`` for the initial rows (zeros when None).
 
     Raises:
@@ -47,7 +48,7 @@ class DenseStore(RowStore):
         self._set(WEIGHT, self._new_array(WEIGHT, (self.dim,), self.dtype, 0.0, False),
                   (self.dim,))
         if init is not None:
-            fill_rows(self._cols[WEIGHT], init)
+            fill_rows(self._cols[WEIGHT], init, encode=self.encode)
 
     @classmethod
     def from_array(cls, weight):
@@ -64,11 +65,11 @@ class DenseStore(RowStore):
 
     def _new_array(self, name, row_shape, dtype, fill, keep):
         """A (num_rows,) + row_shape array of ``dtype`` filled with ``fill``."""
-        return np.full((self.num_rows,) + tuple(row_shape), fill, dtype=dtype)
+        return np.full((self.num_rows,) + tuple(row_shape), fill, dtype=storage_dtype(dtype))
 
     def _set(self, name, arr, row_shape):
         self._cols[name] = arr
-        self._shapes[name] = (tuple(row_shape), arr.dtype.name)
+        self._shapes[name] = (tuple(row_shape), dtype_name(arr))
 
     def slots(self, keys, insert=False):
         keys = keys_array(keys)
@@ -121,7 +122,8 @@ class DenseStore(RowStore):
 
     def export(self):
         # every key is its own slot: the columns are already in key order
-        return self.keys(), {name: np.array(arr) for name, arr in self._cols.items()}
+        return self.keys(), {name: self.decode(arr) if name == WEIGHT else np.array(arr)
+                             for name, arr in self._cols.items()}
 
     def close(self):
         self.flush()

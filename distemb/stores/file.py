@@ -25,6 +25,7 @@ import os
 import numpy as np
 
 from distemb.errors import StoreError
+from distemb.kernels.half import storage_dtype
 from distemb.stores.dense import DenseStore, fill_rows
 from distemb.stores.types import WEIGHT, check_dim, check_float_dtype
 
@@ -51,7 +52,7 @@ class FileStore(DenseStore):
             opened and ``num_rows``/``dim``, when given, must match it.
         num_rows: rows of a new store.
         dim: row length of a new store.
-        dtype: weight dtype (``"float32"``).
+        dtype: weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         init: ``init(keys) -> rows`` for a new store (zeros, never written, when None).
         preallocate: reserve the files' blocks now (``posix_fallocate``), so that a full
             disk fails here and not as a SIGBUS in a later write.
@@ -92,7 +93,7 @@ class FileStore(DenseStore):
                   (self.dim,))
         self._write_meta()
         if init is not None:
-            fill_rows(self._cols[WEIGHT], init)
+            fill_rows(self._cols[WEIGHT], init, encode=self.encode)
 
     def _reopen(self, meta_path, num_rows, dim, dtype):
         try:
@@ -124,7 +125,8 @@ class FileStore(DenseStore):
     def _map(self, name, row_shape, dtype, create):
         """Map column ``name``'s file (created, sized and preallocated when ``create``)."""
         shape = (self.num_rows,) + tuple(row_shape)
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        dtype = storage_dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
         try:
             fd = os.open(self._file(name), flags, 0o644)

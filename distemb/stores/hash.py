@@ -18,8 +18,8 @@ import logging
 
 import numpy as np
 
-from distemb import kernels
 from distemb.errors import MissingKeyError, StoreError
+from distemb.kernels.half import storage_dtype
 from distemb.kernels.hashtable import HashIndex, keys_array
 from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
 
@@ -55,7 +55,7 @@ class HashStore(RowStore):
 
     Args:
         dim: row length.
-        dtype: weight dtype (``"float32"``).
+        dtype: weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         init: ``init(keys) -> rows``, a pure function of each key (zeros when None):
             see :mod:`distemb.stores.init` for seeded random initialisers.
         capacity: keys held at most; a lookup past it evicts (None: unbounded).
@@ -91,8 +91,8 @@ class HashStore(RowStore):
         self._init = init
         self._index = HashIndex(reserve, native=native)
         rows = max(16, int(reserve))
-        self._cols = {WEIGHT: np.zeros((rows, self.dim), np.float32)}
-        self._specs = {WEIGHT: ((self.dim,), "float32", 0.0)}
+        self._cols = {WEIGHT: np.zeros((rows, self.dim), storage_dtype(self.dtype))}
+        self._specs = {WEIGHT: ((self.dim,), self.dtype, 0.0)}
         self._slot_key = np.full(rows, FREE, np.int64)
         self._last = np.zeros(rows, np.int64)
         self._count = np.zeros(rows, np.int64)
@@ -124,7 +124,7 @@ class HashStore(RowStore):
                 if rows.shape != (len(keys), self.dim):
                     raise StoreError(f"init: returned shape {rows.shape} for {len(keys)} "
                                      f"keys, expected {(len(keys), self.dim)}")
-                arr[slots] = rows
+                arr[slots] = self.encode(rows)
             else:
                 arr[slots] = self._specs[name][2]
         self._slot_key[slots] = keys
@@ -169,7 +169,7 @@ class HashStore(RowStore):
         return self._gather_slots(slots)
 
     def _gather_slots(self, slots):
-        return kernels.gather_rows(self._cols[WEIGHT], slots)
+        return self.ops.gather_rows(self._cols[WEIGHT], slots)
 
     # ---- columns ----------------------------------------------------------------------
 

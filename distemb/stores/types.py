@@ -33,6 +33,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.errors import StoreError
+from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 
 #: (N,) int64 keys: local row ids for dense stores, any int64 for a hash store.
@@ -53,11 +54,19 @@ class RowStore(abc.ABC):
 
     Attributes:
         dim: row length of the weight column.
-        dtype: numpy dtype name of the weight column (``"float32"``).
+        dtype: dtype name of the weight column: ``"float32"``, or ``"bfloat16"`` /
+            ``"float16"`` for half-precision rows (state columns stay float32; rows are
+            read and written as float32 through :meth:`gather`/:meth:`scatter`, and the
+            update rules run on :attr:`ops`, the kernels of the weight's dtype).
     """
 
     dim: int
     dtype: str
+
+    @property
+    def ops(self):
+        """The kernel module of the weight column (:mod:`distemb.kernels` or its half twin)."""
+        return kernels if self.dtype == "float32" else half
     #: True when the rows outlive the process (a file store): optimizer state columns are
     #: then kept on reopening, not reset.
     persistent = False
@@ -144,6 +153,8 @@ class RowStore(abc.ABC):
         """Rows of ``keys`` in ``column``, as a new array (absent keys inserted first)."""
         slots = self.slots(keys, insert=insert)
         arr = self.column(column)
+        if column == WEIGHT:
+            return self.ops.gather_rows(arr, slots)
         if arr.dtype == np.float32 and arr.ndim == 2:
             return kernels.gather_rows(arr, slots)
         return arr[slots]
@@ -162,7 +173,7 @@ class RowStore(abc.ABC):
         if values.shape != want:
             raise StoreError(f"values: expected shape {want} for column {column!r}, "
                              f"got {values.shape}")
-        arr[slots] = values
+        arr[slots] = self.encode(values) if column == WEIGHT else values
 
     def update(self, rule, keys: Keys, grads: Rows, hyper, num_threads: int = 1) -> None:
         """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``.
@@ -175,13 +186,23 @@ class RowStore(abc.ABC):
         """
         slots = self.slots(keys, insert=True)
         states = {s.name: self.column(s.name) for s in rule.states}
-        rule.apply(kernels, self.column(WEIGHT), states, slots, grads, hyper, num_threads)
+        rule.apply(self.ops, self.column(WEIGHT), states, slots, grads, hyper, num_threads)
 
     def export(self) -> Tuple[Keys, Dict[str, np.ndarray]]:
-        """(keys ascending, {column: rows of those keys}) of everything held."""
+        """(keys ascending, {column: rows of those keys}) of everything held (the weight
+        as float32 whatever its storage dtype)."""
         keys = self.keys()
         slots = self.slots(keys) if len(keys) else np.empty(0, np.int64)
-        return keys, {name: self.column(name)[slots] for name in self.columns()}
+        return keys, {name: self.decode(self.column(name)[slots]) if name == WEIGHT
+                      else self.column(name)[slots] for name in self.columns()}
+
+    def encode(self, rows):
+        """float32 ``rows`` in the weight column's storage dtype (rounded to nearest-even)."""
+        return rows if self.dtype == "float32" else half.encode(rows, self.dtype)
+
+    def decode(self, stored):
+        """Weight rows as stored -> float32."""
+        return stored if self.dtype == "float32" else half.decode(stored)
 
     def import_(self, keys: Keys, columns: Dict[str, np.ndarray]) -> None:
         """Upsert rows ``keys`` of every column in ``columns`` (what :meth:`export` gave).
@@ -206,9 +227,13 @@ def check_dim(dim, what="dim"):
     return int(dim)
 
 
+ROW_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def check_float_dtype(dtype):
-    """The weight dtype name; only float32 rows are supported by the kernels today."""
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name != "float32":
-        raise ValueError(f"dtype: expected 'float32' for the rows, got {dtype!r}")
+    """The weight dtype name: 'float32', 'bfloat16' or 'float16' (also as torch/numpy dtypes)."""
+    name = str(dtype).replace("torch.", "")
+    if name not in ROW_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(ROW_DTYPES)} for the rows, "
+                         f"got {dtype!r}")
     return name

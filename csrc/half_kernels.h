@@ -1,0 +1,187 @@
+// Kernels on half-precision rows (bfloat16 or IEEE float16 storage, uint16 bits), float32
+// gradients, state and maths. Each loads a row's weights as float32, runs exactly the
+// float32 kernel's arithmetic (csrc/_kernels.pyx), and rounds the result to nearest-even
+// on store: a half kernel equals "decode, float32 kernel, encode", bit for bit.
+// Included by csrc/_halfkernels.pyx only.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace distemb_half {
+
+enum Kind { BF16 = 0, F16 = 1 };
+static const int64_t PREFETCH_AHEAD = 8;
+static const int CHUNK_ROWS = 64;
+
+struct BF16Conv {
+  static inline float load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static inline uint16_t store(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    return (uint16_t)(u >> 16);
+  }
+};
+
+struct F16Conv {
+  static inline float load(uint16_t h) {
+    _Float16 x;
+    std::memcpy(&x, &h, 2);
+    return (float)x;
+  }
+  static inline uint16_t store(float f) {
+    _Float16 x = (_Float16)f;  // IEEE conversion: round to nearest, ties to even
+    uint16_t h;
+    std::memcpy(&h, &x, 2);
+    return h;
+  }
+};
+
+static inline void prefetch(const void *p, long nbytes) {
+  const char *c = (const char *)p;
+  for (long off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+}
+
+template <class C>
+void gather_t(const uint16_t *t, const int64_t *r, float *o, int64_t n, int64_t d, int nt) {
+#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + PREFETCH_AHEAD < n) prefetch(t + r[i + PREFETCH_AHEAD] * d, d * 2);
+    const uint16_t *src = t + r[i] * d;
+    float *dst = o + i * d;
+    for (int64_t j = 0; j < d; ++j) dst[j] = C::load(src[j]);
+  }
+}
+
+template <class C>
+void sgd_t(uint16_t *w0, const int64_t *r, const float *g0, int64_t n, int64_t d, float lr,
+           int nt) {
+#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+    uint16_t *w = w0 + r[i] * d;
+    const float *g = g0 + i * d;
+    for (int64_t j = 0; j < d; ++j) w[j] = C::store(C::load(w[j]) - lr * g[j]);
+  }
+}
+
+template <class C>
+void adagrad_t(uint16_t *w0, float *s0, const int64_t *r, const float *g0, int64_t n,
+               int64_t d, float clr, float eps, int nt) {
+#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + PREFETCH_AHEAD < n) {
+      prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+      prefetch(s0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+    }
+    uint16_t *w = w0 + r[i] * d;
+    float *s = s0 + r[i] * d;
+    const float *g = g0 + i * d;
+    for (int64_t j = 0; j < d; ++j) {
+      float gj = g[j], sj = s[j] + gj * gj;
+      s[j] = sj;
+      w[j] = C::store(C::load(w[j]) - clr * (gj / (sqrtf(sj) + eps)));
+    }
+  }
+}
+
+template <class C>
+void rowwise_adagrad_t(uint16_t *w0, float *s, const int64_t *r, const float *g0, int64_t n,
+                       int64_t d, float clr, float eps, int nt) {
+#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+    uint16_t *w = w0 + r[i] * d;
+    const float *g = g0 + i * d;
+    float acc = 0;
+    for (int64_t j = 0; j < d; ++j) acc = acc + g[j] * g[j];
+    s[r[i]] = s[r[i]] + acc / d;
+    float std_ = sqrtf(s[r[i]]) + eps;
+    for (int64_t j = 0; j < d; ++j) w[j] = C::store(C::load(w[j]) - clr * (g[j] / std_));
+  }
+}
+
+template <class C>
+void adam_t(uint16_t *w0, float *m0, float *v0, const int64_t *r, const float *g0, int64_t n,
+            int64_t d, double lr, double beta1, double beta2, double eps, int64_t step,
+            int64_t *rs, int nt) {
+  // 1 - beta in double, then rounded, as torch computes it (and csrc/_kernels.pyx)
+  float omb1 = (float)(1.0 - beta1), omb2 = (float)(1.0 - beta2), feps = (float)eps;
+  double global_size = lr * std::sqrt(1.0 - std::pow(beta2, (double)step)) /
+                       (1.0 - std::pow(beta1, (double)step));
+#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + PREFETCH_AHEAD < n) {
+      prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+      prefetch(m0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+      prefetch(v0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+    }
+    float fstep;
+    if (rs) {
+      rs[r[i]] += 1;
+      double st = (double)rs[r[i]];
+      fstep = (float)(lr * std::sqrt(1.0 - std::pow(beta2, st)) / (1.0 - std::pow(beta1, st)));
+    } else {
+      fstep = (float)global_size;
+    }
+    uint16_t *w = w0 + r[i] * d;
+    float *m = m0 + r[i] * d;
+    float *v = v0 + r[i] * d;
+    const float *g = g0 + i * d;
+    for (int64_t j = 0; j < d; ++j) {
+      float gj = g[j];
+      float mj = m[j] + (gj - m[j]) * omb1;
+      float vj = v[j] + (gj * gj - v[j]) * omb2;
+      m[j] = mj;
+      v[j] = vj;
+      w[j] = C::store(C::load(w[j]) - fstep * (mj / (sqrtf(vj) + feps)));
+    }
+  }
+}
+
+template <class C>
+void encode_t(const float *src, uint16_t *dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = C::store(src[i]);
+}
+
+template <class C>
+void decode_t(const uint16_t *src, float *dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = C::load(src[i]);
+}
+
+// The entry points: ``kind`` picks the format once per call.
+#define DISTEMB_HALF_DISPATCH(fn, ...) \
+  do { if (kind == BF16) fn<BF16Conv>(__VA_ARGS__); else fn<F16Conv>(__VA_ARGS__); } while (0)
+
+inline void gather(int kind, const uint16_t *t, const int64_t *r, float *o, int64_t n,
+                   int64_t d, int nt) { DISTEMB_HALF_DISPATCH(gather_t, t, r, o, n, d, nt); }
+inline void sgd(int kind, uint16_t *w, const int64_t *r, const float *g, int64_t n, int64_t d,
+                float lr, int nt) { DISTEMB_HALF_DISPATCH(sgd_t, w, r, g, n, d, lr, nt); }
+inline void adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
+                    int64_t n, int64_t d, float clr, float eps, int nt) {
+  DISTEMB_HALF_DISPATCH(adagrad_t, w, s, r, g, n, d, clr, eps, nt);
+}
+inline void rowwise_adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
+                            int64_t n, int64_t d, float clr, float eps, int nt) {
+  DISTEMB_HALF_DISPATCH(rowwise_adagrad_t, w, s, r, g, n, d, clr, eps, nt);
+}
+inline void adam(int kind, uint16_t *w, float *m, float *v, const int64_t *r, const float *g,
+                 int64_t n, int64_t d, double lr, double b1, double b2, double eps,
+                 int64_t step, int64_t *rs, int nt) {
+  DISTEMB_HALF_DISPATCH(adam_t, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, nt);
+}
+inline void encode(int kind, const float *src, uint16_t *dst, int64_t n) {
+  DISTEMB_HALF_DISPATCH(encode_t, src, dst, n);
+}
+inline void decode(int kind, const uint16_t *src, float *dst, int64_t n) {
+  DISTEMB_HALF_DISPATCH(decode_t, src, dst, n);
+}
+
+}  // namespace distemb_half
