@@ -213,6 +213,9 @@ class DynamicEmbedding(StoreEmbedding):
         capacity: keys held at most (None: unbounded).
         evict: ``"lru"`` or ``"lfu"``.
         low_water: fraction of ``capacity`` an automatic eviction goes down to.
+        dtype: storage of the rows: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (also
+            as torch dtypes); optimizer state and maths stay float32, lookups return
+            float32, updates round to nearest-even.
         context: the :class:`~distemb.context.DistContext` (embedded).
         trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
 
@@ -231,9 +234,10 @@ class DynamicEmbedding(StoreEmbedding):
     """
 
     def __init__(self, embedding_dim, name=None, init_func=None, capacity=None,
-                 evict="lru", low_water=1.0, context=None, trace_limit=DEFAULT_TRACE_LIMIT):
-        store = HashStore(embedding_dim, init=init_func, capacity=capacity, evict=evict,
-                          low_water=low_water)
+                 evict="lru", low_water=1.0, dtype="float32", context=None,
+                 trace_limit=DEFAULT_TRACE_LIMIT):
+        store = HashStore(embedding_dim, dtype=dtype, init=init_func, capacity=capacity,
+                          evict=evict, low_water=low_water)
         super().__init__(store, name=name, context=context, trace_limit=trace_limit)
 
     def _keys(self, keys):
