@@ -7,6 +7,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace distemb_half {
 
@@ -24,9 +28,17 @@ struct BF16Conv {
   static inline uint16_t store(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    return (uint16_t)(u >> 16);
+    // round to nearest, ties to even; NaN stays a (quiet) NaN. Both computed and selected
+    // without a branch, so the row loops below vectorise.
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+  }
+  static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
+    for (int64_t j = 0; j < d; ++j) dst[j] = load(src[j]);
+  }
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d) {
+    for (int64_t j = 0; j < d; ++j) dst[j] = store(src[j]);
   }
 };
 
@@ -42,6 +54,24 @@ struct F16Conv {
     std::memcpy(&h, &x, 2);
     return h;
   }
+  // gcc does not vectorise _Float16 conversions: with F16C, 8 lanes per instruction
+  static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
+    int64_t j = 0;
+#ifdef __F16C__
+    for (; j + 8 <= d; j += 8)
+      _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
+#endif
+    for (; j < d; ++j) dst[j] = load(src[j]);
+  }
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d) {
+    int64_t j = 0;
+#ifdef __F16C__
+    for (; j + 8 <= d; j += 8)
+      _mm_storeu_si128((__m128i *)(dst + j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; j < d; ++j) dst[j] = store(src[j]);
+  }
 };
 
 static inline void prefetch(const void *p, long nbytes) {
@@ -49,45 +79,58 @@ static inline void prefetch(const void *p, long nbytes) {
   for (long off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 1, 3);
 }
 
+// Every update: decode the row into a per-thread float32 buffer, run the float32
+// kernel's loop on it (the same expressions as csrc/_kernels.pyx), encode it back.
+
 template <class C>
 void gather_t(const uint16_t *t, const int64_t *r, float *o, int64_t n, int64_t d, int nt) {
 #pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
   for (int64_t i = 0; i < n; ++i) {
     if (i + PREFETCH_AHEAD < n) prefetch(t + r[i + PREFETCH_AHEAD] * d, d * 2);
-    const uint16_t *src = t + r[i] * d;
-    float *dst = o + i * d;
-    for (int64_t j = 0; j < d; ++j) dst[j] = C::load(src[j]);
+    C::load_row(t + r[i] * d, o + i * d, d);
   }
 }
 
 template <class C>
 void sgd_t(uint16_t *w0, const int64_t *r, const float *g0, int64_t n, int64_t d, float lr,
            int nt) {
-#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
-    uint16_t *w = w0 + r[i] * d;
-    const float *g = g0 + i * d;
-    for (int64_t j = 0; j < d; ++j) w[j] = C::store(C::load(w[j]) - lr * g[j]);
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+      const float *g = g0 + i * d;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = w[j] - lr * g[j];
+      C::store_row(w, w0 + r[i] * d, d);
+    }
   }
 }
 
 template <class C>
 void adagrad_t(uint16_t *w0, float *s0, const int64_t *r, const float *g0, int64_t n,
                int64_t d, float clr, float eps, int nt) {
-#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + PREFETCH_AHEAD < n) {
-      prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
-      prefetch(s0 + r[i + PREFETCH_AHEAD] * d, d * 4);
-    }
-    uint16_t *w = w0 + r[i] * d;
-    float *s = s0 + r[i] * d;
-    const float *g = g0 + i * d;
-    for (int64_t j = 0; j < d; ++j) {
-      float gj = g[j], sj = s[j] + gj * gj;
-      s[j] = sj;
-      w[j] = C::store(C::load(w[j]) - clr * (gj / (sqrtf(sj) + eps)));
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) {
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(s0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+      }
+      float *s = s0 + r[i] * d;
+      const float *g = g0 + i * d;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) {
+        float gj = g[j], sj = s[j] + gj * gj;
+        s[j] = sj;
+        w[j] = w[j] - clr * (gj / (sqrtf(sj) + eps));
+      }
+      C::store_row(w, w0 + r[i] * d, d);
     }
   }
 }
@@ -95,16 +138,25 @@ void adagrad_t(uint16_t *w0, float *s0, const int64_t *r, const float *g0, int64
 template <class C>
 void rowwise_adagrad_t(uint16_t *w0, float *s, const int64_t *r, const float *g0, int64_t n,
                        int64_t d, float clr, float eps, int nt) {
-#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
-    uint16_t *w = w0 + r[i] * d;
-    const float *g = g0 + i * d;
-    float acc = 0;
-    for (int64_t j = 0; j < d; ++j) acc = acc + g[j] * g[j];
-    s[r[i]] = s[r[i]] + acc / d;
-    float std_ = sqrtf(s[r[i]]) + eps;
-    for (int64_t j = 0; j < d; ++j) w[j] = C::store(C::load(w[j]) - clr * (g[j] / std_));
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) {
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(s + r[i + PREFETCH_AHEAD], 4);
+      }
+      const float *g = g0 + i * d;
+      float acc = 0;
+      for (int64_t j = 0; j < d; ++j) acc = acc + g[j] * g[j];
+      s[r[i]] = s[r[i]] + acc / d;
+      float std_ = sqrtf(s[r[i]]) + eps;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = w[j] - clr * (g[j] / std_);
+      C::store_row(w, w0 + r[i] * d, d);
+    }
   }
 }
 
@@ -116,45 +168,47 @@ void adam_t(uint16_t *w0, float *m0, float *v0, const int64_t *r, const float *g
   float omb1 = (float)(1.0 - beta1), omb2 = (float)(1.0 - beta2), feps = (float)eps;
   double global_size = lr * std::sqrt(1.0 - std::pow(beta2, (double)step)) /
                        (1.0 - std::pow(beta1, (double)step));
-#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + PREFETCH_AHEAD < n) {
-      prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
-      prefetch(m0 + r[i + PREFETCH_AHEAD] * d, d * 4);
-      prefetch(v0 + r[i + PREFETCH_AHEAD] * d, d * 4);
-    }
-    float fstep;
-    if (rs) {
-      rs[r[i]] += 1;
-      double st = (double)rs[r[i]];
-      fstep = (float)(lr * std::sqrt(1.0 - std::pow(beta2, st)) / (1.0 - std::pow(beta1, st)));
-    } else {
-      fstep = (float)global_size;
-    }
-    uint16_t *w = w0 + r[i] * d;
-    float *m = m0 + r[i] * d;
-    float *v = v0 + r[i] * d;
-    const float *g = g0 + i * d;
-    for (int64_t j = 0; j < d; ++j) {
-      float gj = g[j];
-      float mj = m[j] + (gj - m[j]) * omb1;
-      float vj = v[j] + (gj * gj - v[j]) * omb2;
-      m[j] = mj;
-      v[j] = vj;
-      w[j] = C::store(C::load(w[j]) - fstep * (mj / (sqrtf(vj) + feps)));
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) {
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(m0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+        prefetch(v0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+      }
+      float fstep;
+      if (rs) {
+        rs[r[i]] += 1;
+        double st = (double)rs[r[i]];
+        fstep = (float)(lr * std::sqrt(1.0 - std::pow(beta2, st)) / (1.0 - std::pow(beta1, st)));
+      } else {
+        fstep = (float)global_size;
+      }
+      float *m = m0 + r[i] * d;
+      float *v = v0 + r[i] * d;
+      const float *g = g0 + i * d;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) {
+        float gj = g[j];
+        float mj = m[j] + (gj - m[j]) * omb1;
+        float vj = v[j] + (gj * gj - v[j]) * omb2;
+        m[j] = mj;
+        v[j] = vj;
+        w[j] = w[j] - fstep * (mj / (sqrtf(vj) + feps));
+      }
+      C::store_row(w, w0 + r[i] * d, d);
     }
   }
 }
 
 template <class C>
-void encode_t(const float *src, uint16_t *dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = C::store(src[i]);
-}
+void encode_t(const float *src, uint16_t *dst, int64_t n) { C::store_row(src, dst, n); }
 
 template <class C>
-void decode_t(const uint16_t *src, float *dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = C::load(src[i]);
-}
+void decode_t(const uint16_t *src, float *dst, int64_t n) { C::load_row(src, dst, n); }
 
 // The entry points: ``kind`` picks the format once per call.
 #define DISTEMB_HALF_DISPATCH(fn, ...) \
