@@ -22,6 +22,7 @@ import numpy as np
 
 from distemb.context import current_context
 from distemb.embedding import DEFAULT_TRACE_LIMIT, DistEmbedding, _positive_int
+from distemb.enums import Role
 from distemb.errors import DistEmbError, StoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.store_client import StoreKVClient
@@ -132,7 +133,7 @@ class StoreEmbedding(DistEmbedding):
         if not isinstance(store, RowStore):
             raise TypeError(f"store: expected a RowStore, got {type(store).__name__}")
         ctx = context or current_context()
-        if ctx.role != "embedded":
+        if ctx.role != Role.EMBEDDED:
             raise DistEmbError(f"{type(self).__name__}: tables on row stores are embedded "
                                f"only for now; this process is a {ctx.role!r} of a cluster")
         name = name or ctx.new_name(type(self).__name__.lower())

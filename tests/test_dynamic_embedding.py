@@ -123,7 +123,7 @@ def test_upsert_remove_and_eviction_drop_rows_with_their_state(ctx):
 def test_bad_input(ctx):
     with pytest.raises(ValueError, match="capacity: expected a positive int, got 0"):
         DynamicEmbedding(2, capacity=0, context=ctx)
-    with pytest.raises(ValueError, match="evict: expected one of"):
+    with pytest.raises(ValueError, match="evict: must be one of"):
         DynamicEmbedding(2, evict="random", context=ctx)
     with pytest.raises(ValueError, match="dim"):
         DynamicEmbedding(0, context=ctx)

@@ -58,7 +58,8 @@ def test_read_only_or_too_full_disk_fails_up_front(tmp_path):
         bad = tmp_path / "ro"
         bad.mkdir()
         bad.chmod(0o500)
-    with pytest.raises(StoreError, match=r"path: (cannot create directory|directory .* is not writable)"):
+    unwritable = r"path: (cannot create directory|directory .* is not writable)"
+    with pytest.raises(StoreError, match=unwritable):
         FileStore(bad, num_rows=10, dim=2)
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     rows = free // (4 * 1024) * 2  # twice the free space

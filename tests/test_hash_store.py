@@ -89,7 +89,7 @@ def test_access_counts(native):
 def test_bad_arguments(native):
     with pytest.raises(ValueError, match="capacity: expected a positive int, got 0"):
         HashStore(2, capacity=0, native=native)
-    with pytest.raises(ValueError, match=r"evict: expected one of \['lru', 'lfu'\], got 'fifo'"):
+    with pytest.raises(ValueError, match=r"evict: must be one of \['lru', 'lfu'\], got 'fifo'"):
         HashStore(2, evict="fifo", native=native)
     with pytest.raises(ValueError, match="low_water"):
         HashStore(2, low_water=0.0, native=native)
@@ -98,5 +98,5 @@ def test_bad_arguments(native):
     s = HashStore(2, native=native)
     with pytest.raises(ValueError, match="target_size"):
         s.evict(-1)
-    with pytest.raises(ValueError, match="policy: expected one of"):
+    with pytest.raises(ValueError, match="policy: must be one of"):
         s.evict(0, policy="random")

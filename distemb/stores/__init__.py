@@ -13,7 +13,8 @@ Example:
 """
 from distemb.stores.dense import DenseStore
 from distemb.stores.file import FileStore
-from distemb.stores.hash import EvictPolicy, HashStore
+from distemb.enums import EvictPolicy
+from distemb.stores.hash import HashStore
 from distemb.stores.init import key_normal, key_uniform
 from distemb.stores.types import WEIGHT, RowStore
 

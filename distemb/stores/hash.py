@@ -13,11 +13,11 @@ demand; with a ``capacity``, a lookup that grows the store past it evicts down t
 ``low_water`` (a fraction of the capacity, so one eviction pass serves many batches),
 never evicting the keys of that lookup.
 """
-import enum
 import logging
 
 import numpy as np
 
+from distemb.enums import EvictPolicy
 from distemb.errors import MissingKeyError, StoreError
 from distemb.kernels.half import storage_dtype
 from distemb.kernels.hashtable import HashIndex, keys_array
@@ -26,28 +26,6 @@ from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
 log = logging.getLogger("distemb")
 
 FREE = -1  # slot_key of a slot no key holds
-
-
-class EvictPolicy(enum.Enum):
-    """Which keys an eviction removes first.
-
-    Example:
-        >>> EvictPolicy.parse("lfu")
-        <EvictPolicy.LFU: 'lfu'>
-    """
-
-    LRU = "lru"  # least recently looked up (timestamp)
-    LFU = "lfu"  # looked up in the fewest batches (count), then least recently
-
-    @classmethod
-    def parse(cls, value, what="evict"):
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{what}: expected one of {[p.value for p in cls]}, "
-                             f"got {value!r}") from None
 
 
 class HashStore(RowStore):
@@ -84,7 +62,7 @@ class HashStore(RowStore):
         if capacity is not None:
             capacity = check_dim(capacity, "capacity")
         self._capacity = capacity
-        self.policy = EvictPolicy.parse(evict)
+        self.policy = EvictPolicy.parse(evict, "evict", ValueError)
         if not isinstance(low_water, (int, float)) or not 0.0 < low_water <= 1.0:
             raise ValueError(f"low_water: expected a float in (0, 1], got {low_water!r}")
         self.low_water = float(low_water)
@@ -232,7 +210,9 @@ class HashStore(RowStore):
         if isinstance(target_size, bool) or not isinstance(target_size, (int, np.integer)) \
                 or target_size < 0:
             raise ValueError(f"target_size: expected an int >= 0, got {target_size!r}")
-        policy = self.policy if policy is None else EvictPolicy.parse(policy, "policy")
+        if policy is not None:
+            policy = EvictPolicy.parse(policy, "policy", ValueError)
+        policy = policy or self.policy
         excess = self._index.size - int(target_size)
         if excess <= 0:
             return np.empty(0, np.int64)
