@@ -37,10 +37,44 @@ struct BF16Conv {
   static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
     for (int64_t j = 0; j < d; ++j) dst[j] = load(src[j]);
   }
-  static inline void store_row(const float *src, uint16_t *dst, int64_t d) {
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t) {
     for (int64_t j = 0; j < d; ++j) dst[j] = store(src[j]);
   }
 };
+
+static inline uint64_t splitmix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+static const uint64_t GOLDEN = 0x9e3779b97f4a7c15ULL;
+
+// bfloat16 with stochastic rounding: add 16 random bits below the kept ones, truncate, so
+// a value rounds up with probability equal to its distance from the lower neighbour
+// (unbiased: updates smaller than half an ulp survive in expectation). The bits are a
+// hash of (seed, slot, column): reproducible for any thread count or schedule.
+struct BF16SRConv {
+  static inline float load(uint16_t h) { return BF16Conv::load(h); }
+  static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
+    BF16Conv::load_row(src, dst, d);
+  }
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t stream) {
+    for (int64_t j = 0; j < d; ++j) {
+      uint32_t u;
+      std::memcpy(&u, &src[j], 4);
+      uint32_t rnd = (uint32_t)(splitmix(stream + (uint64_t)(j + 1) * GOLDEN) >> 48);
+      uint32_t nan = (u >> 16) | 0x40u;
+      dst[j] = (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : (u + rnd) >> 16);
+    }
+  }
+};
+
+// The random stream of one row of one update call.
+static inline uint64_t row_stream(uint64_t seed, int64_t slot) {
+  return splitmix(seed ^ splitmix((uint64_t)slot));
+}
 
 struct F16Conv {
   static inline float load(uint16_t h) {
@@ -63,7 +97,7 @@ struct F16Conv {
 #endif
     for (; j < d; ++j) dst[j] = load(src[j]);
   }
-  static inline void store_row(const float *src, uint16_t *dst, int64_t d) {
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t) {
     int64_t j = 0;
 #ifdef __F16C__
     for (; j + 8 <= d; j += 8)
@@ -93,7 +127,7 @@ void gather_t(const uint16_t *t, const int64_t *r, float *o, int64_t n, int64_t 
 
 template <class C>
 void sgd_t(uint16_t *w0, const int64_t *r, const float *g0, int64_t n, int64_t d, float lr,
-           int nt) {
+           uint64_t seed, int nt) {
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> buf(d);
@@ -104,14 +138,14 @@ void sgd_t(uint16_t *w0, const int64_t *r, const float *g0, int64_t n, int64_t d
       const float *g = g0 + i * d;
       C::load_row(w0 + r[i] * d, w, d);
       for (int64_t j = 0; j < d; ++j) w[j] = w[j] - lr * g[j];
-      C::store_row(w, w0 + r[i] * d, d);
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
     }
   }
 }
 
 template <class C>
 void adagrad_t(uint16_t *w0, float *s0, const int64_t *r, const float *g0, int64_t n,
-               int64_t d, float clr, float eps, int nt) {
+               int64_t d, float clr, float eps, uint64_t seed, int nt) {
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> buf(d);
@@ -130,14 +164,14 @@ void adagrad_t(uint16_t *w0, float *s0, const int64_t *r, const float *g0, int64
         s[j] = sj;
         w[j] = w[j] - clr * (gj / (sqrtf(sj) + eps));
       }
-      C::store_row(w, w0 + r[i] * d, d);
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
     }
   }
 }
 
 template <class C>
 void rowwise_adagrad_t(uint16_t *w0, float *s, const int64_t *r, const float *g0, int64_t n,
-                       int64_t d, float clr, float eps, int nt) {
+                       int64_t d, float clr, float eps, uint64_t seed, int nt) {
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> buf(d);
@@ -155,7 +189,7 @@ void rowwise_adagrad_t(uint16_t *w0, float *s, const int64_t *r, const float *g0
       float std_ = sqrtf(s[r[i]]) + eps;
       C::load_row(w0 + r[i] * d, w, d);
       for (int64_t j = 0; j < d; ++j) w[j] = w[j] - clr * (g[j] / std_);
-      C::store_row(w, w0 + r[i] * d, d);
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
     }
   }
 }
@@ -163,7 +197,7 @@ void rowwise_adagrad_t(uint16_t *w0, float *s, const int64_t *r, const float *g0
 template <class C>
 void adam_t(uint16_t *w0, float *m0, float *v0, const int64_t *r, const float *g0, int64_t n,
             int64_t d, double lr, double beta1, double beta2, double eps, int64_t step,
-            int64_t *rs, int nt) {
+            int64_t *rs, uint64_t seed, int nt) {
   // 1 - beta in double, then rounded, as torch computes it (and csrc/_kernels.pyx)
   float omb1 = (float)(1.0 - beta1), omb2 = (float)(1.0 - beta2), feps = (float)eps;
   double global_size = lr * std::sqrt(1.0 - std::pow(beta2, (double)step)) /
@@ -199,37 +233,45 @@ void adam_t(uint16_t *w0, float *m0, float *v0, const int64_t *r, const float *g
         v[j] = vj;
         w[j] = w[j] - fstep * (mj / (sqrtf(vj) + feps));
       }
-      C::store_row(w, w0 + r[i] * d, d);
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
     }
   }
 }
 
 template <class C>
-void encode_t(const float *src, uint16_t *dst, int64_t n) { C::store_row(src, dst, n); }
+void encode_t(const float *src, uint16_t *dst, int64_t n) { C::store_row(src, dst, n, 0); }
 
 template <class C>
 void decode_t(const uint16_t *src, float *dst, int64_t n) { C::load_row(src, dst, n); }
 
-// The entry points: ``kind`` picks the format once per call.
-#define DISTEMB_HALF_DISPATCH(fn, ...) \
-  do { if (kind == BF16) fn<BF16Conv>(__VA_ARGS__); else fn<F16Conv>(__VA_ARGS__); } while (0)
+// The entry points: ``kind`` picks the format once per call (0 bfloat16, 1 float16,
+// 2 bfloat16 with stochastic rounding, which only the updates use).
+enum { BF16_SR = 2 };
+#define DISTEMB_HALF_DISPATCH(fn, ...)                  \
+  do {                                                  \
+    if (kind == BF16) fn<BF16Conv>(__VA_ARGS__);        \
+    else if (kind == F16) fn<F16Conv>(__VA_ARGS__);     \
+    else fn<BF16SRConv>(__VA_ARGS__);                   \
+  } while (0)
 
 inline void gather(int kind, const uint16_t *t, const int64_t *r, float *o, int64_t n,
                    int64_t d, int nt) { DISTEMB_HALF_DISPATCH(gather_t, t, r, o, n, d, nt); }
 inline void sgd(int kind, uint16_t *w, const int64_t *r, const float *g, int64_t n, int64_t d,
-                float lr, int nt) { DISTEMB_HALF_DISPATCH(sgd_t, w, r, g, n, d, lr, nt); }
+                float lr, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(sgd_t, w, r, g, n, d, lr, seed, nt);
+}
 inline void adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
-                    int64_t n, int64_t d, float clr, float eps, int nt) {
-  DISTEMB_HALF_DISPATCH(adagrad_t, w, s, r, g, n, d, clr, eps, nt);
+                    int64_t n, int64_t d, float clr, float eps, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(adagrad_t, w, s, r, g, n, d, clr, eps, seed, nt);
 }
 inline void rowwise_adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
-                            int64_t n, int64_t d, float clr, float eps, int nt) {
-  DISTEMB_HALF_DISPATCH(rowwise_adagrad_t, w, s, r, g, n, d, clr, eps, nt);
+                            int64_t n, int64_t d, float clr, float eps, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(rowwise_adagrad_t, w, s, r, g, n, d, clr, eps, seed, nt);
 }
 inline void adam(int kind, uint16_t *w, float *m, float *v, const int64_t *r, const float *g,
                  int64_t n, int64_t d, double lr, double b1, double b2, double eps,
-                 int64_t step, int64_t *rs, int nt) {
-  DISTEMB_HALF_DISPATCH(adam_t, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, nt);
+                 int64_t step, int64_t *rs, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(adam_t, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, seed, nt);
 }
 inline void encode(int kind, const float *src, uint16_t *dst, int64_t n) {
   DISTEMB_HALF_DISPATCH(encode_t, src, dst, n);

@@ -217,6 +217,8 @@ class DynamicEmbedding(StoreEmbedding):
         dtype: storage of the rows: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (also
             as torch dtypes); optimizer state and maths stay float32, lookups return
             float32, updates round to nearest-even.
+        rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 rows: unbiased rounding,
+            reproducible for any thread count).
         context: the :class:`~distemb.context.DistContext` (embedded).
         trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
 
@@ -235,10 +237,10 @@ class DynamicEmbedding(StoreEmbedding):
     """
 
     def __init__(self, embedding_dim, name=None, init_func=None, capacity=None,
-                 evict="lru", low_water=1.0, dtype="float32", context=None,
-                 trace_limit=DEFAULT_TRACE_LIMIT):
+                 evict="lru", low_water=1.0, dtype="float32", rounding="nearest",
+                 context=None, trace_limit=DEFAULT_TRACE_LIMIT):
         store = HashStore(embedding_dim, dtype=dtype, init=init_func, capacity=capacity,
-                          evict=evict, low_water=low_water)
+                          evict=evict, low_water=low_water, rounding=rounding)
         super().__init__(store, name=name, context=context, trace_limit=trace_limit)
 
     def _keys(self, keys):

@@ -113,3 +113,39 @@ def test_bad_input():
     w = half.encode(np.zeros((2, 2), np.float32), "bfloat16")
     with pytest.raises(TypeError, match="grads: expected a C-contiguous float32"):
         half.sgd_update(w, np.array([0]), np.zeros((1, 3), np.float32), 0.1)
+
+
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(impl):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    lo = half.decode(half.encode(x, "bfloat16"))  # a representable start...
+    target = lo + np.float32(0.3) * np.abs(lo) * 2 ** -8  # ...moved by ~0.3..0.6 ulp
+    grads = (lo - target).astype(np.float32)  # sgd with lr=1: w - g = target
+    outs = []
+    for seed in range(400):
+        w = half.encode(lo, "bfloat16")
+        half.sgd_update(w, np.array([0]), grads, 1.0, rounding_seed=seed)
+        outs.append(half.decode(w))
+    outs = np.concatenate(outs)
+    ok = (outs == lo) | (outs > target)  # the neighbour below (lo) or the one above
+    assert ok.all()
+    ulp = np.abs(lo) * 2 ** -7
+    assert np.abs(outs.mean(0) - target).max() < 0.1 * ulp.max()
+    assert (outs == lo).any() and (outs != lo).any()
+    with pytest.raises(ValueError, match="rounding_seed: stochastic rounding is for bfloat16"):
+        half.sgd_update(half.encode(x, "float16"), np.array([0]), grads, 1.0, rounding_seed=1)
+
+
+def test_stochastic_rounding_twins_agree():
+    if not kernels.HAS_EXT:
+        pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT set or not built)")
+    rng, w, rows, g = _case("bfloat16")
+    s = rng.random(w.shape[0], dtype=np.float32)
+    results = []
+    for impl_mod in (half._impl, reference_half):
+        W, S = w.copy(), s.copy()
+        impl_mod.rowwise_adagrad_update(reference_half.BF16_SR, W.view(np.uint16), S, rows, g,
+                                        0.05, 1e-3, seed=2 ** 63 + 5)
+        results.append(W.view(np.uint16))
+    np.testing.assert_array_equal(results[0], results[1])
+    assert not np.array_equal(results[0], w.view(np.uint16))

@@ -15,6 +15,7 @@ import torch
 from distemb.dynamic import DynamicEmbedding, StoreEmbedding
 from distemb.embedding import DistEmbedding
 from distemb.kernels import half
+from distemb.optim import SparseSGD
 from distemb.stores import DenseStore, key_normal
 from tests.conftest import zipf_ids
 from tests.test_optim_oracle import CASES
@@ -60,3 +61,31 @@ def test_dynamic_table_in_bfloat16(ctx):
     assert emb.export()["weight"].dtype == np.float32
     with pytest.raises(ValueError, match="dtype: expected one of"):
         DynamicEmbedding(4, dtype="int8", context=ctx)
+
+
+def _small_steps(ctx, rounding, steps=100):
+    """Rows at 1.0, SGD steps of 1e-3 (an eighth of a bfloat16 ulp at 1.0) for ``steps``."""
+    store = DenseStore(64, 8, dtype="bfloat16", init=lambda k: np.ones((len(k), 8), np.float32),
+                       rounding=rounding)
+    emb = StoreEmbedding(store, context=ctx)
+    opt = SparseSGD([emb], lr=1e-3)
+    for _ in range(steps):
+        emb(torch.arange(64)).sum().backward()  # gradient 1 for every element
+        opt.step()
+    return emb.weight[torch.arange(64)]
+
+
+def test_stochastic_rounding_keeps_updates_below_half_an_ulp(ctx):
+    want = 1.0 - 100 * 1e-3  # the float32 result
+    nearest = _small_steps(ctx, "nearest")
+    assert torch.equal(nearest, torch.ones(64, 8))  # every step rounded away
+    stochastic = _small_steps(ctx, "stochastic")
+    assert abs(float(stochastic.mean()) - want) < 0.01  # unbiased: 0.9 in expectation
+    assert torch.equal(stochastic, _small_steps(ctx, "stochastic"))  # reproducible
+
+
+def test_rounding_argument_errors(ctx):
+    with pytest.raises(ValueError, match="rounding: 'stochastic' is for bfloat16"):
+        DenseStore(4, 2, dtype="float16", rounding="stochastic")
+    with pytest.raises(ValueError, match="rounding: must be one of"):
+        DynamicEmbedding(2, dtype="bfloat16", rounding="up", context=ctx)

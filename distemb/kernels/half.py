@@ -93,11 +93,16 @@ def _f32(name, a, shape):
     return a
 
 
-def _check(weight, rows, grads):
+def _check(weight, rows, grads, seed):
     kind, bits = _bits("weight", weight)
+    if seed is not None:
+        if kind != reference_half.BF16:
+            raise ValueError(f"rounding_seed: stochastic rounding is for bfloat16 rows, "
+                             f"got {dtype_name(weight)} rows")
+        kind = reference_half.BF16_SR
     rows = _ids(rows)
     grads = _f32("grads", np.ascontiguousarray(grads), (rows.shape[0], weight.shape[1]))
-    return kind, bits, rows, grads
+    return kind, bits, rows, grads, int(seed or 0) & (2 ** 64 - 1)
 
 
 def _nt(num_threads, grads):
@@ -122,32 +127,40 @@ def gather_rows(table, rows, out=None, num_threads=1):
     return out
 
 
-def sgd_update(weight, rows, grads, lr, num_threads=1):
-    """In place on half rows: ``w = round(w - lr * g)``."""
-    kind, bits, rows, grads = _check(weight, rows, grads)
-    _impl.sgd_update(kind, bits, rows, grads, float(lr), num_threads=_nt(num_threads, grads))
+def sgd_update(weight, rows, grads, lr, num_threads=1, rounding_seed=None):
+    """In place on half rows: ``w = round(w - lr * g)``.
+
+    Every update takes ``rounding_seed``: None rounds to nearest-even; an int rounds
+    bfloat16 rows stochastically with random bits hashed from (seed, row, column), so a
+    run is reproducible for any thread count (use a new seed per call).
+    """
+    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
+    _impl.sgd_update(kind, bits, rows, grads, float(lr), seed=seed,
+                     num_threads=_nt(num_threads, grads))
 
 
-def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
+def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
+                   rounding_seed=None):
     """In place, Adagrad with float32 ``state_sum`` and half rows."""
-    kind, bits, rows, grads = _check(weight, rows, grads)
+    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
     _f32("state_sum", state_sum, weight.shape)
     _impl.adagrad_update(kind, bits, state_sum, rows, grads, float(clr), float(eps),
-                           num_threads=_nt(num_threads, grads))
+                         seed=seed, num_threads=_nt(num_threads, grads))
 
 
-def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
+def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
+                           rounding_seed=None):
     """In place, row-wise Adagrad with one float32 accumulator per row and half rows."""
-    kind, bits, rows, grads = _check(weight, rows, grads)
+    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
     _f32("state_sum", state_sum, weight.shape[:1])
     _impl.rowwise_adagrad_update(kind, bits, state_sum, rows, grads, float(clr), float(eps),
-                                   num_threads=_nt(num_threads, grads))
+                                 seed=seed, num_threads=_nt(num_threads, grads))
 
 
 def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
-                row_steps=None, num_threads=1):
+                row_steps=None, num_threads=1, rounding_seed=None):
     """In place, SparseAdam with float32 moments and half rows (see kernels.adam_update)."""
-    kind, bits, rows, grads = _check(weight, rows, grads)
+    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
     _f32("exp_avg", exp_avg, weight.shape)
     _f32("exp_avg_sq", exp_avg_sq, weight.shape)
     if row_steps is not None and (row_steps.dtype != np.int64
@@ -155,5 +168,50 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
         raise TypeError(f"row_steps: expected int64 of shape {weight.shape[:1]}, got "
                         f"{row_steps.dtype} {row_steps.shape}")
     _impl.adam_update(kind, bits, exp_avg, exp_avg_sq, rows, grads, float(lr), float(beta1),
-                        float(beta2), float(eps), int(step), row_steps=row_steps,
+                        float(beta2), float(eps), int(step), row_steps=row_steps, seed=seed,
                         num_threads=_nt(num_threads, grads))
+
+
+class StochasticRounding:
+    """The half kernels with stochastic rounding of bfloat16 rows, as an ``ops`` for rules.
+
+    Each update call uses the next seed of a counter started at ``seed``, so a training
+    run is reproducible (same seed, same calls, any thread count) and no two calls share
+    random bits. Lookups and float16 rows are unaffected by rounding (float16: rejected).
+
+    Args:
+        seed: the first call's seed.
+
+    Example:
+        >>> ops = StochasticRounding(seed=1)
+        >>> w = encode(np.ones((1, 4), np.float32), "bfloat16")
+        >>> for _ in range(100):  # each step is 1/10 of an ulp: nearest-even keeps 1.0
+        ...     ops.sgd_update(w, np.array([0]), np.full((1, 4), -2 ** -10, np.float32), 1.0)
+        >>> bool(decode(w).mean() > 1.05)
+        True
+    """
+
+    def __init__(self, seed=0):
+        self._next = int(seed)
+
+    def _seed(self):
+        self._next += 1
+        return self._next - 1
+
+    gather_rows = staticmethod(gather_rows)
+
+    def sgd_update(self, weight, rows, grads, lr, num_threads=1):
+        sgd_update(weight, rows, grads, lr, num_threads, rounding_seed=self._seed())
+
+    def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
+        adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
+                       rounding_seed=self._seed())
+
+    def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
+        rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
+                               rounding_seed=self._seed())
+
+    def adam_update(self, weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
+                    step, row_steps=None, num_threads=1):
+        adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
+                    row_steps, num_threads, rounding_seed=self._seed())

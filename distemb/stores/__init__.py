@@ -13,10 +13,11 @@ Example:
 """
 from distemb.stores.dense import DenseStore
 from distemb.stores.file import FileStore
-from distemb.enums import EvictPolicy
+from distemb.enums import EvictPolicy, Rounding
 from distemb.stores.hash import HashStore
 from distemb.stores.init import key_normal, key_uniform
 from distemb.stores.types import WEIGHT, RowStore
 
-__all__ = ["RowStore", "DenseStore", "HashStore", "FileStore", "EvictPolicy", "WEIGHT",
+__all__ = ["RowStore", "DenseStore", "HashStore", "FileStore", "EvictPolicy", "Rounding",
+           "WEIGHT",
            "key_uniform", "key_normal"]

@@ -30,6 +30,7 @@ class DenseStore(RowStore):
         dim: row length.
         dtype: weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         init: ``init(keys) -> rows`` for the initial rows (zeros when None).
+        rounding: ``"nearest"`` (even) or ``"stochastic"`` (bfloat16 rows only).
 
     Raises:
         ValueError: ``num_rows`` or ``dim`` not a positive int, another dtype.
@@ -40,10 +41,11 @@ class DenseStore(RowStore):
         [[2.0, 2.0]]
     """
 
-    def __init__(self, num_rows, dim, dtype="float32", init=None):
+    def __init__(self, num_rows, dim, dtype="float32", init=None, rounding="nearest"):
         self.num_rows = check_dim(num_rows, "num_rows")
         self.dim = check_dim(dim)
         self.dtype = check_float_dtype(dtype)
+        self._set_rounding(rounding)
         self._cols, self._shapes = {}, {}
         self._set(WEIGHT, self._new_array(WEIGHT, (self.dim,), self.dtype, 0.0, False),
                   (self.dim,))

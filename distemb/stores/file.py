@@ -54,6 +54,7 @@ class FileStore(DenseStore):
         dim: row length of a new store.
         dtype: weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         init: ``init(keys) -> rows`` for a new store (zeros, never written, when None).
+        rounding: ``"nearest"`` (even) or ``"stochastic"`` (bfloat16 rows only).
         preallocate: reserve the files' blocks now (``posix_fallocate``), so that a full
             disk fails here and not as a SIGBUS in a later write.
 
@@ -74,13 +75,14 @@ class FileStore(DenseStore):
     persistent = True
 
     def __init__(self, path, num_rows=None, dim=None, dtype="float32", init=None,
-                 preallocate=True):
+                 rounding="nearest", preallocate=True):
         self.path = os.fspath(path)
         self.preallocate = bool(preallocate)
         self._maps = {}
         meta_path = os.path.join(self.path, META)
         if os.path.exists(meta_path):
             self._reopen(meta_path, num_rows, dim, dtype)
+            self._set_rounding(rounding)
             return
         _writable_dir(self.path)
         if num_rows is None or dim is None:
@@ -88,6 +90,7 @@ class FileStore(DenseStore):
                              f"got num_rows={num_rows!r}, dim={dim!r}")
         self.num_rows, self.dim = check_dim(num_rows, "num_rows"), check_dim(dim)
         self.dtype = check_float_dtype(dtype)
+        self._set_rounding(rounding)
         self._cols, self._shapes = {}, {}
         self._set(WEIGHT, self._new_array(WEIGHT, (self.dim,), self.dtype, 0.0, False),
                   (self.dim,))

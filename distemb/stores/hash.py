@@ -39,6 +39,7 @@ class HashStore(RowStore):
         capacity: keys held at most; a lookup past it evicts (None: unbounded).
         evict: eviction policy, ``"lru"`` or ``"lfu"`` (:class:`EvictPolicy`).
         low_water: automatic eviction brings the size down to ``low_water * capacity``.
+        rounding: ``"nearest"`` (even) or ``"stochastic"`` (bfloat16 rows only).
         reserve: keys to make room for up front.
         native: index implementation (see :class:`~distemb.kernels.hashtable.HashIndex`).
 
@@ -56,9 +57,10 @@ class HashStore(RowStore):
     """
 
     def __init__(self, dim, dtype="float32", init=None, capacity=None, evict="lru",
-                 low_water=1.0, reserve=0, native=None):
+                 low_water=1.0, reserve=0, native=None, rounding="nearest"):
         self.dim = check_dim(dim)
         self.dtype = check_float_dtype(dtype)
+        self._set_rounding(rounding)
         if capacity is not None:
             capacity = check_dim(capacity, "capacity")
         self._capacity = capacity

@@ -32,6 +32,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from distemb import kernels
+from distemb.enums import Rounding
 from distemb.errors import StoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
@@ -63,10 +64,26 @@ class RowStore(abc.ABC):
     dim: int
     dtype: str
 
+    #: How updates round into half-precision rows (:class:`~distemb.enums.Rounding`).
+    rounding = Rounding.NEAREST
+    _stochastic_ops = None
+
+    def _set_rounding(self, rounding, seed=0):
+        """Validate ``rounding`` against this store's dtype (constructors call this)."""
+        self.rounding = Rounding.parse(rounding, "rounding", ValueError)
+        if self.rounding is Rounding.STOCHASTIC:
+            if self.dtype != "bfloat16":
+                raise ValueError(f"rounding: 'stochastic' is for bfloat16 rows, got dtype "
+                                 f"{self.dtype!r}")
+            self._stochastic_ops = half.StochasticRounding(seed)
+
     @property
     def ops(self):
-        """The kernel module of the weight column (:mod:`distemb.kernels` or its half twin)."""
-        return kernels if self.dtype == "float32" else half
+        """The kernels of the weight column: :mod:`distemb.kernels` for float32 rows, the
+        half-precision twin otherwise (with stochastic rounding when asked)."""
+        if self.dtype == "float32":
+            return kernels
+        return self._stochastic_ops or half
     #: True when the rows outlive the process (a file store): optimizer state columns are
     #: then kept on reopening, not reset.
     persistent = False
