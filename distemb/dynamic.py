@@ -18,6 +18,10 @@ Example:
     >>> emb.size(), sorted(emb.export())
     (2, ['keys', 'sum', 'weight'])
 """
+import json
+import os
+import zipfile
+
 import numpy as np
 
 from distemb.context import current_context
@@ -27,6 +31,9 @@ from distemb.errors import DistEmbError, StoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.store_client import StoreKVClient
 from distemb.stores import HashStore, RowStore
+
+
+SAVE_FORMAT = "distemb-store-table"
 
 
 class StoreTensor:
@@ -180,6 +187,44 @@ class StoreEmbedding(DistEmbedding):
                              f"{sorted(data)}")
         cols = {k: np.asarray(v) for k, v in data.items() if k != "keys"}
         self._store.import_(data["keys"], cols)
+
+    def save(self, path):
+        """Write :meth:`export` (keys, rows as float32, optimizer state) to ``path`` (.npz),
+        atomically: a failed save leaves an earlier file at ``path`` untouched.
+
+        The optimizer's step counts and hyperparameters are in ``opt.state_dict()``.
+        """
+        data = self.export()
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **{f"c/{k}": v for k, v in data.items()},
+                         meta=np.frombuffer(json.dumps(
+                             {"format": SAVE_FORMAT, "dim": self.embedding_dim,
+                              "columns": sorted(data)}).encode(), np.uint8))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def load(self, path):
+        """Upsert the rows and state saved by :meth:`save` (create the optimizer first when
+        the file has optimizer state: its columns must exist here).
+
+        Raises:
+            StoreError: ``path`` is not such a file, or its dim or columns do not fit.
+        """
+        try:
+            with np.load(path) as z:
+                meta = json.loads(z["meta"].tobytes().decode())
+                data = {k[2:]: z[k] for k in z.files if k.startswith("c/")}
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise StoreError(f"path: {path} is not a saved table ({e})") from None
+        if meta.get("format") != SAVE_FORMAT or meta.get("dim") != self.embedding_dim:
+            raise StoreError(f"path: {path} holds format {meta.get('format')!r} with dim "
+                             f"{meta.get('dim')}, expected {SAVE_FORMAT!r} with dim "
+                             f"{self.embedding_dim}")
+        self.import_(data)
 
     def flush(self):
         """Make completed updates durable (file stores; no-op in memory)."""

@@ -11,7 +11,7 @@ import torch
 
 from distemb.embedding import DistEmbedding
 from distemb.dynamic import DynamicEmbedding
-from distemb.errors import DistEmbError, MissingKeyError
+from distemb.errors import DistEmbError, MissingKeyError, StoreError
 from distemb.optim import SparseAdagrad, SparseSGD
 from distemb.stores import key_normal
 from tests.conftest import zipf_ids
@@ -95,6 +95,25 @@ def test_export_import_resumes_training_exactly(ctx):
     got, want = b.export(), ref.export()
     for k in ("keys", "weight", "sum"):
         np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_save_load_round_trip(ctx, tmp_path):
+    a = DynamicEmbedding(3, name="saved", init_func=key_normal(3), context=ctx)
+    opt = SparseAdagrad([a], lr=0.1)
+    a(torch.tensor([5, -2 ** 40, 9])).sum().backward()
+    opt.step()
+    assert a.export()["sum"].min() == 1.0
+    a.save(tmp_path / "t.npz")
+    b = DynamicEmbedding(3, name="loaded", context=ctx)
+    SparseAdagrad([b], lr=0.1)
+    b.load(tmp_path / "t.npz")
+    for k, v in a.export().items():
+        np.testing.assert_array_equal(b.export()[k], v)
+    with pytest.raises(StoreError, match="dim 3, expected .* with dim 4"):
+        DynamicEmbedding(4, context=ctx).load(tmp_path / "t.npz")
+    (tmp_path / "junk.npz").write_text("no")
+    with pytest.raises(StoreError, match="not a saved table"):
+        b.load(tmp_path / "junk.npz")
 
 
 def test_upsert_remove_and_eviction_drop_rows_with_their_state(ctx):
