@@ -25,7 +25,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.kernels.hashtable import HashIndex
-from distemb.rules import RULES
+from distemb.rules import rule_of
 from distemb.stores import HashStore
 
 
@@ -76,7 +76,7 @@ def eviction_cost(n, dim, policy, repeats):
     costs = []
     for r in range(repeats):
         s = HashStore(dim, evict=policy, reserve=n)
-        for spec in RULES["adagrad"].states:
+        for spec in rule_of("adagrad").states:
             s.add_column(spec.name, spec.shape(dim), spec.dtype)
         rng = np.random.default_rng(r)
         keys = rng.integers(-2 ** 62, 2 ** 62, n)
@@ -131,7 +131,7 @@ def main(argv=None):
         sys.stdout.flush()
         del idx
     s = HashStore(args.dim, reserve=1 << 16)
-    for spec in RULES["adagrad"].states:
+    for spec in rule_of("adagrad").states:
         s.add_column(spec.name, spec.shape(args.dim), spec.dtype)
     s.lookup(keys[:1 << 16])
     print(f"# HashStore bytes/key, dim={args.dim} + Adagrad state, 65536 keys: "

@@ -56,31 +56,27 @@ class StoreTensor:
         self._client, self._name, self._ctx = client, name, context
         self._store = client.store(name)
 
-    def _ids(self, idx):
-        """Keys (flat int64 numpy) and the shape of ``idx``."""
-        F = self._ctx.F
-        arr = F.to_numpy(idx) if F.is_tensor(idx) else np.asarray(idx)
-        return keys_array(arr, "ids"), arr.shape
+    def lookup(self, ids, client=None):
+        """The flat int64 keys and their rows, shaped as ``ids`` + (dim,) (as DistTensor).
 
-    def _pull(self, flat, shape):
-        rows = self._ctx.F.from_numpy(self._client.pull(self._name, flat))
-        return self._ctx.F.reshape(rows, tuple(shape) + (self._store.dim,))
+        Args:
+            ids: integer keys, any shape.
+            client: the client (or a view of it) placing the rows; the table's by default.
+        """
+        client = client or self._client
+        F = self._ctx.F
+        flat, shape = client.ids_in(self._name, ids, F)
+        rows = client.rows_out(client.pull(self._name, flat), F)
+        return flat, F.reshape(rows, tuple(shape) + (self._store.dim,))
 
     def __getitem__(self, idx):
-        return self._pull(*self._ids(idx))
+        return self.lookup(idx)[1]
 
     def __setitem__(self, idx, values):
-        flat, _ = self._ids(idx)
         F = self._ctx.F
-        arr = F.to_numpy(values) if F.is_tensor(values) else np.asarray(values)
-        if arr.dtype != np.float32:
-            raise TypeError(f"values: expected float32 rows for {self._name!r}, "
-                            f"got {arr.dtype}")
-        want = (len(flat), self._store.dim)
-        if arr.size != want[0] * want[1]:
-            raise ValueError(f"values: expected shape {want} for {len(flat)} ids, "
-                             f"got {arr.shape}")
-        self._client.push(self._name, flat, np.ascontiguousarray(arr).reshape(want))
+        flat, _ = self._client.ids_in(self._name, idx, F)
+        self._client.push(self._name, flat,
+                          self._client.values_in(self._name, values, F, len(flat)))
 
     @property
     def shape(self):

@@ -15,15 +15,11 @@ HALF = ["bfloat16", "float16"]
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@pytest.fixture(params=["compiled", "reference"])
-def impl(request, monkeypatch):
-    if request.param == "compiled":
-        if not kernels.HAS_EXT:
-            pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT set or not built)")
-    else:
-        monkeypatch.setattr(half, "_impl", reference_half)
+@pytest.fixture
+def impl(kernel_impl, monkeypatch):
+    """Both implementations (tests/conftest.py's kernel_impl), threads even on small inputs."""
     monkeypatch.setattr(kernels, "MIN_FLOATS_PER_THREAD", 1)
-    return request.param
+    return kernel_impl
 
 
 def torch_bits(values, name):
@@ -124,7 +120,7 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(impl):
     outs = []
     for seed in range(400):
         w = half.encode(lo, "bfloat16")
-        half.sgd_update(w, np.array([0]), grads, 1.0, rounding_seed=seed)
+        half.seeded_sgd_update(w, np.array([0]), grads, 1.0, rounding_seed=seed)
         outs.append(half.decode(w))
     outs = np.concatenate(outs)
     ok = (outs == lo) | (outs > target)  # the neighbour below (lo) or the one above
@@ -133,7 +129,8 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(impl):
     assert np.abs(outs.mean(0) - target).max() < 0.1 * ulp.max()
     assert (outs == lo).any() and (outs != lo).any()
     with pytest.raises(ValueError, match="rounding_seed: stochastic rounding is for bfloat16"):
-        half.sgd_update(half.encode(x, "float16"), np.array([0]), grads, 1.0, rounding_seed=1)
+        half.seeded_sgd_update(half.encode(x, "float16"), np.array([0]), grads, 1.0,
+                               rounding_seed=1)
 
 
 def test_stochastic_rounding_twins_agree():
@@ -142,7 +139,7 @@ def test_stochastic_rounding_twins_agree():
     rng, w, rows, g = _case("bfloat16")
     s = rng.random(w.shape[0], dtype=np.float32)
     results = []
-    for impl_mod in (half._impl, reference_half):
+    for impl_mod in (half._IMPLS["compiled"], reference_half):
         W, S = w.copy(), s.copy()
         impl_mod.rowwise_adagrad_update(reference_half.BF16_SR, W.view(np.uint16), S, rows, g,
                                         0.05, 1e-3, seed=2 ** 63 + 5)

@@ -16,7 +16,7 @@ import torch
 from distemb import kernels
 from distemb.kernels import half
 from distemb.errors import MissingKeyError, StoreError
-from distemb.rules import RULES
+from distemb.rules import AdagradHyper, AdamHyper, SGDHyper, rule_of
 from distemb.stores import DenseStore, FileStore, HashStore, RowStore, key_normal
 
 KINDS = ["dense", "hash", "hash_twin", "file", "dense_bf16", "hash_bf16", "file_fp16"]
@@ -117,8 +117,8 @@ def test_columns_add_fill_keep_and_drop(store):
 
 
 RULE_CASES = {
-    "sgd": ({"lr": 0.05}, lambda p: torch.optim.SGD(p, lr=0.05)),
-    "adagrad": ({"clr": 0.1, "eps": 1e-10}, lambda p: torch.optim.Adagrad(p, lr=0.1)),
+    "sgd": (SGDHyper(lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
+    "adagrad": (AdagradHyper(clr=0.1, eps=1e-10), lambda p: torch.optim.Adagrad(p, lr=0.1)),
     "adam": (None, lambda p: torch.optim.SparseAdam(p, lr=0.01)),
 }
 
@@ -128,7 +128,7 @@ def test_update_rules_match_torch_optim(store, case):
     """The rule on a store's columns, addressed by keys, against torch.optim."""
     rows_n, dim, steps = 60, 6, 12
     hyper, make_torch = RULE_CASES[case]
-    rule = RULES[case]
+    rule = rule_of(case)
     init = key_normal(dim, seed=5)
     s = store.make(rows_n, dim, init=init)
     for spec in rule.states:
@@ -144,7 +144,7 @@ def test_update_rules_match_torch_optim(store, case):
         (ref(ids) * up).sum().backward()
         grad = ref.weight.grad.coalesce()
         opt.step()
-        h = hyper or {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "step": step}
+        h = hyper or AdamHyper(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, step=step)
         uniq = grad.indices()[0].numpy()
         s.update(rule, store.key_of(uniq), np.ascontiguousarray(grad.values().numpy()), h)
     got = torch.from_numpy(s.gather(store.key_of(np.arange(rows_n))))

@@ -10,8 +10,10 @@ bit for bit). Lookups return float32 rows.
 Weight arrays are ``numpy.float16`` for float16 and :data:`BFLOAT16` (a one-field
 structured dtype over the uint16 bits, which numpy lacks; it refuses arithmetic, so bits
 are never mistaken for integers) for bfloat16. Compiled code (``csrc/_halfkernels.pyx``)
-is used under the same switch as every kernel; :mod:`distemb.kernels.reference_half` is
-its twin.
+is used under the same switches as every kernel (``DISTEMB_NO_EXT``,
+``kernels.implementation()``); :mod:`distemb.kernels.reference_half` is its twin. The
+module conforms to :class:`~distemb.kernels.ops.KernelOps` (``dedup_sum`` is the float32
+one: gradients are float32 whatever the rows).
 
 Example:
     >>> import numpy as np
@@ -26,9 +28,15 @@ from distemb import kernels
 from distemb.kernels import reference_half
 
 if kernels.HAS_EXT:
-    from distemb import _halfkernels as _impl  # built with _kernels, same switch
+    from distemb import _halfkernels as _compiled  # built with _kernels, same switch
 else:
-    _impl = reference_half
+    _compiled = None
+_IMPLS = {"compiled": _compiled, "reference": reference_half}
+
+
+def _impl():
+    """The implementation :func:`distemb.kernels.implementation` selects now."""
+    return _IMPLS[kernels.active()]
 
 #: numpy dtype of bfloat16 storage: the uint16 bits under a field named 'bfloat16'.
 BFLOAT16 = np.dtype([("bfloat16", "<u2")])
@@ -65,7 +73,7 @@ def encode(values, name):
         raise ValueError(f"name: expected one of {sorted(_KIND)}, got {name!r}")
     src = np.ascontiguousarray(values, dtype=np.float32)
     out = np.empty(src.shape, HALF_DTYPES[name])
-    _impl.encode(_KIND[name], src.reshape(-1), out.view(np.uint16).reshape(-1))
+    _impl().encode(_KIND[name], src.reshape(-1), out.view(np.uint16).reshape(-1))
     return out
 
 
@@ -73,7 +81,7 @@ def decode(array):
     """A half array's values as a new float32 array."""
     kind, bits = _bits("array", array, array.ndim)
     out = np.empty(array.shape, np.float32)
-    _impl.decode(kind, np.ascontiguousarray(bits).reshape(-1), out.reshape(-1))
+    _impl().decode(kind, np.ascontiguousarray(bits).reshape(-1), out.reshape(-1))
     return out
 
 
@@ -113,6 +121,11 @@ def _nt(num_threads, grads):
     return int(max(1, min(num_threads, grads.size // kernels.MIN_FLOATS_PER_THREAD)))
 
 
+def dedup_sum(ids, grads, num_rows=None, out=None, num_threads=1):
+    """:func:`distemb.kernels.dedup_sum` (gradients are float32 whatever the rows)."""
+    return kernels.dedup_sum(ids, grads, num_rows=num_rows, out=out, num_threads=num_threads)
+
+
 def gather_rows(table, rows, out=None, num_threads=1):
     """``table[rows]`` as float32 rows into ``out`` (allocated when None); see kernels."""
     kind, bits = _bits("table", table)
@@ -123,11 +136,37 @@ def gather_rows(table, rows, out=None, num_threads=1):
             or not out.flags.c_contiguous:
         raise ValueError(f"out: expected a C-contiguous float32 array of shape "
                          f"{(rows.shape[0], table.shape[1])}, got {out.dtype} {out.shape}")
-    _impl.gather_rows(kind, bits, rows, out, num_threads=_nt(num_threads, out))
+    _impl().gather_rows(kind, bits, rows, out, num_threads=_nt(num_threads, out))
     return out
 
 
-def sgd_update(weight, rows, grads, lr, num_threads=1, rounding_seed=None):
+def sgd_update(weight, rows, grads, lr, num_threads=1):
+    """In place on half rows: ``w = round(w - lr * g)``, to nearest-even."""
+    seeded_sgd_update(weight, rows, grads, lr, num_threads)
+
+
+def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
+    """In place, Adagrad with float32 ``state_sum`` and half rows, to nearest-even."""
+    seeded_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads)
+
+
+def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
+    """In place, row-wise Adagrad (one float32 accumulator per row), to nearest-even."""
+    seeded_rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads)
+
+
+def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
+                row_steps=None, num_threads=1):
+    """In place, SparseAdam with float32 moments and half rows, to nearest-even."""
+    seeded_adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
+                       row_steps, num_threads)
+
+
+# The same updates with a choice of rounding: ``rounding_seed`` None rounds to
+# nearest-even; an int rounds bfloat16 rows stochastically with random bits hashed from
+# (seed, row, column), reproducible for any thread count (use a new seed per call).
+
+def seeded_sgd_update(weight, rows, grads, lr, num_threads=1, rounding_seed=None):
     """In place on half rows: ``w = round(w - lr * g)``.
 
     Every update takes ``rounding_seed``: None rounds to nearest-even; an int rounds
@@ -135,30 +174,30 @@ def sgd_update(weight, rows, grads, lr, num_threads=1, rounding_seed=None):
     run is reproducible for any thread count (use a new seed per call).
     """
     kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
-    _impl.sgd_update(kind, bits, rows, grads, float(lr), seed=seed,
+    _impl().sgd_update(kind, bits, rows, grads, float(lr), seed=seed,
                      num_threads=_nt(num_threads, grads))
 
 
-def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
-                   rounding_seed=None):
+def seeded_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
+                          rounding_seed=None):
     """In place, Adagrad with float32 ``state_sum`` and half rows."""
     kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
     _f32("state_sum", state_sum, weight.shape)
-    _impl.adagrad_update(kind, bits, state_sum, rows, grads, float(clr), float(eps),
+    _impl().adagrad_update(kind, bits, state_sum, rows, grads, float(clr), float(eps),
                          seed=seed, num_threads=_nt(num_threads, grads))
 
 
-def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
-                           rounding_seed=None):
+def seeded_rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
+                                  rounding_seed=None):
     """In place, row-wise Adagrad with one float32 accumulator per row and half rows."""
     kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
     _f32("state_sum", state_sum, weight.shape[:1])
-    _impl.rowwise_adagrad_update(kind, bits, state_sum, rows, grads, float(clr), float(eps),
+    _impl().rowwise_adagrad_update(kind, bits, state_sum, rows, grads, float(clr), float(eps),
                                  seed=seed, num_threads=_nt(num_threads, grads))
 
 
-def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
-                row_steps=None, num_threads=1, rounding_seed=None):
+def seeded_adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
+                       step, row_steps=None, num_threads=1, rounding_seed=None):
     """In place, SparseAdam with float32 moments and half rows (see kernels.adam_update)."""
     kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
     _f32("exp_avg", exp_avg, weight.shape)
@@ -167,7 +206,7 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
                                   or row_steps.shape != weight.shape[:1]):
         raise TypeError(f"row_steps: expected int64 of shape {weight.shape[:1]}, got "
                         f"{row_steps.dtype} {row_steps.shape}")
-    _impl.adam_update(kind, bits, exp_avg, exp_avg_sq, rows, grads, float(lr), float(beta1),
+    _impl().adam_update(kind, bits, exp_avg, exp_avg_sq, rows, grads, float(lr), float(beta1),
                         float(beta2), float(eps), int(step), row_steps=row_steps, seed=seed,
                         num_threads=_nt(num_threads, grads))
 
@@ -198,20 +237,21 @@ class StochasticRounding:
         self._next += 1
         return self._next - 1
 
+    dedup_sum = staticmethod(dedup_sum)
     gather_rows = staticmethod(gather_rows)
 
     def sgd_update(self, weight, rows, grads, lr, num_threads=1):
-        sgd_update(weight, rows, grads, lr, num_threads, rounding_seed=self._seed())
+        seeded_sgd_update(weight, rows, grads, lr, num_threads, rounding_seed=self._seed())
 
     def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
-        adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
-                       rounding_seed=self._seed())
+        seeded_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
+                              rounding_seed=self._seed())
 
     def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
-        rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
-                               rounding_seed=self._seed())
+        seeded_rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
+                                      rounding_seed=self._seed())
 
     def adam_update(self, weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
                     step, row_steps=None, num_threads=1):
-        adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
-                    row_steps, num_threads, rounding_seed=self._seed())
+        seeded_adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
+                           step, row_steps, num_threads, rounding_seed=self._seed())

@@ -1,9 +1,9 @@
 """HashIndex: a batch int64 key -> slot index, compiled (open addressing) or its twin.
 
-The compiled table (``csrc/_hashtable.pyx``) is chosen by the same switch as every
-kernel: it is used when :data:`distemb.kernels.HAS_EXT` is true (``DISTEMB_NO_EXT=1``
-forces the dict twin in :mod:`distemb.kernels.reference_hashtable`); ``native=`` picks
-per object, for tests. Both give the same slots for the same calls.
+The compiled table (``csrc/_hashtable.pyx``) is chosen by the same switches as every
+kernel: it is the default while :func:`distemb.kernels.active` is ``'compiled'``
+(``DISTEMB_NO_EXT=1`` or ``kernels.implementation('reference')`` give the dict twin in
+:mod:`distemb.kernels.reference_hashtable`); ``native=`` picks per object. Both give the same slots for the same calls.
 
 A slot is a row number in the value arrays of whoever owns the index (a hash store):
 keys map to slots, freed slots are reused (last freed first), and ``high_water`` is one
@@ -68,7 +68,7 @@ class HashIndex:
         if not isinstance(max_load, (int, float)) or not 0.0 < max_load < 1.0:
             raise ValueError(f"max_load: expected a float in (0, 1), got {max_load!r}")
         if native is None:
-            native = _compiled is not None
+            native = _compiled is not None and kernels.active() == "compiled"
         if native and _compiled is None:
             raise ValueError("native: the compiled hash table is not available "
                              f"(kernels: {kernels.IMPL_NAME}); build the extension")

@@ -20,8 +20,9 @@ Example:
     ((2, 2), 2)
 """
 from distemb.errors import KVStoreError
+from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.types import DataMeta, KVClient
-from distemb.rules import RULES, state_name
+from distemb.rules import rule_of, state_name
 
 
 class StoreKVClient(KVClient):
@@ -69,7 +70,8 @@ class StoreKVClient(KVClient):
         store = self._stores.get(name)
         if store is None:
             return None
-        return DataMeta((store.size(), store.dim), store.dtype, None)
+        # rows cross this interface as float32 whatever the store keeps (half rows too)
+        return DataMeta((store.size(), store.dim), "float32", None)
 
     def names(self):
         return list(self._stores)
@@ -93,10 +95,8 @@ class StoreKVClient(KVClient):
         store reopened to resume), which keeps state columns of the same shape.
         """
         store = self.store(name)
-        if rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}")
         names = {}
-        for spec in RULES[rule].states:
+        for spec in rule_of(rule).states:
             fill = options.get(spec.init_option, 0) if spec.init_option else 0
             store.add_column(spec.name, spec.shape(store.dim), spec.dtype, fill,
                              keep=store.persistent)
@@ -105,11 +105,15 @@ class StoreKVClient(KVClient):
         return names
 
     def push_update(self, name, ids, grads, rule, hyper):
-        try:
-            impl = RULES[rule]
-        except KeyError:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}") from None
-        self.store(name).update(impl, ids, grads, hyper, self.num_threads)
+        impl = rule_of(rule)
+        self.store(name).update(impl, ids, grads, impl.check_hyper(hyper), self.num_threads)
+
+    def ids_in(self, name, ids, F):
+        """Keys of any shape as flat int64 keys: any int64 for a hash store (a dense store
+        range-checks them itself)."""
+        self.store(name)
+        arr = self.tensor_in(ids, F)
+        return keys_array(arr, "ids"), tuple(arr.shape)
 
     def close(self):
         """Flush and close every store."""
