@@ -18,9 +18,10 @@ class DistEmbedding:
     """A learnable table of ``num_embeddings`` rows, sparsely updated by distemb optimizers.
 
     A drop-in for ``dgl.distributed.DistEmbedding``: ``emb(ids)`` returns the rows; while
-    autograd records it also appends ``(ids, rows)`` to a trace that the optimizer's
-    ``step()`` consumes (and ``zero_grad()`` clears). Lookups under ``torch.no_grad()``
-    record nothing.
+    autograd records it also appends ``(ids, rows)`` to a trace. The optimizer's
+    ``step()`` applies and removes the lookups whose backward has run; ``zero_grad()``
+    drops those (gradients of earlier backward passes) and keeps lookups still waiting
+    for their backward. Lookups under ``torch.no_grad()`` record nothing.
 
     Args:
         num_embeddings: number of rows (the table is not tied to a graph's node count).
@@ -100,12 +101,35 @@ class DistEmbedding:
         return rows
 
     def reset_trace(self):
-        """Forget recorded lookups (the optimizer calls this)."""
+        """Forget every recorded lookup, including those still waiting for backward."""
         self._trace = []
+
+    def pop_gradients(self):
+        """Remove the recorded lookups whose backward has run and return them.
+
+        Lookups still waiting for their backward stay recorded (torch semantics: a
+        gradient that arrives after ``step()`` is applied by the next one).
+
+        Returns:
+            list of ``(ids, grad)``: the flat int64 ids and their ``(len(ids), dim)``
+            gradients, in lookup order.
+        """
+        done = [(ids, rows.grad) for ids, rows in self._trace if rows.grad is not None]
+        self._trace = [(ids, rows) for ids, rows in self._trace if rows.grad is None]
+        return [(ids, g.reshape(-1, self.embedding_dim)) for ids, g in done]
+
+    def drop_gradients(self):
+        """Forget the lookups whose backward has run (``zero_grad()``); keep the rest.
+
+        Why not clear everything: ``out = model(x); opt.zero_grad(); loss.backward();
+        opt.step()`` (torch's idiom, DGL's examples) calls ``zero_grad()`` between the
+        lookup and its backward; that lookup's gradient is the one to apply.
+        """
+        self._trace = [(ids, rows) for ids, rows in self._trace if rows.grad is None]
 
     @property
     def trace(self):
-        """Recorded ``(ids, rows)`` pairs since the last step()/zero_grad()."""
+        """Recorded ``(ids, rows)`` pairs not yet consumed by step() or dropped by zero_grad()."""
         return list(self._trace)
 
     @property

@@ -90,18 +90,20 @@ class SparseOptimizer(torch.optim.Optimizer):
         return list(self._embs)
 
     def zero_grad(self, set_to_none=True):
-        """Clear every table's trace (recorded lookups not yet stepped)."""
-        for emb in self._embs:
-            emb.reset_trace()
+        """Drop the gradients of earlier backward passes, wherever it sits in the loop.
 
-    def _gradients(self, emb):
-        """(ids, grads) lists of every traced lookup of ``emb`` that received a gradient."""
-        ids, grads = [], []
-        for idx, rows in emb._trace:
-            if rows.grad is not None:
-                ids.append(idx)
-                grads.append(rows.grad.reshape(-1, emb.embedding_dim))
-        return ids, grads
+        Lookups whose backward has not run yet are kept, so ``out = model(x);
+        opt.zero_grad(); loss.backward(); opt.step()`` trains (DGL 1.1.3 gets there by
+        clearing its trace only after the next ``step()``).
+        """
+        for emb in self._embs:
+            emb.drop_gradients()
+
+    @staticmethod
+    def _gradients(emb):
+        """(ids, grads) lists of the traced lookups of ``emb`` whose backward has run."""
+        done = emb.pop_gradients()
+        return [i for i, _ in done], [g for _, g in done]
 
     @staticmethod
     def _host_arrays(ids, grads):
@@ -140,15 +142,14 @@ class SparseOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Apply the traced gradients of every table, then clear the traces."""
+        """Apply the traced gradients of every table and remove them from the traces."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
         for emb in self._embs:
-            ids, grads = self._gradients(emb)
-            emb.reset_trace()
+            ids, grads = self._gradients(emb)  # lookups awaiting backward stay traced
             summed = self._summed(emb, ids, grads)
             if summed is None:
                 continue
