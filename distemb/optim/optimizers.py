@@ -92,6 +92,14 @@ class SparseAdam(SparseOptimizer):
                       check_hyper("betas[1]", betas[1], 0.0, 1.0)),
             "step_mode": step_mode})
 
+    @property
+    def _beta1(self):  # DGL's attribute name (compatibility alias)
+        return self.param_groups[0]["betas"][0]
+
+    @property
+    def _beta2(self):
+        return self.param_groups[0]["betas"][1]
+
     def hyper(self, group, step):
         beta1, beta2 = group["betas"]
         return {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
