@@ -41,6 +41,9 @@ def main():
         if i == warmup:
             g.barrier()
             start = time.perf_counter()
+        # DGL's optimizer needs zero_grad() every step: without it DGL 1.1.3 keeps its
+        # trace and re-applies every earlier lookup's gradient at each step().
+        opt.zero_grad()
         emb(ids).sum().backward()
         opt.step()
     g.barrier()
