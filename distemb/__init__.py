@@ -1,8 +1,8 @@
 """distemb: distributed, sparsely trained embedding tables for graph learning.
 
-Trainer-side names (DistTensor, DistEmbedding, the optimizers) load PyTorch and are
-imported on first use, so a server process (``python -m distemb.server``) that imports
-``distemb`` never imports torch.
+Trainer-side names (the context, DistTensor, DistEmbedding, the optimizers) are imported
+on first use, so a server process (``python -m distemb.server``) that imports ``distemb``
+never imports torch nor :mod:`distemb.context`.
 
 Example:
     >>> import torch, distemb
@@ -13,7 +13,6 @@ Example:
 """
 import importlib
 
-from distemb.context import DistContext, current_context, initialize, shutdown
 from distemb.errors import (BackendError, ConfigError, DistEmbError, KVStoreError,
                             PartitionError, TraceOverflowError)
 from distemb.partition import (EdgePartitionPolicy, HashPartitionBook, NodePartitionPolicy,
@@ -23,6 +22,10 @@ from distemb.partition import (EdgePartitionPolicy, HashPartitionBook, NodeParti
 __version__ = "0.1.0"
 
 _LAZY = {
+    "DistContext": "distemb.context",
+    "current_context": "distemb.context",
+    "initialize": "distemb.context",
+    "shutdown": "distemb.context",
     "DistTensor": "distemb.tensor",
     "DistEmbedding": "distemb.embedding",
     "SparseOptimizer": "distemb.optim",

@@ -21,85 +21,81 @@ Example:
 """
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import yaml
 
-from distemb.errors import ConfigError
+from distemb.enums import Book, Consistency, PartitionKind, Transport
+from distemb.errors import ConfigError, DistEmbError
+from distemb.schema import (Schema, all_of, at_least, at_most, each, equal_to, load,
+                            non_empty, option, positive)
 
-KINDS = ("node", "edge")
-BOOKS = ("range", "hash")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """How the ids of one node or edge type are split across partitions."""
-
-    kind: str = field(metadata={"help": "'node' or 'edge'"})
-    type: str = field(metadata={"help": "node/edge type name; '_N' or '_E' when untyped"})
-    book: str = field(metadata={"help": "'range' (contiguous id ranges) or 'hash' (id % P)"})
-    bounds: Optional[Tuple[int, ...]] = field(
-        default=None, metadata={"help": "range: num_partitions+1 ascending type-wise ids"})
-    num_ids: Optional[int] = field(default=None, metadata={"help": "hash: number of ids"})
+PORT = all_of(at_least(1), at_most(65535))
 
 
 @dataclass(frozen=True)
-class PartitionConfig:
-    """A partition-policy file: the number of partitions and one policy per type."""
+class PolicyConfig(Schema):
+    """How the ids of one node or edge type are split across partitions.
 
-    num_partitions: int = field(metadata={"help": "number of partitions (> 0)"})
-    policies: Tuple[PolicyConfig, ...] = field(metadata={"help": "one entry per type"})
+    Example:
+        >>> PolicyConfig(PartitionKind.NODE, "_N", Book.HASH, num_ids=10).to_dict()["book"]
+        'hash'
+    """
+
+    kind: PartitionKind = option(help="'node' or 'edge'")
+    type: str = option(help="node/edge type name; '_N' or '_E' when untyped",
+                       validator=non_empty)
+    book: Book = option(help="'range' (contiguous id ranges) or 'hash' (id % P)")
+    bounds: Optional[Tuple[int, ...]] = option(
+        None, help="range: num_partitions+1 ascending type-wise ids, from 0")
+    num_ids: Optional[int] = option(None, help="hash: number of ids", validator=at_least(1))
+
+    def check(self):
+        # The length of bounds depends on num_partitions: PartitionConfig.check has it.
+        if self.book == Book.RANGE:
+            if self.bounds is None:
+                raise ConfigError("bounds: missing (book 'range' needs num_partitions+1 "
+                                  "ascending ids)")
+            if self.num_ids is not None:
+                raise ConfigError("num_ids: only for book 'hash' (range uses bounds)")
+            b = self.bounds
+            if b and b[0] != 0:
+                raise ConfigError(f"bounds[0]: must be 0, got {b[0]}")
+            for i in range(1, len(b)):
+                if b[i] < b[i - 1]:
+                    raise ConfigError(f"bounds[{i}]: must be >= bounds[{i - 1}] = {b[i - 1]}, "
+                                      f"got {b[i]}")
+        else:
+            if self.num_ids is None:
+                raise ConfigError("num_ids: missing (book 'hash' needs the number of ids)")
+            if self.bounds is not None:
+                raise ConfigError("bounds: only for book 'range' (hash uses num_ids)")
 
 
-def _int(value, path, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{path}: must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
-    return value
+@dataclass(frozen=True)
+class PartitionConfig(Schema):
+    """A partition-policy file: the number of partitions and one policy per type.
 
+    Example:
+        >>> parse_partition_config({"num_partitions": 2, "policies": [{"kind": "node",
+        ...     "type": "_N", "book": "range", "bounds": [0, 4, 9]}]}).policies[0].bounds
+        (0, 4, 9)
+    """
 
-def _choice(value, path, choices):
-    if value not in choices:
-        raise ConfigError(f"{path}: must be one of {list(choices)}, got {value!r}")
-    return value
+    num_partitions: int = option(help="number of partitions (> 0)", validator=at_least(1))
+    policies: Tuple[PolicyConfig, ...] = option(help="one entry per node or edge type",
+                                                validator=non_empty)
 
-
-def _policy(raw, path, num_parts):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must be a mapping, got {type(raw).__name__}")
-    allowed = {"kind", "type", "book", "bounds", "num_ids"}
-    extra = sorted(set(raw) - allowed)
-    if extra:
-        raise ConfigError(f"{path}.{extra[0]}: unknown field (allowed: {sorted(allowed)})")
-    for key in ("kind", "type", "book"):
-        if key not in raw:
-            raise ConfigError(f"{path}.{key}: missing")
-    kind = _choice(raw["kind"], f"{path}.kind", KINDS)
-    if not isinstance(raw["type"], str) or not raw["type"]:
-        raise ConfigError(f"{path}.type: must be a non-empty string, got {raw['type']!r}")
-    book = _choice(raw["book"], f"{path}.book", BOOKS)
-    bounds = num_ids = None
-    if book == "range":
-        b = raw.get("bounds")
-        if not isinstance(b, list) or len(b) != num_parts + 1:
-            raise ConfigError(f"{path}.bounds: must be a list of num_partitions+1 = "
-                              f"{num_parts + 1} integers, got {b!r}")
-        bounds = tuple(_int(v, f"{path}.bounds[{i}]", 0) for i, v in enumerate(b))
-        if bounds[0] != 0:
-            raise ConfigError(f"{path}.bounds[0]: must be 0, got {bounds[0]}")
-        for i in range(1, len(bounds)):
-            if bounds[i] < bounds[i - 1]:
-                raise ConfigError(f"{path}.bounds[{i}]: must be >= bounds[{i - 1}] = "
-                                  f"{bounds[i - 1]}, got {bounds[i]}")
-        if "num_ids" in raw:
-            raise ConfigError(f"{path}.num_ids: only for book 'hash' (range uses bounds)")
-    else:
-        num_ids = _int(raw.get("num_ids"), f"{path}.num_ids", 1)
-        if "bounds" in raw:
-            raise ConfigError(f"{path}.bounds: only for book 'range' (hash uses num_ids)")
-    return PolicyConfig(kind, raw["type"], book, bounds, num_ids)
+    def check(self):
+        seen = set()
+        for i, p in enumerate(self.policies):
+            if p.bounds is not None and len(p.bounds) != self.num_partitions + 1:
+                raise ConfigError(f"policies[{i}].bounds: must be a list of num_partitions+1 "
+                                  f"= {self.num_partitions + 1} integers, got {list(p.bounds)}")
+            if (p.kind, p.type) in seen:
+                raise ConfigError(f"policies[{i}].type: duplicate {p.kind} type {p.type!r}")
+            seen.add((p.kind, p.type))
 
 
 def parse_partition_config(raw):
@@ -108,21 +104,7 @@ def parse_partition_config(raw):
     Raises:
         ConfigError: with the field path, e.g. ``policies[1].num_ids: must be >= 1, got 0``.
     """
-    if not isinstance(raw, dict):
-        raise ConfigError(f"<root>: must be a mapping, got {type(raw).__name__}")
-    if "num_partitions" not in raw:
-        raise ConfigError("num_partitions: missing")
-    num_parts = _int(raw["num_partitions"], "num_partitions", 1)
-    pols = raw.get("policies")
-    if not isinstance(pols, list) or not pols:
-        raise ConfigError(f"policies: must be a non-empty list, got {pols!r}")
-    parsed = tuple(_policy(p, f"policies[{i}]", num_parts) for i, p in enumerate(pols))
-    seen = set()
-    for i, p in enumerate(parsed):
-        if (p.kind, p.type) in seen:
-            raise ConfigError(f"policies[{i}].type: duplicate {p.kind} type {p.type!r}")
-        seen.add((p.kind, p.type))
-    return PartitionConfig(num_parts, parsed)
+    return load(PartitionConfig, raw)
 
 
 def read_config_file(path):
@@ -162,76 +144,73 @@ def load_partition_config(path):
 # --- cluster config: the one file distemb-launch hands to every process -------------
 #
 #     {"version": 1, "job_id": "a1b2", "transport": "tcp", "consistency": "sync",
-#      "shared_memory": true, "timeout_s": 60.0, "num_trainers": 2,
-#      "servers": [{"host": "127.0.0.1", "port": 30050, "machine": 0}, ...],
-#      "trainer_machines": [0, 0], "master_addr": "127.0.0.1", "master_port": 29500,
-#      "part_config": null}
-
-TRANSPORTS = ("tcp", "mpi")
-CONSISTENCY = ("sync", "sync_exact", "async")
+#      "num_trainers": 2, "trainer_machines": [0, 0],
+#      "servers": [{"host": "127.0.0.1", "port": 30050, "machine": 0}, ...]}
+#
+# The other fields and their defaults are declared once, on ClusterConfig below.
 
 
 @dataclass(frozen=True)
-class ServerEntry:
-    """Where one KVStore server listens; its index in ``servers`` is its id."""
+class ServerEntry(Schema):
+    """Where one KVStore server listens; its index in ``servers`` is its id.
 
-    host: str = field(metadata={"help": "IPv4 address the server binds and clients dial"})
-    port: int = field(metadata={"help": "TCP port (1..65535)"})
-    machine: int = field(metadata={"help": "machine index (line of the ip_config)"})
+    Example:
+        >>> ServerEntry("127.0.0.1", 30050, 0).to_dict()
+        {'host': '127.0.0.1', 'port': 30050, 'machine': 0}
+    """
+
+    host: str = option(help="IPv4 address the server binds and clients dial",
+                       validator=non_empty)
+    port: int = option(help="TCP port (1..65535)", validator=PORT)
+    machine: int = option(help="machine index (line of the ip_config)", validator=at_least(0))
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
-    """Everything a server or trainer needs to join one distemb job."""
+class ClusterConfig(Schema):
+    """Everything a server or trainer needs to join one distemb job.
 
-    job_id: str = field(metadata={"help": "names the job's shared-memory files"})
-    servers: Tuple[ServerEntry, ...] = field(metadata={"help": "server i owns partitions "
-                                                               "p with p % len(servers) == i"})
-    num_trainers: int = field(metadata={"help": "trainer processes in the job (> 0)"})
-    trainer_machines: Tuple[int, ...] = field(metadata={"help": "machine of each trainer rank"})
-    transport: str = field(default="tcp", metadata={"help": "'tcp' or 'mpi' (under mpirun)"})
-    consistency: str = field(default="sync", metadata={
-        "help": "'sync' (step waits for every server), 'sync_exact' (trainers' pushes of "
-                "one step summed, applied once) or 'async' (no wait)"})
-    shared_memory: bool = field(default=True, metadata={
-        "help": "trainers pull from co-located servers' shards through /dev/shm"})
-    timeout_s: float = field(default=60.0, metadata={"help": "seconds before a silent "
-                                                             "server is an error"})
-    max_message_bytes: int = field(default=1 << 30, metadata={"help": "largest frame payload"})
-    master_addr: str = field(default="127.0.0.1", metadata={"help": "torch.distributed master"})
-    master_port: int = field(default=29500, metadata={"help": "torch.distributed port"})
-    part_config: Optional[str] = field(default=None, metadata={"help": "partition config path"})
-    version: int = field(default=1, metadata={"help": "schema version (1)"})
+    Example:
+        >>> cfg = parse_cluster_config({"job_id": "j", "num_trainers": 1,
+        ...     "trainer_machines": [0], "servers": [{"host": "127.0.0.1", "port": 30050,
+        ...     "machine": 0}]})
+        >>> cfg.consistency is Consistency.SYNC, cfg.to_dict()["consistency"]
+        (True, 'sync')
+    """
 
-    def to_dict(self):
-        """Plain data for JSON (round-trips through :func:`parse_cluster_config`)."""
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        d["servers"] = [vars(s).copy() for s in self.servers]
-        d["trainer_machines"] = list(self.trainer_machines)
-        return d
+    job_id: str = option(help="names the job's shared-memory files", validator=non_empty)
+    servers: Tuple[ServerEntry, ...] = option(
+        help="server i owns partitions p with p % len(servers) == i", validator=non_empty)
+    num_trainers: int = option(help="trainer processes in the job (> 0)",
+                               validator=at_least(1))
+    trainer_machines: Tuple[int, ...] = option(help="machine of each trainer rank",
+                                               validator=each(at_least(0)))
+    transport: Transport = option(Transport.TCP, help="'tcp' or 'mpi' (under mpirun)")
+    consistency: Consistency = option(
+        Consistency.SYNC, help="'sync' (step waits for every server), 'sync_exact' "
+        "(trainers' pushes of one step summed, applied once) or 'async' (no wait)")
+    shared_memory: bool = option(
+        True, help="trainers pull from co-located servers' shards through /dev/shm")
+    timeout_s: float = option(60.0, help="seconds before a silent server is an error",
+                              validator=positive)
+    max_message_bytes: int = option(1 << 30, help="largest frame payload",
+                                    validator=at_least(1 << 20))
+    master_addr: str = option("127.0.0.1", help="torch.distributed master",
+                              validator=non_empty)
+    master_port: int = option(29500, help="torch.distributed port", validator=PORT)
+    part_config: Optional[str] = option(None, help="partition config path",
+                                        validator=non_empty)
+    version: int = option(1, help="schema version (1)", validator=equal_to(1))
 
-
-def _str(value, path):
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{path}: must be a non-empty string, got {value!r}")
-    return value
-
-
-def _port(value, path):
-    _int(value, path, 1)
-    if value > 65535:
-        raise ConfigError(f"{path}: must be <= 65535, got {value}")
-    return value
-
-
-def _server(raw, path):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must be a mapping, got {type(raw).__name__}")
-    for key in ("host", "port", "machine"):
-        if key not in raw:
-            raise ConfigError(f"{path}.{key}: missing")
-    return ServerEntry(_str(raw["host"], f"{path}.host"), _port(raw["port"], f"{path}.port"),
-                       _int(raw["machine"], f"{path}.machine", 0))
+    def check(self):
+        seen = {}
+        for i, s in enumerate(self.servers):
+            if (s.host, s.port) in seen:
+                raise ConfigError(f"servers[{i}].port: {s.host}:{s.port} is also servers"
+                                  f"[{seen[(s.host, s.port)]}]")
+            seen[(s.host, s.port)] = i
+        if len(self.trainer_machines) != self.num_trainers:
+            raise ConfigError(f"trainer_machines: must list one machine per trainer "
+                              f"({self.num_trainers}), got {list(self.trainer_machines)!r:.80}")
 
 
 def parse_cluster_config(raw):
@@ -240,52 +219,7 @@ def parse_cluster_config(raw):
     Raises:
         ConfigError: with the field path, e.g. ``servers[1].port: must be <= 65535``.
     """
-    if not isinstance(raw, dict):
-        raise ConfigError(f"<root>: must be a mapping, got {type(raw).__name__}")
-    known = set(ClusterConfig.__dataclass_fields__)
-    extra = sorted(set(raw) - known)
-    if extra:
-        raise ConfigError(f"{extra[0]}: unknown field (allowed: {sorted(known)})")
-    for key in ("job_id", "servers", "num_trainers", "trainer_machines"):
-        if key not in raw:
-            raise ConfigError(f"{key}: missing")
-    if _int(raw.get("version", 1), "version", 1) != 1:
-        raise ConfigError(f"version: must be 1, got {raw['version']}")
-    servers = raw["servers"]
-    if not isinstance(servers, list) or not servers:
-        raise ConfigError(f"servers: must be a non-empty list, got {servers!r:.80}")
-    servers = tuple(_server(s, f"servers[{i}]") for i, s in enumerate(servers))
-    seen = {}
-    for i, s in enumerate(servers):
-        if (s.host, s.port) in seen:
-            raise ConfigError(f"servers[{i}].port: {s.host}:{s.port} is also servers"
-                              f"[{seen[(s.host, s.port)]}]")
-        seen[(s.host, s.port)] = i
-    num_trainers = _int(raw["num_trainers"], "num_trainers", 1)
-    machines = raw["trainer_machines"]
-    if not isinstance(machines, list) or len(machines) != num_trainers:
-        raise ConfigError(f"trainer_machines: must list one machine per trainer "
-                          f"({num_trainers}), got {machines!r:.80}")
-    machines = tuple(_int(m, f"trainer_machines[{i}]", 0) for i, m in enumerate(machines))
-    timeout = raw.get("timeout_s", 60.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ConfigError(f"timeout_s: must be a number > 0, got {timeout!r}")
-    shm = raw.get("shared_memory", True)
-    if not isinstance(shm, bool):
-        raise ConfigError(f"shared_memory: must be true or false, got {shm!r}")
-    part = raw.get("part_config")
-    if part is not None:
-        _str(part, "part_config")
-    return ClusterConfig(
-        job_id=_str(raw["job_id"], "job_id"), servers=servers, num_trainers=num_trainers,
-        trainer_machines=machines,
-        transport=_choice(raw.get("transport", "tcp"), "transport", TRANSPORTS),
-        consistency=_choice(raw.get("consistency", "sync"), "consistency", CONSISTENCY),
-        shared_memory=shm, timeout_s=float(timeout),
-        max_message_bytes=_int(raw.get("max_message_bytes", 1 << 30), "max_message_bytes",
-                               1 << 20),
-        master_addr=_str(raw.get("master_addr", "127.0.0.1"), "master_addr"),
-        master_port=_port(raw.get("master_port", 29500), "master_port"), part_config=part)
+    return load(ClusterConfig, raw)
 
 
 def load_cluster_config(path):
@@ -304,3 +238,17 @@ def write_cluster_config(cfg, path):
         os.replace(tmp, path)
     except OSError as e:
         raise ConfigError(f"{path}: cannot write the cluster config: {e.strerror}") from None
+
+
+def default_num_threads():
+    """OpenMP threads of the kernels: $DISTEMB_NUM_THREADS, else the usable cores.
+
+    Raises:
+        DistEmbError: $DISTEMB_NUM_THREADS is not a positive integer.
+    """
+    value = os.environ.get("DISTEMB_NUM_THREADS")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise DistEmbError(f"DISTEMB_NUM_THREADS: expected a positive integer, got {value!r}")
+        return int(value)
+    return len(os.sched_getaffinity(0))

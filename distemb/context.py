@@ -11,8 +11,8 @@ Tests and libraries build their own contexts and pass them explicitly.
 
 Example:
     >>> ctx = DistContext.embedded(backend="numpy")
-    >>> ctx.role, ctx.num_servers
-    ('embedded', 1)
+    >>> ctx.role is Role.EMBEDDED, ctx.num_servers
+    (True, 1)
     >>> ctx.close()
 """
 import itertools
@@ -20,20 +20,11 @@ import os
 import sys
 
 from distemb.backend import load_backend
-from distemb.config import load_cluster_config
+from distemb.config import default_num_threads, load_cluster_config
+from distemb.enums import Consistency, Role
 from distemb.errors import DistEmbError
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore.remote import RemoteKVClient
-
-
-def default_num_threads():
-    """OpenMP threads of the kernels: $DISTEMB_NUM_THREADS, else the usable cores."""
-    value = os.environ.get("DISTEMB_NUM_THREADS")
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise DistEmbError(f"DISTEMB_NUM_THREADS: expected a positive integer, got {value!r}")
-        return int(value)
-    return len(os.sched_getaffinity(0))
 
 
 class DistContext:
@@ -42,16 +33,17 @@ class DistContext:
     Args:
         client: the :class:`~distemb.kvstore.KVClient` tables talk to.
         backend: a loaded backend or its name (default: $DISTEMB_BACKEND or 'pytorch').
-        role: 'embedded', 'trainer' or 'server'.
+        role: a :class:`~distemb.enums.Role` or its value ('embedded', 'trainer', 'server').
         rank: this trainer's rank; num_trainers: how many trainers share the store.
         num_threads: OpenMP threads for the trainer-side kernels (dedup).
     """
 
-    def __init__(self, client, backend=None, role="embedded", rank=0, num_trainers=1,
+    def __init__(self, client, backend=None, role=Role.EMBEDDED, rank=0, num_trainers=1,
                  num_threads=None):
         self.client = client
         self.F = backend if hasattr(backend, "name") else load_backend(backend)
-        self.role, self.rank, self.num_trainers = role, rank, num_trainers
+        self.role = Role.parse(role, "role", DistEmbError)
+        self.rank, self.num_trainers = rank, num_trainers
         self.num_threads = num_threads or default_num_threads()
         self._names = itertools.count()
         self._device_clients = {}
@@ -74,7 +66,7 @@ class DistContext:
         cfg = load_cluster_config(config_path)
         nt = num_threads or default_num_threads()
         client = RemoteKVClient(cfg, rank, num_threads=nt, consistency=consistency)
-        return cls(client, backend=backend, role="trainer", rank=rank,
+        return cls(client, backend=backend, role=Role.TRAINER, rank=rank,
                    num_trainers=cfg.num_trainers, num_threads=nt)
 
     @property
@@ -102,9 +94,9 @@ class DistContext:
         """
         if device is None or str(device) == "cpu":
             return self.client
-        if self.role != "embedded":
+        if self.role != Role.EMBEDDED:
             raise DistEmbError(f"device={device!r}: GPU-resident tables are embedded-only, "
-                               f"but this context's role is {self.role!r} (its tables live "
+                               f"but this context's role is '{self.role}' (its tables live "
                                "on the servers); create the table on the host and look rows "
                                "up with emb(ids, device=...)")
         if self.F.name != "pytorch":
@@ -132,7 +124,7 @@ class DistContext:
             self.closed = True
 
     def __repr__(self):
-        return (f"DistContext(role={self.role!r}, rank={self.rank}, "
+        return (f"DistContext(role={self.role.value!r}, rank={self.rank}, "
                 f"backend={self.F.name!r}, servers={self.num_servers})")
 
 
@@ -183,6 +175,8 @@ def _from_env(backend=None, num_threads=None, consistency=None):
             trainer would silently train its own copy.
     """
     path = os.environ.get("DISTEMB_CONFIG")
+    if consistency is not None:
+        consistency = Consistency.parse(consistency, "consistency")
     if not path:
         why = one_of_many()
         if why is not None:
@@ -196,12 +190,12 @@ def _from_env(backend=None, num_threads=None, consistency=None):
                 "torch.distributed); to join a running distemb cluster set "
                 "DISTEMB_CONFIG=<its cluster.json> and DISTEMB_RANK=<trainer rank>. For a "
                 "deliberately private table pass context=distemb.DistContext.embedded().")
-        if consistency not in (None, "sync"):
-            raise DistEmbError(f"consistency={consistency!r}: only meaningful for a trainer "
+        if consistency not in (None, Consistency.SYNC):
+            raise DistEmbError(f"consistency='{consistency}': only meaningful for a trainer "
                                "of a cluster ($DISTEMB_CONFIG is not set)")
         return DistContext.embedded(backend=backend, num_threads=num_threads)
-    role = os.environ.get("DISTEMB_ROLE", "trainer")
-    if role != "trainer":
+    role = os.environ.get("DISTEMB_ROLE", Role.TRAINER.value)
+    if role != Role.TRAINER:
         raise DistEmbError(f"DISTEMB_ROLE: initialize() makes trainer contexts, got {role!r} "
                            "(servers run 'python -m distemb.server')")
     return DistContext.trainer(path, _env_rank(), backend, num_threads, consistency)
@@ -219,16 +213,19 @@ def initialize(backend=None, num_threads=None, consistency=None):
     Args:
         backend: backend name (default: $DISTEMB_BACKEND or 'pytorch').
         num_threads: kernel threads (default: $DISTEMB_NUM_THREADS or the usable cores).
-        consistency: 'sync' (default: ``step()`` returns once every server applied the
-            update), 'sync_exact' (the servers sum all trainers' pushes of a step and apply
-            them once) or 'async' (no wait; see docs). Default: the cluster config's.
+        consistency: a :class:`~distemb.enums.Consistency` or its value: 'sync'
+            (``step()`` returns once every server applied the update), 'sync_exact' (the
+            servers sum all trainers' pushes of a step and apply them once) or 'async'
+            (no wait; see docs). Default: the cluster config's.
 
     Returns:
         the new :class:`DistContext`.
 
     Raises:
-        DistEmbError: already initialized, or one of several processes without
-            ``$DISTEMB_CONFIG`` (the message says how to launch or join).
+        ConfigError: ``consistency`` is not one of the modes.
+        DistEmbError: already initialized, a non-sync mode without a cluster, or one of
+            several processes without ``$DISTEMB_CONFIG`` (the message says how to launch
+            or join).
     """
     if _current and not _current[0].closed:
         how = ("by an earlier initialize()" if not getattr(_current[0], "implicit", False)

@@ -30,14 +30,27 @@ import sys
 import time
 import uuid
 
-from distemb.config import (CONSISTENCY, TRANSPORTS, load_cluster_config,
-                            parse_cluster_config, write_cluster_config)
+from distemb.config import (ClusterConfig, load_cluster_config, parse_cluster_config,
+                            write_cluster_config)
+from distemb.enums import Choice, Consistency, Role, Transport
 from distemb.errors import ConfigError, DistEmbError
 from distemb.partition import load_policies
+from distemb.schema import default_of, help_of
 from distemb.transport.shm import SHM_DIR
 
 DEFAULT_PORT = 30050
 STOP_GRACE_S = 5.0
+
+
+class Launcher(Choice):
+    """How distemb-launch starts the processes of a job."""
+
+    # Every process starts on this machine; every ip_config address must be loopback.
+    LOCAL = "local"
+    # One 'ssh HOST cd DIR && ENV... CMD' per process; the config on a shared file system.
+    SSH = "ssh"
+    # One mpirun; ranks below the server count become servers, the rest trainers (MPI).
+    MPIRUN = "mpirun"
 
 
 def read_ip_config(path):
@@ -76,13 +89,20 @@ def read_ip_config(path):
     return machines
 
 
-def build_config(machines, num_servers, num_trainers, part_config=None, transport="tcp",
-                 consistency="sync", shared_memory=True, timeout_s=60.0, master_port=29500):
+def build_config(machines, num_servers, num_trainers, part_config=None, **options):
     """The cluster config of S servers and T trainers per machine.
 
+    Args:
+        machines: (ip, port or None) per machine, as :func:`read_ip_config` returns.
+        num_servers, num_trainers: per machine.
+        part_config: a DGL partition config or distemb policy file, or None.
+        options: other :class:`~distemb.config.ClusterConfig` fields (``transport``,
+            ``consistency``, ``shared_memory``, ``timeout_s``, ``master_port``, ...);
+            a field left out takes its declared default.
+
     Raises:
-        ConfigError: invalid counts, or a partition config whose partitions cannot be
-            spread over the servers.
+        ConfigError: invalid counts or options, or a partition config whose partitions
+            cannot be spread over the servers.
     """
     for what, v in (("--num-servers", num_servers), ("--num-trainers", num_trainers)):
         if v < 1:
@@ -101,18 +121,19 @@ def build_config(machines, num_servers, num_trainers, part_config=None, transpor
         "job_id": uuid.uuid4().hex[:12], "servers": servers,
         "num_trainers": num_trainers * len(machines),
         "trainer_machines": [m for m in range(len(machines)) for _ in range(num_trainers)],
-        "transport": transport, "consistency": consistency, "shared_memory": shared_memory,
-        "timeout_s": timeout_s, "master_addr": machines[0][0], "master_port": master_port,
-        "part_config": part_config})
+        "master_addr": machines[0][0], "part_config": part_config,
+        **{k: v.value if isinstance(v, Choice) else v for k, v in options.items()}})
 
 
 def server_env(cfg_path, sid):
-    return {"DISTEMB_CONFIG": cfg_path, "DISTEMB_ROLE": "server", "DISTEMB_RANK": str(sid)}
+    return {"DISTEMB_CONFIG": cfg_path, "DISTEMB_ROLE": Role.SERVER.value,
+            "DISTEMB_RANK": str(sid)}
 
 
 def trainer_env(cfg, cfg_path, rank):
     local = rank - cfg.trainer_machines.index(cfg.trainer_machines[rank])
-    return {"DISTEMB_CONFIG": cfg_path, "DISTEMB_ROLE": "trainer", "DISTEMB_RANK": str(rank),
+    return {"DISTEMB_CONFIG": cfg_path, "DISTEMB_ROLE": Role.TRAINER.value,
+            "DISTEMB_RANK": str(rank),
             "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(cfg.master_port),
             "RANK": str(rank), "WORLD_SIZE": str(cfg.num_trainers), "LOCAL_RANK": str(local)}
 
@@ -213,15 +234,20 @@ def parse_args(argv):
     parser.add_argument("--num-servers", type=int, default=1, help="servers per machine")
     parser.add_argument("--num-trainers", type=int, default=1, help="trainers per machine")
     parser.add_argument("--part-config", help="DGL partition config or distemb policy file")
-    parser.add_argument("--launcher", choices=("local", "ssh", "mpirun"), default="local")
-    parser.add_argument("--transport", choices=TRANSPORTS, help="default: mpi under "
-                        "--launcher mpirun, else tcp")
-    parser.add_argument("--consistency", choices=CONSISTENCY, default="sync")
+    parser.add_argument("--launcher", choices=Launcher.values(), default=Launcher.LOCAL.value)
+    parser.add_argument("--transport", choices=Transport.values(),
+                        help=f"default: {Transport.MPI} under --launcher {Launcher.MPIRUN}, "
+                        f"else {default_of(ClusterConfig, 'transport')}")
+    parser.add_argument("--consistency", choices=Consistency.values(),
+                        default=default_of(ClusterConfig, "consistency").value,
+                        help=help_of(ClusterConfig, "consistency"))
     parser.add_argument("--no-shared-memory", action="store_true",
                         help="pull every row over the transport, even from local servers")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds before a silent server is an error")
-    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--timeout", type=float, default=default_of(ClusterConfig, "timeout_s"),
+                        help=help_of(ClusterConfig, "timeout_s"))
+    parser.add_argument("--master-port", type=int,
+                        default=default_of(ClusterConfig, "master_port"),
+                        help=help_of(ClusterConfig, "master_port"))
     parser.add_argument("--config-out", default="distemb_cluster.json",
                         help="where to write the cluster config (shared file system for ssh)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
@@ -242,11 +268,14 @@ def run(args):
     if args.mpi_child:
         mpi_child(args.mpi_child, args.command)
     machines = read_ip_config(args.ip_config)
-    transport = args.transport or ("mpi" if args.launcher == "mpirun" else "tcp")
+    launcher = Launcher(args.launcher)
+    transport = args.transport or (Transport.MPI if launcher == Launcher.MPIRUN
+                                   else default_of(ClusterConfig, "transport"))
     cfg = build_config(machines, args.num_servers, args.num_trainers, args.part_config,
-                       transport, args.consistency, not args.no_shared_memory, args.timeout,
-                       args.master_port)
-    if args.launcher == "local":
+                       transport=transport, consistency=args.consistency,
+                       shared_memory=not args.no_shared_memory, timeout_s=args.timeout,
+                       master_port=args.master_port)
+    if launcher == Launcher.LOCAL:
         bad = [ip for ip, _ in machines if not ipaddress.ip_address(ip).is_loopback]
         if bad:
             raise ConfigError(f"{args.ip_config}: --launcher local runs everything on this "
@@ -254,9 +283,9 @@ def run(args):
     cfg_path = os.path.abspath(args.config_out)
     write_cluster_config(cfg, cfg_path)
     python = sys.executable
-    if args.launcher == "mpirun":
+    if launcher == Launcher.MPIRUN:
         commands = [mpirun_argv(cfg, cfg_path, args.command, python)]
-    elif args.launcher == "ssh":
+    elif launcher == Launcher.SSH:
         commands = [ssh_argv(h, env, argv, os.getcwd())
                     for h, env, argv in plan(cfg, cfg_path, args.command, python)]
     else:
@@ -269,7 +298,7 @@ def run(args):
         return 0
     sup = Supervisor()
     try:
-        if commands and args.launcher == "mpirun":
+        if commands and launcher == Launcher.MPIRUN:
             sup.start(commands[0], {}, server=False)
         else:
             for i, (h, env, argv) in enumerate(plan(cfg, cfg_path, args.command, python)):
@@ -282,7 +311,7 @@ def run(args):
         sup.stop_all()
         return 130
     finally:
-        if args.launcher == "local":
+        if launcher == Launcher.LOCAL:
             remove_shm_files(cfg.job_id)
 
 

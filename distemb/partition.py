@@ -17,9 +17,10 @@ import os
 import numpy as np
 
 from distemb.config import load_partition_config, read_config_file
+from distemb.enums import Book, PartitionKind
 from distemb.errors import ConfigError, PartitionError
 
-NODE, EDGE = "node", "edge"
+NODE, EDGE = PartitionKind.NODE, PartitionKind.EDGE
 
 
 class PartitionBook:
@@ -131,7 +132,7 @@ class PartitionPolicy:
     """How one node or edge type is sharded: the unit tables are partitioned by.
 
     Args:
-        kind: 'node' or 'edge'.
+        kind: a :class:`~distemb.enums.PartitionKind` or its value, 'node' or 'edge'.
         type_name: the node/edge type.
         partition_book: a :class:`PartitionBook` that knows the type.
         part_id: the partition local to this process (for :meth:`get_part_size`).
@@ -143,8 +144,7 @@ class PartitionPolicy:
     """
 
     def __init__(self, kind, type_name, partition_book, part_id=0):
-        if kind not in (NODE, EDGE):
-            raise PartitionError(f"kind: expected 'node' or 'edge', got {kind!r}")
+        kind = PartitionKind.parse(kind, "kind", PartitionError)
         partition_book._check_type(kind, type_name)
         if not 0 <= part_id < partition_book.num_partitions:
             raise PartitionError(f"part_id: expected 0..{partition_book.num_partitions - 1}, "
@@ -305,7 +305,7 @@ def load_policy_config(path):
     ranges = {NODE: {}, EDGE: {}}
     counts = {NODE: {}, EDGE: {}}
     for p in cfg.policies:
-        if p.book == "range":
+        if p.book == Book.RANGE:
             ranges[p.kind][p.type] = p.bounds
         else:
             counts[p.kind][p.type] = p.num_ids

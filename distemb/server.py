@@ -15,8 +15,8 @@ import signal
 import sys
 import threading
 
-from distemb.config import load_cluster_config
-from distemb.context import default_num_threads
+from distemb.config import default_num_threads, load_cluster_config
+from distemb.enums import Transport
 from distemb.errors import DistEmbError
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.service import KVService
@@ -44,7 +44,7 @@ def run(cfg, server_id):
         signal.signal(sig, lambda *_: stop.set())
     service = build_service(cfg, server_id, stop)
     try:
-        if cfg.transport == "mpi":
+        if cfg.transport == Transport.MPI:
             from distemb.transport import mpi  # mpi4py is an optional extra
             mpi.serve(service.handle, stop)
         else:

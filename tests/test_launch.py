@@ -6,9 +6,11 @@ import pytest
 
 from mp_helper import ProcessGroup, free_port
 
-from distemb.config import load_cluster_config, parse_cluster_config
+from distemb.config import ClusterConfig, load_cluster_config, parse_cluster_config
+from distemb.enums import Consistency, Transport
 from distemb.errors import ConfigError
-from distemb.launch import build_config, main, read_ip_config
+from distemb.launch import build_config, main, parse_args, read_ip_config
+from distemb.schema import default_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,6 +59,38 @@ def test_cluster_config_errors_name_the_field(field, value, match):
     raw[field] = value
     with pytest.raises(ConfigError, match=match):
         parse_cluster_config(raw)
+
+
+def test_cli_defaults_are_the_config_field_defaults(tmp_path):
+    args = parse_args(["--ip-config", "ip.txt", "--", "python", "t.py"])
+    assert args.timeout == default_of(ClusterConfig, "timeout_s")
+    assert args.master_port == default_of(ClusterConfig, "master_port")
+    assert args.consistency == default_of(ClusterConfig, "consistency").value
+    assert args.transport is None  # chosen by the launcher: mpi under mpirun, else the default
+    cfg = build_config([("127.0.0.1", 4000)], 1, 1)
+    for name in ("transport", "consistency", "shared_memory", "timeout_s", "master_port"):
+        assert getattr(cfg, name) == default_of(ClusterConfig, name), name
+    main(["--ip-config", ip_file(tmp_path, "127.0.0.1 4100\n"), "--config-out",
+          str(tmp_path / "c.json"), "--dry-run", "--", "python", "t.py"])
+    written = load_cluster_config(str(tmp_path / "c.json"))
+    assert (written.timeout_s, written.master_port, written.consistency, written.transport,
+            written.shared_memory) == (cfg.timeout_s, cfg.master_port, cfg.consistency,
+                                       cfg.transport, cfg.shared_memory)
+
+
+def test_cli_options_reach_the_config(tmp_path):
+    main(["--ip-config", ip_file(tmp_path, "127.0.0.1 4100\n"), "--config-out",
+          str(tmp_path / "c.json"), "--timeout", "7.5", "--master-port", "29611",
+          "--consistency", "async", "--no-shared-memory", "--transport", "mpi", "--dry-run",
+          "--", "python", "t.py"])
+    raw = json.loads((tmp_path / "c.json").read_text())
+    assert (raw["timeout_s"], raw["master_port"], raw["consistency"], raw["transport"],
+            raw["shared_memory"]) == (7.5, 29611, "async", "mpi", False)
+    cfg = build_config([("127.0.0.1", 4000)], 1, 1, consistency=Consistency.SYNC_EXACT,
+                       transport=Transport.MPI)
+    assert cfg.consistency is Consistency.SYNC_EXACT and cfg.transport is Transport.MPI
+    with pytest.raises(ConfigError, match=r"^timeout_s: must be a number > 0, got -1"):
+        build_config([("127.0.0.1", 4000)], 1, 1, timeout_s=-1)
 
 
 def test_partition_config_must_match_server_count(tmp_path):

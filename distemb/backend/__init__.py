@@ -7,7 +7,7 @@ function it lacks raises :class:`~distemb.errors.BackendError` naming both.
 
 Example:
     >>> F = load_backend("numpy")
-    >>> F.zeros((2, 3), "float32").shape
+    >>> F.tensor([[1, 2, 3], [4, 5, 6]], "float32").shape
     (2, 3)
 """
 import importlib

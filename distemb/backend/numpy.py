@@ -24,28 +24,8 @@ def tensor(data, dtype=None):
     return np.array(data, dtype=None if dtype is None else _DTYPES[dtype_name(dtype)])
 
 
-def zeros(shape, dtype):
-    return np.zeros(shape, dtype=_DTYPES[dtype_name(dtype)])
-
-
-def empty(shape, dtype):
-    return np.empty(shape, dtype=_DTYPES[dtype_name(dtype)])
-
-
-def arange(start, stop, dtype="int64"):
-    return np.arange(start, stop, dtype=_DTYPES[dtype_name(dtype)])
-
-
-def shape(t):
-    return tuple(t.shape)
-
-
 def dtype_of(t):
     return dtype_name(t.dtype)
-
-
-def ndim(t):
-    return t.ndim
 
 
 def to_numpy(t):
@@ -60,36 +40,8 @@ def is_tensor(x):
     return isinstance(x, np.ndarray)
 
 
-def gather_row(t, idx):
-    return t[idx]
-
-
-def scatter_row_inplace(t, idx, v):
-    t[idx] = v
-
-
-def index_add_inplace(t, idx, v):
-    np.add.at(t, idx, v)
-
-
-def unique(t, return_inverse=False):
-    return np.unique(t, return_inverse=return_inverse)
-
-
-def cat(seq, dim=0):
-    return np.concatenate(seq, axis=dim)
-
-
 def reshape(t, shape):
     return t.reshape(shape)
-
-
-def astype(t, dtype):
-    return t.astype(_DTYPES[dtype_name(dtype)], copy=False)
-
-
-def device_of(t):
-    return "cpu"
 
 
 def copy_to(t, device):

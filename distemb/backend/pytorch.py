@@ -29,28 +29,8 @@ def tensor(data, dtype=None):
     return torch.as_tensor(data, dtype=None if dtype is None else _DTYPES[dtype_name(dtype)])
 
 
-def zeros(shape, dtype):
-    return torch.zeros(shape, dtype=_DTYPES[dtype_name(dtype)])
-
-
-def empty(shape, dtype):
-    return torch.empty(shape, dtype=_DTYPES[dtype_name(dtype)])
-
-
-def arange(start, stop, dtype="int64"):
-    return torch.arange(start, stop, dtype=_DTYPES[dtype_name(dtype)])
-
-
-def shape(t):
-    return tuple(t.shape)
-
-
 def dtype_of(t):
     return dtype_name(t.dtype)
-
-
-def ndim(t):
-    return t.dim()
 
 
 def to_numpy(t):
@@ -69,36 +49,8 @@ def is_tensor(x):
     return isinstance(x, torch.Tensor)
 
 
-def gather_row(t, idx):
-    return t[idx]
-
-
-def scatter_row_inplace(t, idx, v):
-    t[idx] = v
-
-
-def index_add_inplace(t, idx, v):
-    t.index_add_(0, idx, v)
-
-
-def unique(t, return_inverse=False):
-    return torch.unique(t, sorted=True, return_inverse=return_inverse)
-
-
-def cat(seq, dim=0):
-    return torch.cat(list(seq), dim=dim)
-
-
 def reshape(t, shape):
     return t.reshape(shape)
-
-
-def astype(t, dtype):
-    return t.to(_DTYPES[dtype_name(dtype)])
-
-
-def device_of(t):
-    return str(t.device)
 
 
 def copy_to(t, device):
@@ -111,13 +63,3 @@ def is_recording():
 
 def attach_grad(t):
     return t.requires_grad_()
-
-
-def grad(t):
-    return t.grad
-
-
-def no_grad():
-    return torch.no_grad()
-
-

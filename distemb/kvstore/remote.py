@@ -20,7 +20,7 @@ Example (servers started by ``distemb-launch``)::
 import numpy as np
 
 from distemb import kernels
-from distemb.config import CONSISTENCY
+from distemb.enums import Consistency, Transport
 from distemb.errors import KVStoreError, PartitionError, TransportError
 from distemb.kvstore.types import DataMeta, KVClient
 from distemb.kvstore.local import init_shard
@@ -41,7 +41,7 @@ def open_connections(cfg):
     Raises:
         ServerUnavailableError: a TCP server cannot be reached within ``cfg.timeout_s``.
     """
-    if cfg.transport == "mpi":
+    if cfg.transport == Transport.MPI:
         # mpi4py is an optional extra, and importing it initialises MPI: only under mpirun.
         from distemb.transport import mpi
         return mpi.connect_all(len(cfg.servers), cfg.timeout_s, cfg.max_message_bytes)
@@ -56,8 +56,8 @@ class RemoteKVClient(KVClient):
     Args:
         cfg: the job's :class:`~distemb.config.ClusterConfig`.
         rank: this trainer's rank (0..num_trainers-1).
-        consistency: 'sync', 'sync_exact' or 'async' (default: ``cfg.consistency``); all
-            trainers of a job must use the same.
+        consistency: a :class:`~distemb.enums.Consistency` or its value (default:
+            ``cfg.consistency``); all trainers of a job must use the same.
         connections: one :class:`~distemb.transport.base.Connection` per server (default:
             :func:`open_connections`).
         num_threads: OpenMP threads of shared-memory gathers.
@@ -71,10 +71,8 @@ class RemoteKVClient(KVClient):
             raise KVStoreError(f"rank: expected 0..{cfg.num_trainers - 1}, got {rank}")
         self.cfg, self.rank, self.num_threads = cfg, rank, num_threads
         self.num_servers = len(cfg.servers)
-        self.consistency = consistency or cfg.consistency
-        if self.consistency not in CONSISTENCY:
-            raise KVStoreError(f"consistency: expected one of {list(CONSISTENCY)}, got "
-                               f"{self.consistency!r}")
+        self.consistency = Consistency.parse(consistency or cfg.consistency, "consistency",
+                                             KVStoreError)
         self._conns = list(connections) if connections is not None else open_connections(cfg)
         self._meta, self._shm, self._seq = {}, {}, {}
         self._closed = False
@@ -267,7 +265,7 @@ class RemoteKVClient(KVClient):
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
         hyper = {k: (v if isinstance(v, int) else float(v)) for k, v in hyper.items()}
-        exact = self.consistency == "sync_exact"
+        exact = self.consistency == Consistency.SYNC_EXACT
         requests = {sid: Update(name=name, rule=rule, hyper=hyper, seq=seq, exact=exact,
                                 parts=r[0], counts=r[1], ids=r[2], grads=grads[r[3]])
                     for sid, r in routes.items()}
@@ -279,11 +277,11 @@ class RemoteKVClient(KVClient):
                     name=name, rule=rule, hyper=hyper, seq=seq, exact=True, parts=[], counts=[],
                     ids=np.empty(0, np.int64),
                     grads=np.empty((0, grads.shape[1]), np.float32)))
-        self._call(requests, wait=self.consistency != "async")
+        self._call(requests, wait=self.consistency != Consistency.ASYNC)
 
     @property
     def needs_every_step(self):
-        return self.consistency == "sync_exact"
+        return self.consistency == Consistency.SYNC_EXACT
 
     def barrier(self):
         if self.cfg.num_trainers > 1:

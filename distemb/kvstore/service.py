@@ -23,6 +23,7 @@ Example:
     >>> svc.handle(Pull(name="w", parts=[0], counts=[1], ids=np.array([2])).encode()).arrays[0]
     array([[0., 0.]], dtype=float32)
 """
+import logging
 import os
 import sys
 import threading
@@ -31,12 +32,15 @@ import time
 import numpy as np
 
 from distemb import kernels
+from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import RULES, state_init, state_name
+from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.messages import Error, Reply, Service, decode_request
 
+log = logging.getLogger("distemb")
 DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
 MAX_ROWS = 1 << 40
 
@@ -61,8 +65,8 @@ class KVService:
         on_all_bye: called once every trainer has said BYE.
     """
 
-    def __init__(self, server, server_id, num_servers, num_trainers, timeout_s=60.0,
-                 arena=None, on_all_bye=None):
+    def __init__(self, server, server_id, num_servers, num_trainers,
+                 timeout_s=default_of(ClusterConfig, "timeout_s"), arena=None, on_all_bye=None):
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye = arena, on_all_bye
@@ -84,8 +88,8 @@ class KVService:
             reply = self._handlers[msg.SERVICE](msg)
         except Exception as e:  # any failure is the client's answer; the server goes on
             if frame.flags & FLAG_NO_REPLY:
-                print(f"distemb server {self.server_id}: asynchronous request failed: {e}",
-                      file=sys.stderr, flush=True)
+                log.warning("distemb server %d: asynchronous request failed: %s",
+                            self.server_id, e)
                 return None
             return Error(kind=type(e).__name__, message=f"server {self.server_id}: {e}"
                          ).encode()

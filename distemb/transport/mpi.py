@@ -75,7 +75,7 @@ class MpiConnection(Connection):
         timeout: seconds to wait for a reply before raising ServerUnavailableError.
     """
 
-    def __init__(self, dest, timeout=60.0, max_bytes=MAX_MESSAGE_BYTES):
+    def __init__(self, dest, timeout, max_bytes=MAX_MESSAGE_BYTES):
         self.comm, self.dest, self.timeout, self.max_bytes = MPI.COMM_WORLD, dest, timeout, \
             max_bytes
         self.peer = f"server rank {dest}"
