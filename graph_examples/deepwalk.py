@@ -209,18 +209,20 @@ def main(argv=None) -> dict:
                    **{f"{name}_seconds": round(sec, 2)
                       for name, sec in result["phase_seconds"].items()},
                    final_loss=round(float(np.mean(result["losses"][-50:])), 4))
-    scores = None
+    scores, per_class = None, {}
     if dataset.num_classes >= 2 and len(dataset.train_idx):
         scores = node_classification(emb, dataset, "test", args.eval_max_iter, args.seed)
         metrics.update(test_micro_f1=round(scores.micro_f1, 4),
                        test_macro_f1=round(scores.macro_f1, 4))
+        per_class = {str(c): round(f, 4) for c, f in scores.per_class_f1.items()}
     if edges is not None:
         metrics["link_auc"] = round(
             link_prediction_auc(emb, edges.pos_edges, edges.neg_edges, "dot"), 4)
 
     np.save(out / "embeddings.npy", emb)
     np.save(out / "node_ids.npy", dataset.node_ids)
-    (out / "metrics.json").write_text(json.dumps(dict(metrics, args=vars(args)), indent=2,
+    (out / "metrics.json").write_text(json.dumps(dict(metrics, args=vars(args),
+                                                      test_f1_per_class=per_class), indent=2,
                                                  default=str) + "\n")
     f1 = {} if scores is None else dict(per_class_f1=scores.per_class_f1,
                                           support=scores.support)

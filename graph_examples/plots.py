@@ -93,7 +93,8 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
         embeddings: (N, D) tensor or array.
         labels: (N,) classes, -1 for unlabelled; None draws every point alike.
         method: 'tsne' (default) or 'pca'.
-        max_points: seeded subsample size for the projection, so t-SNE stays quick.
+        max_points: seeded subsample size for the projection, so t-SNE stays quick;
+            with labels, shared equally by the shown classes.
         seed: subsample and t-SNE seed.
         title: figure title.
         top_classes: how many of the largest classes the projection shows.
@@ -113,13 +114,20 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
         raise ValueError(f"labels: expected {n} entries (one per embedding), got {len(labels)}")
     y = None if labels is None else _as_numpy(labels)
     shown = None if y is None else largest_classes(y, top_classes)
-    pool = np.arange(n) if y is None else np.flatnonzero(np.isin(y, shown))
     rng = np.random.default_rng(seed)
-    rows = np.sort(rng.permutation(pool)[:max_points]) if len(pool) > max_points else pool
+    if y is None:
+        rows = np.sort(rng.permutation(n)[:max_points]) if n > max_points else np.arange(n)
+    else:
+        # The same number of nodes per class (at most): a class of 40% of the nodes
+        # would otherwise bury the others under its points.
+        per = max(1, max_points // max(len(shown), 1))
+        rows = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == c))[:per]
+                                       for c in shown]))
     xy = project_2d(x[rows], method, seed)
 
     panels = 3 if per_class_f1 else 2
-    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 6),
+    height = max(6.0, 0.17 * len(per_class_f1)) if per_class_f1 else 6.0  # readable bars
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, height),
                              gridspec_kw={"width_ratios": [1, 1.3, 1.2][:panels]})
     ax_loss, ax_emb = axes[0], axes[1]
     ax_loss.plot(np.arange(1, len(losses) + 1), losses, linewidth=1)
@@ -128,7 +136,7 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
     ax_loss.set_title("training loss")
     ax_loss.grid(alpha=0.3)
     # Big dots for small graphs, small ones where thousands overlap.
-    size = float(np.clip(3000 / max(len(rows), 1), 3, 40))
+    size = float(np.clip(6000 / max(len(rows), 1), 5, 40))
     if y is None:
         ax_emb.scatter(xy[:, 0], xy[:, 1], s=size, alpha=0.7, linewidths=0)
         ax_emb.set_title(f"embeddings ({method.upper()}, {len(rows)} of {n} nodes)")
@@ -140,10 +148,10 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
             ax_emb.scatter(xy[at, 0], xy[at, 1], s=size, alpha=0.7, linewidths=0,
                            color=cmap(i % cmap.N), label=_name(int(c), class_names))
         ax_emb.legend(title="class", markerscale=max(1.0, 20 / size), fontsize="small",
-                      loc="best", framealpha=0.8)
+                      loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         total = int((y >= 0).sum())
-        ax_emb.set_title(f"{len(shown)} largest classes ({method.upper()}, {len(rows)} "
-                         f"nodes; {len(np.unique(y[y >= 0]))} classes, {total} labelled)")
+        ax_emb.set_title(f"{len(shown)} largest of {len(np.unique(y[y >= 0]))} classes "
+                         f"({method.upper()}, up to {per} nodes each; {total} labelled)")
     ax_emb.set_xticks([])
     ax_emb.set_yticks([])
     if per_class_f1:
@@ -153,19 +161,17 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
         names = [_name(c, class_names) + (f" ({support[c]})" if support else "")
                  for c in order]
         ax_f1.barh(np.arange(len(order)), scores, color="tab:blue", alpha=0.8)
-        fs = max(5, min(9, 300 // max(len(order), 1)))
+        fs = max(6, min(9, 360 // max(len(order), 1)))
         for i, f in enumerate(scores):
             ax_f1.text(min(f, 0.9) + 0.01, i, f"{f:.2f}", va="center", fontsize=fs)
         macro = float(np.mean(scores))
-        ax_f1.axvline(macro, color="tab:red", linewidth=1, linestyle="--",
-                      label=f"macro F1 {macro:.3f}")
-        ax_f1.legend(loc="lower right", fontsize="small")
+        ax_f1.axvline(macro, color="tab:red", linewidth=1, linestyle="--")
         ax_f1.set_yticks(np.arange(len(order)))
         ax_f1.set_yticklabels(names, fontsize=fs)
         ax_f1.invert_yaxis()  # largest class on top
         ax_f1.set_xlim(0, 1)
         ax_f1.set_xlabel("test F1")
-        ax_f1.set_title("F1 per class (test nodes)")
+        ax_f1.set_title(f"F1 per class, test nodes (dashed: macro F1 {macro:.3f})")
         ax_f1.grid(axis="x", alpha=0.3)
     if title:
         fig.suptitle(title)

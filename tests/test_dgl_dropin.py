@@ -102,7 +102,7 @@ def test_check_dist_emb(embedded, gpb):
     assert np.all(state[nids].numpy() == 4.0)
 
 
-def _torch_like_dgl_test(num_nodes, emb_dim, steps):
+def _torch_like_dgl_test(num_nodes, emb_dim):
     torch_emb = torch.nn.Embedding(num_nodes, emb_dim, sparse=True)
     torch_emb_zero = torch.nn.Embedding(num_nodes, emb_dim, sparse=True)
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def test_sparse_adam_run_client(embedded, gpb, steps):
     dgl_adam._world_size = 1
     dgl_adam._rank = 0
 
-    torch_emb, torch_emb_zero = _torch_like_dgl_test(num_nodes, emb_dim, steps)
+    torch_emb, torch_emb_zero = _torch_like_dgl_test(num_nodes, emb_dim)
     # init_func runs once per shard (as on DGL's servers), so with two partitions the
     # second half repeats the first: DGL's test compares only the first half. Start
     # torch from the same rows to compare all of them.
