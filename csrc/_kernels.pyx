@@ -82,8 +82,8 @@ cdef void _radix_sort(uint64_t *keys, uint64_t *tmp, Py_ssize_t n, int lo_bit,
         memcpy(keys, src, n * sizeof(uint64_t))
 
 
-def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, int num_threads=1,
-              out=None):
+def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, num_rows=None, out=None,
+              int num_threads=1):
     """Ascending unique ids and, per id, the sum of its rows in batch order (into out[:U])."""
     cdef Py_ssize_t n = ids.shape[0], d = grads.shape[1], i, k, j, nu = 0, seg
     cdef int64_t lo = 0, hi = 0
@@ -154,9 +154,11 @@ def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, int num_threads
     return uniq_np, summed_np
 
 
-def gather_rows(const float[:, ::1] table, const int64_t[::1] rows, float[:, ::1] out,
+def gather_rows(const float[:, ::1] table, const int64_t[::1] rows, float[:, ::1] out=None,
                 int num_threads=1):
-    """out[i] = table[rows[i]]."""
+    """out[i] = table[rows[i]] (``out`` allocated when None)."""
+    if out is None:
+        out = np.empty((rows.shape[0], table.shape[1]), dtype=np.float32)
     cdef Py_ssize_t n = rows.shape[0], d = table.shape[1], i
     cdef size_t nbytes = d * sizeof(float)
     if n == 0:

@@ -18,6 +18,7 @@ import zipfile
 
 import numpy as np
 
+from distemb.arrays import check_shape
 from distemb.errors import DistEmbError
 
 FORMAT = "distemb-checkpoint"
@@ -25,7 +26,8 @@ VERSION = 1
 CHUNK_ROWS = 1 << 20
 
 
-def _all_rows(client, name):
+def all_rows(client, name: str) -> np.ndarray:
+    """Every row of tensor ``name`` of ``client``, as one numpy array, pulled in chunks."""
     n = client.data_meta(name).shape[0]
     parts = [client.to_host(client.pull(
                  name, client.from_host(np.arange(s, min(s + CHUNK_ROWS, n), dtype=np.int64))))
@@ -33,9 +35,20 @@ def _all_rows(client, name):
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def push_rows(client, name: str, array: np.ndarray) -> None:
+    """Write ``array`` (every row of ``name``) into ``client``, in chunks of CHUNK_ROWS rows.
+
+    Chunks keep each request under a transport's frame limit for remote tables.
+    """
+    for s in range(0, array.shape[0], CHUNK_ROWS):
+        ids = np.arange(s, min(s + CHUNK_ROWS, array.shape[0]), dtype=np.int64)
+        client.push(name, client.from_host(ids),
+                    client.from_host(np.ascontiguousarray(array[s:s + len(ids)])))
+
+
 def save(path, client, names, meta):
     """Write tensors ``names`` of ``client`` and ``meta`` to ``path`` (.npz), atomically."""
-    arrays = {f"t/{name}": _all_rows(client, name) for name in names}
+    arrays = {f"t/{name}": all_rows(client, name) for name in names}
     header = dict(meta, format=FORMAT, version=VERSION, tensors=list(names))
     arrays["meta"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -70,12 +83,8 @@ def restore(path, client, names):
                 raise DistEmbError(f"{path}: has no tensor {name!r} (has {meta['tensors']})")
             arr = z[key]
             want = client.data_meta(name)
-            if want is None or tuple(arr.shape) != want.shape:
-                got = None if want is None else want.shape
-                raise DistEmbError(f"{path}: tensor {name!r} has shape {arr.shape}, but the "
-                                   f"live tensor has shape {got}")
-            for s in range(0, arr.shape[0], CHUNK_ROWS):
-                ids = np.arange(s, min(s + CHUNK_ROWS, arr.shape[0]), dtype=np.int64)
-                client.push(name, client.from_host(ids),
-                            client.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
+            if want is None:
+                raise DistEmbError(f"{path}: tensor {name!r} is not in the live store")
+            check_shape(f"{path}: tensor {name!r}", arr.shape, want.shape, DistEmbError)
+            push_rows(client, name, arr)
     return meta

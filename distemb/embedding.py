@@ -1,11 +1,30 @@
 """DistEmbedding: a sharded embedding table that records a trace while autograd records."""
 import warnings
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+from distemb.arrays import GlobalIds, Rows, Tensor, UniqueIds
 from distemb.errors import TraceOverflowError
-from distemb.kvstore.device import cuda_device
+from distemb.kvstore import KVClient
+from distemb.partition import PartitionPolicy
 from distemb.tensor import DistTensor
 
 DEFAULT_TRACE_LIMIT = 1024
+
+
+class Lookup(NamedTuple):
+    """One traced lookup: the ids, the rows handed out, and the client that placed them.
+
+    Example:
+        >>> import torch
+        >>> emb = DistEmbedding(4, 2, name="doc-lookup")
+        >>> _ = emb(torch.tensor([3, 3]))
+        >>> emb.trace[0].ids.tolist(), emb.trace[0].client is emb.kvstore
+        ([3, 3], True)
+    """
+
+    ids: GlobalIds      # flat ids in ``client``'s arrays
+    rows: Tensor        # the rows returned to the caller (their ``.grad`` after backward)
+    client: KVClient    # the table's client, or its view on the lookup's device
 
 
 def _positive_int(value, what):
@@ -56,19 +75,20 @@ class DistEmbedding:
         ...     assert not cuda_available()
     """
 
-    def __init__(self, num_embeddings, embedding_dim, name=None, init_func=None,
-                 part_policy=None, context=None, trace_limit=DEFAULT_TRACE_LIMIT, device=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, name: Optional[str] = None,
+                 init_func=None, part_policy: Optional[PartitionPolicy] = None, context=None,
+                 trace_limit: int = DEFAULT_TRACE_LIMIT, device=None):
         _positive_int(num_embeddings, "num_embeddings")
         _positive_int(embedding_dim, "embedding_dim")
         self._tensor = DistTensor((num_embeddings, embedding_dim), "float32", name=name,
                                   init_func=init_func, part_policy=part_policy,
                                   persistent=True, context=context, device=device)
         self._F = self._tensor.context.F
-        self._trace = []
+        self._trace: List[Lookup] = []
         self._trace_limit = _positive_int(trace_limit, "trace_limit")
-        self._optm_state = None
+        self._optm_state: Optional[Dict[str, str]] = None
 
-    def __call__(self, idx, device=None):
+    def __call__(self, idx: Tensor, device: Any = None) -> Tensor:
         """Rows ``idx`` (int32/int64, any shape) on ``device``; traced while recording.
 
         Args:
@@ -80,12 +100,8 @@ class DistEmbedding:
             CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
         """
         F = self._F
-        if device is not None and str(device).startswith("cuda"):
-            device = cuda_device(device)  # the reason it cannot be used, before any copy
-        ids, shape = self._tensor._ids(idx)
-        rows = self._tensor._pull(ids, shape)
-        if device is not None:
-            rows = F.copy_to(rows, device)
+        client = self.kvstore.view_on(device)  # the reason a device is unusable, before a copy
+        ids, rows = self._tensor.lookup(idx, client)
         if F.is_recording():
             n = len(self._trace)
             if n >= self._trace_limit:
@@ -97,39 +113,46 @@ class DistEmbedding:
                 warnings.warn(f"DistEmbedding {self.name!r}: {n} lookups recorded since the "
                               "last step()/zero_grad()", ResourceWarning, stacklevel=2)
             rows = F.attach_grad(rows)
-            self._trace.append((ids, rows))
+            self._trace.append(Lookup(ids, rows, client))
         return rows
 
-    def reset_trace(self):
+    def reset_trace(self) -> None:
         """Forget every recorded lookup, including those still waiting for backward."""
         self._trace = []
 
-    def pop_gradients(self):
-        """Remove the recorded lookups whose backward has run and return them.
-
-        Lookups still waiting for their backward stay recorded (torch semantics: a
-        gradient that arrives after ``step()`` is applied by the next one).
-
-        Returns:
-            list of ``(ids, grad)``: the flat int64 ids and their ``(len(ids), dim)``
-            gradients, in lookup order.
-        """
-        done = [(ids, rows.grad) for ids, rows in self._trace if rows.grad is not None]
-        self._trace = [(ids, rows) for ids, rows in self._trace if rows.grad is None]
-        return [(ids, g.reshape(-1, self.embedding_dim)) for ids, g in done]
-
-    def drop_gradients(self):
+    def drop_gradients(self) -> None:
         """Forget the lookups whose backward has run (``zero_grad()``); keep the rest.
 
         Why not clear everything: ``out = model(x); opt.zero_grad(); loss.backward();
         opt.step()`` (torch's idiom, DGL's examples) calls ``zero_grad()`` between the
         lookup and its backward; that lookup's gradient is the one to apply.
         """
-        self._trace = [(ids, rows) for ids, rows in self._trace if rows.grad is None]
+        self._trace = [e for e in self._trace if self._F.grad(e.rows) is None]
+
+    def coalesced_gradients(self) -> Optional[Tuple[KVClient, UniqueIds, Rows]]:
+        """Take the traced gradients, summed per id by the client that placed the rows.
+
+        Consumes the lookups whose backward has run; those still waiting for their
+        backward stay traced and contribute nothing now.
+
+        Returns:
+            ``(client, unique ids, summed gradients)`` for ``client.push_update``, or None
+            when there is nothing to push. The client is the view of the first traced
+            lookup (all lookups of a step sum together there, whatever their device).
+        """
+        done = [(e, g) for e in self._trace for g in (self._F.grad(e.rows),) if g is not None]
+        # Lookups whose backward has not run stay traced (torch semantics: a gradient
+        # that arrives after step() is applied by the next one); the trace stays bounded.
+        self._trace = [e for e in self._trace if self._F.grad(e.rows) is None]
+        client = done[0][0].client if done else self.kvstore
+        summed = client.coalesce(self.name, [e.ids for e, _ in done], [g for _, g in done],
+                                 self._F)
+        return None if summed is None else (client,) + tuple(summed)
 
     @property
-    def trace(self):
-        """Recorded ``(ids, rows)`` pairs not yet consumed by step() or dropped by zero_grad()."""
+    def trace(self) -> List[Lookup]:
+        """Recorded lookups not yet consumed by step() or dropped by zero_grad():
+        ``(ids, rows, client)``."""
         return list(self._trace)
 
     @property
@@ -164,9 +187,13 @@ class DistEmbedding:
         return self._tensor.device
 
     @property
-    def optm_state(self):
-        """KVStore names of the optimizer state, set when an optimizer adopts the table."""
+    def optm_state(self) -> Optional[Dict[str, str]]:
+        """KVStore names of the optimizer state ({state: name}), set by the optimizer."""
         return self._optm_state
+
+    @optm_state.setter
+    def optm_state(self, names: Dict[str, str]) -> None:
+        self._optm_state = dict(names)
 
     def __repr__(self):
         return (f"DistEmbedding(name={self.name!r}, num_embeddings={self.num_embeddings}, "

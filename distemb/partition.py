@@ -44,7 +44,7 @@ class PartitionBook:
     def part_size(self, kind, type_name, part):
         raise NotImplementedError
 
-    def _check_type(self, kind, type_name):
+    def check_type(self, kind, type_name):
         if type_name not in self.types(kind):
             raise PartitionError(f"{kind} type: expected one of {self.types(kind)}, "
                                  f"got {type_name!r}")
@@ -80,7 +80,7 @@ class RangePartitionBook(PartitionBook):
 
     def bounds(self, kind, type_name):
         """The num_partitions+1 type-wise bounds of ``type_name``."""
-        self._check_type(kind, type_name)
+        self.check_type(kind, type_name)
         return self._bounds[kind][type_name]
 
     def num_ids(self, kind, type_name):
@@ -114,7 +114,7 @@ class HashPartitionBook(PartitionBook):
         return list(self._counts[kind])
 
     def num_ids(self, kind, type_name):
-        self._check_type(kind, type_name)
+        self.check_type(kind, type_name)
         return int(self._counts[kind][type_name])
 
     def to_partid(self, kind, type_name, ids):
@@ -145,7 +145,7 @@ class PartitionPolicy:
 
     def __init__(self, kind, type_name, partition_book, part_id=0):
         kind = PartitionKind.parse(kind, "kind", PartitionError)
-        partition_book._check_type(kind, type_name)
+        partition_book.check_type(kind, type_name)
         if not 0 <= part_id < partition_book.num_partitions:
             raise PartitionError(f"part_id: expected 0..{partition_book.num_partitions - 1}, "
                                  f"got {part_id}")

@@ -1,27 +1,87 @@
 """Update rules: the per-row maths of each sparse optimizer, run by the rows' owner.
 
-A rule names its state tensors and applies one fused, in-place kernel to the rows a
-push touched. Rules run wherever rows live (the embedded process, the server owning a
-shard, or a GPU), so ``apply`` takes the kernel module of those rows' arrays as ``ops``:
-:mod:`distemb.kernels` for numpy arrays, :mod:`distemb.kernels.cuda` for torch CUDA
-tensors (the two have the same functions and keywords). Hyperparameters are plain floats;
-optimizers in :mod:`distemb.optim` choose the rule and compute them for each step.
+A rule names its state tensors, declares its hyperparameters as a frozen dataclass, and
+applies one fused, in-place kernel to the rows a push touched. Rules run wherever rows
+live (the embedded process, the server owning a shard, or a GPU), so ``apply`` takes the
+kernel implementation of those rows' arrays as ``ops`` (any :class:`~distemb.kernels.ops.
+KernelOps`: :mod:`distemb.kernels` for numpy arrays, :mod:`distemb.kernels.cuda` for torch
+CUDA tensors). Optimizers in :mod:`distemb.optim` choose the rule and compute its
+hyperparameters for each step; on the wire they travel as the dataclass's fields and are
+checked against the rule on decode (:meth:`UpdateRule.hyper_from`).
 
 Concurrency: ``apply`` assumes it is the only writer of those rows and their state for
-its duration (DESIGN.md, Concurrency): the KVServer serialises updates per shard.
+its duration (DESIGN.md, Concurrency): the KVServer serialises updates per shard, and a
+device client enqueues them on one stream in call order.
 
 Example:
     >>> import numpy as np
     >>> from distemb import kernels
-    >>> rule = RULES["sgd"]
+    >>> rule = rule_of("sgd")
     >>> w = np.ones((3, 2), np.float32)
-    >>> rule.apply(kernels, w, {}, np.array([1]), np.ones((1, 2), np.float32), {"lr": 0.5})
+    >>> rule.apply(kernels, w, {}, np.array([1]), np.ones((1, 2), np.float32), SGDHyper(lr=0.5))
     >>> w[1].tolist()
     [0.5, 0.5]
 """
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Mapping, Tuple, Type
 
 import numpy as np
+
+from distemb.arrays import Array, Rows, UniqueIds
+from distemb.enums import Choice
+from distemb.errors import KVStoreError
+
+
+class RuleName(Choice):
+    """The update rules a table can be optimised with (the wire carries ``.value``)."""
+
+    #: plain SGD: ``w -= lr * g``; no state.
+    SGD = "sgd"
+    #: torch.optim.Adagrad: one accumulator per element.
+    ADAGRAD = "adagrad"
+    #: row-wise Adagrad (PyTorch-BigGraph, FBGEMM): one accumulator per row.
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    #: torch.optim.SparseAdam: bias correction by the optimizer's global step count.
+    ADAM = "adam"
+    #: lazy Adam whose bias correction counts each row's own updates (DGL's SparseAdam).
+    ADAM_ROW_STEP = "adam_row_step"
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Base of the hyperparameters of one update of one table (plain numbers).
+
+    Every field is a float unless annotated ``int``; :meth:`UpdateRule.hyper_from` checks
+    a decoded dict against the fields and names the one that is wrong.
+    """
+
+    def fields(self) -> Dict[str, Any]:
+        """The fields as a plain dict (what the wire carries)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SGDHyper(Hyper):
+    lr: float
+
+
+@dataclass(frozen=True)
+class AdagradHyper(Hyper):
+    #: the learning rate of this step, lr decay applied: ``lr / (1 + (step - 1) * decay)``.
+    clr: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class AdamHyper(Hyper):
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    #: the optimizer's step count of this table (the first step is 1); per-row-step Adam
+    #: ignores it.
+    step: int
 
 
 @dataclass(frozen=True)
@@ -33,89 +93,147 @@ class StateSpec:
     dtype: str = "float32"
     init_option: str = ""  # option naming the initial value; 0 when empty
 
-    def shape(self, dim):
+    def shape(self, dim: int) -> Tuple[int, ...]:
         return () if self.per_row else (dim,)
 
 
 class UpdateRule:
-    """Interface: ``states`` (what to keep per row) and ``apply`` (the fused update)."""
+    """Interface: ``states`` (what to keep per row), ``hyper_type`` and the fused ``apply``."""
 
-    name = ""
-    states = ()
+    name: ClassVar[RuleName]
+    states: ClassVar[Tuple[StateSpec, ...]] = ()
+    hyper_type: ClassVar[Type[Hyper]] = Hyper
 
-    def apply(self, ops, weight, states, rows, grads, hyper, num_threads=1):
+    def apply(self, ops, weight: Rows, states: Mapping[str, Array], rows: UniqueIds,
+              grads: Rows, hyper: Hyper, num_threads: int = 1) -> None:
         """Update unique ``rows`` of ``weight`` and ``states`` in place.
 
         Args:
-            ops: the kernel module of these arrays (:mod:`distemb.kernels` for numpy,
-                :mod:`distemb.kernels.cuda` for torch CUDA tensors).
+            ops: the kernel implementation of these arrays.
             weight: (R, D) float32 table.
             states: dict state name -> array, as named by ``self.states``.
             rows: (N,) int64 unique row ids in [0, R).
             grads: (N, D) float32 summed gradients.
-            hyper: plain-float hyperparameters of this step.
+            hyper: an instance of ``self.hyper_type``.
             num_threads: OpenMP threads of the CPU kernels (the CUDA ones ignore it).
         """
         raise NotImplementedError
 
+    def hyper_from(self, fields: Mapping[str, Any]) -> Hyper:
+        """This rule's hyperparameters from a decoded dict, every field checked.
+
+        Raises:
+            KVStoreError: a field is missing, unknown or not a number of its type; the
+                message names the rule and the field.
+        """
+        if not isinstance(fields, Mapping):
+            raise KVStoreError(f"hyper of rule {self.name.value!r}: expected a mapping, got "
+                               f"{type(fields).__name__}")
+        declared = {f.name: f.type for f in dataclasses.fields(self.hyper_type)}
+        unknown = sorted(set(fields) - set(declared))
+        if unknown:
+            raise KVStoreError(f"hyper.{unknown[0]}: unknown field for rule "
+                               f"{self.name.value!r} (expected {sorted(declared)})")
+        values = {}
+        for name, kind in declared.items():
+            if name not in fields:
+                raise KVStoreError(f"hyper.{name}: missing for rule {self.name.value!r}")
+            v = fields[name]
+            want_int = kind in (int, "int")
+            ok = isinstance(v, int) if want_int else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok or (not want_int and not np.isfinite(v)):
+                kind_text = "an int" if want_int else "a finite number"
+                raise KVStoreError(f"hyper.{name}: expected {kind_text} for rule "
+                                   f"{self.name.value!r}, got {v!r}")
+            values[name] = int(v) if want_int else float(v)
+        return self.hyper_type(**values)
+
+    def check_hyper(self, hyper: Hyper) -> Hyper:
+        """``hyper`` itself when it is this rule's type; KVStoreError naming both otherwise."""
+        if type(hyper) is not self.hyper_type:
+            raise KVStoreError(f"hyper: rule {self.name.value!r} takes "
+                               f"{self.hyper_type.__name__}, got {type(hyper).__name__}")
+        return hyper
+
 
 class SGDRule(UpdateRule):
-    name = "sgd"
+    name = RuleName.SGD
+    hyper_type = SGDHyper
 
     def apply(self, ops, weight, states, rows, grads, hyper, num_threads=1):
-        ops.sgd_update(weight, rows, grads, hyper["lr"], num_threads=num_threads)
+        ops.sgd_update(weight, rows, grads, hyper.lr, num_threads=num_threads)
 
 
 class AdagradRule(UpdateRule):
-    name = "adagrad"
+    name = RuleName.ADAGRAD
     states = (StateSpec("sum", per_row=False, init_option="initial_accumulator_value"),)
+    hyper_type = AdagradHyper
 
     def apply(self, ops, weight, states, rows, grads, hyper, num_threads=1):
-        ops.adagrad_update(weight, states["sum"], rows, grads, hyper["clr"],
-                           hyper["eps"], num_threads=num_threads)
+        ops.adagrad_update(weight, states["sum"], rows, grads, hyper.clr, hyper.eps,
+                           num_threads=num_threads)
 
 
 class RowWiseAdagradRule(UpdateRule):
-    name = "rowwise_adagrad"
+    name = RuleName.ROWWISE_ADAGRAD
     states = (StateSpec("sum", per_row=True, init_option="initial_accumulator_value"),)
+    hyper_type = AdagradHyper
 
     def apply(self, ops, weight, states, rows, grads, hyper, num_threads=1):
-        ops.rowwise_adagrad_update(weight, states["sum"], rows, grads, hyper["clr"],
-                                   hyper["eps"], num_threads=num_threads)
+        ops.rowwise_adagrad_update(weight, states["sum"], rows, grads, hyper.clr, hyper.eps,
+                                   num_threads=num_threads)
 
 
 class AdamRule(UpdateRule):
-    name = "adam"
+    name = RuleName.ADAM
     states = (StateSpec("exp_avg", per_row=False), StateSpec("exp_avg_sq", per_row=False))
+    hyper_type = AdamHyper
 
     def apply(self, ops, weight, states, rows, grads, hyper, num_threads=1):
         ops.adam_update(weight, states["exp_avg"], states["exp_avg_sq"], rows, grads,
-                        hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"],
-                        hyper["step"], num_threads=num_threads)
+                        hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.step,
+                        num_threads=num_threads)
 
 
 class RowStepAdamRule(AdamRule):
     """Adam whose bias correction counts each row's own updates (DGL's SparseAdam)."""
 
-    name = "adam_row_step"
+    name = RuleName.ADAM_ROW_STEP
     states = AdamRule.states + (StateSpec("row_step", per_row=True, dtype="int64"),)
 
     def apply(self, ops, weight, states, rows, grads, hyper, num_threads=1):
         ops.adam_update(weight, states["exp_avg"], states["exp_avg_sq"], rows, grads,
-                        hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], 0,
+                        hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, 0,
                         row_steps=states["row_step"], num_threads=num_threads)
 
 
-RULES = {r.name: r for r in (SGDRule(), AdagradRule(), RowWiseAdagradRule(), AdamRule(),
-                             RowStepAdamRule())}
+RULES: Dict[RuleName, UpdateRule] = {r.name: r for r in (
+    SGDRule(), AdagradRule(), RowWiseAdagradRule(), AdamRule(), RowStepAdamRule())}
 
 
-def state_name(table, state):
+def rule_of(name) -> UpdateRule:
+    """The rule called ``name`` (a :class:`RuleName` or its value).
+
+    Raises:
+        KVStoreError: no such rule; the message lists the known ones.
+    """
+    try:
+        return RULES[RuleName(name)]
+    except ValueError:
+        raise KVStoreError(f"rule: expected one of {RuleName.values()}, got {name!r}") from None
+
+
+def state_name(table: str, state: str) -> str:
     """Name under which a table's optimizer state is stored in the KVStore."""
     return f"{table}~opt~{state}"
 
 
-def state_init(spec, shape, options):
+def state_init(spec: StateSpec, shape: Tuple[int, ...], options: Mapping[str, float]):
     """Initial array of one shard of a state tensor."""
     value = options.get(spec.init_option, 0) if spec.init_option else 0
     return np.full(shape, value, dtype=spec.dtype)
+
+
+def state_shapes(rule, shape: Tuple[int, ...]) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """{state name: (shape, dtype)} of ``rule``'s state tensors for a table of ``shape``."""
+    return {s.name: ((shape[0],) + s.shape(shape[1]), s.dtype) for s in rule_of(rule).states}

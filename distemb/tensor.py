@@ -1,8 +1,17 @@
-"""DistTensor: a named, row-sharded tensor; ``t[ids]`` pulls, ``t[ids] = v`` pushes."""
+"""DistTensor: a named, row-sharded tensor; ``t[ids]`` pulls, ``t[ids] = v`` pushes.
+
+Where the rows live is the business of the tensor's KVClient (DESIGN.md, placement): the
+tensor hands the caller's tensors to ``client.ids_in``/``values_in`` and the pulled rows
+to ``client.rows_out``, on one path for every placement.
+"""
+from typing import Optional, Tuple
+
 import numpy as np
 
+from distemb.arrays import GlobalIds, Shape, Tensor
 from distemb.context import current_context
-from distemb.errors import KVStoreError, PartitionError
+from distemb.errors import KVStoreError
+from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy, range_policy
 from distemb.rules import state_name
 
@@ -12,7 +21,7 @@ DGL_STATE_SUFFIXES = {"_sum": "sum", "_mem": "exp_avg", "_power": "exp_avg_sq",
                       "_step": "row_step"}
 
 
-def _resolve_name(client, name):
+def _resolve_name(client: KVClient, name: Optional[str]) -> Optional[str]:
     """``name``, or the optimizer state it means in DGL's naming when only that exists."""
     if name is None or client.data_meta(name) is not None:
         return name
@@ -24,7 +33,7 @@ def _resolve_name(client, name):
     return name
 
 
-def _check_shape(shape):
+def _check_shape(shape) -> Shape:
     if isinstance(shape, int):
         shape = (shape,)
     try:
@@ -76,8 +85,9 @@ class DistTensor:
         ...     assert not cuda_available()
     """
 
-    def __init__(self, shape, dtype, name=None, init_func=None, part_policy=None,
-                 persistent=False, context=None, device=None):
+    def __init__(self, shape, dtype, name: Optional[str] = None, init_func=None,
+                 part_policy: Optional[PartitionPolicy] = None, persistent: bool = False,
+                 context=None, device=None):
         ctx = context or current_context()
         self._ctx, F = ctx, ctx.F
         self._client = ctx.client_for(device)
@@ -101,82 +111,46 @@ class DistTensor:
         meta = self._client.data_meta(self._name)
         self._owner = meta is None
         if meta is None:
-            # A device client takes torch tensors as they come; host clients take numpy.
-            convert = F.to_numpy if self._client.device is None else (lambda t: t)
+            client = self._client
             wrapped = None if init_func is None else (
-                lambda s, d: convert(init_func(s, F.dtype(d))))
-            self._client.init_data(self._name, self._shape, self._dtype, part_policy, wrapped)
+                lambda s, d: client.tensor_in(init_func(s, F.dtype(d)), F))
+            client.init_data(self._name, self._shape, self._dtype, part_policy, wrapped)
         elif meta.shape != self._shape or meta.dtype != self._dtype:
             raise KVStoreError(f"name {self._name!r} exists with shape {meta.shape} and dtype "
                                f"{meta.dtype}; got shape {self._shape} and dtype {self._dtype}")
 
-    def _ids(self, ids):
-        """Validated int64 ids (flattened) of this tensor's client, and their shape.
+    def lookup(self, ids: Tensor, client: Optional[KVClient] = None
+               ) -> Tuple[GlobalIds, Tensor]:
+        """The validated flat ids and the rows ``ids`` (shaped as ``ids`` + row shape).
 
-        A ``slice`` means the rows it selects (``t[0:n // 2]``, as DGL's DistTensor).
+        Args:
+            ids: integer ids, any shape.
+            client: the client (or view of it) that places the rows; this tensor's own by
+                default. :class:`~distemb.embedding.DistEmbedding` passes the view of the
+                device its caller asked for.
+
+        Raises:
+            TypeError: ``ids`` is not an integer tensor.
+            PartitionError: an id is out of range.
         """
+        client = client or self._client
+        flat, shape = client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
+        rows = client.rows_out(client.pull(self._name, flat), self._ctx.F)
+        return flat, self._ctx.F.reshape(rows, tuple(shape) + self._shape[1:])
+
+    def _rows_of(self, ids):
+        """A ``slice`` means the ids of the rows it selects (``t[0:n // 2]``, as DGL)."""
         if isinstance(ids, slice):
-            ids = np.arange(*ids.indices(self._shape[0]), dtype=np.int64)
-        if self._client.device is not None:
-            return self._device_ids(ids)
-        arr = self._ctx.F.to_numpy(ids) if self._ctx.F.is_tensor(ids) else np.asarray(ids)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {arr.dtype}")
-        flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
-        self._policy.check_ids(flat, f"ids of {self._name!r}")
-        return flat, arr.shape
+            return np.arange(*ids.indices(self._shape[0]), dtype=np.int64)
+        return ids
 
-    def _device_ids(self, ids):
-        """Ids as a contiguous int64 tensor on the device, range-checked there."""
-        F = self._ctx.F
-        t = ids if F.is_tensor(ids) else F.tensor(np.asarray(ids))
-        if t.is_floating_point() or t.is_complex() or F.dtype_of(t) == "bool":
-            raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {t.dtype}")
-        flat = t.reshape(-1).to(self._client.device, F.dtype("int64")).contiguous()
-        bad = (flat < 0) | (flat >= self._shape[0])
-        if bool(bad.any()):  # one synchronisation, no copy of the ids to the host
-            raise PartitionError(f"ids of {self._name!r}: id {int(flat[bad][0])} is out of "
-                                 f"range for {self._policy.policy_str} (expected 0 <= id < "
-                                 f"{self._shape[0]})")
-        return flat, tuple(t.shape)
+    def __getitem__(self, ids: Tensor) -> Tensor:
+        return self.lookup(ids)[1]
 
-    def _pull(self, flat, shape):
-        """Rows ``flat`` (from :meth:`_ids`) as a tensor of ``shape`` + row shape."""
-        rows = self._client.pull(self._name, flat)
-        if self._client.device is None:
-            rows = self._ctx.F.from_numpy(rows)
-        return self._ctx.F.reshape(rows, shape + self._shape[1:])
-
-    def __getitem__(self, ids):
-        return self._pull(*self._ids(ids))
-
-    def __setitem__(self, ids, values):
-        flat, _ = self._ids(ids)
-        if self._client.device is not None:
-            self._push_device(flat, values)
-            return
-        F = self._ctx.F
-        arr = F.to_numpy(values) if F.is_tensor(values) else np.asarray(values)
-        if arr.dtype.name != self._dtype:
-            raise TypeError(f"values: expected dtype {self._dtype} for {self._name!r}, "
-                            f"got {arr.dtype.name}")
-        want = (len(flat),) + self._shape[1:]
-        if arr.size != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {len(flat)} ids, "
-                             f"got {arr.shape}")
-        self._client.push(self._name, flat, np.ascontiguousarray(arr).reshape(want))
-
-    def _push_device(self, flat, values):
-        F = self._ctx.F
-        t = values if F.is_tensor(values) else F.tensor(np.asarray(values))
-        if F.dtype_of(t) != self._dtype:
-            raise TypeError(f"values: expected dtype {self._dtype} for {self._name!r}, "
-                            f"got {F.dtype_of(t)}")
-        want = (len(flat),) + self._shape[1:]
-        if t.numel() != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {len(flat)} ids, "
-                             f"got {tuple(t.shape)}")
-        self._client.push(self._name, flat, t.to(self._client.device).reshape(want))
+    def __setitem__(self, ids: Tensor, values: Tensor) -> None:
+        flat, _ = self._client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
+        self._client.push(self._name, flat,
+                          self._client.values_in(self._name, values, self._ctx.F, len(flat)))
 
     def __len__(self):
         return self._shape[0]

@@ -141,6 +141,22 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
+@pytest.fixture(params=["compiled", "reference"])
+def kernel_impl(request):
+    """Run the test with the compiled kernels and again with their numpy twins.
+
+    The compiled run skips where the extension is not loaded (not built, or the whole
+    suite is rerun with DISTEMB_NO_EXT=1, as ``make test`` does).
+    """
+    from distemb import kernels
+
+    if request.param == "compiled" and not kernels.HAS_EXT:
+        pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT=1 or not built): "
+                    "the reference run covers this case")
+    with kernels.implementation(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def ctx():
     """A fresh embedded DistContext with the pytorch backend, closed afterwards."""

@@ -32,14 +32,16 @@ class CpuCudaTwin:
     def __init__(self):
         self.calls = Counter()
 
-    def dedup_sum(self, ids, grads, num_rows=None, num_threads=1):
+    def dedup_sum(self, ids, grads, num_rows=None, out=None, num_threads=1):
         self.calls["dedup_sum"] += 1
         ids_np = _tensor("ids", ids, torch.int64, 1)
         grads_np = _tensor("grads", grads, torch.float32, 2)
         if num_rows is not None and ids_np.size and ids_np.max() >= num_rows:
             raise ValueError(f"ids: {ids_np.max()} >= num_rows {num_rows}")
-        uniq, summed = reference.dedup_sum(ids_np, grads_np)
-        return torch.from_numpy(uniq), torch.from_numpy(summed)
+        out_np = None if out is None else _tensor("out", out, torch.float32, 2)
+        uniq, summed = reference.dedup_sum(ids_np, grads_np, out=out_np)
+        return torch.from_numpy(uniq), (torch.from_numpy(summed) if out is None
+                                        else out[:uniq.shape[0]])
 
     def gather_rows(self, table, rows, out=None, num_threads=1):
         self.calls["gather_rows"] += 1

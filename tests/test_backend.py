@@ -31,9 +31,10 @@ def test_creation_and_dtypes(F):
     assert F.dtype_name(np.int32) == "int32" and F.dtype_name("float32") == "float32"
     with pytest.raises(TypeError, match="dtype: expected one of"):
         F.dtype_name("complex128")
-    t = F.tensor([[1, 2], [3, 4]], "float32")
+    t = F.from_numpy(np.array([[1, 2], [3, 4]], "float32"))
     assert F.is_tensor(t) and not F.is_tensor([1])
-    assert F.dtype_of(t) == "float32" and F.dtype_of(F.tensor([1], F.dtype("int64"))) == "int64"
+    assert F.dtype_of(t) == "float32" and F.dtype_of(F.from_numpy(np.array([1]))) == "int64"
+    assert F.dtype(F.dtype_name("int64")) == F.dtype("int64")
 
 
 def test_numpy_roundtrip_is_zero_copy(F):
@@ -56,7 +57,7 @@ def test_autograd_functions_on_pytorch():
     t = F.attach_grad(torch.zeros(2))
     assert F.is_recording()
     (t * 3).sum().backward()
-    assert t.grad.tolist() == [3, 3]
+    assert F.grad(t).tolist() == [3, 3]
     with torch.no_grad():
         assert not F.is_recording()
 
@@ -67,7 +68,7 @@ def test_contract_is_what_distemb_calls():
     called = set()
     for path in root.rglob("*.py"):
         if path.parent.name != "backend":
-            called |= set(re.findall(r"\bF\.([a-z_]+)\(", path.read_text()))
+            called |= set(re.findall(r"\b_?F\.([a-z_]+)\(", path.read_text()))
     assert called - set(FUNCTIONS) == set(), "calls outside the F.* contract"
     assert set(FUNCTIONS) - called == set(), "contract functions nobody calls: remove them"
 

@@ -16,6 +16,7 @@ from distemb.config import parse_cluster_config
 from distemb.errors import ServerUnavailableError
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
+from distemb.rules import SGDHyper
 
 pytestmark = pytest.mark.multiprocess
 TRAINER = os.path.join(os.path.dirname(__file__), "cluster_trainer.py")
@@ -141,7 +142,7 @@ def test_async_mode_staleness(tmp_path, shm):
         kv.init_optimizer("w", "sgd", {})
         for _ in range(3):
             kv.push_update("w", np.array([1], dtype=np.int64), np.ones((1, 2), np.float32),
-                           "sgd", {"lr": 1.0})
+                           "sgd", SGDHyper(lr=1.0))
         row = kv.pull("w", np.array([1], dtype=np.int64))
         if shm:
             deadline = time.monotonic() + 5

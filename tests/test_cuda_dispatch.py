@@ -109,6 +109,7 @@ def twin(monkeypatch):
     ops = CpuCudaTwin()
     monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(device_kv.DeviceKVClient, "ops", ops)
+    monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", ops)
     return ops
 
 
@@ -123,6 +124,31 @@ def test_device_path_matches_torch_oracle(ctx, twin, case, dim):
     # every step summed and updated through the device client's kernels, not the host's
     assert twin.calls["dedup_sum"] == 50 and twin.calls[rule_kernel] == 50
     assert twin.calls["gather_rows"] >= 100
+
+
+@pytest.mark.parametrize("case", ["sgd", "adagrad", "adam-per-row"])
+def test_host_table_looked_up_on_device_matches_torch_oracle(ctx, twin, case):
+    """A host table, rows looked up 'onto the GPU' (the twin on the CPU): the view sums
+    there and only the sums come back to the host table."""
+    ours, expected, w0 = run_both(ctx, case, 7, lookup_device="cuda", steps=20)
+    assert (expected - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"
+    assert_within(ours, expected)
+    assert twin.calls["dedup_sum"] == 20 and twin.calls["gather_rows"] == 0
+    assert sum(twin.calls[k] for k in twin.calls if k.endswith("_update")) == 0
+
+
+def test_host_table_view_keeps_storage_with_the_host_client(ctx, twin):
+    emb = DistEmbedding(5, 2, name="viewed", context=ctx)
+    view = emb.kvstore.view_on("cuda")
+    assert isinstance(view, device_kv.HostTableOnDevice) and view.inner is ctx.client
+    assert emb.kvstore.view_on(None) is emb.kvstore and emb.kvstore.view_on("cpu") is emb.kvstore
+    emb(torch.tensor([4, 4]), device="cuda").sum().backward()
+    lookup = emb.trace[0]
+    assert isinstance(lookup.client, device_kv.HostTableOnDevice)
+    assert isinstance(lookup.ids, np.ndarray)  # ids stay host ids: the host client pushes
+    client, uniq, summed = emb.coalesced_gradients()
+    assert client is lookup.client and uniq.tolist() == [4] and summed.tolist() == [[2.0, 2.0]]
+    assert emb.trace == []
 
 
 def test_device_table_lives_in_one_tensor_of_its_client(ctx, twin):

@@ -19,19 +19,14 @@ DIMS = [1, 7, 128]
 THREADS = [1, 2]
 
 
-@pytest.fixture(params=["compiled", "reference"])
-def impl(request, monkeypatch):
-    """The kernel implementation behind distemb.kernels for this test.
+@pytest.fixture
+def impl(kernel_impl, monkeypatch):
+    """The kernel implementation behind distemb.kernels for this test (conftest's switch).
 
     Small test inputs would otherwise run on one thread whatever ``num_threads`` says.
     """
     monkeypatch.setattr(kernels, "MIN_FLOATS_PER_THREAD", 1)
-    if request.param == "compiled":
-        if not kernels.HAS_EXT:
-            pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT set or not built)")
-    else:
-        monkeypatch.setattr(kernels, "_impl", reference)
-    return request.param
+    return kernel_impl
 
 
 def make_ids(kind, n, num_rows, seed=0):
@@ -71,7 +66,7 @@ def test_dedup_sum_matches_torch_coalesce(impl, dim, kind, threads):
     num_rows = 1000
     ids = make_ids(kind, 500, num_rows)
     grads = np.random.default_rng(1).standard_normal((500, dim), dtype=np.float32)
-    uniq, summed = kernels.dedup_sum(ids, grads, threads)
+    uniq, summed = kernels.dedup_sum(ids, grads, num_threads=threads)
     t_ids, t_vals = torch_coalesce(ids, grads, num_rows)
     np.testing.assert_array_equal(uniq, t_ids)
     np.testing.assert_allclose(summed, t_vals, rtol=1e-5, atol=1e-5)
@@ -84,7 +79,7 @@ def test_dedup_sum_into_buffer_and_int32_ids(impl, threads):
     ids = np.array([5, 2, 5, 9, 2, 5], dtype=np.int32)
     grads = np.arange(12, dtype=np.float32).reshape(6, 2)
     buf = np.full((8, 2), np.nan, np.float32)
-    uniq, summed = kernels.dedup_sum(ids, grads, threads, out=buf)
+    uniq, summed = kernels.dedup_sum(ids, grads, out=buf, num_threads=threads)
     assert uniq.dtype == np.int64
     np.testing.assert_array_equal(uniq, [2, 5, 9])
     np.testing.assert_array_equal(summed, [[2 + 8, 3 + 9], [0 + 4 + 10, 1 + 5 + 11], [6, 7]])
@@ -281,11 +276,25 @@ def test_compiled_kernels_loaded():
 
 def test_small_work_runs_on_one_thread(monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "_impl", reference)
     monkeypatch.setattr(reference, "gather_rows",
                         lambda t, r, o, num_threads: calls.append(num_threads))
     table = np.zeros((10, 4), np.float32)
-    kernels.gather_rows(table, np.arange(3), num_threads=8)
-    big = np.zeros((4 * kernels.MIN_FLOATS_PER_THREAD, 1), np.float32)
-    kernels.gather_rows(big, np.arange(big.shape[0]), num_threads=8)
+    with kernels.implementation("reference"):
+        kernels.gather_rows(table, np.arange(3), num_threads=8)
+        big = np.zeros((4 * kernels.MIN_FLOATS_PER_THREAD, 1), np.float32)
+        kernels.gather_rows(big, np.arange(big.shape[0]), num_threads=8)
     assert calls == [1, 4]
+
+
+def test_implementation_switch_restores_and_rejects_bad_names():
+    before = kernels.active()
+    with kernels.implementation("reference"):
+        assert kernels.active() == "reference"
+    assert kernels.active() == before
+    with pytest.raises(ValueError, match="name: expected 'compiled' or 'reference', got 'fast'"):
+        with kernels.implementation("fast"):
+            pass
+    if not kernels.HAS_EXT:
+        with pytest.raises(RuntimeError, match="compiled kernels are not loaded"):
+            with kernels.implementation("compiled"):
+                pass

@@ -13,7 +13,7 @@ from distemb.errors import KVStoreError
 from distemb.kernels import reference
 from distemb.optim import SparseAdagrad, SparseAdam
 from distemb.partition import HashPartitionBook, PartitionPolicy, range_policy
-from distemb.rules import RULES, state_name
+from distemb.rules import RULES, AdagradHyper, SGDHyper, rule_of, state_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,8 +82,8 @@ def test_duplicate_name_and_unknown_name_raise(client):
 
 
 @pytest.mark.parametrize("rule,hyper", [
-    ("sgd", {"lr": 0.5}),
-    ("adagrad", {"clr": 0.1, "eps": 1e-10}),
+    ("sgd", SGDHyper(lr=0.5)),
+    ("adagrad", AdagradHyper(clr=0.1, eps=1e-10)),
 ])
 def test_push_update_matches_reference_rule(client, rule, hyper):
     n, d = 9, 4
@@ -98,9 +98,9 @@ def test_push_update_matches_reference_rule(client, rule, hyper):
         grads = rng.standard_normal((len(ids), d)).astype(np.float32)
         client.push_update("w", ids, grads, rule, hyper)
         if rule == "sgd":
-            reference.sgd_update(weight, ids, grads, hyper["lr"])
+            reference.sgd_update(weight, ids, grads, hyper.lr)
         else:
-            reference.adagrad_update(weight, state, ids, grads, hyper["clr"], hyper["eps"])
+            reference.adagrad_update(weight, state, ids, grads, hyper.clr, hyper.eps)
     all_ids = np.arange(n, dtype=np.int64)
     np.testing.assert_allclose(client.pull("w", all_ids), weight, rtol=1e-5, atol=1e-6)
     if rule == "adagrad":
@@ -111,7 +111,7 @@ def test_new_optimizer_starts_from_fresh_state(client):
     client.init_data("w", (4, 2), "float32", range_policy(4, 2))
     names = client.init_optimizer("w", "adagrad", {"initial_accumulator_value": 0.0})
     client.push_update("w", np.array([1], dtype=np.int64), np.ones((1, 2), np.float32),
-                       "adagrad", {"clr": 0.1, "eps": 1e-10})
+                       "adagrad", AdagradHyper(clr=0.1, eps=1e-10))
     assert client.pull(names["sum"], np.array([1], dtype=np.int64)).tolist() == [[1.0, 1.0]]
     client.init_optimizer("w", "adagrad", {"initial_accumulator_value": 0.5})
     assert client.pull(names["sum"], np.array([1], dtype=np.int64)).tolist() == [[0.5, 0.5]]
@@ -149,7 +149,9 @@ def test_optimizer_state_lives_beside_rows(client, rule):
     assert set(names) == {s.name for s in RULES[rule].states}
     for sname, kvname in names.items():
         assert kvname == state_name("w", sname) and client.data_meta(kvname).shape[0] == 20
-    hyper = {"lr": 0.1, "clr": 0.1, "eps": 1e-10, "beta1": 0.9, "beta2": 0.999, "step": 1}
+    hyper = rule_of(rule).hyper_from({k: v for k, v in {
+        "lr": 0.1, "clr": 0.1, "eps": 1e-10, "beta1": 0.9, "beta2": 0.999, "step": 1}.items()
+        if k in rule_of(rule).hyper_type.__dataclass_fields__})
     client.push_update("w", np.array([2, 11]), np.ones((2, 4), np.float32), rule, hyper)
     w = client.pull("w", np.arange(20))
     assert (w[[2, 11]] < 0).all() and (np.delete(w, [2, 11], axis=0) == 0).all()

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from distemb import kernels
 from distemb.embedding import DistEmbedding
 from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
 from distemb.partition import HashPartitionBook, NodePartitionPolicy, range_policy
@@ -92,17 +91,6 @@ def _policy(kind, rows):
     if kind == "range-3":
         return range_policy(rows, 3)
     return NodePartitionPolicy(HashPartitionBook(2, node_counts={"_N": rows}))
-
-
-@pytest.fixture(params=["compiled", "reference"])
-def kernel_impl(request, monkeypatch):
-    """Run with the compiled kernels and again with their numpy twins."""
-    if request.param == "compiled":
-        if not kernels.HAS_EXT:
-            pytest.skip("compiled kernels not built or DISTEMB_NO_EXT=1 (the twin runs instead)")
-    else:
-        monkeypatch.setattr(kernels, "_impl", kernels.reference)
-    return request.param
 
 
 def run_both(ctx, case, dim, policy_kind="one-part", steps=STEPS, seed=0, table_device=None,

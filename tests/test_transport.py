@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from distemb.errors import PartitionError, TransportError
+from distemb.errors import KVStoreError, PartitionError, TransportError
 from distemb.partition import range_policy
 from distemb.transport.base import HEADER, MAGIC, VERSION, Frame, encode_head
-from distemb.transport.messages import Pull, Service, Update, decode_request
+from distemb.transport.messages import Pull, Push, Service, Update, decode_request
 from distemb.transport.tcp import TcpConnection
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,7 +116,10 @@ def test_server_survives_hostile_frames_and_serves_others(clusters, data):
         entry = cluster.cfg.servers[0]
         with socket.create_connection((entry.host, entry.port), timeout=10) as evil:
             evil.sendall(data)
-            evil.shutdown(socket.SHUT_WR)
+            try:
+                evil.shutdown(socket.SHUT_WR)
+            except OSError:  # the server already closed on us (ENOTCONN): allowed
+                pass
             reply = b""
             try:
                 while chunk := evil.recv(65536):
@@ -153,6 +156,28 @@ def test_bad_request_gets_error_reply_and_connection_goes_on(clusters):
     finally:
         kv.delete_data("r")
         kv.close(goodbye=False)
+
+
+@pytest.mark.multiprocess
+def test_server_errors_reach_the_user_as_the_same_type_from_every_request(clusters):
+    """Pulls, pushes and updates share one send-then-collect routine: one error mapping."""
+    kv = clusters("tcp").client()
+    try:
+        kv.init_data("m", (4, 2), "float32", range_policy(4, 2))
+        bad = dict(name="m", parts=[0], counts=[1], ids=np.array([99]))
+        requests = [Pull(**bad), Push(**bad, values=np.ones((1, 2), np.float32)),
+                    Update(**bad, rule="sgd", hyper={"lr": 1.0}, seq=1, exact=False,
+                           grads=np.ones((1, 2), np.float32))]
+        kv.init_optimizer("m", "sgd", {})
+        for msg in requests:
+            with pytest.raises(PartitionError, match="id 99 of shard 0 of 'm' is out of range"):
+                kv._call({0: msg})
+        assert kv.pull("m", np.array([3])).shape == (1, 2)  # the connection stayed in step
+    finally:
+        kv.delete_data("m")
+        kv.close(goodbye=False)
+    with pytest.raises(KVStoreError, match="this RemoteKVClient is closed"):
+        kv.pull("m", np.array([0]))
 
 
 def test_fields_are_json_not_pickle():

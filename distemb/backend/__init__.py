@@ -6,8 +6,9 @@ package loads nothing; the numpy backend never imports torch. Asking a backend f
 function it lacks raises :class:`~distemb.errors.BackendError` naming both.
 
 Example:
+    >>> import numpy as np
     >>> F = load_backend("numpy")
-    >>> F.tensor([[1, 2, 3], [4, 5, 6]], "float32").shape
+    >>> F.reshape(F.from_numpy(np.arange(6, dtype="float32")), (2, 3)).shape
     (2, 3)
 """
 import importlib
@@ -33,9 +34,13 @@ class Backend:
             raise BackendError(f"'{fn}' is not part of the F.* contract "
                                f"(see distemb/backend/contract.py)")
         try:
-            return getattr(self._module, fn)
+            value = getattr(self._module, fn)
         except AttributeError:
             raise BackendError(f"backend '{self.name}' does not implement '{fn}'") from None
+        # Cached on the instance: the next F.fn is a plain attribute (on the hot path of
+        # every lookup and step), and __getattr__ runs only for names not yet checked.
+        setattr(self, fn, value)
+        return value
 
     def has(self, fn):
         """Whether this backend implements contract function ``fn``."""

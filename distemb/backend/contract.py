@@ -11,7 +11,6 @@ Creation and type
     dtype(name) -> backend dtype for 'float32', 'int64', ...
     dtype_name(dtype) -> canonical name ('float32'); accepts backend, numpy or str dtypes
     dtype_of(t) -> canonical dtype name of tensor t
-    tensor(data, dtype=None) -> new tensor from a list/array
     to_numpy(t) -> numpy array (zero copy for CPU tensors)
     from_numpy(a) -> tensor (zero copy)
     is_tensor(x) -> bool
@@ -21,11 +20,12 @@ Devices
 Autograd (trainer backends only; the numpy backend raises BackendError)
     is_recording() -> bool: would an operation now be recorded for backward?
     attach_grad(t) -> t marked as requiring a gradient (a leaf)
+    grad(t) -> the gradient accumulated on t, or None
 """
 
 FUNCTIONS = (
-    "dtype", "dtype_name", "dtype_of", "tensor", "to_numpy", "from_numpy", "is_tensor",
-    "reshape", "copy_to", "is_recording", "attach_grad",
+    "dtype", "dtype_name", "dtype_of", "to_numpy", "from_numpy", "is_tensor",
+    "reshape", "copy_to", "is_recording", "attach_grad", "grad",
 )
 
-AUTOGRAD_FUNCTIONS = ("is_recording", "attach_grad")
+AUTOGRAD_FUNCTIONS = ("is_recording", "attach_grad", "grad")

@@ -20,10 +20,6 @@ def dtype(name):
     return np.dtype(_DTYPES[dtype_name(name)])
 
 
-def tensor(data, dtype=None):
-    return np.array(data, dtype=None if dtype is None else _DTYPES[dtype_name(dtype)])
-
-
 def dtype_of(t):
     return dtype_name(t.dtype)
 

@@ -25,10 +25,6 @@ def dtype(name):
     return _DTYPES[dtype_name(name)]
 
 
-def tensor(data, dtype=None):
-    return torch.as_tensor(data, dtype=None if dtype is None else _DTYPES[dtype_name(dtype)])
-
-
 def dtype_of(t):
     return dtype_name(t.dtype)
 
@@ -63,3 +59,7 @@ def is_recording():
 
 def attach_grad(t):
     return t.requires_grad_()
+
+
+def grad(t):
+    return t.grad

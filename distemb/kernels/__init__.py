@@ -1,13 +1,21 @@
 """The one module that imports compiled kernels, with a reference twin for each.
 
-``HAS_EXT`` says whether the compiled module (``distemb._kernels``, built from
-``csrc/_kernels.pyx`` with OpenMP) loaded. Set ``DISTEMB_NO_EXT=1`` to force the numpy
-twins in :mod:`distemb.kernels.reference`. Functions here validate dtypes and layout once
-and then trust the compiled code: ids must already be range-checked by the caller.
+The functions here follow the contract of :mod:`distemb.kernels.ops` (signatures, shapes,
+dtypes): they validate dtypes and layout once and then trust the implementation; ids must
+already be range-checked by the caller. ``HAS_EXT`` says whether the compiled module
+(``distemb._kernels``, built from ``csrc/_kernels.pyx`` with OpenMP) loaded.
+
+Choosing the implementation, in one place:
+
+- ``DISTEMB_NO_EXT=1`` in the environment forces the numpy twins
+  (:mod:`distemb.kernels.reference`) for the whole process and its children (CI reruns
+  the whole suite so);
+- ``with kernels.implementation("reference"):`` (or ``"compiled"``) switches this process
+  for the duration of the block (tests parametrise over it; see tests/conftest.py).
 
 Output buffers: ``gather_rows(out=...)`` and ``dedup_sum(out=...)`` write into a buffer
 the caller owns and reuses, which avoids a fresh allocation per step. Reuse is only safe
-where nobody keeps the previous result: the optimizer's step owns its dedup buffer
+where nobody keeps the previous result: a client's coalescing owns its dedup buffer
 (``push_update`` consumes the sums before returning), whereas a ``DistEmbedding`` lookup
 always gets fresh rows, because the user and the trace keep them past the next lookup.
 
@@ -18,25 +26,59 @@ Example:
     >>> g = np.ones((3, 2), dtype=np.float32)
     >>> kernels.dedup_sum(ids, g)[0]
     array([1, 3])
+    >>> with kernels.implementation("reference"):
+    ...     kernels.active()
+    'reference'
 """
+import contextlib
 import os
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
+from distemb.arrays import Array, GlobalIds, Rows, UniqueIds
 from distemb.kernels import reference
 
 if os.environ.get("DISTEMB_NO_EXT", "") not in ("", "0"):
-    _impl = reference
-    HAS_EXT = False
+    _compiled = None
 else:
     try:
-        from distemb import _kernels as _impl
-        HAS_EXT = True
+        from distemb import _kernels as _compiled
     except ImportError:  # not built (e.g. running from a bare checkout)
-        _impl = reference
-        HAS_EXT = False
+        _compiled = None
 
+HAS_EXT = _compiled is not None
 IMPL_NAME = "compiled" if HAS_EXT else "reference"
+_IMPLS = {"reference": reference, "compiled": _compiled}
+# The implementation in use. Changed only by implementation(), which restores it.
+_impl = _compiled if HAS_EXT else reference
+
+
+def active() -> str:
+    """'compiled' or 'reference': the implementation the functions here call now."""
+    return "compiled" if _impl is _compiled and HAS_EXT else "reference"
+
+
+@contextlib.contextmanager
+def implementation(name: str) -> Iterator[None]:
+    """Run the block with the ``'compiled'`` or ``'reference'`` kernels, then restore.
+
+    Raises:
+        ValueError: ``name`` is neither.
+        RuntimeError: ``'compiled'`` was asked for but the extension is not loaded (not
+            built, or ``DISTEMB_NO_EXT=1``).
+    """
+    global _impl
+    if name not in _IMPLS:
+        raise ValueError(f"name: expected 'compiled' or 'reference', got {name!r}")
+    if _IMPLS[name] is None:
+        raise RuntimeError("the compiled kernels are not loaded (not built, or "
+                           "DISTEMB_NO_EXT=1): only 'reference' is available")
+    saved, _impl = _impl, _IMPLS[name]
+    try:
+        yield
+    finally:
+        _impl = saved
 
 
 # Waking a sleeping OpenMP thread (OMP_WAIT_POLICY=passive) costs tens of microseconds,
@@ -88,7 +130,8 @@ def _check_rows(rows, grads, weight):
                          f"got {tuple(grads.shape)}")
 
 
-def dedup_sum(ids, grads, num_threads=1, out=None):
+def dedup_sum(ids: GlobalIds, grads: Rows, num_rows: Optional[int] = None,
+              out: Optional[Rows] = None, num_threads: int = 1) -> Tuple[UniqueIds, Rows]:
     """Deduplicate ``ids`` and sum the gradient rows of each duplicate.
 
     Rows of equal ids are summed in batch order, so the result is deterministic and
@@ -97,7 +140,8 @@ def dedup_sum(ids, grads, num_threads=1, out=None):
     Args:
         ids: (N,) integer ids, any order, duplicates allowed.
         grads: (N, D) float32 gradient rows, one per id.
-        num_threads: OpenMP threads.
+        num_rows: unused on the CPU (the sort finds the id range itself); part of the
+            contract for the CUDA sort.
         out: optional reusable (M, D) float32 C-contiguous buffer with M >= N; the sums
             are written to its first U rows and a view of them is returned. Reuse it only
             once the previous result is no longer needed (the optimizer's step owns one:
@@ -115,11 +159,12 @@ def dedup_sum(ids, grads, num_threads=1, out=None):
         if out.shape[0] < ids.shape[0] or out.shape[1] != grads.shape[1]:
             raise ValueError(f"out: expected shape (>= {ids.shape[0]}, {grads.shape[1]}), "
                              f"got {out.shape}")
-    return _impl.dedup_sum(ids, grads, num_threads=_threads(num_threads, grads.size),
-                           out=out)
+    return _impl.dedup_sum(ids, grads, num_rows=num_rows, out=out,
+                           num_threads=_threads(num_threads, grads.size))
 
 
-def gather_rows(table, rows, out=None, num_threads=1):
+def gather_rows(table: Rows, rows: GlobalIds, out: Optional[Rows] = None,
+                num_threads: int = 1) -> Rows:
     """Copy ``table[rows]`` into ``out`` (allocated when None) and return it.
 
     Args:
@@ -150,7 +195,8 @@ def gather_rows(table, rows, out=None, num_threads=1):
     return out
 
 
-def sgd_update(weight, rows, grads, lr, num_threads=1):
+def sgd_update(weight: Rows, rows: UniqueIds, grads: Rows, lr: float,
+               num_threads: int = 1) -> None:
     """In place: ``weight[rows] -= lr * grads``. ``rows`` must be unique."""
     _check_table("weight", weight)
     rows, grads = _ids("rows", rows), _grads(grads)
@@ -159,7 +205,8 @@ def sgd_update(weight, rows, grads, lr, num_threads=1):
                      num_threads=_threads(num_threads, grads.size))
 
 
-def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
+def adagrad_update(weight: Rows, state_sum: Rows, rows: UniqueIds, grads: Rows, clr: float,
+                   eps: float, num_threads: int = 1) -> None:
     """In place, torch.optim.Adagrad's sparse rule on unique ``rows``.
 
     ``s += g*g; w -= clr * (g / (sqrt(s) + eps))``, element-wise in float32.
@@ -172,7 +219,8 @@ def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
                          num_threads=_threads(num_threads, grads.size))
 
 
-def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
+def rowwise_adagrad_update(weight: Rows, state_sum: Array, rows: UniqueIds, grads: Rows,
+                           clr: float, eps: float, num_threads: int = 1) -> None:
     """In place, row-wise Adagrad (one accumulator per row: the mean of g^2)."""
     _check_table("weight", weight)
     _check_table("state_sum", state_sum, weight, ndim=1)
@@ -182,8 +230,9 @@ def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads
                                  num_threads=_threads(num_threads, grads.size))
 
 
-def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps, step,
-                row_steps=None, num_threads=1):
+def adam_update(weight: Rows, exp_avg: Rows, exp_avg_sq: Rows, rows: UniqueIds, grads: Rows,
+                lr: float, beta1: float, beta2: float, eps: float, step: int,
+                row_steps: Optional[Array] = None, num_threads: int = 1) -> None:
     """In place, torch.optim.SparseAdam's rule on unique ``rows``.
 
     ``step`` is the global step (torch semantics); with ``row_steps`` (int64, one per

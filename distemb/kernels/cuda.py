@@ -232,7 +232,7 @@ def _call(lib, name, device, *args):
         check_status(lib, name, getattr(lib, name)(*args, device, stream))
 
 
-def dedup_sum(ids, grads, num_rows=None, num_threads=1):
+def dedup_sum(ids, grads, num_rows=None, out=None, num_threads=1):
     """Deduplicate ``ids`` and sum the gradient rows of each duplicate, on the GPU.
 
     Sums accumulate in batch order, so results are deterministic. Synchronises once with
@@ -244,6 +244,8 @@ def dedup_sum(ids, grads, num_rows=None, num_threads=1):
         num_rows: optional table size. When given, every id must lie in [0, num_rows)
             (not checked): the sort then reads only the bits that range needs, in fewer
             passes. Ids outside it give wrong results.
+        out: optional reusable (M >= N, D) float32 CUDA tensor; the sums go to its first
+            U rows and a view of them is returned.
         num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
 
     Returns:
@@ -280,7 +282,14 @@ def dedup_sum(ids, grads, num_rows=None, num_threads=1):
     _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, end_bit,
           workspace.data_ptr(), nbytes.value, uniq.data_ptr(), count.data_ptr())
     num_unique = int(count.item())
-    summed = torch.empty((num_unique, d), dtype=torch.float32, device=ids.device)
+    if out is None:
+        summed = torch.empty((num_unique, d), dtype=torch.float32, device=ids.device)
+    else:
+        _tensor("out", out, torch.float32, 2)
+        if out.shape[0] < n or out.shape[1] != d or out.device != ids.device:
+            raise ValueError(f"out: expected a ({'>='} {n}, {d}) tensor on {ids.device}, got "
+                             f"{tuple(out.shape)} on {out.device}")
+        summed = out[:num_unique]
     if d > 0:
         _call(lib, "distemb_cuda_dedup_sum", device, grads.data_ptr(), n, d,
               workspace.data_ptr(), nbytes.value, num_unique, summed.data_ptr())

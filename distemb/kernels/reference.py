@@ -1,13 +1,14 @@
 """Reference twins of the compiled kernels: plain numpy, obviously correct, slow.
 
-Every function here has the same signature and the same in-place effects as its
-compiled counterpart in ``csrc/_kernels.pyx``; the kernel tests run both and compare.
+Every function here has the signature declared in :mod:`distemb.kernels.ops` and the same
+in-place effects as its compiled counterpart in ``csrc/_kernels.pyx``; the kernel tests run
+both and compare.
 Inputs are assumed validated by :mod:`distemb.kernels` (dtypes, contiguity, ranges).
 """
 import numpy as np
 
 
-def dedup_sum(ids, grads, num_threads=1, out=None):
+def dedup_sum(ids, grads, num_rows=None, out=None, num_threads=1):
     """Unique ids (ascending) and the sum of the gradient rows of each (into out[:U])."""
     uniq, inverse = np.unique(ids, return_inverse=True)
     if out is None:
@@ -19,8 +20,10 @@ def dedup_sum(ids, grads, num_threads=1, out=None):
     return uniq, summed
 
 
-def gather_rows(table, rows, out, num_threads=1):
+def gather_rows(table, rows, out=None, num_threads=1):
     """out[i] = table[rows[i]]."""
+    if out is None:
+        return np.take(table, rows, axis=0)
     np.take(table, rows, axis=0, out=out)
     return out
 

@@ -1,4 +1,11 @@
-"""DeviceKVClient: an embedded KVClient whose tables live in torch tensors on one device.
+"""Device placements: tables on a GPU, and host tables looked up onto a GPU.
+
+:class:`DeviceKVClient` is an embedded KVClient whose tables live in torch tensors on one
+device. :class:`HostTableOnDevice` is a view of a host client (embedded or remote) whose
+looked-up rows go to a GPU and whose gradients are summed there, so only the unique rows'
+sums cross back; :class:`RowsOnDevice` is a view of a device client whose rows are copied
+to another device. Views wrap a client and change only the placement half of the
+interface (see :mod:`distemb.kvstore.types`): storage goes to the wrapped client.
 
 A GPU-resident table is one whole tensor on its device (the partition policy is kept as
 metadata, its size checked, and ``init_func`` still fills one shard at a time, so a
@@ -12,13 +19,16 @@ This module imports torch; :mod:`distemb.kvstore` does not import it, so servers
 load it (the context imports it when a table asks for a device).
 
 """
+from typing import Optional, Sequence, Tuple
+
 import numpy as np
 import torch
 
-from distemb.errors import KVStoreError
+from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
+from distemb.errors import KVStoreError, PartitionError
 from distemb.kernels import cuda
-from distemb.kvstore.types import DataMeta, KVClient
-from distemb.rules import RULES, state_name
+from distemb.kvstore.types import DataMeta, KVClient, check_new_name
+from distemb.rules import rule_of, state_name
 
 
 def cuda_device(device):
@@ -97,8 +107,7 @@ class DeviceKVClient(KVClient):
         Zeros when ``init_func`` is None. It may return numpy arrays or torch tensors; each
         shard's rows land at their global ids, as a host client would place them.
         """
-        if name in self._meta:
-            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        check_new_name(self._meta, name)
         shape = tuple(shape)
         if policy.get_size() != shape[0]:
             raise KVStoreError(f"policy of {name!r}: {policy.policy_str} has "
@@ -159,12 +168,9 @@ class DeviceKVClient(KVClient):
         table.index_copy_(0, uniq, values.to(table.dtype)[last])
 
     def push_update(self, name, ids, grads, rule, hyper):
-        try:
-            impl = RULES[rule]
-        except KeyError:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}") from None
+        impl = rule_of(rule)
         states = {s.name: self._table(state_name(name, s.name)) for s in impl.states}
-        impl.apply(self.ops, self._table(name), states, ids, grads, hyper)
+        impl.apply(self.ops, self._table(name), states, ids, grads, impl.check_hyper(hyper))
 
     def from_host(self, array):
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
@@ -175,3 +181,205 @@ class DeviceKVClient(KVClient):
     def close(self):
         for name in list(self._meta):
             self.delete_data(name)
+
+    # -- placement: arrays are torch tensors on self.device -----------------------------
+
+    def tensor_in(self, x, F):
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        return t.to(self.device)
+
+    def ids_in(self, name, ids, F):
+        """Ids as a contiguous int64 tensor on the device, range-checked there."""
+        meta = self._meta_of(name)
+        t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {t.dtype}")
+        flat = t.reshape(-1).to(self.device, torch.int64).contiguous()
+        bad = (flat < 0) | (flat >= meta.shape[0])
+        if bool(bad.any()):  # one synchronisation, no copy of the ids to the host
+            raise PartitionError(f"ids of {name!r}: id {int(flat[bad][0])} is out of "
+                                 f"range for {meta.policy.policy_str} (expected 0 <= id < "
+                                 f"{meta.shape[0]})")
+        return flat, tuple(t.shape)
+
+    def values_in(self, name, values, F, num_ids):
+        meta = self._meta_of(name)
+        t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+        got = str(t.dtype).replace("torch.", "")
+        if got != meta.dtype:
+            raise TypeError(f"values: expected dtype {meta.dtype} for {name!r}, got {got}")
+        want = (num_ids,) + tuple(meta.shape[1:])
+        if t.numel() != int(np.prod(want)):
+            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
+                             f"got {tuple(t.shape)}")
+        return t.to(self.device).reshape(want)
+
+    def rows_out(self, rows, F):
+        return rows
+
+    def coalesce(self, name, ids, grads, F):
+        """Sum duplicate ids' gradients on this client's device with ``ops.dedup_sum``."""
+        if not ids:
+            return None
+        return _dedup_on(self.ops, self.device, self._meta_of(name), ids, grads)
+
+    def view_on(self, device):
+        """Itself for None or its own device; otherwise a view copying rows to ``device``."""
+        if device is None:
+            return self
+        dev = cuda_device(device) if str(device).startswith("cuda") else torch.device(device)
+        return self if dev == self.device else RowsOnDevice(self, dev)
+
+
+def _dedup_on(ops, device, meta: DataMeta, ids: Sequence[Array], grads: Sequence[Tensor]
+              ) -> Tuple[UniqueIds, Rows]:
+    """Concatenate traced ids and gradients on ``device`` and sum duplicates there."""
+    ids = [torch.as_tensor(i).to(device) for i in ids]  # host ids: numpy int64
+    grads = [g.reshape(-1, meta.shape[1]).to(device) for g in grads]
+    flat = ids[0] if len(ids) == 1 else torch.cat(ids)
+    g = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(torch.float32).contiguous()
+    return ops.dedup_sum(flat, g, num_rows=meta.shape[0])
+
+
+class ClientView(KVClient):
+    """A client that hands everything to ``inner``; subclasses change the placement half.
+
+    Args:
+        inner: the client holding the rows.
+
+    Example:
+        >>> from distemb.kvstore import LocalKVClient
+        >>> from distemb.partition import range_policy
+        >>> inner = LocalKVClient()
+        >>> view = ClientView(inner)
+        >>> view.init_data("t", (3, 2), "float32", range_policy(3))
+        >>> inner.names(), view.pull("t", np.array([2])).shape
+        (['t'], (1, 2))
+    """
+
+    def __init__(self, inner: KVClient):
+        self.inner = inner
+        self.num_servers = inner.num_servers
+        self.num_threads = inner.num_threads
+
+    @property
+    def ops(self):
+        return self.inner.ops
+
+    def init_data(self, name, shape, dtype, policy, init_func=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func)
+
+    def data_meta(self, name):
+        return self.inner.data_meta(name)
+
+    def names(self):
+        return self.inner.names()
+
+    def delete_data(self, name):
+        self.inner.delete_data(name)
+
+    def pull(self, name, ids):
+        return self.inner.pull(name, ids)
+
+    def push(self, name, ids, values):
+        self.inner.push(name, ids, values)
+
+    def init_optimizer(self, name, rule, options):
+        return self.inner.init_optimizer(name, rule, options)
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        self.inner.push_update(name, ids, grads, rule, hyper)
+
+    def from_host(self, array):
+        return self.inner.from_host(array)
+
+    def to_host(self, array):
+        return self.inner.to_host(array)
+
+    def barrier(self):
+        self.inner.barrier()
+
+    def close(self):
+        """Nothing: the wrapped client belongs to whoever made it."""
+
+    def tensor_in(self, x, F):
+        return self.inner.tensor_in(x, F)
+
+    def ids_in(self, name, ids, F):
+        return self.inner.ids_in(name, ids, F)
+
+    def values_in(self, name, values, F, num_ids):
+        return self.inner.values_in(name, values, F, num_ids)
+
+    def rows_out(self, rows, F):
+        return self.inner.rows_out(rows, F)
+
+    def coalesce(self, name, ids, grads, F):
+        return self.inner.coalesce(name, ids, grads, F)
+
+    def view_on(self, device):
+        return self.inner.view_on(device)
+
+
+class HostTableOnDevice(ClientView):
+    """A host table looked up onto a GPU: rows go there, gradients are summed there.
+
+    Only the unique ids and their summed gradients come back to the host, where the host
+    client pushes the update as usual (to its own shards or to the servers).
+
+    Args:
+        inner: the host client holding the table.
+        device: the CUDA device (resolved by :func:`cuda_device`).
+
+    Example:
+        >>> from distemb.kernels.cuda import CudaUnavailableError
+        >>> from distemb.kvstore import LocalKVClient
+        >>> try:
+        ...     view = LocalKVClient().view_on("cuda")
+        ... except CudaUnavailableError:  # says why: no library, CPU-only torch, no GPU
+        ...     view = None
+    """
+
+    #: The kernels that sum on the device (a test may swap in a CPU stand-in).
+    ops = cuda
+
+    def __init__(self, inner: KVClient, device: torch.device):
+        super().__init__(inner)
+        self.device = device
+
+    @classmethod
+    def of(cls, inner: KVClient, device) -> "HostTableOnDevice":
+        """The view of ``inner`` on ``device``, checked before any copy."""
+        return cls(inner, cuda_device(device))
+
+    def rows_out(self, rows, F):
+        return F.copy_to(self.inner.rows_out(rows, F), self.device)
+
+    def coalesce(self, name, ids, grads, F):
+        if not ids:  # nothing summed here; the host client says what an empty step sends
+            return self.inner.coalesce(name, ids, grads, F)
+        uniq, summed = _dedup_on(self.ops, self.device, self.inner.data_meta(name), ids, grads)
+        return uniq.cpu().numpy(), summed.cpu().numpy()
+
+
+class RowsOnDevice(ClientView):
+    """A device table looked up onto another device: rows are copied there.
+
+    Gradients come back to the table's device, where its client sums and applies them.
+
+    Example:
+        >>> from distemb.backend import load_backend
+        >>> from distemb.partition import range_policy
+        >>> table = DeviceKVClient("cpu")  # a GPU in real use; 'cpu' shows the wiring
+        >>> table.init_data("t", (3, 2), "float32", range_policy(3))
+        >>> view = RowsOnDevice(table, torch.device("meta"))
+        >>> view.rows_out(torch.zeros(1, 2), load_backend("pytorch")).device
+        device(type='meta')
+    """
+
+    def __init__(self, inner: KVClient, device: torch.device):
+        super().__init__(inner)
+        self.device = device
+
+    def rows_out(self, rows, F):
+        return F.copy_to(rows, self.device)

@@ -3,7 +3,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kvstore.server import KVServer
-from distemb.kvstore.types import DataMeta, KVClient
+from distemb.kvstore.types import DataMeta, KVClient, check_new_name
 
 
 def init_shard(init_func, shape, dtype, name):
@@ -42,11 +42,11 @@ class LocalKVClient(KVClient):
 
     def __init__(self, server=None, num_threads=1):
         self.server = server or KVServer(num_threads=num_threads)
+        self.num_threads = self.server.num_threads
         self._meta = {}
 
     def init_data(self, name, shape, dtype, policy, init_func=None):
-        if name in self._meta:
-            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        check_new_name(self._meta, name)
         for part in range(policy.num_partitions):
             sshape = (policy.get_part_size(part),) + tuple(shape[1:])
             self.server.create(name, part, init_shard(init_func, sshape, dtype, name))

@@ -17,14 +17,16 @@ Example (servers started by ``distemb-launch``)::
     client.init_data("emb", (1000, 16), "float32", range_policy(1000, client.num_servers))
     rows = client.pull("emb", np.arange(10))
 """
+from typing import Callable, Dict, List, NamedTuple, Optional
+
 import numpy as np
 
 from distemb import kernels
 from distemb.enums import Consistency, Transport
 from distemb.errors import KVStoreError, PartitionError, TransportError
-from distemb.kvstore.types import DataMeta, KVClient
+from distemb.kvstore.types import DataMeta, KVClient, check_new_name
 from distemb.kvstore.local import init_shard
-from distemb.rules import RULES, state_name
+from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, OptInit, Pull,
@@ -32,7 +34,17 @@ from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, OptIn
 from distemb.transport.shm import attach
 
 INIT_CHUNK_BYTES = 64 << 20
+#: Error kinds a server reports that reach the user as their own type (else KVStoreError).
 ERRORS = {"PartitionError": PartitionError}
+
+
+class Route(NamedTuple):
+    """The part of one request that goes to one server."""
+
+    parts: List[int]          # partitions of that server the ids fall in, in order
+    counts: List[int]         # how many ids fall in each of those partitions
+    local_ids: np.ndarray     # the ids, local to their partition, grouped by partition
+    positions: np.ndarray     # where each id sits in the caller's request
 
 
 def open_connections(cfg):
@@ -89,22 +101,36 @@ class RemoteKVClient(KVClient):
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _call(self, requests, wait=True):
+    def _call(self, requests, wait=True, on_reply=None, while_waiting=None):
         """Send ``{server id: message}`` to all, then read every reply.
+
+        The one send-then-collect routine of this client: every request goes out before
+        any reply is read (servers work concurrently), and every reply is read even after
+        an error, so the connections stay in step.
+
+        Args:
+            requests: {server id: message}.
+            wait: False for asynchronous updates (no reply is sent or read).
+            on_reply: ``on_reply(sid, frame)`` for each successful reply frame; it may
+                raise KVStoreError to report a malformed reply (collected like a server's).
+            while_waiting: work to do after sending, before reading (e.g. shared-memory
+                gathers while the remote rows travel).
 
         Returns:
             {server id: Reply}.
 
         Raises:
-            KVStoreError: a server answered with an error (after all replies were read).
+            KVStoreError or PartitionError: a server answered with an error (the first
+                one, after all replies were read).
             ServerUnavailableError: a server died or timed out.
         """
-        if self._closed:
-            raise KVStoreError("this RemoteKVClient is closed")
+        self._check_open()
         for sid, msg in requests.items():
             if not wait:
                 msg.flags |= FLAG_NO_REPLY
             self._conns[sid].send(msg.encode())
+        if while_waiting is not None:
+            while_waiting()
         if not wait:
             return {}
         replies, failed = {}, []
@@ -115,11 +141,20 @@ class RemoteKVClient(KVClient):
             elif frame.service != Service.REPLY:
                 raise TransportError(f"server {sid}: unexpected reply service {frame.service}")
             else:
-                replies[sid] = Reply.decode(frame)
+                try:
+                    if on_reply is not None:
+                        on_reply(sid, frame)
+                    replies[sid] = Reply.decode(frame)
+                except KVStoreError as e:
+                    failed.append((type(e).__name__, str(e)))
         if failed:
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
+
+    def _check_open(self):
+        if self._closed:
+            raise KVStoreError("this RemoteKVClient is closed")
 
     def _parts_by_server(self, policy):
         by = {}
@@ -131,8 +166,8 @@ class RemoteKVClient(KVClient):
         """Split ``ids`` of ``name`` by server.
 
         Returns:
-            ({sid: (parts, counts, local ids, positions)}, [(part, positions, local ids)]
-            of the parts read from shared memory when ``skip_shm``).
+            ({sid: :class:`Route`}, [(part, positions, local ids)] of the parts read from
+            shared memory when ``skip_shm``).
         """
         by, shm = {}, []
         for part, pos, local in self._meta[name].policy.split(ids):
@@ -141,17 +176,16 @@ class RemoteKVClient(KVClient):
                 shm.append((part, pos, local))
                 continue
             by.setdefault(sid, []).append((part, pos, local))
-        routes = {sid: ([p for p, _, _ in g], [len(lo) for _, _, lo in g],
-                        np.concatenate([lo for _, _, lo in g]).astype(np.int64, copy=False),
-                        np.concatenate([pos for _, pos, _ in g]))
+        routes = {sid: Route([p for p, _, _ in g], [len(lo) for _, _, lo in g],
+                             np.concatenate([lo for _, _, lo in g]).astype(np.int64, copy=False),
+                             np.concatenate([pos for _, pos, _ in g]))
                   for sid, g in by.items()}
         return routes, shm
 
     # -- KVClient -----------------------------------------------------------------------
 
     def init_data(self, name, shape, dtype, policy, init_func=None):
-        if name in self._meta:
-            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        check_new_name(self._meta, name)
         by = self._parts_by_server(policy)
         replies = self._call({sid: Create(name=name, dtype=dtype, row_shape=list(shape[1:]),
                                           parts=parts, part_rows=[policy.get_part_size(p)
@@ -195,6 +229,7 @@ class RemoteKVClient(KVClient):
         self._call({sid: Drop(name=name) for sid in self._parts_by_server(meta.policy)})
 
     def pull(self, name, ids):
+        self._check_open()
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         meta.policy.check_ids(ids, f"ids of {name!r}")
@@ -203,24 +238,20 @@ class RemoteKVClient(KVClient):
             return self._gather(whole, ids)
         out = np.empty((len(ids),) + meta.shape[1:], dtype=meta.dtype)
         routes, shm = self._route(name, ids, skip_shm=bool(self._shm))
-        requests = {sid: Pull(name=name, parts=r[0], counts=r[1], ids=r[2])
-                    for sid, r in routes.items()}
-        for sid, msg in requests.items():  # remote rows travel while local ones are copied
-            self._conns[sid].send(msg.encode())
-        for part, pos, local in shm:
-            out[pos] = self._gather(self._shm[(name, part)], local)
-        failed = []
-        for sid in requests:  # read every reply, even after an error, to stay in step
-            frame = self._conns[sid].recv()
-            if frame.service == Service.ERROR:
-                failed.append(str(frame.fields.get("message")))
-            elif len(frame.arrays) != 1 or frame.arrays[0].shape != (len(routes[sid][2]),) \
-                    + meta.shape[1:]:
-                failed.append(f"server {sid}: pull reply of the wrong shape")
-            else:
-                out[routes[sid][3]] = frame.arrays[0]
-        if failed:
-            raise KVStoreError(failed[0])
+
+        def copy_shm():  # local rows are copied while the remote ones travel
+            for part, pos, local in shm:
+                out[pos] = self._gather(self._shm[(name, part)], local)
+
+        def take(sid, frame):
+            route = routes[sid]
+            want = (len(route.local_ids),) + meta.shape[1:]
+            if len(frame.arrays) != 1 or frame.arrays[0].shape != want:
+                raise KVStoreError(f"server {sid}: pull reply of the wrong shape")
+            out[route.positions] = frame.arrays[0]
+
+        self._call({sid: Pull(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids)
+                    for sid, r in routes.items()}, on_reply=take, while_waiting=copy_shm)
         return out
 
     def _gather(self, shard, local):
@@ -235,23 +266,22 @@ class RemoteKVClient(KVClient):
         values = np.ascontiguousarray(values, dtype=meta.dtype).reshape(
             (len(ids),) + meta.shape[1:])
         routes, _ = self._route(name, ids)
-        self._call({sid: Push(name=name, parts=r[0], counts=r[1], ids=r[2],
-                              values=values[r[3]]) for sid, r in routes.items()})
+        self._call({sid: Push(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids,
+                              values=values[r.positions]) for sid, r in routes.items()})
 
     def init_optimizer(self, name, rule, options):
         meta = self._meta_of(name)
-        if rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}")
+        impl = rule_of(rule)
         opts = {k: float(v) for k, v in options.items()}
         # Collective: everyone is here before rank 0 resets the state, and nobody steps
         # before it has (a fresh optimizer starts from fresh state, as torch's does).
         self.barrier()
         if self.rank == 0:
-            self._call({sid: OptInit(name=name, rule=rule, options=opts, parts=parts)
+            self._call({sid: OptInit(name=name, rule=impl.name.value, options=opts, parts=parts)
                         for sid, parts in self._parts_by_server(meta.policy).items()})
         self.barrier()
         names = {}
-        for spec in RULES[rule].states:
+        for spec in impl.states:
             sname = state_name(name, spec.name)
             self._meta[sname] = DataMeta((meta.shape[0],) + spec.shape(meta.shape[1]),
                                          spec.dtype, meta.policy)
@@ -261,27 +291,38 @@ class RemoteKVClient(KVClient):
 
     def push_update(self, name, ids, grads, rule, hyper):
         meta = self._meta_of(name)
+        impl = rule_of(rule)
+        fields = impl.check_hyper(hyper).fields()
         routes, _ = self._route(name, np.ascontiguousarray(ids, dtype=np.int64))
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
-        hyper = {k: (v if isinstance(v, int) else float(v)) for k, v in hyper.items()}
         exact = self.consistency == Consistency.SYNC_EXACT
-        requests = {sid: Update(name=name, rule=rule, hyper=hyper, seq=seq, exact=exact,
-                                parts=r[0], counts=r[1], ids=r[2], grads=grads[r[3]])
+
+        def update(parts, counts, local_ids, rows):
+            return Update(name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=exact,
+                          parts=parts, counts=counts, ids=local_ids, grads=rows)
+
+        requests = {sid: update(r.parts, r.counts, r.local_ids, grads[r.positions])
                     for sid, r in routes.items()}
         if exact:
             # Every owning server hears from every trainer each step, even with no rows,
             # so it knows when the step's contributions are complete.
             for sid in self._parts_by_server(meta.policy):
-                requests.setdefault(sid, Update(
-                    name=name, rule=rule, hyper=hyper, seq=seq, exact=True, parts=[], counts=[],
-                    ids=np.empty(0, np.int64),
-                    grads=np.empty((0, grads.shape[1]), np.float32)))
+                requests.setdefault(sid, update([], [], np.empty(0, np.int64),
+                                                np.empty((0, grads.shape[1]), np.float32)))
         self._call(requests, wait=self.consistency != Consistency.ASYNC)
 
-    @property
-    def needs_every_step(self):
-        return self.consistency == Consistency.SYNC_EXACT
+    def coalesce(self, name, ids, grads, F):
+        """As the host clients; in sync_exact mode an empty step still pushes (nothing).
+
+        The servers of a sync_exact job wait for every trainer's push of each step, so a
+        trainer without rows for a table pushes an empty update (and counts the step).
+        """
+        summed = super().coalesce(name, ids, grads, F)
+        if summed is None and self.consistency == Consistency.SYNC_EXACT:
+            dim = self._meta_of(name).shape[1]
+            return np.empty(0, np.int64), np.empty((0, dim), np.float32)
+        return summed
 
     def barrier(self):
         if self.cfg.num_trainers > 1:

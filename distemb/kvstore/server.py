@@ -18,7 +18,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.errors import KVStoreError
-from distemb.rules import RULES, state_name
+from distemb.rules import Hyper, rule_of, state_name
 
 
 class KVServer:
@@ -84,12 +84,14 @@ class KVServer:
         with self._lock:
             arr[local_ids] = values
 
-    def update(self, name, part, local_ids, grads, rule, hyper):
-        """Apply optimizer rule ``rule`` in place to unique rows ``local_ids``."""
-        try:
-            impl = RULES[rule]
-        except KeyError:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}") from None
+    def update(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper) -> None:
+        """Apply optimizer rule ``rule`` in place to unique rows ``local_ids``.
+
+        Raises:
+            KVStoreError: no such shard or rule, or ``hyper`` is not the rule's type.
+        """
+        impl = rule_of(rule)
+        hyper = impl.check_hyper(hyper)
         weight = self.shard(name, part)
         states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
         with self._lock:

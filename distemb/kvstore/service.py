@@ -33,9 +33,9 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import ClusterConfig
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, PartitionError
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
-from distemb.rules import RULES, state_init, state_name
+from distemb.rules import rule_of, state_init, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.messages import Error, Reply, Service, decode_request
@@ -115,8 +115,8 @@ class KVService:
             rows = self.server.shard(m.name, part).shape[0]
             if n and (int(ids.min()) < 0 or int(ids.max()) >= rows):
                 bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                raise KVStoreError(f"id {bad} of shard {part} of {m.name!r} is out of range "
-                                   f"(expected 0 <= id < {rows})")
+                raise PartitionError(f"id {bad} of shard {part} of {m.name!r} is out of range "
+                                     f"(expected 0 <= id < {rows})")
             out.append((part, ids, sl))
         return out
 
@@ -182,13 +182,12 @@ class KVService:
             self.server.push(m.name, part, ids, m.values[sl])
 
     def _opt_init(self, m):
-        if m.rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {m.rule!r}")
+        impl = rule_of(m.rule)
         with self._lock:
             for part in m.parts:
                 self._own(part)
                 weight = self.server.shard(m.name, part)
-                for spec in RULES[m.rule].states:
+                for spec in impl.states:
                     sname = state_name(m.name, spec.name)
                     self._forget(sname, part)
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
@@ -200,6 +199,9 @@ class KVService:
         if m.grads.dtype != np.float32 or m.grads.ndim != 2:
             raise KVStoreError(f"grads of {m.name!r}: expected 2-d float32, got "
                                f"{m.grads.dtype} {m.grads.ndim}-d")
+        # The wire carries the hyperparameters' fields: check them against the rule now,
+        # naming a missing, unknown or mistyped field, before any row is touched.
+        m.hyper = rule_of(m.rule).hyper_from(m.hyper)
         if m.exact:
             return self._update_exact(m)
         for part, ids, sl in self._rows(m):
@@ -243,7 +245,7 @@ class KVService:
         for part, pieces in per_part.items():
             ids = np.concatenate([p[0] for p in pieces])
             grads = np.concatenate([p[1] for p in pieces])
-            uniq, summed = kernels.dedup_sum(ids, grads, self.server.num_threads)
+            uniq, summed = kernels.dedup_sum(ids, grads, num_threads=self.server.num_threads)
             self.server.update(first.name, part, uniq, summed, first.rule, first.hyper)
 
     def _barrier(self, m):

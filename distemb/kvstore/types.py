@@ -1,11 +1,23 @@
 """The KVClient interface: what trainers need from wherever the rows live.
 
-Arrays crossing this interface are numpy for host clients (the common ground of
-trainers, servers and kernels; trainers convert with the backend's zero-copy
-``from_numpy``/``to_numpy``), and torch tensors on the client's ``device`` for
-:class:`~distemb.kvstore.device.DeviceKVClient` (GPU-resident tables). ``ops`` is the
-kernel module of those arrays, ``from_host``/``to_host`` convert numpy to and from them.
-Ids are global (type-wise) int64 ids, already validated against the table's policy.
+A client is a placement strategy (as torchrec has one class per sharding strategy): it
+owns where rows live and everything that depends on it, so callers never branch on a
+device or a mode. Two halves:
+
+- storage: ``init_data``/``delete_data``/``pull``/``push``/``init_optimizer``/
+  ``push_update``/``barrier``/``close``, on the client's own arrays (``ops`` is their
+  kernel implementation, ``from_host``/``to_host`` convert numpy to and from them);
+- placement, trainer side: ``ids_in``/``values_in``/``tensor_in`` turn the backend's
+  tensors into the client's arrays (validated), ``rows_out`` turns pulled rows into
+  backend tensors, ``coalesce`` sums the gradients of duplicate ids on the client's own
+  device with its own kernels, and ``view_on(device)`` is the client through which rows
+  are looked up onto ``device`` (itself, or a thin wrapper).
+
+The base class implements the placement half for host clients (numpy arrays in this
+process's memory, or on servers): :class:`~distemb.kvstore.local.LocalKVClient` and
+:class:`~distemb.kvstore.remote.RemoteKVClient`. Device clients override it
+(:mod:`distemb.kvstore.device`). Ids crossing the storage half are global (type-wise)
+int64 ids, already validated against the table's policy by ``ids_in``.
 
 Example:
     >>> import numpy as np
@@ -16,67 +28,91 @@ Example:
     >>> kv.data_meta("t").shape
     (3, 2)
 """
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from distemb import kernels
+from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
 from distemb.errors import KVStoreError
 from distemb.partition import PartitionPolicy
-from distemb.rules import RULES, state_init, state_name
+from distemb.rules import Hyper, rule_of, state_init, state_name
+
+#: ``init_func(shard_shape, dtype_name)`` -> the shard's initial values.
+InitFunc = Callable[[Shape, str], Array]
 
 
 @dataclass(frozen=True)
 class DataMeta:
     """Shape, dtype name and partition policy of one named tensor."""
 
-    shape: tuple
+    shape: Shape
     dtype: str
     policy: PartitionPolicy
 
 
-class KVClient:
+def check_new_name(meta: Dict[str, DataMeta], name: str) -> None:
+    """KVStoreError when ``name`` already exists in ``meta``."""
+    if name in meta:
+        raise KVStoreError(f"name {name!r} already exists in the KVStore")
+
+
+class KVClient(ABC):
     """Interface of a key-value store client; implementations share one test suite.
 
     Implementations: :class:`~distemb.kvstore.local.LocalKVClient` (embedded, in
-    process), the remote client of the multi-process store, and
-    :class:`~distemb.kvstore.device.DeviceKVClient` (embedded, tables on a GPU).
+    process), :class:`~distemb.kvstore.remote.RemoteKVClient` (server processes),
+    :class:`~distemb.kvstore.device.DeviceKVClient` (embedded, tables on a GPU) and the
+    views of :mod:`distemb.kvstore.device` (a host table looked up onto a GPU).
     """
 
-    #: The kernel module of this client's arrays (:mod:`distemb.kernels` for numpy).
+    #: The kernel implementation of this client's arrays.
     ops = kernels
     #: The torch device of this client's arrays; None for numpy arrays in host memory.
+    #: Informational (``DistEmbedding.device``): callers never branch on it.
     device = None
     num_servers = 1
-    #: True when every trainer must push one update per table per optimizer step, even an
-    #: empty one (synchronous-exact mode: servers wait for all trainers' contributions).
-    needs_every_step = False
+    #: OpenMP threads of this client's own kernels (coalescing, shared-memory gathers).
+    num_threads = 1
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
-        """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None)."""
-        raise NotImplementedError
+    # -- storage ---------------------------------------------------------------------
+
+    @abstractmethod
+    def init_data(self, name: str, shape: Shape, dtype: str, policy: PartitionPolicy,
+                  init_func: Optional[InitFunc] = None) -> None:
+        """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None).
+
+        ``init_func`` may return numpy arrays or arrays of this client (see ``tensor_in``).
+
+        Raises:
+            KVStoreError: ``name`` exists, or ``init_func`` returned the wrong shape.
+        """
 
     # Implementations keep the DataMeta of every tensor they know in ``self._meta``.
 
-    def data_meta(self, name):
+    def data_meta(self, name: str) -> Optional[DataMeta]:
         """The :class:`DataMeta` of ``name``, or None if absent."""
         return self._meta.get(name)
 
-    def names(self):
+    def names(self) -> List[str]:
         """Names of all tensors this client knows."""
         return list(self._meta)
 
-    def delete_data(self, name):
-        """Drop ``name`` and its shards."""
-        raise NotImplementedError
+    @abstractmethod
+    def delete_data(self, name: str) -> None:
+        """Drop ``name`` and its shards (no-op when absent)."""
 
-    def pull(self, name, ids):
-        """Rows ``ids`` of ``name`` as a new numpy array (len(ids),) + shape[1:]."""
-        raise NotImplementedError
+    @abstractmethod
+    def pull(self, name: str, ids: GlobalIds) -> Array:
+        """Rows ``ids`` of ``name`` as a new array (len(ids),) + shape[1:]."""
 
-    def push(self, name, ids, values):
+    @abstractmethod
+    def push(self, name: str, ids: GlobalIds, values: Array) -> None:
         """Write ``values`` into rows ``ids`` of ``name`` (last write wins for duplicates)."""
-        raise NotImplementedError
 
-    def init_optimizer(self, name, rule, options):
+    def init_optimizer(self, name: str, rule, options: Dict[str, float]) -> Dict[str, str]:
         """Create the optimizer state of table ``name`` for update rule ``rule``.
 
         The default creates each state tensor with :meth:`init_data`, sharded like the
@@ -84,12 +120,13 @@ class KVClient:
 
         Returns:
             dict state name -> KVStore name of that state tensor.
+
+        Raises:
+            KVStoreError: no table ``name`` or no rule ``rule``.
         """
         meta = self._meta_of(name)
-        if rule not in RULES:
-            raise KVStoreError(f"rule: expected one of {sorted(RULES)}, got {rule!r}")
         names = {}
-        for spec in RULES[rule].states:
+        for spec in rule_of(rule).states:
             sname = state_name(name, spec.name)
             self.delete_data(sname)
             shape = (meta.shape[0],) + spec.shape(meta.shape[1])
@@ -98,32 +135,141 @@ class KVClient:
             names[spec.name] = sname
         return names
 
-    def push_update(self, name, ids, grads, rule, hyper):
+    @abstractmethod
+    def push_update(self, name: str, ids: UniqueIds, grads: Rows, rule,
+                    hyper: Hyper) -> None:
         """Apply update ``rule`` with ``hyper`` to rows ``ids`` (unique) of ``name``.
 
         ``grads`` is consumed (applied, or copied into a message) before this returns:
         the caller may reuse its buffer right after.
+
+        Raises:
+            KVStoreError: no table ``name``, no rule ``rule``, or ``hyper`` is not its type.
         """
-        raise NotImplementedError
 
-    def _meta_of(self, name):
+    def _meta_of(self, name: str) -> DataMeta:
         """The DataMeta of ``name``; KVStoreError when absent."""
-        try:
-            return self._meta[name]
-        except KeyError:
+        meta = self.data_meta(name)
+        if meta is None:
             raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self._meta)[:10]})") from None
+                               f"(known: {sorted(self.names())[:10]})")
+        return meta
 
-    def from_host(self, array):
+    def from_host(self, array: np.ndarray) -> Array:
         """A numpy array as an array of this client (the array itself for host clients)."""
         return array
 
-    def to_host(self, array):
+    def to_host(self, array: Array) -> np.ndarray:
         """An array of this client as a numpy array (the array itself for host clients)."""
         return array
 
-    def barrier(self):
+    def barrier(self) -> None:
         """Wait for every trainer (no-op with one)."""
 
-    def close(self):
+    def close(self) -> None:
         """Release connections and, for an embedded store, its memory."""
+
+    # -- placement (trainer side); host clients here, device clients override ----------
+
+    def tensor_in(self, x: Tensor, F) -> Array:
+        """A backend tensor (or numpy array) as an array of this client, unchecked."""
+        return F.to_numpy(x) if F.is_tensor(x) else np.asarray(x)
+
+    def ids_in(self, name: str, ids: Tensor, F) -> Tuple[GlobalIds, Shape]:
+        """Ids of any shape as flat int64 ids of this client, checked against the policy.
+
+        Returns:
+            (flat ids, the shape of ``ids``).
+
+        Raises:
+            TypeError: ``ids`` is not an integer tensor.
+            PartitionError: an id is out of range (the message names it and the table).
+        """
+        arr = self.tensor_in(ids, F)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {arr.dtype}")
+        flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
+        self._meta_of(name).policy.check_ids(flat, f"ids of {name!r}")
+        return flat, tuple(arr.shape)
+
+    def values_in(self, name: str, values: Tensor, F, num_ids: int) -> Array:
+        """Values for ``num_ids`` rows of ``name`` as an array of this client.
+
+        Raises:
+            TypeError: the dtype is not the tensor's.
+            ValueError: the number of elements does not fit ``num_ids`` rows.
+        """
+        meta = self._meta_of(name)
+        arr = self.tensor_in(values, F)
+        got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
+        if got != meta.dtype:
+            raise TypeError(f"values: expected dtype {meta.dtype} for {name!r}, got {got}")
+        want = (num_ids,) + tuple(meta.shape[1:])
+        if int(np.prod(arr.shape)) != int(np.prod(want)):
+            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
+                             f"got {tuple(arr.shape)}")
+        return arr.reshape(want)
+
+    def rows_out(self, rows: Array, F) -> Tensor:
+        """Pulled rows as a backend tensor (zero-copy on the host)."""
+        return F.from_numpy(rows)
+
+    def coalesce(self, name: str, ids: Sequence[GlobalIds], grads: Sequence[Tensor],
+                 F) -> Optional[Tuple[UniqueIds, Rows]]:
+        """Sum the gradient rows of duplicate ids, with this client's kernels.
+
+        Args:
+            name: the table.
+            ids: one flat id array per traced lookup (from :meth:`ids_in`, or another
+                view's of the same table).
+            grads: one (N_i, D) backend tensor per lookup, any device.
+
+        Returns:
+            ``(unique ids, summed gradients)`` in this client's arrays, ready for
+            :meth:`push_update` (host clients reuse one buffer per table for the sums: it
+            is valid until the next call), or None when there is nothing to push.
+        """
+        if not ids:
+            return None
+        dim = self._meta_of(name).shape[1]
+        # ids of a host table are this client's (numpy) whichever view looked them up
+        host_ids = [np.asarray(i, dtype=np.int64).reshape(-1) for i in ids]
+        host_grads = [np.asarray(F.to_numpy(g), dtype=np.float32).reshape(-1, dim)
+                      for g in grads]
+        flat = host_ids[0] if len(host_ids) == 1 else np.concatenate(host_ids)
+        g = host_grads[0] if len(host_grads) == 1 else np.concatenate(host_grads)
+        return kernels.dedup_sum(flat, np.ascontiguousarray(g), num_threads=self.num_threads,
+                                 out=self._sum_buffer(name, flat.shape[0], dim))
+
+    def _sum_buffer(self, name: str, n: int, dim: int) -> np.ndarray:
+        """This table's reusable buffer for summed gradients, at least ``n`` rows.
+
+        Reuse is safe: ``push_update`` consumes the sums before it returns; it spares a
+        fresh (N, D) allocation, and its first touch, every step.
+        """
+        buffers = self.__dict__.setdefault("_sum_buffers", {})
+        buf = buffers.get(name)
+        if buf is None or buf.shape[0] < n or buf.shape[1] != dim:
+            buf = np.empty((max(n, 1), dim), dtype=np.float32)
+            buffers[name] = buf
+        return buf
+
+    def view_on(self, device) -> "KVClient":
+        """The client through which rows of this client's tables are looked up onto ``device``.
+
+        Args:
+            device: None or 'cpu' (this client itself), or a CUDA device: a view that
+                copies looked-up rows there and sums their gradients there, moving only
+                the sums back (:class:`~distemb.kvstore.device.HostTableOnDevice`).
+
+        Raises:
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+            ValueError: ``device`` is neither.
+        """
+        if device is None or str(device) == "cpu":
+            return self
+        # Imported on demand: the device module imports torch, which server processes
+        # (that import this module) must never load.
+        from distemb.kvstore.device import HostTableOnDevice
+
+        return HostTableOnDevice.of(self, device)

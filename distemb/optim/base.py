@@ -1,18 +1,14 @@
-"""SparseOptimizer: collects traces, deduplicates, routes; subclasses own the maths.
+"""SparseOptimizer: takes each table's traced gradients and pushes one update per table.
 
-``step()`` takes every lookup recorded by each table since the last step, concatenates
-ids and gradients, sums the gradients of duplicate ids (as PyTorch does; DGL averages
-them), and pushes one update per table to the rows' owner, which runs the subclass's
-fused rule in place (:mod:`distemb.rules`). ``step()`` consumes the trace: a second
-``step()`` without new lookups is a no-op. In synchronous-exact mode
-(``client.needs_every_step``) a table without gradients still pushes an empty update, so
-every table's step count advances on every ``step()``.
-
-Where gradients are summed follows the data: a GPU-resident table (``emb.kvstore.device``
-set) sums and updates on its device with its client's kernels (``emb.kvstore.ops``); a
-host table whose lookups returned rows on a GPU (``emb(ids, device='cuda')``) sums on
-that GPU and copies only the unique rows' sums to the host; otherwise everything stays
-in numpy on the host.
+``step()`` asks every table for its traced gradients summed per id (DESIGN.md: summed,
+as PyTorch does; DGL averages them) and pushes them, with the hyperparameters of the
+subclass's rule, to the rows' owner, which runs the fused rule in place
+(:mod:`distemb.rules`). Where the sums are made is the business of the client that
+placed the rows (:mod:`distemb.kvstore.types`): a host table sums in numpy, a GPU table
+on its GPU, a host table looked up onto a GPU on that GPU (only the sums come back), and
+a synchronous-exact cluster client pushes an empty update when there is nothing, so every
+trainer's step reaches the servers. ``step()`` consumes the trace: a second ``step()``
+without new lookups is a no-op.
 
 Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
 ``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
@@ -24,17 +20,24 @@ Example:
     >>> isinstance(opt, SparseOptimizer), isinstance(opt, torch.optim.Optimizer)
     (True, True)
 """
+from typing import Callable, Dict, Iterable, List, Optional, Union
+
 import numpy as np
 import torch
 
-from distemb import checkpoint, kernels
-from distemb.kernels import cuda
+from distemb import checkpoint
 from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError
+from distemb.arrays import check_shape
+from distemb.rules import Hyper, RuleName
 from distemb.tensor import DistTensor
 
+#: Rows of optimizer state pushed per request by ``load_state_dict`` (as checkpoints do).
+STATE_CHUNK_ROWS = checkpoint.CHUNK_ROWS
 
-def check_hyper(name, value, low=0.0, high=None, low_open=False):
+
+def check_hyper(name: str, value, low: float = 0.0, high: Optional[float] = None,
+                low_open: bool = False) -> float:
     """Validate one hyperparameter; the error names it and its range."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and (value > low if low_open else value >= low) and (high is None or value < high)
@@ -47,18 +50,18 @@ def check_hyper(name, value, low=0.0, high=None, low_open=False):
 class SparseOptimizer(torch.optim.Optimizer):
     """Base of distemb's sparse optimizers.
 
-    Subclasses set ``rule`` (a key of :data:`distemb.rules.RULES`), optionally
-    ``rule_options()`` (state initialisation), and ``hyper(group, step)`` (the plain-float
-    hyperparameters of one step of one table).
+    Subclasses set ``rule`` (a :class:`~distemb.rules.RuleName`), optionally
+    ``rule_options()`` (state initialisation), and ``hyper(group, step)`` (the rule's
+    hyperparameter dataclass for one step of one table).
 
     Args:
         params: list of :class:`~distemb.embedding.DistEmbedding` to optimise.
         defaults: hyperparameters of the one param group (``lr`` among them).
     """
 
-    rule = ""
+    rule: RuleName
 
-    def __init__(self, params, defaults):
+    def __init__(self, params: Union[DistEmbedding, Iterable[DistEmbedding]], defaults: dict):
         if isinstance(params, DistEmbedding):
             params = [params]
         params = list(params)
@@ -73,45 +76,44 @@ class SparseOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": []}], defaults)
         self._embs = params
         self._steps = {p.name: 0 for p in params}
-        self._sum_buffers = {}
         for emb in params:
-            emb._optm_state = emb.kvstore.init_optimizer(emb.name, self.rule,
-                                                         self.rule_options())
+            emb.optm_state = emb.kvstore.init_optimizer(emb.name, self.rule,
+                                                        self.rule_options())
 
-    def rule_options(self):
+    def rule_options(self) -> dict:
         """Options the rule's state initialisation reads (e.g. initial accumulator)."""
         return {}
 
-    def hyper(self, group, step):
+    def hyper(self, group: dict, step: int) -> Hyper:
         """The hyperparameters of one update at global step ``step``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define hyper()")
 
     @property
-    def embeddings(self):
+    def embeddings(self) -> List[DistEmbedding]:
         return list(self._embs)
 
     # Compatibility aliases of dgl.distributed.optim's attributes, which DGL code (its
     # own tests among it) reads and sets; the param group stays the one source of truth.
     @property
-    def _lr(self):
+    def _lr(self) -> float:
         return self.param_groups[0]["lr"]
 
     @_lr.setter
-    def _lr(self, value):
+    def _lr(self, value: float) -> None:
         self.param_groups[0]["lr"] = check_hyper("_lr", value)
 
     @property
-    def _eps(self):
+    def _eps(self) -> float:
         if "eps" not in self.param_groups[0]:
             raise AttributeError(f"{type(self).__name__} has no eps (no _eps)")
         return self.param_groups[0]["eps"]
 
     @_eps.setter
-    def _eps(self, value):
+    def _eps(self, value: float) -> None:
         self.param_groups[0]["eps"] = check_hyper("_eps", value)
 
     @property
-    def _state(self):
+    def _state(self) -> Dict[str, Union[DistTensor, tuple]]:
         """DGL's ``opt._state``: table name -> its state as DistTensor(s).
 
         One state (Adagrad's ``sum``): the DistTensor; several: a tuple in DGL's order
@@ -131,7 +133,7 @@ class SparseOptimizer(torch.optim.Optimizer):
             out[emb.name] = tensors[0] if len(tensors) == 1 else tuple(tensors)
         return out
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of earlier backward passes, wherever it sits in the loop.
 
         Lookups whose backward has not run yet are kept, so ``out = model(x);
@@ -141,77 +143,26 @@ class SparseOptimizer(torch.optim.Optimizer):
         for emb in self._embs:
             emb.drop_gradients()
 
-    @staticmethod
-    def _gradients(emb):
-        """(ids, grads) lists of the traced lookups of ``emb`` whose backward has run."""
-        done = emb.pop_gradients()
-        return [i for i, _ in done], [g for _, g in done]
-
-    @staticmethod
-    def _host_arrays(ids, grads):
-        """The traced ids and gradients as numpy arrays, concatenated."""
-        g = grads[0] if len(grads) == 1 else torch.cat(grads)
-        g = g.detach().to("cpu", torch.float32).contiguous().numpy()
-        return (ids[0] if len(ids) == 1 else np.concatenate(ids)), g
-
-    @staticmethod
-    def _device_dedup(ops, device, ids, grads, emb, num_threads):
-        """Sum duplicate ids' gradients on ``device`` with ``ops.dedup_sum``."""
-        ids = [torch.as_tensor(i).to(device) for i in ids]  # host ids: numpy int64
-        grads = [g.to(device) for g in grads]
-        ids = ids[0] if len(ids) == 1 else torch.cat(ids)
-        g = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(torch.float32).contiguous()
-        return ops.dedup_sum(ids, g, num_rows=emb.num_embeddings, num_threads=num_threads)
-
-    def _summed(self, emb, ids, grads):
-        """(unique ids, summed gradients) in the arrays of ``emb.kvstore``; None if empty."""
-        kv, nt = emb.kvstore, emb.weight.context.num_threads
-        if kv.device is not None:  # a GPU-resident table: never leave its device
-            return self._device_dedup(kv.ops, kv.device, ids, grads, emb, nt) if ids else None
-        on_gpu = [g.device for g in grads if g.is_cuda]
-        if on_gpu:  # rows were looked up onto a GPU: sum there, move only the sums
-            uniq, summed = self._device_dedup(cuda, on_gpu[0], ids, grads, emb, nt)
-            return uniq.cpu().numpy(), summed.cpu().numpy()
-        if not ids:
-            if not kv.needs_every_step:
-                return None
-            # sync_exact: the servers wait for every trainer's push of this step, so a
-            # trainer without rows pushes an empty one (and counts the step like the rest).
-            return np.empty(0, np.int64), np.empty((0, emb.embedding_dim), np.float32)
-        host_ids, host_grads = self._host_arrays(ids, grads)
-        return kernels.dedup_sum(host_ids, host_grads, nt,
-                                 out=self._sum_buffer(emb, len(host_ids)))
-
     @torch.no_grad()
-    def step(self, closure=None):
-        """Apply the traced gradients of every table and remove them from the traces."""
+    def step(self, closure: Optional[Callable] = None):
+        """Apply the traced gradients of every table and remove them from the traces.
+
+        Lookups whose backward has not run yet stay traced for the next ``step()``.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
         for emb in self._embs:
-            ids, grads = self._gradients(emb)  # lookups awaiting backward stay traced
-            summed = self._summed(emb, ids, grads)
-            if summed is None:
+            update = emb.coalesced_gradients()  # (client, unique ids, summed) or None
+            if update is None:
                 continue
-            uniq, summed = summed
+            client, ids, summed = update
             self._steps[emb.name] += 1
-            emb.kvstore.push_update(emb.name, uniq, summed, self.rule,
-                                    self.hyper(group, self._steps[emb.name]))
+            client.push_update(emb.name, ids, summed, self.rule,
+                               self.hyper(group, self._steps[emb.name]))
         return loss
-
-    def _sum_buffer(self, emb, n):
-        """This table's reusable buffer for summed gradients, at least ``n`` rows.
-
-        Reuse is safe: ``push_update`` consumes the sums before it returns (KVClient
-        contract); it spares a fresh (N, D) allocation, and its first touch, every step.
-        """
-        buf = self._sum_buffers.get(emb.name)
-        if buf is None or buf.shape[0] < n:
-            buf = np.empty((n, emb.embedding_dim), dtype=np.float32)
-            self._sum_buffers[emb.name] = buf
-        return buf
 
     def _state_names(self, emb):
         return dict(emb.optm_state or {})
@@ -222,7 +173,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         for emb in self._embs:
             entry = {"step": self._steps[emb.name]}
             for sname, kvname in self._state_names(emb).items():
-                entry[sname] = torch.from_numpy(checkpoint._all_rows(emb.kvstore, kvname))
+                entry[sname] = torch.from_numpy(checkpoint.all_rows(emb.kvstore, kvname))
             state[emb.name] = entry
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []}
                   for g in self.param_groups]
@@ -241,12 +192,9 @@ class SparseOptimizer(torch.optim.Optimizer):
                     raise DistEmbError(f"state_dict: table {emb.name!r} lacks state {sname!r}")
                 arr = np.ascontiguousarray(np.asarray(entry[sname]))
                 meta = emb.kvstore.data_meta(kvname)
-                if arr.shape != meta.shape:
-                    raise DistEmbError(f"state_dict: state {sname!r} of {emb.name!r} has shape "
-                                       f"{arr.shape}, expected {meta.shape}")
-                kv = emb.kvstore
-                kv.push(kvname, kv.from_host(np.arange(arr.shape[0], dtype=np.int64)),
-                        kv.from_host(arr.astype(meta.dtype, copy=False)))
+                check_shape(f"state_dict: state {sname!r} of {emb.name!r}", arr.shape,
+                            meta.shape, DistEmbError)
+                checkpoint.push_rows(emb.kvstore, kvname, arr.astype(meta.dtype, copy=False))
             self._steps[emb.name] = int(entry["step"])
         self._load_groups(state_dict["param_groups"])
 

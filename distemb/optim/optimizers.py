@@ -4,7 +4,28 @@ Concurrency (all of them): the rule runs on the rows' owner, which applies one u
 shard at a time, so a row and its state have one writer (DESIGN.md). Step counts are
 global per table and live with the optimizer, exactly as ``torch.optim`` counts them.
 """
+from typing import Iterable, Tuple, Union
+
+from distemb.embedding import DistEmbedding
+from distemb.enums import Choice
 from distemb.optim.base import SparseOptimizer, check_hyper
+from distemb.rules import AdagradHyper, AdamHyper, RuleName, SGDHyper
+
+Params = Union[DistEmbedding, Iterable[DistEmbedding]]
+
+
+class StepMode(Choice):
+    """How Adam counts steps for its bias correction.
+
+    Example:
+        >>> StepMode("per_row") is StepMode.PER_ROW
+        True
+    """
+
+    #: one count per table, advanced by each step() that table got gradients (torch).
+    GLOBAL = "global"
+    #: each row counts its own updates (DGL's SparseAdam, lazy Adam); the counts are state.
+    PER_ROW = "per_row"
 
 
 class SparseSGD(SparseOptimizer):
@@ -17,13 +38,13 @@ class SparseSGD(SparseOptimizer):
         0.1
     """
 
-    rule = "sgd"
+    rule = RuleName.SGD
 
-    def __init__(self, params, lr):
+    def __init__(self, params: Params, lr: float):
         super().__init__(params, {"lr": check_hyper("lr", lr)})
 
-    def hyper(self, group, step):
-        return {"lr": group["lr"]}
+    def hyper(self, group: dict, step: int) -> SGDHyper:
+        return SGDHyper(lr=group["lr"])
 
 
 class SparseAdagrad(SparseOptimizer):
@@ -36,20 +57,22 @@ class SparseAdagrad(SparseOptimizer):
         >>> opt = SparseAdagrad([DistEmbedding(10, 4, name="doc-adagrad")], lr=0.01)
     """
 
-    rule = "adagrad"
+    rule = RuleName.ADAGRAD
 
-    def __init__(self, params, lr, eps=1e-10, lr_decay=0.0, initial_accumulator_value=0.0):
+    def __init__(self, params: Params, lr: float, eps: float = 1e-10, lr_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0):
         super().__init__(params, {
             "lr": check_hyper("lr", lr), "eps": check_hyper("eps", eps),
             "lr_decay": check_hyper("lr_decay", lr_decay),
             "initial_accumulator_value": check_hyper("initial_accumulator_value",
                                                      initial_accumulator_value)})
 
-    def rule_options(self):
+    def rule_options(self) -> dict:
         return {"initial_accumulator_value": self.defaults["initial_accumulator_value"]}
 
-    def hyper(self, group, step):
-        return {"clr": group["lr"] / (1 + (step - 1) * group["lr_decay"]), "eps": group["eps"]}
+    def hyper(self, group: dict, step: int) -> AdagradHyper:
+        return AdagradHyper(clr=group["lr"] / (1 + (step - 1) * group["lr_decay"]),
+                            eps=group["eps"])
 
 
 class SparseRowWiseAdagrad(SparseAdagrad):
@@ -63,7 +86,7 @@ class SparseRowWiseAdagrad(SparseAdagrad):
         >>> opt = SparseRowWiseAdagrad([DistEmbedding(10, 4, name="doc-rowwise")], lr=0.01)
     """
 
-    rule = "rowwise_adagrad"
+    rule = RuleName.ROWWISE_ADAGRAD
 
 
 class SparseAdam(SparseOptimizer):
@@ -80,27 +103,31 @@ class SparseAdam(SparseOptimizer):
         >>> opt = SparseAdam([DistEmbedding(10, 4, name="doc-adam")], lr=0.01)
     """
 
-    def __init__(self, params, lr=0.001, betas=(0.9, 0.999), eps=1e-8, step_mode="global"):
-        if step_mode not in ("global", "per_row"):
-            raise ValueError(f"step_mode: expected 'global' or 'per_row', got {step_mode!r}")
+    def __init__(self, params: Params, lr: float = 0.001,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 step_mode: Union[StepMode, str] = StepMode.GLOBAL):
+        try:
+            step_mode = StepMode(step_mode)
+        except ValueError:
+            choices = " or ".join(repr(m.value) for m in StepMode)
+            raise ValueError(f"step_mode: expected {choices}, got {step_mode!r}") from None
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas: expected a pair of floats, got {betas!r}")
-        self.rule = "adam" if step_mode == "global" else "adam_row_step"
+        self.rule = RuleName.ADAM if step_mode is StepMode.GLOBAL else RuleName.ADAM_ROW_STEP
         super().__init__(params, {
             "lr": check_hyper("lr", lr), "eps": check_hyper("eps", eps),
             "betas": (check_hyper("betas[0]", betas[0], 0.0, 1.0),
                       check_hyper("betas[1]", betas[1], 0.0, 1.0)),
-            "step_mode": step_mode})
+            "step_mode": step_mode.value})
 
     @property
-    def _beta1(self):  # DGL's attribute name (compatibility alias)
+    def _beta1(self) -> float:  # DGL's attribute name (compatibility alias)
         return self.param_groups[0]["betas"][0]
 
     @property
-    def _beta2(self):
+    def _beta2(self) -> float:
         return self.param_groups[0]["betas"][1]
 
-    def hyper(self, group, step):
+    def hyper(self, group: dict, step: int) -> AdamHyper:
         beta1, beta2 = group["betas"]
-        return {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "eps": group["eps"],
-                "step": step}
+        return AdamHyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step)

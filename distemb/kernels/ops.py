@@ -1,0 +1,81 @@
+"""The kernel contract, declared once: every kernel implementation has these functions.
+
+Implementations: :mod:`distemb.kernels` (validating wrappers around the compiled module
+``distemb._kernels``), :mod:`distemb.kernels.reference` (the numpy twins),
+``distemb._kernels`` itself (built from ``csrc/_kernels.pyx``), :mod:`distemb.kernels.cuda`
+(ctypes wrappers of ``csrc/cuda``) and the CPU stand-in of the CUDA kernels in the tests.
+``tests/test_kernel_contract.py`` compares each one's ``inspect.signature`` with this
+Protocol's, so a drifted signature fails in CI rather than on a lent GPU.
+
+Arrays are numpy arrays for the host implementations and torch tensors on one device for
+the CUDA ones. Shared preconditions: tables and gradients are C-contiguous float32; ids
+int64 (the host wrappers widen int32); ``rows`` passed to an update are unique and in
+range (callers deduplicate and range-check: the kernels trust them); ``num_threads`` is
+a positive int (the CUDA kernels ignore it). Updates are in place and return None.
+"""
+from typing import Optional, Protocol, Tuple, runtime_checkable
+
+from distemb.arrays import Array, GlobalIds, Rows, UniqueIds
+
+
+@runtime_checkable
+class KernelOps(Protocol):
+    """The kernel functions of one implementation (a module or an object).
+
+    Example:
+        >>> from distemb import kernels
+        >>> from distemb.kernels import reference
+        >>> isinstance(kernels, KernelOps), isinstance(reference, KernelOps)
+        (True, True)
+    """
+
+    def dedup_sum(self, ids: GlobalIds, grads: Rows, num_rows: Optional[int] = None,
+                  out: Optional[Rows] = None, num_threads: int = 1
+                  ) -> Tuple[UniqueIds, Rows]:
+        """Unique ids, ascending, and the sum of the gradient rows of each.
+
+        Args:
+            ids: (N,) int64 ids, any order, duplicates allowed.
+            grads: (N, D) float32, one row per id.
+            num_rows: an exclusive upper bound of the ids when known (lets the CUDA sort
+                skip radix passes; the CPU sort finds the range itself).
+            out: host only: a reusable (M >= N, D) float32 buffer; the sums are written to
+                its first U rows and a view of them returned.
+            num_threads: OpenMP threads.
+
+        Returns:
+            ``(uniq, summed)``: (U,) int64 and (U, D) float32. Rows of one id are summed in
+            a fixed order, so the result does not depend on threads or runs.
+        """
+
+    def gather_rows(self, table: Rows, rows: GlobalIds, out: Optional[Rows] = None,
+                    num_threads: int = 1) -> Rows:
+        """``out[i] = table[rows[i]]`` for (R, D) ``table``; ``out`` (N, D) made when None."""
+
+    def sgd_update(self, weight: Rows, rows: UniqueIds, grads: Rows, lr: float,
+                   num_threads: int = 1) -> None:
+        """``weight[rows] -= lr * grads``."""
+
+    def adagrad_update(self, weight: Rows, state_sum: Rows, rows: UniqueIds, grads: Rows,
+                       clr: float, eps: float, num_threads: int = 1) -> None:
+        """torch.optim.Adagrad: ``s += g*g; w -= clr * g / (sqrt(s) + eps)``; s is (R, D)."""
+
+    def rowwise_adagrad_update(self, weight: Rows, state_sum: Array, rows: UniqueIds,
+                               grads: Rows, clr: float, eps: float,
+                               num_threads: int = 1) -> None:
+        """Row-wise Adagrad: ``s += mean(g*g); w -= clr * g / (sqrt(s) + eps)``; s is (R,)."""
+
+    def adam_update(self, weight: Rows, exp_avg: Rows, exp_avg_sq: Rows, rows: UniqueIds,
+                    grads: Rows, lr: float, beta1: float, beta2: float, eps: float,
+                    step: int, row_steps: Optional[Array] = None,
+                    num_threads: int = 1) -> None:
+        """torch.optim.SparseAdam on ``rows``.
+
+        ``step`` is the global step count (torch semantics). With ``row_steps`` ((R,)
+        int64), each row increments and bias-corrects with its own count instead.
+        """
+
+
+#: Names of the contract's functions, in declaration order.
+KERNEL_NAMES = ("dedup_sum", "gather_rows", "sgd_update", "adagrad_update",
+                "rowwise_adagrad_update", "adam_update")
