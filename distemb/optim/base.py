@@ -7,8 +7,11 @@ subclass's rule, to the rows' owner, which runs the fused rule in place
 placed the rows (:mod:`distemb.kvstore.types`): a host table sums in numpy, a GPU table
 on its GPU, a host table looked up onto a GPU on that GPU (only the sums come back), and
 a synchronous-exact cluster client pushes an empty update when there is nothing, so every
-trainer's step reaches the servers. ``step()`` consumes the trace: a second ``step()``
-without new lookups is a no-op.
+trainer's step reaches the servers. ``step()`` consumes the lookups whose backward has
+run: a second ``step()`` without new lookups is a no-op, and a lookup still waiting for
+its backward stays traced for the next one. ``zero_grad()`` drops gradients of earlier
+backward passes only, so it may sit anywhere in the loop (torch's idiom calls it between
+forward and backward).
 
 Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
 ``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
