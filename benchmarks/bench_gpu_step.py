@@ -1,34 +1,60 @@
-"""Fused GPU Adagrad step against torch.nn.Embedding(sparse=True) + torch.optim.Adagrad.
+"""The user's whole GPU training step: distemb on a GPU table against torch, with the floor.
 
-One step of each, on the same id batches and output gradients:
+For each optimizer (SGD, Adagrad, row-wise Adagrad, Adam) and each id distribution
+(zipf(1.1): skewed, duplicate-heavy; uniform), one step of each contender is:
 
-- fused (distemb.kernels.cuda): gather_rows (the forward lookup), dedup_sum, then one
-  in-place adagrad_update of the touched rows;
-- baseline: ``emb(ids)``, ``backward`` (builds the sparse gradient), ``opt.step()``
-  (coalesces it and updates weight and state).
+- distemb: ``rows = emb(ids)`` on ``DistEmbedding(rows, dim, device="cuda")``, a loss
+  ``(rows * upstream).sum()``, ``loss.backward()``, ``opt.step()`` (SparseSGD,
+  SparseAdagrad, SparseRowWiseAdagrad, SparseAdam);
+- torch (the baseline, used as its documentation says): ``opt.zero_grad()``, the same
+  loss on ``nn.Embedding(rows, dim, sparse=True).cuda()``, ``backward()``, ``opt.step()``
+  with torch.optim.SGD, Adagrad, Adagrad (torch has no row-wise Adagrad: the nearest
+  rule) and SparseAdam.
 
-Both tables are float32 on the GPU, measured one after the other so that only one pair of
-(table, state) occupies GPU memory (10M x 128 is 5.1 GB each). Reports the median step
-time over the repeats as rows/s and the fused/baseline ratio, for zipf and uniform ids.
+Both use the same id batches, upstream gradients and initial weights; each runs alone on
+the GPU (the other's tables freed), rounds of steps synchronised once per round, the
+median round quoted. Also measured in the same run: the kernels alone (gather; and
+dedup_sum_padded + the update, as a GPU table's step runs them: ``distemb.kernels.cuda``;
+target: at most 3x the gather), and the device copy bandwidth, from which the floor
+of a step is the bytes it must move (gather B rows in and out, read B gradient rows,
+read and write the U touched rows of the table and of each per-element state) over that
+bandwidth. Prints every time, the ratios torch/distemb and "% of floor" (floor / time).
 
-Usage:
+Usage (needs a CUDA GPU and the CUDA kernels built: ``python setup.py build_ext
+--inplace`` with nvcc on PATH):
     python benchmarks/bench_gpu_step.py [--rows 10000000] [--dim 128] [--batch 65536]
+        [--optimizers sgd,adagrad,rowwise_adagrad,adam] [--ids zipf,uniform] [--profile]
 """
 import argparse
 import statistics
 import sys
+import time
+from pathlib import Path
 
-import numpy as np
-import torch
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distemb.kernels import cuda
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-LR = 0.01
-EPS = 1e-10
+import distemb  # noqa: E402
+from distemb.kernels import cuda  # noqa: E402
+
+OPTIMIZERS = {
+    # name: (distemb optimizer, torch optimizer, per-element state tensors, per-row state)
+    "sgd": (lambda e: distemb.SparseSGD([e], lr=0.01),
+            lambda p: torch.optim.SGD(p, lr=0.01), 0, 0),
+    "adagrad": (lambda e: distemb.SparseAdagrad([e], lr=0.01),
+                lambda p: torch.optim.Adagrad(p, lr=0.01), 1, 0),
+    "rowwise_adagrad": (lambda e: distemb.SparseRowWiseAdagrad([e], lr=0.01),
+                        lambda p: torch.optim.Adagrad(p, lr=0.01), 0, 1),
+    "adam": (lambda e: distemb.SparseAdam([e], lr=0.001),
+             lambda p: torch.optim.SparseAdam(p, lr=0.001), 2, 0),
+}
 
 
 def make_batches(kind, rows, batch, count, seed, device):
-    """Id batches on the GPU: zipf (duplicate-heavy, skewed) or uniform."""
+    """Id batches on the GPU: zipf(1.1) (duplicate-heavy, skewed) or uniform."""
     rng = np.random.default_rng(seed)
     if kind == "zipf":
         ids = (rng.zipf(1.1, size=(count, batch)) - 1) % rows
@@ -37,56 +63,154 @@ def make_batches(kind, rows, batch, count, seed, device):
     return [torch.from_numpy(b.astype(np.int64)).to(device) for b in ids]
 
 
-def time_steps(step, batches, grads, warmup):
-    """Median seconds per call of step(ids, grads), each call synchronised."""
+def time_rounds(step, batches, rounds, per_round):
+    """Median seconds per step: rounds of ``per_round`` steps, synchronised per round."""
+    step(batches[0])  # warm-up: allocations, lazy imports, library load
+    torch.cuda.synchronize()
     times = []
-    for i, ids in enumerate(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(ids, grads)
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
+    for r in range(rounds):
+        start = time.perf_counter()
+        for i in range(per_round):
+            step(batches[(r * per_round + i) % len(batches)])
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / per_round)
     return statistics.median(times)
 
 
-def bench_fused(args, batches, grads, device):
-    """Median step time of gather + dedup + fused Adagrad on a fresh table."""
-    weight = torch.empty(args.rows, args.dim, device=device).uniform_(-0.01, 0.01)
-    state = torch.zeros_like(weight)
+def copy_bandwidth(device, nbytes=1 << 30, repeats=20):
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
 
-    def step(ids, out_grads):
-        cuda.gather_rows(weight, ids)
-        uniq, summed = cuda.dedup_sum(ids, out_grads, num_rows=args.rows)
-        cuda.adagrad_update(weight, state, uniq, summed, LR, EPS)
 
+def floor_seconds(batch, unique, dim, elem_states, row_states, bandwidth):
+    """Time to move the bytes every implementation of the step must move."""
+    row = dim * 4
+    gather = 2 * batch * row                   # read the looked-up rows, write the output
+    grads = batch * row                        # read every gradient row once
+    update = 2 * unique * (row * (1 + elem_states) + 4 * row_states)  # read + write
+    return (gather + grads + update) / bandwidth
+
+
+def free():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def bench_distemb(args, name, batches, upstream, w0):
+    make_opt = OPTIMIZERS[name][0]
+    ctx = distemb.DistContext.embedded(backend="pytorch")
     try:
-        return time_steps(step, batches, grads, args.warmup)
+        emb = distemb.DistEmbedding(args.rows, args.dim, name=f"bench-{name}", context=ctx,
+                                    device="cuda", init_func=lambda shape, dtype: w0.clone())
+        opt = make_opt(emb)
+
+        def step(ids):
+            loss = (emb(ids) * upstream).sum()
+            loss.backward()
+            opt.step()
+
+        seconds = time_rounds(step, batches, args.rounds, args.per_round)
+        if args.profile:
+            profile_steps(step, batches[:5])
+        return seconds
     finally:
-        step = weight = state = None  # drop the table before the next benchmark allocates
-        torch.cuda.empty_cache()
+        ctx.close()
+        free()
 
 
-def bench_torch(args, batches, grads, device):
-    """Median step time of torch.nn.Embedding(sparse=True) + torch.optim.Adagrad."""
-    emb = torch.nn.Embedding(args.rows, args.dim, sparse=True).to(device)
-    opt = torch.optim.Adagrad(emb.parameters(), lr=LR, eps=EPS)
+def profile_steps(step, batches):
+    """Print each GPU kernel's share of the device time of a few distemb steps."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for ids in batches:
+            step(ids)
+        torch.cuda.synchronize()
 
-    def step(ids, out_grads):
+    def device_us(evt):
+        return getattr(evt, "self_device_time_total", None) or \
+            getattr(evt, "self_cuda_time_total", 0)
+
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0]
+    total = sum(device_us(e) for e in kernels)
+    if not total:
+        print("    profile: no GPU kernel recorded")
+        return
+    print(f"    profile of {len(batches)} steps: {total / len(batches):.0f} us of GPU time "
+          "per step; kernels by share:")
+    for evt in sorted(kernels, key=device_us, reverse=True)[:8]:
+        print(f"    {device_us(evt) / total:6.1%} {device_us(evt) / len(batches):8.1f} us  "
+              f"{evt.key[:90]}")
+
+
+def bench_torch(args, name, batches, upstream, w0, device):
+    ref = torch.nn.Embedding(args.rows, args.dim, sparse=True).to(device)
+    with torch.no_grad():
+        ref.weight.copy_(w0)
+    opt = OPTIMIZERS[name][1](ref.parameters())
+
+    def step(ids):
         opt.zero_grad()
-        emb(ids).backward(out_grads)
+        loss = (ref(ids) * upstream).sum()
+        loss.backward()
         opt.step()
 
     try:
-        return time_steps(step, batches, grads, args.warmup)
+        return time_rounds(step, batches, args.rounds, args.per_round)
     finally:
-        step = emb = opt = None
-        torch.cuda.empty_cache()
+        del ref, opt
+        free()
+
+
+def bench_kernels(args, name, batches, upstream, w0):
+    """Gather alone, and gather + dedup + update, straight on distemb.kernels.cuda."""
+    weight = w0.clone()
+    elem_states, row_states = OPTIMIZERS[name][2:]
+    states = [torch.zeros_like(weight) for _ in range(elem_states)]
+    row_state = torch.zeros(args.rows, device=weight.device) if row_states else None
+    num_rows = args.rows
+
+    def gather(ids):
+        cuda.gather_rows(weight, ids)
+
+    def update(ids):
+        uniq, summed = cuda.dedup_sum_padded(ids, upstream, num_rows=num_rows)  # no wait
+        if name == "sgd":
+            cuda.sgd_update(weight, uniq, summed, 0.01)
+        elif name == "adagrad":
+            cuda.adagrad_update(weight, states[0], uniq, summed, 0.01, 1e-10)
+        elif name == "rowwise_adagrad":
+            cuda.rowwise_adagrad_update(weight, row_state, uniq, summed, 0.01, 1e-10)
+        else:
+            cuda.adam_update(weight, states[0], states[1], uniq, summed, 0.001, 0.9, 0.999,
+                             1e-8, 1)
+
+    try:
+        t_gather = time_rounds(gather, batches, args.rounds, args.per_round)
+        t_update = time_rounds(update, batches, args.rounds, args.per_round)
+        return t_gather, t_update
+    finally:
+        del weight, states, row_state
+        free()
+
+
+def gpu():
+    """The current CUDA device."""
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def main(argv=None):
-    """Run both steps on zipf and uniform ids and print rows/s and their ratio.
+    """Run every (optimizer, ids) case and print times, ratios and % of floor.
 
     Args:
         argv: command-line arguments (default: sys.argv[1:]).
@@ -98,26 +222,47 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=65_536)
-    parser.add_argument("--repeats", type=int, default=30, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--ids", default="zipf,uniform")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per case")
+    parser.add_argument("--per-round", type=int, default=10, help="steps per round")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 5 distemb steps per case: each kernel's share")
     args = parser.parse_args(argv)
+    names = [n for n in args.optimizers.split(",") if n]
+    unknown = sorted(set(names) - set(OPTIMIZERS))
+    if unknown:
+        parser.error(f"--optimizers: unknown {unknown}, expected some of {sorted(OPTIMIZERS)}")
     try:
         cuda.require_cuda()
     except cuda.CudaUnavailableError as exc:
-        sys.exit(f"bench_gpu_step: cannot run: {exc}")
-    device = torch.device("cuda", torch.cuda.current_device())
-    print(f"{torch.cuda.get_device_name(device)}: table {args.rows:,} x {args.dim} float32, "
-          f"batch {args.batch:,}, median of {args.repeats} steps")
-    grads = torch.randn(args.batch, args.dim, device=device)
-    for seed, kind in enumerate(("zipf", "uniform")):
-        batches = make_batches(kind, args.rows, args.batch, args.warmup + args.repeats, seed,
-                               device)
-        unique = statistics.mean(b.unique().numel() for b in batches) / args.batch
-        fused = bench_fused(args, batches, grads, device)
-        baseline = bench_torch(args, batches, grads, device)
-        print(f"{kind:>8} ids ({unique:.0%} unique): fused {args.batch / fused / 1e6:7.2f} M rows/s"
-              f" | torch Embedding+Adagrad {args.batch / baseline / 1e6:7.2f} M rows/s"
-              f" | ratio {baseline / fused:5.2f}x")
+        sys.exit(f"bench_gpu_step: cannot run without a usable GPU: {exc}")
+    device = gpu()
+    bandwidth = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: table "
+          f"{args.rows:,} x {args.dim} float32, batch {args.batch:,}; median of "
+          f"{args.rounds} rounds of {args.per_round} steps; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s")
+    print(f"{'optimizer':>16} {'ids':>8} {'uniq':>5} | {'distemb':>9} {'torch':>9} "
+          f"{'ratio':>6} {'floor':>8} {'%floor':>6} | {'gather':>8} {'dedup+upd':>9} "
+          f"{'x gather':>8}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    w0 = torch.empty(args.rows, args.dim, device=device).uniform_(-0.01, 0.01, generator=gen)
+    upstream = torch.randn(args.batch, args.dim, device=device, generator=gen)
+    for seed, kind in enumerate(k for k in args.ids.split(",") if k):
+        batches = make_batches(kind, args.rows, args.batch, args.rounds * args.per_round + 1,
+                               seed, device)
+        unique = statistics.mean(b.unique().numel() for b in batches)
+        for name in names:
+            ours = bench_distemb(args, name, batches, upstream, w0)
+            base = bench_torch(args, name, batches, upstream, w0, device)
+            t_gather, t_update = bench_kernels(args, name, batches, upstream, w0)
+            floor = floor_seconds(args.batch, unique, args.dim, *OPTIMIZERS[name][2:],
+                                  bandwidth)
+            print(f"{name:>16} {kind:>8} {unique / args.batch:5.0%} | {ours * 1e6:7.0f}us "
+                  f"{base * 1e6:7.0f}us {base / ours:5.2f}x {floor * 1e6:6.0f}us "
+                  f"{floor / ours:6.1%} | {t_gather * 1e6:6.0f}us {t_update * 1e6:7.0f}us "
+                  f"{t_update / t_gather:7.2f}x", flush=True)
     return 0
 
 

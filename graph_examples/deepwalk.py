@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    metavar="KEY=VALUE", help="extra loader argument, e.g. num_nodes=100000")
     p.add_argument("--backend", choices=BACKENDS, default="distemb",
                    help="embedding tables and optimizer")
+    p.add_argument("--device", default="cpu",
+                   help="where the tables live and the step runs: 'cpu' or a CUDA device "
+                   "('cuda', 'cuda:1'), for either backend")
     p.add_argument("--dim", type=int, default=128, help="embedding width")
     p.add_argument("--walk-length", type=int, default=20, help="nodes per walk")
     p.add_argument("--window", type=int, default=3, help="skip-gram window")
@@ -136,7 +139,7 @@ def train(graph, args) -> dict:
         'pairs', 'seconds' and 'phase_seconds' (sample, forward_backward, step).
     """
     tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
-                         args.table_name)
+                         args.table_name, args.device)
     batches = SkipGramBatches(graph, args.walk_length, args.window, args.num_walks,
                               args.negatives, args.batch_size, args.p, args.q, args.seed)
     total = -(-batches.pairs_per_epoch() // args.batch_size) * args.epochs
@@ -200,7 +203,8 @@ def main(argv=None) -> dict:
     result = train(graph, args)
     emb = result["embeddings"]
 
-    metrics = dict(dataset=dataset.name, backend=args.backend, nodes=graph.num_nodes(),
+    metrics = dict(dataset=dataset.name, backend=args.backend, device=args.device,
+                   nodes=graph.num_nodes(),
                    edges=dataset.graph.num_edges() // 2, dim=args.dim, epochs=args.epochs,
                    steps=result["steps"], pairs=result["pairs"],
                    train_seconds=round(result["seconds"], 2), load_seconds=round(load_s, 2),

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import distemb
+from distemb.kernels.cuda import CudaUnavailableError
 
 BACKENDS = ("distemb", "torch")
 
@@ -51,6 +52,7 @@ class TorchTables:
         dim: embedding width.
         lr: SparseAdam learning rate.
         seed: node-table initialisation seed.
+        device: where the tables live ('cpu' or a CUDA device); ids are moved there.
 
     Example:
         >>> tables = TorchTables(34, 8, lr=0.01)
@@ -58,18 +60,22 @@ class TorchTables:
         >>> loss.backward(); tables.step(); tables.zero_grad()
     """
 
-    def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0):
+    def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0,
+                 device: str = "cpu"):
+        self._device = torch.device(device)
         self._node = torch.nn.Embedding(num_nodes, dim, sparse=True,
                                         _weight=_node_init(dim, seed)((num_nodes, dim)))
         self._context = torch.nn.Embedding(num_nodes, dim, sparse=True,
                                            _weight=torch.zeros(num_nodes, dim))
+        self._node.to(self._device)
+        self._context.to(self._device)
         self._opt = torch.optim.SparseAdam([self._node.weight, self._context.weight], lr=lr)
 
     def node(self, ids):
-        return self._node(ids)
+        return self._node(ids.to(self._device))
 
     def context(self, ids):
-        return self._context(ids)
+        return self._context(ids.to(self._device))
 
     def step(self):
         self._opt.step()
@@ -78,7 +84,7 @@ class TorchTables:
         self._opt.zero_grad(set_to_none=True)
 
     def export(self):
-        return self._node.weight.detach().numpy().copy()
+        return self._node.weight.detach().cpu().numpy().copy()
 
 
 class DistembTables:
@@ -92,6 +98,8 @@ class DistembTables:
         name: table-name prefix. Tables of one name share storage (distemb reuses an
             existing table instead of initialising it), which trainers of one job
             need; None gives fresh, uniquely named tables, right for one process.
+        device: where the tables live: 'cpu' (host memory) or a CUDA device, where rows,
+            gradients and the fused updates stay (embedded mode only).
 
     Example:
         >>> tables = DistembTables(34, 8, lr=0.01)
@@ -100,13 +108,13 @@ class DistembTables:
     """
 
     def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0,
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, device: str = "cpu"):
         self._node = distemb.DistEmbedding(num_nodes, dim,
                                            name=name and f"{name}-node",
-                                           init_func=_node_init(dim, seed))
+                                           init_func=_node_init(dim, seed), device=device)
         self._context = distemb.DistEmbedding(
             num_nodes, dim, name=name and f"{name}-context",
-            init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+            init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype), device=device)
         self._opt = distemb.SparseAdam([self._node, self._context], lr=lr)
 
     def node(self, ids):
@@ -126,11 +134,11 @@ class DistembTables:
         with torch.no_grad():  # lookups under no_grad record no trace
             parts = [self._node(torch.arange(lo, min(lo + chunk, n)))
                      for lo in range(0, n, chunk)]
-        return torch.cat(parts).numpy().astype(np.float32, copy=False)
+        return torch.cat(parts).cpu().numpy().astype(np.float32, copy=False)
 
 
 def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0,
-                name: Optional[str] = None) -> SkipGramTables:
+                name: Optional[str] = None, device: str = "cpu") -> SkipGramTables:
     """Build skip-gram tables on a backend.
 
     Args:
@@ -140,6 +148,7 @@ def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0
         lr: learning rate, > 0.
         seed: node-table initialisation seed.
         name: distemb table-name prefix (see DistembTables); ignored by 'torch'.
+        device: where the tables live: 'cpu' or a CUDA device such as 'cuda'.
 
     Returns:
         A SkipGramTables implementation.
@@ -147,13 +156,18 @@ def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0
     Raises:
         ValueError: unknown backend, dim < 1 or lr <= 0.
         ImportError: backend 'distemb' without distemb installed.
+        CudaUnavailableError: a CUDA device was asked for where the CUDA kernels (or, for
+            'torch', torch's CUDA) cannot run; it says why.
     """
     if dim < 1:
         raise ValueError(f"dim: must be >= 1, got {dim}")
     if not lr > 0:
         raise ValueError(f"lr: must be > 0, got {lr}")
     if backend == "torch":
-        return TorchTables(num_nodes, dim, lr, seed)
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise CudaUnavailableError(f"device: {device!r} asked for, but torch "
+                                       f"{torch.__version__} sees no CUDA device")
+        return TorchTables(num_nodes, dim, lr, seed, device)
     if backend == "distemb":
-        return DistembTables(num_nodes, dim, lr, seed, name)
+        return DistembTables(num_nodes, dim, lr, seed, name, device)
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")

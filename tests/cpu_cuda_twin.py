@@ -7,12 +7,59 @@ place. A :class:`~distemb.kvstore.device.DeviceKVClient` on device 'cpu' with th
 ``ops`` runs every line of the GPU dispatch except the CUDA kernels themselves. It counts
 its calls, so a test can prove the device path (not the host one) ran. Test-only: it is
 not part of the package.
+
+``dedup_sum`` adds in the CUDA kernel's order, bit for bit (:func:`chunked_dedup_sum`):
+an id's rows in chunks of ``cuda.SUM_CHUNK``, each chunk in batch order, then the chunks'
+sums in chunk order. ``gather_rows_checked`` reads zeros for bad ids and records them in
+its flags, as the CUDA kernel does, so the deferred id check runs here too.
 """
 from collections import Counter
 
+import numpy as np
 import torch
 
-from distemb.kernels import reference
+from distemb.kernels import cuda, reference
+
+
+def chunked_dedup_sum(ids, grads, chunk=cuda.SUM_CHUNK, num_rows=None):
+    """Unique ids and summed rows, added in the order of the CUDA segment sum.
+
+    Args:
+        ids: (N,) int64 numpy ids.
+        grads: (N, D) float32 numpy rows.
+        chunk: rows per chunk (the CUDA kernel's ``SUM_CHUNK``).
+        num_rows: the table size, if given: ids outside [0, num_rows) count as num_rows.
+
+    Returns:
+        ``(uniq, summed)``: ascending unique ids and their (U, D) float32 sums, where a run
+        of c rows of one id (in batch order) is cut into ceil(c / chunk) chunks, each summed
+        left to right, and the chunks' sums are added left to right.
+    """
+    if num_rows is not None:
+        ids = np.where((ids < 0) | (ids >= num_rows), num_rows, ids)
+    order = np.argsort(ids, kind="stable")  # the radix sort is stable: batch order in a run
+    uniq, starts, counts = np.unique(ids[order], return_index=True, return_counts=True)
+    if uniq.shape[0] == 0:
+        return uniq.astype(np.int64), np.zeros((0, grads.shape[1]), np.float32)
+    rows = grads[order]
+    nch = (counts + chunk - 1) // chunk
+    first = np.cumsum(nch) - nch  # the first chunk of each run
+    run = np.repeat(np.arange(uniq.shape[0]), nch)
+    j = np.arange(run.shape[0]) - first[run]
+    begin = starts[run] + j * chunk
+    length = np.minimum(chunk, counts[run] - j * chunk)
+    partial = rows[begin]  # vectorised over chunks, sequential within each: row q is
+    for q in range(1, chunk):  # added to every chunk that has one, in row order
+        has = np.flatnonzero(length > q)
+        if has.size == 0:
+            break
+        partial[has] += rows[begin[has] + q]
+    summed = partial[first]
+    multi = np.flatnonzero(nch > 1)
+    for c in range(1, int(nch.max())):  # then the chunks of each run, in chunk order
+        multi = multi[nch[multi] > c]
+        summed[multi] += partial[first[multi] + c]
+    return uniq.astype(np.int64), summed.astype(np.float32, copy=False)
 
 
 def _tensor(name, t, dtype, ndim):
@@ -26,6 +73,16 @@ def _tensor(name, t, dtype, ndim):
     return t.numpy()
 
 
+def _in_table(weight, rows, grads):
+    """The rows (and their gradients) inside the table: the CUDA updates skip the others."""
+    rows_np = _tensor("rows", rows, torch.int64, 1)
+    grads_np = _tensor("grads", grads, torch.float32, 2)
+    inside = (rows_np >= 0) & (rows_np < weight.shape[0])
+    if inside.all():
+        return rows_np, grads_np
+    return rows_np[inside], grads_np[inside]
+
+
 class CpuCudaTwin:
     """The kernels.cuda functions on CPU torch tensors (see the module docstring)."""
 
@@ -36,12 +93,30 @@ class CpuCudaTwin:
         self.calls["dedup_sum"] += 1
         ids_np = _tensor("ids", ids, torch.int64, 1)
         grads_np = _tensor("grads", grads, torch.float32, 2)
-        if num_rows is not None and ids_np.size and ids_np.max() >= num_rows:
-            raise ValueError(f"ids: {ids_np.max()} >= num_rows {num_rows}")
-        out_np = None if out is None else _tensor("out", out, torch.float32, 2)
-        uniq, summed = reference.dedup_sum(ids_np, grads_np, out=out_np)
-        return torch.from_numpy(uniq), (torch.from_numpy(summed) if out is None
-                                        else out[:uniq.shape[0]])
+        if out is not None:
+            _tensor("out", out, torch.float32, 2)
+            if out.shape[0] < ids_np.shape[0] or out.shape[1] != grads_np.shape[1]:
+                raise ValueError(f"out: expected a (>= {ids_np.shape[0]}, "
+                                 f"{grads_np.shape[1]}) tensor, got {tuple(out.shape)}")
+        uniq, summed = chunked_dedup_sum(ids_np, grads_np, num_rows=num_rows)
+        if out is None:
+            return torch.from_numpy(uniq), torch.from_numpy(summed)
+        out[:uniq.shape[0]] = torch.from_numpy(summed)
+        return torch.from_numpy(uniq), out[:uniq.shape[0]]
+
+    def dedup_sum_padded(self, ids, grads, num_rows, out=None, num_threads=1):
+        self.calls["dedup_sum_padded"] += 1
+        if num_rows is None:
+            raise ValueError("num_rows: expected the table size (>= 1), got None")
+        uniq, summed = self.dedup_sum(ids, grads, num_rows=num_rows, out=out)
+        self.calls["dedup_sum"] -= 1
+        n, u = ids.shape[0], uniq.shape[0]
+        padded_ids = torch.full((n,), num_rows, dtype=torch.int64)
+        padded_ids[:u] = uniq
+        padded = torch.zeros((n, grads.shape[1]), dtype=torch.float32) if out is None \
+            else out[:n]
+        padded[:u] = summed
+        return padded_ids, padded
 
     def gather_rows(self, table, rows, out=None, num_threads=1):
         self.calls["gather_rows"] += 1
@@ -52,33 +127,49 @@ class CpuCudaTwin:
                               _tensor("out", out, torch.float32, 2))
         return out
 
+    def gather_rows_checked(self, table, rows, flags, out=None, num_threads=1):
+        self.calls["gather_rows_checked"] += 1
+        table_np = _tensor("table", table, torch.float32, 2)
+        rows_np = _tensor("rows", rows, torch.int64, 1)
+        flags_np = _tensor("flags", flags, torch.int64, 1)
+        if out is None:
+            out = torch.empty((rows.shape[0], table.shape[1]), dtype=torch.float32)
+        out_np = _tensor("out", out, torch.float32, 2)
+        bad = (rows_np < 0) | (rows_np >= table_np.shape[0])
+        reference.gather_rows(table_np, np.where(bad, 0, rows_np), out_np)
+        if bad.any():
+            out_np[bad] = 0
+            flags_np[0] += int(bad.sum())
+            flags_np[1] = min(flags_np[1], rows_np[bad].min())
+            flags_np[2] = max(flags_np[2], rows_np[bad].max())
+        return out
+
     def sgd_update(self, weight, rows, grads, lr, num_threads=1):
         self.calls["sgd_update"] += 1
-        reference.sgd_update(_tensor("weight", weight, torch.float32, 2),
-                             _tensor("rows", rows, torch.int64, 1),
-                             _tensor("grads", grads, torch.float32, 2), lr)
+        w = _tensor("weight", weight, torch.float32, 2)
+        rows_np, grads_np = _in_table(w, rows, grads)
+        reference.sgd_update(w, rows_np, grads_np, lr)
 
     def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
         self.calls["adagrad_update"] += 1
-        reference.adagrad_update(_tensor("weight", weight, torch.float32, 2),
-                                 _tensor("state_sum", state_sum, torch.float32, 2),
-                                 _tensor("rows", rows, torch.int64, 1),
-                                 _tensor("grads", grads, torch.float32, 2), clr, eps)
+        w = _tensor("weight", weight, torch.float32, 2)
+        rows_np, grads_np = _in_table(w, rows, grads)
+        reference.adagrad_update(w, _tensor("state_sum", state_sum, torch.float32, 2),
+                                 rows_np, grads_np, clr, eps)
 
     def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
         self.calls["rowwise_adagrad_update"] += 1
-        reference.rowwise_adagrad_update(_tensor("weight", weight, torch.float32, 2),
-                                         _tensor("state_sum", state_sum, torch.float32, 1),
-                                         _tensor("rows", rows, torch.int64, 1),
-                                         _tensor("grads", grads, torch.float32, 2), clr, eps)
+        w = _tensor("weight", weight, torch.float32, 2)
+        rows_np, grads_np = _in_table(w, rows, grads)
+        reference.rowwise_adagrad_update(w, _tensor("state_sum", state_sum, torch.float32, 1),
+                                         rows_np, grads_np, clr, eps)
 
     def adam_update(self, weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
                     step, row_steps=None, num_threads=1):
         self.calls["adam_update"] += 1
         steps = None if row_steps is None else _tensor("row_steps", row_steps, torch.int64, 1)
-        reference.adam_update(_tensor("weight", weight, torch.float32, 2),
-                              _tensor("exp_avg", exp_avg, torch.float32, 2),
+        w = _tensor("weight", weight, torch.float32, 2)
+        rows_np, grads_np = _in_table(w, rows, grads)
+        reference.adam_update(w, _tensor("exp_avg", exp_avg, torch.float32, 2),
                               _tensor("exp_avg_sq", exp_avg_sq, torch.float32, 2),
-                              _tensor("rows", rows, torch.int64, 1),
-                              _tensor("grads", grads, torch.float32, 2), lr, beta1, beta2,
-                              eps, step, row_steps=steps)
+                              rows_np, grads_np, lr, beta1, beta2, eps, step, row_steps=steps)

@@ -122,8 +122,8 @@ def test_device_path_matches_torch_oracle(ctx, twin, case, dim):
     rule_kernel = {"sgd": "sgd_update", "rowwise_adagrad": "rowwise_adagrad_update"}.get(
         case, "adam_update" if case.startswith("adam-") or case == "adam" else "adagrad_update")
     # every step summed and updated through the device client's kernels, not the host's
-    assert twin.calls["dedup_sum"] == 50 and twin.calls[rule_kernel] == 50
-    assert twin.calls["gather_rows"] >= 100
+    assert twin.calls["dedup_sum_padded"] == 50 and twin.calls[rule_kernel] == 50
+    assert twin.calls["gather_rows_checked"] >= 100  # lookups validate ids on the device
 
 
 @pytest.mark.parametrize("case", ["sgd", "adagrad", "adam-per-row"])
@@ -161,8 +161,14 @@ def test_device_table_lives_in_one_tensor_of_its_client(ctx, twin):
     rows = emb(torch.tensor([[5, 0], [5, 5]]))
     assert rows.shape == (2, 2, 3) and rows.requires_grad
     assert isinstance(emb.trace[0][0], torch.Tensor) and emb.trace[0][0].dtype == torch.int64
+    # Ids are validated on the device and reported by a later call, never by a wait.
+    emb(torch.tensor([1, 6, -2]))
+    with pytest.raises(PartitionError, match=r"ids of 'dev' .*: 2 out of range, from -2 to 6 "
+                                             r"\(expected 0 <= id < 6\)"):
+        emb(torch.tensor([1]))  # the twin's flags land at once, so the next lookup reports
+    emb.reset_trace()
     with pytest.raises(PartitionError, match="id 6 is out of range.*0 <= id < 6"):
-        emb(torch.tensor([1, 6]))
+        emb.weight[torch.tensor([1, 6])] = torch.ones(2, 3)  # writes check at once
     with pytest.raises(TypeError, match="ids: expected an integer tensor"):
         emb(torch.tensor([1.0]))
     ctx.close()
@@ -208,7 +214,7 @@ def test_lookup_on_another_device_sums_on_the_table_device(ctx, twin):
     assert rows.device.type == "cpu"
     rows.sum().backward()
     opt.step()
-    assert twin.calls["dedup_sum"] == 1 and twin.calls["adagrad_update"] == 1
+    assert twin.calls["dedup_sum_padded"] == 1 and twin.calls["adagrad_update"] == 1
     assert emb.weight[torch.tensor([0, 1, 3])][:, 0].tolist() == pytest.approx([0, -1, -1])
 
 

@@ -57,12 +57,21 @@ def test_built_library_exports_exactly_the_api():
 def test_error_codes_reach_python():
     lib = _built_library()
     # Sizes are checked before any device is touched, so this runs without a GPU.
-    code = lib.distemb_cuda_sgd_update(None, 0, None, None, 1, 0.1, 0, None)
+    code = lib.distemb_cuda_sgd_update(None, 10, 0, None, None, 1, 0.1, 0, None)
     assert code == CUDA_INVALID_VALUE
+    assert lib.distemb_cuda_sgd_update(None, -1, 4, None, None, 1, 0.1, 0,
+                                       None) == CUDA_INVALID_VALUE
+    assert lib.distemb_cuda_gather_rows_checked(None, 10, 0, None, 1, None, None, 0,
+                                                None) == CUDA_INVALID_VALUE
     nbytes = ctypes.c_size_t(0)
     for end_bit in (0, 65):
-        assert lib.distemb_cuda_dedup_workspace_bytes(10, end_bit, ctypes.byref(nbytes),
+        assert lib.distemb_cuda_dedup_workspace_bytes(10, 4, end_bit, ctypes.byref(nbytes),
                                                       0) == CUDA_INVALID_VALUE
+    assert lib.distemb_cuda_dedup_workspace_bytes(10, -1, 64, ctypes.byref(nbytes),
+                                                  0) == CUDA_INVALID_VALUE
+    # ids outside a 1024-row table sort as the key 1024, which 10 bits cannot hold
+    assert lib.distemb_cuda_dedup_sort(None, 10, 4, 1024, 10, None, 0, None, None, 0,
+                                       None) == CUDA_INVALID_VALUE
     with pytest.raises(cuda.CudaKernelError, match="distemb_cuda_sgd_update.*invalid argument"):
         cuda.check_status(lib, "distemb_cuda_sgd_update", code)
 
@@ -117,7 +126,10 @@ def _cpu_calls():
     w, rows, g = torch.zeros(4, 2), torch.tensor([0, 2]), torch.ones(2, 2)
     return {
         "dedup_sum": lambda: cuda.dedup_sum(rows, g),
+        "dedup_sum_padded": lambda: cuda.dedup_sum_padded(rows, g, num_rows=4),
         "gather_rows": lambda: cuda.gather_rows(w, rows),
+        "gather_rows_checked": lambda: cuda.gather_rows_checked(
+            w, rows, torch.tensor(cuda.CLEAN_ID_FLAGS)),
         "sgd_update": lambda: cuda.sgd_update(w, rows, g, 0.1),
         "adagrad_update": lambda: cuda.adagrad_update(w, torch.zeros(4, 2), rows, g, 0.1, 1e-10),
         "rowwise_adagrad_update":
@@ -142,6 +154,13 @@ def test_cpu_tensors_are_rejected(name):
      ValueError, "num_rows: expected >= 1"),
     (lambda: cuda.gather_rows(torch.ones(4, 3).t(), torch.tensor([0])),
      ValueError, "table: expected a contiguous tensor"),
+    (lambda: cuda.gather_rows_checked(torch.ones(4, 3), torch.tensor([0]),
+                                      torch.zeros(2, dtype=torch.int64)),
+     ValueError, r"flags: expected shape \(3,\), got \(2,\)"),
+    (lambda: cuda.dedup_sum_padded(torch.tensor([1, 2]), torch.ones(2, 3), None),
+     ValueError, "num_rows: expected the table size"),
+    (lambda: cuda.dedup_sum(torch.tensor([1, 2]), torch.ones(2, 3), out=torch.ones(1, 3)),
+     ValueError, r"out: expected a \(>= 2, 3\) tensor, got \(1, 3\)"),
     (lambda: cuda.sgd_update([[0.0]], torch.tensor([0]), torch.ones(1, 1), 0.1),
      TypeError, "weight: expected a torch.Tensor, got list"),
     (lambda: cuda.rowwise_adagrad_update(torch.ones(4, 2), torch.ones(4, 2), torch.tensor([0]),

@@ -106,3 +106,37 @@ def test_distemb_deepwalk_beats_random_embeddings_by_a_wide_margin(tmp_path):
     chance = node_classification(rand, ds, "test").micro_f1
     assert chance < 0.4, f"random embeddings should be near chance (0.25), got {chance}"
     assert metrics["test_micro_f1"] > chance + 0.4, (metrics["test_micro_f1"], chance)
+
+
+@pytest.fixture
+def cuda_twin(monkeypatch):
+    """Make device='cuda' give distemb tables on the CPU running the CUDA kernels' twin."""
+    from cpu_cuda_twin import CpuCudaTwin
+    from distemb.kvstore import device as device_kv
+
+    ops = CpuCudaTwin()
+    monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(device_kv.DeviceKVClient, "ops", ops)
+    return ops
+
+
+def test_device_cuda_runs_the_device_path_and_matches_torch(tmp_path, cuda_twin):
+    """--device cuda through the CUDA twin: the GPU code path, the same embeddings."""
+    main(FAST + ["--backend", "torch", "--out", str(tmp_path / "torch")])
+    metrics = main(FAST + ["--device", "cuda", "--out", str(tmp_path / "gpu")])
+    assert metrics["device"] == "cuda"
+    assert cuda_twin.calls["dedup_sum_padded"] == 2 * metrics["steps"]  # node and context tables
+    assert cuda_twin.calls["adam_update"] == 2 * metrics["steps"]
+    a = np.load(tmp_path / "torch" / "embeddings.npy")
+    b = np.load(tmp_path / "gpu" / "embeddings.npy")
+    assert np.abs(a - b).max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "distemb"])
+def test_device_cuda_without_a_gpu_says_why(backend):
+    from distemb.kernels import cuda
+
+    if cuda.cuda_available():
+        pytest.skip("a usable GPU is present here, so the no-GPU error cannot be provoked")
+    with pytest.raises(cuda.CudaUnavailableError, match="CUDA"):
+        make_tables(backend, 10, 4, 0.1, device="cuda")

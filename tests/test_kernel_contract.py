@@ -54,3 +54,22 @@ def test_a_drifted_twin_is_caught(monkeypatch):
     monkeypatch.setattr(reference, "adagrad_update", adagrad_update)
     with pytest.raises(AssertionError, match="reference.adagrad_update drifted"):
         test_signature_matches_the_contract("reference", "adagrad_update")
+
+
+DEVICE_IMPLS = {"cuda": cuda, "cpu_cuda_twin": CpuCudaTwin()}
+
+
+def test_device_protocol_lists_its_kernels():
+    declared = [n for n, v in vars(ops.DeviceKernelOps).items()
+                if callable(v) and not n.startswith("_")]
+    assert tuple(declared) == ops.DEVICE_KERNEL_NAMES
+
+
+@pytest.mark.parametrize("impl", sorted(DEVICE_IMPLS))
+@pytest.mark.parametrize("name", ops.DEVICE_KERNEL_NAMES)
+def test_device_kernels_match_their_contract(impl, name):
+    want = shape_of(getattr(ops.DeviceKernelOps, name), drop_self=True)
+    assert shape_of(getattr(DEVICE_IMPLS[impl], name)) == want, (
+        f"{impl}.{name} drifted from distemb/kernels/ops.py")
+    assert isinstance(DEVICE_IMPLS[impl], ops.DeviceKernelOps)
+    assert not isinstance(reference, ops.DeviceKernelOps)  # the check can fail

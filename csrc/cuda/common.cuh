@@ -12,6 +12,10 @@ namespace distemb {
 
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
+// Rows per chunk of the segment sum (dedup.cu): a run of an id's rows is summed in chunks
+// of this many, in parallel, then the chunks' sums in chunk order. Exported through
+// distemb_cuda_sum_chunk_rows so that the tests' CPU twin sums in the same order.
+constexpr int kSumChunk = 32;
 // Grid-stride loops cover any size; more blocks than this only adds scheduling cost.
 constexpr int64_t kMaxBlocks = 1 << 16;
 

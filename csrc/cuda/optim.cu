@@ -10,21 +10,31 @@
 namespace distemb {
 namespace {
 
-// Rows are unique, so no two threads touch the same address.
-__global__ void sgd_kernel(float* weight, int64_t d, const int64_t* rows, const float* grads,
-                           int64_t n, int lanes, float lr) {
+// Rows are unique, so no two threads touch the same address. A row outside
+// [0, num_rows) is skipped, never written: ids are validated on the device without
+// stopping the stream (gather_rows_checked), so a bad one may reach an update before the
+// host has reported it, and must not write outside the table.
+__device__ inline bool out_of_table(int64_t r, int64_t num_rows) {
+  return r < 0 || r >= num_rows;
+}
+
+__global__ void sgd_kernel(float* weight, int64_t num_rows, int64_t d, const int64_t* rows,
+                           const float* grads, int64_t n, int lanes, float lr) {
   const int lane = threadIdx.x % lanes;
   for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    if (out_of_table(rows[i], num_rows)) continue;
     float* w = weight + rows[i] * d;
     const float* g = grads + i * d;
     for (int64_t j = lane; j < d; j += lanes) w[j] = w[j] - lr * g[j];
   }
 }
 
-__global__ void adagrad_kernel(float* weight, float* state_sum, int64_t d, const int64_t* rows,
-                               const float* grads, int64_t n, int lanes, float clr, float eps) {
+__global__ void adagrad_kernel(float* weight, float* state_sum, int64_t num_rows, int64_t d,
+                               const int64_t* rows, const float* grads, int64_t n, int lanes,
+                               float clr, float eps) {
   const int lane = threadIdx.x % lanes;
   for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    if (out_of_table(rows[i], num_rows)) continue;
     const int64_t base = rows[i] * d;
     const float* g = grads + i * d;
     for (int64_t j = lane; j < d; j += lanes) {
@@ -36,12 +46,13 @@ __global__ void adagrad_kernel(float* weight, float* state_sum, int64_t d, const
 }
 
 // One warp per row: the row's accumulator needs a reduction over the row first.
-__global__ void rowwise_adagrad_kernel(float* weight, float* state_sum, int64_t d,
-                                       const int64_t* rows, const float* grads, int64_t n,
-                                       float clr, float eps) {
+__global__ void rowwise_adagrad_kernel(float* weight, float* state_sum, int64_t num_rows,
+                                       int64_t d, const int64_t* rows, const float* grads,
+                                       int64_t n, float clr, float eps) {
   const int lane = threadIdx.x % kWarp;
   for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
     const int64_t r = rows[i];
+    if (out_of_table(r, num_rows)) continue;  // the whole warp: it shares the row
     const float* g = grads + i * d;
     float acc = 0.0f;
     for (int64_t j = lane; j < d; j += kWarp) acc += g[j] * g[j];
@@ -60,15 +71,17 @@ __device__ __host__ inline float adam_step_size(double lr, double beta1, double 
 }
 
 // One warp per row, so a row's step count is read and bumped once (by lane 0).
-__global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq, int64_t d,
-                            const int64_t* rows, const float* grads, int64_t n, double lr,
-                            double beta1, double beta2, float eps, float global_step_size,
+__global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq,
+                            int64_t num_rows, int64_t d, const int64_t* rows,
+                            const float* grads, int64_t n, double lr, double beta1,
+                            double beta2, float eps, float global_step_size,
                             int64_t* row_steps) {
   const int lane = threadIdx.x % kWarp;
   // 1 - beta in double, then rounded, as torch (and the CPU kernels) compute it.
   const float omb1 = static_cast<float>(1.0 - beta1), omb2 = static_cast<float>(1.0 - beta2);
   for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
     const int64_t r = rows[i];
+    if (out_of_table(r, num_rows)) continue;  // the whole warp: it shares the row
     float step_size = global_step_size;
     if (row_steps != nullptr) {
       if (lane == 0) {
@@ -93,7 +106,7 @@ __global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq, in
   }
 }
 
-bool bad_sizes(int64_t d, int64_t n) { return n < 0 || d <= 0; }
+bool bad_sizes(int64_t num_rows, int64_t d, int64_t n) { return num_rows < 0 || n < 0 || d <= 0; }
 
 }  // namespace
 }  // namespace distemb
@@ -103,49 +116,50 @@ using distemb::blocks_for;
 using distemb::kThreads;
 using distemb::kWarp;
 
-DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t d, const int64_t* rows,
-                                        const float* grads, int64_t n, float lr, int device,
-                                        void* stream) {
-  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t num_rows, int64_t d,
+                                        const int64_t* rows, const float* grads, int64_t n,
+                                        float lr, int device, void* stream) {
+  if (distemb::bad_sizes(num_rows, d, n)) return cudaErrorInvalidValue;
   DISTEMB_TRY(cudaSetDevice(device));
   if (n == 0) return cudaSuccess;
   const int lanes = distemb::lanes_per_row(d);
   distemb::sgd_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
-      weight, d, rows, grads, n, lanes, lr);
+      weight, num_rows, d, rows, grads, n, lanes, lr);
   return cudaGetLastError();
 }
 
-DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int64_t d,
-                                            const int64_t* rows, const float* grads,
+DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int64_t num_rows,
+                                            int64_t d, const int64_t* rows, const float* grads,
                                             int64_t n, float clr, float eps, int device,
                                             void* stream) {
-  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  if (distemb::bad_sizes(num_rows, d, n)) return cudaErrorInvalidValue;
   DISTEMB_TRY(cudaSetDevice(device));
   if (n == 0) return cudaSuccess;
   const int lanes = distemb::lanes_per_row(d);
   distemb::adagrad_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
-      weight, state_sum, d, rows, grads, n, lanes, clr, eps);
+      weight, state_sum, num_rows, d, rows, grads, n, lanes, clr, eps);
   return cudaGetLastError();
 }
 
-DISTEMB_API int distemb_cuda_rowwise_adagrad_update(float* weight, float* state_sum, int64_t d,
+DISTEMB_API int distemb_cuda_rowwise_adagrad_update(float* weight, float* state_sum,
+                                                    int64_t num_rows, int64_t d,
                                                     const int64_t* rows, const float* grads,
                                                     int64_t n, float clr, float eps,
                                                     int device, void* stream) {
-  if (distemb::bad_sizes(d, n)) return cudaErrorInvalidValue;
+  if (distemb::bad_sizes(num_rows, d, n)) return cudaErrorInvalidValue;
   DISTEMB_TRY(cudaSetDevice(device));
   if (n == 0) return cudaSuccess;
   distemb::rowwise_adagrad_kernel<<<blocks_for(n * kWarp), kThreads, 0, as_stream(stream)>>>(
-      weight, state_sum, d, rows, grads, n, clr, eps);
+      weight, state_sum, num_rows, d, rows, grads, n, clr, eps);
   return cudaGetLastError();
 }
 
 DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* exp_avg_sq,
-                                         int64_t d, const int64_t* rows, const float* grads,
-                                         int64_t n, double lr, double beta1, double beta2,
-                                         double eps, int64_t step, int64_t* row_steps,
-                                         int device, void* stream) {
-  if (distemb::bad_sizes(d, n) || (row_steps == nullptr && step < 1)) {
+                                         int64_t num_rows, int64_t d, const int64_t* rows,
+                                         const float* grads, int64_t n, double lr, double beta1,
+                                         double beta2, double eps, int64_t step,
+                                         int64_t* row_steps, int device, void* stream) {
+  if (distemb::bad_sizes(num_rows, d, n) || (row_steps == nullptr && step < 1)) {
     return cudaErrorInvalidValue;
   }
   DISTEMB_TRY(cudaSetDevice(device));
@@ -155,7 +169,7 @@ DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* e
           ? distemb::adam_step_size(lr, beta1, beta2, static_cast<double>(step))
           : 0.0f;
   distemb::adam_kernel<<<blocks_for(n * kWarp), kThreads, 0, as_stream(stream)>>>(
-      weight, exp_avg, exp_avg_sq, d, rows, grads, n, lr, beta1, beta2,
+      weight, exp_avg, exp_avg_sq, num_rows, d, rows, grads, n, lr, beta1, beta2,
       static_cast<float>(eps), global_step_size, row_steps);
   return cudaGetLastError();
 }

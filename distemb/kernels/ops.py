@@ -79,3 +79,47 @@ class KernelOps(Protocol):
 #: Names of the contract's functions, in declaration order.
 KERNEL_NAMES = ("dedup_sum", "gather_rows", "sgd_update", "adagrad_update",
                 "rowwise_adagrad_update", "adam_update")
+
+
+@runtime_checkable
+class DeviceKernelOps(KernelOps, Protocol):
+    """The kernels of tables on a device: the contract, plus two that never wait for it.
+
+    Implementations: :mod:`distemb.kernels.cuda` and the tests' CPU stand-in of it. Rows
+    passed to the updates may also lie outside the table: those are skipped (the device
+    client never waits to range-check ids, see :mod:`distemb.kvstore.device`).
+
+    Example:
+        >>> from distemb.kernels import cuda
+        >>> isinstance(cuda, DeviceKernelOps)
+        True
+    """
+
+    def dedup_sum_padded(self, ids: GlobalIds, grads: Rows, num_rows: int,
+                         out: Optional[Rows] = None, num_threads: int = 1
+                         ) -> Tuple[Array, Rows]:
+        """``dedup_sum`` without learning the unique count U on the host.
+
+        Args:
+            ids: (N,) int64 ids; those outside [0, num_rows) are summed as ``num_rows``.
+            grads: (N, D) float32, one row per id.
+            num_rows: the table size, >= 1.
+            out: a reusable (M >= N, D) float32 buffer for the sums.
+            num_threads: ignored on a device.
+
+        Returns:
+            ``(uniq, summed)``: (N,) int64, the U unique ids ascending then ``num_rows``
+            in every unused slot, and (N, D) float32 whose unused rows are unspecified.
+        """
+
+    def gather_rows_checked(self, table: Rows, rows: GlobalIds, flags: Array,
+                            out: Optional[Rows] = None, num_threads: int = 1) -> Rows:
+        """``gather_rows`` where ids outside the table read zeros and are counted.
+
+        ``flags`` ((3,) int64: count, smallest, largest of the bad ids, starting at
+        ``cuda.CLEAN_ID_FLAGS``) is updated in place, on the device, without a wait.
+        """
+
+
+#: Names of the device kernels beyond the contract, in declaration order.
+DEVICE_KERNEL_NAMES = ("dedup_sum_padded", "gather_rows_checked")

@@ -15,6 +15,17 @@ gradients never leave the GPU. Arrays crossing this client are torch tensors on 
 device (ids int64), where host clients use numpy. Embedded only: a server process holds
 numpy shards and never imports torch.
 
+No step waits for the device. Ids are validated there without stopping the stream: a
+lookup's gather reads zeros for an out-of-range id and records it in the table's flags
+(count, smallest, largest), which are copied to pinned host memory behind the gather.
+The client reports them (a :class:`~distemb.errors.PartitionError` naming the table and
+the range of the bad ids) at its next lookup or ``push_update`` (``opt.step()``) of the
+table that finds the copy landed; that call then does nothing. Until then a bad id is
+harmless: the dedup sums it apart from every valid id, and the update kernels skip rows
+outside the table. Gradients arrive from ``dedup_sum_padded``: all N slots, the unused
+ones holding an id outside the table, so the host never needs the unique count. Writes
+(``t[ids] = v``) are rare and check their ids at once.
+
 This module imports torch; :mod:`distemb.kvstore` does not import it, so servers never
 load it (the context imports it when a table asks for a device).
 
@@ -61,6 +72,65 @@ def cuda_device(device):
     return torch.device("cuda", index)
 
 
+class IdCheck:
+    """Out-of-range ids seen by one table's device lookups, read back without waiting.
+
+    Args:
+        device: the table's ``torch.device``.
+        num_rows: the table's rows (valid ids are in [0, num_rows)).
+        what: how the error names the ids, e.g. ``"ids of 'emb'"``.
+
+    Example:
+        >>> check = IdCheck(torch.device("cpu"), 10, "ids of 't'")
+        >>> check.flags[:] = torch.tensor([2, -1, 12])  # what a gather recorded
+        >>> check.raise_seen(wait=True)
+        Traceback (most recent call last):
+        ...
+        distemb.errors.PartitionError: ids of 't': 2 out of range, from -1 to 12 ...
+    """
+
+    def __init__(self, device, num_rows, what):
+        self.num_rows, self.what = num_rows, what
+        self.flags = torch.tensor(cuda.CLEAN_ID_FLAGS, dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            self._host = torch.empty(3, dtype=torch.int64, pin_memory=True)
+            self._landed = torch.cuda.Event()
+        else:  # host memory already: nothing to copy or wait for
+            self._host, self._landed = self.flags, None
+
+    def recorded(self):
+        """Enqueue the copy of the flags to the host, behind the kernel that wrote them."""
+        if self._landed is not None:
+            self._host.copy_(self.flags, non_blocking=True)
+            self._landed.record()
+
+    def raise_seen(self, wait):
+        """Raise if the flags that reached the host show bad ids, and clear them.
+
+        Args:
+            wait: wait for the last copy (free right after the device was waited for);
+                otherwise look only if it has already landed.
+
+        Raises:
+            PartitionError: bad ids were seen: their count and range, and what happened.
+        """
+        if self._landed is not None:
+            if wait:
+                self._landed.synchronize()
+            elif not self._landed.query():
+                return
+        count, low, high = self._host.tolist()
+        if count == 0:
+            return
+        self.flags.copy_(torch.tensor(cuda.CLEAN_ID_FLAGS, dtype=torch.int64))
+        if self._host is not self.flags:
+            self._host.copy_(self.flags.cpu())
+        raise PartitionError(
+            f"{self.what}: {count} out of range, from {low} to {high} (expected 0 <= id < "
+            f"{self.num_rows}); found on the device in lookups since the last check: those "
+            "rows read as zeros and are never updated, and this call did nothing")
+
+
 class DeviceKVClient(KVClient):
     """Embedded KVClient holding each table as one torch tensor on ``device``.
 
@@ -100,6 +170,7 @@ class DeviceKVClient(KVClient):
             cuda.require_cuda()
         self._tables = {}
         self._meta = {}
+        self._checks = {}
 
     def init_data(self, name, shape, dtype, policy, init_func=None):
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard.
@@ -114,6 +185,8 @@ class DeviceKVClient(KVClient):
                                f"{policy.get_size()} ids, but shape[0] is {shape[0]}")
         self._tables[name] = self._initial(name, shape, dtype, policy, init_func)
         self._meta[name] = DataMeta(shape, dtype, policy)
+        self._checks[name] = IdCheck(self.device, shape[0],
+                                     f"ids of {name!r} ({policy.policy_str})")
 
     def _initial(self, name, shape, dtype, policy, init_func):
         tdtype = getattr(torch, dtype)
@@ -138,6 +211,7 @@ class DeviceKVClient(KVClient):
     def delete_data(self, name):
         self._meta.pop(name, None)
         self._tables.pop(name, None)
+        self._checks.pop(name, None)
 
     def _meta_of(self, name):
         self._table(name)  # raises the unknown-name error
@@ -151,15 +225,39 @@ class DeviceKVClient(KVClient):
                                f"(known: {sorted(self._meta)[:10]})") from None
 
     def pull(self, name, ids):
-        """Rows ``ids`` (int64 tensor on the device) of ``name``, a new tensor there."""
-        table = self._table(name)
+        """Rows ``ids`` (int64 tensor on the device) of ``name``, a new tensor there.
+
+        Ids are validated on the device (see the module docstring): an out-of-range id
+        reads zeros and is reported by a later call, never by a wait here.
+
+        Raises:
+            PartitionError: an earlier lookup of ``name`` had ids out of range.
+        """
+        table, check = self._table(name), self._checks[name]
+        check.raise_seen(wait=False)
         if table.dtype == torch.float32 and table.dim() == 2:
-            return self.ops.gather_rows(table, ids)
+            rows = self.ops.gather_rows_checked(table, ids, check.flags)
+            check.recorded()
+            return rows
+        self._check_now(name, ids)  # other tables: index_select would fault on a bad id
         return table.index_select(0, ids)
 
+    def _check_now(self, name, ids):
+        """Range-check ``ids`` of ``name`` here and now (one wait for the device)."""
+        bad = (ids < 0) | (ids >= self._meta[name].shape[0])
+        if bool(bad.any()):
+            raise PartitionError(f"ids of {name!r}: id {int(ids[bad][0])} is out of range for "
+                                 f"{self._meta[name].policy.policy_str} (expected 0 <= id < "
+                                 f"{self._meta[name].shape[0]})")
+
     def push(self, name, ids, values):
-        """Write ``values`` into rows ``ids``; for a duplicate id the last write wins."""
+        """Write ``values`` into rows ``ids``; for a duplicate id the last write wins.
+
+        Raises:
+            PartitionError: an id is out of range (checked at once: writes are rare).
+        """
         table = self._table(name)
+        self._check_now(name, ids)
         # index_copy_ leaves the winner of duplicate ids unspecified on a GPU: keep the
         # last position of each id, as host clients do.
         uniq, inverse = torch.unique(ids, return_inverse=True)
@@ -170,6 +268,9 @@ class DeviceKVClient(KVClient):
     def push_update(self, name, ids, grads, rule, hyper):
         impl = rule_of(rule)
         states = {s.name: self._table(state_name(name, s.name)) for s in impl.states}
+        # Bad ids seen by earlier lookups, if their flags have landed (never waits: the
+        # update kernels skip rows outside the table anyway).
+        self._checks[name].raise_seen(wait=False)
         impl.apply(self.ops, self._table(name), states, ids, grads, impl.check_hyper(hyper))
 
     def from_host(self, array):
@@ -189,17 +290,16 @@ class DeviceKVClient(KVClient):
         return t.to(self.device)
 
     def ids_in(self, name, ids, F):
-        """Ids as a contiguous int64 tensor on the device, range-checked there."""
-        meta = self._meta_of(name)
+        """Ids as a contiguous int64 tensor on the device.
+
+        Not range-checked here (that would wait for the device): ``pull`` checks them on
+        the device and reports later, ``push`` checks them at once (module docstring).
+        """
+        self._meta_of(name)  # raises the unknown-name error
         t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {t.dtype}")
         flat = t.reshape(-1).to(self.device, torch.int64).contiguous()
-        bad = (flat < 0) | (flat >= meta.shape[0])
-        if bool(bad.any()):  # one synchronisation, no copy of the ids to the host
-            raise PartitionError(f"ids of {name!r}: id {int(flat[bad][0])} is out of "
-                                 f"range for {meta.policy.policy_str} (expected 0 <= id < "
-                                 f"{meta.shape[0]})")
         return flat, tuple(t.shape)
 
     def values_in(self, name, values, F, num_ids):
@@ -218,10 +318,14 @@ class DeviceKVClient(KVClient):
         return rows
 
     def coalesce(self, name, ids, grads, F):
-        """Sum duplicate ids' gradients on this client's device with ``ops.dedup_sum``."""
+        """Sum duplicate ids' gradients here with ``ops.dedup_sum_padded``: no wait.
+
+        Returns all N slots, unused ones holding an id outside the table, which this
+        client's ``push_update`` (the update kernels) skips.
+        """
         if not ids:
             return None
-        return _dedup_on(self.ops, self.device, self._meta_of(name), ids, grads)
+        return _dedup_on(self.ops, self.device, self._meta_of(name), ids, grads, padded=True)
 
     def view_on(self, device):
         """Itself for None or its own device; otherwise a view copying rows to ``device``."""
@@ -231,14 +335,19 @@ class DeviceKVClient(KVClient):
         return self if dev == self.device else RowsOnDevice(self, dev)
 
 
-def _dedup_on(ops, device, meta: DataMeta, ids: Sequence[Array], grads: Sequence[Tensor]
-              ) -> Tuple[UniqueIds, Rows]:
-    """Concatenate traced ids and gradients on ``device`` and sum duplicates there."""
+def _dedup_on(ops, device, meta: DataMeta, ids: Sequence[Array], grads: Sequence[Tensor],
+              padded: bool = False) -> Tuple[UniqueIds, Rows]:
+    """Concatenate traced ids and gradients on ``device`` and sum duplicates there.
+
+    ``padded``: with ``ops.dedup_sum_padded`` (no wait for the device; unused slots hold
+    the id ``meta.shape[0]``, outside the table), for updates on the device itself.
+    """
     ids = [torch.as_tensor(i).to(device) for i in ids]  # host ids: numpy int64
     grads = [g.reshape(-1, meta.shape[1]).to(device) for g in grads]
     flat = ids[0] if len(ids) == 1 else torch.cat(ids)
     g = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(torch.float32).contiguous()
-    return ops.dedup_sum(flat, g, num_rows=meta.shape[0])
+    dedup = ops.dedup_sum_padded if padded else ops.dedup_sum
+    return dedup(flat, g, num_rows=meta.shape[0])
 
 
 class ClientView(KVClient):
