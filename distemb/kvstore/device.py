@@ -101,8 +101,11 @@ class IdCheck:
     def recorded(self):
         """Enqueue the copy of the flags to the host, behind the kernel that wrote them."""
         if self._landed is not None:
-            self._host.copy_(self.flags, non_blocking=True)
-            self._landed.record()
+            # On the stream of the table's device (the gather's), not the current device's.
+            stream = torch.cuda.current_stream(self.flags.device)
+            with torch.cuda.stream(stream):
+                self._host.copy_(self.flags, non_blocking=True)
+            self._landed.record(stream)
 
     def raise_seen(self, wait):
         """Raise if the flags that reached the host show bad ids, and clear them.
