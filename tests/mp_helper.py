@@ -72,6 +72,25 @@ class ProcessGroup:
         return [self.spawn([sys.executable, "-m", "distemb.server", "--config", config_path,
                             "--server-id", str(i)]) for i in range(num_servers)]
 
+    def wait_listening(self, addresses, timeout=60.0):
+        """Wait until every (host, port) accepts a connection, or fail naming the first.
+
+        Starting a server (Python, numpy, the kernels) takes seconds on a loaded machine:
+        tests whose point is a short client timeout wait for readiness first.
+        """
+        deadline = time.monotonic() + timeout
+        for host, port in addresses:
+            while True:
+                try:
+                    socket.create_connection((host, port), timeout=1.0).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"{host}:{port} not listening within {timeout} s")
+                    if any(p.poll() is not None for p in self.procs):
+                        raise AssertionError(f"a server exited before {host}:{port} listened")
+                    time.sleep(0.05)
+
     def wait_all(self, timeout):
         """Wait for every process; assert its exit code. Returns {pid: output}."""
         deadline = time.monotonic() + timeout

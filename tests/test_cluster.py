@@ -77,7 +77,9 @@ def _cluster(tmp_path, group, num_servers=2, **fields):
     raw = cluster_dict(num_servers, **{"timeout_s": 2.0, **fields})
     path = write_json(tmp_path / "c.json", raw)
     servers = group.spawn_servers(path, num_servers)
-    return parse_cluster_config(raw), servers
+    cfg = parse_cluster_config(raw)
+    group.wait_listening([(s.host, s.port) for s in cfg.servers])
+    return cfg, servers
 
 
 @pytest.mark.timeout(60)
