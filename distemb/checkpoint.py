@@ -1,28 +1,43 @@
-"""Checkpoints: whole (un-sharded) tensors plus JSON metadata in one .npz, written atomically.
+"""Checkpoints that scale out: every shard written where it lives, a manifest last.
 
-Tensors are saved by global row id, so a checkpoint loads into any partitioning: that is
-the resharding. A failed save leaves any earlier file at ``path`` untouched.
+A checkpoint is a directory (see :mod:`distemb.kvstore.snapshot` for its files): one
+segment file per shard of every tensor, written by the process holding that shard (each
+server writes its own, in parallel, streaming in bounded blocks; the embedded store
+writes the same format), then ``manifest.json``: tensors, shapes, dtypes, partition
+policies, the optimizer's metadata and steps, and a CRC-32 per block. Every file is
+written to a temporary name, fsynced and renamed, and the manifest goes last, so a save
+that dies halfway leaves the previous checkpoint in the directory whole and loadable;
+the files of the previous save are removed only once the new manifest is in place.
+
+Rows are stored by global id, so a checkpoint loads into any number of servers and any
+partition policy: each loading shard reads only the blocks that hold its ids.
+
+A single ``.npz`` file (this module's format before version 2) still loads.
 
 Example:
     >>> import numpy as np, tempfile, os
     >>> from distemb.kvstore import LocalKVClient
     >>> from distemb.partition import range_policy
     >>> kv = LocalKVClient(); kv.init_data("w", (3, 2), "float32", range_policy(3))
-    >>> p = os.path.join(tempfile.mkdtemp(), "ck.npz")
+    >>> p = os.path.join(tempfile.mkdtemp(), "ck")
     >>> save(p, kv, ["w"], {"note": "doc"}); read_meta(p)["note"]
     'doc'
+    >>> sorted(os.listdir(p))[-1]
+    'manifest.json'
 """
 import json
 import os
+import time
+import uuid
 import zipfile
 
 import numpy as np
 
 from distemb.arrays import check_shape
 from distemb.errors import DistEmbError
+from distemb.kvstore.snapshot import (FORMAT, MANIFEST, SEGMENT_FILE, VERSION, manifest_path,
+                                      read_manifest)
 
-FORMAT = "distemb-checkpoint"
-VERSION = 1
 CHUNK_ROWS = 1 << 20
 
 
@@ -46,23 +61,83 @@ def push_rows(client, name: str, array: np.ndarray) -> None:
                     client.from_host(np.ascontiguousarray(array[s:s + len(ids)])))
 
 
-def save(path, client, names, meta):
-    """Write tensors ``names`` of ``client`` and ``meta`` to ``path`` (.npz), atomically."""
-    arrays = {f"t/{name}": all_rows(client, name) for name in names}
-    header = dict(meta, format=FORMAT, version=VERSION, tensors=list(names))
-    arrays["meta"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    tmp = f"{path}.tmp-{os.getpid()}"
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(path, client, names, meta):
+    """Write tensors ``names`` of ``client`` and ``meta`` as checkpoint directory ``path``.
+
+    One writer: call it from one process (the optimizer's collective ``save`` does, after
+    a barrier); the servers write their shards in parallel. Not safe against a second
+    save into the same directory at the same time.
+
+    Args:
+        path: the checkpoint directory (made if missing; an earlier checkpoint there is
+            replaced only once this one is complete).
+        client: the :class:`~distemb.kvstore.KVClient` holding the tensors.
+        names: the tensors to save.
+        meta: JSON-able metadata stored in the manifest (optimizer, steps, ...).
+
+    Raises:
+        DistEmbError: ``path`` is a file, or a server could not write (the previous
+            checkpoint at ``path`` is untouched).
+    """
+    path = os.path.abspath(path)
+    if os.path.isfile(path):
+        raise DistEmbError(f"{path}: is a file (a single-file checkpoint of an older "
+                           f"version?); checkpoints are directories now: save elsewhere")
+    os.makedirs(path, exist_ok=True)
+    save_id = uuid.uuid4().hex
+    tensors = {}
+    for name in names:
+        dm = client.data_meta(name)
+        if dm is None:
+            raise DistEmbError(f"save: no tensor {name!r} in the KVStore")
+        tensors[name] = {"shape": list(dm.shape), "dtype": dm.dtype,
+                         "policy": {"name": dm.policy.policy_str,
+                                    "num_partitions": dm.policy.num_partitions},
+                         "segments": client.save_tensor(name, path, save_id)}
+    manifest = dict(meta, format=FORMAT, version=VERSION, save_id=save_id,
+                    created=time.time(), tensors=tensors)
+    tmp = f"{manifest_path(path)}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, manifest_path(path))
+        _fsync_dir(path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    _remove_unreferenced(path, manifest)
+
+
+def _remove_unreferenced(path, manifest):
+    """Delete segment files the manifest does not list (earlier saves, dead saves)."""
+    keep = {seg["file"] for t in manifest["tensors"].values() for seg in t["segments"]}
+    for name in os.listdir(path):
+        base = name[:-4] if name.endswith(".tmp") else name
+        if SEGMENT_FILE.match(base) and name not in keep:
+            try:
+                os.remove(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
 
 
 def read_meta(path):
-    """The metadata dict of checkpoint ``path``."""
+    """The metadata (the manifest) of checkpoint ``path``.
+
+    Raises:
+        DistEmbError: ``path`` is not a complete distemb checkpoint.
+    """
+    if os.path.isdir(path):
+        return read_manifest(path)
     try:
         with np.load(path) as z:
             meta = json.loads(z["meta"].tobytes().decode())
@@ -74,8 +149,31 @@ def read_meta(path):
 
 
 def restore(path, client, names):
-    """Push the saved rows of ``names`` back into ``client`` (any partitioning)."""
+    """Load the saved rows of ``names`` into ``client`` (any partitioning). Returns the
+    checkpoint's metadata.
+
+    Raises:
+        DistEmbError: no such tensor, another shape, or a corrupt or missing segment.
+    """
     meta = read_meta(path)
+    if not os.path.isdir(path):
+        return _restore_npz(path, client, names, meta)
+    path = os.path.abspath(path)
+    for name in names:
+        entry = meta["tensors"].get(name)
+        if entry is None:
+            raise DistEmbError(f"{path}: has no tensor {name!r} (has "
+                               f"{sorted(meta['tensors'])[:10]})")
+        want = client.data_meta(name)
+        if want is None:
+            raise DistEmbError(f"{path}: tensor {name!r} is not in the live store")
+        check_shape(f"{path}: tensor {name!r}", entry.get("shape", ()), want.shape,
+                    DistEmbError)
+        client.load_tensor(name, path)
+    return meta
+
+
+def _restore_npz(path, client, names, meta):
     with np.load(path) as z:
         for name in names:
             key = f"t/{name}"
@@ -88,3 +186,6 @@ def restore(path, client, names):
             check_shape(f"{path}: tensor {name!r}", arr.shape, want.shape, DistEmbError)
             push_rows(client, name, arr)
     return meta
+
+
+__all__ = ["save", "restore", "read_meta", "all_rows", "push_rows", "MANIFEST"]

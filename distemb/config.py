@@ -165,6 +165,12 @@ class ServerEntry(Schema):
     machine: int = option(help="machine index (line of the ip_config)", validator=at_least(0))
 
 
+def _token(value, path):
+    """Validator: 16..256 characters (the value itself never goes into a message)."""
+    if not 16 <= len(value) <= 256:
+        raise ConfigError(f"{path}: must be 16..256 characters, got {len(value)}")
+
+
 @dataclass(frozen=True)
 class ClusterConfig(Schema):
     """Everything a server or trainer needs to join one distemb job.
@@ -194,6 +200,11 @@ class ClusterConfig(Schema):
                               validator=positive)
     max_message_bytes: int = option(1 << 30, help="largest frame payload",
                                     validator=at_least(1 << 20))
+    idle_timeout_s: float = option(3600.0, help="seconds a server keeps a connection that "
+                                   "sends nothing", validator=positive)
+    job_token: Optional[str] = option(
+        None, help="secret every trainer shows at its Hello (distemb-launch makes one); "
+        "None: servers accept any process that can connect", validator=_token)
     master_addr: str = option("127.0.0.1", help="torch.distributed master",
                               validator=non_empty)
     master_port: int = option(29500, help="torch.distributed port", validator=PORT)
@@ -233,7 +244,9 @@ def write_cluster_config(cfg, path):
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        # Owner-only: the file holds the job's token, which admits a process to the job.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w",
+                       encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=1)
         os.replace(tmp, path)
     except OSError as e:

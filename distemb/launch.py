@@ -14,19 +14,25 @@ Launchers: ``local`` (every address must be loopback; all processes start here),
 (one ``ssh HOST 'cd DIR && ENV... CMD'`` per process; the config path must be on a
 shared file system) and ``mpirun`` (ranks < S*machines are servers, the rest trainers).
 ``--dry-run`` prints the exact commands. If a process fails, or on Ctrl-C, every child is
-stopped by PID.
+stopped by PID. If the launcher itself dies, even by SIGKILL, the kernel stops its local
+children (Linux parent-death signal), and servers also notice they were orphaned. Every
+line a child writes is prefixed with its role and rank (``[server0]: ``, ``[trainer1]: ``).
+The config carries a fresh job token: a process outside the job cannot join it.
 
 Example::
 
     distemb-launch --ip-config ip.txt --num-servers 2 --num-trainers 2 -- python train.py
 """
 import argparse
+import ctypes
 import ipaddress
 import os
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -36,10 +42,11 @@ from distemb.enums import Choice, Consistency, Role, Transport
 from distemb.errors import ConfigError, DistEmbError
 from distemb.partition import load_policies
 from distemb.schema import default_of, help_of
-from distemb.transport.shm import SHM_DIR
+from distemb.transport.shm import SHM_DIR, remove_orphans
 
 DEFAULT_PORT = 30050
 STOP_GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Launcher(Choice):
@@ -118,7 +125,8 @@ def build_config(machines, num_servers, num_trainers, part_config=None, **option
                               f"{num_servers}): partition p lives on server p % servers, so "
                               f"the partition count must be a multiple of the server count")
     return parse_cluster_config({
-        "job_id": uuid.uuid4().hex[:12], "servers": servers,
+        "job_id": uuid.uuid4().hex[:12], "job_token": secrets.token_hex(16),
+        "servers": servers,
         "num_trainers": num_trainers * len(machines),
         "trainer_machines": [m for m in range(len(machines)) for _ in range(num_trainers)],
         "master_addr": machines[0][0], "part_config": part_config,
@@ -182,16 +190,77 @@ def mpi_child(cfg_path, command):
     os.execvp(argv[0], argv)
 
 
+def _death_signal_setter(sig):
+    """A preexec_fn asking the kernel to send ``sig`` to the child when we die.
+
+    libc is loaded here, in the parent, so the child between fork and exec only makes one
+    foreign call. The parent-pid check closes the race of a parent that died before the
+    request took hold. None where prctl is unavailable (not Linux).
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def setter():
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+    return setter
+
+
+def _relay(stream, prefix, out, lock):
+    """Copy ``stream``'s lines to ``out``, each prefixed, whole lines at a time."""
+    for line in iter(stream.readline, b""):
+        with lock:
+            try:
+                out.write(prefix + line)
+                out.flush()
+            except (OSError, ValueError):
+                pass  # our own output is gone: keep draining so the child never blocks
+    stream.close()
+
+
 class Supervisor:
-    """Children of the launcher: started, watched, and stopped by PID."""
+    """Children of the launcher: started, watched, and stopped by PID.
+
+    Children started with ``local=True`` die with the launcher: servers get SIGTERM (they
+    remove their shared memory), trainers SIGKILL (they hold nothing to clean up, and a
+    user's SIGTERM handler must not keep them alive). Their output is relayed line by line
+    with a ``[role rank]: `` prefix once :meth:`relay_output` starts the readers (after
+    the last fork: a fork while other threads run is unsafe).
+    """
 
     def __init__(self):
         self.servers, self.trainers = [], []
+        self._labels, self._relays = [], []
+        self._lock = threading.Lock()
 
-    def start(self, argv, env, server):
-        p = subprocess.Popen(argv, env=dict(os.environ, **env))
+    def start(self, argv, env, server, label=None, local=True):
+        sig = signal.SIGTERM if server else signal.SIGKILL
+        p = subprocess.Popen(argv, env=dict(os.environ, **env), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE,
+                             preexec_fn=_death_signal_setter(sig) if local else None)
         (self.servers if server else self.trainers).append(p)
+        self._labels.append((p, label or ("server" if server else "trainer")))
         return p
+
+    def relay_output(self):
+        """Start relaying every child's stdout/stderr to ours, lines prefixed."""
+        for p, label in self._labels:
+            prefix = f"[{label}]: ".encode()
+            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                t = threading.Thread(target=_relay, args=(stream, prefix, out.buffer,
+                                                          self._lock), daemon=True)
+                t.start()
+                self._relays.append(t)
+
+    def drain_output(self, timeout=2.0):
+        """Wait (up to ``timeout`` s) for the last lines of exited children."""
+        deadline = time.monotonic() + timeout
+        for t in self._relays:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def stop_all(self):
         alive = [p for p in self.servers + self.trainers if p.poll() is None]
@@ -245,6 +314,9 @@ def parse_args(argv):
                         help="pull every row over the transport, even from local servers")
     parser.add_argument("--timeout", type=float, default=default_of(ClusterConfig, "timeout_s"),
                         help=help_of(ClusterConfig, "timeout_s"))
+    parser.add_argument("--idle-timeout", type=float,
+                        default=default_of(ClusterConfig, "idle_timeout_s"),
+                        help=help_of(ClusterConfig, "idle_timeout_s"))
     parser.add_argument("--master-port", type=int,
                         default=default_of(ClusterConfig, "master_port"),
                         help=help_of(ClusterConfig, "master_port"))
@@ -274,7 +346,7 @@ def run(args):
     cfg = build_config(machines, args.num_servers, args.num_trainers, args.part_config,
                        transport=transport, consistency=args.consistency,
                        shared_memory=not args.no_shared_memory, timeout_s=args.timeout,
-                       master_port=args.master_port)
+                       master_port=args.master_port, idle_timeout_s=args.idle_timeout)
     if launcher == Launcher.LOCAL:
         bad = [ip for ip, _ in machines if not ipaddress.ip_address(ip).is_loopback]
         if bad:
@@ -296,31 +368,39 @@ def run(args):
         for argv in commands or []:
             print(shlex.join(argv))
         return 0
+    if launcher == Launcher.LOCAL:
+        remove_orphans()  # shared memory of earlier jobs' servers that were SIGKILLed
     sup = Supervisor()
     try:
         if commands and launcher == Launcher.MPIRUN:
-            sup.start(commands[0], {}, server=False)
+            sup.start(commands[0], {}, server=False, label="mpirun")
         else:
             for i, (h, env, argv) in enumerate(plan(cfg, cfg_path, args.command, python)):
                 server = i < len(cfg.servers)
+                label = f"{env['DISTEMB_ROLE']}{env['DISTEMB_RANK']}"
                 sup.start(ssh_argv(h, env, argv, os.getcwd()) if commands else argv, env,
-                          server)
+                          server, label)
+        sup.relay_output()
         return sup.watch()
     except KeyboardInterrupt:
         print("distemb-launch: interrupted; stopping every process", file=sys.stderr)
         sup.stop_all()
         return 130
     finally:
+        sup.drain_output()
         if launcher == Launcher.LOCAL:
             remove_shm_files(cfg.job_id)
 
 
 def remove_shm_files(job_id):
     """Remove shared-memory shards a killed server of job ``job_id`` left behind."""
-    prefix = f"distemb-{job_id}-"
+    tag = f"-{job_id}-s"
     for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else ():
-        if name.startswith(prefix):
-            os.unlink(os.path.join(SHM_DIR, name))
+        if name.startswith("distemb-") and tag in name:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass  # its server removed it meanwhile
 
 
 def _interrupt(signum, frame):
@@ -329,6 +409,7 @@ def _interrupt(signum, frame):
 
 def main(argv=None):
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     try:
         return run(parse_args(argv))
     except DistEmbError as e:

@@ -44,6 +44,11 @@ class PartitionBook:
     def part_size(self, kind, type_name, part):
         raise NotImplementedError
 
+    def id_progression(self, kind, type_name, part):
+        """(start, step): local id j of ``part`` is global id ``start + j * step``
+        (checkpoints store rows by global id with it, so they load into any book)."""
+        raise NotImplementedError
+
     def check_type(self, kind, type_name):
         if type_name not in self.types(kind):
             raise PartitionError(f"{kind} type: expected one of {self.types(kind)}, "
@@ -97,6 +102,10 @@ class RangePartitionBook(PartitionBook):
         b = self.bounds(kind, type_name)
         return int(b[part + 1] - b[part])
 
+    def id_progression(self, kind, type_name, part):
+        """Local id j of ``part`` is global id ``start + j * step``: (start, step)."""
+        return int(self.bounds(kind, type_name)[part]), 1
+
 
 class HashPartitionBook(PartitionBook):
     """Id ``i`` lives in partition ``i % P`` at local id ``i // P``.
@@ -126,6 +135,11 @@ class HashPartitionBook(PartitionBook):
     def part_size(self, kind, type_name, part):
         n = self.num_ids(kind, type_name)
         return max(0, (n - part + self.num_partitions - 1) // self.num_partitions)
+
+    def id_progression(self, kind, type_name, part):
+        """Local id j of ``part`` is global id ``start + j * step``: (start, step)."""
+        self.check_type(kind, type_name)
+        return int(part), self.num_partitions
 
 
 class PartitionPolicy:
@@ -168,6 +182,12 @@ class PartitionPolicy:
         """Number of ids in ``part_id`` (default: this process's partition)."""
         part = self.part_id if part_id is None else part_id
         return self.partition_book.part_size(self.kind, self.type_name, part)
+
+    def id_progression(self, part_id):
+        """(start, step, count): the global ids of partition ``part_id`` are
+        ``start + step * arange(count)``."""
+        start, step = self.partition_book.id_progression(self.kind, self.type_name, part_id)
+        return start, step, self.get_part_size(part_id)
 
     def check_ids(self, ids, what="ids"):
         """Raise PartitionError unless every id is in [0, get_size())."""

@@ -3,14 +3,17 @@
 Holds the shards of the partitions it owns (p % num_servers == N) with the numpy backend
 only (this module and everything it imports never import torch), serves the protocol of
 :mod:`distemb.transport.messages` over the configured transport, and exits 0 once every
-trainer has said goodbye, or on SIGTERM/SIGINT. Shared-memory shard files are removed
-on the way out.
+trainer has said goodbye, on SIGTERM/SIGINT/SIGHUP, or when its parent process (the
+launcher) is gone. Shared-memory shard files are removed on every exit Python can catch
+(atexit, the signal handlers); those of a SIGKILLed server are removed by the next launch.
 
 Example (normally started by ``distemb-launch``)::
 
     python -m distemb.server --config cluster.json --server-id 0
 """
 import argparse
+import atexit
+import os
 import signal
 import sys
 import threading
@@ -23,12 +26,29 @@ from distemb.kvstore.service import KVService
 from distemb.transport import tcp
 from distemb.transport.shm import ShmArena
 
+PARENT_POLL_S = 0.5
+
 
 def build_service(cfg, server_id, stop):
     """The KVService of server ``server_id`` of ``cfg``; ``stop`` is set on the last BYE."""
     arena = ShmArena(cfg.job_id, server_id) if cfg.shared_memory else None
     return KVService(KVServer(server_id, default_num_threads()), server_id, len(cfg.servers),
-                     cfg.num_trainers, cfg.timeout_s, arena, stop.set)
+                     cfg.num_trainers, cfg.timeout_s, arena, stop.set, token=cfg.job_token)
+
+
+def watch_parent(stop, parent):
+    """Set ``stop`` once the parent process ``parent`` is gone (we were reparented).
+
+    The launcher also asks the kernel for SIGTERM on its death (PR_SET_PDEATHSIG); this
+    covers servers started any other way, and a parent that died before that took hold.
+    """
+    def loop():
+        while not stop.wait(PARENT_POLL_S):
+            if os.getppid() != parent:
+                print(f"distemb server: parent process {parent} is gone; stopping",
+                      file=sys.stderr, flush=True)
+                stop.set()
+    threading.Thread(target=loop, name="distemb-parent-watch", daemon=True).start()
 
 
 def run(cfg, server_id):
@@ -40,9 +60,12 @@ def run(cfg, server_id):
     if not 0 <= server_id < len(cfg.servers):
         raise DistEmbError(f"--server-id: expected 0..{len(cfg.servers) - 1}, got {server_id}")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    watch_parent(stop, os.getppid())
     service = build_service(cfg, server_id, stop)
+    if service.arena:
+        atexit.register(service.arena.close)  # exits that skip the finally below
     try:
         if cfg.transport == Transport.MPI:
             from distemb.transport import mpi  # mpi4py is an optional extra
@@ -50,7 +73,8 @@ def run(cfg, server_id):
         else:
             entry = cfg.servers[server_id]
             listener = tcp.listen(entry.host, entry.port)
-            tcp.serve(listener, service.handle, stop, cfg.max_message_bytes)
+            tcp.serve(listener, service.handle, stop, cfg.max_message_bytes,
+                      timeout=cfg.timeout_s, idle_timeout=cfg.idle_timeout_s)
     finally:
         if service.arena:
             service.arena.close()

@@ -37,7 +37,8 @@ def child_env(**extra):
 
 def cluster_dict(num_servers, num_trainers=1, **fields):
     """A cluster config (plain data) with servers on fresh 127.0.0.1 ports."""
-    raw = {"job_id": uuid.uuid4().hex[:8], "num_trainers": num_trainers,
+    raw = {"job_id": uuid.uuid4().hex[:8], "job_token": uuid.uuid4().hex,
+           "num_trainers": num_trainers,
            "trainer_machines": [0] * num_trainers,
            "servers": [{"host": "127.0.0.1", "port": free_port(), "machine": 0}
                        for _ in range(num_servers)]}
@@ -68,9 +69,16 @@ class ProcessGroup:
         self.procs.append(p)
         return p
 
-    def spawn_servers(self, config_path, num_servers):
-        return [self.spawn([sys.executable, "-m", "distemb.server", "--config", config_path,
-                            "--server-id", str(i)]) for i in range(num_servers)]
+    def spawn_servers(self, config_path, num_servers, wait=60.0):
+        """Start the servers of ``config_path`` and wait (up to ``wait`` s) until each
+        accepts connections, so a short ``timeout_s`` under test measures failures, not
+        the start-up of Python on a busy machine."""
+        procs = [self.spawn([sys.executable, "-m", "distemb.server", "--config", config_path,
+                             "--server-id", str(i)]) for i in range(num_servers)]
+        with open(config_path, encoding="utf-8") as f:
+            entries = json.load(f)["servers"][:num_servers]
+        self.wait_listening([(e["host"], e["port"]) for e in entries], wait)
+        return procs
 
     def wait_listening(self, addresses, timeout=60.0):
         """Wait until every (host, port) accepts a connection, or fail naming the first.

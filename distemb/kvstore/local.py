@@ -2,6 +2,7 @@
 import numpy as np
 
 from distemb.errors import KVStoreError
+from distemb.kvstore import snapshot
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name
 
@@ -80,6 +81,19 @@ class LocalKVClient(KVClient):
             return
         for part, pos, local in meta.policy.split(ids):
             self.server.update(name, part, local, grads[pos], rule, hyper)
+
+    def save_tensor(self, name, directory, save_id):
+        meta = self._meta_of(name)
+        return [self.server.save_shard(name, part, directory, save_id,
+                                       *meta.policy.id_progression(part)[:2])
+                for part in range(meta.policy.num_partitions)]
+
+    def load_tensor(self, name, directory):
+        meta = self._meta_of(name)
+        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
+        for part in range(meta.policy.num_partitions):
+            start, step, _ = meta.policy.id_progression(part)
+            self.server.load_shard(name, part, directory, entry, start, step)
 
     def close(self):
         for name in list(self._meta):

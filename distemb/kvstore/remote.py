@@ -29,11 +29,12 @@ from distemb.kvstore.local import init_shard
 from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
-from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, OptInit, Pull,
-                                        Push, Reply, Service, ShmInfo, Update)
+from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load, OptInit,
+                                        Pull, Push, Reply, Save, Service, ShmInfo, Update)
 from distemb.transport.shm import attach
 
 INIT_CHUNK_BYTES = 64 << 20
+IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge shard
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).
 ERRORS = {"PartitionError": PartitionError}
 
@@ -88,8 +89,9 @@ class RemoteKVClient(KVClient):
         self._conns = list(connections) if connections is not None else open_connections(cfg)
         self._meta, self._shm, self._seq = {}, {}, {}
         self._closed = False
-        self.server_info = [r.fields for r in self._call(
-            {sid: Hello(rank=rank) for sid in range(self.num_servers)}).values()]
+        hello = {sid: Hello(rank=rank, token=cfg.job_token or "")
+                 for sid in range(self.num_servers)}
+        self.server_info = [r.fields for r in self._call(hello).values()]
         for sid, info in enumerate(self.server_info):
             if info.get("server_id") != sid or info.get("num_servers") != self.num_servers:
                 raise KVStoreError(f"server {sid}: answers as server {info.get('server_id')} "
@@ -101,7 +103,7 @@ class RemoteKVClient(KVClient):
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _call(self, requests, wait=True, on_reply=None, while_waiting=None):
+    def _call(self, requests, wait=True, on_reply=None, while_waiting=None, timeout=None):
         """Send ``{server id: message}`` to all, then read every reply.
 
         The one send-then-collect routine of this client: every request goes out before
@@ -115,6 +117,7 @@ class RemoteKVClient(KVClient):
                 raise KVStoreError to report a malformed reply (collected like a server's).
             while_waiting: work to do after sending, before reading (e.g. shared-memory
                 gathers while the remote rows travel).
+            timeout: seconds to wait for each reply to begin (default: the connection's).
 
         Returns:
             {server id: Reply}.
@@ -135,7 +138,7 @@ class RemoteKVClient(KVClient):
             return {}
         replies, failed = {}, []
         for sid in requests:
-            frame = self._conns[sid].recv()
+            frame = self._conns[sid].recv(timeout)
             if frame.service == Service.ERROR:
                 failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
             elif frame.service != Service.REPLY:
@@ -235,13 +238,21 @@ class RemoteKVClient(KVClient):
         meta.policy.check_ids(ids, f"ids of {name!r}")
         whole = self._shm.get((name, 0)) if meta.policy.num_partitions == 1 else None
         if whole is not None:  # one co-located shard: local ids are global ids
-            return self._gather(whole, ids)
+            rows = self._gather(whole, ids)
+            if rows is not None:
+                return rows
         out = np.empty((len(ids),) + meta.shape[1:], dtype=meta.dtype)
-        routes, shm = self._route(name, ids, skip_shm=bool(self._shm))
+        # Shared-memory parts are read unless a write kept them busy (then: the server).
+        routes, shm = self._route(name, ids, skip_shm=bool(self._shm) and whole is None)
+        busy = []
 
         def copy_shm():  # local rows are copied while the remote ones travel
             for part, pos, local in shm:
-                out[pos] = self._gather(self._shm[(name, part)], local)
+                rows = self._gather(self._shm[(name, part)], local)
+                if rows is None:
+                    busy.append((part, pos, local))
+                else:
+                    out[pos] = rows
 
         def take(sid, frame):
             route = routes[sid]
@@ -252,12 +263,18 @@ class RemoteKVClient(KVClient):
 
         self._call({sid: Pull(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids)
                     for sid, r in routes.items()}, on_reply=take, while_waiting=copy_shm)
+        for part, pos, local in busy:
+            sid = part % self.num_servers
+            out[pos] = self._call({sid: Pull(name=name, parts=[part], counts=[len(local)],
+                                             ids=local.astype(np.int64, copy=False))}
+                                  )[sid].arrays[0]
         return out
 
     def _gather(self, shard, local):
-        if shard.dtype == np.float32 and shard.ndim == 2:
-            return kernels.gather_rows(shard, local, None, self.num_threads)
-        return shard[local]
+        """Rows ``local`` of a mapped shard, never torn; None if writes kept it busy."""
+        if shard.array.dtype == np.float32 and shard.array.ndim == 2:
+            return shard.read(lambda a: kernels.gather_rows(a, local, None, self.num_threads))
+        return shard.read(lambda a: a[local])
 
     def push(self, name, ids, values):
         meta = self._meta_of(name)
@@ -311,6 +328,26 @@ class RemoteKVClient(KVClient):
                 requests.setdefault(sid, update([], [], np.empty(0, np.int64),
                                                 np.empty((0, grads.shape[1]), np.float32)))
         self._call(requests, wait=self.consistency != Consistency.ASYNC)
+
+    def _shard_requests(self, cls, name, **fields):
+        meta = self._meta_of(name)
+        requests = {}
+        for sid, parts in self._parts_by_server(meta.policy).items():
+            prog = [meta.policy.id_progression(p) for p in parts]
+            requests[sid] = cls(name=name, parts=parts, starts=[p[0] for p in prog],
+                                steps=[p[1] for p in prog], **fields)
+        return requests
+
+    def save_tensor(self, name, directory, save_id):
+        """Every server writes its own shards of ``name``, all at once (in parallel)."""
+        replies = self._call(self._shard_requests(Save, name, directory=directory,
+                                                  save_id=save_id), timeout=IO_TIMEOUT_S)
+        return [seg for sid in sorted(replies) for seg in replies[sid].fields["segments"]]
+
+    def load_tensor(self, name, directory):
+        """Every server reads, from the checkpoint's segments, the rows it owns."""
+        self._call(self._shard_requests(Load, name, directory=directory),
+                   timeout=IO_TIMEOUT_S)
 
     def coalesce(self, name, ids, grads, F):
         """As the host clients; in sync_exact mode an empty step still pushes (nothing).

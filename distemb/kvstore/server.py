@@ -4,6 +4,13 @@ A shard is one partition of one named tensor, held as a numpy array. The server 
 numpy only (it never imports torch): embedded, it lives inside the trainer process and
 its arrays are shared zero-copy with torch; in a cluster it runs in its own process.
 
+Concurrency: each shard (with its optimizer-state shards, which share its guard) has a
+reader/writer lock. Pulls hold it shared, pushes and updates exclusive, so a pull never
+sees a row between an update's read and its write (no torn rows), pulls of one shard run
+in parallel, and shards are updated in parallel. Readers outside the process (trainers
+mapping the shard from /dev/shm) cannot take the lock: each write also makes the shard's
+version counters odd while it runs (a seqlock, see :mod:`distemb.transport.shm`).
+
 Example:
     >>> import numpy as np
     >>> srv = KVServer()
@@ -13,12 +20,71 @@ Example:
     [[1.0, 1.0], [0.0, 0.0]]
 """
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 
 from distemb import kernels
 from distemb.errors import KVStoreError
+from distemb.kvstore import snapshot
 from distemb.rules import Hyper, rule_of, state_name
+
+
+class RWLock:
+    """Many readers or one writer; waiting writers go first (updates never starve)."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._readers, self._writer, self._waiting = 0, False, 0
+
+    @contextmanager
+    def read(self):
+        with self._cond:
+            while self._writer or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self):
+        with self._cond:
+            self._waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class _Guard:
+    """The lock of a shard and its state shards, and their shared-memory versions."""
+
+    def __init__(self):
+        self.lock = RWLock()
+        self.versions = {}  # (name, part) -> 1-element int64 array (seqlock counter)
+
+    @contextmanager
+    def write(self):
+        with self.lock.write():
+            counters = list(self.versions.values())
+            for v in counters:
+                v[0] += 1  # odd: a write is under way
+            try:
+                yield
+            finally:
+                for v in counters:
+                    v[0] += 1  # even again: the rows are consistent
 
 
 class KVServer:
@@ -33,25 +99,46 @@ class KVServer:
         self.server_id = server_id
         self.num_threads = num_threads
         self._shards = {}
-        # One writer per row (DESIGN.md): updates to a shard never interleave.
-        self._lock = threading.Lock()
+        # One writer per row (DESIGN.md) and no torn reads: see the module docstring.
+        self._guards = {}  # (name, part) -> _Guard, shared by a table's state shards
+        self._meta_lock = threading.Lock()  # the two dicts above
 
-    def create(self, name, part, array):
-        """Own ``array`` as shard ``part`` of ``name``."""
+    def create(self, name, part, array, owner=None, version=None):
+        """Own ``array`` as shard ``part`` of ``name``.
+
+        Args:
+            owner: the table whose shard ``part`` this one belongs with (optimizer state):
+                they share one lock, so an update of both is one critical section.
+            version: a 1-element int64 array this server makes odd while it writes the
+                shard (the counter of a shared-memory shard), or None.
+        """
         key = (name, part)
-        if key in self._shards:
-            raise KVStoreError(f"shard {part} of {name!r} already exists on server "
-                               f"{self.server_id}")
-        self._shards[key] = array
+        with self._meta_lock:
+            if key in self._shards:
+                raise KVStoreError(f"shard {part} of {name!r} already exists on server "
+                                   f"{self.server_id}")
+            guard = self._guards.get((owner, part) if owner else key) or _Guard()
+            self._guards[key] = guard
+            if version is not None:
+                guard.versions[key] = version
+            self._shards[key] = array
 
     def drop(self, name):
         """Forget every shard of ``name``."""
-        for key in [k for k in self._shards if k[0] == name]:
-            del self._shards[key]
+        for name_, part in [k for k in self._shards if k[0] == name]:
+            self.drop_shard(name_, part)
 
     def drop_shard(self, name, part):
         """Forget shard ``part`` of ``name`` (no-op when absent)."""
-        self._shards.pop((name, part), None)
+        with self._meta_lock:
+            self._shards.pop((name, part), None)
+            guard = self._guards.pop((name, part), None)
+            if guard is not None:
+                guard.versions.pop((name, part), None)
+
+    def _guard(self, name, part):
+        self.shard(name, part)  # the error for a missing shard
+        return self._guards[(name, part)]
 
     def has(self, name, part):
         return (name, part) in self._shards
@@ -71,17 +158,18 @@ class KVServer:
     def pull(self, name, part, local_ids, out=None):
         """Rows ``local_ids`` of the shard, into ``out`` when given."""
         arr = self.shard(name, part)
-        if arr.dtype == np.float32 and arr.ndim == 2:
-            return kernels.gather_rows(arr, local_ids, out, self.num_threads)
-        if out is None:
-            return arr[local_ids]
-        np.take(arr, local_ids, axis=0, out=out)
-        return out
+        with self._guard(name, part).lock.read():
+            if arr.dtype == np.float32 and arr.ndim == 2:
+                return kernels.gather_rows(arr, local_ids, out, self.num_threads)
+            if out is None:
+                return arr[local_ids]
+            np.take(arr, local_ids, axis=0, out=out)
+            return out
 
     def push(self, name, part, local_ids, values):
         """Write rows ``local_ids`` of the shard."""
         arr = self.shard(name, part)
-        with self._lock:
+        with self._guard(name, part).write():
             arr[local_ids] = values
 
     def update(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper) -> None:
@@ -94,5 +182,33 @@ class KVServer:
         hyper = impl.check_hyper(hyper)
         weight = self.shard(name, part)
         states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
-        with self._lock:
+        with self._guard(name, part).write():
             impl.apply(kernels, weight, states, local_ids, grads, hyper, self.num_threads)
+
+    def save_shard(self, name, part, directory, save_id, start, step):
+        """Write shard ``part`` of ``name`` as a checkpoint segment (see
+        :mod:`distemb.kvstore.snapshot`); each block is copied under the shard's read
+        lock. Returns the segment's manifest record."""
+        arr, guard = self.shard(name, part), self._guard(name, part)
+
+        def read_block(lo, hi):
+            with guard.lock.read():
+                return arr[lo:hi].copy()
+        return snapshot.write_segment(directory, save_id, name, part, start, step,
+                                      arr.shape, arr.dtype.name, read_block)
+
+    def load_shard(self, name, part, directory, entry, start, step):
+        """Fill shard ``part`` of ``name`` (global ids ``start + step * k``) from the
+        segments of manifest record ``entry``, reading only the blocks it needs."""
+        arr, guard = self.shard(name, part), self._guard(name, part)
+        if entry.get("dtype") != arr.dtype.name or \
+                list(entry.get("shape", [])[1:]) != list(arr.shape[1:]):
+            raise KVStoreError(f"checkpoint: tensor {name!r} was saved as "
+                               f"{entry.get('shape')} {entry.get('dtype')}, the live one has "
+                               f"rows {arr.shape[1:]} {arr.dtype}")
+
+        def write_rows(local, rows):
+            with guard.write():
+                arr[local] = rows
+        snapshot.read_segments(directory, entry["segments"], arr.dtype, arr.shape[1:], start,
+                               step, arr.shape[0], write_rows)

@@ -23,6 +23,7 @@ Example:
     >>> svc.handle(Pull(name="w", parts=[0], counts=[1], ids=np.array([2])).encode()).arrays[0]
     array([[0., 0.]], dtype=float32)
 """
+import hmac
 import logging
 import os
 import sys
@@ -33,16 +34,23 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import ClusterConfig
-from distemb.errors import KVStoreError, PartitionError
+from distemb.errors import KVStoreError, PartitionError, TransportError
+from distemb.kvstore import snapshot
+from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import rule_of, state_init, state_name
 from distemb.schema import default_of
-from distemb.transport.base import FLAG_NO_REPLY
+from distemb.transport.base import FLAG_NO_REPLY, Session
 from distemb.transport.messages import Error, Reply, Service, decode_request
 
 log = logging.getLogger("distemb")
 DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
 MAX_ROWS = 1 << 40
+MAX_TABLE_NAME = 256
+
+
+class RefusedError(KVStoreError):
+    """A request this connection may not make (no or failed handshake, another's rank)."""
 
 
 class _ExactStep:
@@ -63,13 +71,20 @@ class KVService:
         arena: a :class:`~distemb.transport.shm.ShmArena` to allocate shards in shared
             memory, or None for private memory.
         on_all_bye: called once every trainer has said BYE.
+        token: the job's secret; a Hello without it is refused (None: no check).
+
+    Trust: a connection's first request must be a Hello with the job's token and a rank
+    in 0..num_trainers-1; that rank is the connection's for good, and a Barrier or Bye
+    naming another is refused. A frame that does not decode, or a failed handshake, gets
+    an error reply and the connection is closed.
     """
 
     def __init__(self, server, server_id, num_servers, num_trainers,
-                 timeout_s=default_of(ClusterConfig, "timeout_s"), arena=None, on_all_bye=None):
+                 timeout_s=default_of(ClusterConfig, "timeout_s"), arena=None, on_all_bye=None,
+                 token=None):
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
-        self.arena, self.on_all_bye = arena, on_all_bye
+        self.arena, self.on_all_bye, self.token = arena, on_all_bye, token
         self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
         self._cond = threading.Condition()  # sync_exact buffers and barriers
         self._exact = {}
@@ -79,15 +94,28 @@ class KVService:
                           Service.DROP: self._drop, Service.PULL: self._pull,
                           Service.PUSH: self._push, Service.OPT_INIT: self._opt_init,
                           Service.UPDATE: self._update, Service.BARRIER: self._barrier,
-                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye}
+                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye,
+                          Service.SAVE: self._save, Service.LOAD: self._load}
 
-    def handle(self, frame):
-        """The reply frame to request ``frame`` (an Error frame when it fails)."""
+    def handle(self, frame, session=None):
+        """The reply frame to request ``frame`` (an Error frame when it fails).
+
+        Args:
+            frame: the request.
+            session: the :class:`~distemb.transport.base.Session` of the connection it
+                came on (None: an in-process caller, trusted without a Hello).
+        """
+        session = session or Session(peer="in-process", trusted=True)
         try:
             msg = decode_request(frame)
-            reply = self._handlers[msg.SERVICE](msg)
+            if msg.SERVICE != Service.HELLO and session.rank is None and not session.trusted:
+                raise RefusedError(f"{msg.SERVICE.name} before Hello: a connection must "
+                                   f"first say Hello with its rank and the job's token")
+            reply = self._handlers[msg.SERVICE](msg, session)
         except Exception as e:  # any failure is the client's answer; the server goes on
-            if frame.flags & FLAG_NO_REPLY:
+            if isinstance(e, (TransportError, RefusedError)):
+                session.closing = True  # undecodable or unauthorised: hang up after this
+            if frame.flags & FLAG_NO_REPLY and not session.closing:
                 log.warning("distemb server %d: asynchronous request failed: %s",
                             self.server_id, e)
                 return None
@@ -104,6 +132,20 @@ class KVService:
             raise KVStoreError(f"partition {part} belongs to server {part % self.num_servers}"
                                f", not server {self.server_id} (the partition config does "
                                f"not match the {self.num_servers} servers)")
+
+    def _rank(self, m, session):
+        """Check that ``m.rank`` is this connection's rank (and a trainer's at all)."""
+        if not 0 <= m.rank < self.num_trainers:
+            raise RefusedError(f"rank: expected 0..{self.num_trainers - 1}, got {m.rank}")
+        if not session.trusted and m.rank != session.rank:
+            raise RefusedError(f"rank {m.rank}: this connection said Hello as rank "
+                               f"{session.rank}; it may only speak for that rank")
+
+    @staticmethod
+    def _check_name(name):
+        if not name or len(name) > MAX_TABLE_NAME or not name.isprintable():
+            raise KVStoreError(f"table name: expected 1..{MAX_TABLE_NAME} printable "
+                               f"characters, got {name[:64]!r}")
 
     def _rows(self, m):
         """(part, local ids, slice) per part of a rows message, ids range-checked."""
@@ -131,21 +173,60 @@ class KVService:
 
     # -- handlers -----------------------------------------------------------------------
 
-    def _hello(self, m):
+    def _hello(self, m, session):
+        if self.token is not None and not hmac.compare_digest(m.token.encode(),
+                                                              self.token.encode()):
+            raise RefusedError("Hello: wrong job token (this process is not part of the "
+                               "job that started this server)")
+        if not 0 <= m.rank < self.num_trainers:
+            raise RefusedError(f"Hello.rank: expected 0..{self.num_trainers - 1}, got "
+                               f"{m.rank}")
+        if session.rank is not None and session.rank != m.rank:
+            raise RefusedError(f"Hello.rank {m.rank}: this connection is rank "
+                               f"{session.rank}")
+        session.rank = m.rank
         return Reply(fields={"server_id": self.server_id, "num_servers": self.num_servers,
                              "pid": os.getpid(), "torch_imported": "torch" in sys.modules,
                              "shared_memory": self.arena is not None})
 
-    def _create(self, m):
+    def _allocate_all(self, wanted, what):
+        """Allocate ``[(name, part, shape, dtype, fill, owner)]`` after checking they all
+        fit; on any failure, free what this call made (shm files included) and re-raise."""
+        nbytes = sum(int(np.prod(shape, dtype=object)) * np.dtype(dt).itemsize
+                     for _, _, shape, dt, _, _ in wanted)
+        check_fits(nbytes, what, self.arena.directory if self.arena else None)
+        made = []
+        try:
+            for name, part, shape, dtype, fill, owner in wanted:
+                arr = self._new_array(shape, dtype)
+                made.append((name, part, arr))
+                if fill is not None:
+                    arr[...] = fill
+                self.server.create(name, part, arr, owner=owner,
+                                   version=self.arena.version_of(arr) if self.arena else None)
+        except BaseException:
+            for name, part, arr in made:
+                if self.server.has(name, part) and self.server.shard(name, part) is arr:
+                    self.server.drop_shard(name, part)
+                if self.arena:
+                    self.arena.release(arr)
+            raise
+
+    def _create(self, m, session):
+        self._check_name(m.name)
         if m.dtype not in DTYPES:
             raise KVStoreError(f"dtype: expected one of {list(DTYPES)}, got {m.dtype!r}")
-        existed = []
+        if any(d < 1 for d in m.row_shape):
+            raise KVStoreError(f"row_shape: expected dimensions >= 1, got {m.row_shape}")
+        existed, wanted = [], []
         with self._lock:
+            others = self.server.parts_of(m.name)
             for part, rows in zip(m.parts, m.part_rows):
                 self._own(part)
                 shape = (rows,) + tuple(m.row_shape)
-                if int(np.prod(shape)) > MAX_ROWS:
-                    raise KVStoreError(f"shard {part} of {m.name!r}: shape {shape} too large")
+                if int(np.prod(shape, dtype=object)) > MAX_ROWS:  # Python ints: no overflow
+                    raise KVStoreError(f"shard {part} of {m.name!r}: shape {shape} has more "
+                                       f"than {MAX_ROWS} elements")
                 if self.server.has(m.name, part):
                     have = self.server.shard(m.name, part)
                     if have.shape != shape or have.dtype.name != m.dtype:
@@ -154,25 +235,37 @@ class KVService:
                                            f"{m.dtype}")
                     existed.append(part)
                 else:
-                    self.server.create(m.name, part, self._new_array(shape, m.dtype))
+                    if others:  # every shard of a table has the same row shape and dtype
+                        have = self.server.shard(m.name, others[0])
+                        if have.shape[1:] != shape[1:] or have.dtype.name != m.dtype:
+                            raise KVStoreError(
+                                f"shard {part} of {m.name!r}: rows {shape[1:]} {m.dtype}, but "
+                                f"shard {others[0]} has rows {have.shape[1:]} {have.dtype}")
+                    wanted.append((m.name, part, shape, m.dtype, None, None))
+            self._allocate_all(wanted, f"table {m.name!r} ({len(wanted)} new shard(s))")
         return Reply(fields={"existed": existed})
 
-    def _drop(self, m):
+    def _drop(self, m, session):
         with self._lock:
             for part in self.server.parts_of(m.name):
                 self._forget(m.name, part)
 
-    def _pull(self, m):
+    def _pull(self, m, session):
         rows = self._rows(m)
         first = self.server.shard(m.name, m.parts[0]) if m.parts else None
         if first is None:
             return Reply(arrays=[np.empty((0,), np.float32)])
+        for part in m.parts[1:]:
+            arr = self.server.shard(m.name, part)
+            if arr.shape[1:] != first.shape[1:] or arr.dtype != first.dtype:
+                raise KVStoreError(f"shards {m.parts[0]} and {part} of {m.name!r} differ in "
+                                   f"row shape or dtype")
         out = np.empty((m.ids.shape[0],) + first.shape[1:], dtype=first.dtype)
         for part, ids, sl in rows:
             self.server.pull(m.name, part, ids, out=out[sl])
         return Reply(arrays=[out])
 
-    def _push(self, m):
+    def _push(self, m, session):
         for part, ids, sl in self._rows(m):
             shard = self.server.shard(m.name, part)
             if m.values.dtype != shard.dtype or m.values.shape[1:] != shard.shape[1:]:
@@ -181,27 +274,37 @@ class KVService:
                                    f"{m.values.shape[1:]}")
             self.server.push(m.name, part, ids, m.values[sl])
 
-    def _opt_init(self, m):
+    def _opt_init(self, m, session):
         impl = rule_of(m.rule)
         with self._lock:
+            wanted = []
             for part in m.parts:
                 self._own(part)
                 weight = self.server.shard(m.name, part)
+                if weight.dtype != np.float32 or weight.ndim != 2:
+                    raise KVStoreError(f"optimizer of {m.name!r}: needs a 2-d float32 table, "
+                                       f"it is {weight.ndim}-d {weight.dtype}")
                 for spec in impl.states:
-                    sname = state_name(m.name, spec.name)
-                    self._forget(sname, part)
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
-                    arr = self._new_array(shape, spec.dtype)
-                    arr[...] = state_init(spec, shape, m.options)
-                    self.server.create(sname, part, arr)
+                    wanted.append((state_name(m.name, spec.name), part, shape, spec.dtype,
+                                   state_init(spec, (1,) * len(shape), m.options), m.name))
+            for sname, part, _, _, _, _ in wanted:  # a fresh optimizer starts from fresh state
+                self._forget(sname, part)
+            self._allocate_all(wanted, f"optimizer state of {m.name!r}")
 
-    def _update(self, m):
+    def _update(self, m, session):
         if m.grads.dtype != np.float32 or m.grads.ndim != 2:
             raise KVStoreError(f"grads of {m.name!r}: expected 2-d float32, got "
                                f"{m.grads.dtype} {m.grads.ndim}-d")
         # The wire carries the hyperparameters' fields: check them against the rule now,
         # naming a missing, unknown or mistyped field, before any row is touched.
         m.hyper = rule_of(m.rule).hyper_from(m.hyper)
+        for part in m.parts:
+            weight = self.server.shard(m.name, part)
+            if weight.dtype != np.float32 or weight.ndim != 2 or \
+                    weight.shape[1] != m.grads.shape[1]:
+                raise KVStoreError(f"grads of {m.name!r}: expected rows of {weight.shape[1:]} "
+                                   f"for a {weight.dtype} table, got {m.grads.shape[1:]}")
         if m.exact:
             return self._update_exact(m)
         for part, ids, sl in self._rows(m):
@@ -248,7 +351,8 @@ class KVService:
             uniq, summed = kernels.dedup_sum(ids, grads, num_threads=self.server.num_threads)
             self.server.update(first.name, part, uniq, summed, first.rule, first.hyper)
 
-    def _barrier(self, m):
+    def _barrier(self, m, session):
+        self._rank(m, session)
         with self._cond:
             gen = self._barrier_gen
             self._barrier_count += 1
@@ -260,7 +364,7 @@ class KVService:
                 raise KVStoreError(f"barrier: not every one of {self.num_trainers} trainers "
                                    f"arrived within {self.timeout_s} s")
 
-    def _shm_info(self, m):
+    def _shm_info(self, m, session):
         paths, shapes, dtypes = [], [], []
         for part in m.parts:
             arr = self.server.shard(m.name, part)
@@ -269,9 +373,25 @@ class KVService:
             dtypes.append(arr.dtype.name)
         return Reply(fields={"paths": paths, "shapes": shapes, "dtypes": dtypes})
 
-    def _bye(self, m):
+    def _bye(self, m, session):
+        self._rank(m, session)
         with self._cond:
             self._byes.add(m.rank)
             done = len(self._byes) >= self.num_trainers
         if done and self.on_all_bye:
             self.on_all_bye()
+
+    def _save(self, m, session):
+        segments = []
+        for part, start, step in zip(m.parts, m.starts, m.steps):
+            self._own(part)
+            segments.append(self.server.save_shard(m.name, part, m.directory, m.save_id,
+                                                   start, step))
+        return Reply(fields={"segments": segments})
+
+    def _load(self, m, session):
+        entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
+                                      m.directory)
+        for part, start, step in zip(m.parts, m.starts, m.steps):
+            self._own(part)
+            self.server.load_shard(m.name, part, m.directory, entry, start, step)

@@ -37,6 +37,7 @@ import numpy as np
 from distemb import kernels
 from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
 from distemb.errors import KVStoreError
+from distemb.kvstore import snapshot
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper, rule_of, state_init, state_name
 
@@ -146,6 +147,40 @@ class KVClient(ABC):
         Raises:
             KVStoreError: no table ``name``, no rule ``rule``, or ``hyper`` is not its type.
         """
+
+    def save_tensor(self, name: str, directory: str, save_id: str) -> List[dict]:
+        """Write ``name`` into checkpoint ``directory`` as segment files of save
+        ``save_id`` (:mod:`distemb.kvstore.snapshot`); the manifest is the caller's.
+
+        The default pulls the rows in blocks into one segment; clients that own their
+        shards (embedded, servers) write one segment per shard, where the shard is.
+
+        Returns:
+            the segment records (list of dicts) for the manifest.
+        """
+        meta = self._meta_of(name)
+
+        def read_block(lo, hi):
+            return self.to_host(self.pull(name, self.from_host(np.arange(lo, hi,
+                                                                         dtype=np.int64))))
+        return [snapshot.write_segment(directory, save_id, name, 0, 0, 1, meta.shape,
+                                       meta.dtype, read_block)]
+
+    def load_tensor(self, name: str, directory: str) -> None:
+        """Fill ``name`` from checkpoint ``directory`` (saved under any partitioning);
+        only the segment blocks holding this client's rows are read.
+
+        Raises:
+            KVStoreError: no such tensor in the checkpoint, other rows or dtype, or a
+                corrupt segment.
+        """
+        meta = self._meta_of(name)
+        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
+
+        def write_rows(ids, rows):
+            self.push(name, self.from_host(ids), self.from_host(np.ascontiguousarray(rows)))
+        snapshot.read_segments(directory, entry["segments"], meta.dtype, meta.shape[1:], 0,
+                               1, meta.shape[0], write_rows)
 
     def _meta_of(self, name: str) -> DataMeta:
         """The DataMeta of ``name``; KVStoreError when absent."""

@@ -215,12 +215,12 @@ class SparseOptimizer(torch.optim.Optimizer):
         return ctx.client, ctx.rank == 0
 
     def save(self, path):
-        """Save every table's rows and this optimizer's state to ``path`` (.npz).
+        """Save every table's rows and this optimizer's state as checkpoint ``path``.
 
         Collective, as DGL's: every trainer calls it. After a barrier (every trainer's
-        updates have landed), rank 0 alone writes the one checkpoint (a temporary file,
-        then a rename), and a second barrier keeps every rank waiting until the file is
-        complete. A save on rank 0 only waits at the barrier for the others.
+        updates have landed), rank 0 alone starts the one checkpoint (the servers write
+        their shards, then the manifest), and a second barrier keeps every rank waiting
+        until it is complete. A save on rank 0 only waits at the barrier for the others.
         """
         client, writer = self._collective()
         client.barrier()

@@ -38,6 +38,7 @@ MAX_NDIM = 4
 MAX_NAME = 1024
 MAX_FIELDS = 1 << 16
 MAX_MESSAGE_BYTES = 1 << 30
+MAX_DIM = 1 << 40  # any one dimension; a zero-size array may not smuggle in a huge one
 FLAG_NO_REPLY = 1  # the sender will not read a reply (asynchronous update)
 
 DTYPE_CODES = {1: np.dtype("float32"), 2: np.dtype("float64"), 3: np.dtype("float16"),
@@ -138,11 +139,12 @@ def parse_descriptors(read, header):
         if ndim > MAX_NDIM:
             raise TransportError(f"frame array {i}: ndim {ndim} over the limit {MAX_NDIM}")
         shape = struct.unpack(f"<{ndim}Q", read(8 * ndim)) if ndim else ()
+        if any(d > MAX_DIM for d in shape):
+            raise TransportError(f"frame array {i}: shape {shape} has a dimension over the "
+                                 f"limit {MAX_DIM}")
         nbytes = DTYPE_CODES[code].itemsize
-        for d in shape:
+        for d in shape:  # Python ints: exact, and at most 4 dims of <= 2**40
             nbytes *= d
-            if nbytes > header.payload_len:
-                break
         total += nbytes
         if total > header.payload_len:
             raise TransportError(f"frame array {i}: shape {shape} needs more bytes than "
@@ -171,6 +173,21 @@ def parse_body(name_bytes, fields_bytes):
     return name, fields
 
 
+@dataclass
+class Session:
+    """What a server knows about one connection's peer, kept across its frames.
+
+    ``rank`` is fixed by the peer's Hello (None before it); a handler sets ``closing``
+    when the connection must be closed after the reply (a decode error, a failed
+    handshake); ``trusted`` marks in-process callers, which need no Hello.
+    """
+
+    peer: str = "peer"
+    rank: object = None
+    closing: bool = False
+    trusted: bool = False
+
+
 class Connection:
     """Interface: one ordered, reliable channel to a peer carrying frames.
 
@@ -184,8 +201,9 @@ class Connection:
         """Send ``frame``; raise :class:`~distemb.errors.TransportError` subclasses."""
         raise NotImplementedError
 
-    def recv(self):
-        """The next frame from the peer (blocks up to the connection's timeout)."""
+    def recv(self, timeout=None):
+        """The next frame from the peer (blocks up to ``timeout`` s for it to begin;
+        default: the connection's timeout)."""
         raise NotImplementedError
 
     def close(self):

@@ -35,6 +35,8 @@ class Service(enum.IntEnum):
     BARRIER = 8
     SHM_INFO = 9
     BYE = 10
+    SAVE = 11
+    LOAD = 12
     REPLY = 100
     ERROR = 101
 
@@ -57,6 +59,10 @@ def flag(v):
 
 def text(v):
     return isinstance(v, str) and len(v) <= 256
+
+
+def abs_path(v):
+    return isinstance(v, str) and 1 <= len(v) <= 4096 and v.startswith("/") and v.isprintable()
 
 
 def scalar_dict(v):
@@ -138,8 +144,10 @@ class RowsMessage(Message):
 
 
 class Hello(Message):
+    """The handshake: fixes the connection's trainer ``rank``; ``token`` is the job's."""
+
     SERVICE = Service.HELLO
-    FIELDS = {"rank": int_value}
+    FIELDS = {"rank": int_value, "token": text}
 
 
 class Create(Message):
@@ -197,6 +205,33 @@ class Bye(Message):
     FIELDS = {"rank": int_value}
 
 
+class _ShardsMessage(Message):
+    """Names shards ``parts`` of a tensor with their global ids ``starts[i] + steps[i]*k``."""
+
+    def check(self):
+        what = type(self).__name__
+        if not len(self.parts) == len(self.starts) == len(self.steps) or \
+                any(s < 1 for s in self.steps):
+            raise TransportError(f"{what}: parts, starts and steps must be equal-length, "
+                                 f"steps >= 1")
+
+
+class Save(_ShardsMessage):
+    """Write these shards into checkpoint ``directory`` as segments of save ``save_id``."""
+
+    SERVICE = Service.SAVE
+    FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "starts": int_list,
+              "steps": int_list}
+
+
+class Load(_ShardsMessage):
+    """Fill these shards from the checkpoint in ``directory`` (its manifest says where)."""
+
+    SERVICE = Service.LOAD
+    FIELDS = {"directory": abs_path, "parts": int_list, "starts": int_list,
+              "steps": int_list}
+
+
 class Reply(Message):
     """Success: ``fields`` (any JSON object) and any arrays."""
 
@@ -224,7 +259,7 @@ class Error(Message):
 
 
 REQUESTS = {m.SERVICE: m for m in (Hello, Create, Drop, Pull, Push, OptInit, Update,
-                                   Barrier, ShmInfo, Bye)}
+                                   Barrier, ShmInfo, Bye, Save, Load)}
 
 
 def decode_request(frame):

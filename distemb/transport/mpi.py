@@ -14,7 +14,7 @@ worker thread per trainer and sends the workers' replies with non-blocking sends
 Example (under mpirun, a trainer talking to server rank 0)::
 
     conn = MpiConnection(0, timeout=60)
-    conn.send(Hello(rank=0).encode()); conn.recv()
+    conn.send(Hello(rank=0, token="").encode()); conn.recv()
 """
 import queue
 import threading
@@ -28,9 +28,9 @@ from mpi4py import MPI  # noqa: E402  (rc must be set before MPI initialises)
 import numpy as np  # noqa: E402
 
 from distemb.errors import ServerUnavailableError, TransportError  # noqa: E402
-from distemb.transport.base import (HEADER, MAX_MESSAGE_BYTES, Connection, Frame,  # noqa: E402
-                                    encode_head, parse_body, parse_descriptors,
-                                    parse_header, payload_views)
+from distemb.transport.base import (HEADER, MAX_MESSAGE_BYTES, Connection,  # noqa: E402
+                                    Frame, Session, encode_head, parse_body,
+                                    parse_descriptors, parse_header, payload_views)
 from distemb.transport.messages import Error  # noqa: E402
 
 TAG_HEAD, TAG_DATA = 11, 12
@@ -85,13 +85,14 @@ class MpiConnection(Connection):
         for view in payload_views(frame):
             self.comm.Send([view, MPI.BYTE], dest=self.dest, tag=TAG_DATA)
 
-    def recv(self):
+    def recv(self, timeout=None):
         status = MPI.Status()
-        deadline = time.monotonic() + self.timeout
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout
         while not self.comm.Iprobe(source=self.dest, tag=TAG_HEAD, status=status):
             if time.monotonic() > deadline:
                 raise ServerUnavailableError(f"{self.peer}: no answer within "
-                                             f"{self.timeout} s")
+                                             f"{timeout} s")
             time.sleep(POLL_S)
         head = _recv_head(self.comm, status, self.dest)
         return _decode(self.comm, self.dest, head, self.max_bytes)
@@ -103,18 +104,20 @@ def connect_all(num_servers, timeout, max_bytes=MAX_MESSAGE_BYTES):
 
 
 def _worker(inbox, outbox, handle, source, done):
+    session = Session(peer=f"rank {source}")  # MPI ranks are fixed: one session each
     while True:
         frame = inbox.get()
         if frame is None:
             return
-        reply = handle(frame)
+        reply = handle(frame, session)
+        session.closing = False  # MPI has no connection to close; the rank stays known
         if reply is not None:
             outbox.put((source, reply))
         done.put(1)
 
 
 def serve(handle, stop, max_bytes=MAX_MESSAGE_BYTES):
-    """Answer frames from any rank with ``handle(frame)`` until ``stop`` is set.
+    """Answer frames from any rank with ``handle(frame, session)`` until ``stop`` is set.
 
     Handlers run in one worker thread per source rank (a barrier or a sync_exact step
     may block one trainer's requests, never the communication loop); malformed frames

@@ -12,6 +12,7 @@ Example:
     [0, 1, 2]
 """
 import errno
+import logging
 import socket
 import threading
 import time
@@ -19,12 +20,14 @@ import time
 import numpy as np
 
 from distemb.errors import ServerUnavailableError, TransportError
-from distemb.transport.base import (HEADER, MAX_MESSAGE_BYTES, Connection, Frame,
+from distemb.transport.base import (HEADER, MAX_MESSAGE_BYTES, Connection, Frame, Session,
                                     encode_head, parse_body, parse_descriptors,
                                     parse_header, payload_views)
 from distemb.transport.messages import Error
 
 _IOV_MAX = 512
+MAX_CONNECTIONS = 1024  # per server: a connection storm cannot exhaust threads
+log = logging.getLogger("distemb")
 
 
 class TcpConnection(Connection):
@@ -32,22 +35,27 @@ class TcpConnection(Connection):
 
     Args:
         sock: a connected socket.
-        timeout: seconds one send or receive may block (None: forever).
+        timeout: seconds one send, or the rest of a frame once it began, may take (None:
+            forever).
         max_bytes: largest payload accepted from the peer.
         peer: a description of the peer for error messages.
+        idle_timeout: seconds to wait for the first byte of the next frame (default:
+            ``timeout``); a server sets it so an idle peer cannot hold a thread forever.
     """
 
-    def __init__(self, sock, timeout=None, max_bytes=MAX_MESSAGE_BYTES, peer="peer"):
+    def __init__(self, sock, timeout=None, max_bytes=MAX_MESSAGE_BYTES, peer="peer",
+                 idle_timeout=None):
         self.sock, self.max_bytes, self.peer = sock, max_bytes, peer
         self.timeout = timeout
+        self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         sock.settimeout(timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def _fail(self, e, doing):
+    def _fail(self, e, doing, timeout=None):
         if isinstance(e, socket.timeout):
-            raise ServerUnavailableError(f"{self.peer}: no answer within {self.timeout} s "
-                                         f"while {doing}") from None
+            raise ServerUnavailableError(f"{self.peer}: no answer within "
+                                         f"{timeout or self.timeout} s while {doing}") from None
         raise ServerUnavailableError(f"{self.peer}: connection lost while {doing} "
                                      f"({e})") from None
 
@@ -77,15 +85,31 @@ class TcpConnection(Connection):
         self._read_into(memoryview(buf))
         return bytes(buf)
 
-    def recv(self):
-        """The next frame.
+    def recv(self, timeout=None):
+        """The next frame; ``timeout`` (s) overrides the wait for its first byte.
 
         Raises:
             ServerUnavailableError: the peer closed, reset or timed out.
             TransportError: the frame is malformed (the stream cannot be trusted after).
         """
+        head = bytearray(HEADER.size)
+        view = memoryview(head)
+        idle = self.idle_timeout if timeout is None else timeout
         try:
-            header = parse_header(self._read(HEADER.size), self.max_bytes)
+            if idle != self.timeout:  # wait for a frame, then read it briskly
+                self.sock.settimeout(idle)
+                try:
+                    got = self.sock.recv_into(view)
+                finally:
+                    self.sock.settimeout(self.timeout)
+                if got == 0:
+                    raise ConnectionResetError("peer closed the connection")
+                view = view[got:]
+        except OSError as e:
+            self._fail(e, "waiting for a frame", idle)
+        try:
+            self._read_into(view)
+            header = parse_header(bytes(head), self.max_bytes)
             specs = parse_descriptors(self._read, header)
             name, fields = parse_body(self._read(header.name_len),
                                       self._read(header.fields_len))
@@ -99,6 +123,9 @@ class TcpConnection(Connection):
             raise
         except OSError as e:
             self._fail(e, "receiving")
+        except Exception as e:  # anything else a hostile frame provokes is its fault
+            raise TransportError(f"frame from {self.peer}: cannot decode "
+                                 f"({type(e).__name__}: {e})") from None
         return Frame(header.service, name, fields, arrays, header.flags)
 
     def close(self):
@@ -170,37 +197,58 @@ class _InFlight:
             self._cond.wait_for(lambda: self._n == 0, timeout)
 
 
-def _serve_connection(conn, handle, inflight):
-    """Answer requests on ``conn`` until the peer leaves or sends a malformed frame."""
+def _refuse(conn, e):
+    """Send an error frame for ``e`` if the peer still listens; never raise."""
     try:
-        while True:
+        conn.send(Error(kind=type(e).__name__, message=str(e)[:4096]).encode())
+    except Exception:  # the peer is gone or stuck: nothing more to tell it
+        pass
+
+
+def _serve_connection(conn, handle, inflight, slots):
+    """Answer requests on ``conn`` until the peer leaves, idles out, sends a malformed
+    frame or fails its handshake. Never raises: one client cannot kill the server."""
+    session = Session(peer=conn.peer)
+    try:
+        while not session.closing:
             try:
                 frame = conn.recv()
-            except ServerUnavailableError:
-                return  # the peer closed or reset: nothing to answer
-            except TransportError as e:
+            except ServerUnavailableError as e:
+                log.debug("%s", e)  # closed, reset, or idle past the limit
+                return
+            except Exception as e:
                 # The stream is out of step after a bad frame: answer, then hang up.
-                conn.send(Error(kind=type(e).__name__, message=str(e)).encode())
+                log.info("%s: malformed frame, closing: %s", conn.peer, e)
+                _refuse(conn, e)
                 return
             with inflight:
-                reply = handle(frame)
+                reply = handle(frame, session)
                 if reply is not None:
                     conn.send(reply)
     except TransportError:
         pass  # the peer went away while we answered
+    except Exception:  # a handler bug: log it, drop this client, keep serving the others
+        log.exception("%s: request handler failed", conn.peer)
     finally:
         conn.close()
+        slots.release()
 
 
-def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES):
+def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES, timeout=None,
+          idle_timeout=None, max_connections=MAX_CONNECTIONS):
     """Accept clients on ``listener`` until ``stop`` (a threading.Event) is set.
 
-    Each client gets a thread that reads frames and sends back ``handle(frame)`` (None:
-    no reply). A malformed frame gets an error reply and its connection is closed; other
-    clients are unaffected. Replies under way when ``stop`` is set are still sent.
+    Each client gets a thread and a :class:`~distemb.transport.base.Session`; it reads
+    frames and sends back ``handle(frame, session)`` (None: no reply). A malformed frame
+    gets an error reply and its connection is closed, as does a request after which the
+    handler set ``session.closing``; other clients are unaffected. A frame must arrive
+    within ``timeout`` s once begun, the next one within ``idle_timeout`` s (None:
+    forever). Past ``max_connections`` open connections, new ones are refused. Replies
+    under way when ``stop`` is set are still sent.
     """
     listener.settimeout(0.1)
     inflight = _InFlight()
+    slots = threading.BoundedSemaphore(max_connections)
     while not stop.is_set():
         try:
             sock, addr = listener.accept()
@@ -209,9 +257,18 @@ def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES):
         except OSError:
             if stop.is_set():
                 break
-            raise
-        conn = TcpConnection(sock, None, max_bytes, peer=f"client {addr[0]}:{addr[1]}")
-        threading.Thread(target=_serve_connection, args=(conn, handle, inflight),
+            log.warning("accept failed; retrying", exc_info=True)
+            time.sleep(0.1)  # e.g. out of file descriptors: wait for some to close
+            continue
+        conn = TcpConnection(sock, timeout, max_bytes, peer=f"client {addr[0]}:{addr[1]}",
+                             idle_timeout=idle_timeout)
+        if not slots.acquire(blocking=False):
+            conn.sock.settimeout(1.0)
+            _refuse(conn, TransportError(f"server busy: {max_connections} connections "
+                                         f"open, the limit"))
+            conn.close()
+            continue
+        threading.Thread(target=_serve_connection, args=(conn, handle, inflight, slots),
                          daemon=True).start()
     listener.close()
     inflight.wait_idle(timeout=2.0)
