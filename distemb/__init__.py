@@ -28,6 +28,8 @@ _LAZY = {
     "shutdown": "distemb.context",
     "DistTensor": "distemb.tensor",
     "DistEmbedding": "distemb.embedding",
+    "DynamicEmbedding": "distemb.dynamic",
+    "StoreEmbedding": "distemb.dynamic",
     "SparseOptimizer": "distemb.optim",
     "SparseSGD": "distemb.optim",
     "SparseAdagrad": "distemb.optim",

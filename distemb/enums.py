@@ -1,4 +1,5 @@
-"""Closed sets of choices (a leaf module): consistency, role, transport, partition kind, book.
+"""Closed sets of choices (a leaf module): consistency, role, transport, partition kind,
+book, eviction policy, rounding.
 
 Every member is a ``str`` equal to, hashing and formatting as its value, so JSON, the
 CLI, environment variables and dict keys see the plain string (``"sync"``) while code
@@ -100,3 +101,22 @@ class Book(Choice):
     RANGE = "range"
     # Id i lives in partition i % num_partitions at local id i // num_partitions.
     HASH = "hash"
+
+
+class EvictPolicy(Choice):
+    """Which keys a hash store's eviction removes first (TFRA's restrict policies)."""
+
+    # Least recently used: the keys whose last lookup batch is the oldest.
+    LRU = "lru"
+    # Least frequently used: the keys looked up in the fewest batches (ties: least recent).
+    LFU = "lfu"
+
+
+class Rounding(Choice):
+    """How an update stores a float32 result into half-precision rows."""
+
+    # To the nearest representable value, ties to even (IEEE's default; deterministic).
+    NEAREST = "nearest"
+    # Up or down at random, with probability by distance (unbiased, so updates below half
+    # an ulp survive in expectation); bfloat16 only, reproducible by seed.
+    STOCHASTIC = "stochastic"

@@ -39,3 +39,11 @@ class TransportError(KVStoreError):
 
 class ServerUnavailableError(TransportError):
     """A KVStore server is dead, unreachable, or did not answer within the timeout."""
+
+
+class StoreError(KVStoreError):
+    """A row store cannot do what was asked (bad key, full or read-only disk, bad column)."""
+
+
+class MissingKeyError(StoreError):
+    """Keys read without insertion are not in a hash-keyed table (never added, or removed)."""

@@ -11,9 +11,10 @@ import pytest
 
 from cpu_cuda_twin import CpuCudaTwin
 from distemb import kernels
-from distemb.kernels import cuda, ops, reference
+from distemb.kernels import cuda, half, ops, reference
 
-IMPLS = {"kernels": kernels, "reference": reference, "cuda": cuda, "cpu_cuda_twin": CpuCudaTwin()}
+IMPLS = {"kernels": kernels, "reference": reference, "cuda": cuda, "cpu_cuda_twin": CpuCudaTwin(),
+         "half": half, "half_stochastic": half.StochasticRounding()}
 if kernels.HAS_EXT:
     from distemb import _kernels
 

@@ -1,0 +1,317 @@
+"""Tables on row stores: DynamicEmbedding (any int64 key) and StoreEmbedding (any store).
+
+Both are :class:`~distemb.embedding.DistEmbedding` s to the optimizers: lookups are
+traced the same way, and ``step()`` sums duplicate gradients and hands them to the
+table's client, a :class:`~distemb.kvstore.store_client.StoreKVClient`, which runs the
+rule on the store's columns. Every optimizer works unchanged, with the same kernels: a
+dynamic table whose keys are 0..N-1 gives bit-identical rows to a dense table.
+
+Embedded only for now (one process owns the store); in a cluster context they raise.
+
+Example:
+    >>> import torch
+    >>> from distemb import SparseAdagrad
+    >>> from distemb.stores import key_normal
+    >>> emb = DynamicEmbedding(4, name="doc-dyn", init_func=key_normal(4, std=0.1))
+    >>> opt = SparseAdagrad([emb], lr=0.1)
+    >>> emb(torch.tensor([10**12, -3, 10**12])).sum().backward(); opt.step()
+    >>> emb.size(), sorted(emb.export())
+    (2, ['keys', 'sum', 'weight'])
+"""
+import json
+import os
+import zipfile
+
+import numpy as np
+
+from distemb.context import current_context
+from distemb.embedding import DEFAULT_TRACE_LIMIT, DistEmbedding, _positive_int
+from distemb.enums import Role
+from distemb.errors import DistEmbError, StoreError
+from distemb.kernels.hashtable import keys_array
+from distemb.kvstore.store_client import StoreKVClient
+from distemb.stores import HashStore, RowStore
+
+
+SAVE_FORMAT = "distemb-store-table"
+
+
+class StoreTensor:
+    """The rows of a store-backed table: ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
+
+    Args:
+        client: the table's :class:`StoreKVClient`.
+        name: the table's name in it.
+        context: the :class:`~distemb.context.DistContext` (backend, threads).
+
+    Example:
+        >>> import torch
+        >>> emb = DynamicEmbedding(2, name="doc-store-tensor")
+        >>> emb.weight[torch.tensor([5])] = torch.ones(1, 2)
+        >>> emb.weight[torch.tensor([5])]
+        tensor([[1., 1.]])
+    """
+
+    def __init__(self, client, name, context):
+        self._client, self._name, self._ctx = client, name, context
+        self._store = client.store(name)
+
+    def lookup(self, ids, client=None):
+        """The flat int64 keys and their rows, shaped as ``ids`` + (dim,) (as DistTensor).
+
+        Args:
+            ids: integer keys, any shape.
+            client: the client (or a view of it) placing the rows; the table's by default.
+        """
+        client = client or self._client
+        F = self._ctx.F
+        flat, shape = client.ids_in(self._name, ids, F)
+        rows = client.rows_out(client.pull(self._name, flat), F)
+        return flat, F.reshape(rows, tuple(shape) + (self._store.dim,))
+
+    def __getitem__(self, idx):
+        return self.lookup(idx)[1]
+
+    def __setitem__(self, idx, values):
+        F = self._ctx.F
+        flat, _ = self._client.ids_in(self._name, idx, F)
+        self._client.push(self._name, flat,
+                          self._client.values_in(self._name, values, F, len(flat)))
+
+    @property
+    def shape(self):
+        """(keys held, dim): the row count changes as keys come and go."""
+        return (self._store.size(), self._store.dim)
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def part_policy(self):
+        return None
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def client(self):
+        return self._client
+
+    @property
+    def device(self):
+        return None
+
+    def __len__(self):
+        return self._store.size()
+
+
+class StoreEmbedding(DistEmbedding):
+    """A learnable table whose rows live in ``store`` (a :class:`~distemb.stores.RowStore`).
+
+    Use it for a file-backed table (``FileStore``: larger than RAM, persistent) or any
+    store; :class:`DynamicEmbedding` is the hash-keyed one. Ids are the store's keys.
+
+    Args:
+        store: the RowStore holding rows and optimizer state (the table owns it now).
+        name: the table's name (fresh when None).
+        context: the :class:`~distemb.context.DistContext` (default: the current one).
+        trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
+
+    Raises:
+        DistEmbError: the context is not embedded (cluster placement is not implemented).
+        TypeError: ``store`` is not a RowStore.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from distemb.stores import FileStore
+        >>> emb = StoreEmbedding(FileStore(tempfile.mkdtemp(), num_rows=10**6, dim=8))
+        >>> emb(torch.tensor([999_999])).shape
+        torch.Size([1, 8])
+        >>> emb.close()  # flushes the files
+    """
+
+    def __init__(self, store, name=None, context=None, trace_limit=DEFAULT_TRACE_LIMIT):
+        if not isinstance(store, RowStore):
+            raise TypeError(f"store: expected a RowStore, got {type(store).__name__}")
+        ctx = context or current_context()
+        if ctx.role != Role.EMBEDDED:
+            raise DistEmbError(f"{type(self).__name__}: tables on row stores are embedded "
+                               f"only for now; this process is a {ctx.role!r} of a cluster")
+        name = name or ctx.new_name(type(self).__name__.lower())
+        client = StoreKVClient(num_threads=ctx.num_threads)
+        client.add_table(name, store)
+        self._tensor = StoreTensor(client, name, ctx)
+        self._store = store
+        self._F = ctx.F
+        self._trace = []
+        self._trace_limit = _positive_int(trace_limit, "trace_limit")
+        self._optm_state = None
+
+    @property
+    def store(self):
+        """The RowStore holding this table."""
+        return self._store
+
+    def size(self):
+        """Keys held."""
+        return self._store.size()
+
+    @property
+    def capacity(self):
+        """Keys held at most (None: unbounded)."""
+        return self._store.capacity
+
+    def export(self):
+        """``{"keys": int64 ascending, "weight": rows, <state name>: state rows}``.
+
+        Optimizer step counts live in the optimizer (``opt.state_dict()``), not here.
+        """
+        keys, cols = self._store.export()
+        return {"keys": keys, **cols}
+
+    def import_(self, data):
+        """Upsert what :meth:`export` returned (the optimizer's state columns must exist
+        here when the data has them: create the optimizer first).
+
+        Raises:
+            StoreError: ``data`` lacks ``"keys"``, or a column is unknown or misshapen.
+        """
+        if "keys" not in data:
+            raise StoreError(f"data: expected a dict with 'keys' and columns, got keys "
+                             f"{sorted(data)}")
+        cols = {k: np.asarray(v) for k, v in data.items() if k != "keys"}
+        self._store.import_(data["keys"], cols)
+
+    def save(self, path):
+        """Write :meth:`export` (keys, rows as float32, optimizer state) to ``path`` (.npz),
+        atomically: a failed save leaves an earlier file at ``path`` untouched.
+
+        The optimizer's step counts and hyperparameters are in ``opt.state_dict()``.
+        """
+        data = self.export()
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **{f"c/{k}": v for k, v in data.items()},
+                         meta=np.frombuffer(json.dumps(
+                             {"format": SAVE_FORMAT, "dim": self.embedding_dim,
+                              "columns": sorted(data)}).encode(), np.uint8))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def load(self, path):
+        """Upsert the rows and state saved by :meth:`save` (create the optimizer first when
+        the file has optimizer state: its columns must exist here).
+
+        Raises:
+            StoreError: ``path`` is not such a file, or its dim or columns do not fit.
+        """
+        try:
+            with np.load(path) as z:
+                meta = json.loads(z["meta"].tobytes().decode())
+                data = {k[2:]: z[k] for k in z.files if k.startswith("c/")}
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise StoreError(f"path: {path} is not a saved table ({e})") from None
+        if meta.get("format") != SAVE_FORMAT or meta.get("dim") != self.embedding_dim:
+            raise StoreError(f"path: {path} holds format {meta.get('format')!r} with dim "
+                             f"{meta.get('dim')}, expected {SAVE_FORMAT!r} with dim "
+                             f"{self.embedding_dim}")
+        self.import_(data)
+
+    def flush(self):
+        """Make completed updates durable (file stores; no-op in memory)."""
+        self._store.flush()
+
+    def close(self):
+        """Flush and release the store."""
+        self.kvstore.close()
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(name={self.name!r}, size={self.size()}, "
+                f"embedding_dim={self.embedding_dim}, store={type(self._store).__name__})")
+
+
+class DynamicEmbedding(StoreEmbedding):
+    """A table keyed by arbitrary int64 ids, rows created on first lookup.
+
+    ``emb(ids)`` finds or inserts each key (a new key gets ``init_func(keys)``, a pure
+    function of the key: use :func:`~distemb.stores.key_normal` / ``key_uniform`` so that
+    every run gives a key the same initial row); ``upsert``, ``remove``, ``export`` /
+    ``import_``, ``size()``, ``capacity`` and ``evict`` manage it. Past ``capacity``, a
+    lookup evicts down to ``low_water * capacity`` keys by ``evict`` (``"lru"``: least
+    recently looked up; ``"lfu"``: looked up in the fewest batches), sparing the keys of
+    that lookup; their rows and optimizer state go with them. Every sparse optimizer
+    works on it.
+
+    Args:
+        embedding_dim: row length.
+        name: table name (fresh when None).
+        init_func: ``init_func(keys: int64 (N,)) -> (N, embedding_dim) float32``,
+            deterministic per key (zeros when None).
+        capacity: keys held at most (None: unbounded).
+        evict: ``"lru"`` or ``"lfu"``.
+        low_water: fraction of ``capacity`` an automatic eviction goes down to.
+        dtype: storage of the rows: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (also
+            as torch dtypes); optimizer state and maths stay float32, lookups return
+            float32, updates round to nearest-even.
+        rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 rows: unbiased rounding,
+            reproducible for any thread count).
+        context: the :class:`~distemb.context.DistContext` (embedded).
+        trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
+
+    Raises:
+        ValueError: ``embedding_dim`` or ``capacity`` not a positive int, an unknown
+            ``evict`` policy.
+        DistEmbError: a cluster context (not implemented: embedded only).
+
+    Example:
+        >>> import torch
+        >>> emb = DynamicEmbedding(3, name="doc-dynamic", capacity=1000, evict="lfu")
+        >>> emb(torch.tensor([2**40, 7])).shape, emb.size()
+        (torch.Size([2, 3]), 2)
+        >>> emb.remove(torch.tensor([7])), emb.size()
+        (1, 1)
+    """
+
+    def __init__(self, embedding_dim, name=None, init_func=None, capacity=None,
+                 evict="lru", low_water=1.0, dtype="float32", rounding="nearest",
+                 context=None, trace_limit=DEFAULT_TRACE_LIMIT):
+        store = HashStore(embedding_dim, dtype=dtype, init=init_func, capacity=capacity,
+                          evict=evict, low_water=low_water, rounding=rounding)
+        super().__init__(store, name=name, context=context, trace_limit=trace_limit)
+
+    def _keys(self, keys):
+        F = self._F
+        return keys_array(F.to_numpy(keys) if F.is_tensor(keys) else keys)
+
+    def upsert(self, keys, rows):
+        """Insert or overwrite the rows of ``keys`` (their optimizer state is kept)."""
+        self.weight[keys] = rows
+
+    def remove(self, keys):
+        """Remove ``keys`` with their optimizer state; returns how many were present."""
+        return self._store.remove(self._keys(keys))
+
+    def contains(self, keys):
+        """Bool array: whether each key is held."""
+        return self._store.find(self._keys(keys)) >= 0
+
+    def get(self, keys):
+        """Rows of ``keys`` without inserting (not traced, not counted for eviction).
+
+        Raises:
+            MissingKeyError: a key is not held (never looked up, removed or evicted).
+        """
+        return self._F.from_numpy(self._store.gather(self._keys(keys), insert=False))
+
+    def evict(self, target_size, policy=None):
+        """Evict keys by ``policy`` (default: the table's) down to ``target_size``.
+
+        Returns:
+            The evicted keys (int64 numpy array).
+        """
+        return self._store.evict(target_size, policy)

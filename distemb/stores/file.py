@@ -1,0 +1,220 @@
+"""FileStore: a dense store whose columns are memory-mapped files (tables beyond RAM).
+
+Each column is one file ``<path>/<column>.bin`` of ``num_rows`` rows, mapped shared
+(``MAP_SHARED``) with ``madvise(MADV_RANDOM)``: rows are touched at random, so the
+kernel's read-ahead would only read pages nobody asked for. The kernel pages rows in on
+first touch and writes dirty pages back on its own schedule; RAM holds only the working
+set, so a table larger than memory trains at whatever the disk allows.
+
+Files are created sparse and, by default, preallocated with ``posix_fallocate``: a full
+disk is then an error when the store is made, never a SIGBUS in the middle of a step.
+Reading a row never written returns zeros without touching the disk.
+
+Durability: a completed update is in the page cache, shared with the file, so a killed
+*process* loses nothing but an update in flight (tested by SIGKILL). :meth:`flush`
+(``msync``) makes every completed write durable against a *machine* crash or power
+loss, which loses at most the writes since the last flush. Reopening the same path
+(``FileStore(path)``) maps the files again, rows and optimizer state included
+(``meta.json`` records the shape and the columns). Step counts of an optimizer
+(Adam's bias correction, Adagrad's lr_decay) live in the optimizer, not here.
+"""
+import json
+import mmap
+import os
+
+import numpy as np
+
+from distemb.errors import StoreError
+from distemb.kernels.half import storage_dtype
+from distemb.stores.dense import DenseStore, fill_rows
+from distemb.stores.types import WEIGHT, check_dim, check_float_dtype
+
+FORMAT = "distemb-file-store"
+META = "meta.json"
+
+
+def _writable_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"path: cannot create directory {path!r} for a FileStore "
+                         f"({e.strerror}); expected a writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StoreError(f"path: directory {path!r} is not writable; a FileStore needs a "
+                         "writable directory (read-only file system or permissions?)")
+
+
+class FileStore(DenseStore):
+    """Keys 0..N-1 on memory-mapped files under ``path``; reopened when it exists.
+
+    Args:
+        path: a directory (created when absent). If it holds a FileStore, that store is
+            opened and ``num_rows``/``dim``, when given, must match it.
+        num_rows: rows of a new store.
+        dim: row length of a new store.
+        dtype: weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        init: ``init(keys) -> rows`` for a new store (zeros, never written, when None).
+        rounding: ``"nearest"`` (even) or ``"stochastic"`` (bfloat16 rows only).
+        preallocate: reserve the files' blocks now (``posix_fallocate``), so that a full
+            disk fails here and not as a SIGBUS in a later write.
+
+    Raises:
+        StoreError: ``path`` is not a writable directory, the disk is too full, or the
+            existing store there does not match ``num_rows``/``dim``/``dtype``.
+        ValueError: a new store without a positive ``num_rows`` and ``dim``.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> s = FileStore(d, num_rows=1000, dim=4)
+        >>> s.scatter(np.array([999]), np.ones((1, 4), np.float32)); s.close()
+        >>> FileStore(d).gather(np.array([999, 0])).tolist()
+        [[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    """
+
+    persistent = True
+
+    def __init__(self, path, num_rows=None, dim=None, dtype="float32", init=None,
+                 rounding="nearest", preallocate=True):
+        self.path = os.fspath(path)
+        self.preallocate = bool(preallocate)
+        self._maps = {}
+        meta_path = os.path.join(self.path, META)
+        if os.path.exists(meta_path):
+            self._reopen(meta_path, num_rows, dim, dtype)
+            self._set_rounding(rounding)
+            return
+        _writable_dir(self.path)
+        if num_rows is None or dim is None:
+            raise ValueError(f"num_rows, dim: a new FileStore at {self.path!r} needs both, "
+                             f"got num_rows={num_rows!r}, dim={dim!r}")
+        self.num_rows, self.dim = check_dim(num_rows, "num_rows"), check_dim(dim)
+        self.dtype = check_float_dtype(dtype)
+        self._set_rounding(rounding)
+        self._cols, self._shapes = {}, {}
+        self._set(WEIGHT, self._new_array(WEIGHT, (self.dim,), self.dtype, 0.0, False),
+                  (self.dim,))
+        self._write_meta()
+        if init is not None:
+            fill_rows(self._cols[WEIGHT], init, encode=self.encode)
+
+    def _reopen(self, meta_path, num_rows, dim, dtype):
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"path: {meta_path} is not a FileStore's metadata ({e})") from None
+        if meta.get("format") != FORMAT:
+            raise StoreError(f"path: {meta_path} is not a FileStore's metadata "
+                             f"(format {meta.get('format')!r})")
+        for what, want, got in (("num_rows", num_rows, meta["num_rows"]),
+                                ("dim", dim, meta["dim"])):
+            if want is not None and want != got:
+                raise StoreError(f"{what}: the FileStore at {self.path!r} has {what}={got}, "
+                                 f"got {want}")
+        if check_float_dtype(dtype) != meta["dtype"]:
+            raise StoreError(f"dtype: the FileStore at {self.path!r} has dtype "
+                             f"{meta['dtype']!r}, got {dtype!r}")
+        _writable_dir(self.path)
+        self.num_rows, self.dim, self.dtype = meta["num_rows"], meta["dim"], meta["dtype"]
+        self._cols, self._shapes = {}, {}
+        for name, (row_shape, cdtype) in meta["columns"].items():
+            self._set(name, self._map(name, tuple(row_shape), cdtype, create=False),
+                      tuple(row_shape))
+
+    def _file(self, name):
+        return os.path.join(self.path, f"{name}.bin")
+
+    def _map(self, name, row_shape, dtype, create):
+        """Map column ``name``'s file (created, sized and preallocated when ``create``)."""
+        shape = (self.num_rows,) + tuple(row_shape)
+        dtype = storage_dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        try:
+            fd = os.open(self._file(name), flags, 0o644)
+        except OSError as e:
+            raise StoreError(f"path: cannot open {self._file(name)!r} ({e.strerror})") from None
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)  # sparse: holes read as zeros, cost no disk
+                if self.preallocate:
+                    os.posix_fallocate(fd, 0, nbytes)
+            elif os.fstat(fd).st_size != nbytes:
+                raise StoreError(f"path: {self._file(name)!r} has {os.fstat(fd).st_size} "
+                                 f"bytes, expected {nbytes} for column {name!r}")
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            if create:
+                os.close(fd)
+                os.remove(self._file(name))
+                fd = None
+            raise StoreError(f"path: cannot make the {nbytes}-byte file of column {name!r} "
+                             f"in {self.path!r} ({e.strerror}; free disk: "
+                             f"{_free_bytes(self.path)} bytes)") from None
+        finally:
+            if fd is not None:
+                os.close(fd)  # the mapping keeps the file open
+        mm.madvise(mmap.MADV_RANDOM)
+        self._maps[name] = mm
+        return np.frombuffer(mm, dtype=dtype).reshape(shape)
+
+    def _new_array(self, name, row_shape, dtype, fill, keep):
+        arr = self._map(name, row_shape, dtype, create=True)
+        if fill:
+            arr[...] = fill  # writes the whole file; zeros cost nothing
+        return arr
+
+    def _write_meta(self):
+        meta = {"format": FORMAT, "version": 1, "num_rows": self.num_rows, "dim": self.dim,
+                "dtype": self.dtype,
+                "columns": {n: [list(s), d] for n, (s, d) in self._shapes.items()}}
+        tmp = os.path.join(self.path, META + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.path, META))
+
+    def add_column(self, name, row_shape, dtype, fill=0.0, keep=False):
+        super().add_column(name, row_shape, dtype, fill, keep)
+        self._write_meta()
+
+    def drop_column(self, name):
+        super().drop_column(name)
+        mm = self._maps.pop(name, None)
+        if mm is not None:
+            _close_map(mm)
+            os.remove(self._file(name))
+            self._write_meta()
+
+    def flush(self):
+        """``msync`` every column: completed writes survive a machine crash."""
+        for mm in self._maps.values():
+            mm.flush()
+
+    def close(self):
+        """Flush and unmap (arrays still held elsewhere keep their mapping alive)."""
+        self.flush()
+        self._cols = {}
+        for mm in self._maps.values():
+            _close_map(mm)
+        self._maps = {}
+
+    def nbytes(self):
+        return int(sum(a.nbytes for a in self._cols.values()))
+
+
+def _close_map(mm):
+    try:
+        mm.close()
+    except BufferError:  # a caller still holds a column array: the GC unmaps it later
+        pass
+
+
+def _free_bytes(path):
+    try:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return "unknown"

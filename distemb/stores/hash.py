@@ -1,0 +1,255 @@
+"""HashStore: any int64 key, an open-addressing index over growable column arrays.
+
+Keys map to slots through a :class:`~distemb.kernels.hashtable.HashIndex` (compiled, or
+its dict twin under ``DISTEMB_NO_EXT=1``); columns are numpy arrays with one row per
+slot, doubled when the index hands out a slot past their end. A removed key's slot is
+reused by the next insertion, which re-initialises every column of that slot: a key
+that comes back starts from its initial row and fresh optimizer state.
+
+Eviction follows TFRA's restrict policies: ``"lru"`` removes the keys looked up least
+recently (a per-slot tick, advanced by every lookup batch), ``"lfu"`` the keys looked up
+in the fewest batches (ties: least recent first). :meth:`HashStore.evict` does it on
+demand; with a ``capacity``, a lookup that grows the store past it evicts down to
+``low_water`` (a fraction of the capacity, so one eviction pass serves many batches),
+never evicting the keys of that lookup.
+"""
+import logging
+
+import numpy as np
+
+from distemb.enums import EvictPolicy
+from distemb.errors import MissingKeyError, StoreError
+from distemb.kernels.half import storage_dtype
+from distemb.kernels.hashtable import HashIndex, keys_array
+from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
+
+log = logging.getLogger("distemb")
+
+FREE = -1  # slot_key of a slot no key holds
+
+
+class HashStore(RowStore):
+    """Rows keyed by arbitrary int64 keys; grows, removes, evicts.
+
+    Args:
+        dim: row length.
+        dtype: weight dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        init: ``init(keys) -> rows``, a pure function of each key (zeros when None):
+            see :mod:`distemb.stores.init` for seeded random initialisers.
+        capacity: keys held at most; a lookup past it evicts (None: unbounded).
+        evict: eviction policy, ``"lru"`` or ``"lfu"`` (:class:`EvictPolicy`).
+        low_water: automatic eviction brings the size down to ``low_water * capacity``.
+        rounding: ``"nearest"`` (even) or ``"stochastic"`` (bfloat16 rows only).
+        reserve: keys to make room for up front.
+        native: index implementation (see :class:`~distemb.kernels.hashtable.HashIndex`).
+
+    Raises:
+        ValueError: ``capacity`` < 1, an unknown ``evict``, ``low_water`` outside (0, 1].
+
+    Example:
+        >>> s = HashStore(2, capacity=2)
+        >>> s.lookup(np.array([10**12])).shape
+        (1, 2)
+        >>> _ = s.lookup(np.array([-5]))
+        >>> _ = s.lookup(np.array([7]))   # past capacity: evicts the least recent key
+        >>> s.keys().tolist()
+        [-5, 7]
+    """
+
+    def __init__(self, dim, dtype="float32", init=None, capacity=None, evict="lru",
+                 low_water=1.0, reserve=0, native=None, rounding="nearest"):
+        self.dim = check_dim(dim)
+        self.dtype = check_float_dtype(dtype)
+        self._set_rounding(rounding)
+        if capacity is not None:
+            capacity = check_dim(capacity, "capacity")
+        self._capacity = capacity
+        self.policy = EvictPolicy.parse(evict, "evict", ValueError)
+        if not isinstance(low_water, (int, float)) or not 0.0 < low_water <= 1.0:
+            raise ValueError(f"low_water: expected a float in (0, 1], got {low_water!r}")
+        self.low_water = float(low_water)
+        self._init = init
+        self._index = HashIndex(reserve, native=native)
+        rows = max(16, int(reserve))
+        self._cols = {WEIGHT: np.zeros((rows, self.dim), storage_dtype(self.dtype))}
+        self._specs = {WEIGHT: ((self.dim,), self.dtype, 0.0)}
+        self._slot_key = np.full(rows, FREE, np.int64)
+        self._last = np.zeros(rows, np.int64)
+        self._count = np.zeros(rows, np.int64)
+        self._tick = 0
+
+    # ---- slots ------------------------------------------------------------------------
+
+    def _grow(self, need):
+        rows = self._slot_key.shape[0]
+        if need <= rows:
+            return
+        while rows < need:
+            rows *= 2
+
+        def grown(a, fill):
+            b = np.full((rows,) + a.shape[1:], fill, a.dtype)
+            b[:a.shape[0]] = a
+            return b
+
+        self._cols = {n: grown(a, self._specs[n][2]) for n, a in self._cols.items()}
+        self._slot_key = grown(self._slot_key, FREE)
+        self._last, self._count = grown(self._last, 0), grown(self._count, 0)
+
+    def _init_slots(self, keys, slots):
+        """Fresh rows for newly inserted ``keys`` at ``slots`` (every column)."""
+        for name, arr in self._cols.items():
+            if name == WEIGHT and self._init is not None:
+                rows = np.asarray(self._init(keys))
+                if rows.shape != (len(keys), self.dim):
+                    raise StoreError(f"init: returned shape {rows.shape} for {len(keys)} "
+                                     f"keys, expected {(len(keys), self.dim)}")
+                arr[slots] = self.encode(rows)
+            else:
+                arr[slots] = self._specs[name][2]
+        self._slot_key[slots] = keys
+        self._last[slots] = 0
+        self._count[slots] = 0
+
+    def slots(self, keys, insert=False):
+        keys = keys_array(keys)
+        if not insert:
+            slots = self._index.find(keys)
+            missing = slots < 0
+            if missing.any():
+                bad = keys[missing]
+                raise MissingKeyError(f"keys: {bad.size} key(s) not in the store, e.g. "
+                                      f"{bad[:5].tolist()} (never inserted, removed or "
+                                      "evicted); look them up with insert=True to add them")
+            return slots
+        slots, new = self._index.find_or_insert(keys)
+        if new.any():
+            self._grow(self._index.high_water)
+            self._init_slots(keys[new], slots[new])
+        return slots
+
+    def find(self, keys):
+        """Slots of ``keys``, -1 where absent (nothing inserted, no access counted)."""
+        return self._index.find(keys)
+
+    def lookup(self, keys):
+        """Rows of ``keys`` (inserted when absent), counted as an access for eviction.
+
+        Past ``capacity``, evicts down to ``low_water * capacity`` first-least-recent (or
+        least-frequent), sparing the keys of this lookup.
+        """
+        keys = keys_array(keys)
+        slots = self.slots(keys, insert=True)
+        self._tick += 1
+        self._last[slots] = self._tick
+        self._count[slots] += 1
+        if self._capacity is not None and self._index.size > self._capacity:
+            self.evict(int(self._capacity * self.low_water), protect=self._tick)
+            slots = self._index.find(keys)  # unchanged: the keys of this tick are spared
+        return self._gather_slots(slots)
+
+    def _gather_slots(self, slots):
+        return self.ops.gather_rows(self._cols[WEIGHT], slots)
+
+    # ---- columns ----------------------------------------------------------------------
+
+    def column(self, name):
+        try:
+            return self._cols[name]
+        except KeyError:
+            raise StoreError(f"column: no column {name!r} (has {list(self._cols)})") from None
+
+    def add_column(self, name, row_shape, dtype, fill=0.0, keep=False):
+        if name == WEIGHT:
+            raise StoreError("column: 'weight' is the rows; it cannot be re-added")
+        row_shape = tuple(int(s) for s in row_shape)
+        dtype = np.dtype(dtype).name
+        if keep and name in self._specs and self._specs[name][:2] == (row_shape, dtype):
+            return
+        rows = self._slot_key.shape[0]
+        self._cols[name] = np.full((rows,) + row_shape, fill, dtype)
+        self._specs[name] = (row_shape, dtype, fill)
+
+    def drop_column(self, name):
+        if name == WEIGHT:
+            raise StoreError("column: 'weight' is the rows; it cannot be dropped")
+        self._cols.pop(name, None)
+        self._specs.pop(name, None)
+
+    def columns(self):
+        return {n: s[:2] for n, s in self._specs.items()}
+
+    # ---- keys -------------------------------------------------------------------------
+
+    def keys(self):
+        keys, _ = self._index.items()
+        return np.sort(keys)
+
+    def size(self):
+        return self._index.size
+
+    @property
+    def capacity(self):
+        return self._capacity
+
+    def remove(self, keys):
+        slots = self._index.remove(keys)
+        freed = slots[slots >= 0]
+        self._slot_key[freed] = FREE
+        return int(freed.size)
+
+    def evict(self, target_size, policy=None, protect=None):
+        """Remove keys, by ``policy`` (default: the store's), until ``target_size`` remain.
+
+        Args:
+            target_size: keys to keep (>= 0).
+            policy: ``"lru"``/``"lfu"`` or an :class:`EvictPolicy`.
+            protect: a tick whose keys are never evicted (the lookup in progress).
+
+        Returns:
+            The evicted keys (int64), their rows and state gone with them.
+        """
+        if isinstance(target_size, bool) or not isinstance(target_size, (int, np.integer)) \
+                or target_size < 0:
+            raise ValueError(f"target_size: expected an int >= 0, got {target_size!r}")
+        if policy is not None:
+            policy = EvictPolicy.parse(policy, "policy", ValueError)
+        policy = policy or self.policy
+        excess = self._index.size - int(target_size)
+        if excess <= 0:
+            return np.empty(0, np.int64)
+        live = np.flatnonzero(self._slot_key[:self._index.high_water] != FREE)
+        last = self._last[live]
+        # one int64 rank per slot (smaller goes first); ticks stay far below 2**40
+        rank = last if policy is EvictPolicy.LRU else \
+            (np.minimum(self._count[live], (1 << 22) - 1) << 40) | last
+        if protect is not None:
+            rank = np.where(last == protect, np.iinfo(np.int64).max, rank)
+            excess = min(excess, int((last != protect).sum()))
+            if excess < self._index.size - int(target_size):
+                log.warning("HashStore: %d keys of one lookup exceed the capacity %s; "
+                            "holding %d keys", int((last == protect).sum()),
+                            self._capacity, self._index.size - excess)
+        if excess <= 0:
+            return np.empty(0, np.int64)
+        victims = live[np.argpartition(rank, excess - 1)[:excess]]
+        keys = self._slot_key[victims].copy()
+        self.remove(keys)
+        return keys
+
+    def load_factor(self):
+        """Keys held per bucket of the index."""
+        return self._index.size / self._index.buckets
+
+    def access_counts(self, keys):
+        """(last lookup tick, lookup batches) of each key (MissingKeyError when absent)."""
+        slots = self.slots(keys)
+        return self._last[slots].copy(), self._count[slots].copy()
+
+    def nbytes(self):
+        per_slot = sum(a.nbytes for a in self._cols.values()) + self._slot_key.nbytes \
+            + self._last.nbytes + self._count.nbytes
+        return int(per_slot + self._index.nbytes())
+
+    def close(self):
+        self._cols = {}

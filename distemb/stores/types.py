@@ -1,0 +1,256 @@
+"""The RowStore interface: where one shard's rows and their optimizer state physically live.
+
+A store maps *keys* to *slots*: a key is what callers address rows by (a local row id
+for dense stores, any int64 for a hash store), a slot is the row number in the store's
+*columns*, one numpy array per column, all with one row per slot. The column
+``"weight"`` holds the rows; optimizer state columns (named by the rule's
+:class:`~distemb.rules.StateSpec`) sit beside it, so state lives, moves and dies with
+its row. The update rules never see keys: :meth:`RowStore.update` turns keys into slots
+and hands the rule the column arrays and the slots, so the same fused kernels run on
+every store and give bit-identical rows for the same keys.
+
+Implementations (one module each, one shared test suite, tests/test_store_suite.py):
+:class:`~distemb.stores.dense.DenseStore` (one array in memory, keys 0..N-1),
+:class:`~distemb.stores.hash.HashStore` (any int64 key, open-addressing index, growth,
+eviction) and :class:`~distemb.stores.file.FileStore` (memory-mapped files: tables
+larger than RAM, persistent across processes).
+
+Concurrency: a store assumes one writer at a time (the KVServer's lock, or the one
+embedded trainer); reads concurrent with a write may see a row half-updated.
+
+Example:
+    >>> import numpy as np
+    >>> from distemb.stores import DenseStore
+    >>> s = DenseStore(4, 2)
+    >>> s.scatter(np.array([3]), np.ones((1, 2), np.float32))
+    >>> s.gather(np.array([3, 0])).tolist()
+    [[1.0, 1.0], [0.0, 0.0]]
+"""
+import abc
+from typing import Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from distemb import kernels
+from distemb.enums import Rounding
+from distemb.errors import StoreError
+from distemb.kernels import half
+from distemb.kernels.hashtable import keys_array
+
+#: (N,) int64 keys: local row ids for dense stores, any int64 for a hash store.
+Keys = np.ndarray
+#: (N,) int64 row numbers in a store's column arrays.
+Slots = np.ndarray
+#: (N, D) rows of one column.
+Rows = np.ndarray
+#: ``init(keys) -> (len(keys), dim) float32``: a key's initial row, a pure function of
+#: the key (so every run and every server count gives a key the same row).
+KeyInit = Callable[[Keys], Rows]
+
+WEIGHT = "weight"
+
+
+class RowStore(abc.ABC):
+    """Interface of a shard's row storage; see the module docstring.
+
+    Attributes:
+        dim: row length of the weight column.
+        dtype: dtype name of the weight column: ``"float32"``, or ``"bfloat16"`` /
+            ``"float16"`` for half-precision rows (state columns stay float32; rows are
+            read and written as float32 through :meth:`gather`/:meth:`scatter`, and the
+            update rules run on :attr:`ops`, the kernels of the weight's dtype).
+    """
+
+    dim: int
+    dtype: str
+
+    #: How updates round into half-precision rows (:class:`~distemb.enums.Rounding`).
+    rounding = Rounding.NEAREST
+    _stochastic_ops = None
+
+    def _set_rounding(self, rounding, seed=0):
+        """Validate ``rounding`` against this store's dtype (constructors call this)."""
+        self.rounding = Rounding.parse(rounding, "rounding", ValueError)
+        if self.rounding is Rounding.STOCHASTIC:
+            if self.dtype != "bfloat16":
+                raise ValueError(f"rounding: 'stochastic' is for bfloat16 rows, got dtype "
+                                 f"{self.dtype!r}")
+            self._stochastic_ops = half.StochasticRounding(seed)
+
+    @property
+    def ops(self):
+        """The kernels of the weight column: :mod:`distemb.kernels` for float32 rows, the
+        half-precision twin otherwise (with stochastic rounding when asked)."""
+        if self.dtype == "float32":
+            return kernels
+        return self._stochastic_ops or half
+    #: True when the rows outlive the process (a file store): optimizer state columns are
+    #: then kept on reopening, not reset.
+    persistent = False
+
+    # ---- what implementations provide -------------------------------------------------
+
+    @abc.abstractmethod
+    def slots(self, keys: Keys, insert: bool = False) -> Slots:
+        """Slots of ``keys`` (int64, same length), in order; duplicates get equal slots.
+
+        Args:
+            keys: (N,) integer keys.
+            insert: add absent keys (hash store: new rows from its ``init``, state
+                columns at their fill value). Dense stores hold a fixed key set and
+                ignore it.
+
+        Raises:
+            TypeError: ``keys`` are not integers.
+            StoreError: a key outside a dense store's range.
+            MissingKeyError: ``insert`` is False and a key is absent (hash store).
+        """
+
+    @abc.abstractmethod
+    def column(self, name: str) -> np.ndarray:
+        """The array of column ``name`` (rows indexed by slot; shared, not copied).
+
+        Valid until the next call that may insert (a hash store may grow its arrays).
+
+        Raises:
+            StoreError: no such column.
+        """
+
+    @abc.abstractmethod
+    def add_column(self, name: str, row_shape: Tuple[int, ...], dtype: str,
+                   fill: float = 0.0, keep: bool = False) -> None:
+        """Add column ``name`` with rows of ``row_shape``, every row set to ``fill``.
+
+        An existing column is replaced, unless ``keep`` and it has the same row shape
+        and dtype (a persistent store resuming its optimizer state).
+        """
+
+    @abc.abstractmethod
+    def drop_column(self, name: str) -> None:
+        """Remove column ``name`` (no-op when absent; the weight cannot be dropped)."""
+
+    @abc.abstractmethod
+    def columns(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """``{name: (row_shape, dtype)}`` of every column, the weight first."""
+
+    @abc.abstractmethod
+    def keys(self) -> Keys:
+        """Every key held, ascending."""
+
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Number of keys held."""
+
+    @property
+    @abc.abstractmethod
+    def capacity(self) -> Optional[int]:
+        """Keys this store holds at most (dense: its rows; hash: None when unbounded)."""
+
+    @abc.abstractmethod
+    def remove(self, keys: Keys) -> int:
+        """Remove ``keys`` and their state; returns how many were present.
+
+        Raises:
+            StoreError: the store has a fixed key set (dense and file stores).
+        """
+
+    def flush(self) -> None:
+        """Make every completed write durable (file stores); no-op in memory."""
+
+    def close(self) -> None:
+        """Flush and release the arrays; the store is unusable afterwards."""
+
+    def nbytes(self) -> int:
+        """Bytes held: every column plus the index and bookkeeping."""
+        return int(sum(self.column(c).nbytes for c in self.columns()))
+
+    # ---- shared behaviour, written once on top of the above ---------------------------
+
+    def gather(self, keys: Keys, column: str = WEIGHT, insert: bool = True) -> Rows:
+        """Rows of ``keys`` in ``column``, as a new array (absent keys inserted first)."""
+        slots = self.slots(keys, insert=insert)
+        arr = self.column(column)
+        if column == WEIGHT:
+            return self.ops.gather_rows(arr, slots)
+        if arr.dtype == np.float32 and arr.ndim == 2:
+            return kernels.gather_rows(arr, slots)
+        return arr[slots]
+
+    def lookup(self, keys: Keys) -> Rows:
+        """Weight rows of ``keys`` for a training lookup: absent keys are inserted, and
+        stores that evict count the access (see :class:`~distemb.stores.hash.HashStore`)."""
+        return self.gather(keys)
+
+    def scatter(self, keys: Keys, values: np.ndarray, column: str = WEIGHT) -> None:
+        """Write ``values`` into rows ``keys`` of ``column`` (upsert; last duplicate wins)."""
+        slots = self.slots(keys, insert=True)
+        arr = self.column(column)
+        values = np.asarray(values)
+        want = (slots.shape[0],) + arr.shape[1:]
+        if values.shape != want:
+            raise StoreError(f"values: expected shape {want} for column {column!r}, "
+                             f"got {values.shape}")
+        arr[slots] = self.encode(values) if column == WEIGHT else values
+
+    def update(self, rule, keys: Keys, grads: Rows, hyper, num_threads: int = 1) -> None:
+        """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``.
+
+        Absent keys are inserted first (their initial row, then the update). The rule
+        gets the weight and state columns and the slots: the kernels never see keys.
+
+        Raises:
+            StoreError: a state column the rule needs is missing (no optimizer set up).
+        """
+        slots = self.slots(keys, insert=True)
+        states = {s.name: self.column(s.name) for s in rule.states}
+        rule.apply(self.ops, self.column(WEIGHT), states, slots, grads, hyper, num_threads)
+
+    def export(self) -> Tuple[Keys, Dict[str, np.ndarray]]:
+        """(keys ascending, {column: rows of those keys}) of everything held (the weight
+        as float32 whatever its storage dtype)."""
+        keys = self.keys()
+        slots = self.slots(keys) if len(keys) else np.empty(0, np.int64)
+        return keys, {name: self.decode(self.column(name)[slots]) if name == WEIGHT
+                      else self.column(name)[slots] for name in self.columns()}
+
+    def encode(self, rows):
+        """float32 ``rows`` in the weight column's storage dtype (rounded to nearest-even)."""
+        return rows if self.dtype == "float32" else half.encode(rows, self.dtype)
+
+    def decode(self, stored):
+        """Weight rows as stored -> float32."""
+        return stored if self.dtype == "float32" else half.decode(stored)
+
+    def import_(self, keys: Keys, columns: Dict[str, np.ndarray]) -> None:
+        """Upsert rows ``keys`` of every column in ``columns`` (what :meth:`export` gave).
+
+        Raises:
+            StoreError: a column is unknown here or its rows have the wrong shape.
+        """
+        keys = keys_array(keys)
+        for name, values in columns.items():
+            self.column(name)  # unknown columns fail before anything is written
+            if len(values) != len(keys):
+                raise StoreError(f"columns[{name!r}]: expected {len(keys)} rows, "
+                                 f"got {len(values)}")
+        for name, values in columns.items():
+            self.scatter(keys, np.asarray(values), name)
+
+
+def check_dim(dim, what="dim"):
+    """``dim`` as a positive int; ValueError naming it otherwise."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
+        raise ValueError(f"{what}: expected a positive int, got {dim!r}")
+    return int(dim)
+
+
+ROW_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_float_dtype(dtype):
+    """The weight dtype name: 'float32', 'bfloat16' or 'float16' (also as torch/numpy dtypes)."""
+    name = str(dtype).replace("torch.", "")
+    if name not in ROW_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(ROW_DTYPES)} for the rows, "
+                         f"got {dtype!r}")
+    return name

@@ -1,0 +1,158 @@
+"""DynamicEmbedding: the oracle is the dense DistEmbedding (itself tested against torch.optim).
+
+A dynamic table gives each key the row the dense table gives the row of that key, with
+the same initial rows: after 50 steps of zipf-distributed, duplicate-heavy ids the two
+tables are bit-identical, for every optimizer, whether the keys are 0..N-1 or arbitrary
+int64 keys standing for the rows.
+"""
+import numpy as np
+import pytest
+import torch
+
+from distemb.embedding import DistEmbedding
+from distemb.dynamic import DynamicEmbedding
+from distemb.errors import DistEmbError, MissingKeyError, StoreError
+from distemb.optim import SparseAdagrad, SparseSGD
+from distemb.stores import key_normal
+from tests.conftest import zipf_ids
+from tests.test_optim_oracle import CASES
+
+STEPS, ROWS, BATCH, DIM = 50, 300, 256, 16
+
+
+def key_map(kind):
+    if kind == "0..N-1":
+        return np.arange(ROWS, dtype=np.int64)
+    rng = np.random.default_rng(7)
+    return np.unique(rng.integers(-2 ** 62, 2 ** 62, ROWS * 2))[:ROWS][rng.permutation(ROWS)]
+
+
+@pytest.mark.parametrize("keys_kind", ["0..N-1", "random int64"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bit_identical_to_the_dense_table(ctx, case, keys_kind):
+    make_opt = CASES[case][0]
+    keys = key_map(keys_kind)
+    init = key_normal(DIM, seed=11)
+    dense = DistEmbedding(ROWS, DIM, name=f"dense-{case}", context=ctx)
+    dense.weight[torch.arange(ROWS)] = torch.from_numpy(init(keys))
+    dyn = DynamicEmbedding(DIM, name=f"dyn-{case}", init_func=init, context=ctx)
+    opt_dense, opt_dyn = make_opt([dense]), make_opt([dyn])
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
+    half = BATCH // 2
+    for _ in range(STEPS):
+        ids = zipf_ids(rng, ROWS, BATCH)
+        up = torch.randn(BATCH, DIM, generator=gen)
+        for emb, opt, idx in ((dense, opt_dense, torch.from_numpy(ids)),
+                              (dyn, opt_dyn, torch.from_numpy(keys[ids]))):
+            a, b = emb(idx[:half]), emb(idx[half:])
+            ((a * up[:half]).sum() + (b * up[half:]).sum()).backward()
+            opt.step()
+    held = dyn.export()
+    rows_of = {int(k): i for i, k in enumerate(keys)}
+    order = np.array([rows_of[int(k)] for k in held["keys"]])
+    want = dense.weight[torch.from_numpy(order)]
+    assert torch.equal(torch.from_numpy(held["weight"]), want), "not bit-identical"
+    assert (want - torch.from_numpy(init(keys[order]))).abs().max() > 1e-2
+    assert dyn.size() == len(order) > ROWS // 2
+
+
+def test_initial_rows_are_a_function_of_the_key_only(ctx):
+    init = key_normal(8, seed=3)
+    a = DynamicEmbedding(8, name="a", init_func=init, context=ctx)
+    b = DynamicEmbedding(8, name="b", init_func=init, context=ctx)
+    keys = torch.tensor([5, 2 ** 50, -9, 77])
+    a(keys)
+    rows_b = b(keys.flip(0)).flip(0)
+    assert torch.equal(a.get(keys), rows_b)
+    assert torch.equal(a.get(keys), torch.from_numpy(init(keys.numpy())))
+
+
+def test_export_import_resumes_training_exactly(ctx):
+    init = key_normal(4, seed=1)
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(-50, 50, 64) * 1000 for _ in range(10)]
+    grads = [torch.from_numpy(rng.standard_normal((64, 4)).astype(np.float32))
+             for _ in range(10)]
+
+    def train(emb, opt, steps):
+        for ids, g in steps:
+            (emb(torch.from_numpy(ids)) * g).sum().backward()
+            opt.step()
+
+    ref = DynamicEmbedding(4, name="ref", init_func=init, context=ctx)
+    ref_opt = SparseAdagrad([ref], lr=0.1)
+    train(ref, ref_opt, zip(batches, grads))
+    a = DynamicEmbedding(4, name="first", init_func=init, context=ctx)
+    a_opt = SparseAdagrad([a], lr=0.1)
+    train(a, a_opt, zip(batches[:5], grads[:5]))
+    data = a.export()
+    assert sorted(data) == ["keys", "sum", "weight"] and len(data["keys"]) == a.size()
+    b = DynamicEmbedding(4, name="second", init_func=init, context=ctx)
+    b_opt = SparseAdagrad([b], lr=0.1)
+    b.import_(data)
+    train(b, b_opt, zip(batches[5:], grads[5:]))
+    got, want = b.export(), ref.export()
+    for k in ("keys", "weight", "sum"):
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_save_load_round_trip(ctx, tmp_path):
+    a = DynamicEmbedding(3, name="saved", init_func=key_normal(3), context=ctx)
+    opt = SparseAdagrad([a], lr=0.1)
+    a(torch.tensor([5, -2 ** 40, 9])).sum().backward()
+    opt.step()
+    assert a.export()["sum"].min() == 1.0
+    a.save(tmp_path / "t.npz")
+    b = DynamicEmbedding(3, name="loaded", context=ctx)
+    SparseAdagrad([b], lr=0.1)
+    b.load(tmp_path / "t.npz")
+    for k, v in a.export().items():
+        np.testing.assert_array_equal(b.export()[k], v)
+    with pytest.raises(StoreError, match="dim 3, expected .* with dim 4"):
+        DynamicEmbedding(4, context=ctx).load(tmp_path / "t.npz")
+    (tmp_path / "junk.npz").write_text("no")
+    with pytest.raises(StoreError, match="not a saved table"):
+        b.load(tmp_path / "junk.npz")
+
+
+def test_upsert_remove_and_eviction_drop_rows_with_their_state(ctx):
+    emb = DynamicEmbedding(2, name="ev", capacity=10, low_water=0.5, context=ctx)
+    opt = SparseAdagrad([emb], lr=1.0)
+    emb.upsert(torch.tensor([1, 2]), torch.ones(2, 2))
+    assert emb.get(torch.tensor([2])).tolist() == [[1.0, 1.0]]
+    for batch in (range(0, 6), range(6, 10)):
+        emb(torch.tensor(list(batch))).sum().backward()
+        opt.step()
+    assert emb.size() == 10 and emb.export()["sum"].max() == 1.0
+    emb(torch.tensor([100]))  # past capacity: down to 5, the oldest batch goes first
+    assert emb.size() == 5 and set(emb.export()["keys"].tolist()) == {6, 7, 8, 9, 100}
+    assert emb.remove(torch.tensor([6, 6, 55])) == 1
+    with pytest.raises(MissingKeyError, match=r"\[6\]"):
+        emb.get(torch.tensor([6]))
+    assert emb.contains(torch.tensor([6, 7])).tolist() == [False, True]
+    emb(torch.tensor([0])).sum().backward()  # a returning key: zero row, fresh state
+    opt.step()
+    data = emb.export()
+    i = data["keys"].tolist().index(0)
+    assert data["sum"][i].tolist() == [1.0, 1.0] and data["weight"][i].tolist() == [-1.0, -1.0]
+    assert sorted(emb.evict(2, policy="lfu").tolist()) == [7, 8, 9] and emb.size() == 2
+
+
+def test_bad_input(ctx):
+    with pytest.raises(ValueError, match="capacity: expected a positive int, got 0"):
+        DynamicEmbedding(2, capacity=0, context=ctx)
+    with pytest.raises(ValueError, match="evict: must be one of"):
+        DynamicEmbedding(2, evict="random", context=ctx)
+    with pytest.raises(ValueError, match="dim"):
+        DynamicEmbedding(0, context=ctx)
+    emb = DynamicEmbedding(2, name="bad", context=ctx)
+    with pytest.raises(TypeError, match="ids: expected integer keys"):
+        emb(torch.tensor([1.0]))
+    with pytest.raises(DistEmbError, match="not in the store"):
+        emb.get(torch.tensor([3]))
+    opt = SparseSGD([emb], lr=0.1)
+    emb(torch.tensor([1])).sum().backward()
+    opt.step()
+    with pytest.raises(DistEmbError, match="export"):
+        SparseAdagrad([emb], lr=0.1).state_dict()
