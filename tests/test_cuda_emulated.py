@@ -1,4 +1,4 @@
-"""The CUDA segment-sum kernels themselves, run on the CPU thread by thread, against the twin.
+"""The CUDA segment-sum and checked-gather kernels, run on the CPU thread by thread.
 
 tests/cuda_host/emulate_dedup.cpp compiles csrc/cuda/dedup_kernels.cuh (the kernels that
 plan the chunks, sum them and combine them) as plain C++ and runs every thread of every
@@ -7,14 +7,18 @@ and scans. Without a GPU this is the test of the kernels' own indexing: the resu
 equal the CPU twin (tests/cpu_cuda_twin.py) bit for bit, unused slots must hold what
 dedup_sum_padded promises, and nothing may be written past the unique rows. It does not
 test the CUDA compiler, CUB or the hardware: tests/test_cuda_segment_sum.py does, on a GPU.
+tests/cuda_host/emulate_gather.cpp does the same for the checked gather (its three atomics
+become plain updates), against the twin's ``gather_rows_checked``.
 """
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
+import torch
 
-from cpu_cuda_twin import chunked_dedup_sum
+from cpu_cuda_twin import CpuCudaTwin, chunked_dedup_sum
+from distemb.kernels import cuda
 from test_cuda_segment_sum import boundary_cases, zipf_batch
 from tests.test_cuda_kernels import ROOT
 
@@ -22,14 +26,23 @@ CXX = shutil.which("g++") or shutil.which("c++")
 UNTOUCHED = np.float32(-777.0)  # what the harness fills the sums with before the kernels
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
+def build(tmp_path_factory, name):
     if CXX is None:
         pytest.skip("no C++ compiler (g++) to build the kernel emulation")
-    exe = tmp_path_factory.mktemp("emu") / "emulate_dedup"
+    exe = tmp_path_factory.mktemp("emu") / name
     subprocess.run([CXX, "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-o", str(exe),
-                    f"{ROOT}/tests/cuda_host/emulate_dedup.cpp"], check=True, timeout=300)
+                    f"{ROOT}/tests/cuda_host/{name}.cpp"], check=True, timeout=300)
     return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build(tmp_path_factory, "emulate_dedup")
+
+
+@pytest.fixture(scope="module")
+def gather_emulator(tmp_path_factory):
+    return build(tmp_path_factory, "emulate_gather")
 
 
 def run(emulator, tmp_path, ids, grads, num_rows=None):
@@ -90,3 +103,29 @@ def test_the_comparison_can_fail(emulator, tmp_path):
     u, _, summed = run(emulator, tmp_path, ids, grads)
     other = chunked_dedup_sum(ids, grads, chunk=16)[1]
     assert u == 1 and not np.array_equal(summed[:1], other)
+
+
+@pytest.mark.parametrize("dim", [1, 3, 64])
+def test_checked_gather_equals_twin(gather_emulator, tmp_path, dim):
+    rng = np.random.default_rng(dim)
+    table = rng.standard_normal((50, dim)).astype(np.float32)
+    ids = rng.integers(-10, 60, size=300).astype(np.int64)
+    flags = np.array(cuda.CLEAN_ID_FLAGS, np.int64)
+    flags[0], flags[1] = 2, -40  # carried over from earlier lookups: accumulated into
+    src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
+    with open(src, "wb") as f:
+        np.array([50, dim, ids.shape[0]], np.int64).tofile(f)
+        flags.tofile(f)
+        table.tofile(f)
+        ids.tofile(f)
+    subprocess.run([str(gather_emulator), str(src), str(dst)], check=True, timeout=300)
+    raw = dst.read_bytes()
+    got_flags = np.frombuffer(raw[:24], np.int64)
+    rows = np.frombuffer(raw[24:], np.float32).reshape(-1, dim)
+    want_flags = torch.from_numpy(flags.copy())
+    want = CpuCudaTwin().gather_rows_checked(torch.from_numpy(table), torch.from_numpy(ids),
+                                             want_flags)
+    bad = (ids < 0) | (ids >= 50)
+    assert bad.sum() > 10 and got_flags.tolist() == want_flags.tolist()
+    assert got_flags.tolist() == [2 + bad.sum(), -40, ids[bad].max()]
+    np.testing.assert_array_equal(rows, want.numpy())

@@ -1,5 +1,6 @@
 // Row gather and the library's utility entry points.
 #include "common.cuh"
+#include "gather_kernels.cuh"
 
 namespace distemb {
 namespace {
@@ -38,36 +39,6 @@ DISTEMB_API int distemb_cuda_gather_rows(const float* table, int64_t d, const in
                            distemb::as_stream(stream)>>>(table, d, rows, n, lanes, out);
   return cudaGetLastError();
 }
-
-namespace distemb {
-namespace {
-
-// As gather_kernel, but an id outside [0, num_rows) reads a row of zeros and is counted
-// in flags (count, smallest, largest) instead of faulting, so ids are validated on the
-// device without stopping the stream; the host reads flags whenever it next waits.
-__global__ void gather_checked_kernel(const float* table, int64_t num_rows, int64_t d,
-                                      const int64_t* rows, int64_t n, int lanes, float* out,
-                                      long long* flags) {
-  const int lane = threadIdx.x % lanes;
-  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
-    const int64_t r = rows[i];
-    float* dst = out + i * d;
-    if (r < 0 || r >= num_rows) {
-      if (lane == 0) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(flags), 1ull);
-        atomicMin(flags + 1, static_cast<long long>(r));
-        atomicMax(flags + 2, static_cast<long long>(r));
-      }
-      for (int64_t j = lane; j < d; j += lanes) dst[j] = 0.0f;
-      continue;
-    }
-    const float* src = table + r * d;
-    for (int64_t j = lane; j < d; j += lanes) dst[j] = src[j];
-  }
-}
-
-}  // namespace
-}  // namespace distemb
 
 DISTEMB_API int distemb_cuda_gather_rows_checked(const float* table, int64_t num_rows,
                                                  int64_t d, const int64_t* rows, int64_t n,
