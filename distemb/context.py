@@ -17,6 +17,7 @@ Example:
 """
 import itertools
 import os
+import sys
 
 from distemb.backend import load_backend
 from distemb.config import default_num_threads, load_cluster_config
@@ -140,12 +141,58 @@ def _env_rank():
     return int(value)
 
 
+# Set by DGL's launcher (tools/launch.py) for every server and trainer of a job.
+DGL_JOB_VARS = ("DGL_ROLE", "DGL_IP_CONFIG", "DGL_NUM_SERVER", "DGL_NUM_CLIENT",
+                "DGL_CONF_PATH", "DGL_SERVER_ID")
+
+
+def one_of_many():
+    """Why this process is one of several of a job, or None when nothing says so.
+
+    Looks at DGL's launcher variables, ``DGL_DIST_MODE=distributed``, ``WORLD_SIZE`` > 1
+    (torchrun, distemb-launch, mpirun wrappers) and an initialized torch.distributed
+    group of more than one process. torch is only looked at if it is already imported:
+    a process that never imported it has no process group (and servers never import it).
+    """
+    found = [v for v in DGL_JOB_VARS if os.environ.get(v)]
+    if os.environ.get("DGL_DIST_MODE") == "distributed":
+        found.append("DGL_DIST_MODE=distributed")
+    if found:
+        return f"DGL's launcher environment ({', '.join(found)})"
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        return f"WORLD_SIZE={world}"
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        return f"an initialized torch.distributed group of {dist.get_world_size()} processes"
+    return None
+
+
 def _from_env(backend=None, num_threads=None, consistency=None):
-    """A trainer context when $DISTEMB_CONFIG is set, else an embedded one."""
+    """A trainer context when $DISTEMB_CONFIG is set, else an embedded one.
+
+    Raises:
+        DistEmbError: $DISTEMB_CONFIG is unset but this process is one of several (see
+            :func:`one_of_many`): an embedded table would be private to it, so every
+            trainer would silently train its own copy.
+    """
     path = os.environ.get("DISTEMB_CONFIG")
     if consistency is not None:
         consistency = Consistency.parse(consistency, "consistency")
     if not path:
+        why = one_of_many()
+        if why is not None:
+            raise DistEmbError(
+                f"this process is one of several ({why}) but $DISTEMB_CONFIG is not set, so "
+                "its distemb tables would be private to it and each trainer would train its "
+                "own copy. Start the job with distemb-launch, which starts distemb's "
+                "servers and sets $DISTEMB_CONFIG/$DISTEMB_RANK for every trainer, e.g. "
+                "`distemb-launch --ip-config ip.txt --num-servers 1 --num-trainers 2 -- "
+                "python train.py` (it also sets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE for "
+                "torch.distributed); to join a running distemb cluster set "
+                "DISTEMB_CONFIG=<its cluster.json> and DISTEMB_RANK=<trainer rank>. For a "
+                "deliberately private table pass context=distemb.DistContext.embedded().")
         if consistency not in (None, Consistency.SYNC):
             raise DistEmbError(f"consistency='{consistency}': only meaningful for a trainer "
                                "of a cluster ($DISTEMB_CONFIG is not set)")
@@ -162,6 +209,9 @@ def initialize(backend=None, num_threads=None, consistency=None):
 
     Embedded unless ``$DISTEMB_CONFIG`` names a cluster config (``distemb-launch`` sets
     it, with ``$DISTEMB_RANK``): then a trainer context joining that cluster's servers.
+    Never a silent private table in a process that is one of several: under DGL's
+    launcher, with ``WORLD_SIZE`` > 1 or in a torch.distributed group of several
+    processes, without ``$DISTEMB_CONFIG`` it raises, saying how to launch.
 
     Args:
         backend: backend name (default: $DISTEMB_BACKEND or 'pytorch').
@@ -176,7 +226,9 @@ def initialize(backend=None, num_threads=None, consistency=None):
 
     Raises:
         ConfigError: ``consistency`` is not one of the modes.
-        DistEmbError: already initialized, or a non-sync mode without a cluster.
+        DistEmbError: already initialized, a non-sync mode without a cluster, or one of
+            several processes without ``$DISTEMB_CONFIG`` (the message says how to launch
+            or join).
     """
     if _current and not _current[0].closed:
         how = ("by an earlier initialize()" if not getattr(_current[0], "implicit", False)

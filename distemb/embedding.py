@@ -37,9 +37,10 @@ class DistEmbedding:
     """A learnable table of ``num_embeddings`` rows, sparsely updated by distemb optimizers.
 
     A drop-in for ``dgl.distributed.DistEmbedding``: ``emb(ids)`` returns the rows; while
-    autograd records it also appends ``(ids, rows)`` to a trace that the optimizer's
-    ``step()`` consumes (and ``zero_grad()`` clears). Lookups under ``torch.no_grad()``
-    record nothing.
+    autograd records it also appends ``(ids, rows)`` to a trace. The optimizer's
+    ``step()`` applies and removes the lookups whose backward has run; ``zero_grad()``
+    drops those (gradients of earlier backward passes) and keeps lookups still waiting
+    for their backward. Lookups under ``torch.no_grad()`` record nothing.
 
     Args:
         num_embeddings: number of rows (the table is not tied to a graph's node count).
@@ -116,13 +117,23 @@ class DistEmbedding:
         return rows
 
     def reset_trace(self) -> None:
-        """Forget recorded lookups (``zero_grad()`` calls this)."""
+        """Forget every recorded lookup, including those still waiting for backward."""
         self._trace = []
+
+    def drop_gradients(self) -> None:
+        """Forget the lookups whose backward has run (``zero_grad()``); keep the rest.
+
+        Why not clear everything: ``out = model(x); opt.zero_grad(); loss.backward();
+        opt.step()`` (torch's idiom, DGL's examples) calls ``zero_grad()`` between the
+        lookup and its backward; that lookup's gradient is the one to apply.
+        """
+        self._trace = [e for e in self._trace if self._F.grad(e.rows) is None]
 
     def coalesced_gradients(self) -> Optional[Tuple[KVClient, UniqueIds, Rows]]:
         """Take the traced gradients, summed per id by the client that placed the rows.
 
-        Consumes the trace. Lookups whose backward has not run contribute nothing.
+        Consumes the lookups whose backward has run; those still waiting for their
+        backward stay traced and contribute nothing now.
 
         Returns:
             ``(client, unique ids, summed gradients)`` for ``client.push_update``, or None
@@ -130,7 +141,9 @@ class DistEmbedding:
             lookup (all lookups of a step sum together there, whatever their device).
         """
         done = [(e, g) for e in self._trace for g in (self._F.grad(e.rows),) if g is not None]
-        self._trace = []
+        # Lookups whose backward has not run stay traced (torch semantics: a gradient
+        # that arrives after step() is applied by the next one); the trace stays bounded.
+        self._trace = [e for e in self._trace if self._F.grad(e.rows) is None]
         client = done[0][0].client if done else self.kvstore
         summed = client.coalesce(self.name, [e.ids for e, _ in done], [g for _, g in done],
                                  self._F)
@@ -138,7 +151,8 @@ class DistEmbedding:
 
     @property
     def trace(self) -> List[Lookup]:
-        """Recorded lookups since the last step()/zero_grad(): ``(ids, rows, client)``."""
+        """Recorded lookups not yet consumed by step() or dropped by zero_grad():
+        ``(ids, rows, client)``."""
         return list(self._trace)
 
     @property

@@ -6,11 +6,31 @@ to ``client.rows_out``, on one path for every placement.
 """
 from typing import Optional, Tuple
 
+import numpy as np
+
 from distemb.arrays import GlobalIds, Shape, Tensor
 from distemb.context import current_context
 from distemb.errors import KVStoreError
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy, range_policy
+from distemb.rules import state_name
+
+# DGL's optimizers name their state "<table>_sum" (Adagrad) and "<table>_mem",
+# "<table>_power", "<table>_step" (Adam); code written for DGL attaches to those names.
+DGL_STATE_SUFFIXES = {"_sum": "sum", "_mem": "exp_avg", "_power": "exp_avg_sq",
+                      "_step": "row_step"}
+
+
+def _resolve_name(client: KVClient, name: Optional[str]) -> Optional[str]:
+    """``name``, or the optimizer state it means in DGL's naming when only that exists."""
+    if name is None or client.data_meta(name) is not None:
+        return name
+    for suffix, state in DGL_STATE_SUFFIXES.items():
+        if name.endswith(suffix):
+            alias = state_name(name[:-len(suffix)], state)
+            if client.data_meta(alias) is not None:
+                return alias
+    return name
 
 
 def _check_shape(shape) -> Shape:
@@ -32,7 +52,9 @@ class DistTensor:
         shape: (rows, ...) of the whole tensor.
         dtype: element type (torch, numpy or string dtype).
         name: KVStore name; an existing tensor of that name (same shape and dtype) is
-            attached instead of created. Anonymous when None.
+            attached instead of created. Anonymous when None. DGL's names of optimizer
+            state (``"<table>_sum"``, ``"_mem"``, ``"_power"``, ``"_step"``) attach to that
+            state when no tensor of the name itself exists (a compatibility alias).
         init_func: ``init_func(shape, dtype)`` returns the initial values of one shard.
         part_policy: how rows are sharded (default: even ranges over the servers).
         persistent: keep the data after this object is garbage collected.
@@ -42,10 +64,13 @@ class DistTensor:
             whole tensor is then one torch tensor on that GPU, ``t[ids]`` returns rows
             there, and names are looked up among that device's tensors only.
 
+    ``t[ids]`` takes integer ids of any shape or a ``slice`` of rows.
+
     Raises:
         CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
             run here (not built, CPU-only torch or no GPU; the message says which).
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
+        TypeError: ``part_policy`` is not a distemb policy (DGL's: see distemb.dgl).
 
     Example:
         >>> import torch
@@ -70,11 +95,18 @@ class DistTensor:
         self._dtype = F.dtype_name(dtype)
         if part_policy is None:
             part_policy = range_policy(self._shape[0], ctx.num_servers)
+        if not isinstance(part_policy, PartitionPolicy):
+            raise TypeError(
+                f"part_policy: expected a distemb PartitionPolicy, got "
+                f"{type(part_policy).__module__}.{type(part_policy).__qualname__} "
+                f"{getattr(part_policy, 'policy_str', part_policy)!r}; for DGL's policies use "
+                "distemb.dgl (import distemb.dgl as dist), which converts them, or "
+                "distemb.integrations.dgl.convert_policy()")
         if part_policy.get_size() != self._shape[0]:
             raise ValueError(f"part_policy: {part_policy.policy_str} has "
                              f"{part_policy.get_size()} ids, but shape[0] is {self._shape[0]}")
         self._policy = part_policy
-        self._name = name or ctx.new_name("anonymous")
+        self._name = _resolve_name(self._client, name) or ctx.new_name("anonymous")
         self._persistent = persistent
         meta = self._client.data_meta(self._name)
         self._owner = meta is None
@@ -102,15 +134,21 @@ class DistTensor:
             PartitionError: an id is out of range.
         """
         client = client or self._client
-        flat, shape = client.ids_in(self._name, ids, self._ctx.F)
+        flat, shape = client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
         rows = client.rows_out(client.pull(self._name, flat), self._ctx.F)
         return flat, self._ctx.F.reshape(rows, tuple(shape) + self._shape[1:])
+
+    def _rows_of(self, ids):
+        """A ``slice`` means the ids of the rows it selects (``t[0:n // 2]``, as DGL)."""
+        if isinstance(ids, slice):
+            return np.arange(*ids.indices(self._shape[0]), dtype=np.int64)
+        return ids
 
     def __getitem__(self, ids: Tensor) -> Tensor:
         return self.lookup(ids)[1]
 
     def __setitem__(self, ids: Tensor, values: Tensor) -> None:
-        flat, _ = self._client.ids_in(self._name, ids, self._ctx.F)
+        flat, _ = self._client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
         self._client.push(self._name, flat,
                           self._client.values_in(self._name, values, self._ctx.F, len(flat)))
 

@@ -37,6 +37,7 @@ from graph_examples.evaluate import (link_prediction_auc, node_classification,  
 from graph_examples.plots import save_training_plot  # noqa: E402
 from graph_examples.tables import BACKENDS, make_tables  # noqa: E402
 from graph_examples.walks import SkipGramBatches  # noqa: E402
+from graph_examples.wordnet import LEX_NAMES  # noqa: E402
 
 
 def skipgram_loss(u: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -212,20 +213,27 @@ def main(argv=None) -> dict:
                    **{f"{name}_seconds": round(sec, 2)
                       for name, sec in result["phase_seconds"].items()},
                    final_loss=round(float(np.mean(result["losses"][-50:])), 4))
+    scores, per_class = None, {}
     if dataset.num_classes >= 2 and len(dataset.train_idx):
         scores = node_classification(emb, dataset, "test", args.eval_max_iter, args.seed)
         metrics.update(test_micro_f1=round(scores.micro_f1, 4),
                        test_macro_f1=round(scores.macro_f1, 4))
+        per_class = {str(c): round(f, 4) for c, f in scores.per_class_f1.items()}
     if edges is not None:
         metrics["link_auc"] = round(
             link_prediction_auc(emb, edges.pos_edges, edges.neg_edges, "dot"), 4)
 
     np.save(out / "embeddings.npy", emb)
     np.save(out / "node_ids.npy", dataset.node_ids)
-    (out / "metrics.json").write_text(json.dumps(dict(metrics, args=vars(args)), indent=2,
+    (out / "metrics.json").write_text(json.dumps(dict(metrics, args=vars(args),
+                                                      test_f1_per_class=per_class), indent=2,
                                                  default=str) + "\n")
+    f1 = {} if scores is None else dict(per_class_f1=scores.per_class_f1,
+                                          support=scores.support)
+    names = LEX_NAMES if dataset.name == "wordnet" else None
     save_training_plot(out / "report.png", result["losses"], emb, dataset.labels,
-                       title=f"DeepWalk on {dataset.name} ({args.backend})")
+                       title=f"DeepWalk on {dataset.name} ({args.backend})",
+                       class_names=names, **f1)
     print(format_table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
                         for k, v in metrics.items()]))
     print(f"wrote {out}/embeddings.npy, node_ids.npy, metrics.json, report.png")

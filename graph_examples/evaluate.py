@@ -6,7 +6,7 @@ the edges before training (split_edges) and scores hidden edges against sampled
 non-edges by ROC-AUC.
 """
 import os
-from typing import NamedTuple
+from typing import Dict, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -21,10 +21,19 @@ from graph_examples.datasets import GraphDataset  # noqa: E402
 
 
 class ClassificationScores(NamedTuple):
-    """F1 scores of a node classifier on one split."""
+    """F1 scores of a node classifier on one split.
+
+    Attributes:
+        micro_f1, macro_f1: the averages.
+        per_class_f1: class -> F1 of that class on the split (classes present in the
+            training or scored nodes).
+        support: class -> number of scored nodes of that class.
+    """
 
     micro_f1: float
     macro_f1: float
+    per_class_f1: Optional[Dict[int, float]] = None
+    support: Optional[Dict[int, int]] = None
 
 
 class EdgeSplit(NamedTuple):
@@ -84,8 +93,13 @@ def node_classification(embeddings, dataset: GraphDataset, split: str = "test",
     clf = LogisticRegression(max_iter=max_iter, random_state=seed)
     clf.fit(scaler.transform(x[train]), y[train])
     pred = clf.predict(scaler.transform(x[scored]))
-    return ClassificationScores(float(f1_score(y[scored], pred, average="micro")),
-                                float(f1_score(y[scored], pred, average="macro")))
+    classes = np.union1d(y[train], y[scored])
+    per_class = f1_score(y[scored], pred, labels=classes, average=None, zero_division=0)
+    return ClassificationScores(
+        float(f1_score(y[scored], pred, average="micro")),
+        float(f1_score(y[scored], pred, average="macro")),
+        {int(c): float(f) for c, f in zip(classes, per_class)},
+        {int(c): int((y[scored] == c).sum()) for c in classes})
 
 
 def split_edges(graph: dgl.DGLGraph, fraction: float = 0.1, seed: int = 0) -> EdgeSplit:

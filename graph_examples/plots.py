@@ -1,6 +1,6 @@
-"""Training report figure: the loss curve beside a 2-D projection of the embeddings."""
+"""Training report figure: loss curve, 2-D projection of the largest classes, F1 per class."""
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import matplotlib
 
@@ -46,20 +46,61 @@ def project_2d(embeddings, method: str = "pca", seed: int = 0) -> np.ndarray:
     raise ValueError(f"method: expected 'pca' or 'tsne', got {method!r}")
 
 
+def largest_classes(labels, k: int = 10) -> np.ndarray:
+    """The ``k`` classes with the most labelled nodes, largest first (ties: lower id).
+
+    Args:
+        labels: (N,) classes, -1 for unlabelled.
+        k: how many.
+
+    Returns:
+        int64 array of at most ``k`` class ids.
+    """
+    y = _as_numpy(labels)
+    classes, counts = np.unique(y[y >= 0], return_counts=True)
+    order = np.lexsort((classes, -counts))
+    return classes[order[:k]].astype(np.int64)
+
+
+def f1_bar_order(per_class_f1: Dict[int, float], support: Optional[Dict[int, int]] = None
+                 ) -> List[int]:
+    """Classes in the order the F1 bars are drawn: most scored nodes first, then by id."""
+    support = support or {}
+    return sorted(per_class_f1, key=lambda c: (-support.get(c, 0), c))
+
+
+def _name(c: int, class_names: Optional[Sequence[str]]) -> str:
+    return class_names[c] if class_names is not None and 0 <= c < len(class_names) else str(c)
+
+
 def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddings,
-                       labels: Optional[torch.Tensor] = None, method: str = "pca",
-                       max_points: int = 5000, seed: int = 0, title: str = "") -> Path:
-    """Write a PNG: loss per step (left), embeddings in 2-D coloured by class (right).
+                       labels: Optional[torch.Tensor] = None, method: str = "tsne",
+                       max_points: int = 3000, seed: int = 0, title: str = "",
+                       top_classes: int = 10,
+                       per_class_f1: Optional[Dict[int, float]] = None,
+                       support: Optional[Dict[int, int]] = None,
+                       class_names: Optional[Sequence[str]] = None) -> Path:
+    """Write a PNG: the loss curve, the embeddings of the largest classes in 2-D, and
+    (when given) the test F1 of every class as bars.
+
+    With many classes a scatter of all of them is an undifferentiated cloud, so only the
+    ``top_classes`` largest are projected (a seeded subsample of their nodes), each with
+    its own colour and a legend.
 
     Args:
         path: output .png path; parent directories are created.
         losses: loss per logged step.
         embeddings: (N, D) tensor or array.
         labels: (N,) classes, -1 for unlabelled; None draws every point alike.
-        method: 'pca' or 'tsne'.
-        max_points: seeded subsample size for the projection, so t-SNE stays quick.
+        method: 'tsne' (default) or 'pca'.
+        max_points: seeded subsample size for the projection, so t-SNE stays quick;
+            with labels, shared equally by the shown classes.
         seed: subsample and t-SNE seed.
         title: figure title.
+        top_classes: how many of the largest classes the projection shows.
+        per_class_f1: class -> F1 (``ClassificationScores.per_class_f1``): adds the bars.
+        support: class -> scored nodes, to order the bars (largest first) and label them.
+        class_names: names of the classes by id (e.g. WordNet's lexicographer files).
 
     Returns:
         The path written.
@@ -71,33 +112,67 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
     n = len(x)
     if labels is not None and len(labels) != n:
         raise ValueError(f"labels: expected {n} entries (one per embedding), got {len(labels)}")
+    y = None if labels is None else _as_numpy(labels)
+    shown = None if y is None else largest_classes(y, top_classes)
     rng = np.random.default_rng(seed)
-    rows = np.sort(rng.permutation(n)[:max_points]) if n > max_points else np.arange(n)
+    if y is None:
+        rows = np.sort(rng.permutation(n)[:max_points]) if n > max_points else np.arange(n)
+    else:
+        # The same number of nodes per class (at most): a class of 40% of the nodes
+        # would otherwise bury the others under its points.
+        per = max(1, max_points // max(len(shown), 1))
+        rows = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == c))[:per]
+                                       for c in shown]))
     xy = project_2d(x[rows], method, seed)
-    colours = None if labels is None else _as_numpy(labels)[rows]
 
-    fig, (ax_loss, ax_emb) = plt.subplots(1, 2, figsize=(12, 5))
+    panels = 3 if per_class_f1 else 2
+    height = max(6.0, 0.17 * len(per_class_f1)) if per_class_f1 else 6.0  # readable bars
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, height),
+                             gridspec_kw={"width_ratios": [1, 1.3, 1.2][:panels]})
+    ax_loss, ax_emb = axes[0], axes[1]
     ax_loss.plot(np.arange(1, len(losses) + 1), losses, linewidth=1)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
     ax_loss.set_title("training loss")
     ax_loss.grid(alpha=0.3)
     # Big dots for small graphs, small ones where thousands overlap.
-    size = float(np.clip(3000 / len(rows), 3, 40))
-    if colours is None:
+    size = float(np.clip(6000 / max(len(rows), 1), 5, 40))
+    if y is None:
         ax_emb.scatter(xy[:, 0], xy[:, 1], s=size, alpha=0.7, linewidths=0)
+        ax_emb.set_title(f"embeddings ({method.upper()}, {len(rows)} of {n} nodes)")
     else:
-        classes = np.unique(colours[colours >= 0])
-        cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
-        for i, c in enumerate(classes):
+        colours = y[rows]
+        cmap = plt.get_cmap("tab10" if len(shown) <= 10 else "tab20")
+        for i, c in enumerate(shown):
             at = colours == c
             ax_emb.scatter(xy[at, 0], xy[at, 1], s=size, alpha=0.7, linewidths=0,
-                           color=cmap(i % cmap.N), label=str(c))
-        if len(classes) <= 10:
-            ax_emb.legend(title="class", markerscale=max(1.0, 20 / size), fontsize="small")
-    ax_emb.set_title(f"embeddings ({method.upper()}, {len(rows)} of {n} nodes)")
+                           color=cmap(i % cmap.N), label=_name(int(c), class_names))
+        ax_emb.legend(title="class", markerscale=max(1.0, 20 / size), fontsize="small",
+                      loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+        total = int((y >= 0).sum())
+        ax_emb.set_title(f"{len(shown)} largest of {len(np.unique(y[y >= 0]))} classes "
+                         f"({method.upper()}, up to {per} nodes each; {total} labelled)")
     ax_emb.set_xticks([])
     ax_emb.set_yticks([])
+    if per_class_f1:
+        ax_f1 = axes[2]
+        order = f1_bar_order(per_class_f1, support)
+        scores = [per_class_f1[c] for c in order]
+        names = [_name(c, class_names) + (f" ({support[c]})" if support else "")
+                 for c in order]
+        ax_f1.barh(np.arange(len(order)), scores, color="tab:blue", alpha=0.8)
+        fs = max(6, min(9, 360 // max(len(order), 1)))
+        for i, f in enumerate(scores):
+            ax_f1.text(min(f, 0.9) + 0.01, i, f"{f:.2f}", va="center", fontsize=fs)
+        macro = float(np.mean(scores))
+        ax_f1.axvline(macro, color="tab:red", linewidth=1, linestyle="--")
+        ax_f1.set_yticks(np.arange(len(order)))
+        ax_f1.set_yticklabels(names, fontsize=fs)
+        ax_f1.invert_yaxis()  # largest class on top
+        ax_f1.set_xlim(0, 1)
+        ax_f1.set_xlabel("test F1")
+        ax_f1.set_title(f"F1 per class, test nodes (dashed: macro F1 {macro:.3f})")
+        ax_f1.grid(axis="x", alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -19,6 +19,17 @@ from graph_examples.errors import DatasetError, DatasetNotFoundError
 
 DEFAULT_ROOT = "/usr/share/wordnet"
 NUM_LEX_FILES = 45
+# Names of the 45 lexicographer files, by number (lexnames(5WN)): the class names.
+LEX_NAMES = (
+    "adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal",
+    "noun.artifact", "noun.attribute", "noun.body", "noun.cognition", "noun.communication",
+    "noun.event", "noun.feeling", "noun.food", "noun.group", "noun.location", "noun.motive",
+    "noun.object", "noun.person", "noun.phenomenon", "noun.plant", "noun.possession",
+    "noun.process", "noun.quantity", "noun.relation", "noun.shape", "noun.state",
+    "noun.substance", "noun.time", "verb.body", "verb.change", "verb.cognition",
+    "verb.communication", "verb.competition", "verb.consumption", "verb.contact",
+    "verb.creation", "verb.emotion", "verb.motion", "verb.perception", "verb.possession",
+    "verb.social", "verb.stative", "verb.weather", "adj.ppl")
 # Data files in node order, and the pointer pos letters that point into each;
 # satellites 's' point into data.adj.
 POS_FILES = ("noun", "verb", "adj", "adv")

@@ -6,7 +6,8 @@ import torch
 from graph_examples.datasets import load_dataset
 from graph_examples.evaluate import (link_prediction_auc, node_classification,
                                      split_edges)
-from graph_examples.plots import project_2d, save_training_plot
+from graph_examples.plots import (f1_bar_order, largest_classes, project_2d,
+                                  save_training_plot)
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,41 @@ def test_training_plot_writes_a_png(tmp_path, sbm):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="labels: expected 2000 entries"):
         save_training_plot(tmp_path / "x.png", [1.0], emb, sbm.labels[:10])
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_per_class_f1_agrees_with_the_averages(sbm):
+    emb = torch.nn.functional.one_hot(sbm.labels, 5).float() + 0.8 * torch.randn(2000, 5)
+    scores = node_classification(emb, sbm, "test")
+    assert sorted(scores.per_class_f1) == [0, 1, 2, 3, 4]
+    assert np.mean(list(scores.per_class_f1.values())) == pytest.approx(scores.macro_f1)
+    y = sbm.labels[sbm.test_idx].numpy()
+    assert scores.support == {c: int((y == c).sum()) for c in range(5)}
+
+
+def test_largest_classes_and_bar_order():
+    labels = np.array([3] * 5 + [1] * 9 + [7] * 5 + [0] * 2 + [-1] * 20)
+    assert largest_classes(labels, 3).tolist() == [1, 3, 7]   # by count, ties by id
+    assert largest_classes(labels, 10).tolist() == [1, 3, 7, 0]
+    assert f1_bar_order({0: 0.5, 1: 0.9, 2: 0.1}, {0: 4, 1: 9, 2: 4}) == [1, 0, 2]
+
+
+def test_report_shows_largest_classes_and_f1_bars(tmp_path):
+    """45 classes (WordNet-like): the scatter keeps the 10 largest, a third panel has
+    the per-class F1 bars; the loss curve stays."""
+    rng = np.random.default_rng(0)
+    labels = torch.from_numpy(rng.zipf(1.5, 1500) % 45)
+    emb = torch.randn(1500, 8) + torch.nn.functional.one_hot(labels, 45).float()[:, :8] * 3
+    f1 = {c: float(rng.random()) for c in range(45)}
+    support = {c: int((labels == c).sum()) for c in range(45)}
+    plain = save_training_plot(tmp_path / "plain.png", [3.0, 2.0], emb, labels,
+                               method="pca")
+    full = save_training_plot(tmp_path / "full.png", [3.0, 2.0], emb, labels,
+                              method="pca", per_class_f1=f1, support=support,
+                              class_names=[f"c{i}" for i in range(45)])
+    assert _png_size(full)[0] > 1.4 * _png_size(plain)[0]  # three panels, not two

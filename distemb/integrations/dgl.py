@@ -23,11 +23,79 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 
 import dgl  # noqa: E402  (after DGLBACKEND, on purpose)
 
+import numpy as np  # noqa: E402
+
 from distemb.embedding import DistEmbedding  # noqa: E402
 from distemb.errors import DistEmbError  # noqa: E402
-from distemb.partition import load_dgl_partition_config  # noqa: E402
+from distemb.partition import (EDGE, NODE, PartitionPolicy, RangePartitionBook,  # noqa: E402
+                               load_dgl_partition_config)
 
-__all__ = ["dgl", "partition_policies", "node_embeddings", "lookup", "partition"]
+__all__ = ["dgl", "partition_policies", "node_embeddings", "lookup", "partition",
+           "convert_book", "convert_policy"]
+
+
+def _type_key(type_name):
+    """distemb's name of a DGL type: canonical edge types are written 'src:rel:dst'."""
+    return ":".join(type_name) if isinstance(type_name, tuple) else type_name
+
+
+def _bounds(ids_of, num_parts):
+    # DGL's range books give every partition one contiguous, ascending range of each
+    # type's (type-wise) ids, so the sizes alone give the bounds.
+    sizes = [len(ids_of(p)) for p in range(num_parts)]
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def convert_book(gpb):
+    """A distemb :class:`RangePartitionBook` equal to DGL's graph partition book ``gpb``.
+
+    Args:
+        gpb: a ``dgl.distributed.GraphPartitionBook`` (``g.get_partition_book()``,
+            ``load_partition_book(...)[0]``).
+
+    Returns:
+        RangePartitionBook with every node type and canonical edge type of ``gpb``.
+
+    Raises:
+        TypeError: ``gpb`` is not a DGL graph partition book.
+    """
+    if not isinstance(gpb, dgl.distributed.GraphPartitionBook):
+        raise TypeError(f"partition_book: expected a dgl.distributed.GraphPartitionBook, "
+                        f"got {type(gpb).__name__}")
+    n = gpb.num_partitions()
+    nodes = {nt: _bounds(lambda p, nt=nt: gpb.partid2nids(p, nt), n) for nt in gpb.ntypes}
+    edges = {_type_key(c): _bounds(lambda p, c=c: gpb.partid2eids(p, c), n)
+             for c in gpb.canonical_etypes}
+    return RangePartitionBook(n, node_bounds=nodes, edge_bounds=edges)
+
+
+def convert_policy(policy):
+    """The distemb policy of a ``dgl.distributed.PartitionPolicy`` (distemb's pass through).
+
+    Args:
+        policy: a DGL ``PartitionPolicy`` / ``NodePartitionPolicy`` /
+            ``EdgePartitionPolicy``, a distemb :class:`PartitionPolicy`, or None.
+
+    Returns:
+        a distemb PartitionPolicy sharding the same ids the same way (None for None).
+
+    Raises:
+        TypeError: ``policy`` is neither.
+
+    Example:
+        >>> g = dgl.graph(([0, 1, 2], [1, 2, 3]))
+        >>> # DGL's own policies come from a partitioned graph's book; see tests.
+        >>> convert_policy(None) is None
+        True
+    """
+    if policy is None or isinstance(policy, PartitionPolicy):
+        return policy
+    if not isinstance(policy, dgl.distributed.PartitionPolicy):
+        raise TypeError(f"part_policy: expected a distemb or DGL PartitionPolicy, got "
+                        f"{type(policy).__name__}")
+    kind = NODE if policy.is_node else EDGE
+    return PartitionPolicy(kind, _type_key(policy.type_name),
+                           convert_book(policy.partition_book), part_id=policy.part_id)
 
 
 def partition_policies(part_config):

@@ -7,8 +7,11 @@ subclass's rule, to the rows' owner, which runs the fused rule in place
 placed the rows (:mod:`distemb.kvstore.types`): a host table sums in numpy, a GPU table
 on its GPU, a host table looked up onto a GPU on that GPU (only the sums come back), and
 a synchronous-exact cluster client pushes an empty update when there is nothing, so every
-trainer's step reaches the servers. ``step()`` consumes the trace: a second ``step()``
-without new lookups is a no-op.
+trainer's step reaches the servers. ``step()`` consumes the lookups whose backward has
+run: a second ``step()`` without new lookups is a no-op, and a lookup still waiting for
+its backward stays traced for the next one. ``zero_grad()`` drops gradients of earlier
+backward passes only, so it may sit anywhere in the loop (torch's idiom calls it between
+forward and backward).
 
 Optimizers subclass ``torch.optim.Optimizer`` so that LR schedulers drive them through
 ``param_groups`` (one group; ``params`` is empty because tables are not torch tensors).
@@ -30,6 +33,7 @@ from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError
 from distemb.arrays import check_shape
 from distemb.rules import Hyper, RuleName
+from distemb.tensor import DistTensor
 
 #: Rows of optimizer state pushed per request by ``load_state_dict`` (as checkpoints do).
 STATE_CHUNK_ROWS = checkpoint.CHUNK_ROWS
@@ -91,14 +95,63 @@ class SparseOptimizer(torch.optim.Optimizer):
     def embeddings(self) -> List[DistEmbedding]:
         return list(self._embs)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear every table's trace (recorded lookups not yet stepped)."""
+    # Compatibility aliases of dgl.distributed.optim's attributes, which DGL code (its
+    # own tests among it) reads and sets; the param group stays the one source of truth.
+    @property
+    def _lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    @_lr.setter
+    def _lr(self, value: float) -> None:
+        self.param_groups[0]["lr"] = check_hyper("_lr", value)
+
+    @property
+    def _eps(self) -> float:
+        if "eps" not in self.param_groups[0]:
+            raise AttributeError(f"{type(self).__name__} has no eps (no _eps)")
+        return self.param_groups[0]["eps"]
+
+    @_eps.setter
+    def _eps(self, value: float) -> None:
+        self.param_groups[0]["eps"] = check_hyper("_eps", value)
+
+    @property
+    def _state(self) -> Dict[str, Union[DistTensor, tuple]]:
+        """DGL's ``opt._state``: table name -> its state as DistTensor(s).
+
+        One state (Adagrad's ``sum``): the DistTensor; several: a tuple in DGL's order
+        where DGL has it (Adam: ``row_step`` first when counted per row, then
+        ``exp_avg``, ``exp_avg_sq``). Reads and writes go to the live state.
+        """
+        out = {}
         for emb in self._embs:
-            emb.reset_trace()
+            names = self._state_names(emb)
+            order = sorted(names, key=lambda s: s != "row_step")  # DGL: step, mem, power
+            tensors = []
+            for sname in order:
+                meta = emb.kvstore.data_meta(names[sname])
+                tensors.append(DistTensor(meta.shape, meta.dtype, name=names[sname],
+                                          part_policy=emb.part_policy,
+                                          context=emb.weight.context, device=emb.device))
+            out[emb.name] = tensors[0] if len(tensors) == 1 else tuple(tensors)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of earlier backward passes, wherever it sits in the loop.
+
+        Lookups whose backward has not run yet are kept, so ``out = model(x);
+        opt.zero_grad(); loss.backward(); opt.step()`` trains (DGL 1.1.3 gets there by
+        clearing its trace only after the next ``step()``).
+        """
+        for emb in self._embs:
+            emb.drop_gradients()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
-        """Apply the traced gradients of every table, then clear the traces."""
+        """Apply the traced gradients of every table and remove them from the traces.
+
+        Lookups whose backward has not run yet stay traced for the next ``step()``.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -156,26 +209,52 @@ class SparseOptimizer(torch.optim.Optimizer):
             mine.update({k: (tuple(v) if isinstance(v, list) else v)
                          for k, v in saved.items() if k != "params"})
 
+    def _collective(self):
+        """(client whose barrier spans every trainer, whether this process writes)."""
+        ctx = self._embs[0].weight.context
+        return ctx.client, ctx.rank == 0
+
     def save(self, path):
-        """Save every table's rows and this optimizer's state to ``path`` (.npz)."""
-        names = []
-        for emb in self._embs:
-            names += [emb.name] + list(self._state_names(emb).values())
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        checkpoint.save(path, self._embs[0].kvstore, names,
-                        {"optimizer": type(self).__name__, "rule": self.rule,
-                         "steps": self._steps, "param_groups": groups})
+        """Save every table's rows and this optimizer's state as checkpoint ``path``.
+
+        Collective, as DGL's: every trainer calls it. After a barrier (every trainer's
+        updates have landed), rank 0 alone starts the one checkpoint (the servers write
+        their shards, then the manifest), and a second barrier keeps every rank waiting
+        until it is complete. A save on rank 0 only waits at the barrier for the others.
+        """
+        client, writer = self._collective()
+        client.barrier()
+        if writer:
+            names = []
+            for emb in self._embs:
+                names += [emb.name] + list(self._state_names(emb).values())
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+            checkpoint.save(path, self._embs[0].kvstore, names,
+                            {"optimizer": type(self).__name__, "rule": self.rule,
+                             "steps": self._steps, "param_groups": groups})
+        client.barrier()
 
     def load(self, path):
-        """Restore rows and state saved by :meth:`save` (the tables may be resharded)."""
+        """Restore rows and state saved by :meth:`save` (the tables may be resharded).
+
+        Collective: every trainer calls it, with any number of trainers (not necessarily
+        the number that saved). Every rank reads the step counts and hyperparameters;
+        rank 0 alone pushes the rows and state, between two barriers, so no rank trains
+        on half-restored rows.
+        """
         meta = checkpoint.read_meta(path)
         if meta.get("rule") != self.rule:
             raise DistEmbError(f"{path}: saved by {meta.get('optimizer')} (rule "
                                f"{meta.get('rule')!r}), cannot load into {type(self).__name__}")
+        missing = [emb.name for emb in self._embs if emb.name not in meta["steps"]]
+        if missing:
+            raise DistEmbError(f"{path}: has no table(s) {missing} (has {sorted(meta['steps'])})")
+        client, writer = self._collective()
+        client.barrier()
         for emb in self._embs:
-            names = [emb.name] + list(self._state_names(emb).values())
-            checkpoint.restore(path, emb.kvstore, names)
-            if emb.name not in meta["steps"]:
-                raise DistEmbError(f"{path}: has no table {emb.name!r}")
+            if writer:
+                names = [emb.name] + list(self._state_names(emb).values())
+                checkpoint.restore(path, emb.kvstore, names)
             self._steps[emb.name] = int(meta["steps"][emb.name])
         self._load_groups(meta["param_groups"])
+        client.barrier()

@@ -120,6 +120,14 @@ class SparseAdam(SparseOptimizer):
                       check_hyper("betas[1]", betas[1], 0.0, 1.0)),
             "step_mode": step_mode.value})
 
+    @property
+    def _beta1(self) -> float:  # DGL's attribute name (compatibility alias)
+        return self.param_groups[0]["betas"][0]
+
+    @property
+    def _beta2(self) -> float:
+        return self.param_groups[0]["betas"][1]
+
     def hyper(self, group: dict, step: int) -> AdamHyper:
         beta1, beta2 = group["betas"]
         return AdamHyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step)
