@@ -269,6 +269,10 @@ class ClusterConfig(Schema):
                                         validator=non_empty)
     cache: Optional[CacheConfig] = option(None, help="trainer-side cache of hot rows "
                                           "(distemb.kvstore.cache); None: off")
+    device_cache: Optional[CacheConfig] = option(
+        None, help="a GPU cache of hot rows and their optimizer state in front of the "
+        "tables, for emb(ids, device='cuda') (distemb.kvstore.device_cache); exact, one "
+        "trainer only; None: off")
     version: int = option(1, help="schema version (1)", validator=equal_to(1))
 
     def check(self):
@@ -281,6 +285,24 @@ class ClusterConfig(Schema):
         if len(self.trainer_machines) != self.num_trainers:
             raise ConfigError(f"trainer_machines: must list one machine per trainer "
                               f"({self.num_trainers}), got {list(self.trainer_machines)!r:.80}")
+        if self.device_cache is not None:
+            check_device_cache(self.device_cache, self.num_trainers)
+
+
+def check_device_cache(config, num_trainers=1, path="device_cache"):
+    """ConfigError unless a GPU cache can be exact here: staleness 0, one trainer.
+
+    Why one trainer: the GPU cache writes a row back to its owner only at eviction, so it
+    must be the row's one writer (distemb.kvstore.device_cache says more).
+    """
+    if config.staleness:
+        raise ConfigError(f"{path}.staleness: the device cache is exact only (must be 0), "
+                          f"got {config.staleness}")
+    if num_trainers != 1:
+        raise ConfigError(f"{path}: a device cache writes rows back only at eviction, so it "
+                          f"must be their one writer; this job has {num_trainers} trainers "
+                          f"(expected 1). With several trainers use the trainer cache "
+                          f"('cache') and emb(ids, device=...)")
 
 
 def parse_cluster_config(raw):

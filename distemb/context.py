@@ -20,7 +20,8 @@ import os
 import sys
 
 from distemb.backend import load_backend
-from distemb.config import default_num_threads, load_cluster_config
+from distemb.config import (CacheConfig, check_device_cache, default_num_threads,
+                            load_cluster_config, parse_cache_config)
 from distemb.enums import Consistency, Role
 from distemb.errors import DistEmbError
 from distemb.kvstore import LocalKVClient
@@ -51,10 +52,25 @@ class DistContext:
         self.closed = False
 
     @classmethod
-    def embedded(cls, backend=None, num_threads=None):
-        """A context whose tables live in this process (the default)."""
+    def embedded(cls, backend=None, num_threads=None, device_cache=None, cache_device="cuda"):
+        """A context whose tables live in this process (the default).
+
+        Args:
+            device_cache: a :class:`~distemb.config.CacheConfig` or its mapping
+                (``{"fraction": 0.05, "policy": "lfu"}``): keep each table's hot rows
+                and their optimizer state on ``cache_device``, for ``emb(ids,
+                device=cache_device)`` (:mod:`distemb.kvstore.device_cache`); None: off.
+            cache_device: the CUDA device of that cache.
+
+        Raises:
+            ConfigError: ``device_cache`` is invalid (the message names the field).
+            CudaUnavailableError: ``device_cache`` is given and ``cache_device`` cannot
+                be used here (the message says why).
+        """
         nt = num_threads or default_num_threads()
-        return cls(LocalKVClient(num_threads=nt), backend=backend, num_threads=nt)
+        wrap = (lambda c: c) if device_cache is None else \
+            _device_cache(device_cache, cache_device, 1)
+        return cls(wrap(LocalKVClient(num_threads=nt)), backend=backend, num_threads=nt)
 
     @classmethod
     def trainer(cls, config_path, rank, backend=None, num_threads=None, consistency=None):
@@ -66,10 +82,12 @@ class DistContext:
         """
         cfg = load_cluster_config(config_path)
         nt = num_threads or default_num_threads()
+        wrap = (lambda c: c) if cfg.device_cache is None else \
+            _device_cache(cfg.device_cache, "cuda", cfg.num_trainers)
         client = RemoteKVClient(cfg, rank, num_threads=nt, consistency=consistency)
         if cfg.cache is not None:  # hot rows kept by this trainer (distemb.kvstore.cache)
             client = CachedKVClient(client, cfg.cache)
-        return cls(client, backend=backend, role=Role.TRAINER, rank=rank,
+        return cls(wrap(client), backend=backend, role=Role.TRAINER, rank=rank,
                    num_trainers=cfg.num_trainers, num_threads=nt)
 
     @property
@@ -129,6 +147,25 @@ class DistContext:
     def __repr__(self):
         return (f"DistContext(role={self.role.value!r}, rank={self.rank}, "
                 f"backend={self.F.name!r}, servers={self.num_servers})")
+
+
+def _device_cache(config, device, num_trainers):
+    """A function putting a client behind a GPU cache, checked before any client exists.
+
+    Raises:
+        ConfigError: ``config`` is invalid, or not exact, or ``num_trainers`` > 1.
+        CudaUnavailableError: ``device`` cannot be used here.
+    """
+    # Imported here: the device cache imports torch, which server processes (that import
+    # this module) must never load.
+    from distemb.kvstore import device as device_kv
+    from distemb.kvstore.device_cache import DeviceCachedKVClient
+
+    if not isinstance(config, CacheConfig):
+        config = parse_cache_config(config, "device_cache")
+    check_device_cache(config, num_trainers)
+    dev = device_kv.cuda_device(device)
+    return lambda client: DeviceCachedKVClient(client, config, dev, num_trainers=num_trainers)
 
 
 _current = []  # the process's current context (see module docstring); at most one entry

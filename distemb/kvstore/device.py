@@ -328,7 +328,7 @@ class DeviceKVClient(KVClient):
         """
         if not ids:
             return None
-        return _dedup_on(self.ops, self.device, self._meta_of(name), ids, grads, padded=True)
+        return dedup_on(self.ops, self.device, self._meta_of(name), ids, grads, padded=True)
 
     def view_on(self, device):
         """Itself for None or its own device; otherwise a view copying rows to ``device``."""
@@ -338,7 +338,7 @@ class DeviceKVClient(KVClient):
         return self if dev == self.device else RowsOnDevice(self, dev)
 
 
-def _dedup_on(ops, device, meta: DataMeta, ids: Sequence[Array], grads: Sequence[Tensor],
+def dedup_on(ops, device, meta: DataMeta, ids: Sequence[Array], grads: Sequence[Tensor],
               padded: bool = False) -> Tuple[UniqueIds, Rows]:
     """Concatenate traced ids and gradients on ``device`` and sum duplicates there.
 
@@ -470,7 +470,7 @@ class HostTableOnDevice(ClientView):
     def coalesce(self, name, ids, grads, F):
         if not ids:  # nothing summed here; the host client says what an empty step sends
             return self.inner.coalesce(name, ids, grads, F)
-        uniq, summed = _dedup_on(self.ops, self.device, self.inner.data_meta(name), ids, grads)
+        uniq, summed = dedup_on(self.ops, self.device, self.inner.data_meta(name), ids, grads)
         return uniq.cpu().numpy(), summed.cpu().numpy()
 
 

@@ -1,0 +1,485 @@
+"""DeviceCachedKVClient: hot rows and their optimizer state kept on a GPU, in front of a
+host table (embedded, or on the servers of a one-trainer job).
+
+``emb(ids, device="cuda")`` on a host table copies every looked-up row across PCIe and
+the summed gradients back (:class:`~distemb.kvstore.device.HostTableOnDevice`). With this
+cache the rows a trainer touches most often live on the device, with their optimizer
+state: a lookup gathers hits there and copies only the misses in, and ``opt.step()``
+updates cached rows there with the device kernels, running the same fused rules of
+:mod:`distemb.rules` as the owner would (the per-row maths does not depend on which
+other rows are updated), so results equal the uncached job's. Only the gradients of rows
+not cached go back to the owner.
+
+Ownership: while a row is cached, the cache is its one writer (DESIGN.md, Concurrency):
+its device copy, dirty or not, is the current one, and the owner's copy is stale until
+the row is written back: when it is evicted, and on ``save_tensor``, ``barrier``,
+``init_optimizer``, ``load_tensor`` and ``close`` (whole tables). Everything that reads
+or writes through this client sees the current rows: ``pull`` (``emb.weight[ids]``, host
+lookups, ``state_dict``) overlays the dirty cached rows, ``push`` (``emb.weight[ids] =
+v``, ``load_state_dict``) writes cached rows back and forgets them before writing.
+
+Why one trainer only: a row written back only at eviction has one writer, this trainer;
+a second trainer updating the same row on its server would be lost at write-back (or
+would train on a stale row). Keeping that exact needs the owner to hand out ownership
+of rows (leases, with other trainers' pushes forwarded or refused), which the servers
+do not do; writing every update through instead (the versioned protocol of
+:mod:`distemb.kvstore.cache`) would send every gradient across PCIe and the network
+each step, which is what the host trainer cache already does. So a cluster of several
+trainers is refused (``num_trainers``); there, use the trainer cache
+(``cache`` in the cluster config) with ``emb(ids, device="cuda")`` lookups.
+
+Bookkeeping (which row is in which slot, use stamps, LFU counts and admission) is the
+trainer cache's :class:`~distemb.kvstore.cache.TableCache`, on the host; the rows and
+state are torch tensors on the device, touched only by torch indexing and ``ops`` (the
+device's :class:`~distemb.kernels.ops.DeviceKernelOps`: :mod:`distemb.kernels.cuda`, or
+a CPU stand-in in tests, on a CPU device). Tables other than float32 (N, D) pass
+straight through. This module imports torch (trainers only).
+"""
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from distemb.config import CacheConfig, check_device_cache
+from distemb.enums import CachePolicy
+from distemb.kernels import cuda
+from distemb.kvstore import device as device_kv
+from distemb.kvstore.cache import TableCache
+from distemb.kvstore.types import KVClient
+from distemb.rules import rule_of, state_name, state_owner
+
+
+class DeviceRows:
+    """The cached rows of one table on the device: values, state, dirty flags, slots.
+
+    Args:
+        num_rows, dim: the table's shape; capacity: cached rows; device: where they live.
+        rule: the table's update rule, or None before an optimizer made its state.
+    """
+
+    def __init__(self, num_rows: int, dim: int, capacity: int, device, rule=None):
+        # dim 0: the TableCache keeps only the slot bookkeeping; rows live in self.values
+        self.map = TableCache(num_rows, 0, capacity)
+        self.rule = None if rule is None else rule_of(rule)
+        self.values = torch.zeros((capacity, dim), dtype=torch.float32, device=device)
+        self.states = {}
+        for spec in (self.rule.states if self.rule else ()):
+            self.states[spec.name] = torch.zeros((capacity,) + spec.shape(dim),
+                                                 dtype=getattr(torch, spec.dtype),
+                                                 device=device)
+        self.dirty = np.zeros(capacity, bool)
+
+
+def _host_ids(ids) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        return ids.cpu().numpy().astype(np.int64, copy=False)
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+class DeviceCachedKVClient(KVClient):
+    """A device cache of hot rows and optimizer state in front of a host client.
+
+    The client of host tables (``DistContext.embedded(device_cache=...)`` or a cluster
+    config's ``device_cache``): its storage half keeps host semantics (numpy arrays, see
+    :mod:`distemb.kvstore.types`) and sees the cached rows; ``view_on(device)`` is the
+    view through which ``emb(ids, device=...)`` looks rows up via the cache. Owns
+    ``inner`` (closing this closes it). Exact only: ``config.staleness`` must be 0.
+
+    Args:
+        inner: the host client holding the tables (LocalKVClient, RemoteKVClient or a
+            trainer cache in front of one).
+        config: a :class:`~distemb.config.CacheConfig` (capacity per table, policy).
+        device: the CUDA device of the cache ('cuda', 'cuda:N'); with ``ops`` given, any
+            torch device (tests run the cache on 'cpu' with a CPU stand-in of the kernels).
+        ops: the device kernels (default :mod:`distemb.kernels.cuda`).
+        num_trainers: trainers sharing ``inner``'s tables; must be 1 (module docstring).
+
+    Raises:
+        CudaUnavailableError: ``device`` cannot be used here (the message says why).
+        ConfigError: ``config.staleness`` is not 0, or ``num_trainers`` > 1.
+        TypeError: ``config`` is not a CacheConfig.
+
+    Example:
+        >>> from distemb.config import parse_cache_config
+        >>> from distemb.kernels.cuda import CudaUnavailableError
+        >>> from distemb.kvstore import LocalKVClient
+        >>> try:
+        ...     kv = DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"fraction": 0.05}))
+        ... except CudaUnavailableError:  # no GPU here: says why, before any allocation
+        ...     kv = None
+    """
+
+    #: The kernels of the cached rows (a test may swap in a CPU stand-in).
+    device_ops = cuda
+
+    def __init__(self, inner: KVClient, config: CacheConfig, device="cuda", ops=None,
+                 num_trainers: int = 1):
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        check_device_cache(config, num_trainers)
+        self.device = None  # the storage half holds numpy arrays (see the class docstring)
+        if torch.device(device).type == "cuda" or ops is None:
+            self.cache_device = device_kv.cuda_device(device)
+        else:  # a test's stand-in: ``ops`` runs the device kernels on this device
+            self.cache_device = torch.device(device)
+        if ops is not None:
+            self.device_ops = ops
+        self.inner, self.config = inner, config
+        self.num_servers, self.num_threads = inner.num_servers, inner.num_threads
+        self._tables: Dict[str, Optional[DeviceRows]] = {}
+        self._tick = 0
+        self._stats = dict(lookups=0, rows=0, unique_rows=0, hit_rows=0, miss_rows=0,
+                           admitted_rows=0, written_back_rows=0, device_updated_rows=0,
+                           host_updated_rows=0, h2d_bytes=0, d2h_bytes=0)
+        self._view = CacheOnDevice(self)
+
+    # -- pass-through storage ----------------------------------------------------------
+
+    @property
+    def ops(self):
+        return self.inner.ops
+
+    def data_meta(self, name):
+        return self.inner.data_meta(name)
+
+    def names(self):
+        return self.inner.names()
+
+    def init_data(self, name, shape, dtype, policy, init_func=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func)
+
+    def from_host(self, array):
+        return self.inner.from_host(array)
+
+    def to_host(self, array):
+        return self.inner.to_host(array)
+
+    def tensor_in(self, x, F):
+        return self.inner.tensor_in(x, F)
+
+    def ids_in(self, name, ids, F):
+        return self.inner.ids_in(name, ids, F)
+
+    def values_in(self, name, values, F, num_ids):
+        return self.inner.values_in(name, values, F, num_ids)
+
+    def rows_out(self, rows, F):
+        return self.inner.rows_out(rows, F)
+
+    def coalesce(self, name, ids, grads, F):
+        return self.inner.coalesce(name, ids, grads, F)
+
+    def view_on(self, device):
+        """Itself for None or 'cpu'; the cache's view for the cache's device.
+
+        Raises:
+            ValueError: ``device`` is another device than the cache's.
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+        """
+        if device is None or str(device) == "cpu":
+            return self
+        dev = device_kv.cuda_device(device) if self.cache_device.type == "cuda" or \
+            str(device).startswith("cuda") else torch.device(device)
+        if dev != self.cache_device:
+            raise ValueError(f"device: this context's device cache is on "
+                             f"{self.cache_device}, got {device!r} (look rows up there)")
+        return self._view
+
+    def stats(self):
+        """Counters since construction: rows looked up, hits, rows and bytes moved.
+
+        ``h2d_bytes``/``d2h_bytes`` count every array copied to/from the device: slot
+        indices, missed rows and the state of admitted ones, written-back rows and
+        state, ids and gradients of updates, dirty rows read by host pulls.
+        """
+        return dict(self._stats)
+
+    # -- the cache -----------------------------------------------------------------------
+
+    def _cacheable(self, name) -> bool:
+        meta = self.inner.data_meta(name)
+        return meta is not None and meta.dtype == "float32" and len(meta.shape) == 2 \
+            and state_owner(name) is None
+
+    def _table(self, name) -> Optional[DeviceRows]:
+        """The cache of ``name``, made on first use; None for tensors it does not cache."""
+        if name not in self._tables:
+            self._tables[name] = self._new_rows(name, None) if self._cacheable(name) else None
+        return self._tables[name]
+
+    def _new_rows(self, name, rule):
+        meta = self.inner.data_meta(name)
+        dim, row_bytes = meta.shape[1], 4 * meta.shape[1]
+        for spec in (rule_of(rule).states if rule is not None else ()):
+            row_bytes += int(np.prod(spec.shape(dim), dtype=np.int64)) * \
+                np.dtype(spec.dtype).itemsize
+        cap = self.config.capacity(meta.shape[0], row_bytes)
+        return DeviceRows(meta.shape[0], dim, cap, self.cache_device, rule)
+
+    def _write_back(self, name, cache: DeviceRows, slots: np.ndarray,
+                    ids: Optional[np.ndarray] = None) -> None:
+        """Copy the dirty rows (and state) among ``slots`` to the owner; mark them clean.
+
+        ``ids``: the rows' ids, when the slots' bookkeeping already names new ones.
+        """
+        dirty = cache.dirty[slots]
+        slots = slots[dirty]
+        if not len(slots):
+            return
+        ids = cache.map.ids[slots] if ids is None else ids[dirty]
+        at = torch.from_numpy(slots).to(self.cache_device)
+        arrays = [(name, cache.values)] + [(state_name(name, s), t)
+                                           for s, t in cache.states.items()]
+        for tname, tensor in arrays:
+            host = tensor.index_select(0, at).cpu().numpy()
+            self._stats["d2h_bytes"] += host.nbytes
+            self.inner.push(tname, ids, host)
+        cache.dirty[slots] = False
+        self._stats["written_back_rows"] += len(slots)
+
+    def flush(self, name: Optional[str] = None) -> None:
+        """Write every dirty cached row (and its state) back to the owner; keep them cached.
+
+        Args:
+            name: the table (or one of its state tensors); every table when None.
+        """
+        for table in ([state_owner(name) or name] if name is not None else list(self._tables)):
+            cache = self._tables.get(table)
+            if cache is not None:
+                self._write_back(table, cache, np.flatnonzero(cache.map.ids >= 0))
+
+    def _drop(self, table, write_back=True):
+        """Forget the cache of ``table`` (after writing its dirty rows back)."""
+        if write_back:
+            self.flush(table)
+        self._tables.pop(table, None)
+
+    def _forget(self, table, ids):
+        """Write back and forget the cached rows ``ids`` of ``table``."""
+        cache = self._tables.get(table)
+        if cache is None:
+            return
+        slots = cache.map.slot_of[ids]
+        slots = np.unique(slots[slots >= 0])
+        self._write_back(table, cache, slots)
+        cache.map.evict(slots)
+
+    def delete_data(self, name):
+        owner = state_owner(name)
+        if owner is None:
+            self._drop(name, write_back=False)  # the table goes: nothing to keep
+        else:
+            self._drop(owner)
+        self.inner.delete_data(name)
+
+    def init_optimizer(self, name, rule, options):
+        """A new optimizer: write the rows back, then cache them again with new state."""
+        self._drop(name)
+        names = self.inner.init_optimizer(name, rule, options)
+        if self._cacheable(name):
+            self._tables[name] = self._new_rows(name, rule)
+        return names
+
+    def pull(self, name, ids):
+        """Rows ``ids`` as the host client returns them, the dirty cached ones from the cache."""
+        out = self.inner.pull(name, ids)
+        owner = state_owner(name)
+        cache = self._tables.get(owner or name)
+        if cache is None or not len(ids):
+            return out
+        src = cache.values if owner is None else cache.states.get(name.partition("~opt~")[2])
+        if src is None:
+            return out
+        slots = cache.map.slot_of[_host_ids(ids)]
+        at = np.flatnonzero(slots >= 0)
+        at = at[cache.dirty[slots[at]]]
+        if len(at):
+            rows = src.index_select(0, torch.from_numpy(slots[at]).to(self.cache_device))
+            rows = rows.cpu().numpy()
+            self._stats["d2h_bytes"] += rows.nbytes
+            if not out.flags.writeable:
+                out = out.copy()
+            out[at] = rows
+        return out
+
+    def push(self, name, ids, values):
+        """Write rows: cached copies of them are written back and forgotten first."""
+        self._forget(state_owner(name) or name, _host_ids(ids))
+        self.inner.push(name, ids, values)
+
+    def save_tensor(self, name, directory, save_id):
+        self.flush(name)
+        return self.inner.save_tensor(name, directory, save_id)
+
+    def load_tensor(self, name, directory):
+        self._drop(state_owner(name) or name)
+        self.inner.load_tensor(name, directory)
+
+    def barrier(self):
+        """Write dirty rows back, so what others read after the barrier is current."""
+        self.flush()
+        self.inner.barrier()
+
+    def close(self, **kw):
+        """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""
+        self.flush()
+        self._tables.clear()
+        self.inner.close(**kw)
+
+    def lookup(self, name, ids) -> torch.Tensor:
+        """Rows ``ids`` (host int64) on the cache's device; misses are fetched and admitted.
+
+        Tensors the cache does not hold are pulled from the owner and copied whole.
+        """
+        cache = self._table(name)
+        if cache is None:
+            rows = self.pull(name, ids)  # a state tensor's dirty rows are in the cache
+            self._stats["h2d_bytes"] += rows.nbytes
+            return torch.from_numpy(np.ascontiguousarray(rows)).to(self.cache_device)
+        ids = _host_ids(ids)
+        m, st = cache.map, self._stats
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        self._tick += 1
+        m.count(uniq)
+        slots = m.slot_of[uniq]
+        cached = slots >= 0
+        new = np.flatnonzero(~cached)
+        st["lookups"] += 1
+        st["rows"] += len(ids)
+        st["unique_rows"] += len(uniq)
+        st["hit_rows"] += len(uniq) - len(new)
+        st["miss_rows"] += len(new)
+        fetched = None
+        if len(new):
+            fetched = self.inner.pull(name, uniq[new])  # only the misses cross PCIe
+            st["h2d_bytes"] += fetched.nbytes
+            keep = np.ones(len(new), bool) if self.config.policy == CachePolicy.LRU else \
+                m.worth_keeping(uniq[new], slots[cached])
+            self._admit(name, cache, uniq, new[keep], slots, cached, fetched[keep])
+        used = slots[slots >= 0]
+        m.stamp[used] = self._tick if self.config.policy == CachePolicy.LRU else \
+            m.seen[uniq[slots >= 0]]
+        per_id = slots[inverse]
+        gather = torch.from_numpy(np.maximum(per_id, 0)).to(self.cache_device)
+        st["h2d_bytes"] += per_id.nbytes
+        out = self.device_ops.gather_rows(cache.values, gather)
+        outside = np.flatnonzero(per_id < 0)  # misses the cache did not keep
+        if len(outside):
+            row_of_new = np.full(len(uniq), -1, np.int64)
+            row_of_new[new] = np.arange(len(new))
+            rows = fetched[row_of_new[inverse[outside]]]
+            pos = torch.from_numpy(outside).to(self.cache_device)
+            out[pos] = torch.from_numpy(rows).to(self.cache_device)
+            st["h2d_bytes"] += rows.nbytes + outside.nbytes
+        return out
+
+    def _admit(self, name, cache, uniq, new, slots, cached, rows):
+        """Put rows ``uniq[new]`` (fetched as ``rows``) in slots, writing victims back."""
+        if not len(new):
+            return
+        before = cache.map.ids.copy()  # admit() evicts: the victims' ids are needed
+        fresh = cache.map.admit(uniq[new], slots[cached])
+        k = len(fresh)
+        if not k:
+            return
+        victims = fresh[before[fresh] >= 0]
+        self._write_back(name, cache, victims, before[victims])
+        at = torch.from_numpy(fresh).to(self.cache_device)
+        cache.values[at] = torch.from_numpy(np.ascontiguousarray(rows[:k])).to(self.cache_device)
+        for sname, tensor in cache.states.items():
+            state = self.inner.pull(state_name(name, sname), uniq[new[:k]])
+            tensor[at] = torch.from_numpy(np.ascontiguousarray(state)).to(self.cache_device)
+            self._stats["h2d_bytes"] += state.nbytes
+        cache.dirty[fresh] = False
+        slots[new[:k]] = fresh
+        self._stats["admitted_rows"] += k
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        """Update cached rows on the device; the rest goes to the owner.
+
+        ``ids``/``grads`` are the unique ids and summed gradients of a coalesce: torch
+        tensors on the cache's device (the view's) or numpy arrays (host lookups).
+        """
+        impl = rule_of(rule)
+        cache = self._tables.get(name)
+        host_ids = _host_ids(ids)
+        if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+            self._stats["d2h_bytes"] += host_ids.nbytes
+        if cache is None or cache.rule is None or cache.rule.name != impl.name:
+            if cache is not None:  # another rule than the cached state's: the owner's
+                self._forget(name, host_ids)
+            self.inner.push_update(name, host_ids, self._host_grads(grads), rule, hyper)
+            return
+        slots = cache.map.slot_of[host_ids]
+        hit = np.flatnonzero(slots >= 0)
+        miss = np.flatnonzero(slots < 0)
+        if len(hit):
+            g = grads if len(hit) == len(host_ids) else grads[self._index(grads, hit)]
+            if not isinstance(g, torch.Tensor):
+                g = torch.from_numpy(np.ascontiguousarray(g))
+                self._stats["h2d_bytes"] += g.numel() * 4
+            g = g.to(self.cache_device, torch.float32).contiguous()
+            at = torch.from_numpy(slots[hit]).to(self.cache_device)
+            impl.apply(self.device_ops, cache.values, cache.states, at, g,
+                       impl.check_hyper(hyper))
+            cache.dirty[slots[hit]] = True
+            self._stats["device_updated_rows"] += len(hit)
+        if len(miss):
+            g = grads if len(miss) == len(host_ids) else grads[self._index(grads, miss)]
+            self.inner.push_update(name, host_ids[miss], self._host_grads(g), rule, hyper)
+            self._stats["host_updated_rows"] += len(miss)
+
+    def _index(self, grads, positions):
+        if isinstance(grads, torch.Tensor):
+            return torch.from_numpy(positions).to(grads.device)
+        return positions
+
+    def _host_grads(self, grads):
+        if isinstance(grads, torch.Tensor):
+            host = grads.cpu().numpy()
+            if grads.device.type != "cpu":
+                self._stats["d2h_bytes"] += host.nbytes
+            return np.ascontiguousarray(host, dtype=np.float32)
+        return grads
+
+
+class CacheOnDevice(device_kv.ClientView):
+    """Lookups onto the device through a :class:`DeviceCachedKVClient`.
+
+    Rows come from the cache (misses fetched and admitted), gradients are summed on the
+    device and handed back to the cache client's ``push_update`` as device tensors.
+
+    Args:
+        cache: the cache client.
+
+    Example:
+        >>> kv = None  # DeviceCachedKVClient(...) needs a GPU; see its example
+        >>> # view = kv.view_on("cuda"); rows = view.pull("w", np.array([1, 2]))
+    """
+
+    def __init__(self, cache: DeviceCachedKVClient):
+        super().__init__(cache)
+        self.device = cache.cache_device
+
+    @property
+    def ops(self):
+        """The device kernels (the gradients of a step are summed with them)."""
+        return self.inner.device_ops
+
+    def pull(self, name, ids):
+        return self.inner.lookup(name, ids)
+
+    def rows_out(self, rows, F):
+        return rows
+
+    def coalesce(self, name, ids, grads, F):
+        if not ids:  # nothing summed here; the host client says what an empty step sends
+            return self.inner.coalesce(name, ids, grads, F)
+        return device_kv.dedup_on(self.ops, self.device, self.inner.data_meta(name), ids,
+                                  grads)
+
+    def close(self):
+        """Nothing: the cache client belongs to the context."""
+
+
+__all__ = ["DeviceCachedKVClient", "CacheOnDevice", "DeviceRows"]

@@ -1,0 +1,267 @@
+"""The GPU cache of hot rows and optimizer state (distemb.kvstore.device_cache).
+
+Oracles: torch.optim on nn.Embedding(sparse=True), and the same job without the cache
+(host table, rows looked up onto the device, sums made there, updates on the host). On
+the CPU the cache runs on device 'cpu' with tests/cpu_cuda_twin.py as its kernels (as
+test_cuda_dispatch.py does), so every line but the CUDA kernels runs here; under the
+reference kernels both jobs run the same per-row maths, so they must agree bit for bit.
+Tests marked ``gpu`` run the cache on a real GPU and skip, saying why, without one.
+"""
+import numpy as np
+import pytest
+import torch
+
+from cpu_cuda_twin import CpuCudaTwin
+from distemb import kernels
+from distemb.config import parse_cache_config, parse_cluster_config
+from distemb.context import DistContext
+from distemb.embedding import DistEmbedding
+from distemb.errors import ConfigError
+from distemb.kernels import cuda
+from distemb.kvstore import LocalKVClient
+from distemb.kvstore import device as device_kv
+from distemb.kvstore.device_cache import CacheOnDevice, DeviceCachedKVClient
+from distemb.optim import SparseAdagrad, SparseAdam
+from distemb.partition import range_policy
+from distemb.rules import state_name
+from mp_helper import cluster_dict
+from tests.test_optim_oracle import CASES, ROWS, assert_within, run_both
+
+pytestmark = pytest.mark.timeout(120)
+
+CONFIGS = {"lru_16rows": {"policy": "lru", "rows": 16},      # smaller than a batch: passes
+           "lfu_20pct": {"policy": "lfu", "fraction": 0.2},  # rows through, admission
+           "lru_4kb": {"policy": "lru", "bytes": 4096},       # 48 to 146 rows of 300
+           "lru_all": {"policy": "lru", "fraction": 1.0}}     # nothing evicted
+
+
+@pytest.fixture
+def twin(monkeypatch):
+    """device='cuda' means the CPU, running CpuCudaTwin (for the cache and the view)."""
+    ops = CpuCudaTwin()
+    monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", ops)
+    monkeypatch.setattr(DeviceCachedKVClient, "device_ops", ops)
+    return ops
+
+
+@pytest.fixture
+def make_ctx():
+    made = []
+
+    def make(cache=None):
+        c = DistContext.embedded(backend="pytorch", num_threads=1, device_cache=cache)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _job(ctx, case, steps, dim=7):
+    with kernels.implementation("reference"):
+        return run_both(ctx, case, dim, lookup_device="cuda", steps=steps)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cached_job_equals_uncached_job_and_torch(twin, make_ctx, case, config):
+    cached_ctx = make_ctx(CONFIGS[config])
+    ours, expected, w0 = _job(cached_ctx, case, steps=30)
+    plain, _, _ = _job(make_ctx(), case, steps=30)
+    assert (expected - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"
+    assert torch.equal(ours, plain), "the cache changed the result"
+    assert_within(ours, expected)
+    st = cached_ctx.client.stats()
+    # the cache did the work: hits, device updates, write-backs at eviction
+    assert st["hit_rows"] > 0 and st["device_updated_rows"] > 0
+    if config == "lru_all":  # every row stays: every update on the device
+        assert st["host_updated_rows"] == 0 and st["written_back_rows"] == 0
+    else:
+        assert st["written_back_rows"] > 0
+    if config == "lru_16rows":  # more unique rows per lookup than slots: some pass
+        assert st["host_updated_rows"] > 0
+    assert sum(twin.calls[k] for k in twin.calls if k.endswith("_update")) > 0
+
+
+def test_compiled_host_kernels_match_torch(twin, make_ctx, kernel_impl):
+    """Rows updated on the host (misses) by the compiled kernels, cached ones by the twin."""
+    ours, expected, _ = run_both(make_ctx(CONFIGS["lru_16rows"]), "adagrad", 16,
+                                 lookup_device="cuda", steps=20)
+    assert_within(ours, expected)
+
+
+def _train(ctx, steps, name="w", opt_cls=SparseAdam, seed=0, **kw):
+    emb = DistEmbedding(ROWS, 4, name=name, context=ctx,
+                        init_func=lambda s, d: torch.ones(s, dtype=d))
+    opt = opt_cls([emb], lr=0.05, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = (torch.rand(200, generator=gen) ** 4 * ROWS).long()  # skewed, duplicates
+        (emb(ids, device="cuda") ** 2).sum().backward()
+        opt.step()
+    return emb, opt
+
+
+def test_owner_is_stale_until_written_back_and_reads_see_the_cache(twin, make_ctx):
+    ctx = make_ctx({"fraction": 1.0})
+    emb, opt = _train(ctx, 5)
+    all_ids = np.arange(ROWS)
+    owner = ctx.client.inner  # the LocalKVClient behind the cache
+    current = emb.weight[torch.arange(ROWS)].numpy()
+    assert not np.array_equal(owner.pull("w", all_ids), current), "nothing was cached dirty"
+    assert ctx.client.stats()["written_back_rows"] == 0  # nothing evicted at 100%
+    state = opt.state_dict()["state"]["w"]
+    ctx.client.flush()
+    np.testing.assert_array_equal(owner.pull("w", all_ids), current)
+    np.testing.assert_array_equal(owner.pull(state_name("w", "exp_avg"), all_ids),
+                                  state["exp_avg"].numpy())
+    # the same job uncached: rows and state equal
+    plain_emb, plain_opt = _train(make_ctx(), 5)
+    np.testing.assert_array_equal(plain_emb.weight[torch.arange(ROWS)].numpy(), current)
+    np.testing.assert_array_equal(plain_opt.state_dict()["state"]["w"]["exp_avg_sq"],
+                                  state["exp_avg_sq"])
+
+
+def test_checkpoint_of_cached_job_loads_into_uncached_job(twin, make_ctx, tmp_path):
+    ctx = make_ctx({"policy": "lfu", "fraction": 0.5})
+    emb, opt = _train(ctx, 6, opt_cls=SparseAdagrad)
+    opt.save(tmp_path / "ck")
+    saved_rows = emb.weight[torch.arange(ROWS)].clone()
+    saved_sum = opt.state_dict()["state"]["w"]["sum"].clone()
+    fresh = make_ctx()
+    emb2 = DistEmbedding(ROWS, 4, name="w", context=fresh)
+    opt2 = SparseAdagrad([emb2], lr=0.05)
+    opt2.load(tmp_path / "ck")
+    assert torch.equal(emb2.weight[torch.arange(ROWS)], saved_rows)
+    assert torch.equal(opt2.state_dict()["state"]["w"]["sum"], saved_sum)
+    # loading back into the cached job replaces the cached rows too
+    emb(torch.tensor([1, 2]), device="cuda").sum().backward()
+    opt.step()
+    opt.load(tmp_path / "ck")
+    assert torch.equal(emb.weight[torch.arange(ROWS)], saved_rows)
+    assert torch.equal(emb(torch.arange(ROWS), device="cuda").detach(), saved_rows)
+
+
+def test_writes_and_state_loads_go_through_the_cache(twin, make_ctx):
+    """weight[ids] = v and load_state_dict on cached dirty rows, vs the same uncached."""
+    results = []
+    for cache in ({"rows": 64}, None):
+        ctx = make_ctx(cache)
+        emb, opt = _train(ctx, 4, name="x", opt_cls=SparseAdagrad)
+        emb.weight[torch.tensor([0, 1, 2])] = torch.full((3, 4), 7.0)
+        sd = opt.state_dict()
+        sd["state"]["x"]["sum"][:10] = 0.5
+        opt.load_state_dict(sd)
+        for _ in range(2):
+            (emb(torch.tensor([0, 1, 2, 3, 3]), device="cuda") ** 2).sum().backward()
+            opt.step()
+        results.append((emb.weight[torch.arange(ROWS)].clone(),
+                        opt.state_dict()["state"]["x"]["sum"].clone()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_only_misses_cross_to_the_device(twin, make_ctx):
+    ctx = make_ctx({"fraction": 1.0})
+    emb = DistEmbedding(100, 8, name="m", context=ctx)
+    SparseAdagrad([emb], lr=0.1)
+    ids = torch.tensor([5, 6, 7, 5])
+    with torch.no_grad():
+        emb(ids, device="cuda")
+        first = ctx.client.stats()
+        emb(ids, device="cuda")
+    second = ctx.client.stats()
+    assert first["miss_rows"] == 3 and first["admitted_rows"] == 3
+    # rows (3 x 32 B) and their Adagrad state (3 x 32 B), and 4 slot indices (8 B each)
+    assert first["h2d_bytes"] == 3 * 32 * 2 + 4 * 8
+    assert second["hit_rows"] == 3 and second["miss_rows"] == 3
+    assert second["h2d_bytes"] - first["h2d_bytes"] == 4 * 8  # only the slot indices
+
+
+def test_lookup_view_and_placement(twin, make_ctx):
+    ctx = make_ctx({"rows": 8})
+    emb = DistEmbedding(10, 2, name="v", context=ctx)
+    view = emb.kvstore.view_on("cuda")
+    assert isinstance(view, CacheOnDevice) and view.inner is ctx.client
+    assert emb.kvstore.view_on(None) is emb.kvstore and emb.device is None
+    emb(torch.tensor([4, 4]), device="cuda").sum().backward()
+    assert isinstance(emb.trace[0].ids, np.ndarray)  # host ids: the bookkeeping is there
+    client, uniq, summed = emb.coalesced_gradients()
+    assert client is view and uniq.tolist() == [4] and summed.tolist() == [[2.0, 2.0]]
+    with pytest.raises(ValueError, match="device cache is on cpu, got 'meta'"):
+        emb.kvstore.view_on("meta")
+    # tensors it does not cache pass through (int64 rows, copied to the device)
+    ctx.client.init_data("n", (5,), "int64", range_policy(5))
+    assert view.pull("n", np.array([1, 2])).tolist() == [0, 0]
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"device_cache.staleness: .*exact only.*got 3"):
+        DistContext.embedded(device_cache={"fraction": 0.1, "staleness": 3})
+    with pytest.raises(ConfigError, match=r"device_cache.fraction: must be in \(0, 1\]"):
+        DistContext.embedded(device_cache={"fraction": 1.5})
+    raw = cluster_dict(1, num_trainers=2, device_cache={"fraction": 0.1})
+    with pytest.raises(ConfigError, match="device_cache: .*one writer.*2 trainers"):
+        parse_cluster_config(raw)
+    one = parse_cluster_config(cluster_dict(1, device_cache={"rows": 10}))
+    assert one.device_cache.rows == 10
+
+
+@pytest.mark.skipif(cuda.cuda_available(), reason="a usable GPU is present here, so the "
+                    "no-GPU error cannot be provoked")
+def test_without_gpu_the_cache_says_why():
+    with pytest.raises(cuda.CudaUnavailableError,
+                       match="not built|CPU-only build|no CUDA device|no usable GPU"):
+        DistContext.embedded(device_cache={"fraction": 0.1})
+
+
+def test_remote_table_one_trainer(twin, clusters):
+    """In front of two server processes: equal to the uncached remote job."""
+    cluster = clusters("tcp")
+    out = []
+    for cache in ({"policy": "lru", "rows": 40}, None):
+        client = cluster.client()
+        if cache is not None:
+            client = DeviceCachedKVClient(client, parse_cache_config(cache), "cuda")
+        ctx = DistContext(client, backend="pytorch", num_threads=1)
+        try:
+            with kernels.implementation("reference"):
+                emb, _ = _train(ctx, 6, name=f"r{len(out)}", opt_cls=SparseAdagrad)
+                out.append(emb.weight[torch.arange(ROWS)].clone())
+            if cache is not None:
+                assert client.stats()["written_back_rows"] > 0
+        finally:
+            ctx.client.delete_data(f"r{len(out) - 1}")
+            ctx.client.close(goodbye=False)
+    assert torch.equal(out[0], out[1])
+
+
+# --- with a GPU ---------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu():
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA device: torch.cuda.is_available() is False (torch "
+                    f"{torch.__version__}, CUDA {torch.version.cuda})")
+    return device_kv.cuda_device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_cache_equals_gpu_table_and_torch(make_ctx, gpu, case, config):
+    """On a GPU: the CUDA kernels update cached rows as they update a GPU-resident table
+    (the same sums, the same kernels), so the two jobs agree bit for bit."""
+    cached_ctx = make_ctx(CONFIGS[config])
+    ours, expected, w0 = run_both(cached_ctx, case, 7, lookup_device=gpu, steps=30)
+    on_gpu, _, _ = run_both(make_ctx(), case, 7, table_device=gpu, steps=30)
+    assert (expected - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"
+    assert_within(ours, expected)
+    st = cached_ctx.client.stats()
+    assert st["device_updated_rows"] > 0
+    if st["host_updated_rows"] == 0:  # rows the cache did not keep update on the CPU
+        assert torch.equal(ours, on_gpu)
+    elif config == "lru_all":
+        pytest.fail(f"the whole table fits {config}, yet rows were updated on the host: {st}")
