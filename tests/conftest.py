@@ -4,8 +4,9 @@
 duplicate-heavy ids. ``client`` runs each test of tests/test_kvclient_suite.py on every
 KVClient: the embedded LocalKVClient, a RemoteKVClient over TCP to two server
 processes, with and without shared memory, each of the trainer caches of ``CACHES`` in
-front of a RemoteKVClient, and a DeviceKVClient on the CPU running the
-CUDA twin (tests/cpu_cuda_twin.py), seen through numpy by ``HostView``. The server clusters live for the module
+front of a RemoteKVClient, a DeviceKVClient on the CPU running the
+CUDA twin (tests/cpu_cuda_twin.py), seen through numpy by ``HostView``, and a device cache
+(on the CPU, with the twin) in front of a LocalKVClient, pulling through its lookups. The server clusters live for the module
 (spawning is the slow part); each test gets a fresh client and drops its tables afterwards.
 
 With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
@@ -16,6 +17,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from cpu_cuda_twin import CpuCudaTwin
 from mp_helper import ProcessGroup, cluster_dict, write_json
@@ -24,6 +26,7 @@ from distemb.config import load_cluster_config, parse_cache_config, parse_cluste
 from distemb.kvstore import KVClient, LocalKVClient
 from distemb.kvstore.cache import CachedKVClient
 from distemb.kvstore.device import DeviceKVClient
+from distemb.kvstore.device_cache import DeviceCachedKVClient
 from distemb.kvstore.remote import RemoteKVClient
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
@@ -32,8 +35,8 @@ CACHES = {"lru_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # evic
           "lfu_exact": parse_cache_config({"policy": "lfu", "fraction": 0.5}),
           "lru_stale3": parse_cache_config({"policy": "lru", "bytes": 4096, "staleness": 3})}
 CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin",
-                                          "tcp+lru_exact", "tcp_shm+lfu_exact",
-                                          "tcp+lru_stale3"]
+                                          "device_cache_twin", "tcp+lru_exact",
+                                          "tcp_shm+lfu_exact", "tcp+lru_stale3"]
 
 
 class HostView(KVClient):
@@ -69,6 +72,23 @@ class HostView(KVClient):
 
     def close(self):
         self.inner.close()
+
+
+class CacheLookups(HostView):
+    """A device cache (on the CPU, running the CUDA twin) in front of a LocalKVClient,
+    whose pulls are its device lookups (misses admitted, 4 rows: it evicts a lot) and
+    whose updates arrive as device tensors, as from ``emb(ids, device=...)``."""
+
+    def __init__(self):
+        super().__init__(DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"rows": 4}),
+                                              "cpu", ops=CpuCudaTwin()))
+
+    def pull(self, name, ids):
+        return self.inner.lookup(name, ids).numpy()
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        self.inner.push_update(name, torch.from_numpy(np.ascontiguousarray(ids)),
+                               torch.from_numpy(np.ascontiguousarray(grads)), rule, hyper)
 
 
 class Cluster:
@@ -111,9 +131,10 @@ def clusters(tmp_path_factory):
 @pytest.fixture(params=CLIENT_KINDS)
 def client(request, clusters):
     """A KVClient of each kind; remote ones talk to two server processes."""
-    if request.param in ("local", "device_twin"):
-        kv = LocalKVClient() if request.param == "local" else HostView(
-            DeviceKVClient("cpu", ops=CpuCudaTwin()))
+    if request.param in ("local", "device_twin", "device_cache_twin"):
+        kv = {"local": LocalKVClient,
+              "device_twin": lambda: HostView(DeviceKVClient("cpu", ops=CpuCudaTwin())),
+              "device_cache_twin": CacheLookups}[request.param]()
         yield kv
         kv.close()
         return

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cpu_cuda_twin import CpuCudaTwin
-from distemb import kernels
+from distemb import checkpoint, kernels
 from distemb.config import parse_cache_config, parse_cluster_config
 from distemb.context import DistContext
 from distemb.embedding import DistEmbedding
@@ -136,6 +136,13 @@ def test_checkpoint_of_cached_job_loads_into_uncached_job(twin, make_ctx, tmp_pa
     opt2.load(tmp_path / "ck")
     assert torch.equal(emb2.weight[torch.arange(ROWS)], saved_rows)
     assert torch.equal(opt2.state_dict()["state"]["w"]["sum"], saved_sum)
+    # a save straight through the client (no barrier first) sees the dirty rows too
+    (emb(torch.tensor([1, 2, 2]), device="cuda") ** 2).sum().backward()
+    opt.step()
+    names = ["w", state_name("w", "sum")]
+    checkpoint.save(tmp_path / "direct", ctx.client, names, {})
+    checkpoint.restore(tmp_path / "direct", fresh.client, names)
+    assert torch.equal(emb2.weight[torch.arange(ROWS)], emb.weight[torch.arange(ROWS)])
     # loading back into the cached job replaces the cached rows too
     emb(torch.tensor([1, 2]), device="cuda").sum().backward()
     opt.step()
