@@ -170,16 +170,16 @@ class DeviceCachedKVClient(KVClient):
         return self.inner.coalesce(name, ids, grads, F)
 
     def view_on(self, device):
-        """Itself for None or 'cpu'; the cache's view for the cache's device.
+        """The cache's view for the cache's device; itself for None (and 'cpu').
 
         Raises:
             ValueError: ``device`` is another device than the cache's.
             CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
         """
-        if device is None or str(device) == "cpu":
+        if device is None or (str(device) == "cpu" and self.cache_device.type != "cpu"):
             return self
-        dev = device_kv.cuda_device(device) if self.cache_device.type == "cuda" or \
-            str(device).startswith("cuda") else torch.device(device)
+        dev = device_kv.cuda_device(device) if str(device).startswith("cuda") else \
+            torch.device(device)
         if dev != self.cache_device:
             raise ValueError(f"device: this context's device cache is on "
                              f"{self.cache_device}, got {device!r} (look rows up there)")
