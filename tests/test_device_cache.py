@@ -272,3 +272,27 @@ def test_gpu_cache_equals_gpu_table_and_torch(make_ctx, gpu, case, config):
         assert torch.equal(ours, on_gpu)
     elif config == "lru_all":
         pytest.fail(f"the whole table fits {config}, yet rows were updated on the host: {st}")
+
+
+def test_update_with_another_rule_goes_to_the_owner(twin):
+    """A push_update whose rule is not the cached state's writes the rows back first."""
+    from distemb.rules import AdagradHyper, SGDHyper
+
+    out = []
+    for cached in (True, False):
+        inner = LocalKVClient()
+        kv = DeviceCachedKVClient(inner, parse_cache_config({"rows": 8}), "cuda") \
+            if cached else inner
+        kv.init_data("w", (10, 2), "float32", range_policy(10))
+        kv.init_optimizer("w", "adagrad", {"initial_accumulator_value": 0.0})
+        if cached:
+            kv.view_on("cuda").pull("w", np.array([1, 2, 3]))
+        ids, g = np.array([1, 2]), np.ones((2, 2), np.float32)
+        kv.push_update("w", ids, g, "adagrad", AdagradHyper(clr=0.5, eps=1e-10))
+        kv.push_update("w", np.array([2, 5]), g * 3, "sgd", SGDHyper(lr=0.25))
+        kv.push_update("w", ids, g, "adagrad", AdagradHyper(clr=0.5, eps=1e-10))
+        out.append(kv.pull("w", np.arange(10)))
+        if cached:
+            assert kv.stats()["written_back_rows"] == 1 and kv.stats()["device_updated_rows"] == 3
+        kv.close()
+    np.testing.assert_array_equal(out[0], out[1])

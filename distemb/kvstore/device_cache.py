@@ -55,6 +55,11 @@ class DeviceRows:
     Args:
         num_rows, dim: the table's shape; capacity: cached rows; device: where they live.
         rule: the table's update rule, or None before an optimizer made its state.
+
+    Example:
+        >>> rows = DeviceRows(100, 4, 10, "cpu", "adagrad")
+        >>> tuple(rows.values.shape), sorted(rows.states), rows.dirty.any()
+        ((10, 4), ['sum'], False)
     """
 
     def __init__(self, num_rows: int, dim: int, capacity: int, device, rule=None):
@@ -407,6 +412,9 @@ class DeviceCachedKVClient(KVClient):
             self._stats["d2h_bytes"] += host_ids.nbytes
         if cache is None or cache.rule is None or cache.rule.name != impl.name:
             if cache is not None:  # another rule than the cached state's: the owner's
+                # copied first: a remote client may have summed into its request slot,
+                # which the write-back's requests reuse
+                grads = np.array(self._host_grads(grads))
                 self._forget(name, host_ids)
             self.inner.push_update(name, host_ids, self._host_grads(grads), rule, hyper)
             return
@@ -453,8 +461,14 @@ class CacheOnDevice(device_kv.ClientView):
         cache: the cache client.
 
     Example:
-        >>> kv = None  # DeviceCachedKVClient(...) needs a GPU; see its example
-        >>> # view = kv.view_on("cuda"); rows = view.pull("w", np.array([1, 2]))
+        >>> from distemb.config import parse_cache_config
+        >>> from distemb.kernels.cuda import CudaUnavailableError
+        >>> from distemb.kvstore import LocalKVClient
+        >>> try:
+        ...     kv = DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"rows": 8}))
+        ...     assert isinstance(kv.view_on("cuda"), CacheOnDevice)
+        ... except CudaUnavailableError:  # no GPU here: says why
+        ...     pass
     """
 
     def __init__(self, cache: DeviceCachedKVClient):
