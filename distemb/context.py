@@ -206,7 +206,7 @@ def one_of_many():
     return None
 
 
-def _from_env(backend=None, num_threads=None, consistency=None):
+def _from_env(backend=None, num_threads=None, consistency=None, device_cache=None):
     """A trainer context when $DISTEMB_CONFIG is set, else an embedded one.
 
     Raises:
@@ -233,7 +233,12 @@ def _from_env(backend=None, num_threads=None, consistency=None):
         if consistency not in (None, Consistency.SYNC):
             raise DistEmbError(f"consistency='{consistency}': only meaningful for a trainer "
                                "of a cluster ($DISTEMB_CONFIG is not set)")
-        return DistContext.embedded(backend=backend, num_threads=num_threads)
+        return DistContext.embedded(backend=backend, num_threads=num_threads,
+                                    device_cache=device_cache)
+    if device_cache is not None:
+        raise DistEmbError("device_cache: a trainer of a cluster takes its device cache "
+                           f"from the cluster config ({path}: 'device_cache'), got "
+                           f"{device_cache!r} here")
     role = os.environ.get("DISTEMB_ROLE", Role.TRAINER.value)
     if role != Role.TRAINER:
         raise DistEmbError(f"DISTEMB_ROLE: initialize() makes trainer contexts, got {role!r} "
@@ -241,7 +246,7 @@ def _from_env(backend=None, num_threads=None, consistency=None):
     return DistContext.trainer(path, _env_rank(), backend, num_threads, consistency)
 
 
-def initialize(backend=None, num_threads=None, consistency=None):
+def initialize(backend=None, num_threads=None, consistency=None, device_cache=None):
     """Create this process's context and make it current.
 
     Embedded unless ``$DISTEMB_CONFIG`` names a cluster config (``distemb-launch`` sets
@@ -257,12 +262,17 @@ def initialize(backend=None, num_threads=None, consistency=None):
             (``step()`` returns once every server applied the update), 'sync_exact' (the
             servers sum all trainers' pushes of a step and apply them once) or 'async'
             (no wait; see docs). Default: the cluster config's.
+        device_cache: embedded only: a GPU cache of each table's hot rows for
+            ``emb(ids, device="cuda")`` (see :meth:`DistContext.embedded`); a cluster's
+            trainers take it from the cluster config's ``device_cache``.
 
     Returns:
         the new :class:`DistContext`.
 
     Raises:
-        ConfigError: ``consistency`` is not one of the modes.
+        ConfigError: ``consistency`` is not one of the modes, or ``device_cache`` is
+            invalid.
+        CudaUnavailableError: ``device_cache`` is given but no GPU can be used here.
         DistEmbError: already initialized, a non-sync mode without a cluster, or one of
             several processes without ``$DISTEMB_CONFIG`` (the message says how to launch
             or join).
@@ -273,7 +283,7 @@ def initialize(backend=None, num_threads=None, consistency=None):
         raise DistEmbError(f"initialize(): distemb is already initialized in this process "
                            f"({how}); call initialize() before creating tables, or "
                            "distemb.shutdown() first")
-    ctx = _from_env(backend, num_threads, consistency)
+    ctx = _from_env(backend, num_threads, consistency, device_cache)
     _current[:] = [ctx]
     return ctx
 

@@ -16,7 +16,7 @@ from distemb import checkpoint, kernels
 from distemb.config import parse_cache_config, parse_cluster_config
 from distemb.context import DistContext
 from distemb.embedding import DistEmbedding
-from distemb.errors import ConfigError
+from distemb.errors import ConfigError, DistEmbError
 from distemb.kernels import cuda
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore import device as device_kv
@@ -240,7 +240,8 @@ def test_remote_table_one_trainer(twin, clusters):
             if cache is not None:
                 assert client.stats()["written_back_rows"] > 0
         finally:
-            ctx.client.delete_data(f"r{len(out) - 1}")
+            for name in ctx.client.names():
+                ctx.client.delete_data(name)
             ctx.client.close(goodbye=False)
     assert torch.equal(out[0], out[1])
 
@@ -296,3 +297,31 @@ def test_update_with_another_rule_goes_to_the_owner(twin):
             assert kv.stats()["written_back_rows"] == 1 and kv.stats()["device_updated_rows"] == 3
         kv.close()
     np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_initialize_and_cluster_config_give_the_cache(twin, clusters, tmp_path, monkeypatch):
+    import json
+
+    from distemb import context as context_mod
+
+    monkeypatch.delenv("DISTEMB_CONFIG", raising=False)
+    ctx = context_mod.initialize(device_cache={"policy": "lfu", "rows": 5})
+    try:
+        assert isinstance(ctx.client, DeviceCachedKVClient)
+        assert ctx.client.config.rows == 5
+    finally:
+        context_mod.shutdown()
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(dict(clusters("tcp").raw, device_cache={"rows": 40})))
+    monkeypatch.setenv("DISTEMB_CONFIG", str(path))
+    with pytest.raises(DistEmbError, match="device_cache: a trainer of a cluster takes"):
+        context_mod.initialize(device_cache={"rows": 5})
+    trainer = DistContext.trainer(str(path), 0, backend="pytorch", num_threads=1)
+    try:
+        assert isinstance(trainer.client, DeviceCachedKVClient)
+        emb, _ = _train(trainer, 3, name="via-config", opt_cls=SparseAdagrad)
+        assert trainer.client.stats()["device_updated_rows"] > 0
+        for name in trainer.client.names():
+            trainer.client.delete_data(name)
+    finally:
+        trainer.client.close(goodbye=False)
