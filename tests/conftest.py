@@ -6,7 +6,8 @@ KVClient: the embedded LocalKVClient, a RemoteKVClient over TCP to two server
 processes, with and without shared memory, each of the trainer caches of ``CACHES`` in
 front of a RemoteKVClient, a DeviceKVClient on the CPU running the
 CUDA twin (tests/cpu_cuda_twin.py), seen through numpy by ``HostView``, and a device cache
-(on the CPU, with the twin) in front of a LocalKVClient, pulling through its lookups. The server clusters live for the module
+(on the CPU, with the twin) in front of a LocalKVClient and of a RemoteKVClient, pulling
+through its lookups. The server clusters live for the module
 (spawning is the slow part); each test gets a fresh client and drops its tables afterwards.
 
 With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
@@ -36,7 +37,8 @@ CACHES = {"lru_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # evic
           "lru_stale3": parse_cache_config({"policy": "lru", "bytes": 4096, "staleness": 3})}
 CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin",
                                           "device_cache_twin", "tcp+lru_exact",
-                                          "tcp_shm+lfu_exact", "tcp+lru_stale3"]
+                                          "tcp_shm+lfu_exact", "tcp+lru_stale3",
+                                          "tcp_shm+device_cache_twin"]
 
 
 class HostView(KVClient):
@@ -79,9 +81,10 @@ class CacheLookups(HostView):
     whose pulls are its device lookups (misses admitted, 4 rows: it evicts a lot) and
     whose updates arrive as device tensors, as from ``emb(ids, device=...)``."""
 
-    def __init__(self):
-        super().__init__(DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"rows": 4}),
-                                              "cpu", ops=CpuCudaTwin()))
+    def __init__(self, inner=None):
+        super().__init__(DeviceCachedKVClient(inner or LocalKVClient(),
+                                              parse_cache_config({"rows": 4}), "cpu",
+                                              ops=CpuCudaTwin()))
 
     def pull(self, name, ids):
         return self.inner.lookup(name, ids).numpy()
@@ -89,6 +92,9 @@ class CacheLookups(HostView):
     def push_update(self, name, ids, grads, rule, hyper):
         self.inner.push_update(name, torch.from_numpy(np.ascontiguousarray(ids)),
                                torch.from_numpy(np.ascontiguousarray(grads)), rule, hyper)
+
+    def close(self, **kw):
+        self.inner.close(**kw)
 
 
 class Cluster:
@@ -144,7 +150,9 @@ def client(request, clusters):
     else:
         kind, _, cache = request.param.partition("+")
         kv = clusters(kind).client()
-        if cache:
+        if cache == "device_cache_twin":
+            kv = CacheLookups(kv)
+        elif cache:
             kv = CachedKVClient(kv, CACHES[cache])
     yield kv
     for name in kv.names():

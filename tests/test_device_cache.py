@@ -85,6 +85,17 @@ def test_cached_job_equals_uncached_job_and_torch(twin, make_ctx, case, config):
     assert sum(twin.calls[k] for k in twin.calls if k.endswith("_update")) > 0
 
 
+@pytest.mark.parametrize("policy_kind", ["range-3", "hash-2"])
+def test_sharded_host_tables(twin, make_ctx, policy_kind):
+    runs = []
+    for cache in (CONFIGS["lfu_20pct"], None):
+        with kernels.implementation("reference"):
+            runs.append(run_both(make_ctx(cache), "adam", 7, policy_kind=policy_kind,
+                                 lookup_device="cuda", steps=15))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert_within(runs[0][0], runs[0][1])
+
+
 def test_compiled_host_kernels_match_torch(twin, make_ctx, kernel_impl):
     """Rows updated on the host (misses) by the compiled kernels, cached ones by the twin."""
     ours, expected, _ = run_both(make_ctx(CONFIGS["lru_16rows"]), "adagrad", 16,
