@@ -142,6 +142,14 @@ def cache_options(args):
     return dict(sizes, policy=args.cache_policy, staleness=args.cache_staleness)
 
 
+def device_cache_options(args):
+    """The ``device_cache`` mapping of the --device-cache-* options (None without a size)."""
+    sizes = {k: v for k, v in (("rows", args.device_cache_rows),
+                               ("bytes", args.device_cache_bytes),
+                               ("fraction", args.device_cache_fraction)) if v is not None}
+    return dict(sizes, policy=args.device_cache_policy) if sizes else None
+
+
 def server_env(cfg_path, sid):
     return {"DISTEMB_CONFIG": cfg_path, "DISTEMB_ROLE": Role.SERVER.value,
             "DISTEMB_RANK": str(sid)}
@@ -329,6 +337,13 @@ def parse_args(argv):
     parser.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
     parser.add_argument("--cache-staleness", type=int, default=0,
                         help="0: exact cache (default); s > 0: rows up to s steps old")
+    parser.add_argument("--device-cache-rows", type=int,
+                        help="GPU cache of each table's hot rows (one trainer only): rows")
+    parser.add_argument("--device-cache-bytes", type=int,
+                        help="GPU cache: bytes per table (rows and their optimizer state)")
+    parser.add_argument("--device-cache-fraction", type=float,
+                        help="GPU cache: a fraction of each table's rows")
+    parser.add_argument("--device-cache-policy", choices=("lru", "lfu"), default="lru")
     parser.add_argument("--timeout", type=float, default=default_of(ClusterConfig, "timeout_s"),
                         help=help_of(ClusterConfig, "timeout_s"))
     parser.add_argument("--idle-timeout", type=float,
@@ -364,7 +379,7 @@ def run(args):
                        transport=transport, consistency=args.consistency,
                        shared_memory=not args.no_shared_memory, timeout_s=args.timeout,
                        master_port=args.master_port, idle_timeout_s=args.idle_timeout,
-                       cache=cache_options(args))
+                       cache=cache_options(args), device_cache=device_cache_options(args))
     if launcher == Launcher.LOCAL:
         bad = [ip for ip, _ in machines if not ipaddress.ip_address(ip).is_loopback]
         if bad:

@@ -93,6 +93,21 @@ def test_cli_options_reach_the_config(tmp_path):
         build_config([("127.0.0.1", 4000)], 1, 1, timeout_s=-1)
 
 
+def test_device_cache_options_reach_the_config(tmp_path, capsys):
+    main(["--ip-config", ip_file(tmp_path, "127.0.0.1 4100\n"), "--config-out",
+          str(tmp_path / "c.json"), "--device-cache-fraction", "0.05",
+          "--device-cache-policy", "lfu", "--dry-run", "--", "python", "t.py"])
+    cfg = load_cluster_config(str(tmp_path / "c.json"))
+    assert (cfg.device_cache.fraction, cfg.device_cache.policy.value) == (0.05, "lfu")
+    assert cfg.cache is None
+    code = main(["--ip-config", ip_file(tmp_path, "127.0.0.1 4100\n"), "--num-trainers", "2",
+                 "--device-cache-rows", "100", "--config-out", str(tmp_path / "d.json"),
+                 "--dry-run", "--", "python", "t.py"])
+    assert code == 2 and "device_cache: a device cache writes rows back only at eviction" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "d.json").exists()
+
+
 def test_partition_config_must_match_server_count(tmp_path):
     part = tmp_path / "part.json"
     part.write_text(json.dumps({"num_partitions": 3, "policies": [
