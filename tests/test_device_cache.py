@@ -316,6 +316,7 @@ def test_initialize_and_cluster_config_give_the_cache(twin, clusters, tmp_path, 
     from distemb import context as context_mod
 
     monkeypatch.delenv("DISTEMB_CONFIG", raising=False)
+    context_mod.shutdown()  # an earlier test's implicit context, if any
     ctx = context_mod.initialize(device_cache={"policy": "lfu", "rows": 5})
     try:
         assert isinstance(ctx.client, DeviceCachedKVClient)
