@@ -27,7 +27,7 @@ import numpy as np
 
 from distemb.enums import Consistency
 from distemb.errors import KVStoreError
-from distemb.kernels.hashtable import keys_array
+from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.store_client import StoreClient
 from distemb.kvstore.store_snapshot import check_entry, store_entry
 from distemb.partition import key_partition
@@ -84,7 +84,7 @@ class RemoteStoreClient(StoreClient):
 
     def _gather(self, name, keys, make, row_shape, dtype):
         """Rows of ``keys`` asked of their owners with ``make(keys)``, in key order."""
-        keys = keys_array(keys)
+        keys = table_keys(keys)
         out = np.empty((len(keys),) + row_shape, dtype)
         split = self._split(keys)
 
@@ -145,7 +145,7 @@ class RemoteStoreClient(StoreClient):
         return int(sum(r.fields["size"] for r in self._info(name)[1].values()))
 
     def remove(self, name, keys):
-        split = self._split(keys_array(keys))
+        split = self._split(table_keys(keys))
         replies = self.remote.call({sid: StoreRemove(name=name, ids=k)
                                     for sid, (_, k) in split.items()})
         return int(sum(r.fields["removed"] for r in replies.values()))
@@ -190,7 +190,7 @@ class RemoteStoreClient(StoreClient):
         return allkeys[order], {c: np.concatenate(a)[order] for c, a in rows.items()}
 
     def import_(self, name, keys, columns):
-        keys = keys_array(keys)
+        keys = table_keys(keys)
         for c, values in columns.items():
             if len(values) != len(keys):
                 raise KVStoreError(f"columns[{c!r}]: expected {len(keys)} rows, got "
@@ -223,7 +223,7 @@ class RemoteStoreClient(StoreClient):
             name=name, mode="lookup", column=WEIGHT, ids=k), (dim,), np.float32)
 
     def push(self, name, ids, values):
-        self._write(name, keys_array(ids), np.asarray(values, np.float32).reshape(
+        self._write(name, table_keys(ids), np.asarray(values, np.float32).reshape(
             len(ids), self.dim(name)), WEIGHT)
 
     def init_optimizer(self, name, rule, options):
@@ -246,7 +246,7 @@ class RemoteStoreClient(StoreClient):
         self._seq[name] = seq
         exact = self.consistency == Consistency.SYNC_EXACT
         grads = np.asarray(grads, np.float32)
-        split = self._split(keys_array(ids))
+        split = self._split(table_keys(ids))
         requests = {sid: StoreUpdate(name=name, rule=impl.name.value, hyper=fields, seq=seq,
                                      exact=exact, ids=k,
                                      grads=np.ascontiguousarray(grads[pos]))
