@@ -36,6 +36,10 @@ from distemb.stores.types import WEIGHT
 from distemb.transport.messages import Reply, Service
 
 
+#: Longest row a server accepts for a dynamic table (a hostile dim must not allocate).
+MAX_DIM = 1 << 16
+
+
 class _Table:
     def __init__(self, spec, store):
         self.spec, self.store, self.lock = spec, store, threading.Lock()
@@ -88,6 +92,12 @@ class StoreTables:
     # -- handlers ---------------------------------------------------------------------
 
     def create(self, m, session=None):
+        if not m.name or len(m.name) > 256 or not m.name.isprintable():
+            raise KVStoreError(f"table name: expected 1..256 printable characters, got "
+                               f"{m.name[:64]!r}")
+        if not 1 <= m.dim <= MAX_DIM or m.capacity < 0:
+            raise KVStoreError(f"dynamic table {m.name!r}: expected 1 <= dim <= {MAX_DIM} and "
+                               f"capacity >= 0, got dim {m.dim}, capacity {m.capacity}")
         fields = {f: getattr(m, f) for f in type(m).FIELDS}
         try:
             spec = HashTableSpec.from_fields(fields)
