@@ -25,7 +25,7 @@ Example (servers started by ``distemb-launch``)::
 """
 import numpy as np
 
-from distemb.enums import Consistency
+from distemb.enums import Consistency, EvictPolicy
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.store_client import StoreClient
@@ -137,7 +137,7 @@ class RemoteStoreClient(StoreClient):
                 raise ValueError(f"target_size: expected an int >= 0, got {evict_to!r}")
             share = [evict_to // self.num_servers + (sid < evict_to % self.num_servers)
                      for sid in range(self.num_servers)]
-        pol = "" if policy is None else str(getattr(policy, "value", policy))
+        pol = "" if policy is None else EvictPolicy.parse(policy, "policy", ValueError).value
         return spec, self._all(lambda sid: StoreInfo(name=name, evict_to=share[sid],
                                                      policy=pol))
 
