@@ -173,14 +173,11 @@ class RemoteKVClient(KVClient):
         return replies
 
     def call(self, requests, wait=True, on_reply=None, timeout=None):
-        """Send ``{server id: message}`` to all, then read every reply (see ``_call``):
-        the one channel of this trainer to its servers, shared with the clients of other
-        tables of the job (:meth:`store_client`)."""
+        """``_call`` for the clients sharing these connections (:meth:`store_client`)."""
         return self._call(requests, wait=wait, on_reply=on_reply, timeout=timeout)
 
     def store_client(self):
-        """A :class:`~distemb.kvstore.store_remote.RemoteStoreClient` on this client's
-        servers: dynamic tables, a hash store per server, keys sharded by key hash."""
+        """Dynamic tables on these servers (a :class:`RemoteStoreClient`)."""
         return RemoteStoreClient(self)
 
     def _frame_for(self, sid, msg, wait):
