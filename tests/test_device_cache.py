@@ -337,3 +337,15 @@ def test_initialize_and_cluster_config_give_the_cache(twin, clusters, tmp_path, 
             trainer.client.delete_data(name)
     finally:
         trainer.client.close(goodbye=False)
+
+
+def test_dynamic_tables_bypass_the_cache(twin, make_ctx):
+    from distemb import DynamicEmbedding
+
+    ctx = make_ctx({"rows": 4})
+    emb = DynamicEmbedding(3, name="dyn", context=ctx)
+    opt = SparseAdagrad([emb], lr=0.1)
+    emb(torch.tensor([10**12, 7, 7])).sum().backward()
+    opt.step()
+    assert emb.export()["keys"].tolist() == [7, 10**12]
+    assert ctx.client.stats()["lookups"] == 0

@@ -28,12 +28,10 @@ each step, which is what the host trainer cache already does. So a cluster of se
 trainers is refused (``num_trainers``); there, use the trainer cache
 (``cache`` in the cluster config) with ``emb(ids, device="cuda")`` lookups.
 
-Bookkeeping (which row is in which slot, use stamps, LFU counts and admission) is the
-trainer cache's :class:`~distemb.kvstore.cache.TableCache`, on the host; the rows and
-state are torch tensors on the device, touched only by torch indexing and ``ops`` (the
-device's :class:`~distemb.kernels.ops.DeviceKernelOps`: :mod:`distemb.kernels.cuda`, or
-a CPU stand-in in tests, on a CPU device). Tables other than float32 (N, D) pass
-straight through. This module imports torch (trainers only).
+Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
+:class:`~distemb.kvstore.cache.TableCache`, on the host; rows and state are torch tensors
+on the device, touched by torch indexing and the device's kernels (:mod:`distemb.kernels.
+cuda`, or a CPU stand-in in tests). Tables other than float32 (N, D) pass through.
 """
 from typing import Dict, Optional
 
@@ -324,6 +322,10 @@ class DeviceCachedKVClient(KVClient):
         """Write dirty rows back, so what others read after the barrier is current."""
         self.flush()
         self.inner.barrier()
+
+    def store_client(self):
+        """The wrapped client's: tables on row stores bypass the device cache."""
+        return self.inner.store_client()
 
     def close(self, **kw):
         """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""
