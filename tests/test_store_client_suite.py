@@ -27,6 +27,7 @@ from distemb.partition import key_partition
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.stores import HashStore, key_normal, key_uniform
 from distemb.stores.spec import HashTableSpec
+from distemb.transport.messages import StoreRead
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = np.array([5, -3, 2 ** 62, 0, -(2 ** 40), 123456789], np.int64)
@@ -255,3 +256,20 @@ def test_optimizer_state_dict_round_trip_in_either_placement(base):
     assert (got["sum"] > 0).all()
     a.kvstore.delete_data(a.name)
     b.kvstore.delete_data(b.name)
+
+
+@pytest.mark.multiprocess
+def test_a_server_refuses_keys_another_server_owns(cluster):
+    """A trainer routing with another server count would scatter a key's rows: refused."""
+    kv = RemoteKVClient(cluster, 0)
+    try:
+        dyn = kv.store_client()
+        dyn.create_table("routed", HashTableSpec(2))
+        keys = np.arange(50, dtype=np.int64)
+        theirs = keys[key_partition(keys, 2) == 1][:1]
+        with pytest.raises(KVStoreError, match=f"key {int(theirs[0])} .* belongs to server 1"):
+            kv.call({0: StoreRead(name="routed", mode="lookup", column="weight", ids=theirs)})
+        assert dyn.size("routed") == 0
+        dyn.delete_data("routed")
+    finally:
+        kv.close(goodbye=False)
