@@ -175,13 +175,22 @@ class DeviceKVClient(KVClient):
         self._meta = {}
         self._checks = {}
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard.
 
         Zeros when ``init_func`` is None. It may return numpy arrays or torch tensors; each
         shard's rows land at their global ids, as a host client would place them.
+
+        Raises:
+            KVStoreError: a half-precision table (bfloat16/float16): this client has no
+                half kernels yet (keep such tables on the host and look them up with
+                ``device=``: the rows arrive on the GPU as float32).
         """
         check_new_name(self._meta, name)
+        if dtype in ("bfloat16", "float16") or rounding_seed is not None:
+            raise KVStoreError(f"init_data({name!r}): {dtype} tables on a GPU are not "
+                               "supported yet; create the table on the host (device=None) "
+                               "and look rows up with emb(ids, device='cuda')")
         shape = tuple(shape)
         if policy.get_size() != shape[0]:
             raise KVStoreError(f"policy of {name!r}: {policy.policy_str} has "
@@ -378,8 +387,8 @@ class ClientView(KVClient):
     def ops(self):
         return self.inner.ops
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func)
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
 
     def data_meta(self, name):
         return self.inner.data_meta(name)

@@ -59,7 +59,7 @@ class StoreKVClient(KVClient):
             raise KVStoreError(f"name {name!r} is not in the KVStore "
                                f"(known: {sorted(self._stores)[:10]})") from None
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         raise KVStoreError(f"init_data({name!r}): a StoreKVClient holds tables added with "
                            "add_table(name, store); use LocalKVClient for DistTensor data")
 
