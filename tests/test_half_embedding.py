@@ -242,3 +242,10 @@ def test_cluster_equals_embedded_bit_for_bit(tmp_path, servers, shm):
         local.close()
     finally:
         cluster.stop()
+
+
+def test_dgl_namespace_passes_dtype_through(ctx):
+    import distemb.dgl as dist
+    emb = dist.DistEmbedding(8, 4, name="h-dgl", context=ctx, dtype=torch.bfloat16)
+    assert emb.dtype == torch.bfloat16
+    assert emb.kvstore.data_meta("h-dgl").dtype == "bfloat16"
