@@ -3,7 +3,8 @@
 Block 1, the target: the user-level step of bench_step.py (``zero_grad``, lookup,
 ``(rows * upstream).sum().backward()``, ``step``) on the dense
 ``DistEmbedding(dtype=...)``, 1M x 128 table, batch 4096, uniform ids from a pool of 64
-batches, one thread, timed in turns; medians, same-run ratios against the float32 table.
+batches, one thread, timed in rounds (see run_rounds); medians, same-run ratios against
+the float32 table, and the median of the per-round (paired) ratios.
 SparseAdagrad (float32 state of D floats per row: half rows save a quarter of the update's
 bytes) and SparseRowWiseAdagrad (one float per row: half rows save nearly half).
 ``--store`` adds ``StoreEmbedding`` on a ``DenseStore`` of each dtype (the row-store path).
@@ -18,7 +19,9 @@ Example:
     OMP_WAIT_POLICY=passive python benchmarks/bench_half_step.py --repeats 5
 """
 import argparse
+import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -95,19 +98,56 @@ def part_contenders(rows, batches, upstream):
             for name, run in parts.items()]
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def run_rounds(args, contenders):
+    """Time the contenders in rounds: each round runs every contender once on the same
+    batch, in an order rotated from round to round, so load from other jobs (this machine
+    is shared) hits each alike; ``--clock cpu`` counts this thread's CPU time only (not
+    the time spent waiting for a core; memory stalls count). torch and the kernels run
+    one thread, this one.
+
+    Returns:
+        {name: (calls/s from the median call time, rows per call, kind, [per-round
+        time of the first contender / this one's])}: the ratio's median over rounds is
+        the paired estimate of the speed-up.
+    """
+    clock = CLOCKS[args.clock]
+    for c in contenders:
+        for k in range(args.warmup):
+            c.run(k)
+    n = len(contenders)
+    times = [[] for _ in contenders]
+    for r in range(args.repeats * args.steps):
+        for i in [(r + j) % n for j in range(n)]:
+            t0 = clock()
+            contenders[i].run(args.warmup + r)
+            times[i].append(clock() - t0)
+    res = {c.name: (1.0 / statistics.median(t), c.rows_per_call, c.kind,
+                    [a / b for a, b in zip(times[0], t)])
+           for c, t in zip(contenders, times)}
+    for c in contenders:
+        c.close()
+    return res
+
+
 def print_block(title, res, base):
     print(f"\n## {title}")
-    print(f"| {'contender':<36} | {'calls/s':>8} | {'ms/call':>8} | {'vs fp32':>8} |")
-    print(f"|{'-' * 38}|{'-' * 10}|{'-' * 10}|{'-' * 10}|")
-    for name, (rate, _, _) in res.items():
+    print(f"| {'contender':<38} | {'calls/s':>8} | {'ms/call':>8} | {'vs fp32':>8} "
+          f"| {'paired vs fp32 (IQR)':>22} |")
+    print(f"|{'-' * 40}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 24}|")
+    for name, (rate, _, _, ratios) in res.items():
         rel = f"{rate / res[base][0]:.2f}x" if base else ""
-        print(f"| {name:<36} | {rate:>8.1f} | {1e3 / rate:>8.3f} | {rel:>8} |")
+        q = np.percentile(ratios, [25, 50, 75])
+        paired = f"{q[1]:.2f}x ({q[0]:.2f}-{q[2]:.2f})" if base else ""
+        print(f"| {name:<38} | {rate:>8.1f} | {1e3 / rate:>8.3f} | {rel:>8} | {paired:>22} |")
     sys.stdout.flush()
 
 
 def print_bound(res):
     """What the kernels' own speed-ups allow the whole step (same run's medians)."""
-    ms = {name: 1e3 / rate for name, (rate, _, _) in res.items()}
+    ms = {name: 1e3 / v[0] for name, v in res.items()}
     fixed = ms["dedup_sum (either)"] + ms["torch fwd+bwd (either)"]
     k32 = ms["gather float32"] + ms["adagrad_update float32"]
     k16 = ms["gather bfloat16"] + ms["adagrad_update bfloat16"]
@@ -129,19 +169,22 @@ def main(argv=None):
     p.add_argument("--pool", type=int, default=64)
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     p.add_argument("--store", action="store_true", help="also StoreEmbedding on DenseStore")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="time calls by wall clock or by this thread's CPU time")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     print(f"# bench_half_step: rows={args.rows} dim={args.dim} batch={args.batch} "
-          f"dist={args.dist} 1 thread kernels={kernels.IMPL_NAME} repeats={args.repeats}")
+          f"dist={args.dist} 1 thread kernels={kernels.IMPL_NAME} repeats={args.repeats} "
+          f"clock={args.clock}")
     batches, upstream = bstep.inputs(args, args.dist)
     for opt_name in args.optimizers:
         contenders = [dense_step(d, opt_name, args.rows, batches, upstream) for d in DTYPES]
         if args.store:
             contenders += [store_step(d, opt_name, args.rows, batches, upstream)
                            for d in DTYPES]
-        res = bstep.run_turns(args, contenders)
+        res = run_rounds(args, contenders)
         print_block(f"{opt_name}: the step", res, f"{opt_name} DistEmbedding float32")
-    res = bstep.run_turns(args, part_contenders(args.rows, batches, upstream))
+    res = run_rounds(args, part_contenders(args.rows, batches, upstream))
     print_block("the step's parts (Adagrad), each alone", res, None)
     print_bound(res)
 
