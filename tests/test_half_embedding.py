@@ -31,7 +31,8 @@ from distemb.kvstore.service import KVService
 from distemb.partition import range_policy
 from distemb.transport.base import HEADER, encode_head, parse_descriptors, parse_header
 from distemb.transport.messages import Create, Pull, Push
-from tests.conftest import Cluster, zipf_ids
+from distemb.kvstore.cache import CachedKVClient
+from tests.conftest import CACHES, Cluster, zipf_ids
 from tests.test_optim_oracle import CASES
 
 HALF_TOL = {"bfloat16": 5e-2, "float16": 5e-3}
@@ -236,8 +237,17 @@ def test_cluster_equals_embedded_bit_for_bit(tmp_path, servers, shm):
             got = [_train(c, case, dtype, steps=10, policy=policy, rounding=rounding,
                           oracle=False)[0] for c in (remote, local)]
             assert torch.equal(got[0], got[1]), (case, dtype, rounding)
-        wire = remote.client.pull(f"half-sgd-bfloat16", np.arange(4))
+        wire = remote.client.pull("half-sgd-bfloat16", np.arange(4))
         assert wire.dtype == np.float32
+        if servers == 1:  # a trainer cache passes half tables through, uncached
+            cached = DistContext(CachedKVClient(cluster.client(), CACHES["lru_exact"]),
+                                 backend="pytorch", role="trainer", num_threads=1)
+            got = _train(cached, "adagrad", "bfloat16", steps=10, policy=policy,
+                         oracle=False, name="cached")[0]
+            want = _train(local, "adagrad", "bfloat16", steps=10, policy=policy,
+                          oracle=False, name="cached")[0]
+            assert torch.equal(got, want)
+            assert cached.client.stats()["pulls"] == 0  # nothing went through the cache
         remote.client.close(goodbye=False)
         local.close()
     finally:
