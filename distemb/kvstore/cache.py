@@ -206,6 +206,10 @@ class CachedKVClient(KVClient):
     def barrier(self):
         self.inner.barrier()
 
+    def store_client(self):
+        """The wrapped client's: tables on row stores bypass the trainer cache."""
+        return self.inner.store_client()
+
     def close(self, **kw):
         """Close the wrapped client (keywords go to its ``close``)."""
         self._tables.clear()

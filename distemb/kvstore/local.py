@@ -5,6 +5,7 @@ from distemb.errors import KVStoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
 from distemb.kvstore.server import KVServer
+from distemb.kvstore.store_client import StoreKVClient
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 
 
@@ -105,6 +106,10 @@ class LocalKVClient(KVClient):
         for part in range(meta.policy.num_partitions):
             start, step, _ = meta.policy.id_progression(part)
             self.server.load_shard(name, part, directory, entry, start, step)
+
+    def store_client(self):
+        """A :class:`~distemb.kvstore.store_client.StoreKVClient` (stores in this process)."""
+        return StoreKVClient(num_threads=self.server.num_threads)
 
     def close(self):
         for name in list(self._meta):

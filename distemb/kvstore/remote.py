@@ -26,9 +26,11 @@ import numpy as np
 from distemb import kernels
 from distemb.kernels import half
 from distemb.enums import Consistency, Transport
-from distemb.errors import KVStoreError, PartitionError, TransportError
+from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
+                            TransportError)
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 from distemb.kvstore.local import init_shard
+from distemb.kvstore.store_remote import RemoteStoreClient
 from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
@@ -40,7 +42,8 @@ from distemb.transport.shm import RequestSlot, attach
 INIT_CHUNK_BYTES = 64 << 20
 IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge shard
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).
-ERRORS = {"PartitionError": PartitionError}
+ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
+          "MissingKeyError": MissingKeyError}
 
 
 class Route(NamedTuple):
@@ -169,6 +172,14 @@ class RemoteKVClient(KVClient):
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
+
+    def call(self, requests, wait=True, on_reply=None, timeout=None):
+        """``_call`` for the clients sharing these connections (:meth:`store_client`)."""
+        return self._call(requests, wait=wait, on_reply=on_reply, timeout=timeout)
+
+    def store_client(self):
+        """Dynamic tables on these servers (a :class:`RemoteStoreClient`)."""
+        return RemoteStoreClient(self)
 
     def _frame_for(self, sid, msg, wait):
         """The frame of ``msg``; an update or push to a co-located server goes via /dev/shm.

@@ -39,6 +39,7 @@ from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
+from distemb.kvstore.store_service import StoreTables
 from distemb.rules import rule_of, state_init, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, Session
@@ -104,7 +105,12 @@ class KVService:
                           Service.UPDATE: self._update, Service.BARRIER: self._barrier,
                           Service.SHM_INFO: self._shm_info, Service.BYE: self._bye,
                           Service.SAVE: self._save, Service.LOAD: self._load,
-                          Service.VERSIONED_PULL: self._versioned_pull}
+                          Service.VERSIONED_PULL: self._versioned_pull,
+                          Service.STORE_UPDATE: self._store_update}
+        # Dynamic tables: a hash store per table, keys sharded by key_partition.
+        self.stores = StoreTables(server_id, num_servers, server.num_threads,
+                                  has_array=lambda name: bool(server.parts_of(name)))
+        self._handlers.update(self.stores.handlers())
 
     def handle(self, frame, session=None):
         """The reply frame to request ``frame`` (an Error frame when it fails).
@@ -241,6 +247,9 @@ class KVService:
 
     def _create(self, m, session):
         self._check_name(m.name)
+        if self.stores.has(m.name):
+            raise KVStoreError(f"name {m.name!r} is a dynamic table on server "
+                               f"{self.server_id}, not an array table")
         if m.dtype not in DTYPES:
             raise KVStoreError(f"dtype: expected one of {list(DTYPES)}, got {m.dtype!r}")
         if any(d < 1 for d in m.row_shape):
@@ -277,6 +286,7 @@ class KVService:
         return Reply(fields={"existed": existed})
 
     def _drop(self, m, session):
+        self.stores.drop(m.name)
         with self._lock:
             for part in self.server.parts_of(m.name):
                 self._forget(m.name, part)
@@ -340,7 +350,8 @@ class KVService:
                                    f"for a {dtype_name(weight)} table, got "
                                    f"{m.grads.shape[1:]}")
         if m.exact:
-            return self._update_exact(m)
+            self._rows(m)  # reject bad ids before they are buffered
+            return self._update_exact(m, self._apply_summed)
         for part, ids, sl in self._rows(m):
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
         return self._versions_reply(m)
@@ -374,17 +385,23 @@ class KVService:
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
                      + [np.concatenate(st) for st in states])
 
-    def _update_exact(self, m):
-        self._rows(m)  # reject bad ids before they are buffered
-        key = (m.name, m.seq)
+    def _store_update(self, m, session):
+        self.stores.check_update(m)
+        if m.exact:
+            return self._update_exact(m, self.stores.apply)
+        self.stores.apply([m])
+
+    def _update_exact(self, m, apply):
+        """Buffer ``m`` until every trainer sent its step ``m.seq`` of the table, then
+        ``apply(contributions) -> {id(message): reply}`` once; answer each with its reply."""
+        key = (m.SERVICE, m.name, m.seq)
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             step = self._exact.setdefault(key, _ExactStep())
             step.contribs.append(m)
             if len(step.contribs) == self.num_trainers:
                 try:
-                    self._apply_summed(step.contribs)
-                    step.replies = {id(c): self._versions_reply(c) for c in step.contribs}
+                    step.replies = apply(step.contribs)
                 except Exception as e:
                     step.error = e
                 step.done = True
@@ -419,6 +436,7 @@ class KVService:
             counts = np.bincount(np.searchsorted(uniq, ids), minlength=len(uniq))
             self.server.update(first.name, part, uniq, summed, first.rule, first.hyper,
                                contributions=counts)
+        return {id(c): self._versions_reply(c) for c in contribs}
 
     def _barrier(self, m, session):
         self._rank(m, session)

@@ -36,11 +36,14 @@ import numpy as np
 
 from distemb import kernels
 from distemb.kernels import half
-from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
+from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds, check_shape
 from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper, rule_of, state_init, state_name
+
+#: Rows per request when optimizer state is read or written whole (as checkpoints do).
+STATE_CHUNK_ROWS = 1 << 20
 
 #: ``init_func(shard_shape, dtype_name)`` -> the shard's initial values.
 InitFunc = Callable[[Shape, str], Array]
@@ -212,6 +215,77 @@ class KVClient(ABC):
         snapshot.read_segments(directory, entry["segments"], meta.dtype, meta.shape[1:], 0,
                                1, meta.shape[0], write_rows)
 
+    # -- checkpoints and optimizer state (tables on row stores override these) --------
+
+    def checkpoint_names(self, name: str, state_names: List[str]) -> List[str]:
+        """The tensors a checkpoint of table ``name`` with optimizer states
+        ``state_names`` (KVStore names) holds: the table and each state tensor."""
+        return [name] + list(state_names)
+
+    def checkpoint_entry(self, name: str, directory: str, save_id: str) -> dict:
+        """Write tensor ``name`` into checkpoint ``directory``; its manifest entry."""
+        dm = self._meta_of(name)
+        return {"shape": list(dm.shape), "dtype": dm.dtype,
+                "policy": {"name": dm.policy.policy_str,
+                           "num_partitions": dm.policy.num_partitions},
+                "segments": self.save_tensor(name, directory, save_id)}
+
+    def restore_entry(self, name: str, directory: str, entry: dict) -> None:
+        """Fill tensor ``name`` from its manifest ``entry`` in checkpoint ``directory``.
+
+        Raises:
+            KVStoreError: the saved shape differs from the live one, or a corrupt segment.
+        """
+        check_shape(f"{directory}: tensor {name!r}", entry.get("shape", ()),
+                    self._meta_of(name).shape, KVStoreError)
+        self.load_tensor(name, directory)
+
+    def table_state(self, name: str, state_names: Dict[str, str]) -> Dict[str, np.ndarray]:
+        """{state: every row of it} of table ``name`` (for ``opt.state_dict()``)."""
+        out = {}
+        for sname, kvname in state_names.items():
+            n = self._meta_of(kvname).shape[0]
+            parts = [self.to_host(self.pull(kvname, self.from_host(
+                np.arange(s, min(s + STATE_CHUNK_ROWS, n), dtype=np.int64))))
+                for s in range(0, n, STATE_CHUNK_ROWS)]
+            out[sname] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out
+
+    def load_table_state(self, name: str, state_names: Dict[str, str], entry) -> None:
+        """Write back what :meth:`table_state` gave (``opt.load_state_dict()``).
+
+        Raises:
+            KVStoreError: a state is missing from ``entry`` or has another shape.
+        """
+        for sname, kvname in state_names.items():
+            if sname not in entry:
+                raise KVStoreError(f"state_dict: table {name!r} lacks state {sname!r}")
+            meta = self._meta_of(kvname)
+            arr = np.ascontiguousarray(np.asarray(entry[sname]))
+            check_shape(f"state_dict: state {sname!r} of {name!r}", arr.shape, meta.shape,
+                        KVStoreError)
+            arr = arr.astype(meta.dtype, copy=False)
+            for s in range(0, arr.shape[0], STATE_CHUNK_ROWS):
+                ids = np.arange(s, min(s + STATE_CHUNK_ROWS, arr.shape[0]), dtype=np.int64)
+                self.push(kvname, self.from_host(ids),
+                          self.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
+
+    def store_client(self) -> "KVClient":
+        """A client for tables on row stores placed where this client places rows
+        (:class:`~distemb.kvstore.store_client.StoreClient`): embedded stores, or a hash
+        store per server of this client's cluster.
+
+        Raises:
+            KVStoreError: this placement holds no row-store tables (e.g. a GPU client).
+        """
+        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
+                           "StoreEmbedding) live in host memory or on the servers; this "
+                           "client places rows elsewhere")
+
+    def row_dim(self, name: str) -> int:
+        """Row length of table ``name``."""
+        return self._meta_of(name).shape[1]
+
     def _meta_of(self, name: str) -> DataMeta:
         """The DataMeta of ``name``; KVStoreError when absent."""
         meta = self.data_meta(name)
@@ -301,7 +375,7 @@ class KVClient(ABC):
         """
         if not ids:
             return None
-        dim = self._meta_of(name).shape[1]
+        dim = self.row_dim(name)
         # ids of a host table are this client's (numpy) whichever view looked them up
         host_ids = [np.asarray(i, dtype=np.int64).reshape(-1) for i in ids]
         host_grads = [np.asarray(F.to_numpy(g), dtype=np.float32).reshape(-1, dim)
