@@ -195,8 +195,8 @@ class CachedKVClient(KVClient):
     def names(self):
         return self.inner.names()
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func)
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
 
     def delete_data(self, name):
         self.inner.delete_data(name)

@@ -125,7 +125,7 @@ class StoreClient(KVClient):
 
     # -- KVClient, written once for every store client ----------------------------------
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         raise KVStoreError(f"init_data({name!r}): a store client holds tables made with "
                            "create_table/add_table; DistTensor data needs another client")
 

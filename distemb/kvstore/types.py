@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from distemb import kernels
+from distemb.kernels import half
 from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds, check_shape
 from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
@@ -63,6 +64,24 @@ def check_new_name(meta: Dict[str, DataMeta], name: str) -> None:
         raise KVStoreError(f"name {name!r} already exists in the KVStore")
 
 
+#: Largest stochastic-rounding seed (it travels as a message's int field).
+MAX_SEED = (1 << 62) - 1
+
+
+def check_rounding(dtype: str, rounding_seed: Optional[int]) -> None:
+    """ValueError unless ``rounding_seed`` is None, or an int in 0..MAX_SEED for a
+    bfloat16 table (stochastic rounding is offered for bfloat16 rows only)."""
+    if rounding_seed is None:
+        return
+    if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, (int, np.integer)) \
+            or not 0 <= rounding_seed <= MAX_SEED:
+        raise ValueError(f"rounding_seed: expected an int in 0..{MAX_SEED}, got "
+                         f"{rounding_seed!r}")
+    if dtype != "bfloat16":
+        raise ValueError(f"rounding_seed: stochastic rounding is for bfloat16 rows, got "
+                         f"dtype {dtype!r}")
+
+
 class KVClient(ABC):
     """Interface of a key-value store client; implementations share one test suite.
 
@@ -85,10 +104,18 @@ class KVClient(ABC):
 
     @abstractmethod
     def init_data(self, name: str, shape: Shape, dtype: str, policy: PartitionPolicy,
-                  init_func: Optional[InitFunc] = None) -> None:
+                  init_func: Optional[InitFunc] = None,
+                  rounding_seed: Optional[int] = None) -> None:
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None).
 
         ``init_func`` may return numpy arrays or arrays of this client (see ``tensor_in``).
+
+        Half-precision tables (``dtype`` 'bfloat16' or 'float16') store rows in 16 bits
+        (and move them in 16 bits between processes) but are read and written as float32:
+        ``pull`` returns float32 rows, ``push`` takes float32 values and rounds them to
+        nearest-even; their optimizer state is float32. ``rounding_seed`` (bfloat16 only)
+        rounds updates stochastically instead, reproducibly from that seed (see
+        :func:`check_rounding`).
 
         Raises:
             KVStoreError: ``name`` exists, or ``init_func`` returned the wrong shape.
@@ -110,7 +137,8 @@ class KVClient(ABC):
 
     @abstractmethod
     def pull(self, name: str, ids: GlobalIds) -> Array:
-        """Rows ``ids`` of ``name`` as a new array (len(ids),) + shape[1:]."""
+        """Rows ``ids`` of ``name`` as a new array (len(ids),) + shape[1:] (float32 for a
+        half-precision table)."""
 
     @abstractmethod
     def push(self, name: str, ids: GlobalIds, values: Array) -> None:
@@ -164,8 +192,9 @@ class KVClient(ABC):
         meta = self._meta_of(name)
 
         def read_block(lo, hi):
-            return self.to_host(self.pull(name, self.from_host(np.arange(lo, hi,
+            rows = self.to_host(self.pull(name, self.from_host(np.arange(lo, hi,
                                                                          dtype=np.int64))))
+            return half.encode(rows, meta.dtype) if half.is_half(meta.dtype) else rows
         return [snapshot.write_segment(directory, save_id, name, 0, 0, 1, meta.shape,
                                        meta.dtype, read_block)]
 
@@ -181,7 +210,8 @@ class KVClient(ABC):
         entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
 
         def write_rows(ids, rows):
-            self.push(name, self.from_host(ids), self.from_host(np.ascontiguousarray(rows)))
+            self.push(name, self.from_host(ids),
+                      self.from_host(np.ascontiguousarray(half.as_rows(rows))))
         snapshot.read_segments(directory, entry["segments"], meta.dtype, meta.shape[1:], 0,
                                1, meta.shape[0], write_rows)
 
@@ -311,8 +341,13 @@ class KVClient(ABC):
         meta = self._meta_of(name)
         arr = self.tensor_in(values, F)
         got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
-        if got != meta.dtype:
-            raise TypeError(f"values: expected dtype {meta.dtype} for {name!r}, got {got}")
+        rows = half.row_dtype(meta.dtype)  # float32 for half tables: rounded on store
+        if got != meta.dtype and got != rows:
+            also = f" (or {rows})" if rows != meta.dtype else ""
+            raise TypeError(f"values: expected dtype {meta.dtype}{also} for {name!r}, "
+                            f"got {got}")
+        if got != rows:
+            arr = arr.astype(rows)  # a half table's own dtype: exact in float32
         want = (num_ids,) + tuple(meta.shape[1:])
         if int(np.prod(arr.shape)) != int(np.prod(want)):
             raise ValueError(f"values: expected shape {want} for {num_ids} ids, "

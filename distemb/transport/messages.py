@@ -168,13 +168,21 @@ class Hello(Message):
 
 
 class Create(Message):
+    """``rounding_seed``: >= 0 rounds a bfloat16 table's updates stochastically from that
+    seed; -1 (absent) rounds to nearest-even."""
+
     SERVICE = Service.CREATE
-    FIELDS = {"dtype": text, "row_shape": int_list, "parts": int_list, "part_rows": int_list}
+    FIELDS = {"dtype": text, "row_shape": int_list, "parts": int_list, "part_rows": int_list,
+              "rounding_seed": int_value}
+    DEFAULTS = {"rounding_seed": -1}
 
     def check(self):
         if len(self.parts) != len(self.part_rows) or len(self.row_shape) > 3:
             raise TransportError("Create: parts and part_rows must be equal-length, "
                                  "row_shape at most 3 dims")
+        if self.rounding_seed < -1:
+            raise TransportError(f"Create.rounding_seed: expected -1 or a seed >= 0, got "
+                                 f"{self.rounding_seed}")
 
 
 class Drop(Message):
