@@ -349,3 +349,22 @@ def test_dynamic_tables_bypass_the_cache(twin, make_ctx):
     opt.step()
     assert emb.export()["keys"].tolist() == [7, 10**12]
     assert ctx.client.stats()["lookups"] == 0
+
+
+def test_half_tables_pass_through(twin, make_ctx):
+    """bfloat16 rows are rounded by their owner at every update: not cached, unchanged."""
+    out = []
+    for cache in ({"rows": 64}, None):
+        ctx = make_ctx(cache)
+        emb = DistEmbedding(ROWS, 4, name="h", context=ctx, dtype=torch.bfloat16,
+                            init_func=lambda s, d: torch.ones(s, dtype=d))
+        opt = SparseAdagrad([emb], lr=0.05)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            ids = (torch.rand(100, generator=gen) ** 4 * ROWS).long()
+            (emb(ids, device="cuda") ** 2).sum().backward()
+            opt.step()
+        out.append(emb.weight[torch.arange(ROWS)].clone())
+        if cache is not None:
+            assert ctx.client.stats()["device_updated_rows"] == 0
+    assert torch.equal(out[0], out[1]) and not torch.equal(out[0], torch.ones(ROWS, 4))

@@ -31,7 +31,8 @@ trainers is refused (``num_trainers``); there, use the trainer cache
 Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
 :class:`~distemb.kvstore.cache.TableCache`, on the host; rows and state are torch tensors
 on the device, touched by torch indexing and the device's kernels (:mod:`distemb.kernels.
-cuda`, or a CPU stand-in in tests). Tables other than float32 (N, D) pass through.
+cuda`, or a CPU stand-in in tests). Tables other than float32 (N, D) pass through (half
+tables too: their owner rounds every update to 16 bits).
 """
 from typing import Dict, Optional
 
@@ -148,8 +149,8 @@ class DeviceCachedKVClient(KVClient):
     def names(self):
         return self.inner.names()
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func)
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
 
     def from_host(self, array):
         return self.inner.from_host(array)
