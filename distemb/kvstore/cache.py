@@ -384,3 +384,21 @@ class CachedKVClient(KVClient):
             cache.version[others] = UNKNOWN  # used until its next validation refetches it
         else:
             cache.evict(others)
+
+    def invalidate(self, name=None):
+        """Forget every cached row (of table ``name``, or of all tables).
+
+        The next pulls read the owners. In bounded-staleness mode a cached row may lack up
+        to ``s - 1`` steps of other trainers' updates; call this (after a barrier) before
+        reading a final model, e.g. to export or evaluate it.
+
+        Args:
+            name: a table, or None for every table.
+
+        Raises:
+            KeyError: ``name`` is not a table this cache has seen.
+        """
+        caches = self._tables.values() if name is None else [self._tables[name]]
+        for cache in caches:
+            if cache is not None:
+                cache.evict(np.flatnonzero(cache.ids >= 0))
