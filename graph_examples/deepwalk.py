@@ -7,8 +7,8 @@ with torch.optim.SparseAdam, the baseline distemb is measured against.
 
 Under ``distemb-launch`` (``$DISTEMB_CONFIG`` set) the tables live on the job's servers
 and trainer r of T trains on batches r, r + T, ... of the same seeded stream (every
-trainer draws the whole stream and keeps its share); after a barrier, rank 0 reads the
-node table from the servers (past any trainer cache) and evaluates it.
+trainer draws the whole stream and keeps its share; see shard()); after a barrier, rank
+0 reads the node table from the servers (past any trainer cache) and evaluates it.
 
 Example:
     python graph_examples/deepwalk.py --dataset karate --epochs 5 --out out/karate
@@ -154,16 +154,15 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     total = -(-batches.pairs_per_epoch() // args.batch_size) * args.epochs
     if args.max_steps:
         total = min(total, args.max_steps)
-    mine = len(range(rank, total, num_trainers))
     losses, pairs = [], 0
     # Where the time goes: making batches (walks, pairs, negatives), lookups with
     # forward and backward, and the optimizer step.
     phase = dict(sample=0.0, forward_backward=0.0, step=0.0)
     stream = ((epoch, batch) for epoch in range(args.epochs) for batch in batches.epoch(epoch))
-    bar = tqdm(total=mine, disable=args.quiet, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total // num_trainers, disable=args.quiet, unit="step",
+               dynamic_ncols=True)
     start = tick = time.perf_counter()
-    for epoch, (centers, contexts, negatives) in itertools.islice(stream, rank, total,
-                                                                  num_trainers):
+    for epoch, (centers, contexts, negatives) in shard(stream, rank, num_trainers, total):
         t1 = time.perf_counter()
         b, k = negatives.shape
         tables.zero_grad()
@@ -189,6 +188,22 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     bar.close()
     return dict(embeddings=export(tables, rank, num_trainers), losses=losses,
                 steps=len(losses), pairs=pairs, seconds=seconds, phase_seconds=phase)
+
+
+def shard(stream, rank: int, num_trainers: int, total: int):
+    """Yield batch ``rank`` of each complete group of ``num_trainers`` consecutive batches
+    among the first ``total`` of ``stream``.
+
+    Every trainer of a job then takes the same number of steps (a sync_exact server waits
+    for every trainer's push of each step); fewer than ``num_trainers`` batches left at
+    the end are dropped.
+    """
+    batches = itertools.islice(stream, total)
+    while True:
+        group = list(itertools.islice(batches, num_trainers))
+        if len(group) < num_trainers:
+            return
+        yield group[rank]
 
 
 def export(tables, rank: int, num_trainers: int):

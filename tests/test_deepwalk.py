@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+import distemb
 from graph_examples.deepwalk import main, parse_args, skipgram_loss
-from graph_examples.tables import make_tables
+from graph_examples.tables import _node_init, make_tables
 
 FAST = ["--dataset", "karate", "--dim", "8", "--walk-length", "8", "--window", "2",
         "--num-walks", "4", "--batch-size", "128", "--epochs", "3", "--quiet"]
@@ -140,3 +141,67 @@ def test_device_cuda_without_a_gpu_says_why(backend):
         pytest.skip("a usable GPU is present here, so the no-GPU error cannot be provoked")
     with pytest.raises(cuda.CudaUnavailableError, match="CUDA"):
         make_tables(backend, 10, 4, 0.1, device="cuda")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_deepwalk_under_distemb_launch_equals_summed_batches_in_one_process(tmp_path):
+    """1 server x 2 trainers, sync_exact, behind an exact trainer cache: trainer r takes
+    batch r of every pair of consecutive batches and the server applies their summed
+    gradients once, so the job equals one process stepping on each pair's summed loss."""
+    import subprocess
+    import sys
+
+    from graph_examples.walks import SkipGramBatches
+    from mp_helper import free_port
+
+    from distemb.context import DistContext
+    from graph_examples.datasets import load_dataset
+    from graph_examples.deepwalk import shard
+
+    args = FAST[:-1] + ["--epochs", "1"]
+    ip = tmp_path / "ip.txt"
+    ip.write_text(f"127.0.0.1 {free_port()}\n")
+    argv = [sys.executable, "-m", "distemb.launch", "--ip-config", str(ip), "--num-servers",
+            "1", "--num-trainers", "2", "--consistency", "sync_exact", "--cache-fraction",
+            "0.5", "--master-port", str(free_port()), "--config-out",
+            str(tmp_path / "cluster.json"), "--timeout", "60", "--", sys.executable,
+            "graph_examples/deepwalk.py", *args, "--quiet", "--threads", "1", "--out",
+            str(tmp_path / "job")]
+    root = __file__.rsplit("/tests/", 1)[0]
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
+    assert metrics["trainers"] == 2 and "trainer 1:" in done.stdout
+
+    p = parse_args(args)
+    ds = load_dataset("karate")
+    batches = SkipGramBatches(ds.graph, p.walk_length, p.window, p.num_walks, p.negatives,
+                              p.batch_size, seed=p.seed)
+    ctx = DistContext.embedded(num_threads=1)
+    node = distemb.DistEmbedding(34, p.dim, context=ctx, init_func=_node_init(p.dim, p.seed))
+    context = distemb.DistEmbedding(34, p.dim, context=ctx,
+                                    init_func=lambda s, d: torch.zeros(s, dtype=d))
+    opt = distemb.SparseAdam([node, context], lr=p.lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the trainers (--threads 1): DGL's walks depend on it
+    try:
+        stream = list(batches.epoch(0))
+    finally:
+        torch.set_num_threads(threads)
+    firsts = list(shard(iter(stream), 0, 2, len(stream)))
+    assert metrics["steps"] == len(firsts) == len(stream) // 2 > 3
+    for k in range(len(firsts)):
+        opt.zero_grad()
+        loss = 0
+        for centers, contexts, negatives in stream[2 * k:2 * k + 2]:
+            b, n = negatives.shape
+            ctx_rows = context(torch.cat([contexts, negatives.reshape(-1)]))
+            loss = loss + skipgram_loss(node(centers), ctx_rows[:b],
+                                        ctx_rows[b:].reshape(b, n, -1))
+        loss.backward()
+        opt.step()
+    want = node(torch.arange(34)).detach().numpy()
+    got = np.load(tmp_path / "job" / "embeddings.npy")
+    assert not np.allclose(got, _node_init(p.dim, p.seed)((34, p.dim)).numpy())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
