@@ -52,6 +52,8 @@ def test_graphsage_runs_unchanged_under_distemb_launch(tmp_path):
     script = os.path.join(os.path.dirname(graphsage.__file__), "graphsage.py")
     argv = [sys.executable, "-m", "distemb.launch", "--ip-config", str(ip),
             "--num-servers", "2", "--num-trainers", "2",
+            # DDP's rendezvous port: not the fixed default, so two runs never collide
+            "--master-port", str(free_port()),
             "--config-out", str(tmp_path / "cluster.json"), "--timeout", "60", "--",
             sys.executable, script, "--dataset", "sbm", "--data-opt", "num_nodes=2001",
             "--data-opt", "num_classes=4", "--dim", "16", "--hidden", "16", "--fanouts", "5,5",
