@@ -23,19 +23,6 @@ if os.environ.get("DISTEMB_NATIVE") == "1":
     COMPILE_ARGS.append("-march=native")
 
 
-def _cpu_has(flag):
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(flag in line.split() for line in f if line.startswith("flags"))
-    except OSError:
-        return False
-
-
-# The half-precision kernels convert every element they touch: with F16C a float16
-# conversion is one instruction for 8 lanes (otherwise gcc's library calls, correct but
-# slow), and AVX2's 256-bit integer ops vectorise the bfloat16 rounding. Used when the
-# building CPU has them (every x86-64 CPU since 2013/2015); results are identical.
-HALF_ARGS = [f"-m{f}" for f in ("f16c", "avx2") if _cpu_has(f)]
 
 CUDA_SOURCES = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
 CUDA_DEPENDS = CUDA_SOURCES + sorted(glob.glob(os.path.join("csrc", "cuda", "*.*h")))
@@ -129,8 +116,10 @@ extensions = [
         "distemb._halfkernels",
         ["csrc/_halfkernels.pyx"],
         include_dirs=["csrc"],
-        depends=["csrc/half_kernels.h"],
-        extra_compile_args=COMPILE_ARGS + HALF_ARGS,
+        # one baseline and one AVX2 + F16C build of each kernel, picked at run time by
+        # the CPU that runs them (csrc/half_kernels.h): no -m flags here
+        depends=["csrc/half_kernels.h", "csrc/half_kernels_body.h"],
+        extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],
         language="c++",
     ),

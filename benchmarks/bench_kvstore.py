@@ -8,6 +8,9 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 - ``1s x 1t tcp``: the same with shared memory off.
 - ``2s x 2t tcp``: two servers and two trainers, shared memory off (every row over TCP);
   steps/s is per trainer, and rows/s counts both trainers.
+- with ``--dynamic``: the same step on a ``DynamicEmbedding`` (N int64 keys spread over
+  the whole range; one hash store per server, keys sharded by key hash), in process,
+  1s x 1t and 2s x 2t over TCP (dynamic tables have no shared-memory path).
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -16,7 +19,7 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
-        [--dgl] [--rounds 3] [--only-shm]
+        [--dgl] [--dynamic] [--rounds 3] [--only-shm]
 """
 import argparse
 import json
@@ -32,19 +35,31 @@ import torch
 
 import distemb
 from distemb.context import DistContext
+from distemb.stores import key_uniform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train(ctx, args):
     """Steps/s of ``args.steps`` timed steps (after warm-up) in context ``ctx``."""
-    emb = distemb.DistEmbedding(args.rows, args.dim, name="bench",
-                                init_func=lambda s, d: torch.full(s, 0.01, dtype=d),
-                                context=ctx)
-    opt = distemb.SparseAdagrad([emb], lr=0.01)
     rng = np.random.default_rng(ctx.rank)
     batches = [torch.from_numpy(rng.integers(0, args.rows, args.batch))
                for _ in range(args.steps + args.warmup)]
+    if args.dynamic_table:  # N keys spread over the int64 range, rows made on first use
+        emb = distemb.DynamicEmbedding(args.dim, name="bench", context=ctx,
+                                       init_func=key_uniform(args.dim, 0.01, 0.02))
+        batches = [ids * 3_000_000_000_019 - 2 ** 62 for ids in batches]
+        # Every key inserted before timing, as the dense table has every row: the step is
+        # compared at steady state (making a new key's row is the initialiser's cost).
+        keys = torch.arange(args.rows) * 3_000_000_000_019 - 2 ** 62
+        with torch.no_grad():
+            for chunk in keys.split(65536)[ctx.rank::ctx.num_trainers]:
+                emb(chunk)
+    else:
+        emb = distemb.DistEmbedding(args.rows, args.dim, name="bench",
+                                    init_func=lambda s, d: torch.full(s, 0.01, dtype=d),
+                                    context=ctx)
+    opt = distemb.SparseAdagrad([emb], lr=0.01)
     for i, ids in enumerate(batches):
         if i == args.warmup:
             ctx.client.barrier()
@@ -71,7 +86,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_cluster(args, servers, trainers, shm):
+def run_cluster(args, servers, trainers, shm, dynamic=False):
     """Launch a job on 127.0.0.1 running this script as trainer; per-trainer steps/s."""
     with tempfile.TemporaryDirectory() as out:
         ip = os.path.join(out, "ip.txt")
@@ -84,6 +99,7 @@ def run_cluster(args, servers, trainers, shm):
         argv += ["--", sys.executable, os.path.abspath(__file__), "--trainer", "--out", out,
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
                  str(args.batch), "--dim", str(args.dim), "--rows", str(args.rows)]
+        argv += ["--dynamic-table"] if dynamic else []
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1")
         subprocess.run(argv, env=env, check=True, timeout=600)
@@ -140,6 +156,9 @@ def main():
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--dgl", action="store_true", help="also run DGL's distributed KVStore")
+    p.add_argument("--dynamic", action="store_true",
+                   help="also run the step on a DynamicEmbedding (in process and on servers)")
+    p.add_argument("--dynamic-table", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every configuration in turns; print medians")
     p.add_argument("--only-shm", action="store_true",
@@ -156,6 +175,15 @@ def main():
                ("2 servers x 2 trainers, tcp", lambda: run_cluster(args, 2, 2, shm=False))]
     if args.only_shm:
         configs = configs[:1]
+    if args.dynamic:
+        def in_process_dynamic():
+            ns = argparse.Namespace(**{**vars(args), "dynamic_table": True})
+            return [train(DistContext.embedded(num_threads=1), ns)]
+        configs += [("dynamic, in-process", in_process_dynamic),
+                    ("dynamic, 1 server x 1 trainer, tcp",
+                     lambda: run_cluster(args, 1, 1, shm=False, dynamic=True)),
+                    ("dynamic, 2 servers x 2 trainers, tcp",
+                     lambda: run_cluster(args, 2, 2, shm=False, dynamic=True))]
     if args.dgl:
         dgl_graph(args, workdir.name)
         configs.append((DGL_1X1, lambda: run_dgl(args, 1, 1, workdir.name)))

@@ -3,85 +3,110 @@
 """Compiled kernels on half-precision rows (csrc/half_kernels.h). Imported only by
 distemb.kernels.half, which validates inputs and passes the rows' uint16 bits; its twin
 in distemb/kernels/reference_half.py defines the semantics (decode, the float32 kernel,
-encode with round-to-nearest-even)."""
+encode with round-to-nearest-even). Every kernel takes ``isa`` (-1: the best build this
+CPU runs, 0: baseline x86-64, 1: AVX2 + F16C; see csrc/half_kernels.h), for the tests
+that compare the two builds; callers leave it."""
 from libc.stdint cimport int64_t, uint16_t, uint64_t
 
 cdef extern from "half_kernels.h" namespace "distemb_half" nogil:
-    void c_gather "distemb_half::gather"(int kind, const uint16_t *t, const int64_t *r,
+    void c_gather "distemb_half::gather"(int isa, int kind, const uint16_t *t, const int64_t *r,
                                          float *o, int64_t n, int64_t d, int nt)
-    void c_sgd "distemb_half::sgd"(int kind, uint16_t *w, const int64_t *r, const float *g,
+    void c_sgd "distemb_half::sgd"(int isa, int kind, uint16_t *w, const int64_t *r, const float *g,
                                    int64_t n, int64_t d, float lr, uint64_t seed, int nt)
-    void c_adagrad "distemb_half::adagrad"(int kind, uint16_t *w, float *s, const int64_t *r,
+    void c_adagrad "distemb_half::adagrad"(int isa, int kind, uint16_t *w, float *s, const int64_t *r,
                                            const float *g, int64_t n, int64_t d, float clr,
                                            float eps, uint64_t seed, int nt)
-    void c_rowwise "distemb_half::rowwise_adagrad"(int kind, uint16_t *w, float *s,
+    void c_rowwise "distemb_half::rowwise_adagrad"(int isa, int kind, uint16_t *w, float *s,
                                                    const int64_t *r, const float *g,
                                                    int64_t n, int64_t d, float clr,
                                                    float eps, uint64_t seed, int nt)
-    void c_adam "distemb_half::adam"(int kind, uint16_t *w, float *m, float *v,
+    void c_adam "distemb_half::adam"(int isa, int kind, uint16_t *w, float *m, float *v,
                                      const int64_t *r, const float *g, int64_t n, int64_t d,
                                      double lr, double b1, double b2, double eps,
                                      int64_t step, int64_t *rs, uint64_t seed, int nt)
-    void c_encode "distemb_half::encode"(int kind, const float *src, uint16_t *dst, int64_t n)
-    void c_decode "distemb_half::decode"(int kind, const uint16_t *src, float *dst, int64_t n)
+    void c_encode "distemb_half::encode"(int isa, int kind, const float *src, uint16_t *dst, int64_t n)
+    bint c_cpu_has_vector "distemb_half::cpu_has_vector"()
+    void c_decode "distemb_half::decode"(int isa, int kind, const uint16_t *src, float *dst, int64_t n)
+
+
+def has_vector_build():
+    """Whether this CPU runs the AVX2 + F16C build of the kernels (picked when it does)."""
+    return c_cpu_has_vector()
+
+
+cdef int _isa(int isa) except -2:
+    """-1: the best build this CPU runs; 0: the baseline build; 1: the AVX2 + F16C build."""
+    if isa == 1 and not c_cpu_has_vector():
+        raise ValueError("isa: 1 (AVX2 + F16C) asked for, but this CPU lacks AVX2 or F16C")
+    if isa < -1 or isa > 1:
+        raise ValueError(f"isa: expected -1, 0 or 1, got {isa}")
+    return isa
 
 
 def gather_rows(int kind, const uint16_t[:, ::1] table, const int64_t[::1] rows,
-                float[:, ::1] out, int num_threads=1):
+                float[:, ::1] out, int num_threads=1, int isa=-1):
     cdef int64_t n = rows.shape[0], d = table.shape[1]
+    cdef int use = _isa(isa)
     if n:
         with nogil:
-            c_gather(kind, &table[0, 0], &rows[0], &out[0, 0], n, d, num_threads)
+            c_gather(use, kind, &table[0, 0], &rows[0], &out[0, 0], n, d, num_threads)
 
 
 def sgd_update(int kind, uint16_t[:, ::1] weight, const int64_t[::1] rows,
-               const float[:, ::1] grads, double lr, uint64_t seed=0, int num_threads=1):
+               const float[:, ::1] grads, double lr, uint64_t seed=0, int num_threads=1,
+               int isa=-1):
     cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    cdef int use = _isa(isa)
     if n:
         with nogil:
-            c_sgd(kind, &weight[0, 0], &rows[0], &grads[0, 0], n, d, <float>lr, seed,
+            c_sgd(use, kind, &weight[0, 0], &rows[0], &grads[0, 0], n, d, <float>lr, seed,
                   num_threads)
 
 
 def adagrad_update(int kind, uint16_t[:, ::1] weight, float[:, ::1] state_sum,
                    const int64_t[::1] rows, const float[:, ::1] grads, double clr, double eps,
-                   uint64_t seed=0, int num_threads=1):
+                   uint64_t seed=0, int num_threads=1, int isa=-1):
     cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    cdef int use = _isa(isa)
     if n:
         with nogil:
-            c_adagrad(kind, &weight[0, 0], &state_sum[0, 0], &rows[0], &grads[0, 0], n, d,
+            c_adagrad(use, kind, &weight[0, 0], &state_sum[0, 0], &rows[0], &grads[0, 0], n, d,
                       <float>clr, <float>eps, seed, num_threads)
 
 
 def rowwise_adagrad_update(int kind, uint16_t[:, ::1] weight, float[::1] state_sum,
                            const int64_t[::1] rows, const float[:, ::1] grads, double clr,
-                           double eps, uint64_t seed=0, int num_threads=1):
+                           double eps, uint64_t seed=0, int num_threads=1, int isa=-1):
     cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    cdef int use = _isa(isa)
     if n:
         with nogil:
-            c_rowwise(kind, &weight[0, 0], &state_sum[0], &rows[0], &grads[0, 0], n, d,
+            c_rowwise(use, kind, &weight[0, 0], &state_sum[0], &rows[0], &grads[0, 0], n, d,
                       <float>clr, <float>eps, seed, num_threads)
 
 
 def adam_update(int kind, uint16_t[:, ::1] weight, float[:, ::1] exp_avg,
                 float[:, ::1] exp_avg_sq, const int64_t[::1] rows, const float[:, ::1] grads,
                 double lr, double beta1, double beta2, double eps, int64_t step,
-                int64_t[::1] row_steps=None, uint64_t seed=0, int num_threads=1):
+                int64_t[::1] row_steps=None, uint64_t seed=0, int num_threads=1, int isa=-1):
     cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    cdef int use = _isa(isa)
     cdef int64_t *rs = &row_steps[0] if row_steps is not None else NULL
     if n:
         with nogil:
-            c_adam(kind, &weight[0, 0], &exp_avg[0, 0], &exp_avg_sq[0, 0], &rows[0],
+            c_adam(use, kind, &weight[0, 0], &exp_avg[0, 0], &exp_avg_sq[0, 0], &rows[0],
                    &grads[0, 0], n, d, lr, beta1, beta2, eps, step, rs, seed, num_threads)
 
 
-def encode(int kind, const float[::1] src, uint16_t[::1] dst):
+def encode(int kind, const float[::1] src, uint16_t[::1] dst, int isa=-1):
+    cdef int use = _isa(isa)
     if src.shape[0]:
         with nogil:
-            c_encode(kind, &src[0], &dst[0], src.shape[0])
+            c_encode(use, kind, &src[0], &dst[0], src.shape[0])
 
 
-def decode(int kind, const uint16_t[::1] src, float[::1] dst):
+def decode(int kind, const uint16_t[::1] src, float[::1] dst, int isa=-1):
+    cdef int use = _isa(isa)
     if src.shape[0]:
         with nogil:
-            c_decode(kind, &src[0], &dst[0], src.shape[0])
+            c_decode(use, kind, &src[0], &dst[0], src.shape[0])

@@ -72,6 +72,16 @@ def _fsync_dir(path):
 def save(path, client, names, meta):
     """Write tensors ``names`` of ``client`` and ``meta`` as checkpoint directory ``path``.
 
+    The same as :func:`save_items` with ``[(client, name) for name in names]``.
+    """
+    save_items(path, [(client, name) for name in names], meta)
+
+
+def save_items(path, items, meta):
+    """Write tensors ``items`` (``(client, name)`` pairs) and ``meta`` as checkpoint
+    directory ``path``; each client writes its own (a dynamic table's entry holds its
+    keys and every column, optimizer state included).
+
     One writer: call it from one process (the optimizer's collective ``save`` does, after
     a barrier); the servers write their shards in parallel. Not safe against a second
     save into the same directory at the same time.
@@ -79,8 +89,8 @@ def save(path, client, names, meta):
     Args:
         path: the checkpoint directory (made if missing; an earlier checkpoint there is
             replaced only once this one is complete).
-        client: the :class:`~distemb.kvstore.KVClient` holding the tensors.
-        names: the tensors to save.
+        items: ``(client, name)``: a tensor and the
+            :class:`~distemb.kvstore.KVClient` holding it.
         meta: JSON-able metadata stored in the manifest (optimizer, steps, ...).
 
     Raises:
@@ -94,14 +104,10 @@ def save(path, client, names, meta):
     os.makedirs(path, exist_ok=True)
     save_id = uuid.uuid4().hex
     tensors = {}
-    for name in names:
-        dm = client.data_meta(name)
-        if dm is None:
+    for client, name in items:
+        if client.data_meta(name) is None:
             raise DistEmbError(f"save: no tensor {name!r} in the KVStore")
-        tensors[name] = {"shape": list(dm.shape), "dtype": dm.dtype,
-                         "policy": {"name": dm.policy.policy_str,
-                                    "num_partitions": dm.policy.num_partitions},
-                         "segments": client.save_tensor(name, path, save_id)}
+        tensors[name] = client.checkpoint_entry(name, path, save_id)
     manifest = dict(meta, format=FORMAT, version=VERSION, save_id=save_id,
                     created=time.time(), tensors=tensors)
     tmp = f"{manifest_path(path)}.tmp-{os.getpid()}"
@@ -164,12 +170,9 @@ def restore(path, client, names):
         if entry is None:
             raise DistEmbError(f"{path}: has no tensor {name!r} (has "
                                f"{sorted(meta['tensors'])[:10]})")
-        want = client.data_meta(name)
-        if want is None:
+        if client.data_meta(name) is None:
             raise DistEmbError(f"{path}: tensor {name!r} is not in the live store")
-        check_shape(f"{path}: tensor {name!r}", entry.get("shape", ()), want.shape,
-                    DistEmbError)
-        client.load_tensor(name, path)
+        client.restore_entry(name, path, entry)
     return meta
 
 
@@ -188,4 +191,4 @@ def _restore_npz(path, client, names, meta):
     return meta
 
 
-__all__ = ["save", "restore", "read_meta", "all_rows", "push_rows", "MANIFEST"]
+__all__ = ["save", "save_items", "restore", "read_meta", "all_rows", "push_rows", "MANIFEST"]

@@ -2,11 +2,17 @@
 
 Both are :class:`~distemb.embedding.DistEmbedding` s to the optimizers: lookups are
 traced the same way, and ``step()`` sums duplicate gradients and hands them to the
-table's client, a :class:`~distemb.kvstore.store_client.StoreKVClient`, which runs the
+table's client, a :class:`~distemb.kvstore.store_client.StoreClient`, which runs the
 rule on the store's columns. Every optimizer works unchanged, with the same kernels: a
 dynamic table whose keys are 0..N-1 gives bit-identical rows to a dense table.
 
-Embedded only for now (one process owns the store); in a cluster context they raise.
+Placement is the context's: embedded, the table is one store in this process
+(:class:`~distemb.kvstore.store_client.StoreKVClient`); in a cluster (``distemb-launch``)
+a DynamicEmbedding is one hash store per server, keys sharded by
+:func:`~distemb.partition.key_partition`
+(:class:`~distemb.kvstore.store_remote.RemoteStoreClient`), its initialiser sent to the
+servers as a spec (``key_normal``/``key_uniform``). A StoreEmbedding over a given store
+object is embedded only.
 
 Example:
     >>> import torch
@@ -26,11 +32,10 @@ import numpy as np
 
 from distemb.context import current_context
 from distemb.embedding import DEFAULT_TRACE_LIMIT, DistEmbedding, _positive_int
-from distemb.enums import Role
-from distemb.errors import DistEmbError, StoreError
+from distemb.errors import StoreError
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore.store_client import StoreKVClient
-from distemb.stores import HashStore, RowStore
+from distemb.stores import RowStore
+from distemb.stores.spec import HashTableSpec
 
 
 SAVE_FORMAT = "distemb-store-table"
@@ -40,7 +45,7 @@ class StoreTensor:
     """The rows of a store-backed table: ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
 
     Args:
-        client: the table's :class:`StoreKVClient`.
+        client: the table's :class:`~distemb.kvstore.store_client.StoreClient`.
         name: the table's name in it.
         context: the :class:`~distemb.context.DistContext` (backend, threads).
 
@@ -54,7 +59,7 @@ class StoreTensor:
 
     def __init__(self, client, name, context):
         self._client, self._name, self._ctx = client, name, context
-        self._store = client.store(name)
+        self._dim = client.dim(name)
 
     def lookup(self, ids, client=None):
         """The flat int64 keys and their rows, shaped as ``ids`` + (dim,) (as DistTensor).
@@ -67,7 +72,7 @@ class StoreTensor:
         F = self._ctx.F
         flat, shape = client.ids_in(self._name, ids, F)
         rows = client.rows_out(client.pull(self._name, flat), F)
-        return flat, F.reshape(rows, tuple(shape) + (self._store.dim,))
+        return flat, F.reshape(rows, tuple(shape) + (self._dim,))
 
     def __getitem__(self, idx):
         return self.lookup(idx)[1]
@@ -81,7 +86,7 @@ class StoreTensor:
     @property
     def shape(self):
         """(keys held, dim): the row count changes as keys come and go."""
-        return (self._store.size(), self._store.dim)
+        return (self._client.size(self._name), self._dim)
 
     @property
     def name(self):
@@ -104,7 +109,7 @@ class StoreTensor:
         return None
 
     def __len__(self):
-        return self._store.size()
+        return self._client.size(self._name)
 
 
 class StoreEmbedding(DistEmbedding):
@@ -120,7 +125,8 @@ class StoreEmbedding(DistEmbedding):
         trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
 
     Raises:
-        DistEmbError: the context is not embedded (cluster placement is not implemented).
+        KVStoreError: the context is a cluster's (a store object lives in one process:
+            use :class:`DynamicEmbedding`, a hash store per server).
         TypeError: ``store`` is not a RowStore.
 
     Example:
@@ -135,40 +141,50 @@ class StoreEmbedding(DistEmbedding):
     def __init__(self, store, name=None, context=None, trace_limit=DEFAULT_TRACE_LIMIT):
         if not isinstance(store, RowStore):
             raise TypeError(f"store: expected a RowStore, got {type(store).__name__}")
+        self._setup(lambda client, name: client.add_table(name, store), name, context,
+                    trace_limit)
+
+    def _setup(self, make, name, context, trace_limit):
+        """Make the table with ``make(client, name)`` in the context's store client."""
+        self._trace_limit = _positive_int(trace_limit, "trace_limit")
         ctx = context or current_context()
-        if ctx.role != Role.EMBEDDED:
-            raise DistEmbError(f"{type(self).__name__}: tables on row stores are embedded "
-                               f"only for now; this process is a {ctx.role!r} of a cluster")
         name = name or ctx.new_name(type(self).__name__.lower())
-        client = StoreKVClient(num_threads=ctx.num_threads)
-        client.add_table(name, store)
+        client = ctx.client.store_client()
+        make(client, name)
         self._tensor = StoreTensor(client, name, ctx)
-        self._store = store
+        self._client = client
         self._F = ctx.F
         self._trace = []
-        self._trace_limit = _positive_int(trace_limit, "trace_limit")
         self._optm_state = None
 
     @property
     def store(self):
-        """The RowStore holding this table."""
-        return self._store
+        """The RowStore holding this table (embedded tables only).
+
+        Raises:
+            AttributeError: the table is sharded over a cluster's servers.
+        """
+        if not hasattr(self._client, "store"):
+            raise AttributeError(f"{self.name!r} is sharded over {self._client.num_servers} "
+                                 "servers: it has no one store in this process")
+        return self._client.store(self.name)
 
     def size(self):
-        """Keys held."""
-        return self._store.size()
+        """Keys held (over every server)."""
+        return self._client.size(self.name)
 
     @property
     def capacity(self):
         """Keys held at most (None: unbounded)."""
-        return self._store.capacity
+        return self._client.capacity(self.name)
 
     def export(self):
-        """``{"keys": int64 ascending, "weight": rows, <state name>: state rows}``.
+        """``{"keys": int64 ascending, "weight": rows, <state name>: state rows}`` (from
+        every server; the weight as float32).
 
         Optimizer step counts live in the optimizer (``opt.state_dict()``), not here.
         """
-        keys, cols = self._store.export()
+        keys, cols = self._client.export(self.name)
         return {"keys": keys, **cols}
 
     def import_(self, data):
@@ -182,7 +198,7 @@ class StoreEmbedding(DistEmbedding):
             raise StoreError(f"data: expected a dict with 'keys' and columns, got keys "
                              f"{sorted(data)}")
         cols = {k: np.asarray(v) for k, v in data.items() if k != "keys"}
-        self._store.import_(data["keys"], cols)
+        self._client.import_(self.name, keys_array(np.asarray(data["keys"]), "keys"), cols)
 
     def save(self, path):
         """Write :meth:`export` (keys, rows as float32, optimizer state) to ``path`` (.npz),
@@ -224,7 +240,7 @@ class StoreEmbedding(DistEmbedding):
 
     def flush(self):
         """Make completed updates durable (file stores; no-op in memory)."""
-        self._store.flush()
+        self._client.flush(self.name)
 
     def close(self):
         """Flush and release the store."""
@@ -232,7 +248,7 @@ class StoreEmbedding(DistEmbedding):
 
     def __repr__(self):
         return (f"{type(self).__name__}(name={self.name!r}, size={self.size()}, "
-                f"embedding_dim={self.embedding_dim}, store={type(self._store).__name__})")
+                f"embedding_dim={self.embedding_dim}, client={type(self._client).__name__})")
 
 
 class DynamicEmbedding(StoreEmbedding):
@@ -247,12 +263,22 @@ class DynamicEmbedding(StoreEmbedding):
     that lookup; their rows and optimizer state go with them. Every sparse optimizer
     works on it.
 
+    In a cluster (a context made by ``distemb-launch``) the table is sharded over the
+    servers by key hash: each key lives on server ``key_partition(key, num_servers)``
+    (:func:`~distemb.partition.key_partition`), which inserts it on first lookup with
+    the initialiser rebuilt from its spec, so a key's rows are the same whatever the
+    server count. Creation is collective (every trainer makes the table, same
+    arguments); updates follow the job's consistency (sync, async, sync_exact).
+
     Args:
         embedding_dim: row length.
         name: table name (fresh when None).
         init_func: ``init_func(keys: int64 (N,)) -> (N, embedding_dim) float32``,
-            deterministic per key (zeros when None).
-        capacity: keys held at most (None: unbounded).
+            deterministic per key (zeros when None). In a cluster it must be a
+            :func:`~distemb.stores.key_normal` / ``key_uniform`` initialiser (servers
+            rebuild it from its spec; a Python function cannot be sent).
+        capacity: keys held at most (None: unbounded); in a cluster each of S servers
+            holds at most ``ceil(capacity / S)`` and evicts by its own LRU/LFU order.
         evict: ``"lru"`` or ``"lfu"``.
         low_water: fraction of ``capacity`` an automatic eviction goes down to.
         dtype: storage of the rows: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (also
@@ -266,7 +292,7 @@ class DynamicEmbedding(StoreEmbedding):
     Raises:
         ValueError: ``embedding_dim`` or ``capacity`` not a positive int, an unknown
             ``evict`` policy.
-        DistEmbError: a cluster context (not implemented: embedded only).
+        TypeError: in a cluster, an ``init_func`` that is not a key initialiser spec.
 
     Example:
         >>> import torch
@@ -280,9 +306,10 @@ class DynamicEmbedding(StoreEmbedding):
     def __init__(self, embedding_dim, name=None, init_func=None, capacity=None,
                  evict="lru", low_water=1.0, dtype="float32", rounding="nearest",
                  context=None, trace_limit=DEFAULT_TRACE_LIMIT):
-        store = HashStore(embedding_dim, dtype=dtype, init=init_func, capacity=capacity,
-                          evict=evict, low_water=low_water, rounding=rounding)
-        super().__init__(store, name=name, context=context, trace_limit=trace_limit)
+        spec = HashTableSpec(embedding_dim, dtype=dtype, init=init_func, capacity=capacity,
+                             evict=evict, low_water=low_water, rounding=rounding)
+        self._setup(lambda client, name: client.create_table(name, spec), name, context,
+                    trace_limit)
 
     def _keys(self, keys):
         F = self._F
@@ -294,11 +321,11 @@ class DynamicEmbedding(StoreEmbedding):
 
     def remove(self, keys):
         """Remove ``keys`` with their optimizer state; returns how many were present."""
-        return self._store.remove(self._keys(keys))
+        return self._client.remove(self.name, self._keys(keys))
 
     def contains(self, keys):
         """Bool array: whether each key is held."""
-        return self._store.find(self._keys(keys)) >= 0
+        return self._client.contains(self.name, self._keys(keys))
 
     def get(self, keys):
         """Rows of ``keys`` without inserting (not traced, not counted for eviction).
@@ -306,12 +333,13 @@ class DynamicEmbedding(StoreEmbedding):
         Raises:
             MissingKeyError: a key is not held (never looked up, removed or evicted).
         """
-        return self._F.from_numpy(self._store.gather(self._keys(keys), insert=False))
+        return self._F.from_numpy(self._client.get(self.name, self._keys(keys)))
 
     def evict(self, target_size, policy=None):
-        """Evict keys by ``policy`` (default: the table's) down to ``target_size``.
+        """Evict keys by ``policy`` (default: the table's) down to ``target_size``
+        (in a cluster, each server down to its even share, by its own order).
 
         Returns:
             The evicted keys (int64 numpy array).
         """
-        return self._store.evict(target_size, policy)
+        return self._client.evict(self.name, target_size, policy)

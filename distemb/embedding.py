@@ -3,12 +3,15 @@ import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from distemb.arrays import GlobalIds, Rows, Tensor, UniqueIds
+from distemb.enums import Rounding
 from distemb.errors import TraceOverflowError
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy
 from distemb.tensor import DistTensor
 
 DEFAULT_TRACE_LIMIT = 1024
+#: Dtypes a table's rows may be stored in.
+ROW_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Lookup(NamedTuple):
@@ -55,11 +58,29 @@ class DistEmbedding:
         device: where the table lives: None or 'cpu' (host memory or the servers), or a
             CUDA device (embedded contexts only): the table is then one tensor on that GPU,
             looked up and updated there with the CUDA kernels.
+        dtype: how the rows are stored: float32 (default), or ``torch.bfloat16`` /
+            ``torch.float16`` for half the bytes per row, in memory and on the wire
+            between trainers and servers. Optimizer state and all maths stay float32;
+            each update rounds the new row into 16 bits. Lookups return **float32** rows
+            (the exact value of the stored rows), so gradients, the optimizer and the
+            user's model stay in float32 (as FBGEMM's ``output_dtype`` beside its
+            ``weights_precision``); ``weight[ids] = v`` rounds ``v`` to nearest-even.
+            ``init_func`` is called with the table's dtype.
+        rounding: a :class:`~distemb.enums.Rounding` or its value: 'nearest' (ties to
+            even, deterministic) or 'stochastic' (bfloat16 only: rounds up or down with
+            probability by distance, so updates under half a bfloat16 ulp survive in
+            expectation).
+        rounding_seed: the stochastic rounding's seed. The random bits are a hash of
+            (seed, partition, update call, local row, column): a run is reproducible for
+            the same seed, partitioning and sequence of steps, whatever the thread count
+            and whether the table is embedded or on servers.
 
     Raises:
         CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
             run here (not built, CPU-only torch or no GPU; the message says which).
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
+        ValueError: ``dtype`` is not a row dtype, or stochastic rounding of rows other
+            than bfloat16.
 
     Example:
         >>> import torch
@@ -77,12 +98,23 @@ class DistEmbedding:
 
     def __init__(self, num_embeddings: int, embedding_dim: int, name: Optional[str] = None,
                  init_func=None, part_policy: Optional[PartitionPolicy] = None, context=None,
-                 trace_limit: int = DEFAULT_TRACE_LIMIT, device=None):
+                 trace_limit: int = DEFAULT_TRACE_LIMIT, device=None, dtype="float32",
+                 rounding=Rounding.NEAREST, rounding_seed: int = 0):
         _positive_int(num_embeddings, "num_embeddings")
         _positive_int(embedding_dim, "embedding_dim")
-        self._tensor = DistTensor((num_embeddings, embedding_dim), "float32", name=name,
+        dtype_name = str(dtype).replace("torch.", "")
+        if dtype_name not in ROW_DTYPES:
+            raise ValueError(f"dtype: expected one of {list(ROW_DTYPES)} (or torch's), got "
+                             f"{dtype!r}")
+        rounding = Rounding.parse(rounding, "rounding", ValueError)
+        if rounding is Rounding.STOCHASTIC and dtype_name != "bfloat16":
+            raise ValueError(f"rounding: 'stochastic' is for bfloat16 rows, got dtype "
+                             f"{dtype_name!r}")
+        seed = rounding_seed if rounding is Rounding.STOCHASTIC else None
+        self._tensor = DistTensor((num_embeddings, embedding_dim), dtype_name, name=name,
                                   init_func=init_func, part_policy=part_policy,
-                                  persistent=True, context=context, device=device)
+                                  persistent=True, context=context, device=device,
+                                  rounding_seed=seed)
         self._F = self._tensor.context.F
         self._trace: List[Lookup] = []
         self._trace_limit = _positive_int(trace_limit, "trace_limit")
@@ -182,6 +214,11 @@ class DistEmbedding:
         return self._tensor.client
 
     @property
+    def dtype(self):
+        """The dtype the rows are stored in (lookups return float32 whatever it is)."""
+        return self._tensor.dtype
+
+    @property
     def device(self):
         """The torch device of the table, or None for a host table (numpy rows)."""
         return self._tensor.device
@@ -197,4 +234,4 @@ class DistEmbedding:
 
     def __repr__(self):
         return (f"DistEmbedding(name={self.name!r}, num_embeddings={self.num_embeddings}, "
-                f"embedding_dim={self.embedding_dim})")
+                f"embedding_dim={self.embedding_dim}, dtype={self._tensor.dtype})")

@@ -344,3 +344,46 @@ def load_policies(path):
         if isinstance(raw, dict) and "node_map" in raw:
             return load_dgl_partition_config(path)[1]
     return load_policy_config(path)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def splitmix64(x):
+    """splitmix64's finaliser on a uint64 array (wrapping arithmetic): a bijection that
+    mixes every input bit into every output bit."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def key_partition(keys, num_parts):
+    """The partition of each int64 key of a dynamic table: ``splitmix64(key + G) % P``.
+
+    ``G`` is 0x9E3779B97F4A7C15 and the sum wraps modulo 2**64 (the key's two's
+    complement bits as uint64). A documented, stable function of the key alone: every
+    trainer, every run and every checkpoint reader sends a key to the same one of ``P``
+    servers, and sequential or strided keys spread evenly.
+
+    Args:
+        keys: (N,) int64 keys.
+        num_parts: P >= 1.
+
+    Returns:
+        (N,) int64 partition ids in [0, P).
+
+    Example:
+        >>> key_partition(np.array([0, 1, -1, 2**62]), 2).tolist()
+        [1, 1, 0, 1]
+    """
+    if isinstance(num_parts, bool) or not isinstance(num_parts, (int, np.integer)) or \
+            num_parts < 1:
+        raise ValueError(f"num_parts: expected an int >= 1, got {num_parts!r}")
+    k = np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64)
+    if num_parts == 1:
+        return np.zeros(k.shape, np.int64)
+    with np.errstate(over="ignore"):
+        return (splitmix64(k + _GOLDEN) % np.uint64(num_parts)).astype(np.int64)

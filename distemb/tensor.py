@@ -63,6 +63,12 @@ class DistTensor:
             cluster), or a CUDA device ('cuda', 'cuda:N'; embedded contexts only): the
             whole tensor is then one torch tensor on that GPU, ``t[ids]`` returns rows
             there, and names are looked up among that device's tensors only.
+        rounding_seed: for a bfloat16 tensor that an optimizer updates, round updates
+            stochastically from this seed (None: to nearest-even). See DistEmbedding.
+
+    A tensor of dtype bfloat16 or float16 stores (and sends between processes) its rows
+    in 16 bits, but reads and writes them as float32: ``t[ids]`` returns float32 rows,
+    ``t[ids] = v`` takes float32 (or the tensor's own dtype) and rounds to nearest-even.
 
     ``t[ids]`` takes integer ids of any shape or a ``slice`` of rows.
 
@@ -87,7 +93,7 @@ class DistTensor:
 
     def __init__(self, shape, dtype, name: Optional[str] = None, init_func=None,
                  part_policy: Optional[PartitionPolicy] = None, persistent: bool = False,
-                 context=None, device=None):
+                 context=None, device=None, rounding_seed: Optional[int] = None):
         ctx = context or current_context()
         self._ctx, F = ctx, ctx.F
         self._client = ctx.client_for(device)
@@ -114,7 +120,10 @@ class DistTensor:
             client = self._client
             wrapped = None if init_func is None else (
                 lambda s, d: client.tensor_in(init_func(s, F.dtype(d)), F))
-            client.init_data(self._name, self._shape, self._dtype, part_policy, wrapped)
+            # the seed only when asked for: clients written before it need not take it
+            seed = {} if rounding_seed is None else {"rounding_seed": rounding_seed}
+            client.init_data(self._name, self._shape, self._dtype, part_policy, wrapped,
+                             **seed)
         elif meta.shape != self._shape or meta.dtype != self._dtype:
             raise KVStoreError(f"name {self._name!r} exists with shape {meta.shape} and dtype "
                                f"{meta.dtype}; got shape {self._shape} and dtype {self._dtype}")

@@ -42,8 +42,8 @@ class HostView(KVClient):
     def __init__(self, inner):
         self.inner = inner
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func)
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
 
     def data_meta(self, name):
         return self.inner.data_meta(name)

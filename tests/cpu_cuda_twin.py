@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from distemb.kernels import cuda, reference
+from distemb.kernels import cuda, half, reference
 
 
 def chunked_dedup_sum(ids, grads, chunk=cuda.SUM_CHUNK, num_rows=None):
@@ -173,3 +173,87 @@ class CpuCudaTwin:
         reference.adam_update(w, _tensor("exp_avg", exp_avg, torch.float32, 2),
                               _tensor("exp_avg_sq", exp_avg_sq, torch.float32, 2),
                               rows_np, grads_np, lr, beta1, beta2, eps, step, row_steps=steps)
+
+
+def _half_bits(name, t):
+    """A CPU bfloat16/float16 torch tensor as the numpy half array of distemb.kernels.half
+    (a view: in-place updates land in the tensor)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.bfloat16, torch.float16) \
+            or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
+        raise TypeError(f"{name}: expected a contiguous 2-d CPU bfloat16/float16 tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dtype == torch.float16:
+        return t.numpy()
+    return t.view(torch.int16).numpy().view(half.BFLOAT16)
+
+
+class CpuCudaHalfTwin:
+    """:class:`distemb.kernels.cuda_half.CudaHalfOps` on CPU torch tensors: the CPU half
+    kernels (:mod:`distemb.kernels.half`) on numpy views of the bits, ids outside the table
+    skipped by the updates and read as zeros (flagged) by the checked gather, as on the GPU.
+    The float32 kernels (the gradient sums) are :class:`CpuCudaTwin`'s."""
+
+    def __init__(self, rounding_seed=None):
+        self.twin = CpuCudaTwin()
+        self.calls = self.twin.calls
+        self._next = rounding_seed
+        self.dedup_sum = self.twin.dedup_sum
+        self.dedup_sum_padded = self.twin.dedup_sum_padded
+
+    def _seed(self):
+        if self._next is None:
+            return None
+        self._next += 1
+        return self._next - 1
+
+    def gather_rows(self, table, rows, out=None, num_threads=1):
+        flags = torch.tensor(cuda.CLEAN_ID_FLAGS, dtype=torch.int64)
+        return self.gather_rows_checked(table, rows, flags, out)
+
+    def gather_rows_checked(self, table, rows, flags, out=None, num_threads=1):
+        self.calls["half_gather_rows_checked"] += 1
+        bits = _half_bits("table", table)
+        rows_np = _tensor("rows", rows, torch.int64, 1)
+        flags_np = _tensor("flags", flags, torch.int64, 1)
+        if out is None:
+            out = torch.empty((rows.shape[0], table.shape[1]), dtype=torch.float32)
+        out_np = _tensor("out", out, torch.float32, 2)
+        bad = (rows_np < 0) | (rows_np >= bits.shape[0])
+        half.gather_rows(bits, np.where(bad, 0, rows_np), out_np)
+        if bad.any():
+            out_np[bad] = 0
+            flags_np[0] += int(bad.sum())
+            flags_np[1] = min(flags_np[1], rows_np[bad].min())
+            flags_np[2] = max(flags_np[2], rows_np[bad].max())
+        return out
+
+    def _args(self, weight, rows, grads):
+        w = _half_bits("weight", weight)
+        rows_np, grads_np = _in_table(w, rows, grads)
+        return w, rows_np, np.ascontiguousarray(grads_np)
+
+    def sgd_update(self, weight, rows, grads, lr, num_threads=1):
+        self.calls["half_sgd_update"] += 1
+        half.seeded_sgd_update(*self._args(weight, rows, grads), lr,
+                               rounding_seed=self._seed())
+
+    def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
+        self.calls["half_adagrad_update"] += 1
+        w, r, g = self._args(weight, rows, grads)
+        half.seeded_adagrad_update(w, _tensor("state_sum", state_sum, torch.float32, 2), r, g,
+                                   clr, eps, rounding_seed=self._seed())
+
+    def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
+        self.calls["half_rowwise_adagrad_update"] += 1
+        w, r, g = self._args(weight, rows, grads)
+        half.seeded_rowwise_adagrad_update(w, _tensor("state_sum", state_sum, torch.float32, 1),
+                                           r, g, clr, eps, rounding_seed=self._seed())
+
+    def adam_update(self, weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
+                    step, row_steps=None, num_threads=1):
+        self.calls["half_adam_update"] += 1
+        steps = None if row_steps is None else _tensor("row_steps", row_steps, torch.int64, 1)
+        w, r, g = self._args(weight, rows, grads)
+        half.seeded_adam_update(w, _tensor("exp_avg", exp_avg, torch.float32, 2),
+                                _tensor("exp_avg_sq", exp_avg_sq, torch.float32, 2), r, g,
+                                lr, beta1, beta2, eps, step, steps, rounding_seed=self._seed())

@@ -9,12 +9,14 @@ import inspect
 
 import pytest
 
-from cpu_cuda_twin import CpuCudaTwin
+from cpu_cuda_twin import CpuCudaHalfTwin, CpuCudaTwin
 from distemb import kernels
 from distemb.kernels import cuda, half, ops, reference
+from distemb.kernels.cuda_half import CudaHalfOps
 
 IMPLS = {"kernels": kernels, "reference": reference, "cuda": cuda, "cpu_cuda_twin": CpuCudaTwin(),
-         "half": half, "half_stochastic": half.StochasticRounding()}
+         "half": half, "half_stochastic": half.StochasticRounding(), "cuda_half": CudaHalfOps(),
+         "cpu_cuda_half_twin": CpuCudaHalfTwin()}
 if kernels.HAS_EXT:
     from distemb import _kernels
 
@@ -57,7 +59,8 @@ def test_a_drifted_twin_is_caught(monkeypatch):
         test_signature_matches_the_contract("reference", "adagrad_update")
 
 
-DEVICE_IMPLS = {"cuda": cuda, "cpu_cuda_twin": CpuCudaTwin()}
+DEVICE_IMPLS = {"cuda": cuda, "cpu_cuda_twin": CpuCudaTwin(), "cuda_half": CudaHalfOps(),
+                "cpu_cuda_half_twin": CpuCudaHalfTwin()}
 
 
 def test_device_protocol_lists_its_kernels():

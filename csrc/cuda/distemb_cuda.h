@@ -17,7 +17,7 @@
 #define DISTEMB_API extern "C" __attribute__((visibility("default")))
 
 /* Bumped whenever a signature below changes; the Python loader checks it. */
-#define DISTEMB_CUDA_ABI_VERSION 3
+#define DISTEMB_CUDA_ABI_VERSION 4
 
 DISTEMB_API int distemb_cuda_abi_version(void);
 DISTEMB_API const char* distemb_cuda_error_string(int code);
@@ -88,5 +88,39 @@ DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* e
                                          const float* grads, int64_t n, double lr, double beta1,
                                          double beta2, double eps, int64_t step,
                                          int64_t* row_steps, int device, void* stream);
+
+/* Half-precision rows: `table`/`weight` hold uint16 bits, `kind` 0 bfloat16, 1 float16,
+ * 2 bfloat16 rounded stochastically (updates; the random bits are a hash of `seed`, the
+ * row id and the column). Gradients, state, `out` and all maths are float32; each
+ * updated value is rounded to nearest-even on store (kind 0 and 1), exactly as the CPU
+ * kernels of csrc/half_kernels.h. Ids out of range: as the float32 entry points above. */
+DISTEMB_API int distemb_cuda_half_gather_rows_checked(const uint16_t* table, int kind,
+                                                      int64_t num_rows, int64_t d,
+                                                      const int64_t* rows, int64_t n,
+                                                      float* out, int64_t* flags,
+                                                      int device, void* stream);
+DISTEMB_API int distemb_cuda_half_sgd_update(uint16_t* weight, int kind, uint64_t seed,
+                                             int64_t num_rows, int64_t d, const int64_t* rows,
+                                             const float* grads, int64_t n, float lr,
+                                             int device, void* stream);
+DISTEMB_API int distemb_cuda_half_adagrad_update(uint16_t* weight, int kind, uint64_t seed,
+                                                 float* state_sum, int64_t num_rows,
+                                                 int64_t d, const int64_t* rows,
+                                                 const float* grads, int64_t n, float clr,
+                                                 float eps, int device, void* stream);
+DISTEMB_API int distemb_cuda_half_rowwise_adagrad_update(uint16_t* weight, int kind,
+                                                         uint64_t seed, float* state_sum,
+                                                         int64_t num_rows, int64_t d,
+                                                         const int64_t* rows,
+                                                         const float* grads, int64_t n,
+                                                         float clr, float eps, int device,
+                                                         void* stream);
+DISTEMB_API int distemb_cuda_half_adam_update(uint16_t* weight, int kind, uint64_t seed,
+                                              float* exp_avg, float* exp_avg_sq,
+                                              int64_t num_rows, int64_t d, const int64_t* rows,
+                                              const float* grads, int64_t n, double lr,
+                                              double beta1, double beta2, double eps,
+                                              int64_t step, int64_t* row_steps, int device,
+                                              void* stream);
 
 #endif  /* DISTEMB_CUDA_H_ */

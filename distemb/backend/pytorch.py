@@ -5,6 +5,7 @@ import torch
 
 NAME = "pytorch"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+           "bfloat16": torch.bfloat16,
            "int32": torch.int32, "int64": torch.int64, "int8": torch.int8,
            "uint8": torch.uint8, "bool": torch.bool}
 
@@ -33,6 +34,8 @@ def to_numpy(t):
     if isinstance(t, np.ndarray):
         return t
     if isinstance(t, torch.Tensor):
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: as float32, exactly
+            t = t.float()
         return t.detach().cpu().numpy()
     return np.asarray(t)
 

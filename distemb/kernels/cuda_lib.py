@@ -21,7 +21,7 @@ from distemb.errors import DistEmbError
 CUDA_LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "_cuda_kernels.so")
 # Must equal DISTEMB_CUDA_ABI_VERSION in csrc/cuda/distemb_cuda.h.
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_BATCH = 2**31 - 1  # the dedup kernels index positions with int32
 # Rows per chunk of dedup_sum's segment sum (kSumChunk in csrc/cuda/common.cuh, checked
 # when the library loads): the order of its additions, which tests/cpu_cuda_twin.py mirrors.
@@ -31,6 +31,7 @@ CLEAN_ID_FLAGS = (0, 2**63 - 1, -2**63)
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _F32, _F64, _SIZE = ctypes.c_float, ctypes.c_double, ctypes.c_size_t
+_U64 = ctypes.c_uint64
 # Every C entry point: (return type, argument types). Trailing (int device, void* stream).
 _SIGNATURES = {
     "distemb_cuda_abi_version": (_INT, []),
@@ -51,6 +52,18 @@ _SIGNATURES = {
         (_INT, [_P, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
     "distemb_cuda_adam_update": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64,
                                         _F64, _I64, _P, _INT, _P]),
+    # Half-precision rows (weight bits, kind, seed, ...): distemb.kernels.cuda_half.
+    "distemb_cuda_half_gather_rows_checked":
+        (_INT, [_P, _INT, _I64, _I64, _P, _I64, _P, _P, _INT, _P]),
+    "distemb_cuda_half_sgd_update":
+        (_INT, [_P, _INT, _U64, _I64, _I64, _P, _P, _I64, _F32, _INT, _P]),
+    "distemb_cuda_half_adagrad_update":
+        (_INT, [_P, _INT, _U64, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
+    "distemb_cuda_half_rowwise_adagrad_update":
+        (_INT, [_P, _INT, _U64, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
+    "distemb_cuda_half_adam_update":
+        (_INT, [_P, _INT, _U64, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64, _F64,
+                _I64, _P, _INT, _P]),
 }
 SYMBOLS = tuple(sorted(_SIGNATURES))
 

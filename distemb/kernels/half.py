@@ -22,6 +22,8 @@ Example:
     >>> decode(w).tolist()
     [[0.5, 1.5]]
 """
+import sys
+
 import numpy as np
 
 from distemb import kernels
@@ -32,6 +34,7 @@ if kernels.HAS_EXT:
 else:
     _compiled = None
 _IMPLS = {"compiled": _compiled, "reference": reference_half}
+_this = sys.modules[__name__]
 
 
 def _impl():
@@ -55,6 +58,45 @@ def storage_dtype(name):
     if name in HALF_DTYPES:
         return HALF_DTYPES[name]
     return np.dtype(name)
+
+
+def is_half(name):
+    """True for the half-precision row dtypes 'bfloat16' and 'float16'."""
+    return name in HALF_DTYPES
+
+
+def row_dtype(name):
+    """The dtype rows of a table of dtype ``name`` are read and written in: float32 for
+    half tables (16 bits are how they are stored and sent, not how they are computed)."""
+    return "float32" if name in HALF_DTYPES else name
+
+
+def as_rows(array):
+    """``array`` as float32 rows when it holds half-precision rows (a new array), else
+    ``array`` itself."""
+    return decode(array) if dtype_name(array) in HALF_DTYPES else array
+
+
+def ops_for(name, rounding_seed=None):
+    """The kernels of weight rows of dtype ``name``: :mod:`distemb.kernels` for float32,
+    this module for half rows, or :class:`StochasticRounding` from ``rounding_seed``
+    (bfloat16 rows only) when it is not None.
+
+    Raises:
+        ValueError: ``rounding_seed`` for rows other than bfloat16.
+    """
+    if rounding_seed is not None:
+        if name != "bfloat16":
+            raise ValueError(f"rounding: stochastic rounding is for bfloat16 rows, got "
+                             f"dtype {name!r}")
+        return StochasticRounding(rounding_seed)
+    return _this if name in HALF_DTYPES else kernels
+
+
+def shard_seed(seed, part):
+    """The stochastic-rounding seed of partition ``part`` of a table seeded ``seed``:
+    shards draw from disjoint seed ranges (each update call takes the next seed)."""
+    return (int(seed) * 0x9E3779B1 + (int(part) << 32)) % (1 << 63)
 
 
 def _bits(name, a, ndim=2):

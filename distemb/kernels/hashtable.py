@@ -42,6 +42,20 @@ def keys_array(keys, what="keys"):
     return np.ascontiguousarray(a.reshape(-1), dtype=np.int64)
 
 
+def table_keys(keys, what="keys"):
+    """:func:`keys_array`, also refusing the two keys the hash table reserves.
+
+    Raises:
+        TypeError: non-integer keys.
+        ValueError: a key <= -2**63 + 1 (the table's markers) or beyond int64.
+    """
+    k = keys_array(keys, what)
+    if k.size and k.min() <= RESERVED_KEYS[1]:
+        raise ValueError(f"{what}: {int(k.min())} is reserved by the hash table "
+                         f"(every int64 key > {RESERVED_KEYS[1]} is allowed)")
+    return k
+
+
 class HashIndex:
     """Batch key -> slot map on an open-addressing table with linear probing.
 
@@ -78,11 +92,7 @@ class HashIndex:
         self._t.reserve(int(capacity))
 
     def _keys(self, keys):
-        k = keys_array(keys)
-        if k.size and k.min() <= RESERVED_KEYS[1]:
-            raise ValueError(f"keys: {int(k.min())} is reserved by the hash table "
-                             f"(every int64 key > {RESERVED_KEYS[1]} is allowed)")
-        return k
+        return table_keys(keys)
 
     def find(self, keys):
         """Slots of ``keys`` (int64, -1 where absent)."""

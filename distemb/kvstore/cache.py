@@ -198,8 +198,8 @@ class CachedKVClient(KVClient):
     def names(self):
         return self.inner.names()
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func)
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
 
     def delete_data(self, name):
         self.inner.delete_data(name)
@@ -208,6 +208,10 @@ class CachedKVClient(KVClient):
 
     def barrier(self):
         self.inner.barrier()
+
+    def store_client(self):
+        """The wrapped client's: tables on row stores bypass the trainer cache."""
+        return self.inner.store_client()
 
     def close(self, **kw):
         """Close the wrapped client (keywords go to its ``close``)."""

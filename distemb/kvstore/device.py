@@ -37,8 +37,9 @@ import torch
 
 from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
 from distemb.errors import KVStoreError, PartitionError
-from distemb.kernels import cuda
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name
+from distemb.kernels import cuda, half
+from distemb.kernels.cuda_half import CudaHalfOps
+from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 from distemb.rules import rule_of, state_name
 
 
@@ -147,6 +148,9 @@ class DeviceKVClient(KVClient):
         device: the ``torch.device`` of the tables (:func:`cuda_device` resolves one).
         ops: the kernel module (default :mod:`distemb.kernels.cuda`); anything with its
             functions and keywords works, e.g. a test's CPU twin on a CPU device.
+        half_ops: ``half_ops(rounding_seed)`` -> the kernels of one bfloat16/float16
+            table (default :class:`~distemb.kernels.cuda_half.CudaHalfOps`): half tables
+            are bfloat16/float16 tensors, looked up as float32 rows, float32 state.
 
     Raises:
         CudaUnavailableError: ``device`` is a CUDA device but the kernels cannot run here.
@@ -164,30 +168,42 @@ class DeviceKVClient(KVClient):
     """
 
     ops = cuda
+    half_ops = CudaHalfOps
 
-    def __init__(self, device, ops=None):
+    def __init__(self, device, ops=None, half_ops=None):
         self.device = torch.device(device)
         if ops is not None:
             self.ops = ops
+        if half_ops is not None:
+            self.half_ops = half_ops
+        self._table_ops = {}  # name -> the half_ops of a half-precision table
         if self.device.type == "cuda":
             cuda.require_cuda()
         self._tables = {}
         self._meta = {}
         self._checks = {}
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard.
 
         Zeros when ``init_func`` is None. It may return numpy arrays or torch tensors; each
         shard's rows land at their global ids, as a host client would place them.
+
+        A bfloat16/float16 table runs on ``half_ops`` (its stochastic rounding seeded as
+        partition 0 of a host table: one GPU tensor is one shard, so its rows round as an
+        embedded one-part host table's do).
         """
         check_new_name(self._meta, name)
+        check_rounding(dtype, rounding_seed)
         shape = tuple(shape)
         if policy.get_size() != shape[0]:
             raise KVStoreError(f"policy of {name!r}: {policy.policy_str} has "
                                f"{policy.get_size()} ids, but shape[0] is {shape[0]}")
         self._tables[name] = self._initial(name, shape, dtype, policy, init_func)
         self._meta[name] = DataMeta(shape, dtype, policy)
+        if half.is_half(dtype):
+            self._table_ops[name] = self.half_ops(
+                None if rounding_seed is None else half.shard_seed(rounding_seed, 0))
         self._checks[name] = IdCheck(self.device, shape[0],
                                      f"ids of {name!r} ({policy.policy_str})")
 
@@ -215,6 +231,7 @@ class DeviceKVClient(KVClient):
         self._meta.pop(name, None)
         self._tables.pop(name, None)
         self._checks.pop(name, None)
+        self._table_ops.pop(name, None)
 
     def _meta_of(self, name):
         self._table(name)  # raises the unknown-name error
@@ -238,8 +255,9 @@ class DeviceKVClient(KVClient):
         """
         table, check = self._table(name), self._checks[name]
         check.raise_seen(wait=False)
-        if table.dtype == torch.float32 and table.dim() == 2:
-            rows = self.ops.gather_rows_checked(table, ids, check.flags)
+        if table.dim() == 2 and (table.dtype == torch.float32 or name in self._table_ops):
+            ops = self._table_ops.get(name, self.ops)  # half rows: gathered as float32
+            rows = ops.gather_rows_checked(table, ids, check.flags)
             check.recorded()
             return rows
         self._check_now(name, ids)  # other tables: index_select would fault on a bad id
@@ -274,7 +292,8 @@ class DeviceKVClient(KVClient):
         # Bad ids seen by earlier lookups, if their flags have landed (never waits: the
         # update kernels skip rows outside the table anyway).
         self._checks[name].raise_seen(wait=False)
-        impl.apply(self.ops, self._table(name), states, ids, grads, impl.check_hyper(hyper))
+        impl.apply(self._table_ops.get(name, self.ops), self._table(name), states, ids, grads,
+                   impl.check_hyper(hyper))
 
     def from_host(self, array):
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
@@ -309,7 +328,7 @@ class DeviceKVClient(KVClient):
         meta = self._meta_of(name)
         t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
         got = str(t.dtype).replace("torch.", "")
-        if got != meta.dtype:
+        if got != meta.dtype and got != half.row_dtype(meta.dtype):  # float32: rounded
             raise TypeError(f"values: expected dtype {meta.dtype} for {name!r}, got {got}")
         want = (num_ids,) + tuple(meta.shape[1:])
         if t.numel() != int(np.prod(want)):
@@ -378,8 +397,8 @@ class ClientView(KVClient):
     def ops(self):
         return self.inner.ops
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func)
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
 
     def data_meta(self, name):
         return self.inner.data_meta(name)

@@ -24,10 +24,13 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import numpy as np
 
 from distemb import kernels
+from distemb.kernels import half
 from distemb.enums import Consistency, Transport
-from distemb.errors import KVStoreError, PartitionError, TransportError
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name
+from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
+                            TransportError)
+from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 from distemb.kvstore.local import init_shard
+from distemb.kvstore.store_remote import RemoteStoreClient
 from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
@@ -39,7 +42,8 @@ from distemb.transport.shm import RequestSlot, attach
 INIT_CHUNK_BYTES = 64 << 20
 IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge shard
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).
-ERRORS = {"PartitionError": PartitionError}
+ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
+          "MissingKeyError": MissingKeyError}
 
 
 class Route(NamedTuple):
@@ -169,6 +173,14 @@ class RemoteKVClient(KVClient):
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
 
+    def call(self, requests, wait=True, on_reply=None, timeout=None):
+        """``_call`` for the clients sharing these connections (:meth:`store_client`)."""
+        return self._call(requests, wait=wait, on_reply=on_reply, timeout=timeout)
+
+    def store_client(self):
+        """Dynamic tables on these servers (a :class:`RemoteStoreClient`)."""
+        return RemoteStoreClient(self)
+
     def _frame_for(self, sid, msg, wait):
         """The frame of ``msg``; an update or push to a co-located server goes via /dev/shm.
 
@@ -215,12 +227,15 @@ class RemoteKVClient(KVClient):
 
     # -- KVClient -----------------------------------------------------------------------
 
-    def init_data(self, name, shape, dtype, policy, init_func=None):
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         check_new_name(self._meta, name)
+        check_rounding(dtype, rounding_seed)
         by = self._parts_by_server(policy)
+        seed = -1 if rounding_seed is None else int(rounding_seed)
         replies = self._call({sid: Create(name=name, dtype=dtype, row_shape=list(shape[1:]),
                                           parts=parts, part_rows=[policy.get_part_size(p)
-                                                                  for p in parts])
+                                                                  for p in parts],
+                                          rounding_seed=seed)
                               for sid, parts in by.items()})
         self._meta[name] = DataMeta(tuple(shape), dtype, policy)
         if init_func is not None:
@@ -249,7 +264,8 @@ class RemoteKVClient(KVClient):
             f = reply.fields
             for part, path, shp, dt in zip(local[sid], f["paths"], f["shapes"], f["dtypes"]):
                 if path:
-                    self._shm[(name, part)] = attach(path, tuple(shp), dt)
+                    self._shm[(name, part)] = attach(path, tuple(shp),
+                                                     half.storage_dtype(dt))
 
     def delete_data(self, name):
         meta = self._meta.pop(name, None)
@@ -269,7 +285,8 @@ class RemoteKVClient(KVClient):
             rows = self._gather(whole, ids)
             if rows is not None:
                 return rows
-        out = np.empty((len(ids),) + meta.shape[1:], dtype=meta.dtype)
+        # Half tables: 16-bit rows on the wire, float32 rows out (decoded here).
+        out = np.empty((len(ids),) + meta.shape[1:], dtype=half.row_dtype(meta.dtype))
         # Shared-memory parts are read unless a write kept them busy (then: the server).
         routes, shm = self._route(name, ids, skip_shm=bool(self._shm) and whole is None)
         busy = []
@@ -285,31 +302,36 @@ class RemoteKVClient(KVClient):
         def take(sid, frame):
             route = routes[sid]
             want = (len(route.local_ids),) + meta.shape[1:]
-            if len(frame.arrays) != 1 or frame.arrays[0].shape != want:
-                raise KVStoreError(f"server {sid}: pull reply of the wrong shape")
-            out[route.positions] = frame.arrays[0]
+            if len(frame.arrays) != 1 or frame.arrays[0].shape != want or \
+                    frame.arrays[0].dtype != half.storage_dtype(meta.dtype):
+                raise KVStoreError(f"server {sid}: pull reply of the wrong shape or dtype")
+            out[route.positions] = half.as_rows(frame.arrays[0])
 
         self._call({sid: Pull(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids)
                     for sid, r in routes.items()}, on_reply=take, while_waiting=copy_shm)
         for part, pos, local in busy:
             sid = part % self.num_servers
-            out[pos] = self._call({sid: Pull(name=name, parts=[part], counts=[len(local)],
-                                             ids=local.astype(np.int64, copy=False))}
-                                  )[sid].arrays[0]
+            out[pos] = half.as_rows(self._call({sid: Pull(
+                name=name, parts=[part], counts=[len(local)],
+                ids=local.astype(np.int64, copy=False))})[sid].arrays[0])
         return out
 
     def _gather(self, shard, local):
         """Rows ``local`` of a mapped shard, never torn; None if writes kept it busy."""
         if shard.array.dtype == np.float32 and shard.array.ndim == 2:
             return shard.read(lambda a: kernels.gather_rows(a, local, None, self.num_threads))
+        if half.is_half(half.dtype_name(shard.array)):  # decoded in the gather
+            return shard.read(lambda a: half.gather_rows(a, local, None, self.num_threads))
         return shard.read(lambda a: a[local])
 
     def push(self, name, ids, values):
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         meta.policy.check_ids(ids, f"ids of {name!r}")
-        values = np.ascontiguousarray(values, dtype=meta.dtype).reshape(
+        values = np.ascontiguousarray(values, dtype=half.row_dtype(meta.dtype)).reshape(
             (len(ids),) + meta.shape[1:])
+        if half.is_half(meta.dtype):  # rounded here: 16 bits on the wire
+            values = half.encode(values, meta.dtype)
         routes, _ = self._route(name, ids)
         self._call({sid: Push(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids,
                               values=_take(values, r.positions)) for sid, r in routes.items()})

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from distemb import kernels
+from distemb.kernels import half
 from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
 from distemb.rules import Hyper, rule_of, state_name, state_owner
@@ -32,6 +33,8 @@ from distemb.rules import Hyper, rule_of, state_name, state_owner
 #: Distance between the first versions of two version arrays of one server, so a
 #: table dropped and made again never repeats a version a trainer's cache holds.
 VERSION_EPOCH = 1 << 40
+#: Row dtypes a checkpoint converts between on load.
+CONVERTIBLE = ("float32", "bfloat16", "float16")
 
 
 class RWLock:
@@ -111,8 +114,9 @@ class KVServer:
         # state) after that bumps its version, under the shard's write lock.
         self._versions = {}
         self._epochs = 0
+        self._ops = {}  # (name, part) -> kernels of a weight shard other than float32 ones
 
-    def create(self, name, part, array, owner=None, version=None):
+    def create(self, name, part, array, owner=None, version=None, rounding_seed=None):
         """Own ``array`` as shard ``part`` of ``name``.
 
         Args:
@@ -120,7 +124,14 @@ class KVServer:
                 they share one lock, so an update of both is one critical section.
             version: a 1-element int64 array this server makes odd while it writes the
                 shard (the counter of a shared-memory shard), or None.
+            rounding_seed: for a bfloat16 shard, round its updates stochastically from
+                this seed (mixed with ``part``); None rounds half rows to nearest-even.
+
+        Half-precision shards (``numpy.float16``, or :data:`~distemb.kernels.half.BFLOAT16`
+        bits) are updated by the half kernels: float32 maths and state, rounded on store.
         """
+        ops = half.ops_for(half.dtype_name(array), None if rounding_seed is None
+                           else half.shard_seed(rounding_seed, part))
         key = (name, part)
         with self._meta_lock:
             if key in self._shards:
@@ -131,6 +142,8 @@ class KVServer:
             if version is not None:
                 guard.versions[key] = version
             self._shards[key] = array
+            if ops is not kernels:
+                self._ops[key] = ops
 
     def drop(self, name):
         """Forget every shard of ``name``."""
@@ -142,6 +155,7 @@ class KVServer:
         with self._meta_lock:
             self._shards.pop((name, part), None)
             self._versions.pop((name, part), None)
+            self._ops.pop((name, part), None)
             guard = self._guards.pop((name, part), None)
             if guard is not None:
                 guard.versions.pop((name, part), None)
@@ -166,9 +180,15 @@ class KVServer:
                                f"{name!r}") from None
 
     def pull(self, name, part, local_ids, out=None):
-        """Rows ``local_ids`` of the shard, into ``out`` when given."""
+        """Rows ``local_ids`` of the shard, into ``out`` when given.
+
+        Rows come in the shard's dtype, except that a half shard's rows are decoded to
+        float32 (in the gather, one pass) when ``out`` is a float32 array.
+        """
         arr = self.shard(name, part)
         with self._guard(name, part).lock.read():
+            if out is not None and out.dtype == np.float32 and arr.dtype != np.float32:
+                return half.gather_rows(arr, local_ids, out, self.num_threads)
             if arr.dtype == np.float32 and arr.ndim == 2:
                 return kernels.gather_rows(arr, local_ids, out, self.num_threads)
             if out is None:
@@ -207,8 +227,11 @@ class KVServer:
             ver[local_ids] += by  # duplicate ids (a push) change once: enough
 
     def push(self, name, part, local_ids, values):
-        """Write rows ``local_ids`` of the shard."""
+        """Write rows ``local_ids`` of the shard (float32 values into a half shard are
+        rounded to nearest-even)."""
         arr = self.shard(name, part)
+        if arr.dtype != values.dtype and half.is_half(half.dtype_name(arr)):
+            values = half.encode(values, half.dtype_name(arr))
         with self._guard(name, part).write():
             arr[local_ids] = values
             self._bump(name, part, local_ids)
@@ -231,7 +254,7 @@ class KVServer:
         weight = self.shard(name, part)
         states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
         with self._guard(name, part).write():
-            impl.apply(kernels, weight, states, local_ids, grads, hyper, self.num_threads)
+            impl.apply(self._ops.get((name, part), kernels), weight, states, local_ids, grads, hyper, self.num_threads)
             self._bump(name, part, local_ids, contributions)
 
     def save_shard(self, name, part, directory, save_id, start, step):
@@ -244,25 +267,32 @@ class KVServer:
             with guard.lock.read():
                 return arr[lo:hi].copy()
         return snapshot.write_segment(directory, save_id, name, part, start, step,
-                                      arr.shape, arr.dtype.name, read_block)
+                                      arr.shape, half.dtype_name(arr), read_block)
 
     def load_shard(self, name, part, directory, entry, start, step):
         """Fill shard ``part`` of ``name`` (global ids ``start + step * k``) from the
         segments of manifest record ``entry``, reading only the blocks it needs."""
         arr, guard = self.shard(name, part), self._guard(name, part)
-        if entry.get("dtype") != arr.dtype.name or \
+        saved, live = entry.get("dtype"), half.dtype_name(arr)
+        # float32, bfloat16 and float16 rows convert into each other on load (to float32
+        # exactly, to half rounded to nearest-even); any other difference is an error.
+        convert = saved != live and {saved, live} <= set(CONVERTIBLE)
+        if (saved != live and not convert) or \
                 list(entry.get("shape", [])[1:]) != list(arr.shape[1:]):
             raise KVStoreError(f"checkpoint: tensor {name!r} was saved as "
-                               f"{entry.get('shape')} {entry.get('dtype')}, the live one has "
-                               f"rows {arr.shape[1:]} {arr.dtype}")
+                               f"{entry.get('shape')} {saved}, the live one has "
+                               f"rows {arr.shape[1:]} {live}")
 
         owner = state_owner(name)
 
         def write_rows(local, rows):
+            if convert:
+                rows = half.decode(rows) if half.is_half(saved) else rows
+                rows = half.encode(rows, live) if half.is_half(live) else rows
             with guard.write():
                 arr[local] = rows
                 self._bump(name, part, local)  # cached copies of these rows are void
                 if owner is not None:
                     self._bump(owner, part, local)
-        snapshot.read_segments(directory, entry["segments"], arr.dtype, arr.shape[1:], start,
-                               step, arr.shape[0], write_rows)
+        snapshot.read_segments(directory, entry["segments"], half.storage_dtype(saved),
+                               arr.shape[1:], start, step, arr.shape[0], write_rows)

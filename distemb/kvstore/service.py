@@ -35,9 +35,11 @@ import numpy as np
 from distemb import kernels
 from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, PartitionError, TransportError
+from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
+from distemb.kvstore.store_service import StoreTables
 from distemb.rules import rule_of, state_init, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, Session
@@ -45,7 +47,10 @@ from distemb.transport.messages import Error, InShm, Reply, Service, decode_requ
 from distemb.transport.shm import SlotReader
 
 log = logging.getLogger("distemb")
-DTYPES = ("float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8",
+          "bool")
+#: Dtypes of tables an optimizer updates (half rows: float32 state and maths).
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_ROWS = 1 << 40
 MAX_TABLE_NAME = 256
 
@@ -100,7 +105,12 @@ class KVService:
                           Service.UPDATE: self._update, Service.BARRIER: self._barrier,
                           Service.SHM_INFO: self._shm_info, Service.BYE: self._bye,
                           Service.SAVE: self._save, Service.LOAD: self._load,
-                          Service.VERSIONED_PULL: self._versioned_pull}
+                          Service.VERSIONED_PULL: self._versioned_pull,
+                          Service.STORE_UPDATE: self._store_update}
+        # Dynamic tables: a hash store per table, keys sharded by key_partition.
+        self.stores = StoreTables(server_id, num_servers, server.num_threads,
+                                  has_array=lambda name: bool(server.parts_of(name)))
+        self._handlers.update(self.stores.handlers())
 
     def handle(self, frame, session=None):
         """The reply frame to request ``frame`` (an Error frame when it fails).
@@ -214,18 +224,19 @@ class KVService:
     def _allocate_all(self, wanted, what):
         """Allocate ``[(name, part, shape, dtype, fill, owner)]`` after checking they all
         fit; on any failure, free what this call made (shm files included) and re-raise."""
-        nbytes = sum(int(np.prod(shape, dtype=object)) * np.dtype(dt).itemsize
-                     for _, _, shape, dt, _, _ in wanted)
+        nbytes = sum(int(np.prod(shape, dtype=object)) * storage_dtype(dt).itemsize
+                     for _, _, shape, dt, *_ in wanted)
         check_fits(nbytes, what, self.arena.directory if self.arena else None)
         made = []
         try:
-            for name, part, shape, dtype, fill, owner in wanted:
-                arr = self._new_array(shape, dtype)
+            for name, part, shape, dtype, fill, owner, *seed in wanted:
+                arr = self._new_array(shape, storage_dtype(dtype))
                 made.append((name, part, arr))
                 if fill is not None:
                     arr[...] = fill
                 self.server.create(name, part, arr, owner=owner,
-                                   version=self.arena.version_of(arr) if self.arena else None)
+                                   version=self.arena.version_of(arr) if self.arena else None,
+                                   rounding_seed=seed[0] if seed else None)
         except BaseException:
             for name, part, arr in made:
                 if self.server.has(name, part) and self.server.shard(name, part) is arr:
@@ -236,10 +247,17 @@ class KVService:
 
     def _create(self, m, session):
         self._check_name(m.name)
+        if self.stores.has(m.name):
+            raise KVStoreError(f"name {m.name!r} is a dynamic table on server "
+                               f"{self.server_id}, not an array table")
         if m.dtype not in DTYPES:
             raise KVStoreError(f"dtype: expected one of {list(DTYPES)}, got {m.dtype!r}")
         if any(d < 1 for d in m.row_shape):
             raise KVStoreError(f"row_shape: expected dimensions >= 1, got {m.row_shape}")
+        seed = None if m.rounding_seed < 0 else m.rounding_seed
+        if seed is not None and m.dtype != "bfloat16":
+            raise KVStoreError(f"rounding_seed: stochastic rounding is for bfloat16 rows, "
+                               f"got dtype {m.dtype!r}")
         existed, wanted = [], []
         with self._lock:
             others = self.server.parts_of(m.name)
@@ -251,7 +269,7 @@ class KVService:
                                        f"than {MAX_ROWS} elements")
                 if self.server.has(m.name, part):
                     have = self.server.shard(m.name, part)
-                    if have.shape != shape or have.dtype.name != m.dtype:
+                    if have.shape != shape or dtype_name(have) != m.dtype:
                         raise KVStoreError(f"shard {part} of {m.name!r} exists with shape "
                                            f"{have.shape} {have.dtype}, asked for {shape} "
                                            f"{m.dtype}")
@@ -259,15 +277,16 @@ class KVService:
                 else:
                     if others:  # every shard of a table has the same row shape and dtype
                         have = self.server.shard(m.name, others[0])
-                        if have.shape[1:] != shape[1:] or have.dtype.name != m.dtype:
+                        if have.shape[1:] != shape[1:] or dtype_name(have) != m.dtype:
                             raise KVStoreError(
                                 f"shard {part} of {m.name!r}: rows {shape[1:]} {m.dtype}, but "
                                 f"shard {others[0]} has rows {have.shape[1:]} {have.dtype}")
-                    wanted.append((m.name, part, shape, m.dtype, None, None))
+                    wanted.append((m.name, part, shape, m.dtype, None, None, seed))
             self._allocate_all(wanted, f"table {m.name!r} ({len(wanted)} new shard(s))")
         return Reply(fields={"existed": existed})
 
     def _drop(self, m, session):
+        self.stores.drop(m.name)
         with self._lock:
             for part in self.server.parts_of(m.name):
                 self._forget(m.name, part)
@@ -291,8 +310,8 @@ class KVService:
         for part, ids, sl in self._rows(m):
             shard = self.server.shard(m.name, part)
             if m.values.dtype != shard.dtype or m.values.shape[1:] != shard.shape[1:]:
-                raise KVStoreError(f"values of {m.name!r}: expected {shard.dtype} rows of "
-                                   f"shape {shard.shape[1:]}, got {m.values.dtype} "
+                raise KVStoreError(f"values of {m.name!r}: expected {dtype_name(shard)} rows of "
+                                   f"shape {shard.shape[1:]}, got {dtype_name(m.values)} "
                                    f"{m.values.shape[1:]}")
             self.server.push(m.name, part, ids, m.values[sl])
 
@@ -304,14 +323,15 @@ class KVService:
                 self._own(part)
                 self.server.bump_all(m.name, part)  # cached copies of the state are void
                 weight = self.server.shard(m.name, part)
-                if weight.dtype != np.float32 or weight.ndim != 2:
-                    raise KVStoreError(f"optimizer of {m.name!r}: needs a 2-d float32 table, "
-                                       f"it is {weight.ndim}-d {weight.dtype}")
+                if dtype_name(weight) not in WEIGHT_DTYPES or weight.ndim != 2:
+                    raise KVStoreError(f"optimizer of {m.name!r}: needs a 2-d table of "
+                                       f"{'/'.join(WEIGHT_DTYPES)}, it is {weight.ndim}-d "
+                                       f"{dtype_name(weight)}")
                 for spec in impl.states:
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
                     wanted.append((state_name(m.name, spec.name), part, shape, spec.dtype,
                                    state_init(spec, (1,) * len(shape), m.options), m.name))
-            for sname, part, _, _, _, _ in wanted:  # a fresh optimizer starts from fresh state
+            for sname, part, *_ in wanted:  # a fresh optimizer starts from fresh state
                 self._forget(sname, part)
             self._allocate_all(wanted, f"optimizer state of {m.name!r}")
 
@@ -324,12 +344,14 @@ class KVService:
         m.hyper = rule_of(m.rule).hyper_from(m.hyper)
         for part in m.parts:
             weight = self.server.shard(m.name, part)
-            if weight.dtype != np.float32 or weight.ndim != 2 or \
+            if dtype_name(weight) not in WEIGHT_DTYPES or weight.ndim != 2 or \
                     weight.shape[1] != m.grads.shape[1]:
                 raise KVStoreError(f"grads of {m.name!r}: expected rows of {weight.shape[1:]} "
-                                   f"for a {weight.dtype} table, got {m.grads.shape[1:]}")
+                                   f"for a {dtype_name(weight)} table, got "
+                                   f"{m.grads.shape[1:]}")
         if m.exact:
-            return self._update_exact(m)
+            self._rows(m)  # reject bad ids before they are buffered
+            return self._update_exact(m, self._apply_summed)
         for part, ids, sl in self._rows(m):
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
         return self._versions_reply(m)
@@ -363,17 +385,23 @@ class KVService:
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
                      + [np.concatenate(st) for st in states])
 
-    def _update_exact(self, m):
-        self._rows(m)  # reject bad ids before they are buffered
-        key = (m.name, m.seq)
+    def _store_update(self, m, session):
+        self.stores.check_update(m)
+        if m.exact:
+            return self._update_exact(m, self.stores.apply)
+        self.stores.apply([m])
+
+    def _update_exact(self, m, apply):
+        """Buffer ``m`` until every trainer sent its step ``m.seq`` of the table, then
+        ``apply(contributions) -> {id(message): reply}`` once; answer each with its reply."""
+        key = (m.SERVICE, m.name, m.seq)
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             step = self._exact.setdefault(key, _ExactStep())
             step.contribs.append(m)
             if len(step.contribs) == self.num_trainers:
                 try:
-                    self._apply_summed(step.contribs)
-                    step.replies = {id(c): self._versions_reply(c) for c in step.contribs}
+                    step.replies = apply(step.contribs)
                 except Exception as e:
                     step.error = e
                 step.done = True
@@ -408,6 +436,7 @@ class KVService:
             counts = np.bincount(np.searchsorted(uniq, ids), minlength=len(uniq))
             self.server.update(first.name, part, uniq, summed, first.rule, first.hyper,
                                contributions=counts)
+        return {id(c): self._versions_reply(c) for c in contribs}
 
     def _barrier(self, m, session):
         self._rank(m, session)
@@ -428,7 +457,7 @@ class KVService:
             arr = self.server.shard(m.name, part)
             paths.append(self.arena.path_of(arr) if self.arena else None)
             shapes.append(list(arr.shape))
-            dtypes.append(arr.dtype.name)
+            dtypes.append(dtype_name(arr))
         return Reply(fields={"paths": paths, "shapes": shapes, "dtypes": dtypes})
 
     def _bye(self, m, session):

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from distemb.errors import KVStoreError
+from distemb.kernels.half import storage_dtype
 
 MANIFEST = "manifest.json"
 FORMAT = "distemb-checkpoint"
@@ -51,7 +52,7 @@ def segment_file(save_id, name, part):
 
 
 def _row_bytes(row_shape, dtype):
-    return int(np.prod(row_shape, dtype=object)) * np.dtype(dtype).itemsize
+    return int(np.prod(row_shape, dtype=object)) * storage_dtype(dtype).itemsize
 
 
 def write_segment(directory, save_id, name, part, start, step, shape, dtype, read_block):
@@ -160,7 +161,7 @@ def read_segments(directory, segments, dtype, row_shape, start, step, count, wri
                 hi = min(n, lo + br)
                 if s0 + (hi - 1) * st < start or s0 + lo * st > last:
                     continue  # none of this block's ids are ours: not read
-                block = np.empty((hi - lo,) + tuple(row_shape), dtype=dtype)
+                block = np.empty((hi - lo,) + tuple(row_shape), dtype=storage_dtype(dtype))
                 f.seek(lo * row_bytes)
                 view = memoryview(block).cast("B")
                 if f.readinto(view) != len(view) or zlib.crc32(view) != crcs[b]:

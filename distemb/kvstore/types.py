@@ -35,11 +35,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from distemb import kernels
-from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
+from distemb.kernels import half
+from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds, check_shape
 from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper, rule_of, state_init, state_name
+
+#: Rows per request when optimizer state is read or written whole (as checkpoints do).
+STATE_CHUNK_ROWS = 1 << 20
 
 #: ``init_func(shard_shape, dtype_name)`` -> the shard's initial values.
 InitFunc = Callable[[Shape, str], Array]
@@ -58,6 +62,24 @@ def check_new_name(meta: Dict[str, DataMeta], name: str) -> None:
     """KVStoreError when ``name`` already exists in ``meta``."""
     if name in meta:
         raise KVStoreError(f"name {name!r} already exists in the KVStore")
+
+
+#: Largest stochastic-rounding seed (it travels as a message's int field).
+MAX_SEED = (1 << 62) - 1
+
+
+def check_rounding(dtype: str, rounding_seed: Optional[int]) -> None:
+    """ValueError unless ``rounding_seed`` is None, or an int in 0..MAX_SEED for a
+    bfloat16 table (stochastic rounding is offered for bfloat16 rows only)."""
+    if rounding_seed is None:
+        return
+    if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, (int, np.integer)) \
+            or not 0 <= rounding_seed <= MAX_SEED:
+        raise ValueError(f"rounding_seed: expected an int in 0..{MAX_SEED}, got "
+                         f"{rounding_seed!r}")
+    if dtype != "bfloat16":
+        raise ValueError(f"rounding_seed: stochastic rounding is for bfloat16 rows, got "
+                         f"dtype {dtype!r}")
 
 
 class KVClient(ABC):
@@ -82,10 +104,18 @@ class KVClient(ABC):
 
     @abstractmethod
     def init_data(self, name: str, shape: Shape, dtype: str, policy: PartitionPolicy,
-                  init_func: Optional[InitFunc] = None) -> None:
+                  init_func: Optional[InitFunc] = None,
+                  rounding_seed: Optional[int] = None) -> None:
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard (zeros if None).
 
         ``init_func`` may return numpy arrays or arrays of this client (see ``tensor_in``).
+
+        Half-precision tables (``dtype`` 'bfloat16' or 'float16') store rows in 16 bits
+        (and move them in 16 bits between processes) but are read and written as float32:
+        ``pull`` returns float32 rows, ``push`` takes float32 values and rounds them to
+        nearest-even; their optimizer state is float32. ``rounding_seed`` (bfloat16 only)
+        rounds updates stochastically instead, reproducibly from that seed (see
+        :func:`check_rounding`).
 
         Raises:
             KVStoreError: ``name`` exists, or ``init_func`` returned the wrong shape.
@@ -107,7 +137,8 @@ class KVClient(ABC):
 
     @abstractmethod
     def pull(self, name: str, ids: GlobalIds) -> Array:
-        """Rows ``ids`` of ``name`` as a new array (len(ids),) + shape[1:]."""
+        """Rows ``ids`` of ``name`` as a new array (len(ids),) + shape[1:] (float32 for a
+        half-precision table)."""
 
     @abstractmethod
     def push(self, name: str, ids: GlobalIds, values: Array) -> None:
@@ -161,8 +192,9 @@ class KVClient(ABC):
         meta = self._meta_of(name)
 
         def read_block(lo, hi):
-            return self.to_host(self.pull(name, self.from_host(np.arange(lo, hi,
+            rows = self.to_host(self.pull(name, self.from_host(np.arange(lo, hi,
                                                                          dtype=np.int64))))
+            return half.encode(rows, meta.dtype) if half.is_half(meta.dtype) else rows
         return [snapshot.write_segment(directory, save_id, name, 0, 0, 1, meta.shape,
                                        meta.dtype, read_block)]
 
@@ -178,9 +210,81 @@ class KVClient(ABC):
         entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
 
         def write_rows(ids, rows):
-            self.push(name, self.from_host(ids), self.from_host(np.ascontiguousarray(rows)))
+            self.push(name, self.from_host(ids),
+                      self.from_host(np.ascontiguousarray(half.as_rows(rows))))
         snapshot.read_segments(directory, entry["segments"], meta.dtype, meta.shape[1:], 0,
                                1, meta.shape[0], write_rows)
+
+    # -- checkpoints and optimizer state (tables on row stores override these) --------
+
+    def checkpoint_names(self, name: str, state_names: List[str]) -> List[str]:
+        """The tensors a checkpoint of table ``name`` with optimizer states
+        ``state_names`` (KVStore names) holds: the table and each state tensor."""
+        return [name] + list(state_names)
+
+    def checkpoint_entry(self, name: str, directory: str, save_id: str) -> dict:
+        """Write tensor ``name`` into checkpoint ``directory``; its manifest entry."""
+        dm = self._meta_of(name)
+        return {"shape": list(dm.shape), "dtype": dm.dtype,
+                "policy": {"name": dm.policy.policy_str,
+                           "num_partitions": dm.policy.num_partitions},
+                "segments": self.save_tensor(name, directory, save_id)}
+
+    def restore_entry(self, name: str, directory: str, entry: dict) -> None:
+        """Fill tensor ``name`` from its manifest ``entry`` in checkpoint ``directory``.
+
+        Raises:
+            KVStoreError: the saved shape differs from the live one, or a corrupt segment.
+        """
+        check_shape(f"{directory}: tensor {name!r}", entry.get("shape", ()),
+                    self._meta_of(name).shape, KVStoreError)
+        self.load_tensor(name, directory)
+
+    def table_state(self, name: str, state_names: Dict[str, str]) -> Dict[str, np.ndarray]:
+        """{state: every row of it} of table ``name`` (for ``opt.state_dict()``)."""
+        out = {}
+        for sname, kvname in state_names.items():
+            n = self._meta_of(kvname).shape[0]
+            parts = [self.to_host(self.pull(kvname, self.from_host(
+                np.arange(s, min(s + STATE_CHUNK_ROWS, n), dtype=np.int64))))
+                for s in range(0, n, STATE_CHUNK_ROWS)]
+            out[sname] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out
+
+    def load_table_state(self, name: str, state_names: Dict[str, str], entry) -> None:
+        """Write back what :meth:`table_state` gave (``opt.load_state_dict()``).
+
+        Raises:
+            KVStoreError: a state is missing from ``entry`` or has another shape.
+        """
+        for sname, kvname in state_names.items():
+            if sname not in entry:
+                raise KVStoreError(f"state_dict: table {name!r} lacks state {sname!r}")
+            meta = self._meta_of(kvname)
+            arr = np.ascontiguousarray(np.asarray(entry[sname]))
+            check_shape(f"state_dict: state {sname!r} of {name!r}", arr.shape, meta.shape,
+                        KVStoreError)
+            arr = arr.astype(meta.dtype, copy=False)
+            for s in range(0, arr.shape[0], STATE_CHUNK_ROWS):
+                ids = np.arange(s, min(s + STATE_CHUNK_ROWS, arr.shape[0]), dtype=np.int64)
+                self.push(kvname, self.from_host(ids),
+                          self.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
+
+    def store_client(self) -> "KVClient":
+        """A client for tables on row stores placed where this client places rows
+        (:class:`~distemb.kvstore.store_client.StoreClient`): embedded stores, or a hash
+        store per server of this client's cluster.
+
+        Raises:
+            KVStoreError: this placement holds no row-store tables (e.g. a GPU client).
+        """
+        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
+                           "StoreEmbedding) live in host memory or on the servers; this "
+                           "client places rows elsewhere")
+
+    def row_dim(self, name: str) -> int:
+        """Row length of table ``name``."""
+        return self._meta_of(name).shape[1]
 
     def _meta_of(self, name: str) -> DataMeta:
         """The DataMeta of ``name``; KVStoreError when absent."""
@@ -237,8 +341,13 @@ class KVClient(ABC):
         meta = self._meta_of(name)
         arr = self.tensor_in(values, F)
         got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
-        if got != meta.dtype:
-            raise TypeError(f"values: expected dtype {meta.dtype} for {name!r}, got {got}")
+        rows = half.row_dtype(meta.dtype)  # float32 for half tables: rounded on store
+        if got != meta.dtype and got != rows:
+            also = f" (or {rows})" if rows != meta.dtype else ""
+            raise TypeError(f"values: expected dtype {meta.dtype}{also} for {name!r}, "
+                            f"got {got}")
+        if got != rows:
+            arr = arr.astype(rows)  # a half table's own dtype: exact in float32
         want = (num_ids,) + tuple(meta.shape[1:])
         if int(np.prod(arr.shape)) != int(np.prod(want)):
             raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
@@ -266,7 +375,7 @@ class KVClient(ABC):
         """
         if not ids:
             return None
-        dim = self._meta_of(name).shape[1]
+        dim = self.row_dim(name)
         # ids of a host table are this client's (numpy) whichever view looked them up
         host_ids = [np.asarray(i, dtype=np.int64).reshape(-1) for i in ids]
         host_grads = [np.asarray(F.to_numpy(g), dtype=np.float32).reshape(-1, dim)

@@ -31,7 +31,6 @@ import torch
 from distemb import checkpoint
 from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError
-from distemb.arrays import check_shape
 from distemb.rules import Hyper, RuleName
 from distemb.tensor import DistTensor
 
@@ -171,12 +170,16 @@ class SparseOptimizer(torch.optim.Optimizer):
         return dict(emb.optm_state or {})
 
     def state_dict(self):
-        """Steps, state tensors (whole, as torch tensors) and param_groups."""
+        """Steps, state tensors (whole, as torch tensors) and param_groups.
+
+        A table on a row store (DynamicEmbedding) keys its state: its entry has
+        ``"keys"`` (int64) and one array of rows per state, in that order.
+        """
         state = {}
         for emb in self._embs:
             entry = {"step": self._steps[emb.name]}
-            for sname, kvname in self._state_names(emb).items():
-                entry[sname] = torch.from_numpy(checkpoint.all_rows(emb.kvstore, kvname))
+            rows = emb.kvstore.table_state(emb.name, self._state_names(emb))
+            entry.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rows.items()})
             state[emb.name] = entry
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []}
                   for g in self.param_groups]
@@ -190,14 +193,7 @@ class SparseOptimizer(torch.optim.Optimizer):
                 raise DistEmbError(f"state_dict: no state for table {emb.name!r} "
                                    f"(has {sorted(state)})")
             entry = state[emb.name]
-            for sname, kvname in self._state_names(emb).items():
-                if sname not in entry:
-                    raise DistEmbError(f"state_dict: table {emb.name!r} lacks state {sname!r}")
-                arr = np.ascontiguousarray(np.asarray(entry[sname]))
-                meta = emb.kvstore.data_meta(kvname)
-                check_shape(f"state_dict: state {sname!r} of {emb.name!r}", arr.shape,
-                            meta.shape, DistEmbError)
-                checkpoint.push_rows(emb.kvstore, kvname, arr.astype(meta.dtype, copy=False))
+            emb.kvstore.load_table_state(emb.name, self._state_names(emb), entry)
             self._steps[emb.name] = int(entry["step"])
         self._load_groups(state_dict["param_groups"])
 
@@ -225,13 +221,14 @@ class SparseOptimizer(torch.optim.Optimizer):
         client, writer = self._collective()
         client.barrier()
         if writer:
-            names = []
-            for emb in self._embs:
-                names += [emb.name] + list(self._state_names(emb).values())
+            items = []
+            for emb in self._embs:  # a store table's state is saved with its rows
+                items += [(emb.kvstore, n) for n in emb.kvstore.checkpoint_names(
+                    emb.name, list(self._state_names(emb).values()))]
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-            checkpoint.save(path, self._embs[0].kvstore, names,
-                            {"optimizer": type(self).__name__, "rule": self.rule,
-                             "steps": self._steps, "param_groups": groups})
+            checkpoint.save_items(path, items,
+                                  {"optimizer": type(self).__name__, "rule": self.rule,
+                                   "steps": self._steps, "param_groups": groups})
         client.barrier()
 
     def load(self, path):
@@ -253,7 +250,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         client.barrier()
         for emb in self._embs:
             if writer:
-                names = [emb.name] + list(self._state_names(emb).values())
+                names = emb.kvstore.checkpoint_names(
+                    emb.name, list(self._state_names(emb).values()))
                 checkpoint.restore(path, emb.kvstore, names)
             self._steps[emb.name] = int(meta["steps"][emb.name])
         self._load_groups(meta["param_groups"])

@@ -15,9 +15,9 @@ from distemb.stores.dense import DenseStore
 from distemb.stores.file import FileStore
 from distemb.enums import EvictPolicy, Rounding
 from distemb.stores.hash import HashStore
-from distemb.stores.init import key_normal, key_uniform
+from distemb.stores.init import KeyInit, init_from_spec, key_normal, key_uniform
 from distemb.stores.types import WEIGHT, RowStore
 
 __all__ = ["RowStore", "DenseStore", "HashStore", "FileStore", "EvictPolicy", "Rounding",
            "WEIGHT",
-           "key_uniform", "key_normal"]
+           "key_uniform", "key_normal", "KeyInit", "init_from_spec"]

@@ -44,29 +44,139 @@ def _unit(bits):
     return (bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
 
 
+class KeyInit:
+    """A key-deterministic initialiser: ``init(keys) -> (len(keys), dim) float32``.
+
+    Besides being called, it describes itself as a *spec* (:meth:`spec`: a kind name and
+    plain numbers) that :func:`init_from_spec` turns back into the same initialiser: the
+    form in which a cluster's servers are told how to make a new key's row (no Python
+    function crosses the wire).
+
+    Example:
+        >>> init = key_normal(4, std=0.5, seed=3)
+        >>> init.spec()
+        ('normal', {'dim': 4, 'std': 0.5, 'seed': 3})
+        >>> again = init_from_spec(*init.spec())
+        >>> bool((again(np.array([9])) == init(np.array([9]))).all())
+        True
+    """
+
+    kind = ""
+
+    def __init__(self, dim, **params):
+        self.dim = check_dim(dim)
+        self.params = params
+
+    def spec(self):
+        """``(kind, {"dim": ..., parameter: number})``: what :func:`init_from_spec` takes."""
+        return self.kind, {"dim": self.dim, **self.params}
+
+    def __call__(self, keys):
+        raise NotImplementedError  # pragma: no cover (subclasses define it)
+
+    def __eq__(self, other):
+        return isinstance(other, KeyInit) and self.spec() == other.spec()
+
+    def __hash__(self):
+        return hash((self.kind, tuple(sorted(self.spec()[1].items()))))
+
+    def __repr__(self):
+        kind, params = self.spec()
+        return f"key_{kind}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
+
+
+def _seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
+            not 0 <= seed < 1 << 63:
+        raise ValueError(f"seed: expected an int in [0, 2**63), got {seed!r}")
+    return int(seed)
+
+
+def _number(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating,
+                                                         np.integer)) or \
+            not np.isfinite(value):
+        raise ValueError(f"{what}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+class KeyUniform(KeyInit):
+    """Rows uniform in [low, high), deterministic per key and seed (see :func:`key_uniform`)."""
+
+    kind = "uniform"
+
+    def __init__(self, dim, low=-1.0, high=1.0, seed=0):
+        low, high = _number(low, "low"), _number(high, "high")
+        if not low < high:
+            raise ValueError(f"low, high: expected low < high, got {low!r}, {high!r}")
+        super().__init__(dim, low=low, high=high, seed=_seed(seed))
+        self._lo, self._span = np.float32(low), np.float32(high - low)
+
+    def __call__(self, keys):
+        return self._lo + self._span * _unit(key_bits(keys, self.dim, self.params["seed"]))
+
+
+class KeyNormal(KeyInit):
+    """Rows normal(0, std), deterministic per key and seed (see :func:`key_normal`)."""
+
+    kind = "normal"
+
+    def __init__(self, dim, std=1.0, seed=0):
+        std = _number(std, "std")
+        if not std > 0:
+            raise ValueError(f"std: expected a positive float, got {std!r}")
+        super().__init__(dim, std=std, seed=_seed(seed))
+
+    def __call__(self, keys):
+        seed = self.params["seed"]
+        u1 = 1.0 - _unit(key_bits(keys, self.dim, seed, stream=1)).astype(np.float64)  # (0, 1]
+        u2 = _unit(key_bits(keys, self.dim, seed, stream=2)).astype(np.float64)
+        z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+        return (self.params["std"] * z).astype(np.float32)
+
+
+class KeyZeros(KeyInit):
+    """Rows of zeros (what a dynamic table without ``init_func`` gives a new key)."""
+
+    kind = "zeros"
+
+    def __call__(self, keys):
+        return np.zeros((len(keys_array(keys)), self.dim), np.float32)
+
+
+INITS = {c.kind: c for c in (KeyUniform, KeyNormal, KeyZeros)}
+
+
 def key_uniform(dim, low=-1.0, high=1.0, seed=0):
-    """``init(keys)``: rows uniform in [low, high), deterministic per key and seed."""
-    dim = check_dim(dim)
-    if not low < high:
-        raise ValueError(f"low, high: expected low < high, got {low!r}, {high!r}")
-    lo, span = np.float32(low), np.float32(high - low)
+    """``init(keys)``: rows uniform in [low, high), deterministic per key and seed.
 
-    def init(keys):
-        return lo + span * _unit(key_bits(keys, dim, seed))
-
-    return init
+    Returns:
+        a :class:`KeyUniform` (callable, and describable as a spec for servers).
+    """
+    return KeyUniform(dim, low, high, seed)
 
 
 def key_normal(dim, std=1.0, seed=0):
-    """``init(keys)``: rows normal(0, std), deterministic per key and seed."""
-    dim = check_dim(dim)
-    if not std > 0:
-        raise ValueError(f"std: expected a positive float, got {std!r}")
+    """``init(keys)``: rows normal(0, std), deterministic per key and seed.
 
-    def init(keys):
-        u1 = 1.0 - _unit(key_bits(keys, dim, seed, stream=1)).astype(np.float64)  # (0, 1]
-        u2 = _unit(key_bits(keys, dim, seed, stream=2)).astype(np.float64)
-        z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-        return (std * z).astype(np.float32)
+    Returns:
+        a :class:`KeyNormal` (callable, and describable as a spec for servers).
+    """
+    return KeyNormal(dim, std, seed)
 
-    return init
+
+def init_from_spec(kind, params):
+    """The initialiser a :meth:`KeyInit.spec` describes (e.g. as received by a server).
+
+    Raises:
+        ValueError: an unknown ``kind``, or parameters it does not take or accept.
+    """
+    cls = INITS.get(kind)
+    if cls is None:
+        raise ValueError(f"init: expected one of {sorted(INITS)}, got {kind!r}")
+    if not isinstance(params, dict):
+        raise ValueError(f"init parameters: expected a dict, got {type(params).__name__}")
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise ValueError(f"init parameters of {kind!r}: {e} (got {sorted(params)})") from None

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distemb.errors import TransportError
+from distemb.kernels.half import BFLOAT16
 
 MAGIC = b"DEMB"
 VERSION = 1
@@ -43,7 +44,8 @@ FLAG_NO_REPLY = 1  # the sender will not read a reply (asynchronous update)
 
 DTYPE_CODES = {1: np.dtype("float32"), 2: np.dtype("float64"), 3: np.dtype("float16"),
                4: np.dtype("int64"), 5: np.dtype("int32"), 6: np.dtype("int8"),
-               7: np.dtype("uint8"), 8: np.dtype("bool")}
+               7: np.dtype("uint8"), 8: np.dtype("bool"),
+               9: BFLOAT16}  # bfloat16 rows: 2 bytes each, as stored (no conversion)
 CODE_OF = {dt: code for code, dt in DTYPE_CODES.items()}
 
 

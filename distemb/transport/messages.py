@@ -39,6 +39,17 @@ class Service(enum.IntEnum):
     LOAD = 12
     IN_SHM = 13
     VERSIONED_PULL = 14
+    # Dynamic tables: one hash store per server, keys routed by key_partition (20-29).
+    STORE_CREATE = 20
+    STORE_OPT_INIT = 21
+    STORE_READ = 22
+    STORE_WRITE = 23
+    STORE_REMOVE = 24
+    STORE_UPDATE = 25
+    STORE_INFO = 26
+    STORE_EXPORT = 27
+    STORE_SAVE = 28
+    STORE_LOAD = 29
     REPLY = 100
     ERROR = 101
 
@@ -157,13 +168,21 @@ class Hello(Message):
 
 
 class Create(Message):
+    """``rounding_seed``: >= 0 rounds a bfloat16 table's updates stochastically from that
+    seed; -1 (absent) rounds to nearest-even."""
+
     SERVICE = Service.CREATE
-    FIELDS = {"dtype": text, "row_shape": int_list, "parts": int_list, "part_rows": int_list}
+    FIELDS = {"dtype": text, "row_shape": int_list, "parts": int_list, "part_rows": int_list,
+              "rounding_seed": int_value}
+    DEFAULTS = {"rounding_seed": -1}
 
     def check(self):
         if len(self.parts) != len(self.part_rows) or len(self.row_shape) > 3:
             raise TransportError("Create: parts and part_rows must be equal-length, "
                                  "row_shape at most 3 dims")
+        if self.rounding_seed < -1:
+            raise TransportError(f"Create.rounding_seed: expected -1 or a seed >= 0, got "
+                                 f"{self.rounding_seed}")
 
 
 class Drop(Message):
@@ -311,8 +330,121 @@ class Error(Message):
     FIELDS = {"kind": text, "message": lambda v: isinstance(v, str)}
 
 
+def real(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+
+
+def choice(*allowed):
+    return lambda v: isinstance(v, str) and v in allowed
+
+
+class KeysMessage(Message):
+    """A request on a dynamic table's keys: ``ids`` (any int64 keys, 1-d); every other
+    array has one row per key."""
+
+    def check(self):
+        what = type(self).__name__
+        if self.ids.dtype != ID_DTYPE or self.ids.ndim != 1:
+            raise TransportError(f"{what}.ids: expected 1-d int64 keys, got {self.ids.dtype} "
+                                 f"{self.ids.ndim}-d")
+        for a in self.ARRAYS[1:]:
+            v = getattr(self, a)
+            if v.ndim < 1 or v.shape[0] != self.ids.shape[0]:
+                raise TransportError(f"{what}.{a}: expected {self.ids.shape[0]} rows, got "
+                                     f"shape {v.shape}")
+
+
+class StoreCreate(Message):
+    """Make this server's hash store of dynamic table ``name`` (the fields of a
+    :class:`~distemb.stores.spec.HashTableSpec`); an existing one must match."""
+
+    SERVICE = Service.STORE_CREATE
+    FIELDS = {"dim": int_value, "dtype": text, "init": text, "init_args": scalar_dict,
+              "capacity": int_value, "evict": text, "low_water": real, "rounding": text}
+
+
+class StoreOptInit(Message):
+    """(Re)create the state columns of ``rule`` in this server's store of ``name``."""
+
+    SERVICE = Service.STORE_OPT_INIT
+    FIELDS = {"rule": text, "options": scalar_dict}
+
+
+class StoreRead(KeysMessage):
+    """Rows of ``column`` for keys: ``lookup`` finds or inserts (and counts the access),
+    ``get`` fails on an absent key, ``contains`` answers a bool per key."""
+
+    SERVICE = Service.STORE_READ
+    FIELDS = {"mode": choice("lookup", "get", "contains"), "column": text}
+    ARRAYS = ("ids",)
+
+
+class StoreWrite(KeysMessage):
+    """Upsert ``values`` into ``column`` of the keys (absent keys are inserted first)."""
+
+    SERVICE = Service.STORE_WRITE
+    FIELDS = {"column": text}
+    ARRAYS = ("ids", "values")
+
+
+class StoreRemove(KeysMessage):
+    """Remove keys and their state; the reply's ``removed`` counts those present."""
+
+    SERVICE = Service.STORE_REMOVE
+    ARRAYS = ("ids",)
+
+
+class StoreUpdate(KeysMessage):
+    """Apply ``rule`` to unique keys (inserted first when absent); ``exact``/``seq`` as
+    :class:`Update` (sync_exact: summed over every trainer's step ``seq``)."""
+
+    SERVICE = Service.STORE_UPDATE
+    FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag}
+    ARRAYS = ("ids", "grads")
+
+
+class StoreInfo(Message):
+    """Size, capacity and columns of this server's store of ``name``; first, with
+    ``evict_to`` >= 0, evict (by ``policy``, or the table's when empty) down to it."""
+
+    SERVICE = Service.STORE_INFO
+    FIELDS = {"evict_to": int_value, "policy": text}
+    DEFAULTS = {"evict_to": -1, "policy": ""}
+
+
+class StoreExport(Message):
+    """Keys ``start .. start+count-1`` (in ascending key order) of this server's store,
+    with their rows of ``columns`` (every column when empty)."""
+
+    SERVICE = Service.STORE_EXPORT
+    FIELDS = {"start": int_value, "count": int_value, "columns": text_list}
+
+    def check(self):
+        if self.start < 0 or self.count < 1:
+            raise TransportError(f"StoreExport: expected start >= 0 and count >= 1, got "
+                                 f"{self.start}, {self.count}")
+
+
+class StoreSave(Message):
+    """Write this server's store of ``name`` into checkpoint ``directory``."""
+
+    SERVICE = Service.STORE_SAVE
+    FIELDS = {"directory": abs_path, "save_id": text}
+
+
+class StoreLoad(Message):
+    """Replace this server's store contents with the keys it owns in checkpoint
+    ``directory`` (saved by any number of servers)."""
+
+    SERVICE = Service.STORE_LOAD
+    FIELDS = {"directory": abs_path}
+
+
+STORE_REQUESTS = (StoreCreate, StoreOptInit, StoreRead, StoreWrite, StoreRemove, StoreUpdate,
+                  StoreInfo, StoreExport, StoreSave, StoreLoad)
 REQUESTS = {m.SERVICE: m for m in (Hello, Create, Drop, Pull, Push, OptInit, Update,
-                                   Barrier, ShmInfo, Bye, Save, Load, VersionedPull)}
+                                   Barrier, ShmInfo, Bye, Save, Load, VersionedPull)
+            + STORE_REQUESTS}
 
 
 def decode_request(frame):

@@ -1,0 +1,273 @@
+// Kernels on half-precision rows (bfloat16 or IEEE float16 storage, uint16 bits), float32
+// gradients, state and maths. Each loads a row's weights as float32, runs exactly the
+// float32 kernel's arithmetic (csrc/_kernels.pyx), and rounds the result to nearest-even
+// on store: a half kernel equals "decode, float32 kernel, encode", bit for bit.
+// Included twice by csrc/half_kernels.h, once per instruction set (DISTEMB_HALF_VECTOR
+// 0: baseline x86-64 / any CPU, 1: compiled for AVX2 + F16C), each time inside its own
+// namespace: no include guard, no includes of its own.
+
+enum Kind { BF16 = 0, F16 = 1 };
+static const int64_t PREFETCH_AHEAD = 8;
+static const int CHUNK_ROWS = 64;
+
+struct BF16Conv {
+  static inline float load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static inline uint16_t store(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    // round to nearest, ties to even; NaN stays a (quiet) NaN. Both computed and selected
+    // without a branch, so the row loops below vectorise.
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+  }
+  static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
+    for (int64_t j = 0; j < d; ++j) dst[j] = load(src[j]);
+  }
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t) {
+    for (int64_t j = 0; j < d; ++j) dst[j] = store(src[j]);
+  }
+};
+
+static inline uint64_t splitmix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+static const uint64_t GOLDEN = 0x9e3779b97f4a7c15ULL;
+
+// bfloat16 with stochastic rounding: add 16 random bits below the kept ones, truncate, so
+// a value rounds up with probability equal to its distance from the lower neighbour
+// (unbiased: updates smaller than half an ulp survive in expectation). The bits are a
+// hash of (seed, slot, column): reproducible for any thread count or schedule.
+struct BF16SRConv {
+  static inline float load(uint16_t h) { return BF16Conv::load(h); }
+  static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
+    BF16Conv::load_row(src, dst, d);
+  }
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t stream) {
+    for (int64_t j = 0; j < d; ++j) {
+      uint32_t u;
+      std::memcpy(&u, &src[j], 4);
+      uint32_t rnd = (uint32_t)(splitmix(stream + (uint64_t)(j + 1) * GOLDEN) >> 48);
+      uint32_t nan = (u >> 16) | 0x40u;
+      dst[j] = (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : (u + rnd) >> 16);
+    }
+  }
+};
+
+// The random stream of one row of one update call.
+static inline uint64_t row_stream(uint64_t seed, int64_t slot) {
+  return splitmix(seed ^ splitmix((uint64_t)slot));
+}
+
+struct F16Conv {
+  static inline float load(uint16_t h) {
+    _Float16 x;
+    std::memcpy(&x, &h, 2);
+    return (float)x;
+  }
+  static inline uint16_t store(float f) {
+    _Float16 x = (_Float16)f;  // IEEE conversion: round to nearest, ties to even
+    uint16_t h;
+    std::memcpy(&h, &x, 2);
+    return h;
+  }
+  // gcc does not vectorise _Float16 conversions: with F16C, 8 lanes per instruction
+  static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
+    int64_t j = 0;
+#if DISTEMB_HALF_VECTOR
+    for (; j + 8 <= d; j += 8)
+      _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
+#endif
+    for (; j < d; ++j) dst[j] = load(src[j]);
+  }
+  static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t) {
+    int64_t j = 0;
+#if DISTEMB_HALF_VECTOR
+    for (; j + 8 <= d; j += 8)
+      _mm_storeu_si128((__m128i *)(dst + j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; j < d; ++j) dst[j] = store(src[j]);
+  }
+};
+
+static inline void prefetch(const void *p, long nbytes) {
+  const char *c = (const char *)p;
+  for (long off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+}
+
+// Every update: decode the row into a per-thread float32 buffer, run the float32
+// kernel's loop on it (the same expressions as csrc/_kernels.pyx), encode it back.
+
+template <class C>
+void gather_t(const uint16_t *t, const int64_t *r, float *o, int64_t n, int64_t d, int nt) {
+#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + PREFETCH_AHEAD < n) prefetch(t + r[i + PREFETCH_AHEAD] * d, d * 2);
+    C::load_row(t + r[i] * d, o + i * d, d);
+  }
+}
+
+template <class C>
+void sgd_t(uint16_t *w0, const int64_t *r, const float *g0, int64_t n, int64_t d, float lr,
+           uint64_t seed, int nt) {
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+      const float *g = g0 + i * d;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = w[j] - lr * g[j];
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+    }
+  }
+}
+
+template <class C>
+void adagrad_t(uint16_t *w0, float *s0, const int64_t *r, const float *g0, int64_t n,
+               int64_t d, float clr, float eps, uint64_t seed, int nt) {
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) {
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(s0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+      }
+      float *s = s0 + r[i] * d;
+      const float *g = g0 + i * d;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) {
+        float gj = g[j], sj = s[j] + gj * gj;
+        s[j] = sj;
+        w[j] = w[j] - clr * (gj / (sqrtf(sj) + eps));
+      }
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+    }
+  }
+}
+
+template <class C>
+void rowwise_adagrad_t(uint16_t *w0, float *s, const int64_t *r, const float *g0, int64_t n,
+                       int64_t d, float clr, float eps, uint64_t seed, int nt) {
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) {
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(s + r[i + PREFETCH_AHEAD], 4);
+      }
+      const float *g = g0 + i * d;
+      float acc = 0;
+      for (int64_t j = 0; j < d; ++j) acc = acc + g[j] * g[j];
+      s[r[i]] = s[r[i]] + acc / d;
+      float std_ = sqrtf(s[r[i]]) + eps;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = w[j] - clr * (g[j] / std_);
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+    }
+  }
+}
+
+template <class C>
+void adam_t(uint16_t *w0, float *m0, float *v0, const int64_t *r, const float *g0, int64_t n,
+            int64_t d, double lr, double beta1, double beta2, double eps, int64_t step,
+            int64_t *rs, uint64_t seed, int nt) {
+  // 1 - beta in double, then rounded, as torch computes it (and csrc/_kernels.pyx)
+  float omb1 = (float)(1.0 - beta1), omb2 = (float)(1.0 - beta2), feps = (float)eps;
+  double global_size = lr * std::sqrt(1.0 - std::pow(beta2, (double)step)) /
+                       (1.0 - std::pow(beta1, (double)step));
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(d);
+    float *w = buf.data();
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) {
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(m0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+        prefetch(v0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+      }
+      float fstep;
+      if (rs) {
+        rs[r[i]] += 1;
+        double st = (double)rs[r[i]];
+        fstep = (float)(lr * std::sqrt(1.0 - std::pow(beta2, st)) / (1.0 - std::pow(beta1, st)));
+      } else {
+        fstep = (float)global_size;
+      }
+      float *m = m0 + r[i] * d;
+      float *v = v0 + r[i] * d;
+      const float *g = g0 + i * d;
+      C::load_row(w0 + r[i] * d, w, d);
+      for (int64_t j = 0; j < d; ++j) {
+        float gj = g[j];
+        float mj = m[j] + (gj - m[j]) * omb1;
+        float vj = v[j] + (gj * gj - v[j]) * omb2;
+        m[j] = mj;
+        v[j] = vj;
+        w[j] = w[j] - fstep * (mj / (sqrtf(vj) + feps));
+      }
+      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+    }
+  }
+}
+
+template <class C>
+void encode_t(const float *src, uint16_t *dst, int64_t n) { C::store_row(src, dst, n, 0); }
+
+template <class C>
+void decode_t(const uint16_t *src, float *dst, int64_t n) { C::load_row(src, dst, n); }
+
+// The entry points: ``kind`` picks the format once per call (0 bfloat16, 1 float16,
+// 2 bfloat16 with stochastic rounding, which only the updates use).
+enum { BF16_SR = 2 };
+#define DISTEMB_HALF_DISPATCH(fn, ...)                  \
+  do {                                                  \
+    if (kind == BF16) fn<BF16Conv>(__VA_ARGS__);        \
+    else if (kind == F16) fn<F16Conv>(__VA_ARGS__);     \
+    else fn<BF16SRConv>(__VA_ARGS__);                   \
+  } while (0)
+
+inline void gather(int kind, const uint16_t *t, const int64_t *r, float *o, int64_t n,
+                   int64_t d, int nt) { DISTEMB_HALF_DISPATCH(gather_t, t, r, o, n, d, nt); }
+inline void sgd(int kind, uint16_t *w, const int64_t *r, const float *g, int64_t n, int64_t d,
+                float lr, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(sgd_t, w, r, g, n, d, lr, seed, nt);
+}
+inline void adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
+                    int64_t n, int64_t d, float clr, float eps, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(adagrad_t, w, s, r, g, n, d, clr, eps, seed, nt);
+}
+inline void rowwise_adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
+                            int64_t n, int64_t d, float clr, float eps, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(rowwise_adagrad_t, w, s, r, g, n, d, clr, eps, seed, nt);
+}
+inline void adam(int kind, uint16_t *w, float *m, float *v, const int64_t *r, const float *g,
+                 int64_t n, int64_t d, double lr, double b1, double b2, double eps,
+                 int64_t step, int64_t *rs, uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(adam_t, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, seed, nt);
+}
+inline void encode(int kind, const float *src, uint16_t *dst, int64_t n) {
+  DISTEMB_HALF_DISPATCH(encode_t, src, dst, n);
+}
+inline void decode(int kind, const uint16_t *src, float *dst, int64_t n) {
+  DISTEMB_HALF_DISPATCH(decode_t, src, dst, n);
+}

@@ -1,0 +1,288 @@
+"""RemoteStoreClient: dynamic tables sharded by key hash over a cluster's servers.
+
+Each server holds one hash store per dynamic table (:mod:`distemb.kvstore.store_service`)
+with the keys ``k`` for which ``key_partition(k, num_servers)`` names it
+(:func:`~distemb.partition.key_partition`: splitmix64 of the key, modulo the server
+count), so any key lands on the same server whichever trainer sends it. A lookup is a
+find-or-insert on the owning server, which makes a new key's row with the table's
+initialiser, rebuilt there from its spec (``key_normal``/``key_uniform``): the row a key
+gets does not depend on the server count or on who asked first.
+
+Every request is split by owning server and sent to all of them before a reply is read
+(the cluster client's one send-then-collect routine, :meth:`RemoteKVClient.call
+<distemb.kvstore.remote.RemoteKVClient.call>`, over its connections). Updates follow the
+job's consistency as array tables do: ``sync`` waits for every server, ``async`` does
+not, ``sync_exact`` has every trainer push to every server each step (empty when it has
+no rows there), and a server sums the step's contributions and applies them once.
+Dynamic tables always travel over the sockets (no shared-memory path, no trainer cache).
+
+Example (servers started by ``distemb-launch``)::
+
+    kv = RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]), rank=0)
+    dyn = kv.store_client()
+    dyn.create_table("users", HashTableSpec(16, init=key_normal(16, std=0.1)))
+    rows = dyn.pull("users", np.array([2**40, -3]))
+"""
+import numpy as np
+
+from distemb.enums import Consistency, EvictPolicy
+from distemb.errors import KVStoreError
+from distemb.kernels.hashtable import table_keys
+from distemb.kvstore.store_client import StoreClient
+from distemb.kvstore.store_snapshot import check_entry, store_entry
+from distemb.partition import key_partition
+from distemb.rules import rule_of
+from distemb.stores.types import WEIGHT
+from distemb.transport.messages import (Drop, StoreCreate, StoreExport, StoreInfo, StoreLoad,
+                                        StoreOptInit, StoreRead, StoreRemove, StoreSave,
+                                        StoreUpdate, StoreWrite)
+
+#: Bytes of rows per export or import request (well under any frame limit).
+PAGE_BYTES = 16 << 20
+IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge table
+
+
+class RemoteStoreClient(StoreClient):
+    """Store client of a cluster: a hash store per server per table; see the module
+    docstring.
+
+    Args:
+        remote: the trainer's :class:`~distemb.kvstore.remote.RemoteKVClient` (its
+            connections, rank, barrier and consistency are shared).
+    """
+
+    def __init__(self, remote):
+        super().__init__()
+        self.remote = remote
+        self.num_servers, self.num_threads = remote.num_servers, remote.num_threads
+        self._specs, self._seq = {}, {}
+
+    @property
+    def consistency(self):
+        return self.remote.consistency
+
+    def _spec(self, name):
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise KVStoreError(f"name {name!r} is not in the KVStore "
+                               f"(known: {sorted(self._specs)[:10]})") from None
+
+    def _split(self, keys):
+        """{server id: (positions in ``keys``, its keys)} of the servers owning some."""
+        if self.num_servers == 1:
+            return {0: (np.arange(len(keys)), keys)} if len(keys) else {}
+        owner = key_partition(keys, self.num_servers)
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(self.num_servers + 1))
+        return {sid: (order[lo:hi], keys[order[lo:hi]])
+                for sid, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo}
+
+    def _all(self, make, timeout=None):
+        return self.remote.call({sid: make(sid) for sid in range(self.num_servers)},
+                                timeout=timeout)
+
+    def _gather(self, name, keys, make, row_shape, dtype):
+        """Rows of ``keys`` asked of their owners with ``make(keys)``, in key order."""
+        keys = table_keys(keys)
+        out = np.empty((len(keys),) + row_shape, dtype)
+        split = self._split(keys)
+
+        def take(sid, frame):
+            pos = split[sid][0]
+            got = frame.arrays[0] if len(frame.arrays) == 1 else None
+            if got is None or got.shape != (len(pos),) + row_shape:
+                raise KVStoreError(f"server {sid}: reply of the wrong shape for {name!r}")
+            out[pos] = got
+
+        self.remote.call({sid: make(k) for sid, (_, k) in split.items()}, on_reply=take)
+        return out
+
+    # -- tables -------------------------------------------------------------------------
+
+    def create_table(self, name, spec):
+        """Make dynamic table ``name`` on every server (collective, as ``init_data``).
+
+        Raises:
+            TypeError: the spec's initialiser is a plain function (servers cannot run it).
+            KVStoreError: ``name`` exists here, or on the servers with another spec.
+        """
+        if name in self._specs:
+            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        fields = spec.fields()
+        self._all(lambda sid: StoreCreate(name=name, **fields))
+        self._specs[name] = spec
+        self.remote.barrier()
+
+    def add_table(self, name, store):
+        raise KVStoreError(f"table {name!r}: a store object lives in this process, and this "
+                           "is a trainer of a cluster; use DynamicEmbedding (a hash store "
+                           "per server, made from its spec)")
+
+    def names(self):
+        return list(self._specs)
+
+    def dim(self, name):
+        return self._spec(name).dim
+
+    def capacity(self, name):
+        return self._spec(name).capacity
+
+    def _info(self, name, evict_to=None, policy=None):
+        spec = self._spec(name)
+        share = [-1] * self.num_servers
+        if evict_to is not None:
+            if isinstance(evict_to, bool) or not isinstance(evict_to, (int, np.integer)) or \
+                    evict_to < 0:
+                raise ValueError(f"target_size: expected an int >= 0, got {evict_to!r}")
+            share = [evict_to // self.num_servers + (sid < evict_to % self.num_servers)
+                     for sid in range(self.num_servers)]
+        pol = "" if policy is None else EvictPolicy.parse(policy, "policy", ValueError).value
+        return spec, self._all(lambda sid: StoreInfo(name=name, evict_to=share[sid],
+                                                     policy=pol))
+
+    def size(self, name):
+        return int(sum(r.fields["size"] for r in self._info(name)[1].values()))
+
+    def remove(self, name, keys):
+        split = self._split(table_keys(keys))
+        replies = self.remote.call({sid: StoreRemove(name=name, ids=k)
+                                    for sid, (_, k) in split.items()})
+        return int(sum(r.fields["removed"] for r in replies.values()))
+
+    def contains(self, name, keys):
+        self._spec(name)
+        return self._gather(name, keys, lambda k: StoreRead(
+            name=name, mode="contains", column=WEIGHT, ids=k), (), np.bool_)
+
+    def get(self, name, keys):
+        dim = self.dim(name)
+        return self._gather(name, keys, lambda k: StoreRead(
+            name=name, mode="get", column=WEIGHT, ids=k), (dim,), np.float32)
+
+    def evict(self, name, target_size, policy=None):
+        """Each server evicts down to its share of ``target_size`` by its own LRU/LFU
+        order (the order is per server: no global ranking crosses the network)."""
+        replies = self._info(name, target_size, policy)[1]
+        return np.concatenate([replies[sid].arrays[0] for sid in sorted(replies)])
+
+    def export(self, name, columns=None):
+        spec = self._spec(name)
+        cols = list(columns) if columns is not None else None
+        keys, rows = [], {}
+        for sid in range(self.num_servers):
+            start = 0
+            while True:
+                page = max(1, PAGE_BYTES // (8 + 16 * spec.dim))  # weight + 3 states at most
+                r = self.remote.call({sid: StoreExport(name=name, start=start, count=page,
+                                                       columns=cols or [])})[sid]
+                names = r.fields["columns"]
+                if len(r.arrays) != 1 + len(names):
+                    raise KVStoreError(f"server {sid}: export reply of the wrong shape")
+                keys.append(r.arrays[0])
+                for c, a in zip(names, r.arrays[1:]):
+                    rows.setdefault(c, []).append(a)
+                start += len(r.arrays[0])
+                if start >= r.fields["total"] or not len(r.arrays[0]):
+                    break
+        allkeys = np.concatenate(keys)
+        order = np.argsort(allkeys, kind="stable")
+        return allkeys[order], {c: np.concatenate(a)[order] for c, a in rows.items()}
+
+    def import_(self, name, keys, columns):
+        keys = table_keys(keys)
+        for c, values in columns.items():
+            if len(values) != len(keys):
+                raise KVStoreError(f"columns[{c!r}]: expected {len(keys)} rows, got "
+                                   f"{len(values)}")
+        # the weight first: it inserts absent keys, state columns then overwrite
+        for c in sorted(columns, key=lambda c: c != WEIGHT):
+            values = np.asarray(columns[c])
+            if c == WEIGHT:
+                values = values.astype(np.float32, copy=False)
+            page = max(1, PAGE_BYTES // max(1, values[:1].nbytes + 8))
+            for lo in range(0, len(keys), page):
+                self._write(name, keys[lo:lo + page], values[lo:lo + page], c)
+
+    def _write(self, name, keys, values, column):
+        split = self._split(keys)
+        self.remote.call({sid: StoreWrite(name=name, column=column, ids=k,
+                                          values=np.ascontiguousarray(values[pos]))
+                          for sid, (pos, k) in split.items()})
+
+    def delete_data(self, name):
+        if self._specs.pop(name, None) is not None:
+            self._states = {s: t for s, t in self._states.items() if t != name}
+            self._all(lambda sid: Drop(name=name))
+
+    # -- KVClient -----------------------------------------------------------------------
+
+    def pull(self, name, ids):
+        dim = self.dim(name)
+        return self._gather(name, ids, lambda k: StoreRead(
+            name=name, mode="lookup", column=WEIGHT, ids=k), (dim,), np.float32)
+
+    def push(self, name, ids, values):
+        self._write(name, table_keys(ids), np.asarray(values, np.float32).reshape(
+            len(ids), self.dim(name)), WEIGHT)
+
+    def init_optimizer(self, name, rule, options):
+        """Fresh state columns on every server (collective, as for array tables)."""
+        self._spec(name)
+        impl = rule_of(rule)
+        opts = {k: float(v) for k, v in options.items()}
+        self.remote.barrier()
+        if self.remote.rank == 0:
+            self._all(lambda sid: StoreOptInit(name=name, rule=impl.name.value, options=opts))
+        self.remote.barrier()
+        self._seq[name] = 0
+        return self._state_names(name, rule)
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        impl = rule_of(rule)
+        fields = impl.check_hyper(hyper).fields()
+        dim = self.dim(name)
+        seq = self._seq.get(name, 0) + 1
+        self._seq[name] = seq
+        exact = self.consistency == Consistency.SYNC_EXACT
+        grads = np.asarray(grads, np.float32)
+        split = self._split(table_keys(ids))
+        requests = {sid: StoreUpdate(name=name, rule=impl.name.value, hyper=fields, seq=seq,
+                                     exact=exact, ids=k,
+                                     grads=np.ascontiguousarray(grads[pos]))
+                    for sid, (pos, k) in split.items()}
+        if exact:
+            # every server hears from every trainer each step, so it knows when the
+            # step's contributions are complete
+            for sid in range(self.num_servers):
+                requests.setdefault(sid, StoreUpdate(
+                    name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=True,
+                    ids=np.empty(0, np.int64), grads=np.empty((0, dim), np.float32)))
+        self.remote.call(requests, wait=self.consistency != Consistency.ASYNC)
+
+    def coalesce(self, name, ids, grads, F):
+        """As the host clients; in sync_exact mode an empty step still pushes (nothing)."""
+        summed = super().coalesce(name, ids, grads, F)
+        if summed is None and self.consistency == Consistency.SYNC_EXACT:
+            return np.empty(0, np.int64), np.empty((0, self.dim(name)), np.float32)
+        return summed
+
+    def barrier(self):
+        self.remote.barrier()
+
+    def checkpoint_entry(self, name, directory, save_id):
+        """Every server writes its own store of ``name`` (in parallel)."""
+        spec = self._spec(name)
+        replies = self._all(lambda sid: StoreSave(name=name, directory=directory,
+                                                  save_id=save_id), timeout=IO_TIMEOUT_S)
+        return store_entry(spec.dim, spec.dtype,
+                           [replies[sid].fields["record"] for sid in sorted(replies)])
+
+    def restore_entry(self, name, directory, entry):
+        """Every server replaces its keys with the checkpoint's keys it owns now."""
+        check_entry(entry, name, self.dim(name), directory)
+        self._all(lambda sid: StoreLoad(name=name, directory=directory),
+                  timeout=IO_TIMEOUT_S)
+
+    def close(self):
+        """Nothing to release: the connections are the trainer's client's."""

@@ -1,0 +1,92 @@
+"""A server holding a dynamic table against hostile STORE_* frames: 300 requests built
+with the store message classes, some fields and arrays made hostile (absurd dims, keys
+another server owns, wrong dtypes and shapes, unknown columns, rules and modes). Each
+must get an error (or a reply); afterwards the real trainer's table is intact and
+still trains, and the server exits cleanly when the trainers say goodbye."""
+import threading
+
+import numpy as np
+import pytest
+
+from mp_helper import ProcessGroup
+from test_hostile import BAD_VALUES, NAMES, Server, _array, ask, closed_after_error
+
+from distemb.kvstore.store_remote import RemoteStoreClient
+from distemb.rules import AdagradHyper
+from distemb.stores import key_normal
+from distemb.stores.spec import HashTableSpec
+from distemb.transport.messages import (Service, StoreCreate, StoreExport, StoreInfo,
+                                        StoreLoad, StoreOptInit, StoreRead, StoreRemove,
+                                        StoreSave, StoreUpdate, StoreWrite)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+def hostile_store_message(rng, tmp):
+    keys = np.array([3, -7, 2 ** 40], np.int64)
+    valid = {
+        StoreCreate: dict(HashTableSpec(4, init=key_normal(4)).fields()),
+        StoreOptInit: dict(rule="adagrad", options={"initial_accumulator_value": 0.0}),
+        StoreRead: dict(mode="lookup", column="weight", ids=keys),
+        StoreWrite: dict(column="weight", ids=keys, values=np.ones((3, 4), np.float32)),
+        StoreRemove: dict(ids=keys),
+        StoreUpdate: dict(rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10}, seq=1,
+                          exact=False, ids=keys, grads=np.ones((3, 4), np.float32)),
+        StoreInfo: dict(evict_to=1, policy="lfu"),
+        StoreExport: dict(start=0, count=10, columns=[]),
+        StoreSave: dict(directory=str(tmp), save_id="ab12cd34"),
+        StoreLoad: dict(directory=str(tmp)),
+    }
+    cls = list(valid)[rng.integers(len(valid))]
+    kw = dict(valid[cls])
+    for key in list(kw):
+        if rng.random() < 0.4:
+            kw[key] = _array(rng) if isinstance(kw[key], np.ndarray) else \
+                BAD_VALUES[rng.integers(len(BAD_VALUES))]
+    if cls is StoreCreate and rng.random() < 0.3:
+        kw["dim"] = [0, -1, 1 << 40, 1 << 20, 5][rng.integers(5)]
+    if cls is StoreUpdate and kw.get("exact") is True:
+        kw["exact"] = "yes"  # a legitimate exact step would wait for the other trainer
+    return cls(name=NAMES[rng.integers(len(NAMES))] if rng.random() < 0.5 else "dyn", **kw)
+
+
+def test_fuzz_300_hostile_store_frames_then_the_real_table_still_trains(tmp_path):
+    rng = np.random.default_rng(20261124)
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group, consistency="sync")
+        real, other = srv.real.store_client(), srv.other.store_client()
+        spec = HashTableSpec(4, init=key_normal(4, seed=2))
+        for name in ("keep", "dyn"):  # "dyn" is the fuzzer's to mangle
+            t = threading.Thread(target=other.create_table, args=(name, spec))
+            t.start()
+            real.create_table(name, spec)
+            t.join(30)
+        keys = np.array([1, -(2 ** 50), 77], np.int64)
+        real.push("keep", keys, np.full((3, 4), 2.0, np.float32))
+        answers = {"error": 0, "reply": 0}
+        conn = srv.connect()
+        for i in range(300):
+            msg = hostile_store_message(rng, tmp_path)
+            frame = ask(conn, msg)
+            if frame is None or frame.service == Service.ERROR:
+                answers["error"] += 1
+            else:
+                assert frame.service == Service.REPLY
+                answers["reply"] += 1
+            if frame is None or closed_after_error(frame):
+                conn.close()
+                conn = srv.connect()
+            assert srv.proc.poll() is None, f"server died at frame {i}: {msg.__dict__}"
+        conn.close()
+        print(f"store fuzz: answers {answers}")
+        assert answers["error"] > 100 and answers["reply"] > 20
+        np.testing.assert_array_equal(real.get("keep", keys), np.full((3, 4), 2.0))
+        assert real.size("keep") == 3
+        t = threading.Thread(target=other.init_optimizer, args=("keep", "adagrad", {}))
+        t.start()
+        real.init_optimizer("keep", "adagrad", {})
+        t.join(30)
+        real.push_update("keep", keys, np.ones((3, 4), np.float32), "adagrad",
+                         AdagradHyper(clr=0.5, eps=1e-10))
+        np.testing.assert_allclose(real.get("keep", keys), np.full((3, 4), 1.5), rtol=1e-6)
+        srv.finish(group)
