@@ -1,4 +1,5 @@
-"""KVServer on its own: shard ownership and request errors (clients: test_kvclient_suite)."""
+"""KVServer and KVService on their own: shard ownership, request errors, sync_exact order
+(clients: test_kvclient_suite)."""
 import numpy as np
 import pytest
 
@@ -28,3 +29,71 @@ def test_server_rejects_unknown_rule_and_shard():
         srv.pull("w", 1, np.array([0]))
     with pytest.raises(KVStoreError, match="already exists"):
         srv.create("w", 0, np.zeros((2, 2), np.float32))
+
+
+def _exact_service(num_trainers):
+    from distemb.kvstore.service import KVService
+    from distemb.transport.messages import Create
+    svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=num_trainers,
+                    timeout_s=30)
+    svc.handle(Create(name="w", dtype="float32", row_shape=[1], parts=[0],
+                      part_rows=[1]).encode())
+    return svc
+
+
+def _exact_step(svc, arrival, grads, seq=0):
+    """Ranks ``arrival`` push step ``seq`` in that order (each one's push buffered before
+    the next is sent); returns the replies, in arrival order."""
+    import threading
+
+    from distemb.transport.base import Session
+    from distemb.transport.messages import Service, Update
+
+    replies, threads = {}, []
+    for n, rank in enumerate(arrival):
+        frame = Update(name="w", rule="sgd", hyper={"lr": 1.0}, seq=seq, exact=True,
+                       parts=[0], counts=[1], ids=np.array([0]),
+                       grads=np.full((1, 1), grads[rank], np.float32)).encode()
+        t = threading.Thread(target=lambda f=frame, r=rank: replies.__setitem__(
+            r, svc.handle(f, Session(peer=f"t{r}", rank=r))))
+        t.start()
+        threads.append(t)
+        while n + 1 < len(arrival) and (len(svc._exact) == 0 or len(
+                next(iter(svc._exact.values())).contribs) <= n):
+            threading.Event().wait(0.001)  # wait until this push is buffered
+    for t in threads:
+        t.join(30)
+    assert all(r.service != Service.ERROR for r in replies.values()), replies
+    return replies
+
+
+def test_sync_exact_sums_in_rank_order_whatever_the_arrival_order():
+    """Three trainers' gradients of one row: 1 + 2**-24 + 2**-24 rounds to 1 when added
+    from rank 0 on, to 1 + 2**-23 from rank 2 on. Every arrival order gives rank order's
+    result (a one-process run's order), so runs repeat bit for bit."""
+    grads = {0: 1.0, 1: 2.0 ** -24, 2: 2.0 ** -24}
+    in_order = np.float32(np.float32(1.0) + np.float32(2.0 ** -24)) + np.float32(2.0 ** -24)
+    assert in_order != np.float32(2.0 ** -23) + np.float32(1.0)  # the order matters
+    for arrival in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
+        svc = _exact_service(3)
+        _exact_step(svc, arrival, grads)
+        assert svc.server.shard("w", 0)[0, 0] == -in_order, arrival
+
+
+def test_sync_exact_refuses_a_second_push_of_one_rank():
+    from distemb.transport.base import Session
+    from distemb.transport.messages import Service, Update
+    svc = _exact_service(2)
+    frame = Update(name="w", rule="sgd", hyper={"lr": 1.0}, seq=0, exact=True, parts=[0],
+                   counts=[1], ids=np.array([0]), grads=np.ones((1, 1), np.float32)).encode()
+    import threading
+    first = threading.Thread(target=svc.handle, args=(frame, Session(peer="a", rank=0)))
+    first.start()
+    while not svc._exact:
+        threading.Event().wait(0.001)
+    reply = svc.handle(frame, Session(peer="b", rank=0))
+    assert reply.service == Service.ERROR
+    assert "rank 0 sent step 0 of 'w' twice" in reply.fields["message"]
+    _exact_step(svc, [1], {1: 1.0})  # the real second trainer completes the step
+    first.join(30)
+    assert svc.server.shard("w", 0)[0, 0] == -2.0

@@ -64,6 +64,7 @@ class _ExactStep:
 
     def __init__(self):
         self.contribs, self.done, self.error, self.left = [], False, None, 0
+        self.ranks = []  # the rank of each contribution's connection (None: in-process)
         self.replies = {}  # id(message) -> its versions reply, taken when applied
 
 
@@ -351,7 +352,7 @@ class KVService:
                                    f"{m.grads.shape[1:]}")
         if m.exact:
             self._rows(m)  # reject bad ids before they are buffered
-            return self._update_exact(m, self._apply_summed)
+            return self._update_exact(m, session, self._apply_summed)
         for part, ids, sl in self._rows(m):
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
         return self._versions_reply(m)
@@ -388,20 +389,37 @@ class KVService:
     def _store_update(self, m, session):
         self.stores.check_update(m)
         if m.exact:
-            return self._update_exact(m, self.stores.apply)
+            return self._update_exact(m, session, self.stores.apply)
         self.stores.apply([m])
 
-    def _update_exact(self, m, apply):
+    def _update_exact(self, m, session, apply):
         """Buffer ``m`` until every trainer sent its step ``m.seq`` of the table, then
-        ``apply(contributions) -> {id(message): reply}`` once; answer each with its reply."""
+        ``apply(contributions) -> {id(message): reply}`` once; answer each with its reply.
+
+        The contributions are applied in rank order, not arrival order: a row's sum of
+        three or more trainers' gradients rounds differently in another order, and the
+        order the pushes happen to arrive in must not change the table (runs repeat).
+
+        Raises:
+            KVStoreError: this connection's rank already sent step ``m.seq`` of the table
+                (its second push would stand in for a missing trainer), or the others did
+                not send theirs within ``timeout_s``.
+        """
         key = (m.SERVICE, m.name, m.seq)
+        rank = session.rank if session is not None else None
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             step = self._exact.setdefault(key, _ExactStep())
+            if rank is not None and rank in step.ranks:
+                raise KVStoreError(f"sync_exact: rank {rank} sent step {m.seq} of "
+                                   f"{m.name!r} twice")
             step.contribs.append(m)
+            step.ranks.append(rank)
             if len(step.contribs) == self.num_trainers:
+                order = sorted(range(len(step.ranks)), key=lambda i: (
+                    step.ranks[i] is None, step.ranks[i] or 0, i))
                 try:
-                    step.replies = apply(step.contribs)
+                    step.replies = apply([step.contribs[i] for i in order])
                 except Exception as e:
                     step.error = e
                 step.done = True
