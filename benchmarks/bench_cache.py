@@ -15,20 +15,23 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
 1. Hit rate vs cache size (1 server x 1 trainer, exact mode, D=16: the hit rate does not
    depend on D): the share of looked-up unique rows served without their data, for LRU
    and LFU, after a warm-up; written as a PNG plot.
-2. Bytes and steps/s (D=128; ``sage`` ids, and synthetic zipf(1.1) ids, 13,000 per step,
-   for contrast): no cache vs a cache of ``--fraction`` of the rows, exact and bounded
-   staleness ``s``, 1 server x 1 trainer and 2 servers x 2 trainers. Bytes are the
-   array payloads each trainer received (pull replies, update replies) and sent, per
-   step, counted on its sockets.
+2. Bytes and steps/s (D=128; ``sage``, ``deepwalk`` and synthetic zipf(1.1) ids, 13,000
+   per step, for contrast), 1 server x 1 trainer and 2 servers x 2 trainers: no cache vs
+   LRU and LFU caches of each of ``--fractions`` of the rows (exact mode), and LFU at the
+   first size with bounded staleness ``s``. One set of server and trainer processes per
+   job runs every configuration on fresh tables, each cached run between two uncached
+   runs, for ``--rounds`` rounds; steps/s ratios are against the mean of the two
+   neighbours (medians over rounds). Bytes are the array payloads each trainer received
+   (pull replies, update replies) and sent, per step, counted on its sockets.
 
 Also printed: the hit rate of a clairvoyant static cache of the most frequent rows of
 the stream (an upper bound for any policy that keeps a fixed share of rows).
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fraction 0.1]
-        [--staleness 5] [--plot out/bench_cache_hit_rate.png] [--streams sage,zipf]
-        [--rounds 3] [--skip-hit-rate]
+    PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fractions 0.1,0.4]
+        [--staleness 5] [--plot out/bench_cache_hit_rate.png]
+        [--streams sage,deepwalk,zipf] [--jobs 1,2] [--rounds 3] [--skip-hit-rate]
 """
 import argparse
 import json
@@ -122,17 +125,18 @@ class Counting(Connection):
         self.conn.close()
 
 
-def run_steps(cfg, rank, stream, num_rows, dim, cache, warmup, label):
-    """Train on ``stream`` as trainer ``rank``; per-step numbers after ``warmup`` steps."""
-    torch.set_num_threads(1)
-    conns = [Counting(tcp.connect(s.host, s.port, cfg.timeout_s)) for s in cfg.servers]
-    client = RemoteKVClient(cfg, rank, connections=conns, num_threads=1)
-    if cache is not None:
-        client = CachedKVClient(client, cache)
-    ctx = DistContext(client, backend="pytorch", num_threads=1)
+def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label):
+    """Train on ``stream`` as trainer ``rank``; per-step numbers after ``warmup`` steps.
+
+    ``client`` is this trainer's RemoteKVClient on the counting connections ``conns``;
+    with ``cache``, a CachedKVClient in front of it (a view: the connections are shared).
+    The tables are fresh (named ``label``) and deleted at the end.
+    """
+    kv = client if cache is None else CachedKVClient(client, cache)
+    ctx = DistContext(kv, backend="pytorch", num_threads=1)
     tables = {name: distemb.DistEmbedding(
         num_rows, dim, name=f"{label}-{name}", context=ctx,
-        part_policy=range_policy(num_rows, len(cfg.servers)),
+        part_policy=range_policy(num_rows, client.num_servers),
         init_func=lambda s, d: torch.full(s, 0.01, dtype=d)) for name in stream[0]}
     opt = distemb.SparseAdagrad(list(tables.values()), lr=0.01)
     for i, step in enumerate(stream):
@@ -140,7 +144,7 @@ def run_steps(cfg, rank, stream, num_rows, dim, cache, warmup, label):
             client.barrier()
             start = time.perf_counter()
             sent0, recv0 = sum(c.sent for c in conns), sum(c.received for c in conns)
-            stats0 = client.stats() if cache is not None else None
+            stats0 = kv.stats() if cache is not None else None
         opt.zero_grad()
         loss = sum((tables[name](torch.from_numpy(ids)) ** 2).sum()
                    for name, ids in step.items())
@@ -153,9 +157,13 @@ def run_steps(cfg, rank, stream, num_rows, dim, cache, warmup, label):
                received_per_step=(sum(c.received for c in conns) - recv0) / n,
                sent_per_step=(sum(c.sent for c in conns) - sent0) / n)
     if cache is not None:
-        st = {k: v - stats0[k] for k, v in client.stats().items()}
+        st = {k: v - stats0[k] for k, v in kv.stats().items()}
         out["hit_rate"] = st["hit_rows"] / max(1, st["unique_rows"])
-    client.close(goodbye=True)
+    client.barrier()  # every trainer is done with the tables
+    if rank == 0:
+        for t in tables.values():
+            client.delete_data(t.name)
+    client.barrier()
     return out
 
 
@@ -164,9 +172,17 @@ def trainer_main(args):
     cfg = parse_cluster_config(spec["cluster"])
     stream = [{k: np.asarray(v) for k, v in s.items()} for s in np.load(
         spec["streams"][args.rank], allow_pickle=True)["steps"]]
-    cache = None if spec["cache"] is None else parse_cache_config(spec["cache"])
-    out = run_steps(cfg, args.rank, stream, spec["num_rows"], spec["dim"], cache,
-                    spec["warmup"], spec["label"])
+    torch.set_num_threads(1)
+    conns = [Counting(tcp.connect(s.host, s.port, cfg.timeout_s)) for s in cfg.servers]
+    client = RemoteKVClient(cfg, args.rank, connections=conns, num_threads=1)
+    out = []
+    # The runs of the schedule one after the other, in these processes and on the same
+    # connections: neighbours in time see the same load.
+    for i, (label, cache) in enumerate(spec["schedule"]):
+        out.append(run_steps(client, conns, args.rank, stream, spec["num_rows"], spec["dim"],
+                             None if cache is None else parse_cache_config(cache),
+                             spec["warmup"], f"{spec['label']}-{i}"))
+    client.close(goodbye=True)
     with open(os.path.join(spec["out"], f"rank{args.rank}.json"), "w") as f:
         json.dump(out, f)
 
@@ -192,8 +208,9 @@ def cluster(num_servers, num_trainers):
                         for _ in range(num_servers)]}
 
 
-def run_job(streams, num_servers, num_rows, dim, cache, warmup, label):
-    """Servers and one trainer process per stream; the trainers' results."""
+def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label):
+    """Servers and one trainer process per stream, running every cache of ``schedule``
+    (a list of CacheConfig or None) in turn; per run, the trainers' results."""
     raw = cluster(num_servers, len(streams))
     with tempfile.TemporaryDirectory() as out:
         cfg_path = os.path.join(out, "cluster.json")
@@ -205,7 +222,8 @@ def run_job(streams, num_servers, num_rows, dim, cache, warmup, label):
             holder[:] = stream
             np.savez(paths[-1], steps=holder)
         spec = dict(cluster=raw, streams=paths, num_rows=num_rows, dim=dim, warmup=warmup,
-                    cache=None if cache is None else cache.to_dict(), out=out, label=label)
+                    schedule=[[str(i), None if c is None else c.to_dict()]
+                              for i, c in enumerate(schedule)], out=out, label=label)
         json.dump(spec, open(os.path.join(out, "spec.json"), "w"))
         servers = [subprocess.Popen([sys.executable, "-m", "distemb.server", "--config",
                                      cfg_path, "--server-id", str(s)], env=env())
@@ -215,14 +233,15 @@ def run_job(streams, num_servers, num_rows, dim, cache, warmup, label):
                                      env=env()) for r in range(len(streams))]
         try:
             for p in trainers + servers:
-                if p.wait(timeout=900) != 0:
+                if p.wait(timeout=3600) != 0:
                     raise RuntimeError(f"{p.args} exited {p.returncode}")
         finally:
             for p in trainers + servers:
                 if p.poll() is None:
                     p.kill()
-        return [json.load(open(os.path.join(out, f"rank{r}.json")))
-                for r in range(len(streams))]
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json")))
+                 for r in range(len(streams))]
+        return [[ranks[r][i] for r in range(len(streams))] for i in range(len(schedule))]
 
 
 def hit_rates(streams, num_rows, warmup):
@@ -230,14 +249,11 @@ def hit_rates(streams, num_rows, warmup):
     out = {}
     for sname, stream in streams.items():
         for policy in ("lru", "lfu"):
-            rates = []
-            for frac in SIZES:
-                res = run_job([stream], 1, num_rows, 16,
-                              parse_cache_config({"policy": policy, "fraction": frac}),
-                              warmup, f"hr-{sname}-{policy}-{frac}")
-                rates.append(res[0]["hit_rate"])
-                print(f"  hit rate {sname} {policy} {frac:.0%}: {rates[-1]:.3f}", flush=True)
-            out[(sname, policy)] = rates
+            res = run_job([stream], 1, num_rows, 16, [
+                parse_cache_config({"policy": policy, "fraction": frac}) for frac in SIZES],
+                warmup, f"hr-{sname}-{policy}")
+            out[(sname, policy)] = [run[0]["hit_rate"] for run in res]
+            print(f"  hit rate {sname} {policy}: {out[(sname, policy)]}", flush=True)
     return out
 
 
@@ -282,18 +298,23 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40, help="timed steps per trainer")
     p.add_argument("--warmup", type=int, default=10, help="steps before timing")
-    p.add_argument("--fraction", type=float, default=0.1, help="cache size of part 2")
-    p.add_argument("--policy", default="lfu", choices=("lru", "lfu"))
-    p.add_argument("--staleness", type=int, default=5)
+    p.add_argument("--fractions", default="0.1,0.4",
+                   help="cache sizes of part 2 (fractions of the table), LRU and LFU each")
+    p.add_argument("--staleness", type=int, default=5,
+                   help="part 2 also runs LFU at the first size with this staleness")
+    p.add_argument("--jobs", default="1,2", help="part 2's jobs: 1 (1 server x 1 trainer), "
+                   "2 (2 servers x 2 trainers)")
     p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
     p.add_argument("--skip-hit-rate", action="store_true")
-    p.add_argument("--streams", default="sage,zipf", help="id streams of part 2")
+    p.add_argument("--streams", default="sage,deepwalk,zipf", help="id streams of part 2")
     p.add_argument("--rounds", type=int, default=3, help="rounds in turns (medians)")
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trainer:
         return trainer_main(args)
+    args.fractions = [float(x) for x in args.fractions.split(",")]
+    args.jobs = [int(x) for x in args.jobs.split(",")]
     from graph_examples.datasets import load_dataset
 
     ds = load_dataset("wordnet")
@@ -301,57 +322,70 @@ def main():
     total = args.steps + args.warmup
     t0 = time.perf_counter()
     sage = [sage_stream(ds.graph, ds.train_idx, total, r, T) for T in (1, 2) for r in range(T)]
-    walk = deepwalk_stream(ds.graph, total, 0)
+    walk = [deepwalk_stream(ds.graph, total, r) for T in (1, 2) for r in range(T)]
     zipf = [zipf_stream(n, total, r) for T in (1, 2) for r in range(T)]
     print(f"WordNet: {n} nodes; streams drawn in {time.perf_counter() - t0:.1f} s; sage "
           f"batches: {np.mean([len(s['nodes']) for s in sage[0]]):.0f} ids "
           f"({np.mean([len(np.unique(s['nodes'])) for s in sage[0]]):.0f} unique); deepwalk: "
-          f"{np.mean([sum(len(v) for v in s.values()) for s in walk]):.0f} ids", flush=True)
+          f"{np.mean([sum(len(v) for v in s.values()) for s in walk[0]]):.0f} ids", flush=True)
     if not args.skip_hit_rate:
-        rates = hit_rates({"sage": sage[0], "deepwalk": walk}, n, args.warmup)
-        rates.update(static_hit_rates({"sage": sage[0], "deepwalk": walk}, n, args.warmup))
+        rates = hit_rates({"sage": sage[0], "deepwalk": walk[0]}, n, args.warmup)
+        rates.update(static_hit_rates({"sage": sage[0], "deepwalk": walk[0]}, n, args.warmup))
         plot(rates, args.plot)
         print(f"\nhit rate (% of unique rows per step) vs cache size, plot: {args.plot}\n")
         print("| ids, policy | " + " | ".join(f"{s:.0%}" for s in SIZES) + " |")
         print("|---|" + "---|" * len(SIZES))
         for (sname, policy), r in rates.items():
             print(f"| {sname}, {policy} | " + " | ".join(f"{100 * x:.1f}" for x in r) + " |")
-    exact = parse_cache_config({"policy": args.policy, "fraction": args.fraction})
-    stale = parse_cache_config({"policy": args.policy, "fraction": args.fraction,
-                                "staleness": args.staleness})
+    configs = [(f"{pol} {frac:.0%} exact", parse_cache_config({"policy": pol,
+                                                                "fraction": frac}))
+               for frac in args.fractions for pol in ("lru", "lfu")]
+    configs.append((f"lfu {args.fractions[0]:.0%} staleness {args.staleness}",
+                    parse_cache_config({"policy": "lfu", "fraction": args.fractions[0],
+                                        "staleness": args.staleness})))
+    # Every cached run between two uncached ones (none, c1, none, c2, ..., ck, none), in
+    # the same processes, for --rounds rounds; a cached run's ratio is against the mean
+    # of its two neighbours: the load of a shared machine drifts less between them.
+    schedule = [None]
+    for _, cache in configs:
+        schedule += [cache, None]
+    streams = {"sage": sage, "deepwalk": walk, "zipf": zipf}
     rows = []
-    jobs = [(name, servers, st[:1] if servers == 1 else st[1:]) for name, st in
-            (("sage", sage), ("zipf", zipf)) if name in args.streams.split(",")
-            for servers in (1, 2)]
-    configs = (("no cache", None), (f"{args.policy} {args.fraction:.0%} exact", exact),
-               (f"{args.policy} {args.fraction:.0%} staleness {args.staleness}", stale))
-    for sname, servers, streams in jobs:
-        # The configurations in turns, each round against its own uncached run: the
-        # load of a shared machine drifts less between neighbours in time.
-        got = {name: [] for name, _ in configs}
-        for _ in range(args.rounds):
-            for name, cache in configs:
-                res = run_job(streams, servers, n, 128, cache, args.warmup,
-                              f"{sname}{servers}-{name.replace(' ', '_')}")
-                got[name].append(dict(
-                    rate=float(np.mean([r["steps_per_s"] for r in res])),
-                    recv=float(np.mean([r["received_per_step"] for r in res])),
-                    sent=float(np.mean([r["sent_per_step"] for r in res])),
-                    hit=float(np.mean([r.get("hit_rate", 0.0) for r in res]))))
-                print(f"  {sname} {servers}x{len(streams)} {name}: {got[name][-1]}", flush=True)
-        base = got["no cache"]
-        for name, _ in configs:
-            runs = got[name]
+    for sname in args.streams.split(","):
+        for servers in args.jobs:
+            per = streams[sname][:1] if servers == 1 else streams[sname][1:3]
+            t0 = time.perf_counter()
+            runs = run_job(per, servers, n, 128, schedule * args.rounds, args.warmup,
+                           f"{sname}{servers}")
+            res = [dict(rate=float(np.mean([r["steps_per_s"] for r in run])),
+                        recv=float(np.mean([r["received_per_step"] for r in run])),
+                        sent=float(np.mean([r["sent_per_step"] for r in run])),
+                        hit=float(np.mean([r.get("hit_rate", 0.0) for r in run])))
+                   for run in runs]
+            print(f"  {sname} {servers}x{len(per)}: {len(runs)} runs in "
+                  f"{time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
+            k = len(schedule)
+            base = [res[r * k + j] for r in range(args.rounds) for j in range(0, k, 2)]
+            job = f"{sname}, {servers}s x {len(per)}t tcp"
+            rows.append((job, "no cache", float(np.median([b["rate"] for b in base])), 1.0,
+                         float(np.median([b["recv"] for b in base])), 0.0,
+                         float(np.median([b["sent"] for b in base])), 0.0))
+            for c, (name, _) in enumerate(configs):
+                at = [r * k + 2 * c + 1 for r in range(args.rounds)]
+                mine = [res[i] for i in at]
+                ratio = [res[i]["rate"] / (0.5 * (res[i - 1]["rate"] + res[i + 1]["rate"]))
+                         for i in at]
 
-            def med(key, runs=runs):
-                return float(np.median([r[key] for r in runs]))
+                def med(key, mine=mine):
+                    return float(np.median([r[key] for r in mine]))
 
-            rows.append((f"{sname}, {servers}s x {len(streams)}t tcp", name, med("rate"),
-                         float(np.median([r["rate"] / b["rate"] for r, b in zip(runs, base)])),
-                         med("recv"), 1 - med("recv") / float(np.median(
-                             [b["recv"] for b in base])), med("sent"), med("hit")))
+                rows.append((job, name, med("rate"), float(np.median(ratio)), med("recv"),
+                             1 - med("recv") / rows[-1 - c][4], med("sent"), med("hit")))
     print(f"\nD=128, {args.steps} timed steps per trainer, one thread per process, "
-          f"{os.cpu_count()} cores, medians of {args.rounds} rounds in turns\n")
+          f"{os.cpu_count()} cores, medians of {args.rounds} rounds, every cached run between "
+          f"two uncached ones (vs no cache: against their mean); load average now "
+          f"{os.getloadavg()[0]:.1f}\n")
     print("| ids, job | cache | steps/s per trainer | vs no cache | bytes received per step "
           "| fewer bytes | bytes sent per step | hit rate |")
     print("|---|---|---|---|---|---|---|---|")

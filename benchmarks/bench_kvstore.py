@@ -138,13 +138,14 @@ def run_dgl(args, servers, trainers, workdir):
             if line.startswith("{")]
 
 
-def dgl_rows(args):
+DGL_1X1 = "DGL DistEmbedding, 1 server x 1 trainer"
+
+
+def dgl_graph(args, workdir):
+    """Partition a random graph of ``args.rows`` nodes for DGL's job into ``workdir``."""
     import dgl  # optional: only with --dgl
-    with tempfile.TemporaryDirectory() as workdir:
-        g = dgl.rand_graph(args.rows, 2 * args.rows)
-        dgl.distributed.partition_graph(g, "g", 1, workdir, part_method="random")
-        return [("DGL DistEmbedding, 1 server x 1 trainer", run_dgl(args, 1, 1, workdir)),
-                ("DGL DistEmbedding, 2 servers x 2 trainers", run_dgl(args, 2, 2, workdir))]
+    g = dgl.rand_graph(args.rows, 2 * args.rows)
+    dgl.distributed.partition_graph(g, "g", 1, workdir, part_method="random")
 
 
 def main():
@@ -168,6 +169,7 @@ def main():
     if args.trainer:
         return trainer_main(args)
     torch.set_num_threads(1)
+    workdir = tempfile.TemporaryDirectory()
     configs = [("1 server x 1 trainer, shm", lambda: run_cluster(args, 1, 1, shm=True)),
                ("1 server x 1 trainer, tcp", lambda: run_cluster(args, 1, 1, shm=False)),
                ("2 servers x 2 trainers, tcp", lambda: run_cluster(args, 2, 2, shm=False))]
@@ -182,11 +184,18 @@ def main():
                      lambda: run_cluster(args, 1, 1, shm=False, dynamic=True)),
                     ("dynamic, 2 servers x 2 trainers, tcp",
                      lambda: run_cluster(args, 2, 2, shm=False, dynamic=True))]
-    # Configurations in turns, each round against its own in-process baseline: on a
-    # shared machine the load drifts, and a ratio of neighbours in time drifts less.
+    if args.dgl:
+        dgl_graph(args, workdir.name)
+        configs.append((DGL_1X1, lambda: run_dgl(args, 1, 1, workdir.name)))
+        if not args.only_shm:
+            configs.append(("DGL DistEmbedding, 2 servers x 2 trainers",
+                            lambda: run_dgl(args, 2, 2, workdir.name)))
+    # Configurations in turns, each round against its own in-process baseline (and DGL
+    # 1 x 1): on a shared machine the load drifts, and a ratio of neighbours in time
+    # drifts less.
     rates = {name: [] for name in ["in-process (baseline)"] + [c[0] for c in configs]}
     ratios = {name: [] for name in rates}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         base = train(DistContext.embedded(num_threads=1), args)
         rates["in-process (baseline)"].append([base])
         ratios["in-process (baseline)"].append(1.0)
@@ -194,19 +203,23 @@ def main():
             got = run()
             rates[name].append(got)
             ratios[name].append(sum(got) / base)
-    if args.dgl:
-        base = float(np.median([r[0] for r in rates["in-process (baseline)"]]))
-        for name, got in dgl_rows(args):
-            rates[name], ratios[name] = [got], [sum(got) / base]
-    print(f"B={args.batch} D={args.dim} N={args.rows} steps={args.steps}, one thread per "
+        print(f"round {r + 1}/{args.rounds}: in-process {base:.1f}, " + ", ".join(
+            f"{name} {np.mean(rates[name][-1]):.1f}" for name, _ in configs) +
+            f" steps/s; load average {os.getloadavg()[0]:.1f}", flush=True)
+    workdir.cleanup()
+    print(f"\nB={args.batch} D={args.dim} N={args.rows} steps={args.steps}, one thread per "
           f"process, {os.cpu_count()} cores, {args.rounds} round(s) in turns, medians\n")
-    print("| configuration | steps/s per trainer | rows/s (all trainers) | vs in-process |")
-    print("|---|---|---|---|")
+    print("| configuration | steps/s per trainer | rows/s (all trainers) | vs in-process |"
+          + (" vs DGL 1 x 1 |" if args.dgl else ""))
+    print("|---|---|---|---|" + ("---|" if args.dgl else ""))
     for name in rates:
         mean = float(np.median([np.mean(r) for r in rates[name]]))
         total = float(np.median([sum(r) for r in rates[name]])) * args.batch
+        # per trainer, against DGL's one trainer of the same round
+        vs_dgl = "" if not args.dgl else " %.2fx |" % np.median(
+            [np.mean(a) / b[0] for a, b in zip(rates[name], rates[DGL_1X1])])
         print(f"| {name} | {mean:.1f} | {total / 1e6:.2f} M | "
-              f"{float(np.median(ratios[name])):.2f}x |")
+              f"{float(np.median(ratios[name])):.2f}x |{vs_dgl}")
 
 if __name__ == "__main__":
     main()

@@ -5,9 +5,16 @@ context table, minimises -log s(u.v) - sum log s(-u.n), and lets a sparse Adam u
 only those rows. `--backend torch` runs the same model on torch.nn.Embedding(sparse=True)
 with torch.optim.SparseAdam, the baseline distemb is measured against.
 
+Under ``distemb-launch`` (``$DISTEMB_CONFIG`` set) the tables live on the job's servers
+and trainer r of T trains on batches r, r + T, ... of the same seeded stream (every
+trainer draws the whole stream and keeps its share; see shard()); after a barrier, rank
+0 reads the node table from the servers (past any trainer cache) and evaluates it.
+
 Example:
     python graph_examples/deepwalk.py --dataset karate --epochs 5 --out out/karate
     python graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet
+    distemb-launch --ip-config ip.txt --num-servers 2 --num-trainers 2 --cache-fraction 0.1 \
+        -- python graph_examples/deepwalk.py --dataset wordnet --out out/dw-2x2
 """
 import argparse
 import ast
@@ -31,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import distemb  # noqa: E402
 from graph_examples.datasets import DATASET_NAMES, GraphDataset, load_dataset  # noqa: E402
 from graph_examples.evaluate import (link_prediction_auc, node_classification,  # noqa: E402
                                      split_edges)
@@ -127,12 +135,13 @@ def load(args) -> GraphDataset:
     return load_dataset(args.dataset, **kwargs)
 
 
-def train(graph, args) -> dict:
+def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     """Train skip-gram tables on walks over graph.
 
     Args:
         graph: the (possibly edge-reduced) training graph.
         args: parsed command line.
+        rank, num_trainers: this trainer takes batches rank, rank + num_trainers, ...
 
     Returns:
         dict with 'embeddings' (N, dim) float32, 'losses' (per step), 'steps',
@@ -150,9 +159,10 @@ def train(graph, args) -> dict:
     # forward and backward, and the optimizer step.
     phase = dict(sample=0.0, forward_backward=0.0, step=0.0)
     stream = ((epoch, batch) for epoch in range(args.epochs) for batch in batches.epoch(epoch))
-    bar = tqdm(total=total, disable=args.quiet, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total // num_trainers, disable=args.quiet, unit="step",
+               dynamic_ncols=True)
     start = tick = time.perf_counter()
-    for epoch, (centers, contexts, negatives) in itertools.islice(stream, total):
+    for epoch, (centers, contexts, negatives) in shard(stream, rank, num_trainers, total):
         t1 = time.perf_counter()
         b, k = negatives.shape
         tables.zero_grad()
@@ -176,8 +186,44 @@ def train(graph, args) -> dict:
                             pairs_s=f"{pairs / (tock - start):,.0f}")
     seconds = time.perf_counter() - start
     bar.close()
-    return dict(embeddings=tables.export(), losses=losses, steps=len(losses), pairs=pairs,
-                seconds=seconds, phase_seconds=phase)
+    return dict(embeddings=export(tables, rank, num_trainers), losses=losses,
+                steps=len(losses), pairs=pairs, seconds=seconds, phase_seconds=phase)
+
+
+def shard(stream, rank: int, num_trainers: int, total: int):
+    """Yield batch ``rank`` of each complete group of ``num_trainers`` consecutive batches
+    among the first ``total`` of ``stream``.
+
+    Every trainer of a job then takes the same number of steps (a sync_exact server waits
+    for every trainer's push of each step); fewer than ``num_trainers`` batches left at
+    the end are dropped.
+    """
+    batches = itertools.islice(stream, total)
+    while True:
+        group = list(itertools.islice(batches, num_trainers))
+        if len(group) < num_trainers:
+            return
+        yield group[rank]
+
+
+def export(tables, rank: int, num_trainers: int):
+    """The trained node table (rank 0 of a job; None on other ranks).
+
+    In a job, every trainer waits for the others to finish their steps, and rank 0 reads
+    the table from the servers: a bounded-staleness trainer cache may still hold rows
+    without other trainers' last updates, so it is emptied first.
+    """
+    if num_trainers == 1:
+        return tables.export()
+    client = distemb.current_context().client
+    client.barrier()
+    emb = None
+    if rank == 0:
+        if hasattr(client, "invalidate"):  # a trainer cache (distemb.kvstore.cache)
+            client.invalidate()
+        emb = tables.export()
+    client.barrier()  # the servers stay up until rank 0 has read the table
+    return emb
 
 
 def format_table(rows) -> str:
@@ -191,6 +237,19 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if os.environ.get("DISTEMB_CONFIG"):  # a trainer of a distemb-launch job
+        if args.backend != "distemb":
+            raise SystemExit("--backend torch: a distemb-launch job trains distemb tables")
+        ctx = distemb.initialize()
+        try:
+            return run(args, ctx.rank, ctx.num_trainers)
+        finally:
+            distemb.shutdown()
+    return run(args)
+
+
+def run(args, rank: int = 0, num_trainers: int = 1) -> dict:
+    """Load, train (as trainer ``rank`` of ``num_trainers``), evaluate on rank 0."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -200,11 +259,17 @@ def main(argv=None) -> dict:
     if args.link_prediction:
         edges = split_edges(graph, args.link_prediction, args.seed)
         graph = edges.train_graph
-    result = train(graph, args)
+    if num_trainers > 1 and not args.table_name:
+        args.table_name = "deepwalk"  # every trainer of the job trains the same tables
+    result = train(graph, args, rank, num_trainers)
     emb = result["embeddings"]
+    if rank != 0:
+        print(f"trainer {rank}: {result['steps']} steps in {result['seconds']:.1f} s, "
+              f"final loss {np.mean(result['losses'][-50:]):.4f}")
+        return dict(rank=rank, steps=result["steps"], train_seconds=result["seconds"])
 
     metrics = dict(dataset=dataset.name, backend=args.backend, device=args.device,
-                   nodes=graph.num_nodes(),
+                   trainers=num_trainers, nodes=graph.num_nodes(),
                    edges=dataset.graph.num_edges() // 2, dim=args.dim, epochs=args.epochs,
                    steps=result["steps"], pairs=result["pairs"],
                    train_seconds=round(result["seconds"], 2), load_seconds=round(load_s, 2),

@@ -76,6 +76,7 @@ def train(out, steps, disjoint, side=False, twins=False):
                                             part_policy=range_policy(N, ctx.num_servers)))
     opt = distemb.SparseAdagrad(tables, lr=LR)
     per = B // T
+    stale_dev = 0.0  # the largest |stale twin's row - servers' row| it trained with
     for step in range(steps):
         ids, targets = batch(step, T, disjoint)
         sl = slice(rank * per, (rank + 1) * per)
@@ -88,13 +89,17 @@ def train(out, steps, disjoint, side=False, twins=False):
         opt.step()
         for k, t in twin_tables.items():
             twin_opts[k].zero_grad()
-            loss_of(t(ids[sl]), targets[sl]).backward()
+            rows = t(ids[sl])
+            if k == "stale":  # how far its rows are from the servers' rows, right now
+                fresh = ctx.client.pull("emb-stale", ids[sl].numpy())
+                stale_dev = max(stale_dev, float(np.abs(rows.detach().numpy() - fresh).max()))
+            loss_of(rows, targets[sl]).backward()
             twin_opts[k].step()
         if ctx.client.consistency == "sync":
             ctx.client.barrier()  # everyone pulls the same weights next step
     ctx.client.barrier()
     with open(os.path.join(out, f"cache{rank}.json"), "w") as f:
-        json.dump({k: kv.stats() for k, kv in caches.items()}, f)
+        json.dump(dict({k: kv.stats() for k, kv in caches.items()}, stale_dev=stale_dev), f)
     if rank == 0:
         for k, t in twin_tables.items():
             np.save(os.path.join(out, f"final-{k}.npy"), t.weight[torch.arange(N)].numpy())

@@ -4,7 +4,9 @@ Each job trains the table 'emb' without a cache and, with the same batches in th
 steps, twins behind an exact cache and a bounded-staleness cache
 (``cluster_trainer.py --twins``). The oracle of the exact cache is the uncached table:
 bit-identical in every consistency mode, while the cache served rows without data. The
-bounded-staleness twin is a relaxation: its effect on the final loss is measured.
+bounded-staleness twin is a relaxation: every row it trains with is checked against the
+servers' row of that moment (within 2 (s - 1) lr, see below), and its effect on the final
+loss is measured.
 """
 import json
 
@@ -40,6 +42,10 @@ def test_exact_cache_is_bit_identical_to_no_cache_sync(tmp_path):
     assert not np.allclose(tables[""], 0.5), "the job did not train"
     np.testing.assert_array_equal(tables["-exact"], tables[""])  # bit for bit
     assert sum(s["exact"]["hit_rows"] for s in stats) > 0, stats  # the cache served rows
+    # No row has another writer: staleness serves nothing old; every row it trained with
+    # equalled the servers' (own updates are applied to both, with the same kernels).
+    assert max(s["stale_dev"] for s in stats) == 0.0, stats
+    np.testing.assert_array_equal(tables["-stale"], tables[""])
 
 
 def test_exact_cache_bit_identical_and_staleness_measured_sync_exact(tmp_path):
@@ -57,3 +63,13 @@ def test_exact_cache_bit_identical_and_staleness_measured_sync_exact(tmp_path):
           f"relative difference {abs(stale - exact) / exact:.4f}")
     assert not np.array_equal(tables["-stale"], tables[""]), "staleness not exercised"
     assert stale < start and abs(stale - exact) / exact < 0.10
+    # The staleness bound on every row a step used: validated at most s - 1 steps before,
+    # the cached copy has since had at most s - 1 of this trainer's Adagrad updates and the
+    # servers' copy at most s - 1 updates (sync_exact: one summed update per step), and an
+    # Adagrad update moves an element by at most lr (|g| / sqrt(sum + g^2) <= 1). So
+    # |cached - servers'| <= 2 (s - 1) lr elementwise, whatever the gradients.
+    s = job.TWINS["stale"]["staleness"]
+    bound = 2 * (s - 1) * job.LR
+    dev = max(st["stale_dev"] for st in stats)
+    print(f"largest |stale row - servers' row| a step used: {dev:.4f} (bound {bound:.4f})")
+    assert 0 < dev <= bound * (1 + 1e-5), (dev, bound)

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+import distemb
 from graph_examples.deepwalk import main, parse_args, skipgram_loss
-from graph_examples.tables import make_tables
+from graph_examples.tables import _node_init, make_tables
 
 FAST = ["--dataset", "karate", "--dim", "8", "--walk-length", "8", "--window", "2",
         "--num-walks", "4", "--batch-size", "128", "--epochs", "3", "--quiet"]
@@ -140,3 +141,82 @@ def test_device_cuda_without_a_gpu_says_why(backend):
         pytest.skip("a usable GPU is present here, so the no-GPU error cannot be provoked")
     with pytest.raises(cuda.CudaUnavailableError, match="CUDA"):
         make_tables(backend, 10, 4, 0.1, device="cuda")
+
+
+def summed_pairs_oracle(args, out):
+    """One embedded process: SparseAdam steps on the summed loss of each pair of
+    consecutive batches of deepwalk.py's stream (``args``); saves the node table to
+    ``out``. Run in a fresh process, as the job's trainers are: DGL's walks depend on the
+    process's thread settings."""
+    from distemb.context import DistContext
+    from graph_examples.datasets import load_dataset
+    from graph_examples.deepwalk import shard
+    from graph_examples.walks import SkipGramBatches
+
+    torch.set_num_threads(1)  # as the trainers (--threads 1)
+    p = parse_args(args)
+    ds = load_dataset(p.dataset)
+    batches = SkipGramBatches(ds.graph, p.walk_length, p.window, p.num_walks, p.negatives,
+                              p.batch_size, seed=p.seed)
+    ctx = DistContext.embedded(num_threads=1)
+    n = ds.graph.num_nodes()
+    node = distemb.DistEmbedding(n, p.dim, context=ctx, init_func=_node_init(p.dim, p.seed))
+    context = distemb.DistEmbedding(n, p.dim, context=ctx,
+                                    init_func=lambda s, d: torch.zeros(s, dtype=d))
+    opt = distemb.SparseAdam([node, context], lr=p.lr)
+    stream = list(batches.epoch(0))
+    steps = len(list(shard(iter(stream), 0, 2, len(stream))))
+    for k in range(steps):
+        opt.zero_grad()
+        loss = 0
+        for centers, contexts, negatives in stream[2 * k:2 * k + 2]:
+            b, m = negatives.shape
+            rows = context(torch.cat([contexts, negatives.reshape(-1)]))
+            loss = loss + skipgram_loss(node(centers), rows[:b], rows[b:].reshape(b, m, -1))
+        loss.backward()
+        opt.step()
+    np.save(out, node(torch.arange(n)).detach().numpy())
+    return steps
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_deepwalk_under_distemb_launch_equals_summed_batches_in_one_process(tmp_path):
+    """1 server x 2 trainers, sync_exact, behind an exact trainer cache: trainer r takes
+    batch r of every pair of consecutive batches and the server applies their summed
+    gradients once, so the job equals one process stepping on each pair's summed loss."""
+    import os
+    import subprocess
+    import sys
+
+    from mp_helper import free_port
+
+    args = FAST[:-1] + ["--epochs", "1"]
+    ip = tmp_path / "ip.txt"
+    ip.write_text(f"127.0.0.1 {free_port()}\n")
+    argv = [sys.executable, "-m", "distemb.launch", "--ip-config", str(ip), "--num-servers",
+            "1", "--num-trainers", "2", "--consistency", "sync_exact", "--cache-fraction",
+            "0.5", "--master-port", str(free_port()), "--config-out",
+            str(tmp_path / "cluster.json"), "--timeout", "60", "--", sys.executable,
+            "graph_examples/deepwalk.py", *args, "--quiet", "--threads", "1", "--out",
+            str(tmp_path / "job")]
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
+    assert metrics["trainers"] == 2 and "trainer 1:" in done.stdout
+
+    code = (f"import sys; sys.path[:0] = [{root!r}, {here!r}]; import test_deepwalk as t; "
+            f"print(t.summed_pairs_oracle({args!r}, {str(tmp_path / 'oracle.npy')!r}))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, here, os.environ.get(
+        "PYTHONPATH", "")]))
+    oracle = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=80)
+    assert oracle.returncode == 0, oracle.stderr[-3000:]
+    steps = int(oracle.stdout.split()[-1])
+    assert metrics["steps"] == steps > 3
+    got, want = np.load(tmp_path / "job" / "embeddings.npy"), np.load(tmp_path / "oracle.npy")
+    p = parse_args(args)
+    assert not np.allclose(got, _node_init(p.dim, p.seed)((34, p.dim)).numpy())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

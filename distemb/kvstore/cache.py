@@ -29,8 +29,11 @@ Modes (:class:`~distemb.config.CacheConfig`):
 - *bounded staleness* ``s`` (HET's relaxation): a cached row validated less than ``s``
   steps ago is used without asking its server, so it may lack up to ``s - 1`` steps of
   other trainers' updates (this trainer's own updates are in it). Updates are still
-  written through to the owner every step (so nothing is pending at eviction), and a
-  copy whose version shows someone else's write is refetched at its next validation.
+  written through to the owner every step, so HET's rule (accumulated updates flushed at
+  eviction and at least every ``s`` steps) holds with a flush interval of one step and
+  nothing pending at eviction; a copy whose version shows someone else's write is
+  refetched at its next validation. With Adagrad in ``sync_exact`` a row used is within
+  ``2 (s - 1) lr`` of its owner's (tests/test_cache_cluster.py).
 
 Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
 counts how often each row was pulled lately (halved every :data:`DECAY` pulls) and keeps
@@ -388,3 +391,21 @@ class CachedKVClient(KVClient):
             cache.version[others] = UNKNOWN  # used until its next validation refetches it
         else:
             cache.evict(others)
+
+    def invalidate(self, name=None):
+        """Forget every cached row (of table ``name``, or of all tables).
+
+        The next pulls read the owners. In bounded-staleness mode a cached row may lack up
+        to ``s - 1`` steps of other trainers' updates; call this (after a barrier) before
+        reading a final model, e.g. to export or evaluate it.
+
+        Args:
+            name: a table, or None for every table.
+
+        Raises:
+            KeyError: ``name`` is not a table this cache has seen.
+        """
+        caches = self._tables.values() if name is None else [self._tables[name]]
+        for cache in caches:
+            if cache is not None:
+                cache.evict(np.flatnonzero(cache.ids >= 0))
