@@ -19,11 +19,42 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port():
-    """A TCP port on 127.0.0.1 nobody listens on (bound to port 0, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low():
+    """The first port the kernel hands to connect()s (ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(span=8):
+    """A TCP port on 127.0.0.1 nobody listens on, with the ``span - 1`` ports after it
+    free too (distemb-launch puts server k of a machine on ``port + k``).
+
+    The ports lie below the kernel's ephemeral range: a port bound to 0 and released (the
+    usual trick) is an ephemeral one, and any connect() on the machine, such as a trainer
+    of the very job that got it connecting to server 0, may take it as its local port
+    before server 1 binds ``port + 1`` ("address already in use").
+    """
+    import random
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    low = _ephemeral_low()
+    for _ in range(200):
+        base = rng.randrange(10000, low - span)
+        socks = []
+        try:
+            for port in range(base, base + span):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {span} free ports in a row below {low}")
 
 
 def child_env(**extra):
