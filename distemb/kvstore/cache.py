@@ -52,7 +52,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
-from distemb.kvstore.types import KVClient
+from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_owner
 
 #: The version of a cached copy someone else may have changed (bounded staleness): it is
@@ -146,7 +146,7 @@ class TableCache:
         return slots
 
 
-class CachedKVClient(KVClient):
+class CachedKVClient(PlacedAsInner, KVClient):
     """A cache of hot rows in front of a :class:`~distemb.kvstore.remote.RemoteKVClient`.
 
     Owns ``inner`` (closing the cache closes it). Tables other than float32 (N, D) and
@@ -217,27 +217,6 @@ class CachedKVClient(KVClient):
         """Close the wrapped client (keywords go to its ``close``)."""
         self._tables.clear()
         self.inner.close(**kw)
-
-    def from_host(self, array):
-        return self.inner.from_host(array)
-
-    def to_host(self, array):
-        return self.inner.to_host(array)
-
-    def tensor_in(self, x, F):
-        return self.inner.tensor_in(x, F)
-
-    def ids_in(self, name, ids, F):
-        return self.inner.ids_in(name, ids, F)
-
-    def values_in(self, name, values, F, num_ids):
-        return self.inner.values_in(name, values, F, num_ids)
-
-    def rows_out(self, rows, F):
-        return self.inner.rows_out(rows, F)
-
-    def coalesce(self, name, ids, grads, F):
-        return self.inner.coalesce(name, ids, grads, F)
 
     def view_on(self, device):
         """Itself on the host; on a GPU, a view of the cache (rows still come through it)."""

@@ -39,7 +39,8 @@ from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
 from distemb.errors import KVStoreError, PartitionError
 from distemb.kernels import cuda, half
 from distemb.kernels.cuda_half import CudaHalfOps
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore.types import (DataMeta, KVClient, PlacedAsInner, check_new_name,
+                                    check_rounding)
 from distemb.rules import rule_of, state_name
 
 
@@ -372,7 +373,7 @@ def dedup_on(ops, device, meta: DataMeta, ids: Sequence[Array], grads: Sequence[
     return dedup(flat, g, num_rows=meta.shape[0])
 
 
-class ClientView(KVClient):
+class ClientView(PlacedAsInner, KVClient):
     """A client that hands everything to ``inner``; subclasses change the placement half.
 
     Args:
@@ -421,32 +422,11 @@ class ClientView(KVClient):
     def push_update(self, name, ids, grads, rule, hyper):
         self.inner.push_update(name, ids, grads, rule, hyper)
 
-    def from_host(self, array):
-        return self.inner.from_host(array)
-
-    def to_host(self, array):
-        return self.inner.to_host(array)
-
     def barrier(self):
         self.inner.barrier()
 
     def close(self):
         """Nothing: the wrapped client belongs to whoever made it."""
-
-    def tensor_in(self, x, F):
-        return self.inner.tensor_in(x, F)
-
-    def ids_in(self, name, ids, F):
-        return self.inner.ids_in(name, ids, F)
-
-    def values_in(self, name, values, F, num_ids):
-        return self.inner.values_in(name, values, F, num_ids)
-
-    def rows_out(self, rows, F):
-        return self.inner.rows_out(rows, F)
-
-    def coalesce(self, name, ids, grads, F):
-        return self.inner.coalesce(name, ids, grads, F)
 
     def view_on(self, device):
         return self.inner.view_on(device)

@@ -44,7 +44,7 @@ from distemb.enums import CachePolicy
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
 from distemb.kvstore.cache import TableCache
-from distemb.kvstore.types import KVClient
+from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_name, state_owner
 
 
@@ -80,7 +80,7 @@ def _host_ids(ids) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-class DeviceCachedKVClient(KVClient):
+class DeviceCachedKVClient(PlacedAsInner, KVClient):
     """A device cache of hot rows and optimizer state in front of a host client.
 
     The client of host tables (``DistContext.embedded(device_cache=...)`` or a cluster
@@ -151,27 +151,6 @@ class DeviceCachedKVClient(KVClient):
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
-
-    def from_host(self, array):
-        return self.inner.from_host(array)
-
-    def to_host(self, array):
-        return self.inner.to_host(array)
-
-    def tensor_in(self, x, F):
-        return self.inner.tensor_in(x, F)
-
-    def ids_in(self, name, ids, F):
-        return self.inner.ids_in(name, ids, F)
-
-    def values_in(self, name, values, F, num_ids):
-        return self.inner.values_in(name, values, F, num_ids)
-
-    def rows_out(self, rows, F):
-        return self.inner.rows_out(rows, F)
-
-    def coalesce(self, name, ids, grads, F):
-        return self.inner.coalesce(name, ids, grads, F)
 
     def view_on(self, device):
         """The cache's view for the cache's device; itself for None (and 'cpu').

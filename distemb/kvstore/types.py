@@ -417,3 +417,34 @@ class KVClient(ABC):
         from distemb.kvstore.device import HostTableOnDevice
 
         return HostTableOnDevice.of(self, device)
+
+
+class PlacedAsInner:
+    """Mixin of a client wrapping another (``self.inner``) without moving its rows: the
+    placement half (ids, values and rows in and out, the duplicate sum) is the wrapped
+    client's. Listed before :class:`KVClient` in the bases, so these win over its host
+    defaults; a view that changes placement overrides them again.
+    """
+
+    inner: KVClient
+
+    def from_host(self, array):
+        return self.inner.from_host(array)
+
+    def to_host(self, array):
+        return self.inner.to_host(array)
+
+    def tensor_in(self, x, F):
+        return self.inner.tensor_in(x, F)
+
+    def ids_in(self, name, ids, F):
+        return self.inner.ids_in(name, ids, F)
+
+    def values_in(self, name, values, F, num_ids):
+        return self.inner.values_in(name, values, F, num_ids)
+
+    def rows_out(self, rows, F):
+        return self.inner.rows_out(rows, F)
+
+    def coalesce(self, name, ids, grads, F):
+        return self.inner.coalesce(name, ids, grads, F)
