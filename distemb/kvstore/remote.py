@@ -30,13 +30,14 @@ from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, Store
                             TransportError)
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 from distemb.kvstore.local import init_shard
+from distemb.kvstore.remote_versions import VersionedPulls
 from distemb.kvstore.store_remote import RemoteStoreClient
 from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, Load,
                                         OptInit, Pull, Push, Reply, Save, Service, ShmInfo,
-                                        Update, VersionedPull)
+                                        Update)
 from distemb.transport.shm import RequestSlot, attach
 
 INIT_CHUNK_BYTES = 64 << 20
@@ -79,7 +80,7 @@ def open_connections(cfg):
             for i, s in enumerate(cfg.servers)]
 
 
-class RemoteKVClient(KVClient):
+class RemoteKVClient(VersionedPulls, KVClient):
     """KVClient over a cluster of KVStore servers.
 
     Args:
@@ -402,50 +403,6 @@ class RemoteKVClient(KVClient):
 
         self._call(requests, wait=wait, on_reply=take if want else None)
         return out
-
-    def pull_versioned(self, name, ids, have, states=()):
-        """The rows of ``ids`` whose version on their server differs from ``have``.
-
-        Args:
-            name: the table; ids: global ids.
-            have: int64 version held of each row; -1: not held and not to be kept (the
-                row only), -2: not held, to be kept (the row and its states).
-            states: optimizer state names (e.g. ``["sum"]``) to return with kept rows.
-
-        Returns:
-            (positions in ``ids``, their current versions, their rows, [state rows of the
-            positions whose ``have`` is not -1, in order]).
-        """
-        self._check_open()
-        meta = self._meta_of(name)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        have = np.ascontiguousarray(have, dtype=np.int64)
-        routes, _ = self._route(name, ids)
-        got = {}
-
-        def take(sid, frame):
-            a = frame.arrays
-            n = a[0].shape[0] if a else -1
-            if len(a) != 3 + len(states) or a[1].shape[0] != n or a[2].shape != (
-                    (n,) + meta.shape[1:]) or n > len(routes[sid].positions) or \
-                    a[0].dtype != np.int64 or (n and (a[0].min() < 0 or a[0].max() >= len(
-                        routes[sid].positions))):
-                raise KVStoreError(f"server {sid}: versioned pull reply of the wrong shape")
-            got[sid] = (routes[sid].positions[a[0]], a[1], a[2], a[3:])
-
-        self._call({sid: VersionedPull(name=name, parts=r.parts, counts=r.counts,
-                                       states=list(states), ids=r.local_ids,
-                                       have=have[r.positions])
-                    for sid, r in routes.items()}, on_reply=take)
-        parts = [got[sid] for sid in routes]
-        if not parts:
-            return (np.empty(0, np.int64), np.empty(0, np.int64),
-                    np.empty((0,) + meta.shape[1:], meta.dtype), [])
-        if len(parts) == 1:
-            return parts[0][0], parts[0][1], parts[0][2], list(parts[0][3])
-        return (np.concatenate([g[0] for g in parts]), np.concatenate([g[1] for g in parts]),
-                np.concatenate([g[2] for g in parts]),
-                [np.concatenate([g[3][i] for g in parts]) for i in range(len(states))])
 
     def _shard_requests(self, cls, name, **fields):
         meta = self._meta_of(name)

@@ -1,0 +1,61 @@
+"""The trainer cache's read of a remote table: only the rows whose version changed.
+
+A mixin of :class:`~distemb.kvstore.remote.RemoteKVClient` (it uses that client's
+routing and its one ``_call``), kept apart because only
+:class:`~distemb.kvstore.cache.CachedKVClient` asks for it: the servers keep a version per
+row (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`), the cache sends
+the versions it holds and gets back the rows, and optionally their optimizer state, that
+differ.
+"""
+import numpy as np
+
+from distemb.errors import KVStoreError
+from distemb.transport.messages import VersionedPull
+
+
+class VersionedPulls:
+    """Versioned pulls over a RemoteKVClient's connections (see the module docstring)."""
+
+    def pull_versioned(self, name, ids, have, states=()):
+        """The rows of ``ids`` whose version on their server differs from ``have``.
+
+        Args:
+            name: the table; ids: global ids.
+            have: int64 version held of each row; -1: not held and not to be kept (the
+                row only), -2: not held, to be kept (the row and its states).
+            states: optimizer state names (e.g. ``["sum"]``) to return with kept rows.
+
+        Returns:
+            (positions in ``ids``, their current versions, their rows, [state rows of the
+            positions whose ``have`` is not -1, in order]).
+        """
+        self._check_open()
+        meta = self._meta_of(name)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        have = np.ascontiguousarray(have, dtype=np.int64)
+        routes, _ = self._route(name, ids)
+        got = {}
+
+        def take(sid, frame):
+            a = frame.arrays
+            n = a[0].shape[0] if a else -1
+            if len(a) != 3 + len(states) or a[1].shape[0] != n or a[2].shape != (
+                    (n,) + meta.shape[1:]) or n > len(routes[sid].positions) or \
+                    a[0].dtype != np.int64 or (n and (a[0].min() < 0 or a[0].max() >= len(
+                        routes[sid].positions))):
+                raise KVStoreError(f"server {sid}: versioned pull reply of the wrong shape")
+            got[sid] = (routes[sid].positions[a[0]], a[1], a[2], a[3:])
+
+        self._call({sid: VersionedPull(name=name, parts=r.parts, counts=r.counts,
+                                       states=list(states), ids=r.local_ids,
+                                       have=have[r.positions])
+                    for sid, r in routes.items()}, on_reply=take)
+        parts = [got[sid] for sid in routes]
+        if not parts:
+            return (np.empty(0, np.int64), np.empty(0, np.int64),
+                    np.empty((0,) + meta.shape[1:], meta.dtype), [])
+        if len(parts) == 1:
+            return parts[0][0], parts[0][1], parts[0][2], list(parts[0][3])
+        return (np.concatenate([g[0] for g in parts]), np.concatenate([g[1] for g in parts]),
+                np.concatenate([g[2] for g in parts]),
+                [np.concatenate([g[3][i] for g in parts]) for i in range(len(states))])
