@@ -14,7 +14,13 @@ from distemb.transport.messages import VersionedPull
 
 
 class VersionedPulls:
-    """Versioned pulls over a RemoteKVClient's connections (see the module docstring)."""
+    """Versioned pulls over a RemoteKVClient's connections (see the module docstring).
+
+    Example:
+        >>> from distemb.kvstore.remote import RemoteKVClient
+        >>> issubclass(RemoteKVClient, VersionedPulls)  # cache.py calls it on that client
+        True
+    """
 
     def pull_versioned(self, name, ids, have, states=()):
         """The rows of ``ids`` whose version on their server differs from ``have``.
