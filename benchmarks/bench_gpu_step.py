@@ -20,12 +20,26 @@ of a step is the bytes it must move (gather B rows in and out, read B gradient r
 read and write the U touched rows of the table and of each per-element state) over that
 bandwidth. Prints every time, the ratios torch/distemb and "% of floor" (floor / time).
 
+With ``--dtypes float32,bfloat16`` distemb also runs on 16-bit rows (the lookups and
+gradients stay float32), timed in the same run; "vs f32" is the float32 table's step
+time over this one's. Every distemb case also trains a few steps twice from the same
+weights and says whether the two tables are bit-identical ("det": yes/NO).
+
+``--profile`` prints each GPU kernel's share of the device time of 5 steps (user
+annotations such as torch's ``Optimizer.step#...`` ranges are not kernels and are left
+out) and the host time per step beside it; ``--host-profile`` prints the Python functions
+that take the host time of 20 steps (cProfile), for steps bound by launches, not kernels.
+
 Usage (needs a CUDA GPU and the CUDA kernels built: ``python setup.py build_ext
 --inplace`` with nvcc on PATH):
     python benchmarks/bench_gpu_step.py [--rows 10000000] [--dim 128] [--batch 65536]
-        [--optimizers sgd,adagrad,rowwise_adagrad,adam] [--ids zipf,uniform] [--profile]
+        [--optimizers sgd,adagrad,rowwise_adagrad,adam] [--ids zipf,uniform]
+        [--dtypes float32,bfloat16] [--profile] [--host-profile]
 """
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -106,13 +120,19 @@ def free():
     torch.cuda.empty_cache()
 
 
-def bench_distemb(args, name, batches, upstream, w0):
-    make_opt = OPTIMIZERS[name][0]
+def make_table(args, name, w0, dtype, ctx):
+    """A GPU DistEmbedding holding ``w0`` (rounded to ``dtype``) and its optimizer."""
+    emb = distemb.DistEmbedding(args.rows, args.dim, name=f"bench-{name}-{dtype}",
+                                context=ctx, device="cuda", dtype=dtype,
+                                init_func=lambda shape, dt: w0.to(dt))
+    return emb, OPTIMIZERS[name][0](emb)
+
+
+def bench_distemb(args, name, batches, upstream, w0, dtype="float32"):
+    """Median seconds of a distemb step; with --profile/--host-profile, where it goes."""
     ctx = distemb.DistContext.embedded(backend="pytorch")
     try:
-        emb = distemb.DistEmbedding(args.rows, args.dim, name=f"bench-{name}", context=ctx,
-                                    device="cuda", init_func=lambda shape, dtype: w0.clone())
-        opt = make_opt(emb)
+        emb, opt = make_table(args, name, w0, dtype, ctx)
 
         def step(ids):
             loss = (emb(ids) * upstream).sum()
@@ -122,35 +142,80 @@ def bench_distemb(args, name, batches, upstream, w0):
         seconds = time_rounds(step, batches, args.rounds, args.per_round)
         if args.profile:
             profile_steps(step, batches[:5])
+        if args.host_profile:
+            host_profile(step, batches[:20])
         return seconds
     finally:
         ctx.close()
         free()
 
 
+def deterministic(args, name, batches, upstream, w0, dtype="float32", steps=5):
+    """Whether two runs of ``steps`` steps from the same weights give identical tables."""
+    finals = []
+    for _ in range(2):
+        ctx = distemb.DistContext.embedded(backend="pytorch")
+        try:
+            emb, opt = make_table(args, name, w0, dtype, ctx)
+            for ids in batches[:steps]:
+                (emb(ids) * upstream).sum().backward()
+                opt.step()
+            finals.append(emb.weight[torch.arange(args.rows, device=w0.device)].float())
+        finally:
+            ctx.close()
+    same = torch.equal(finals[0].view(torch.int32), finals[1].view(torch.int32))
+    del finals
+    free()
+    return same
+
+
 def profile_steps(step, batches):
     """Print each GPU kernel's share of the device time of a few distemb steps."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
         for ids in batches:
             step(ids)
+        host = time.perf_counter() - start  # enqueueing alone: no wait for the device yet
         torch.cuda.synchronize()
 
     def device_us(evt):
         return getattr(evt, "self_device_time_total", None) or \
             getattr(evt, "self_cuda_time_total", 0)
 
+    def annotation(evt):  # ranges such as torch's "Optimizer.step#SparseAdam.step"
+        return getattr(evt, "is_user_annotation", False) or "#" in evt.key
+
     kernels = [e for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0]
+               if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0
+               and not annotation(e)]
     total = sum(device_us(e) for e in kernels)
     if not total:
         print("    profile: no GPU kernel recorded")
         return
-    print(f"    profile of {len(batches)} steps: {total / len(batches):.0f} us of GPU time "
-          "per step; kernels by share:")
-    for evt in sorted(kernels, key=device_us, reverse=True)[:8]:
-        print(f"    {device_us(evt) / total:6.1%} {device_us(evt) / len(batches):8.1f} us  "
-              f"{evt.key[:90]}")
+    print(f"    profile of {len(batches)} steps: {total / len(batches):.0f} us of kernel time "
+          f"per step, {host * 1e6 / len(batches):.0f} us of host time to enqueue it "
+          f"(profiled); {sum(e.count for e in kernels) / len(batches):.0f} kernels per "
+          "step; kernels by share:")
+    for evt in sorted(kernels, key=device_us, reverse=True)[:10]:
+        print(f"    {device_us(evt) / total:6.1%} {device_us(evt) / len(batches):8.1f} us "
+              f"x{evt.count // len(batches):<3d} {evt.key[:80]}")
+
+
+def host_profile(step, batches, top=25):
+    """Print the Python functions that take the host time of a few distemb steps."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for ids in batches:
+        step(ids)
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"    host profile of {len(batches)} steps (cProfile, by own time):")
+    print("\n".join("    " + line for line in out.getvalue().splitlines()[:top + 12]))
 
 
 def bench_torch(args, name, batches, upstream, w0, device):
@@ -226,13 +291,21 @@ def main(argv=None):
     parser.add_argument("--ids", default="zipf,uniform")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per case")
     parser.add_argument("--per-round", type=int, default=10, help="steps per round")
+    parser.add_argument("--dtypes", default="float32",
+                        help="row dtypes of the distemb table: float32,bfloat16,float16")
     parser.add_argument("--profile", action="store_true",
                         help="also profile 5 distemb steps per case: each kernel's share")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also cProfile 20 distemb steps per case: the host's share")
     args = parser.parse_args(argv)
     names = [n for n in args.optimizers.split(",") if n]
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
         parser.error(f"--optimizers: unknown {unknown}, expected some of {sorted(OPTIMIZERS)}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = sorted(set(dtypes) - {"float32", "bfloat16", "float16"})
+    if bad or not dtypes:
+        parser.error(f"--dtypes: expected some of float32,bfloat16,float16, got {args.dtypes!r}")
     try:
         cuda.require_cuda()
     except cuda.CudaUnavailableError as exc:
@@ -240,12 +313,12 @@ def main(argv=None):
     device = gpu()
     bandwidth = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: table "
-          f"{args.rows:,} x {args.dim} float32, batch {args.batch:,}; median of "
+          f"{args.rows:,} x {args.dim}, batch {args.batch:,}; median of "
           f"{args.rounds} rounds of {args.per_round} steps; copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s")
-    print(f"{'optimizer':>16} {'ids':>8} {'uniq':>5} | {'distemb':>9} {'torch':>9} "
-          f"{'ratio':>6} {'floor':>8} {'%floor':>6} | {'gather':>8} {'dedup+upd':>9} "
-          f"{'x gather':>8}")
+    print(f"{'optimizer':>16} {'ids':>8} {'rows':>8} {'uniq':>5} | {'distemb':>9} "
+          f"{'torch':>9} {'ratio':>6} {'vs f32':>6} {'det':>4} {'floor':>8} {'%floor':>6} | "
+          f"{'gather':>8} {'dedup+upd':>9} {'x gather':>8}")
     gen = torch.Generator(device=device).manual_seed(0)
     w0 = torch.empty(args.rows, args.dim, device=device).uniform_(-0.01, 0.01, generator=gen)
     upstream = torch.randn(args.batch, args.dim, device=device, generator=gen)
@@ -254,15 +327,21 @@ def main(argv=None):
                                seed, device)
         unique = statistics.mean(b.unique().numel() for b in batches)
         for name in names:
-            ours = bench_distemb(args, name, batches, upstream, w0)
             base = bench_torch(args, name, batches, upstream, w0, device)
             t_gather, t_update = bench_kernels(args, name, batches, upstream, w0)
             floor = floor_seconds(args.batch, unique, args.dim, *OPTIMIZERS[name][2:],
                                   bandwidth)
-            print(f"{name:>16} {kind:>8} {unique / args.batch:5.0%} | {ours * 1e6:7.0f}us "
-                  f"{base * 1e6:7.0f}us {base / ours:5.2f}x {floor * 1e6:6.0f}us "
-                  f"{floor / ours:6.1%} | {t_gather * 1e6:6.0f}us {t_update * 1e6:7.0f}us "
-                  f"{t_update / t_gather:7.2f}x", flush=True)
+            f32 = None
+            for dtype in dtypes:
+                ours = bench_distemb(args, name, batches, upstream, w0, dtype)
+                f32 = ours if dtype == "float32" else f32
+                det = deterministic(args, name, batches, upstream, w0, dtype)
+                vs = f"{f32 / ours:5.2f}x" if f32 else "     -"
+                print(f"{name:>16} {kind:>8} {dtype:>8} {unique / args.batch:5.0%} | "
+                      f"{ours * 1e6:7.0f}us {base * 1e6:7.0f}us {base / ours:5.2f}x {vs} "
+                      f"{'yes' if det else 'NO':>4} {floor * 1e6:6.0f}us {floor / ours:6.1%} | "
+                      f"{t_gather * 1e6:6.0f}us {t_update * 1e6:7.0f}us "
+                      f"{t_update / t_gather:7.2f}x", flush=True)
     return 0
 
 

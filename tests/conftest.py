@@ -28,6 +28,7 @@ from distemb.kvstore import KVClient, LocalKVClient
 from distemb.kvstore.cache import CachedKVClient
 from distemb.kvstore.device import DeviceKVClient
 from distemb.kvstore.device_cache import DeviceCachedKVClient
+from distemb.kernels import cuda
 from distemb.kvstore.remote import RemoteKVClient
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
@@ -35,10 +36,12 @@ MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
 CACHES = {"lru_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # evicts a lot
           "lfu_exact": parse_cache_config({"policy": "lfu", "fraction": 0.5}),
           "lru_stale3": parse_cache_config({"policy": "lru", "bytes": 4096, "staleness": 3})}
-CLIENT_KINDS = ["mpi"] if MPI_SUITE else ["local", "tcp", "tcp_shm", "device_twin",
-                                          "device_cache_twin", "tcp+lru_exact",
-                                          "tcp_shm+lfu_exact", "tcp+lru_stale3",
-                                          "tcp_shm+device_cache_twin"]
+#: With a GPU, the same suite also runs on the real device placements ("_cuda" kinds).
+HAS_GPU = cuda.cuda_available()
+CLIENT_KINDS = ["mpi"] if MPI_SUITE else (
+    ["local", "tcp", "tcp_shm", "device_twin", "device_cache_twin", "tcp+lru_exact",
+     "tcp_shm+lfu_exact", "tcp+lru_stale3", "tcp_shm+device_cache_twin"]
+    + (["device_cuda", "device_cache_cuda", "tcp_shm+device_cache_cuda"] if HAS_GPU else []))
 
 
 class HostView(KVClient):
@@ -77,21 +80,25 @@ class HostView(KVClient):
 
 
 class CacheLookups(HostView):
-    """A device cache (on the CPU, running the CUDA twin) in front of a LocalKVClient,
-    whose pulls are its device lookups (misses admitted, 4 rows: it evicts a lot) and
-    whose updates arrive as device tensors, as from ``emb(ids, device=...)``."""
+    """A device cache in front of a LocalKVClient, whose pulls are its device lookups
+    (misses admitted, 4 rows: it evicts a lot) and whose updates arrive as device
+    tensors, as from ``emb(ids, device=...)``. On the CPU it runs the CUDA twin; with
+    ``device="cuda"`` the real kernels on a GPU."""
 
-    def __init__(self, inner=None):
+    def __init__(self, inner=None, device="cpu"):
+        ops = CpuCudaTwin() if device == "cpu" else None
+        self.device = torch.device(device)
         super().__init__(DeviceCachedKVClient(inner or LocalKVClient(),
-                                              parse_cache_config({"rows": 4}), "cpu",
-                                              ops=CpuCudaTwin()))
+                                              parse_cache_config({"rows": 4}), device,
+                                              ops=ops))
 
     def pull(self, name, ids):
-        return self.inner.lookup(name, ids).numpy()
+        return self.inner.lookup(name, ids).cpu().numpy()
 
     def push_update(self, name, ids, grads, rule, hyper):
-        self.inner.push_update(name, torch.from_numpy(np.ascontiguousarray(ids)),
-                               torch.from_numpy(np.ascontiguousarray(grads)), rule, hyper)
+        self.inner.push_update(
+            name, torch.from_numpy(np.ascontiguousarray(ids)).to(self.device),
+            torch.from_numpy(np.ascontiguousarray(grads)).to(self.device), rule, hyper)
 
     def close(self, **kw):
         self.inner.close(**kw)
@@ -137,10 +144,13 @@ def clusters(tmp_path_factory):
 @pytest.fixture(params=CLIENT_KINDS)
 def client(request, clusters):
     """A KVClient of each kind; remote ones talk to two server processes."""
-    if request.param in ("local", "device_twin", "device_cache_twin"):
+    if request.param in ("local", "device_twin", "device_cache_twin", "device_cuda",
+                         "device_cache_cuda"):
         kv = {"local": LocalKVClient,
               "device_twin": lambda: HostView(DeviceKVClient("cpu", ops=CpuCudaTwin())),
-              "device_cache_twin": CacheLookups}[request.param]()
+              "device_cache_twin": CacheLookups,
+              "device_cuda": lambda: HostView(DeviceKVClient("cuda")),
+              "device_cache_cuda": lambda: CacheLookups(device="cuda")}[request.param]()
         yield kv
         kv.close()
         return
@@ -152,6 +162,8 @@ def client(request, clusters):
         kv = clusters(kind).client()
         if cache == "device_cache_twin":
             kv = CacheLookups(kv)
+        elif cache == "device_cache_cuda":
+            kv = CacheLookups(kv, device="cuda")
         elif cache:
             kv = CachedKVClient(kv, CACHES[cache])
     yield kv

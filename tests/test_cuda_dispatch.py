@@ -175,6 +175,19 @@ def test_device_table_lives_in_one_tensor_of_its_client(ctx, twin):
     assert kv.names() == []
 
 
+def test_device_table_never_aliases_what_init_func_returned(ctx, twin):
+    """init_func may return a tensor the caller keeps (pretrained rows, one tensor for two
+    tables): the table is a copy, so training it leaves the caller's tensor as it was."""
+    pretrained = torch.ones(4, 3)
+    emb = DistEmbedding(4, 3, name="pre", context=ctx, device="cuda",
+                        init_func=lambda shape, dtype: pretrained)
+    opt = SparseAdagrad([emb], lr=0.5)
+    emb(torch.tensor([0, 2])).sum().backward()
+    opt.step()
+    assert torch.equal(pretrained, torch.ones(4, 3))
+    assert emb.weight[torch.tensor([0])].tolist() == [[0.5, 0.5, 0.5]]
+
+
 def test_device_tensor_push_pull_last_write_wins(ctx, twin):
     t = DistTensor((5, 2), torch.float32, name="dt", context=ctx, device="cuda")
     t[torch.tensor([3, 1, 3])] = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])

@@ -62,7 +62,9 @@ def _unique_steps(ctx, rounding, case="adagrad", steps=20, rows=200, dim=24):
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         ids = torch.randperm(rows, generator=gen)[:rows // 2]
-        (emb(ids) * torch.randn(rows // 2, dim, generator=gen)).sum().backward()
+        looked_up = emb(ids)  # on the table's device; the upstream gradient goes there
+        (looked_up * torch.randn(rows // 2, dim, generator=gen).to(looked_up.device)
+         ).sum().backward()
         opt.step()
     return emb.weight[torch.arange(rows)].cpu()
 

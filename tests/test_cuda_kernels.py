@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cpu_cuda_twin import chunked_dedup_sum
 from distemb.kernels import cuda, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,13 +222,25 @@ def _assert_close(gpu_tensor, expected):
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("num_rows", [None, NUM_ROWS], ids=["all_bits", "table_bits"])
 def test_dedup_sum_matches_reference(device, d, num_rows):
+    """The unique ids of the reference, and sums in the kernel's declared order, bit for
+    bit (chunks of SUM_CHUNK rows, each left to right, then the chunks' sums left to
+    right: tests/cpu_cuda_twin.py); that order is a float32 sum, within float32 rounding
+    of the float64 sum (the reference adds rows one by one, another rounding order)."""
     rng = np.random.default_rng(d)
     ids = _zipf_ids(rng)
     grads = rng.standard_normal((ids.shape[0], d)).astype(np.float32)
-    want_uniq, want_sum = reference.dedup_sum(ids, grads)
+    want_uniq, _ = reference.dedup_sum(ids, grads)
     uniq, summed = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device), num_rows=num_rows)
     np.testing.assert_array_equal(uniq.cpu().numpy(), want_uniq)
-    _assert_close(summed, want_sum)
+    _, declared = chunked_dedup_sum(ids, grads, num_rows=num_rows)
+    np.testing.assert_array_equal(summed.cpu().numpy().view(np.int32), declared.view(np.int32))
+    exact = np.zeros((want_uniq.shape[0], d))
+    np.add.at(exact, np.searchsorted(want_uniq, ids), grads.astype(np.float64))
+    magnitude = np.zeros_like(exact)  # sum of |rows|: float32 rounding is relative to it
+    np.add.at(magnitude, np.searchsorted(want_uniq, ids), np.abs(grads.astype(np.float64)))
+    count = np.bincount(np.searchsorted(want_uniq, ids))[:, None]
+    bound = (count + cuda.SUM_CHUNK) * np.finfo(np.float32).eps * magnitude
+    assert np.all(np.abs(summed.cpu().numpy() - exact) <= bound + 1e-30)
     # Sums run in batch order: a second run gives the same bits.
     again = cuda.dedup_sum(_gpu(ids, device), _gpu(grads, device), num_rows=num_rows)[1]
     assert torch.equal(summed, again)

@@ -128,9 +128,9 @@ DISTEMB_API int distemb_cuda_dedup_sort(const int64_t* ids, int64_t n, int64_t d
     return cudaErrorInvalidValue;  // num_rows itself (the key of bad ids) must fit
   }
   DISTEMB_TRY(cudaSetDevice(device));
-  size_t needed = 0;
-  DISTEMB_TRY(distemb::workspace_bytes(n, d, end_bit, &needed));
-  if (workspace_bytes < needed) return cudaErrorInvalidValue;
+  // Not the whole size again (CUB's queries cost host time every step): the fixed part
+  // here, and each CUB pass refuses (cudaErrorInvalidValue) scratch smaller than it needs.
+  if (workspace_bytes < distemb::Layout(n, d).cub_temp) return cudaErrorInvalidValue;
   const cudaStream_t s = distemb::as_stream(stream);
   if (n == 0) return cudaMemsetAsync(num_unique, 0, sizeof(int64_t), s);
 

@@ -32,6 +32,7 @@ Example:
     ([1, 3], [[1.0, 1.0], [2.0, 2.0]])
 """
 import ctypes
+import functools
 
 import torch
 
@@ -82,11 +83,25 @@ def _check_update(weight, rows, grads):
 
 def _call(lib, name, device, *args):
     """Run entry point ``name`` on ``device`` and the current stream of that device."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if device == torch.cuda.current_device():  # the common case: no device switch
+        check_status(lib, name, getattr(lib, name)(*args, device, stream))
+        return
     # torch.cuda.device keeps torch's idea of the current device in step with the one the
     # library sets, and restores the caller's device afterwards.
     with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
         check_status(lib, name, getattr(lib, name)(*args, device, stream))
+
+
+@functools.lru_cache(maxsize=64)
+def _workspace_bytes(lib, n, d, end_bit, device):
+    """The dedup's scratch bytes for a batch shape (a pure function: asked once per shape,
+    as a training loop repeats its batch shape every step)."""
+    nbytes = _SIZE(0)
+    check_status(lib, "distemb_cuda_dedup_workspace_bytes",
+                 lib.distemb_cuda_dedup_workspace_bytes(n, d, end_bit, ctypes.byref(nbytes),
+                                                        device))
+    return nbytes.value
 
 
 def _dedup(ids, grads, num_rows, out):
@@ -110,22 +125,19 @@ def _dedup(ids, grads, num_rows, out):
     device = _same_device(**tensors)
     lib = require_cuda()
     summed = torch.empty((n, d), dtype=torch.float32, device=ids.device) if out is None else out
-    count = torch.zeros(1, dtype=torch.int64, device=ids.device)
     if n == 0:
-        return ids.new_empty(0), summed[:0], count
-    nbytes = _SIZE(0)
-    with torch.cuda.device(device):
-        check_status(lib, "distemb_cuda_dedup_workspace_bytes",
-                     lib.distemb_cuda_dedup_workspace_bytes(n, d, end_bit, ctypes.byref(nbytes),
-                                                            device))
-    workspace = torch.empty(nbytes.value, dtype=torch.uint8, device=ids.device)
+        return ids.new_empty(0), summed[:0], torch.zeros(1, dtype=torch.int64,
+                                                         device=ids.device)
+    count = torch.empty(1, dtype=torch.int64, device=ids.device)  # written by the sort
+    nbytes = _workspace_bytes(lib, n, d, end_bit, device)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=ids.device)
     uniq = torch.empty(n, dtype=torch.int64, device=ids.device)
     _call(lib, "distemb_cuda_dedup_sort", device, ids.data_ptr(), n, d,
           0 if num_rows is None else int(num_rows), end_bit, workspace.data_ptr(),
-          nbytes.value, uniq.data_ptr(), count.data_ptr())
+          nbytes, uniq.data_ptr(), count.data_ptr())
     if d > 0:
         _call(lib, "distemb_cuda_dedup_sum", device, grads.data_ptr(), n, d,
-              workspace.data_ptr(), nbytes.value, summed.data_ptr())
+              workspace.data_ptr(), nbytes, summed.data_ptr())
     return uniq, summed[:n], count
 
 

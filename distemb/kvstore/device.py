@@ -102,12 +102,16 @@ class IdCheck:
 
     def recorded(self):
         """Enqueue the copy of the flags to the host, behind the kernel that wrote them."""
-        if self._landed is not None:
-            # On the stream of the table's device (the gather's), not the current device's.
-            stream = torch.cuda.current_stream(self.flags.device)
+        if self._landed is None:
+            return
+        # On the stream of the table's device (the gather's), not the current device's.
+        stream = torch.cuda.current_stream(self.flags.device)
+        if stream == torch.cuda.current_stream():  # the common case: no stream switch
+            self._host.copy_(self.flags, non_blocking=True)
+        else:
             with torch.cuda.stream(stream):
                 self._host.copy_(self.flags, non_blocking=True)
-            self._landed.record(stream)
+        self._landed.record(stream)
 
     def raise_seen(self, wait):
         """Raise if the flags that reached the host show bad ids, and clear them.
@@ -215,7 +219,10 @@ class DeviceKVClient(KVClient):
         shards = []
         for part in range(policy.num_partitions):
             sshape = (policy.get_part_size(part),) + shape[1:]
-            shard = torch.as_tensor(init_func(sshape, dtype)).to(self.device, tdtype)
+            # copy=True: a tensor the caller keeps (already on this device, in this
+            # dtype) must not become the table, which every step updates in place
+            shard = torch.as_tensor(init_func(sshape, dtype)).to(self.device, tdtype,
+                                                                 copy=True)
             if tuple(shard.shape) != sshape:
                 raise KVStoreError(f"init_func of {name!r}: returned shape "
                                    f"{tuple(shard.shape)}, expected {sshape}")
