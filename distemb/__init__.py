@@ -35,6 +35,7 @@ _LAZY = {
     "SparseAdagrad": "distemb.optim",
     "SparseRowWiseAdagrad": "distemb.optim",
     "SparseAdam": "distemb.optim",
+    "skipgram_loss": "distemb.losses",
 }
 
 __all__ = sorted(["DistContext", "current_context", "initialize", "shutdown", "DistEmbError",
