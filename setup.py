@@ -18,9 +18,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # -fno-math-errno lets sqrtf vectorise; no -ffast-math: results must stay IEEE (torch's).
+# No -march: the update kernels are built for baseline x86-64 and for AVX2 and picked at
+# run time (csrc/cpu_kernels.h), so a wheel runs on any x86-64 CPU at its best speed.
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
-if os.environ.get("DISTEMB_NATIVE") == "1":
-    COMPILE_ARGS.append("-march=native")
 
 
 
