@@ -1,0 +1,57 @@
+"""``import distemb.dgl as dist``, or ``distemb.dgl.patch()``: DGL's distributed API on distemb.
+
+Two ways in, same classes:
+
+- an import swap: ``import dgl.distributed as dist`` becomes ``import distemb.dgl as
+  dist`` (``dist.optim.SparseAdam`` by module path included);
+- one added line, ``distemb.dgl.patch()``, before the script imports from
+  ``dgl.distributed`` (or ``python -m distemb.dgl.patch script.py``): DGL's own module
+  paths then give distemb's ``DistEmbedding``, ``DistTensor`` and optimizers, and a job
+  started by DGL's launcher gets distemb's servers (:mod:`distemb.dgl.patch`,
+  :mod:`distemb.dgl.job`). :func:`unpatch` restores DGL.
+
+DGL's partition policies and books are converted to distemb's; ``DistGraph``, samplers,
+``node_split`` stay DGL's. Tables follow DGL's lifetime rule (deleted with their last
+object unless ``persistent=True``) and torch's maths (duplicate ids sum their gradients;
+DGL averages). Importing this package imports DGL.
+
+Example:
+    >>> import torch
+    >>> import distemb.dgl as dist
+    >>> emb = dist.DistEmbedding(10, 4, name="doc-mirror")
+    >>> opt = dist.optim.SparseAdagrad([emb], lr=0.1)
+    >>> emb(torch.tensor([1, 1])).sum().backward(); opt.step()
+    >>> dist.optim.SparseAdam is __import__("distemb").SparseAdam
+    True
+"""
+from distemb.dgl import job, optim
+from distemb.dgl.patch import dgl_own, is_patched, patch, unpatch
+from distemb.dgl.tables import (DistEmbedding, DistTensor, EdgePartitionPolicy,
+                                NodePartitionPolicy, PartitionPolicy, convert_policy,
+                                dgl_policy_for)
+from distemb.integrations.dgl import dgl as _dgl
+
+__all__ = ["DistEmbedding", "DistTensor", "PartitionPolicy", "NodePartitionPolicy",
+           "EdgePartitionPolicy", "initialize", "exit_client", "optim", "convert_policy",
+           "dgl_policy_for", "patch", "unpatch", "is_patched", "job"]
+
+
+def initialize(ip_config=None, **kwargs):
+    """DGL's ``initialize(ip_config, ...)``, then distemb's context for this process.
+
+    DGL's own ``dgl.distributed.initialize`` runs first (a server-role process of DGL's
+    launcher serves there and never returns; a trainer connects to DGL's servers); then
+    :func:`distemb.dgl.job.join_trainer`: embedded tables in DGL's standalone mode, the
+    job's distemb servers in distributed mode (``$DISTEMB_JOB_TOKEN`` required).
+
+    Returns:
+        the :class:`~distemb.context.DistContext`.
+    """
+    dgl_own(_dgl.distributed, "initialize")(ip_config, **kwargs)
+    return job.join_trainer(ip_config)
+
+
+def exit_client():
+    """DGL's ``exit_client()``: leave distemb's job, then DGL's."""
+    job.leave()
+    dgl_own(_dgl.distributed, "exit_client")()
