@@ -35,6 +35,7 @@ _LAZY = {
     "SparseAdagrad": "distemb.optim",
     "SparseRowWiseAdagrad": "distemb.optim",
     "SparseAdam": "distemb.optim",
+    "SparseFtrl": "distemb.optim",
     "skipgram_loss": "distemb.losses",
 }
 
