@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from distemb.arrays import GlobalIds, Shape, Tensor
+from distemb.arrays import DENSE_INIT, GlobalIds, Shape, Tensor, check_init_func
 from distemb.context import current_context
 from distemb.errors import KVStoreError
 from distemb.kvstore import KVClient
@@ -111,6 +111,7 @@ class DistTensor:
         if part_policy.get_size() != self._shape[0]:
             raise ValueError(f"part_policy: {part_policy.policy_str} has "
                              f"{part_policy.get_size()} ids, but shape[0] is {self._shape[0]}")
+        check_init_func(init_func, DENSE_INIT)
         self._policy = part_policy
         self._name = _resolve_name(self._client, name) or ctx.new_name("anonymous")
         self._persistent = persistent

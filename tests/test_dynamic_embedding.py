@@ -156,3 +156,58 @@ def test_bad_input(ctx):
     opt.step()
     # state_dict covers store tables now (keyed state; tests/test_optim_store_state.py)
     assert SparseAdagrad([emb], lr=0.1).state_dict()["state"]["bad"]["keys"].tolist() == [1]
+
+
+# --- defects of issue 21: each test failed before its fix -----------------------------
+
+def test_dynamic_table_looked_up_onto_a_device_trains_its_own_keys(ctx, monkeypatch):
+    """Keys far past the live key count are summed apart, not lumped into one phantom
+    key (the device view used the key count as a table size). On the CPU, through the
+    CUDA kernels' CPU stand-in, as tests/test_cuda_dispatch.py does for dense tables."""
+    from cpu_cuda_twin import CpuCudaTwin
+    from distemb.kvstore import device as device_kv
+
+    monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", CpuCudaTwin())
+    emb = DynamicEmbedding(2, name="dyn-dev", context=ctx)
+    opt = SparseSGD([emb], lr=1.0)
+    keys = torch.tensor([2 ** 40, 2 ** 41, 1, -5])
+    rows = emb(keys, device="cuda")
+    (rows * torch.tensor([[1.0], [10.0], [100.0], [1000.0]])).sum().backward()
+    opt.step()
+    got = emb.export()
+    assert got["keys"].tolist() == [-5, 1, 2 ** 40, 2 ** 41]
+    assert got["weight"][:, 0].tolist() == [-1000.0, -100.0, -1.0, -10.0]
+
+
+def test_one_store_client_per_context_closed_with_it(ctx, tmp_path):
+    """Two tables of one name in one context are one table; closing the context closes
+    (flushes) its store tables."""
+    a = DynamicEmbedding(2, name="same", context=ctx)
+    b = DynamicEmbedding(2, name="same", context=ctx)
+    a.upsert(torch.tensor([7]), torch.ones(1, 2))
+    assert b.size() == 1 and b.get(torch.tensor([7])).tolist() == [[1.0, 1.0]]
+    with pytest.raises(DistEmbError, match=r"'same' exists with dim 2.*got dim 3"):
+        DynamicEmbedding(3, name="same", context=ctx)
+    from distemb.stores import FileStore
+    from distemb.dynamic import StoreEmbedding
+
+    store = FileStore(tmp_path / "f", num_rows=10, dim=2)
+    StoreEmbedding(store, name="file", context=ctx).weight[torch.tensor([3])] = \
+        torch.full((1, 2), 5.0)
+    ctx.close()
+    assert store.closed  # closed (and flushed) with its context
+    assert FileStore(tmp_path / "f").gather(np.array([3])).tolist() == [[5.0, 5.0]]
+
+
+@pytest.mark.parametrize("make", ["dynamic", "dense"])
+def test_initialiser_of_the_wrong_signature_is_refused_at_construction(ctx, make):
+    if make == "dynamic":  # a DGL-style init_func(shape, dtype) given to a keyed table
+        with pytest.raises(TypeError, match=r"init_func: expected init_func\(keys\) -> rows"
+                                            r".*takes \(shape, dtype\)"):
+            DynamicEmbedding(4, name="bad-init", context=ctx,
+                             init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    else:  # a keyed initialiser given to a dense table
+        with pytest.raises(TypeError, match=r"init_func: expected init_func\(shape, dtype\) -> rows"
+                                            r".*takes \(keys\)"):
+            DistEmbedding(10, 4, name="bad-init", context=ctx, init_func=lambda keys: keys)

@@ -52,6 +52,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
+from distemb.errors import KVStoreError
 from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_owner
 
@@ -210,8 +211,16 @@ class CachedKVClient(PlacedAsInner, KVClient):
         self.inner.barrier()
 
     def store_client(self):
-        """The wrapped client's: tables on row stores bypass the trainer cache."""
-        return self.inner.store_client()
+        """Refused: row-store tables cannot sit behind the trainer cache yet.
+
+        Raises:
+            KVStoreError: always, naming this placement and the tables it cannot hold.
+        """
+        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
+                           "StoreEmbedding: any int64 key, hash or file stores) cannot be "
+                           "placed behind the trainer cache, whose slot map is an array sized to "
+                           "a dense table's rows; make them in a context without "
+                           "'cache' (their rows then go to their owner uncached)")
 
     def close(self, **kw):
         """Close the wrapped client (keywords go to its ``close``)."""

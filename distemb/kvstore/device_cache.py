@@ -41,6 +41,7 @@ import torch
 
 from distemb.config import CacheConfig, check_device_cache
 from distemb.enums import CachePolicy
+from distemb.errors import KVStoreError
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
 from distemb.kvstore.cache import TableCache
@@ -304,8 +305,16 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         self.inner.barrier()
 
     def store_client(self):
-        """The wrapped client's: tables on row stores bypass the device cache."""
-        return self.inner.store_client()
+        """Refused: row-store tables cannot sit behind the device cache yet.
+
+        Raises:
+            KVStoreError: always, naming this placement and the tables it cannot hold.
+        """
+        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
+                           "StoreEmbedding: any int64 key, hash or file stores) cannot be "
+                           "placed behind the device cache, whose slot map is an array sized to "
+                           "a dense table's rows; make them in a context without "
+                           "'device_cache' (their rows then go to their owner uncached)")
 
     def close(self, **kw):
         """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""

@@ -107,8 +107,8 @@ class RemoteStoreClient(StoreClient):
             TypeError: the spec's initialiser is a plain function (servers cannot run it).
             KVStoreError: ``name`` exists here, or on the servers with another spec.
         """
-        if name in self._specs:
-            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        if self._exists(name, spec):
+            return
         fields = spec.fields()
         self._all(lambda sid: StoreCreate(name=name, **fields))
         self._specs[name] = spec

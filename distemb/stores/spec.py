@@ -18,6 +18,7 @@ Example:
 from dataclasses import dataclass
 from typing import Optional
 
+from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.enums import EvictPolicy, Rounding
 from distemb.stores.hash import HashStore
 from distemb.stores.init import KeyInit, KeyZeros, init_from_spec
@@ -51,6 +52,16 @@ class HashTableSpec:
     low_water: float = 1.0
     rounding: str = "nearest"
 
+    def differences(self, other: "HashTableSpec") -> str:
+        """What differs between this spec and ``other`` apart from the initialiser
+        (``"dim 2, got dim 3"``), or "" when a table made from one can serve the other."""
+        out = []
+        for field in ("dim", "dtype", "capacity", "evict", "low_water", "rounding"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                out.append(f"{field} {mine!r}, got {field} {theirs!r}")
+        return "; ".join(out)
+
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "dim", check_dim(self.dim, "embedding_dim"))
@@ -63,9 +74,7 @@ class HashTableSpec:
         if isinstance(lw, bool) or not isinstance(lw, (int, float)) or not 0.0 < lw <= 1.0:
             raise ValueError(f"low_water: expected a float in (0, 1], got {lw!r}")
         set_(self, "low_water", float(lw))
-        if self.init is not None and not callable(self.init):
-            raise TypeError(f"init_func: expected a callable init(keys) -> rows, got "
-                            f"{type(self.init).__name__}")
+        check_init_func(self.init, KEYED_INIT)
         if isinstance(self.init, KeyInit) and self.init.dim != self.dim:
             raise ValueError(f"init_func: makes rows of dim {self.init.dim}, the table's "
                              f"dim is {self.dim}")
