@@ -35,7 +35,7 @@ from distemb.embedding import DEFAULT_TRACE_LIMIT, DistEmbedding, _positive_int
 from distemb.errors import StoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.stores import RowStore
-from distemb.stores.spec import HashTableSpec
+from distemb.stores.spec import SPECS, HashTableSpec
 
 
 SAVE_FORMAT = "distemb-store-table"
@@ -113,21 +113,27 @@ class StoreTensor:
 
 
 class StoreEmbedding(DistEmbedding):
-    """A learnable table whose rows live in ``store`` (a :class:`~distemb.stores.RowStore`).
+    """A learnable table whose rows live in row stores: a given store, or stores made
+    from a spec wherever the table's shards live.
 
     Use it for a file-backed table (``FileStore``: larger than RAM, persistent) or any
     store; :class:`DynamicEmbedding` is the hash-keyed one. Ids are the store's keys.
+    A store object lives in this process (embedded only); a spec
+    (:class:`~distemb.stores.spec.FileTableSpec`, :class:`~distemb.stores.spec.
+    HashTableSpec`) also runs on a cluster's servers, each making its own shard's store
+    (a file table's shards hold ranges of its keys, under ``path/part-<p>-of-<S>``).
 
     Args:
-        store: the RowStore holding rows and optimizer state (the table owns it now).
+        store: the RowStore holding rows and optimizer state (the table owns it now),
+            or a table spec.
         name: the table's name (fresh when None).
         context: the :class:`~distemb.context.DistContext` (default: the current one).
         trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
 
     Raises:
-        KVStoreError: the context is a cluster's (a store object lives in one process:
-            use :class:`DynamicEmbedding`, a hash store per server).
-        TypeError: ``store`` is not a RowStore.
+        KVStoreError: a store object in a cluster's context (it lives in one process:
+            pass a spec, or use :class:`DynamicEmbedding`, a hash store per server).
+        TypeError: ``store`` is neither a RowStore nor a table spec.
 
     Example:
         >>> import tempfile, torch
@@ -139,10 +145,15 @@ class StoreEmbedding(DistEmbedding):
     """
 
     def __init__(self, store, name=None, context=None, trace_limit=DEFAULT_TRACE_LIMIT):
-        if not isinstance(store, RowStore):
-            raise TypeError(f"store: expected a RowStore, got {type(store).__name__}")
-        self._setup(lambda client, name: client.add_table(name, store), name, context,
-                    trace_limit)
+        if isinstance(store, RowStore):
+            make = lambda client, name: client.add_table(name, store)  # noqa: E731
+        elif isinstance(store, tuple(SPECS.values())):
+            make = lambda client, name: client.create_table(name, store)  # noqa: E731
+        else:
+            raise TypeError(f"store: expected a RowStore, or a table spec of "
+                            f"{sorted(c.__name__ for c in SPECS.values())}, got "
+                            f"{type(store).__name__}")
+        self._setup(make, name, context, trace_limit)
 
     def _setup(self, make, name, context, trace_limit):
         """Make the table with ``make(client, name)`` in the context's store client."""
