@@ -115,8 +115,9 @@ class RemoteStoreClient(StoreClient):
 
     def add_table(self, name, store):
         raise KVStoreError(f"table {name!r}: a store object lives in this process, and this "
-                           "is a trainer of a cluster; use DynamicEmbedding (a hash store "
-                           "per server, made from its spec)")
+                           "is a trainer of a cluster; pass a table spec instead (e.g. "
+                           "StoreEmbedding(FileTableSpec(...)), or DynamicEmbedding): each "
+                           "server makes its own shard's store from it")
 
     def names(self):
         return list(self._specs)
