@@ -41,6 +41,8 @@ class DenseStore(RowStore):
         [[2.0, 2.0]]
     """
 
+    fixed_keys = True
+
     def __init__(self, num_rows, dim, dtype="float32", init=None, rounding="nearest"):
         self.num_rows = check_dim(num_rows, "num_rows")
         self.dim = check_dim(dim)
