@@ -48,7 +48,42 @@ def _check_shape(shape) -> Shape:
     return shape
 
 
-class DistTensor:
+class NamedRows:
+    """What every tensor of rows has: a name in its client, a context, a storage dtype.
+
+    Subclasses (:class:`DistTensor`, :class:`StoreTensor`) set ``_name``, ``_ctx``,
+    ``_client`` and ``_dtype`` (a dtype name).
+
+    Example:
+        >>> import torch
+        >>> t = DistTensor((4, 2), torch.bfloat16, name="doc-named-rows")
+        >>> isinstance(t, NamedRows), t.name, t.dtype
+        (True, 'doc-named-rows', torch.bfloat16)
+    """
+
+    _name: str
+    _dtype: str
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def dtype(self):
+        """The dtype the rows are stored in (half rows are read and written as float32)."""
+        return self._ctx.F.dtype(self._dtype)
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def client(self):
+        """The KVClient holding the rows (a device client for a GPU-resident tensor)."""
+        return self._client
+
+
+class DistTensor(NamedRows):
     """A tensor sharded by rows across the KVStore, addressed by global row ids.
 
     Args:
@@ -258,25 +293,8 @@ class DistTensor:
         return self._shape
 
     @property
-    def dtype(self):
-        return self._ctx.F.dtype(self._dtype)
-
-    @property
-    def name(self):
-        return self._name
-
-    @property
     def part_policy(self):
         return self._policy
-
-    @property
-    def context(self):
-        return self._ctx
-
-    @property
-    def client(self):
-        """The KVClient holding the rows (a device client for a GPU-resident tensor)."""
-        return self._client
 
     @property
     def device(self):
@@ -287,7 +305,7 @@ class DistTensor:
         return f"DistTensor(name={self._name!r}, shape={self._shape}, dtype={self._dtype})"
 
 
-class StoreTensor:
+class StoreTensor(NamedRows):
     """The rows of a store-backed table: ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
 
     Args:
@@ -338,25 +356,8 @@ class StoreTensor:
         return (self._client.size(self._name), self._dim)
 
     @property
-    def name(self):
-        return self._name
-
-    @property
-    def dtype(self):
-        """The dtype the rows are stored in (read and written as float32)."""
-        return self._ctx.F.dtype(self._dtype)
-
-    @property
     def part_policy(self):
         return None
-
-    @property
-    def context(self):
-        return self._ctx
-
-    @property
-    def client(self):
-        return self._client
 
     @property
     def device(self):

@@ -52,8 +52,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
-from distemb.errors import KVStoreError
-from distemb.kvstore.types import KVClient, PlacedAsInner
+from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
 from distemb.rules import rule_of, state_owner
 
 #: The version of a cached copy someone else may have changed (bounded staleness): it is
@@ -216,11 +215,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         Raises:
             KVStoreError: always, naming this placement and the tables it cannot hold.
         """
-        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
-                           "StoreEmbedding: any int64 key, hash or file stores) cannot be "
-                           "placed behind the trainer cache, whose slot map is an array sized to "
-                           "a dense table's rows; make them in a context without "
-                           "'cache' (their rows then go to their owner uncached)")
+        raise refuse_row_stores(self, "the trainer cache", "cache")
 
     def close(self, **kw):
         """Close the wrapped client (keywords go to its ``close``)."""

@@ -41,11 +41,10 @@ import torch
 
 from distemb.config import CacheConfig, check_device_cache
 from distemb.enums import CachePolicy
-from distemb.errors import KVStoreError
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
 from distemb.kvstore.cache import TableCache
-from distemb.kvstore.types import KVClient, PlacedAsInner
+from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
 from distemb.rules import rule_of, state_name, state_owner
 
 
@@ -310,11 +309,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         Raises:
             KVStoreError: always, naming this placement and the tables it cannot hold.
         """
-        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
-                           "StoreEmbedding: any int64 key, hash or file stores) cannot be "
-                           "placed behind the device cache, whose slot map is an array sized to "
-                           "a dense table's rows; make them in a context without "
-                           "'device_cache' (their rows then go to their owner uncached)")
+        raise refuse_row_stores(self, "the device cache", "device_cache")
 
     def close(self, **kw):
         """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""
