@@ -160,20 +160,27 @@ def test_bad_input(ctx):
 
 # --- defects of issue 21: each test failed before its fix -----------------------------
 
-def test_dynamic_table_looked_up_onto_a_device_trains_its_own_keys(ctx, monkeypatch):
+@pytest.mark.parametrize("kernels", ["twin", "gpu"])
+def test_dynamic_table_looked_up_onto_a_device_trains_its_own_keys(ctx, monkeypatch,
+                                                                  kernels):
     """Keys far past the live key count are summed apart, not lumped into one phantom
-    key (the device view used the key count as a table size). On the CPU, through the
-    CUDA kernels' CPU stand-in, as tests/test_cuda_dispatch.py does for dense tables."""
+    key (the device view used the key count as a table size). On the CPU through the
+    CUDA kernels' CPU stand-in (as tests/test_cuda_dispatch.py does for dense tables),
+    and on a GPU where one is usable."""
     from cpu_cuda_twin import CpuCudaTwin
+    from distemb.kernels import cuda
     from distemb.kvstore import device as device_kv
 
-    monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
-    monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", CpuCudaTwin())
+    if kernels == "twin":
+        monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+        monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", CpuCudaTwin())
+    elif not cuda.cuda_available():
+        pytest.skip("no usable GPU here: the CPU stand-in case covers the same path")
     emb = DynamicEmbedding(2, name="dyn-dev", context=ctx)
     opt = SparseSGD([emb], lr=1.0)
     keys = torch.tensor([2 ** 40, 2 ** 41, 1, -5])
     rows = emb(keys, device="cuda")
-    (rows * torch.tensor([[1.0], [10.0], [100.0], [1000.0]])).sum().backward()
+    (rows * torch.tensor([[1.0], [10.0], [100.0], [1000.0]]).to(rows.device)).sum().backward()
     opt.step()
     got = emb.export()
     assert got["keys"].tolist() == [-5, 1, 2 ** 40, 2 ** 41]
