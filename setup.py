@@ -18,14 +18,15 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # -fno-math-errno lets sqrtf vectorise; no -ffast-math: results must stay IEEE (torch's).
+# No -march: the update kernels are built for baseline x86-64 and for AVX2 and picked at
+# run time (csrc/cpu_kernels.h), so a wheel runs on any x86-64 CPU at its best speed.
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
-if os.environ.get("DISTEMB_NATIVE") == "1":
-    COMPILE_ARGS.append("-march=native")
 
 
 
 CUDA_SOURCES = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-CUDA_DEPENDS = CUDA_SOURCES + sorted(glob.glob(os.path.join("csrc", "cuda", "*.*h")))
+CUDA_DEPENDS = CUDA_SOURCES + sorted(glob.glob(os.path.join("csrc", "cuda", "*.*h"))) + [
+    os.path.join("csrc", "rules.h")]
 CUDA_LIB = os.path.join("distemb", "_cuda_kernels.so")
 NVCC_FLAGS = [
     "-O3", "-std=c++17", "-shared", "-cudart", "static",
@@ -108,6 +109,10 @@ extensions = [
     Extension(
         "distemb._kernels",
         ["csrc/_kernels.pyx"],
+        include_dirs=["csrc"],
+        # the updates are csrc/cpu_kernels.h: a baseline and an AVX2 build of each, picked
+        # at run time (no -m flags here)
+        depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h", "csrc/rules.h"],
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],
         language="c++",
@@ -117,8 +122,8 @@ extensions = [
         ["csrc/_halfkernels.pyx"],
         include_dirs=["csrc"],
         # one baseline and one AVX2 + F16C build of each kernel, picked at run time by
-        # the CPU that runs them (csrc/half_kernels.h): no -m flags here
-        depends=["csrc/half_kernels.h", "csrc/half_kernels_body.h"],
+        # the CPU that runs them (csrc/cpu_kernels.h): no -m flags here
+        depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h", "csrc/rules.h"],
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],
         language="c++",

@@ -1,37 +1,53 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 # distutils: language = c++
-"""Compiled kernels on half-precision rows (csrc/half_kernels.h). Imported only by
+"""Compiled kernels on half-precision rows (csrc/cpu_kernels.h). Imported only by
 distemb.kernels.half, which validates inputs and passes the rows' uint16 bits; its twin
 in distemb/kernels/reference_half.py defines the semantics (decode, the float32 kernel,
 encode with round-to-nearest-even). Every kernel takes ``isa`` (-1: the best build this
-CPU runs, 0: baseline x86-64, 1: AVX2 + F16C; see csrc/half_kernels.h), for the tests
-that compare the two builds; callers leave it."""
+CPU runs, or the one ``set_isa`` chose; 0: baseline x86-64, 1: AVX2 + F16C; see
+csrc/cpu_kernels.h), for the tests that compare the two builds; callers leave it."""
 from libc.stdint cimport int64_t, uint16_t, uint64_t
 
-cdef extern from "half_kernels.h" namespace "distemb_half" nogil:
-    void c_gather "distemb_half::gather"(int isa, int kind, const uint16_t *t, const int64_t *r,
+cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
+    void c_gather "distemb_cpu::gather"(int isa, int kind, const uint16_t *t, const int64_t *r,
                                          float *o, int64_t n, int64_t d, int nt)
-    void c_sgd "distemb_half::sgd"(int isa, int kind, uint16_t *w, const int64_t *r, const float *g,
+    void c_sgd "distemb_cpu::sgd"(int isa, int kind, uint16_t *w, const int64_t *r, const float *g,
                                    int64_t n, int64_t d, float lr, uint64_t seed, int nt)
-    void c_adagrad "distemb_half::adagrad"(int isa, int kind, uint16_t *w, float *s, const int64_t *r,
+    void c_adagrad "distemb_cpu::adagrad"(int isa, int kind, uint16_t *w, float *s, const int64_t *r,
                                            const float *g, int64_t n, int64_t d, float clr,
                                            float eps, uint64_t seed, int nt)
-    void c_rowwise "distemb_half::rowwise_adagrad"(int isa, int kind, uint16_t *w, float *s,
+    void c_rowwise "distemb_cpu::rowwise_adagrad"(int isa, int kind, uint16_t *w, float *s,
                                                    const int64_t *r, const float *g,
                                                    int64_t n, int64_t d, float clr,
                                                    float eps, uint64_t seed, int nt)
-    void c_adam "distemb_half::adam"(int isa, int kind, uint16_t *w, float *m, float *v,
+    void c_adam "distemb_cpu::adam"(int isa, int kind, uint16_t *w, float *m, float *v,
                                      const int64_t *r, const float *g, int64_t n, int64_t d,
                                      double lr, double b1, double b2, double eps,
                                      int64_t step, int64_t *rs, uint64_t seed, int nt)
-    void c_encode "distemb_half::encode"(int isa, int kind, const float *src, uint16_t *dst, int64_t n)
-    bint c_cpu_has_vector "distemb_half::cpu_has_vector"()
-    void c_decode "distemb_half::decode"(int isa, int kind, const uint16_t *src, float *dst, int64_t n)
+    void c_ftrl "distemb_cpu::ftrl"(int isa, int kind, uint16_t *w, float *acc, float *lin,
+                                     const int64_t *r, const float *g, int64_t n, int64_t d,
+                                     double lr, double lr_power, double l1, double l2,
+                                     double l2_shrinkage, double beta, uint64_t seed, int nt)
+    int c_get_isa "distemb_cpu::get_process_isa"()
+    void c_set_isa "distemb_cpu::set_process_isa"(int isa)
+    void c_encode "distemb_cpu::encode"(int isa, int kind, const float *src, uint16_t *dst, int64_t n)
+    bint c_cpu_has_vector "distemb_cpu::cpu_has_vector"()
+    void c_decode "distemb_cpu::decode"(int isa, int kind, const uint16_t *src, float *dst, int64_t n)
 
 
 def has_vector_build():
     """Whether this CPU runs the AVX2 + F16C build of the kernels (picked when it does)."""
     return c_cpu_has_vector()
+
+
+def get_isa():
+    """The build a call with ``isa=-1`` runs: -1 the best this CPU runs, 0, or 1."""
+    return c_get_isa()
+
+
+def set_isa(int isa):
+    """Make ``isa=-1`` calls run build ``isa`` (-1 the best this CPU runs, 0, 1)."""
+    c_set_isa(_isa(isa))
 
 
 cdef int _isa(int isa) except -2:
@@ -96,6 +112,19 @@ def adam_update(int kind, uint16_t[:, ::1] weight, float[:, ::1] exp_avg,
         with nogil:
             c_adam(use, kind, &weight[0, 0], &exp_avg[0, 0], &exp_avg_sq[0, 0], &rows[0],
                    &grads[0, 0], n, d, lr, beta1, beta2, eps, step, rs, seed, num_threads)
+
+
+def ftrl_update(int kind, uint16_t[:, ::1] weight, float[:, ::1] accum, float[:, ::1] linear,
+                const int64_t[::1] rows, const float[:, ::1] grads, double lr,
+                double lr_power, double l1, double l2, double l2_shrinkage, double beta,
+                uint64_t seed=0, int num_threads=1, int isa=-1):
+    cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    cdef int use = _isa(isa)
+    if n:
+        with nogil:
+            c_ftrl(use, kind, &weight[0, 0], &accum[0, 0], &linear[0, 0], &rows[0],
+                   &grads[0, 0], n, d, lr, lr_power, l1, l2, l2_shrinkage, beta, seed,
+                   num_threads)
 
 
 def encode(int kind, const float[::1] src, uint16_t[::1] dst, int isa=-1):

@@ -3,21 +3,43 @@
 """Compiled CPU kernels (OpenMP). Imported only by distemb.kernels, which validates
 inputs; twins in distemb/kernels/reference.py define the semantics.
 
-Inner loops run on raw typed pointers (memoryview indexing per element blocks gcc's
-vectoriser) and use float ``sqrtf``; the build passes -fno-math-errno so that sqrtf
-becomes a vector instruction, and nothing else that would change IEEE results.
-Rows are random in tables far larger than the caches, so each loop prefetches the row
-it will touch ``PREFETCH_AHEAD`` iterations later: that keeps several row misses in
-flight instead of one.
+The updates run csrc/cpu_kernels.h: each rule's per-element arithmetic from
+csrc/rules.h (shared with the half and CUDA kernels), in a baseline and an AVX2 build
+picked at run time (``set_isa``; the same bits either way). Inner loops run on raw typed
+pointers (memoryview indexing per element blocks gcc's vectoriser); the build passes
+-fno-math-errno so that sqrtf becomes a vector instruction, and nothing else that would
+change IEEE results. Rows are random in tables far larger than the caches, so each loop
+prefetches the row it will touch ``PREFETCH_AHEAD`` iterations later: that keeps several
+row misses in flight instead of one.
 """
 from cython.parallel cimport prange
-from libc.math cimport sqrt, pow, sqrtf
 from libc.string cimport memcpy
 from libc.stdint cimport int64_t, uint64_t
 from libcpp.algorithm cimport sort
 from libcpp.vector cimport vector
 from libcpp.pair cimport pair
 import numpy as np
+
+cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
+    bint c_cpu_has_vector "distemb_cpu::cpu_has_vector"()
+    int c_get_isa "distemb_cpu::get_process_isa"()
+    void c_set_isa "distemb_cpu::set_process_isa"(int isa)
+    void c_sgd "distemb_cpu::sgd_f32"(float *w, const int64_t *r, const float *g, int64_t n,
+                                      int64_t d, float lr, int nt)
+    void c_adagrad "distemb_cpu::adagrad_f32"(float *w, float *s, const int64_t *r,
+                                              const float *g, int64_t n, int64_t d,
+                                              float clr, float eps, int nt)
+    void c_rowwise "distemb_cpu::rowwise_adagrad_f32"(float *w, float *s, const int64_t *r,
+                                                      const float *g, int64_t n, int64_t d,
+                                                      float clr, float eps, int nt)
+    void c_adam "distemb_cpu::adam_f32"(float *w, float *m, float *v, const int64_t *r,
+                                        const float *g, int64_t n, int64_t d, double lr,
+                                        double b1, double b2, double eps, int64_t step,
+                                        int64_t *rs, int nt)
+    void c_ftrl "distemb_cpu::ftrl_f32"(float *w, float *acc, float *lin, const int64_t *r,
+                                        const float *g, int64_t n, int64_t d, double lr,
+                                        double lr_power, double l1, double l2,
+                                        double l2_shrinkage, double beta, int nt)
 
 cdef extern from *:
     """
@@ -174,88 +196,53 @@ def gather_rows(const float[:, ::1] table, const int64_t[::1] rows, float[:, ::1
     return out
 
 
+def has_vector_build():
+    """Whether this CPU runs the AVX2 build of the update kernels."""
+    return c_cpu_has_vector()
+
+
+def get_isa():
+    """The build the updates run: -1 the best this CPU runs, 0 baseline, 1 AVX2."""
+    return c_get_isa()
+
+
+def set_isa(int isa):
+    """Run the updates on build ``isa`` (-1 the best this CPU runs, 0 baseline, 1 AVX2)."""
+    if isa < -1 or isa > 1:
+        raise ValueError(f"isa: expected -1, 0 or 1, got {isa}")
+    if isa == 1 and not c_cpu_has_vector():
+        raise ValueError("isa: 1 (AVX2) asked for, but this CPU lacks AVX2 or F16C")
+    c_set_isa(isa)
+
+
 def sgd_update(float[:, ::1] weight, const int64_t[::1] rows, const float[:, ::1] grads,
                double lr, int num_threads=1):
     """weight[rows] -= lr * grads (rows unique)."""
-    cdef Py_ssize_t n = rows.shape[0], d = weight.shape[1], i, j
-    cdef long nbytes = d * sizeof(float)
-    cdef float flr = <float>lr
-    if n == 0:
-        return
-    cdef float *w0 = &weight[0, 0]
-    cdef const int64_t *r = &rows[0]
-    cdef const float *g0 = &grads[0, 0]
-    cdef float *w
-    cdef const float *g
-    with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
-            if i + PREFETCH_AHEAD < n:
-                prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
-            w = w0 + r[i] * d
-            g = g0 + i * d
-            for j in range(d):
-                w[j] = w[j] - flr * g[j]
+    cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    if n:
+        with nogil:
+            c_sgd(&weight[0, 0], &rows[0], &grads[0, 0], n, d, <float>lr, num_threads)
 
 
 def adagrad_update(float[:, ::1] weight, float[:, ::1] state_sum, const int64_t[::1] rows,
                    const float[:, ::1] grads, double clr, double eps, int num_threads=1):
     """torch.optim.Adagrad on unique rows: s += g^2; w -= clr * (g / (sqrt(s) + eps))."""
-    cdef Py_ssize_t n = rows.shape[0], d = weight.shape[1], i, j
-    cdef long nbytes = d * sizeof(float)
-    cdef float fclr = <float>clr, feps = <float>eps, gj, sj
-    if n == 0:
-        return
-    cdef float *w0 = &weight[0, 0]
-    cdef float *s0 = &state_sum[0, 0]
-    cdef const int64_t *r = &rows[0]
-    cdef const float *g0 = &grads[0, 0]
-    cdef float *w
-    cdef float *s
-    cdef const float *g
-    with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
-            if i + PREFETCH_AHEAD < n:
-                prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
-                prefetch_row(s0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
-            w = w0 + r[i] * d
-            s = s0 + r[i] * d
-            g = g0 + i * d
-            for j in range(d):
-                gj = g[j]
-                sj = s[j] + gj * gj
-                s[j] = sj
-                w[j] = w[j] - fclr * (gj / (sqrtf(sj) + feps))
+    cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    if n:
+        with nogil:
+            c_adagrad(&weight[0, 0], &state_sum[0, 0], &rows[0], &grads[0, 0], n, d,
+                      <float>clr, <float>eps, num_threads)
 
 
 def rowwise_adagrad_update(float[:, ::1] weight, float[::1] state_sum,
                            const int64_t[::1] rows, const float[:, ::1] grads,
                            double clr, double eps, int num_threads=1):
     """Row-wise Adagrad: s_row += mean(g^2); w -= clr * (g / (sqrt(s_row) + eps))."""
-    cdef Py_ssize_t n = rows.shape[0], d = weight.shape[1], i, j
-    cdef long nbytes = d * sizeof(float)
-    cdef float fclr = <float>clr, feps = <float>eps, acc, std
-    if n == 0:
-        return
-    cdef float *w0 = &weight[0, 0]
-    cdef float *s = &state_sum[0]
-    cdef const int64_t *r = &rows[0]
-    cdef const float *g0 = &grads[0, 0]
-    cdef float *w
-    cdef const float *g
-    with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
-            if i + PREFETCH_AHEAD < n:
-                prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
-                prefetch_row(s + r[i + PREFETCH_AHEAD], 4, 1)
-            w = w0 + r[i] * d
-            g = g0 + i * d
-            acc = 0
-            for j in range(d):
-                acc = acc + g[j] * g[j]
-            s[r[i]] = s[r[i]] + acc / d
-            std = sqrtf(s[r[i]]) + feps
-            for j in range(d):
-                w[j] = w[j] - fclr * (g[j] / std)
+    cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    if n:
+        with nogil:
+            c_rowwise(&weight[0, 0], &state_sum[0], &rows[0], &grads[0, 0], n, d,
+                      <float>clr, <float>eps, num_threads)
 
 
 def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_avg_sq,
@@ -263,45 +250,21 @@ def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_a
                 double beta1, double beta2, double eps, int64_t step,
                 int64_t[::1] row_steps=None, int num_threads=1):
     """torch.optim.SparseAdam on unique rows; per-row bias correction with row_steps."""
-    cdef Py_ssize_t n = rows.shape[0], d = weight.shape[1], i, j
-    cdef long nbytes = d * sizeof(float)
-    # 1 - beta in double, then rounded, as torch computes it
-    cdef float omb1 = <float>(1.0 - beta1), omb2 = <float>(1.0 - beta2), feps = <float>eps
-    cdef float gj, mj, vj, fstep
-    cdef double st, global_size = lr * sqrt(1.0 - pow(beta2, <double>step)) / (1.0 - pow(beta1, <double>step))
-    cdef bint per_row = row_steps is not None
-    if n == 0:
-        return
-    cdef float *w0 = &weight[0, 0]
-    cdef float *m0 = &exp_avg[0, 0]
-    cdef float *v0 = &exp_avg_sq[0, 0]
-    cdef int64_t *rs = &row_steps[0] if per_row else NULL
-    cdef const int64_t *r = &rows[0]
-    cdef const float *g0 = &grads[0, 0]
-    cdef float *w
-    cdef float *m
-    cdef float *v
-    cdef const float *g
-    with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
-            if i + PREFETCH_AHEAD < n:
-                prefetch_row(w0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
-                prefetch_row(m0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
-                prefetch_row(v0 + r[i + PREFETCH_AHEAD] * d, nbytes, 1)
-            if per_row:
-                rs[r[i]] = rs[r[i]] + 1
-                st = <double>rs[r[i]]
-                fstep = <float>(lr * sqrt(1.0 - pow(beta2, st)) / (1.0 - pow(beta1, st)))
-            else:
-                fstep = <float>global_size
-            w = w0 + r[i] * d
-            m = m0 + r[i] * d
-            v = v0 + r[i] * d
-            g = g0 + i * d
-            for j in range(d):
-                gj = g[j]
-                mj = m[j] + (gj - m[j]) * omb1
-                vj = v[j] + (gj * gj - v[j]) * omb2
-                m[j] = mj
-                v[j] = vj
-                w[j] = w[j] - fstep * (mj / (sqrtf(vj) + feps))
+    cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    cdef int64_t *rs = &row_steps[0] if row_steps is not None else NULL
+    if n:
+        with nogil:
+            c_adam(&weight[0, 0], &exp_avg[0, 0], &exp_avg_sq[0, 0], &rows[0], &grads[0, 0],
+                   n, d, lr, beta1, beta2, eps, step, rs, num_threads)
+
+
+def ftrl_update(float[:, ::1] weight, float[:, ::1] accum, float[:, ::1] linear,
+                const int64_t[::1] rows, const float[:, ::1] grads, double lr,
+                double lr_power, double l1, double l2, double l2_shrinkage, double beta,
+                int num_threads=1):
+    """FTRL-Proximal (tf.keras.optimizers.Ftrl) on unique rows; see csrc/rules.h."""
+    cdef int64_t n = rows.shape[0], d = weight.shape[1]
+    if n:
+        with nogil:
+            c_ftrl(&weight[0, 0], &accum[0, 0], &linear[0, 0], &rows[0], &grads[0, 0], n, d,
+                   lr, lr_power, l1, l2, l2_shrinkage, beta, num_threads)

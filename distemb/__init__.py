@@ -35,6 +35,7 @@ _LAZY = {
     "SparseAdagrad": "distemb.optim",
     "SparseRowWiseAdagrad": "distemb.optim",
     "SparseAdam": "distemb.optim",
+    "SparseFtrl": "distemb.optim",
 }
 
 __all__ = sorted(["DistContext", "current_context", "initialize", "shutdown", "DistEmbError",

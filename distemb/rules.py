@@ -46,6 +46,9 @@ class RuleName(Choice):
     ADAM = "adam"
     #: lazy Adam whose bias correction counts each row's own updates (DGL's SparseAdam).
     ADAM_ROW_STEP = "adam_row_step"
+    #: FTRL-Proximal as tf.keras.optimizers.Ftrl: an accumulator and a linear term per
+    #: element.
+    FTRL = "ftrl"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,19 @@ class AdamHyper(Hyper):
     #: the optimizer's step count of this table (the first step is 1); per-row-step Adam
     #: ignores it.
     step: int
+
+
+@dataclass(frozen=True)
+class FtrlHyper(Hyper):
+    lr: float
+    #: the accumulator's power (Keras' learning_rate_power, <= 0): -0.5 scales like
+    #: Adagrad, 0 keeps the rate fixed.
+    lr_power: float
+    l1: float
+    l2: float
+    l2_shrinkage: float
+    #: Keras' beta: adds ``beta / (2 lr)`` to ``l2``.
+    beta: float
 
 
 @dataclass(frozen=True)
@@ -207,8 +223,23 @@ class RowStepAdamRule(AdamRule):
                         row_steps=states["row_step"], num_threads=num_threads)
 
 
+class FtrlRule(UpdateRule):
+    """FTRL-Proximal, per element: see :meth:`distemb.kernels.ops.KernelOps.ftrl_update`."""
+
+    name = RuleName.FTRL
+    states = (StateSpec("accum", per_row=False, init_option="initial_accumulator_value"),
+              StateSpec("linear", per_row=False))
+    hyper_type = FtrlHyper
+
+    def apply(self, ops, weight, states, rows, grads, hyper, num_threads=1):
+        ops.ftrl_update(weight, states["accum"], states["linear"], rows, grads, hyper.lr,
+                        hyper.lr_power, hyper.l1, hyper.l2, hyper.l2_shrinkage, hyper.beta,
+                        num_threads=num_threads)
+
+
 RULES: Dict[RuleName, UpdateRule] = {r.name: r for r in (
-    SGDRule(), AdagradRule(), RowWiseAdagradRule(), AdamRule(), RowStepAdamRule())}
+    SGDRule(), AdagradRule(), RowWiseAdagradRule(), AdamRule(), RowStepAdamRule(),
+    FtrlRule())}
 
 
 def rule_of(name) -> UpdateRule:

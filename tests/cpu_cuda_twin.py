@@ -174,6 +174,15 @@ class CpuCudaTwin:
                               _tensor("exp_avg_sq", exp_avg_sq, torch.float32, 2),
                               rows_np, grads_np, lr, beta1, beta2, eps, step, row_steps=steps)
 
+    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
+                    l2_shrinkage, beta, num_threads=1):
+        self.calls["ftrl_update"] += 1
+        w = _tensor("weight", weight, torch.float32, 2)
+        rows_np, grads_np = _in_table(w, rows, grads)
+        reference.ftrl_update(w, _tensor("accum", accum, torch.float32, 2),
+                              _tensor("linear", linear, torch.float32, 2), rows_np, grads_np,
+                              lr, lr_power, l1, l2, l2_shrinkage, beta)
+
 
 def _half_bits(name, t):
     """A CPU bfloat16/float16 torch tensor as the numpy half array of distemb.kernels.half
@@ -257,3 +266,12 @@ class CpuCudaHalfTwin:
         half.seeded_adam_update(w, _tensor("exp_avg", exp_avg, torch.float32, 2),
                                 _tensor("exp_avg_sq", exp_avg_sq, torch.float32, 2), r, g,
                                 lr, beta1, beta2, eps, step, steps, rounding_seed=self._seed())
+
+    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
+                    l2_shrinkage, beta, num_threads=1):
+        self.calls["half_ftrl_update"] += 1
+        w, r, g = self._args(weight, rows, grads)
+        half.seeded_ftrl_update(w, _tensor("accum", accum, torch.float32, 2),
+                                _tensor("linear", linear, torch.float32, 2), r, g, lr,
+                                lr_power, l1, l2, l2_shrinkage, beta,
+                                rounding_seed=self._seed())

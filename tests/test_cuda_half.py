@@ -145,6 +145,31 @@ def test_cuda_half_kernels_equal_the_cpu_half_kernels(op, kind):
 
 
 @needs_gpu
+@pytest.mark.parametrize("kind", ["bfloat16", "float16", "bfloat16-stochastic"])
+def test_cuda_half_ftrl_equals_the_cpu_half_kernel(kind):
+    """lr_power -0.5 (a sqrtf, exact everywhere): the GPU's bits are the CPU's."""
+    rng = np.random.default_rng(1)
+    rows, d = 500, 96
+    dtype = "float16" if kind == "float16" else "bfloat16"
+    seed = 11 if kind.endswith("stochastic") else None
+    weight = half.encode(rng.standard_normal((rows, d)).astype(np.float32), dtype)
+    ids = rng.permutation(rows)[:200].astype(np.int64)
+    grads = rng.standard_normal((200, d)).astype(np.float32)
+    n = rng.random((rows, d)).astype(np.float32)
+    z = rng.standard_normal((rows, d)).astype(np.float32)
+    gw = torch.from_numpy(weight.view(np.int16).copy()).view(getattr(torch, dtype)).cuda()
+    gn, gz = torch.from_numpy(n.copy()).cuda(), torch.from_numpy(z.copy()).cuda()
+    ops, cpu = CudaHalfOps(seed), half.StochasticRounding(seed) if seed is not None else half
+    hyper = (0.05, -0.5, 0.3, 0.01, 0.02, 0.1)
+    ops.ftrl_update(gw, gn, gz, torch.from_numpy(ids).cuda(), torch.from_numpy(grads).cuda(),
+                    *hyper)
+    cpu.ftrl_update(weight, n, z, ids, grads, *hyper)
+    assert np.array_equal(gn.cpu().numpy().view(np.int32), n.view(np.int32))
+    assert np.array_equal(gz.cpu().numpy().view(np.int32), z.view(np.int32))
+    assert np.array_equal(gw.view(torch.int16).cpu().numpy(), weight.view(np.int16))
+
+
+@needs_gpu
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_gpu_half_table_equals_the_host_table(rounding):
     host = DistContext(LocalKVClient(), backend="pytorch", role="trainer", num_threads=1)

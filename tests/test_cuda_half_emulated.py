@@ -17,7 +17,8 @@ import pytest
 from distemb.kernels import cuda, half
 from test_cuda_emulated import build
 
-OPS = {"gather": 0, "sgd": 1, "adagrad": 2, "rowwise_adagrad": 3, "adam": 4, "adam-per-row": 4}
+OPS = {"gather": 0, "sgd": 1, "adagrad": 2, "rowwise_adagrad": 3, "adam": 4, "adam-per-row": 4,
+       "ftrl": 5}
 KINDS = {"bfloat16": 0, "float16": 1, "bfloat16-stochastic": 2}
 LR, EPS, BETA1, BETA2, STEP, SEED = 0.05, 1e-3, 0.9, 0.99, 3, 12345
 
@@ -27,15 +28,17 @@ def emulator(tmp_path_factory):
     return build(tmp_path_factory, "emulate_half")
 
 
-def emulate(exe, tmp_path, op, kind, bits, ids, grads, a, b, row_steps, lr=LR):
-    """Run one launch of the emulated kernel; returns (bits, flags, out, a, b, row_steps)."""
+def emulate(exe, tmp_path, op, kind, bits, ids, grads, a, b, row_steps, lr=LR, ftrl=None):
+    """Run one launch of the emulated kernel; returns (bits, flags, out, a, b, row_steps).
+
+    ``ftrl``: for op 'ftrl', (lr_power, l1, l2, l2_shrinkage, beta)."""
     num_rows, d = bits.shape
     n = ids.shape[0]
     src, dst = tmp_path / "in.bin", tmp_path / "out.bin"
     with open(src, "wb") as f:
         np.array([OPS[op], KINDS[kind], num_rows, d, n, SEED, STEP, row_steps is not None],
                  np.int64).tofile(f)
-        np.array([lr, EPS, BETA1, BETA2], np.float64).tofile(f)
+        np.array([lr, *(ftrl[:3] if ftrl else (EPS, BETA1, BETA2))], np.float64).tofile(f)
         bits.astype(np.uint16).tofile(f)
         np.array(cuda.CLEAN_ID_FLAGS, np.int64).tofile(f)
         ids.astype(np.int64).tofile(f)
@@ -43,6 +46,8 @@ def emulate(exe, tmp_path, op, kind, bits, ids, grads, a, b, row_steps, lr=LR):
         a.astype(np.float32).tofile(f)
         b.astype(np.float32).tofile(f)
         (row_steps if row_steps is not None else np.zeros(num_rows, np.int64)).tofile(f)
+        if ftrl:
+            np.array(ftrl[3:], np.float64).tofile(f)
     subprocess.run([str(exe), str(src), str(dst)], check=True, timeout=300)
     raw = np.frombuffer(dst.read_bytes(), np.uint8)
     cells = num_rows * d
@@ -119,6 +124,37 @@ def test_updates_equal_the_cpu_half_kernels(emulator, tmp_path, kernel_impl, op,
     assert same_bits(got["b"].reshape(num_rows, d), b)
     if steps is not None:
         np.testing.assert_array_equal(got["row_steps"], steps)
+
+
+@pytest.mark.parametrize("lr_power", [-0.5, 0.0, -0.3])
+@pytest.mark.parametrize("d", [1, 7, 200])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_ftrl_equals_the_cpu_half_kernel(emulator, tmp_path, kernel_impl, kind, d, lr_power):
+    """FTRL (csrc/rules.h through half_kernels.cuh) as the CPU half kernel, bit for bit;
+    ``lr_power`` -0.5 and 0 take sqrtf and 1, others powf."""
+    rng = np.random.default_rng(d)
+    num_rows = 300
+    weight = half.encode(rng.standard_normal((num_rows, d)).astype(np.float32), storage(kind))
+    ids = rng.permutation(num_rows)[:97].astype(np.int64)
+    grads = rng.standard_normal((97, d)).astype(np.float32)
+    accum = rng.random((num_rows, d)).astype(np.float32)
+    linear = rng.standard_normal((num_rows, d)).astype(np.float32)
+    ftrl = (lr_power, 0.4, 0.01, 0.02, 0.1)
+    bits = weight.view(np.uint16).copy()
+    got = emulate(emulator, tmp_path, "ftrl", kind, bits, ids, grads, accum, linear, None,
+                  ftrl=ftrl)
+    seed = SEED if kind == "bfloat16-stochastic" else None
+    half.seeded_ftrl_update(weight, accum, linear, ids, grads, LR, *ftrl, rounding_seed=seed)
+    assert not same_bits(got["bits"], bits), "nothing was updated: the test would be void"
+    if lr_power == -0.3 and kernel_impl == "reference":
+        # numpy's float32 power (SIMD on some CPUs) may round differently from libm's
+        # powf by an ulp; the compiled run checks the bits
+        np.testing.assert_allclose(got["a"].reshape(num_rows, d), accum, rtol=1e-6)
+        np.testing.assert_allclose(got["b"].reshape(num_rows, d), linear, rtol=1e-4, atol=1e-5)
+        return
+    assert same_bits(got["bits"].reshape(num_rows, d), weight.view(np.uint16))
+    assert same_bits(got["a"].reshape(num_rows, d), accum)
+    assert same_bits(got["b"].reshape(num_rows, d), linear)
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "float16"])

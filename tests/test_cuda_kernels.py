@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cpu_cuda_twin import chunked_dedup_sum
+from distemb import kernels
 from distemb.kernels import cuda, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -319,6 +320,31 @@ def test_adam_update_matches_reference(device, d, per_row):
         np.testing.assert_array_equal(steps_gpu.cpu().numpy(), steps)
     _assert_close(m_gpu, m)
     _assert_close(v_gpu, v)
+    _assert_close(weight, table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("lr_power", [-0.5, 0.0, -0.3])
+def test_ftrl_update_matches_the_cpu_kernel(device, d, lr_power):
+    """csrc/rules.h on the GPU and on the CPU: bit for bit where the power is a sqrtf or 1
+    (lr_power -0.5, 0); CUDA's powf rounds within a few ulp of libm's otherwise."""
+    rng = np.random.default_rng(60 + d)
+    _, _, table = _case(rng, d)
+    accum, linear = np.full_like(table, 0.1), np.zeros_like(table)
+    weight, n_gpu, z_gpu = _gpu(table, device), _gpu(accum, device), _gpu(linear, device)
+    hyper = (0.05, lr_power, 0.05, 0.01, 0.02, 0.1)
+    for _ in range(3):
+        rows = np.unique(_zipf_ids(rng, 50_000))
+        grads = rng.standard_normal((rows.shape[0], d)).astype(np.float32)
+        with kernels.implementation("compiled" if kernels.HAS_EXT else "reference"):
+            kernels.ftrl_update(table, accum, linear, rows, grads, *hyper)
+        cuda.ftrl_update(weight, n_gpu, z_gpu, _gpu(rows, device), _gpu(grads, device), *hyper)
+    if lr_power in (-0.5, 0.0) and kernels.HAS_EXT:
+        for got, want in ((weight, table), (n_gpu, accum), (z_gpu, linear)):
+            assert np.array_equal(got.cpu().numpy().view(np.int32), want.view(np.int32))
+    _assert_close(n_gpu, accum)
+    _assert_close(z_gpu, linear)
     _assert_close(weight, table)
 
 

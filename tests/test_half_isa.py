@@ -1,4 +1,4 @@
-"""The two builds of the compiled half kernels (csrc/half_kernels.h): the baseline x86-64
+"""The two builds of the compiled half kernels (csrc/cpu_kernels.h): the baseline x86-64
 build and the AVX2 + F16C build, picked at run time by the CPU, give the same bits for
 every kernel, every format and both roundings (so which one a machine picks changes
 nothing but speed)."""

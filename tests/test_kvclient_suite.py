@@ -13,7 +13,7 @@ from distemb.errors import KVStoreError
 from distemb.kernels import reference
 from distemb.optim import SparseAdagrad, SparseAdam
 from distemb.partition import HashPartitionBook, PartitionPolicy, range_policy
-from distemb.rules import RULES, AdagradHyper, SGDHyper, rule_of, state_name
+from distemb.rules import RULES, AdagradHyper, FtrlHyper, SGDHyper, rule_of, state_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,6 +84,7 @@ def test_duplicate_name_and_unknown_name_raise(client):
 @pytest.mark.parametrize("rule,hyper", [
     ("sgd", SGDHyper(lr=0.5)),
     ("adagrad", AdagradHyper(clr=0.1, eps=1e-10)),
+    ("ftrl", FtrlHyper(lr=0.1, lr_power=-0.5, l1=0.05, l2=0.01, l2_shrinkage=0.02, beta=0.1)),
 ])
 def test_push_update_matches_reference_rule(client, rule, hyper):
     n, d = 9, 4
@@ -92,19 +93,25 @@ def test_push_update_matches_reference_rule(client, rule, hyper):
     client.init_data("w", (n, d), "float32", range_policy(n, 2))
     client.push("w", np.arange(n, dtype=np.int64), init)
     names = client.init_optimizer("w", rule, {"initial_accumulator_value": 0.0})
-    weight, state = init.copy(), np.zeros((n, d), np.float32)
+    weight, state, linear = init.copy(), np.zeros((n, d), np.float32), np.zeros((n, d), np.float32)
     for _ in range(5):
         ids = np.unique(rng.integers(0, n, 6)).astype(np.int64)
         grads = rng.standard_normal((len(ids), d)).astype(np.float32)
         client.push_update("w", ids, grads, rule, hyper)
         if rule == "sgd":
             reference.sgd_update(weight, ids, grads, hyper.lr)
+        elif rule == "ftrl":
+            reference.ftrl_update(weight, state, linear, ids, grads, *hyper.fields().values())
         else:
             reference.adagrad_update(weight, state, ids, grads, hyper.clr, hyper.eps)
     all_ids = np.arange(n, dtype=np.int64)
     np.testing.assert_allclose(client.pull("w", all_ids), weight, rtol=1e-5, atol=1e-6)
     if rule == "adagrad":
         np.testing.assert_allclose(client.pull(names["sum"], all_ids), state, rtol=1e-5)
+    if rule == "ftrl":
+        np.testing.assert_allclose(client.pull(names["accum"], all_ids), state, rtol=1e-5)
+        np.testing.assert_allclose(client.pull(names["linear"], all_ids), linear, rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_new_optimizer_starts_from_fresh_state(client):
@@ -150,7 +157,8 @@ def test_optimizer_state_lives_beside_rows(client, rule):
     for sname, kvname in names.items():
         assert kvname == state_name("w", sname) and client.data_meta(kvname).shape[0] == 20
     hyper = rule_of(rule).hyper_from({k: v for k, v in {
-        "lr": 0.1, "clr": 0.1, "eps": 1e-10, "beta1": 0.9, "beta2": 0.999, "step": 1}.items()
+        "lr": 0.1, "clr": 0.1, "eps": 1e-10, "beta1": 0.9, "beta2": 0.999, "step": 1,
+        "lr_power": -0.5, "l1": 0.0, "l2": 0.0, "l2_shrinkage": 0.0, "beta": 0.0}.items()
         if k in rule_of(rule).hyper_type.__dataclass_fields__})
     client.push_update("w", np.array([2, 11]), np.ones((2, 4), np.float32), rule, hyper)
     w = client.pull("w", np.arange(20))

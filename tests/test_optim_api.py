@@ -6,7 +6,8 @@ import torch
 from distemb.context import DistContext
 from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError
-from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
+from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
+                           SparseSGD)
 from distemb.partition import HashPartitionBook, NodePartitionPolicy
 from tests.conftest import zipf_ids
 
@@ -16,6 +17,7 @@ OPTIMIZERS = {
     "rowwise": lambda e: SparseRowWiseAdagrad(e, lr=0.1),
     "adam": lambda e: SparseAdam(e, lr=0.01),
     "adam-per-row": lambda e: SparseAdam(e, lr=0.01, step_mode="per_row"),
+    "ftrl": lambda e: SparseFtrl(e, lr=0.1, l1_regularization_strength=0.01),
 }
 ROWS, DIM = 200, 8
 

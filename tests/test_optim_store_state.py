@@ -13,7 +13,8 @@ import torch
 from distemb.context import DistContext
 from distemb.dynamic import DynamicEmbedding, StoreEmbedding
 from distemb.errors import DistEmbError
-from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
+from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
+                           SparseSGD)
 from distemb.stores import DenseStore, key_normal
 
 DIM, STEPS = 4, 12
@@ -21,7 +22,8 @@ OPTS = {"sgd": lambda e: SparseSGD([e], lr=0.1),
         "adagrad": lambda e: SparseAdagrad([e], lr=0.1),
         "rowwise": lambda e: SparseRowWiseAdagrad([e], lr=0.1),
         "adam": lambda e: SparseAdam([e], lr=0.05),
-        "adam_row": lambda e: SparseAdam([e], lr=0.05, step_mode="per_row")}
+        "adam_row": lambda e: SparseAdam([e], lr=0.05, step_mode="per_row"),
+        "ftrl": lambda e: SparseFtrl([e], lr=0.1, l1_regularization_strength=0.01)}
 
 
 def make(kind, ctx, name):

@@ -10,13 +10,16 @@ import pytest
 from distemb.errors import KVStoreError
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.service import KVService
-from distemb.rules import (RULES, AdagradHyper, AdamHyper, RuleName, SGDHyper, rule_of)
+from distemb.rules import (RULES, AdagradHyper, AdamHyper, FtrlHyper, RuleName, SGDHyper,
+                           rule_of)
 from distemb.transport.messages import Create, OptInit, Service, Update
 
 
 def test_every_rule_has_its_hyper_dataclass_and_round_trips():
     samples = {SGDHyper: SGDHyper(lr=0.1), AdagradHyper: AdagradHyper(clr=0.1, eps=1e-10),
-               AdamHyper: AdamHyper(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, step=3)}
+               AdamHyper: AdamHyper(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, step=3),
+               FtrlHyper: FtrlHyper(lr=0.1, lr_power=-0.5, l1=0.01, l2=0.0, l2_shrinkage=0.0,
+                                    beta=0.0)}
     assert set(RULES) == set(RuleName)
     for rule in RULES.values():
         hyper = samples[rule.hyper_type]

@@ -88,12 +88,20 @@ DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* e
                                          const float* grads, int64_t n, double lr, double beta1,
                                          double beta2, double eps, int64_t step,
                                          int64_t* row_steps, int device, void* stream);
+/* FTRL-Proximal as tf.keras.optimizers.Ftrl (csrc/rules.h): accum and linear hold one
+ * float per element; lr > 0. */
+DISTEMB_API int distemb_cuda_ftrl_update(float* weight, float* accum, float* linear,
+                                         int64_t num_rows, int64_t d, const int64_t* rows,
+                                         const float* grads, int64_t n, double lr,
+                                         double lr_power, double l1, double l2,
+                                         double l2_shrinkage, double beta, int device,
+                                         void* stream);
 
 /* Half-precision rows: `table`/`weight` hold uint16 bits, `kind` 0 bfloat16, 1 float16,
  * 2 bfloat16 rounded stochastically (updates; the random bits are a hash of `seed`, the
  * row id and the column). Gradients, state, `out` and all maths are float32; each
  * updated value is rounded to nearest-even on store (kind 0 and 1), exactly as the CPU
- * kernels of csrc/half_kernels.h. Ids out of range: as the float32 entry points above. */
+ * kernels of csrc/cpu_kernels.h. Ids out of range: as the float32 entry points above. */
 DISTEMB_API int distemb_cuda_half_gather_rows_checked(const uint16_t* table, int kind,
                                                       int64_t num_rows, int64_t d,
                                                       const int64_t* rows, int64_t n,
@@ -121,6 +129,13 @@ DISTEMB_API int distemb_cuda_half_adam_update(uint16_t* weight, int kind, uint64
                                               const float* grads, int64_t n, double lr,
                                               double beta1, double beta2, double eps,
                                               int64_t step, int64_t* row_steps, int device,
+                                              void* stream);
+DISTEMB_API int distemb_cuda_half_ftrl_update(uint16_t* weight, int kind, uint64_t seed,
+                                              float* accum, float* linear, int64_t num_rows,
+                                              int64_t d, const int64_t* rows,
+                                              const float* grads, int64_t n, double lr,
+                                              double lr_power, double l1, double l2,
+                                              double l2_shrinkage, double beta, int device,
                                               void* stream);
 
 #endif  /* DISTEMB_CUDA_H_ */

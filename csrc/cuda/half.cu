@@ -103,10 +103,28 @@ DISTEMB_API int distemb_cuda_half_adam_update(uint16_t* weight, int kind, uint64
   if (n == 0) return cudaSuccess;
   const float global_step_size =
       row_steps == nullptr
-          ? distemb::half::adam_step_size(lr, beta1, beta2, static_cast<double>(step))
+          ? distemb::rules::adam_step_size(lr, beta1, beta2, static_cast<double>(step))
           : 0.0f;
   DISTEMB_HALF_LAUNCH(distemb::half::adam_kernel, blocks_for(n * kWarp), weight, exp_avg,
                       exp_avg_sq, num_rows, d, rows, grads, n, lr, beta1, beta2,
                       static_cast<float>(eps), global_step_size, row_steps, seed);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_half_ftrl_update(uint16_t* weight, int kind, uint64_t seed,
+                                              float* accum, float* linear, int64_t num_rows,
+                                              int64_t d, const int64_t* rows,
+                                              const float* grads, int64_t n, double lr,
+                                              double lr_power, double l1, double l2,
+                                              double l2_shrinkage, double beta, int device,
+                                              void* stream) {
+  if (bad_args(kind, num_rows, d, n) || !(lr > 0.0)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const int lanes = lanes_per_row(d);
+  DISTEMB_HALF_LAUNCH(distemb::half::ftrl_kernel, blocks_for(n * lanes), weight, accum,
+                      linear, num_rows, d, rows, grads, n, lanes,
+                      distemb::rules::ftrl_params(lr, lr_power, l1, l2, l2_shrinkage, beta),
+                      seed);
   return cudaGetLastError();
 }

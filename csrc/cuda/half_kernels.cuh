@@ -1,7 +1,7 @@
 // Kernels on half-precision rows (bfloat16 or IEEE float16, as uint16 bits) with float32
 // gradients, state and maths: the checked gather to float32 rows and the fused updates.
-// Internal to half.cu. They follow csrc/half_kernels.h (the CPU kernels) expression by
-// expression, with the same rounding on store (nearest-even, or bfloat16 stochastic
+// Internal to half.cu. Their per-element arithmetic is csrc/rules.h, as in the CPU kernels
+// (csrc/cpu_kernels.h), with the same rounding on store (nearest-even, or bfloat16 stochastic
 // rounding from a hash of (seed, row, column)), so a GPU update equals the CPU one bit for
 // bit (the build's -fmad=false keeps multiply-adds unfused, as on the CPU).
 //
@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../rules.h"
 #include "indexing.cuh"
 
 namespace distemb {
@@ -47,7 +48,7 @@ __device__ __host__ inline uint64_t splitmix(uint64_t x) {
 }
 constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
 
-// The random stream of one row of one update call (as csrc/half_kernels.h).
+// The random stream of one row of one update call (as csrc/cpu_kernels.h).
 __device__ __host__ inline uint64_t row_stream(uint64_t seed, int64_t slot) {
   return splitmix(seed ^ splitmix(static_cast<uint64_t>(slot)));
 }
@@ -151,7 +152,9 @@ __global__ void sgd_kernel(uint16_t* weight, int64_t num_rows, int64_t d, const 
     const uint64_t stream = row_stream(seed, r);
     uint16_t* w = weight + r * d;
     const float* g = grads + i * d;
-    for (int64_t j = lane; j < d; j += lanes) w[j] = C::store(C::load(w[j]) - lr * g[j], stream, j);
+    for (int64_t j = lane; j < d; j += lanes) {
+      w[j] = C::store(rules::sgd(C::load(w[j]), g[j], lr), stream, j);
+    }
   }
 }
 
@@ -167,9 +170,7 @@ __global__ void adagrad_kernel(uint16_t* weight, float* state_sum, int64_t num_r
     const int64_t base = r * d;
     const float* g = grads + i * d;
     for (int64_t j = lane; j < d; j += lanes) {
-      const float gj = g[j], s = state_sum[base + j] + gj * gj;
-      state_sum[base + j] = s;
-      const float w = C::load(weight[base + j]) - clr * (gj / (sqrtf(s) + eps));
+      const float w = rules::adagrad(C::load(weight[base + j]), g[j], state_sum[base + j], clr, eps);
       weight[base + j] = C::store(w, stream, j);
     }
   }
@@ -187,22 +188,17 @@ __global__ void rowwise_adagrad_kernel(uint16_t* weight, float* state_sum, int64
     if (out_of_table(r, num_rows)) continue;  // the whole warp: it shares the row
     const float* g = grads + i * d;
     float acc = 0.0f;
-    for (int64_t j = 0; j < d; ++j) acc = acc + g[j] * g[j];
-    const float s = state_sum[r] + acc / static_cast<float>(d);
+    for (int64_t j = 0; j < d; ++j) acc = rules::rowwise_sum_sq(acc, g[j]);
+    const float s = rules::rowwise_state(state_sum[r], acc, d);
     __syncwarp();  // every lane has read state_sum[r] before the last lane writes it
     if (lane == kWarp - 1) state_sum[r] = s;
-    const float std_dev = sqrtf(s) + eps;
+    const float den = rules::rowwise_denominator(s, eps);
     const uint64_t stream = row_stream(seed, r);
     uint16_t* w = weight + r * d;
     for (int64_t j = lane; j < d; j += kWarp) {
-      w[j] = C::store(C::load(w[j]) - clr * (g[j] / std_dev), stream, j);
+      w[j] = C::store(rules::rowwise_adagrad(C::load(w[j]), g[j], clr, den), stream, j);
     }
   }
-}
-
-__device__ __host__ inline float adam_step_size(double lr, double beta1, double beta2,
-                                                double step) {
-  return static_cast<float>(lr * sqrt(1.0 - pow(beta2, step)) / (1.0 - pow(beta1, step)));
 }
 
 // One warp per row, so that a row's step count is read by all lanes, then bumped once.
@@ -221,7 +217,7 @@ __global__ void adam_kernel(uint16_t* weight, float* exp_avg, float* exp_avg_sq,
     float step_size = global_step_size;
     if (row_steps != nullptr) {
       const int64_t st = row_steps[r] + 1;
-      step_size = adam_step_size(lr, beta1, beta2, static_cast<double>(st));
+      step_size = rules::adam_step_size(lr, beta1, beta2, static_cast<double>(st));
       __syncwarp();  // every lane has read row_steps[r] before the last lane writes it
       if (lane == kWarp - 1) row_steps[r] = st;
     }
@@ -229,12 +225,27 @@ __global__ void adam_kernel(uint16_t* weight, float* exp_avg, float* exp_avg_sq,
     const float* g = grads + i * d;
     const int64_t base = r * d;
     for (int64_t j = lane; j < d; j += kWarp) {
-      const float gj = g[j];
-      const float m = exp_avg[base + j] + (gj - exp_avg[base + j]) * omb1;
-      const float v = exp_avg_sq[base + j] + (gj * gj - exp_avg_sq[base + j]) * omb2;
-      exp_avg[base + j] = m;
-      exp_avg_sq[base + j] = v;
-      const float w = C::load(weight[base + j]) - step_size * (m / (sqrtf(v) + eps));
+      const float w = rules::adam(C::load(weight[base + j]), g[j], exp_avg[base + j],
+                                  exp_avg_sq[base + j], omb1, omb2, step_size, eps);
+      weight[base + j] = C::store(w, stream, j);
+    }
+  }
+}
+
+template <class C>
+__global__ void ftrl_kernel(uint16_t* weight, float* accum, float* linear, int64_t num_rows,
+                            int64_t d, const int64_t* rows, const float* grads, int64_t n,
+                            int lanes, rules::FtrlParams p, uint64_t seed) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    const int64_t r = rows[i];
+    if (out_of_table(r, num_rows)) continue;
+    const uint64_t stream = row_stream(seed, r);
+    const int64_t base = r * d;
+    const float* g = grads + i * d;
+    for (int64_t j = lane; j < d; j += lanes) {
+      const float w = rules::ftrl(C::load(weight[base + j]), g[j], accum[base + j],
+                                  linear[base + j], p);
       weight[base + j] = C::store(w, stream, j);
     }
   }

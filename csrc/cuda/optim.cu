@@ -1,10 +1,11 @@
 // Fused sparse optimizer updates, in place on float32 tables, one pass over each row.
-// Arithmetic mirrors distemb/kernels/reference.py operation by operation, in float32;
-// the build passes -fmad=false so that no multiply-add is contracted and rounding follows
-// the CPU kernels (the rows are memory-bound, the FMA gains nothing). Row-wise Adagrad's
-// mean is reduced across a warp, in another order than on the CPU.
+// The per-element arithmetic is csrc/rules.h, shared with the CPU kernels; the build
+// passes -fmad=false so that no multiply-add is contracted and rounding follows the CPU
+// kernels (the rows are memory-bound, the FMA gains nothing). Row-wise Adagrad's mean is
+// reduced across a warp, in another order than on the CPU.
 #include <cmath>
 
+#include "../rules.h"
 #include "common.cuh"
 
 namespace distemb {
@@ -25,7 +26,7 @@ __global__ void sgd_kernel(float* weight, int64_t num_rows, int64_t d, const int
     if (out_of_table(rows[i], num_rows)) continue;
     float* w = weight + rows[i] * d;
     const float* g = grads + i * d;
-    for (int64_t j = lane; j < d; j += lanes) w[j] = w[j] - lr * g[j];
+    for (int64_t j = lane; j < d; j += lanes) w[j] = rules::sgd(w[j], g[j], lr);
   }
 }
 
@@ -38,9 +39,7 @@ __global__ void adagrad_kernel(float* weight, float* state_sum, int64_t num_rows
     const int64_t base = rows[i] * d;
     const float* g = grads + i * d;
     for (int64_t j = lane; j < d; j += lanes) {
-      const float s = state_sum[base + j] + g[j] * g[j];
-      state_sum[base + j] = s;
-      weight[base + j] = weight[base + j] - clr * (g[j] / (sqrtf(s) + eps));
+      weight[base + j] = rules::adagrad(weight[base + j], g[j], state_sum[base + j], clr, eps);
     }
   }
 }
@@ -55,19 +54,14 @@ __global__ void rowwise_adagrad_kernel(float* weight, float* state_sum, int64_t 
     if (out_of_table(r, num_rows)) continue;  // the whole warp: it shares the row
     const float* g = grads + i * d;
     float acc = 0.0f;
-    for (int64_t j = lane; j < d; j += kWarp) acc += g[j] * g[j];
-    const float s = state_sum[r] + warp_sum(acc) / static_cast<float>(d);
+    for (int64_t j = lane; j < d; j += kWarp) acc = rules::rowwise_sum_sq(acc, g[j]);
+    const float s = rules::rowwise_state(state_sum[r], warp_sum(acc), d);
     __syncwarp();  // every lane has read state_sum[r] before lane 0 overwrites it
     if (lane == 0) state_sum[r] = s;
-    const float std_dev = sqrtf(s) + eps;
+    const float den = rules::rowwise_denominator(s, eps);
     float* w = weight + r * d;
-    for (int64_t j = lane; j < d; j += kWarp) w[j] = w[j] - clr * (g[j] / std_dev);
+    for (int64_t j = lane; j < d; j += kWarp) w[j] = rules::rowwise_adagrad(w[j], g[j], clr, den);
   }
-}
-
-__device__ __host__ inline float adam_step_size(double lr, double beta1, double beta2,
-                                                double step) {
-  return static_cast<float>(lr * sqrt(1.0 - pow(beta2, step)) / (1.0 - pow(beta1, step)));
 }
 
 // One warp per row, so a row's step count is read and bumped once (by lane 0).
@@ -87,21 +81,29 @@ __global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq,
       if (lane == 0) {
         const int64_t st = row_steps[r] + 1;
         row_steps[r] = st;
-        step_size = adam_step_size(lr, beta1, beta2, static_cast<double>(st));
+        step_size = rules::adam_step_size(lr, beta1, beta2, static_cast<double>(st));
       }
       step_size = __shfl_sync(0xffffffffu, step_size, 0);
     }
     const float* g = grads + i * d;
     const int64_t base = r * d;
     for (int64_t j = lane; j < d; j += kWarp) {
-      const float gj = g[j];
-      float m = exp_avg[base + j];
-      float v = exp_avg_sq[base + j];
-      m = m + (gj - m) * omb1;
-      v = v + (gj * gj - v) * omb2;
-      exp_avg[base + j] = m;
-      exp_avg_sq[base + j] = v;
-      weight[base + j] = weight[base + j] - step_size * (m / (sqrtf(v) + eps));
+      weight[base + j] = rules::adam(weight[base + j], g[j], exp_avg[base + j],
+                                     exp_avg_sq[base + j], omb1, omb2, step_size, eps);
+    }
+  }
+}
+
+__global__ void ftrl_kernel(float* weight, float* accum, float* linear, int64_t num_rows,
+                            int64_t d, const int64_t* rows, const float* grads, int64_t n,
+                            int lanes, rules::FtrlParams p) {
+  const int lane = threadIdx.x % lanes;
+  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
+    if (out_of_table(rows[i], num_rows)) continue;
+    const int64_t base = rows[i] * d;
+    const float* g = grads + i * d;
+    for (int64_t j = lane; j < d; j += lanes) {
+      weight[base + j] = rules::ftrl(weight[base + j], g[j], accum[base + j], linear[base + j], p);
     }
   }
 }
@@ -166,10 +168,26 @@ DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* e
   if (n == 0) return cudaSuccess;
   const float global_step_size =
       row_steps == nullptr
-          ? distemb::adam_step_size(lr, beta1, beta2, static_cast<double>(step))
+          ? distemb::rules::adam_step_size(lr, beta1, beta2, static_cast<double>(step))
           : 0.0f;
   distemb::adam_kernel<<<blocks_for(n * kWarp), kThreads, 0, as_stream(stream)>>>(
       weight, exp_avg, exp_avg_sq, num_rows, d, rows, grads, n, lr, beta1, beta2,
       static_cast<float>(eps), global_step_size, row_steps);
+  return cudaGetLastError();
+}
+
+DISTEMB_API int distemb_cuda_ftrl_update(float* weight, float* accum, float* linear,
+                                         int64_t num_rows, int64_t d, const int64_t* rows,
+                                         const float* grads, int64_t n, double lr,
+                                         double lr_power, double l1, double l2,
+                                         double l2_shrinkage, double beta, int device,
+                                         void* stream) {
+  if (distemb::bad_sizes(num_rows, d, n) || !(lr > 0.0)) return cudaErrorInvalidValue;
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const int lanes = distemb::lanes_per_row(d);
+  distemb::ftrl_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
+      weight, accum, linear, num_rows, d, rows, grads, n, lanes,
+      distemb::rules::ftrl_params(lr, lr_power, l1, l2, l2_shrinkage, beta));
   return cudaGetLastError();
 }

@@ -13,6 +13,12 @@ Choosing the implementation, in one place:
 - ``with kernels.implementation("reference"):`` (or ``"compiled"``) switches this process
   for the duration of the block (tests parametrise over it; see tests/conftest.py).
 
+The compiled updates (float32 and half rows) exist in two builds, picked at import: a
+baseline x86-64 one and an AVX2 one, used when the CPU has AVX2 and F16C. Both give the
+same bits (no FMA contraction in either; see csrc/cpu_kernels.h). ``DISTEMB_CPU_ISA``
+(``baseline``, ``avx2`` or ``best``, the default) picks one for the whole process;
+``with kernels.cpu_isa("baseline"):`` for a block (the tests compare the builds).
+
 Output buffers: ``gather_rows(out=...)`` and ``dedup_sum(out=...)`` write into a buffer
 the caller owns and reuses, which avoids a fresh allocation per step. Reuse is only safe
 where nobody keeps the previous result: a client's coalescing owns its dedup buffer
@@ -40,18 +46,74 @@ from distemb.arrays import Array, GlobalIds, Rows, UniqueIds
 from distemb.kernels import reference
 
 if os.environ.get("DISTEMB_NO_EXT", "") not in ("", "0"):
-    _compiled = None
+    _compiled = _compiled_half = None
 else:
     try:
+        from distemb import _halfkernels as _compiled_half
         from distemb import _kernels as _compiled
     except ImportError:  # not built (e.g. running from a bare checkout)
-        _compiled = None
+        _compiled = _compiled_half = None
 
 HAS_EXT = _compiled is not None
 IMPL_NAME = "compiled" if HAS_EXT else "reference"
 _IMPLS = {"reference": reference, "compiled": _compiled}
 # The implementation in use. Changed only by implementation(), which restores it.
 _impl = _compiled if HAS_EXT else reference
+
+
+#: The compiled builds by name (``set_isa``'s number in each extension module).
+CPU_ISAS = {"best": -1, "baseline": 0, "avx2": 1}
+
+
+def available_cpu_isas() -> Tuple[str, ...]:
+    """The builds of the compiled updates this CPU runs: ``('baseline', 'avx2')`` or
+    ``('baseline',)``; ``()`` when the compiled kernels are not loaded."""
+    if not HAS_EXT:
+        return ()
+    return ("baseline", "avx2") if _compiled.has_vector_build() else ("baseline",)
+
+
+def _set_cpu_isa(name: str) -> None:
+    if name not in CPU_ISAS:
+        raise ValueError(f"isa: expected one of {sorted(CPU_ISAS)}, got {name!r}")
+    if name != "best" and name not in available_cpu_isas():
+        raise ValueError(f"isa: {name!r} is not available here (available: "
+                         f"{available_cpu_isas()}, compiled kernels loaded: {HAS_EXT})")
+    if HAS_EXT:
+        _compiled.set_isa(CPU_ISAS[name])
+        _compiled_half.set_isa(CPU_ISAS[name])
+
+
+def current_cpu_isa() -> str:
+    """The build the compiled updates run now: 'avx2' or 'baseline' ('' when not loaded)."""
+    if not HAS_EXT:
+        return ""
+    isa = _compiled.get_isa()
+    if isa < 0:
+        return "avx2" if _compiled.has_vector_build() else "baseline"
+    return "avx2" if isa == 1 else "baseline"
+
+
+@contextlib.contextmanager
+def cpu_isa(name: str) -> Iterator[None]:
+    """Run the block's compiled updates (float32 and half rows) on build ``name``
+    (``'baseline'``, ``'avx2'`` or ``'best'``), then restore the previous choice.
+
+    Raises:
+        ValueError: an unknown name, or a build this CPU (or this install) lacks.
+    """
+    saved = _compiled.get_isa() if HAS_EXT else -1
+    _set_cpu_isa(name)
+    try:
+        yield
+    finally:
+        if HAS_EXT:
+            _compiled.set_isa(saved)
+            _compiled_half.set_isa(saved)
+
+
+if HAS_EXT:
+    _set_cpu_isa(os.environ.get("DISTEMB_CPU_ISA", "best") or "best")
 
 
 def active() -> str:
@@ -251,4 +313,27 @@ def adam_update(weight: Rows, exp_avg: Rows, exp_avg_sq: Rows, rows: UniqueIds, 
     _check_rows(rows, grads, weight)
     _impl.adam_update(weight, exp_avg, exp_avg_sq, rows, grads, float(lr), float(beta1),
                       float(beta2), float(eps), int(step), row_steps=row_steps,
+                      num_threads=_threads(num_threads, grads.size))
+
+
+def ftrl_update(weight: Rows, accum: Rows, linear: Rows, rows: UniqueIds, grads: Rows,
+                lr: float, lr_power: float, l1: float, l2: float, l2_shrinkage: float,
+                beta: float, num_threads: int = 1) -> None:
+    """In place, FTRL-Proximal (``tf.keras.optimizers.Ftrl``) on unique ``rows``.
+
+    ``accum`` and ``linear`` are the (R, D) accumulator and linear term; see
+    :meth:`distemb.kernels.ops.KernelOps.ftrl_update` for the formula.
+
+    Raises:
+        ValueError: ``lr`` is not positive.
+    """
+    _check_table("weight", weight)
+    _check_table("accum", accum, weight)
+    _check_table("linear", linear, weight)
+    if not lr > 0:
+        raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
+    rows, grads = _ids("rows", rows), _grads(grads)
+    _check_rows(rows, grads, weight)
+    _impl.ftrl_update(weight, accum, linear, rows, grads, float(lr), float(lr_power),
+                      float(l1), float(l2), float(l2_shrinkage), float(beta),
                       num_threads=_threads(num_threads, grads.size))

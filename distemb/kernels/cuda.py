@@ -412,3 +412,45 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
               exp_avg_sq.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
               grads.data_ptr(), rows.shape[0], float(lr), float(beta1), float(beta2),
               float(eps), int(step), steps_ptr)
+
+
+def ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage, beta,
+                num_threads=1):
+    """In place on the GPU, FTRL-Proximal (``tf.keras.optimizers.Ftrl``) on unique ``rows``.
+
+    The formula is :meth:`distemb.kernels.ops.KernelOps.ftrl_update`'s, per element, from
+    csrc/rules.h (as the CPU kernels).
+
+    Args:
+        weight: (R, D) float32 CUDA tensor, updated in place.
+        accum: (R, D) float32 CUDA tensor, the accumulator of squared gradients, in place.
+        linear: (R, D) float32 CUDA tensor, the linear term, in place.
+        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
+        grads: (N, D) float32 CUDA tensor.
+        lr: learning rate, > 0.
+        lr_power: the accumulator's power (-0.5: Adagrad-like; 0: a fixed rate).
+        l1: L1 strength.
+        l2: L2 strength.
+        l2_shrinkage: L2 shrinkage strength (added to the gradient).
+        beta: Keras' beta (adds ``beta / (2 lr)`` to the L2 strength).
+        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
+
+    Raises:
+        TypeError: wrong type, dtype or a CPU tensor.
+        ValueError: wrong shape, non-contiguous, mixed devices or ``lr`` <= 0.
+        CudaUnavailableError: the CUDA kernels cannot run here.
+        CudaKernelError: the kernel failed.
+    """
+    _check_update(weight, rows, grads)
+    for name, t in (("accum", accum), ("linear", linear)):
+        _tensor(name, t, torch.float32, 2)
+        _shape(name, t, weight.shape)
+    if not lr > 0:
+        raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
+    device = _same_device(weight=weight, accum=accum, linear=linear, rows=rows, grads=grads)
+    lib = require_cuda()
+    if grads.numel() > 0:
+        _call(lib, "distemb_cuda_ftrl_update", device, weight.data_ptr(), accum.data_ptr(),
+              linear.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
+              grads.data_ptr(), rows.shape[0], float(lr), float(lr_power), float(l1),
+              float(l2), float(l2_shrinkage), float(beta))

@@ -161,3 +161,18 @@ class CudaHalfOps:
                   rows.data_ptr(), grads.data_ptr(), rows.shape[0], float(lr), float(beta1),
                   float(beta2), float(eps), int(step),
                   None if row_steps is None else row_steps.data_ptr())
+
+    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
+                    l2_shrinkage, beta, num_threads=1):
+        """In place, FTRL-Proximal with float32 accumulator and linear term (R, D) and half
+        rows (see cuda.ftrl_update)."""
+        if not lr > 0:
+            raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
+        device, lib, kind, seed = self._check(weight, rows, grads,
+                                              accum=(accum, weight.shape),
+                                              linear=(linear, weight.shape))
+        if grads.numel() > 0:
+            _call(lib, "distemb_cuda_half_ftrl_update", device, weight.data_ptr(), kind, seed,
+                  accum.data_ptr(), linear.data_ptr(), weight.shape[0], weight.shape[1],
+                  rows.data_ptr(), grads.data_ptr(), rows.shape[0], float(lr),
+                  float(lr_power), float(l1), float(l2), float(l2_shrinkage), float(beta))

@@ -52,6 +52,8 @@ _SIGNATURES = {
         (_INT, [_P, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
     "distemb_cuda_adam_update": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64,
                                         _F64, _I64, _P, _INT, _P]),
+    "distemb_cuda_ftrl_update": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64,
+                                        _F64, _F64, _F64, _INT, _P]),
     # Half-precision rows (weight bits, kind, seed, ...): distemb.kernels.cuda_half.
     "distemb_cuda_half_gather_rows_checked":
         (_INT, [_P, _INT, _I64, _I64, _P, _I64, _P, _P, _INT, _P]),
@@ -64,6 +66,9 @@ _SIGNATURES = {
     "distemb_cuda_half_adam_update":
         (_INT, [_P, _INT, _U64, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64, _F64,
                 _I64, _P, _INT, _P]),
+    "distemb_cuda_half_ftrl_update":
+        (_INT, [_P, _INT, _U64, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64, _F64,
+                _F64, _F64, _INT, _P]),
 }
 SYMBOLS = tuple(sorted(_SIGNATURES))
 

@@ -1,7 +1,8 @@
 """Kernels for tables whose rows are stored in half precision (bfloat16 or float16).
 
 The same functions and keywords as :mod:`distemb.kernels` (``gather_rows``,
-``sgd_update``, ``adagrad_update``, ``rowwise_adagrad_update``, ``adam_update``), so an
+``sgd_update``, ``adagrad_update``, ``rowwise_adagrad_update``, ``adam_update``,
+``ftrl_update``), so an
 update rule runs on half rows when handed this module as its ``ops``: gradients, optimizer
 state and every operation stay float32; only the weight is stored in 16 bits, rounded
 to nearest-even on each store (a half kernel equals decode, the float32 kernel, encode,
@@ -204,6 +205,13 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
                        row_steps, num_threads)
 
 
+def ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage, beta,
+                num_threads=1):
+    """In place, FTRL-Proximal with float32 accumulator and linear term and half rows."""
+    seeded_ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
+                       l2_shrinkage, beta, num_threads)
+
+
 # The same updates with a choice of rounding: ``rounding_seed`` None rounds to
 # nearest-even; an int rounds bfloat16 rows stochastically with random bits hashed from
 # (seed, row, column), reproducible for any thread count (use a new seed per call).
@@ -253,6 +261,19 @@ def seeded_adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta
                         num_threads=_nt(num_threads, grads))
 
 
+def seeded_ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage,
+                       beta, num_threads=1, rounding_seed=None):
+    """In place, FTRL-Proximal (see kernels.ftrl_update) with float32 state and half rows."""
+    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
+    _f32("accum", accum, weight.shape)
+    _f32("linear", linear, weight.shape)
+    if not lr > 0:
+        raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
+    _impl().ftrl_update(kind, bits, accum, linear, rows, grads, float(lr), float(lr_power),
+                        float(l1), float(l2), float(l2_shrinkage), float(beta), seed=seed,
+                        num_threads=_nt(num_threads, grads))
+
+
 class StochasticRounding:
     """The half kernels with stochastic rounding of bfloat16 rows, as an ``ops`` for rules.
 
@@ -297,3 +318,8 @@ class StochasticRounding:
                     step, row_steps=None, num_threads=1):
         seeded_adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
                            step, row_steps, num_threads, rounding_seed=self._seed())
+
+    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
+                    l2_shrinkage, beta, num_threads=1):
+        seeded_ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
+                           l2_shrinkage, beta, num_threads, rounding_seed=self._seed())

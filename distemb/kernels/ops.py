@@ -75,10 +75,21 @@ class KernelOps(Protocol):
         int64), each row increments and bias-corrects with its own count instead.
         """
 
+    def ftrl_update(self, weight: Rows, accum: Rows, linear: Rows, rows: UniqueIds,
+                    grads: Rows, lr: float, lr_power: float, l1: float, l2: float,
+                    l2_shrinkage: float, beta: float, num_threads: int = 1) -> None:
+        """FTRL-Proximal as ``tf.keras.optimizers.Ftrl``, element-wise in float32.
+
+        ``g' = g + 2 l2_shrinkage w; n' = n + g^2; z += g' - (n'^-p - n^-p) / lr * w;
+        w = (clip(z, -l1, l1) - z) / (n'^-p / lr + 2 (l2 + beta / (2 lr)))`` with
+        ``p = lr_power``, accumulator ``n = accum`` and linear term ``z = linear``, both
+        (R, D); ``lr > 0``.
+        """
+
 
 #: Names of the contract's functions, in declaration order.
 KERNEL_NAMES = ("dedup_sum", "gather_rows", "sgd_update", "adagrad_update",
-                "rowwise_adagrad_update", "adam_update")
+                "rowwise_adagrad_update", "adam_update", "ftrl_update")
 
 
 @runtime_checkable

@@ -71,3 +71,27 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
     step_size = lr * np.sqrt(1.0 - beta2 ** steps) / (1.0 - beta1 ** steps)
     upd = m / (np.sqrt(v) + np.float32(eps))
     weight[rows] -= step_size.astype(np.float32)[:, None] * upd
+
+
+def ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage, beta,
+                num_threads=1):
+    """FTRL-Proximal (tf.keras.optimizers.Ftrl) on coalesced rows, in float32.
+
+    ``n^-p`` is a square root for ``lr_power = -0.5`` and 1 for ``lr_power = 0``.
+    """
+    f32 = np.float32
+    flr = f32(lr)
+    w, n, z = weight[rows], accum[rows], linear[rows]
+    shrunk = grads + f32(2.0 * l2_shrinkage) * w
+    n_new = n + grads * grads
+    if lr_power == -0.5:
+        p_new, p_old = np.sqrt(n_new), np.sqrt(n)
+    elif lr_power == 0.0:
+        p_new = p_old = np.ones_like(n)
+    else:
+        p_new, p_old = np.power(n_new, f32(-lr_power)), np.power(n, f32(-lr_power))
+    z = z + (shrunk - (p_new - p_old) / flr * w)
+    accum[rows] = n_new
+    linear[rows] = z
+    quadratic = p_new / flr + f32(2.0 * (l2 + beta / (2.0 * lr)))
+    weight[rows] = (np.clip(z, -f32(l1), f32(l1)) - z) / quadratic

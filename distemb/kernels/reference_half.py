@@ -1,4 +1,4 @@
-"""Reference twins of the half-precision kernels (``csrc/half_kernels.h``), in numpy.
+"""Reference twins of the half-precision kernels (``csrc/cpu_kernels.h``), in numpy.
 
 Each decodes the touched rows to float32, runs the float32 reference kernel
 (:mod:`distemb.kernels.reference`) on them, and encodes the result with
@@ -23,7 +23,7 @@ def _splitmix(x):
 
 
 def _stochastic(values, rows, seed):
-    """bfloat16 bits of ``values`` (n, d) rounded stochastically, as csrc/half_kernels.h:
+    """bfloat16 bits of ``values`` (n, d) rounded stochastically, as csrc/cpu_kernels.h:
     16 random bits, a hash of (seed, slot, column), added below the kept bits."""
     with np.errstate(over="ignore"):
         stream = _splitmix(np.uint64(seed) ^ _splitmix(rows.astype(np.int64).view(np.uint64)))
@@ -103,4 +103,13 @@ def adam_update(kind, weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2
     exp_avg[rows], exp_avg_sq[rows] = m, v
     if rs is not None:
         row_steps[rows] = rs
+    _store(kind, weight, rows, w, seed)
+
+
+def ftrl_update(kind, weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage,
+                beta, seed=0, num_threads=1):
+    w, n, z = _rows(kind, weight, rows), accum[rows], linear[rows]
+    reference.ftrl_update(w, n, z, np.arange(len(rows)), grads, lr, lr_power, l1, l2,
+                          l2_shrinkage, beta)
+    accum[rows], linear[rows] = n, z
     _store(kind, weight, rows, w, seed)

@@ -9,7 +9,7 @@ from typing import Iterable, Tuple, Union
 from distemb.embedding import DistEmbedding
 from distemb.enums import Choice
 from distemb.optim.base import SparseOptimizer, check_hyper
-from distemb.rules import AdagradHyper, AdamHyper, RuleName, SGDHyper
+from distemb.rules import AdagradHyper, AdamHyper, FtrlHyper, RuleName, SGDHyper
 
 Params = Union[DistEmbedding, Iterable[DistEmbedding]]
 
@@ -131,3 +131,66 @@ class SparseAdam(SparseOptimizer):
     def hyper(self, group: dict, step: int) -> AdamHyper:
         beta1, beta2 = group["betas"]
         return AdamHyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step)
+
+
+class SparseFtrl(SparseOptimizer):
+    """FTRL-Proximal on sparse rows, the formula of ``tf.keras.optimizers.Ftrl``.
+
+    Per element, with accumulator ``n`` (starting at ``initial_accumulator_value``) and
+    linear term ``z`` (starting at 0), ``p = learning_rate_power``::
+
+        g' = g + 2 * l2_shrinkage * w;  n' = n + g^2
+        z += g' - (n'^-p - n^-p) / lr * w
+        w = (clip(z, -l1, l1) - z) / (n'^-p / lr + 2 * (l2 + beta / (2 * lr)))
+
+    Rows a step did not touch keep their weight and state (lazy, as Keras' sparse
+    update); the gradients of a row's duplicate ids in one step are summed first, as
+    torch sums a sparse gradient (and as Keras sums duplicate indices).
+
+    Args:
+        lr: learning rate, > 0.
+        learning_rate_power: <= 0; -0.5 (default) scales like Adagrad, 0 is a fixed rate.
+        initial_accumulator_value: >= 0 (Keras' default 0.1).
+        l1_regularization_strength: >= 0.
+        l2_regularization_strength: >= 0.
+        l2_shrinkage_regularization_strength: >= 0.
+        beta: >= 0.
+
+    Example:
+        >>> from distemb import DistEmbedding
+        >>> opt = SparseFtrl([DistEmbedding(10, 4, name="doc-ftrl")], lr=0.1,
+        ...                  l1_regularization_strength=0.01)
+        >>> opt.param_groups[0]["l1"]
+        0.01
+    """
+
+    rule = RuleName.FTRL
+
+    def __init__(self, params: Params, lr: float = 0.001, learning_rate_power: float = -0.5,
+                 initial_accumulator_value: float = 0.1,
+                 l1_regularization_strength: float = 0.0,
+                 l2_regularization_strength: float = 0.0,
+                 l2_shrinkage_regularization_strength: float = 0.0, beta: float = 0.0):
+        if isinstance(learning_rate_power, bool) or \
+                not isinstance(learning_rate_power, (int, float)) or \
+                not learning_rate_power <= 0:
+            raise ValueError(f"learning_rate_power: expected a number <= 0, got "
+                             f"{learning_rate_power!r}")
+        super().__init__(params, {
+            "lr": check_hyper("lr", lr, low_open=True),
+            "lr_power": float(learning_rate_power),
+            "initial_accumulator_value": check_hyper("initial_accumulator_value",
+                                                     initial_accumulator_value),
+            "l1": check_hyper("l1_regularization_strength", l1_regularization_strength),
+            "l2": check_hyper("l2_regularization_strength", l2_regularization_strength),
+            "l2_shrinkage": check_hyper("l2_shrinkage_regularization_strength",
+                                        l2_shrinkage_regularization_strength),
+            "beta": check_hyper("beta", beta)})
+
+    def rule_options(self) -> dict:
+        return {"initial_accumulator_value": self.defaults["initial_accumulator_value"]}
+
+    def hyper(self, group: dict, step: int) -> FtrlHyper:
+        return FtrlHyper(lr=group["lr"], lr_power=group["lr_power"], l1=group["l1"],
+                         l2=group["l2"], l2_shrinkage=group["l2_shrinkage"],
+                         beta=group["beta"])

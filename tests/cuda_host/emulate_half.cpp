@@ -4,11 +4,13 @@
 // in order, so the last lane writes a row's shared value after the others read it).
 //
 // Usage: emulate_half IN OUT. IN: int64 op (0 gather_checked, 1 sgd, 2 adagrad,
-// 3 rowwise_adagrad, 4 adam), kind, num_rows, d, n, seed, step, has_row_steps; float64
-// lr, eps, beta1, beta2; uint16 table bits (num_rows*d); int64 flags (3); int64 ids (n);
-// float32 grads (n*d); float32 state A and B (num_rows*d each; rowwise uses the first
-// num_rows of A); int64 row_steps (num_rows). OUT: the table bits, flags, the gathered
-// rows (n*d float32), states A and B, row_steps, in that order and format.
+// 3 rowwise_adagrad, 4 adam, 5 ftrl), kind, num_rows, d, n, seed, step, has_row_steps;
+// float64 lr, eps, beta1, beta2; uint16 table bits (num_rows*d); int64 flags (3); int64
+// ids (n); float32 grads (n*d); float32 state A and B (num_rows*d each; rowwise uses the
+// first num_rows of A); int64 row_steps (num_rows); for ftrl only, two more float64,
+// l2_shrinkage and beta (ftrl reads lr_power, l1, l2 from the eps, beta1, beta2 slots).
+// OUT: the table bits, flags, the gathered rows (n*d float32), states A and B,
+// row_steps, in that order and format.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -75,7 +77,7 @@ struct Job {
   int64_t op, kind, num_rows, d, n, step;
   uint64_t seed;
   bool has_row_steps;
-  double lr, eps, beta1, beta2;
+  double lr, eps, beta1, beta2, l2_shrinkage, beta;
   std::vector<uint16_t> table;
   std::vector<long long> flags;
   std::vector<int64_t> ids, row_steps;
@@ -107,9 +109,15 @@ void run(Job& j) {
               j.table.data(), j.a.data(), j.num_rows, j.d, j.ids.data(), j.grads.data(), j.n,
               static_cast<float>(j.lr), static_cast<float>(j.eps), j.seed);
       break;
+    case 5:
+      emulate(blocks_for(j.n * lanes), kThreads, half::ftrl_kernel<C>, j.table.data(),
+              j.a.data(), j.b.data(), j.num_rows, j.d, j.ids.data(), j.grads.data(), j.n,
+              lanes, rules::ftrl_params(j.lr, j.eps, j.beta1, j.beta2, j.l2_shrinkage, j.beta),
+              j.seed);
+      break;
     default: {
       const float global = steps == nullptr
-          ? half::adam_step_size(j.lr, j.beta1, j.beta2, static_cast<double>(j.step)) : 0.0f;
+          ? rules::adam_step_size(j.lr, j.beta1, j.beta2, static_cast<double>(j.step)) : 0.0f;
       emulate(blocks_for(j.n * kWarp), kThreads, half::adam_kernel<C>, j.table.data(),
               j.a.data(), j.b.data(), j.num_rows, j.d, j.ids.data(), j.grads.data(), j.n, j.lr,
               j.beta1, j.beta2, static_cast<float>(j.eps), global, steps, j.seed);
@@ -126,7 +134,7 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> head = read<int64_t>(in, 8);
   const std::vector<double> hyper = read<double>(in, 4);
   Job j{head[0], head[1], head[2], head[3], head[4], head[6], static_cast<uint64_t>(head[5]),
-        head[7] != 0, hyper[0], hyper[1], hyper[2], hyper[3]};
+        head[7] != 0, hyper[0], hyper[1], hyper[2], hyper[3], 0.0, 0.0};
   const size_t cells = static_cast<size_t>(j.num_rows * j.d);
   j.table = read<uint16_t>(in, cells);
   j.flags = read<long long>(in, 3);
@@ -135,6 +143,11 @@ int main(int argc, char** argv) {
   j.a = read<float>(in, cells);
   j.b = read<float>(in, cells);
   j.row_steps = read<int64_t>(in, j.num_rows);
+  if (j.op == 5) {
+    const std::vector<double> more = read<double>(in, 2);
+    j.l2_shrinkage = more[0];
+    j.beta = more[1];
+  }
   std::fclose(in);
   j.out.assign(j.n * j.d, -777.0f);
   if (j.kind == distemb::half::kBF16) run<distemb::half::BF16>(j);

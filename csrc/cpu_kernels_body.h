@@ -1,16 +1,28 @@
-// Kernels on half-precision rows (bfloat16 or IEEE float16 storage, uint16 bits), float32
-// gradients, state and maths. Each loads a row's weights as float32, runs exactly the
-// float32 kernel's arithmetic (csrc/_kernels.pyx), and rounds the result to nearest-even
-// on store: a half kernel equals "decode, float32 kernel, encode", bit for bit.
-// Included twice by csrc/half_kernels.h, once per instruction set (DISTEMB_HALF_VECTOR
-// 0: baseline x86-64 / any CPU, 1: compiled for AVX2 + F16C), each time inside its own
-// namespace: no include guard, no includes of its own.
+// The CPU update kernels, templated on the row format: float32 rows (updated in place)
+// and half rows (bfloat16 or IEEE float16 storage, uint16 bits; float32 gradients, state
+// and maths). Each update loads a row as float32, applies the rule's per-element
+// arithmetic from csrc/rules.h (the one definition every build shares), and stores it
+// back: in place for float32, rounded to nearest-even (or stochastically) for half rows,
+// so a half kernel equals "decode, float32 kernel, encode", bit for bit.
+// Included once per instruction set by csrc/cpu_kernels.h (DISTEMB_CPU_VECTOR 0: baseline
+// x86-64 / any CPU, 1: compiled for AVX2 + F16C), each time inside its own namespace: no
+// include guard, no includes of its own.
 
 enum Kind { BF16 = 0, F16 = 1 };
 static const int64_t PREFETCH_AHEAD = 8;
 static const int CHUNK_ROWS = 64;
 
+// float32 rows: the kernels work on the row itself.
+struct F32Row {
+  typedef float T;
+  static const bool kInPlace = true;
+  static inline void load_row(const float *, float *, int64_t) {}
+  static inline void store_row(const float *, float *, int64_t, uint64_t) {}
+};
+
 struct BF16Conv {
+  typedef uint16_t T;
+  static const bool kInPlace = false;
   static inline float load(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -48,6 +60,8 @@ static const uint64_t GOLDEN = 0x9e3779b97f4a7c15ULL;
 // (unbiased: updates smaller than half an ulp survive in expectation). The bits are a
 // hash of (seed, slot, column): reproducible for any thread count or schedule.
 struct BF16SRConv {
+  typedef uint16_t T;
+  static const bool kInPlace = false;
   static inline float load(uint16_t h) { return BF16Conv::load(h); }
   static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
     BF16Conv::load_row(src, dst, d);
@@ -69,6 +83,8 @@ static inline uint64_t row_stream(uint64_t seed, int64_t slot) {
 }
 
 struct F16Conv {
+  typedef uint16_t T;
+  static const bool kInPlace = false;
   static inline float load(uint16_t h) {
     _Float16 x;
     std::memcpy(&x, &h, 2);
@@ -83,7 +99,7 @@ struct F16Conv {
   // gcc does not vectorise _Float16 conversions: with F16C, 8 lanes per instruction
   static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
     int64_t j = 0;
-#if DISTEMB_HALF_VECTOR
+#if DISTEMB_CPU_VECTOR
     for (; j + 8 <= d; j += 8)
       _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
 #endif
@@ -91,7 +107,7 @@ struct F16Conv {
   }
   static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t) {
     int64_t j = 0;
-#if DISTEMB_HALF_VECTOR
+#if DISTEMB_CPU_VECTOR
     for (; j + 8 <= d; j += 8)
       _mm_storeu_si128((__m128i *)(dst + j),
                        _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
@@ -105,127 +121,147 @@ static inline void prefetch(const void *p, long nbytes) {
   for (long off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 1, 3);
 }
 
-// Every update: decode the row into a per-thread float32 buffer, run the float32
-// kernel's loop on it (the same expressions as csrc/_kernels.pyx), encode it back.
+// One thread's float32 view of the row being updated: the row itself for float32 rows,
+// a decoded copy in a per-thread buffer for half rows (encoded back by store()).
+template <class C>
+struct RowView {
+  std::vector<float> buf;
+  explicit RowView(int64_t d) : buf(C::kInPlace ? 0 : d) {}
+  inline float *load(typename C::T *row, int64_t d) {
+    if (C::kInPlace) return reinterpret_cast<float *>(row);
+    C::load_row(row, buf.data(), d);
+    return buf.data();
+  }
+  inline void store(const float *w, typename C::T *row, int64_t d, uint64_t seed,
+                    int64_t slot) {
+    if (!C::kInPlace) C::store_row(w, row, d, row_stream(seed, slot));
+  }
+};
 
 template <class C>
-void gather_t(const uint16_t *t, const int64_t *r, float *o, int64_t n, int64_t d, int nt) {
+void gather_t(const typename C::T *t, const int64_t *r, float *o, int64_t n, int64_t d,
+              int nt) {
 #pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
   for (int64_t i = 0; i < n; ++i) {
-    if (i + PREFETCH_AHEAD < n) prefetch(t + r[i + PREFETCH_AHEAD] * d, d * 2);
+    if (i + PREFETCH_AHEAD < n) prefetch(t + r[i + PREFETCH_AHEAD] * d, d * sizeof(*t));
     C::load_row(t + r[i] * d, o + i * d, d);
   }
 }
 
 template <class C>
-void sgd_t(uint16_t *w0, const int64_t *r, const float *g0, int64_t n, int64_t d, float lr,
-           uint64_t seed, int nt) {
+void sgd_t(typename C::T *w0, const int64_t *r, const float *g0, int64_t n, int64_t d,
+           float lr, uint64_t seed, int nt) {
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> buf(d);
-    float *w = buf.data();
+    RowView<C> view(d);
 #pragma omp for schedule(dynamic, CHUNK_ROWS)
     for (int64_t i = 0; i < n; ++i) {
-      if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+      if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
       const float *g = g0 + i * d;
-      C::load_row(w0 + r[i] * d, w, d);
-      for (int64_t j = 0; j < d; ++j) w[j] = w[j] - lr * g[j];
-      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+      float *w = view.load(w0 + r[i] * d, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = distemb::rules::sgd(w[j], g[j], lr);
+      view.store(w, w0 + r[i] * d, d, seed, r[i]);
     }
   }
 }
 
 template <class C>
-void adagrad_t(uint16_t *w0, float *s0, const int64_t *r, const float *g0, int64_t n,
+void adagrad_t(typename C::T *w0, float *s0, const int64_t *r, const float *g0, int64_t n,
                int64_t d, float clr, float eps, uint64_t seed, int nt) {
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> buf(d);
-    float *w = buf.data();
+    RowView<C> view(d);
 #pragma omp for schedule(dynamic, CHUNK_ROWS)
     for (int64_t i = 0; i < n; ++i) {
       if (i + PREFETCH_AHEAD < n) {
-        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
         prefetch(s0 + r[i + PREFETCH_AHEAD] * d, d * 4);
       }
       float *s = s0 + r[i] * d;
       const float *g = g0 + i * d;
-      C::load_row(w0 + r[i] * d, w, d);
-      for (int64_t j = 0; j < d; ++j) {
-        float gj = g[j], sj = s[j] + gj * gj;
-        s[j] = sj;
-        w[j] = w[j] - clr * (gj / (sqrtf(sj) + eps));
-      }
-      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+      float *w = view.load(w0 + r[i] * d, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = distemb::rules::adagrad(w[j], g[j], s[j], clr, eps);
+      view.store(w, w0 + r[i] * d, d, seed, r[i]);
     }
   }
 }
 
 template <class C>
-void rowwise_adagrad_t(uint16_t *w0, float *s, const int64_t *r, const float *g0, int64_t n,
-                       int64_t d, float clr, float eps, uint64_t seed, int nt) {
+void rowwise_adagrad_t(typename C::T *w0, float *s, const int64_t *r, const float *g0,
+                       int64_t n, int64_t d, float clr, float eps, uint64_t seed, int nt) {
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> buf(d);
-    float *w = buf.data();
+    RowView<C> view(d);
 #pragma omp for schedule(dynamic, CHUNK_ROWS)
     for (int64_t i = 0; i < n; ++i) {
       if (i + PREFETCH_AHEAD < n) {
-        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
         prefetch(s + r[i + PREFETCH_AHEAD], 4);
       }
       const float *g = g0 + i * d;
       float acc = 0;
-      for (int64_t j = 0; j < d; ++j) acc = acc + g[j] * g[j];
-      s[r[i]] = s[r[i]] + acc / d;
-      float std_ = sqrtf(s[r[i]]) + eps;
-      C::load_row(w0 + r[i] * d, w, d);
-      for (int64_t j = 0; j < d; ++j) w[j] = w[j] - clr * (g[j] / std_);
-      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+      for (int64_t j = 0; j < d; ++j) acc = distemb::rules::rowwise_sum_sq(acc, g[j]);
+      s[r[i]] = distemb::rules::rowwise_state(s[r[i]], acc, d);
+      const float den = distemb::rules::rowwise_denominator(s[r[i]], eps);
+      float *w = view.load(w0 + r[i] * d, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = distemb::rules::rowwise_adagrad(w[j], g[j], clr, den);
+      view.store(w, w0 + r[i] * d, d, seed, r[i]);
     }
   }
 }
 
 template <class C>
-void adam_t(uint16_t *w0, float *m0, float *v0, const int64_t *r, const float *g0, int64_t n,
-            int64_t d, double lr, double beta1, double beta2, double eps, int64_t step,
-            int64_t *rs, uint64_t seed, int nt) {
-  // 1 - beta in double, then rounded, as torch computes it (and csrc/_kernels.pyx)
+void adam_t(typename C::T *w0, float *m0, float *v0, const int64_t *r, const float *g0,
+            int64_t n, int64_t d, double lr, double beta1, double beta2, double eps,
+            int64_t step, int64_t *rs, uint64_t seed, int nt) {
+  // 1 - beta in double, then rounded, as torch computes it
   float omb1 = (float)(1.0 - beta1), omb2 = (float)(1.0 - beta2), feps = (float)eps;
-  double global_size = lr * std::sqrt(1.0 - std::pow(beta2, (double)step)) /
-                       (1.0 - std::pow(beta1, (double)step));
+  float global_size = rs ? 0.0f : distemb::rules::adam_step_size(lr, beta1, beta2, (double)step);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> buf(d);
-    float *w = buf.data();
+    RowView<C> view(d);
 #pragma omp for schedule(dynamic, CHUNK_ROWS)
     for (int64_t i = 0; i < n; ++i) {
       if (i + PREFETCH_AHEAD < n) {
-        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * 2);
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
         prefetch(m0 + r[i + PREFETCH_AHEAD] * d, d * 4);
         prefetch(v0 + r[i + PREFETCH_AHEAD] * d, d * 4);
       }
-      float fstep;
+      float fstep = global_size;
       if (rs) {
         rs[r[i]] += 1;
-        double st = (double)rs[r[i]];
-        fstep = (float)(lr * std::sqrt(1.0 - std::pow(beta2, st)) / (1.0 - std::pow(beta1, st)));
-      } else {
-        fstep = (float)global_size;
+        fstep = distemb::rules::adam_step_size(lr, beta1, beta2, (double)rs[r[i]]);
       }
       float *m = m0 + r[i] * d;
       float *v = v0 + r[i] * d;
       const float *g = g0 + i * d;
-      C::load_row(w0 + r[i] * d, w, d);
-      for (int64_t j = 0; j < d; ++j) {
-        float gj = g[j];
-        float mj = m[j] + (gj - m[j]) * omb1;
-        float vj = v[j] + (gj * gj - v[j]) * omb2;
-        m[j] = mj;
-        v[j] = vj;
-        w[j] = w[j] - fstep * (mj / (sqrtf(vj) + feps));
+      float *w = view.load(w0 + r[i] * d, d);
+      for (int64_t j = 0; j < d; ++j)
+        w[j] = distemb::rules::adam(w[j], g[j], m[j], v[j], omb1, omb2, fstep, feps);
+      view.store(w, w0 + r[i] * d, d, seed, r[i]);
+    }
+  }
+}
+
+template <class C>
+void ftrl_t(typename C::T *w0, float *n0, float *z0, const int64_t *r, const float *g0,
+            int64_t n, int64_t d, const distemb::rules::FtrlParams p, uint64_t seed, int nt) {
+#pragma omp parallel num_threads(nt)
+  {
+    RowView<C> view(d);
+#pragma omp for schedule(dynamic, CHUNK_ROWS)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH_AHEAD < n) {
+        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
+        prefetch(n0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+        prefetch(z0 + r[i + PREFETCH_AHEAD] * d, d * 4);
       }
-      C::store_row(w, w0 + r[i] * d, d, row_stream(seed, r[i]));
+      float *acc = n0 + r[i] * d;
+      float *lin = z0 + r[i] * d;
+      const float *g = g0 + i * d;
+      float *w = view.load(w0 + r[i] * d, d);
+      for (int64_t j = 0; j < d; ++j) w[j] = distemb::rules::ftrl(w[j], g[j], acc[j], lin[j], p);
+      view.store(w, w0 + r[i] * d, d, seed, r[i]);
     }
   }
 }
@@ -236,7 +272,7 @@ void encode_t(const float *src, uint16_t *dst, int64_t n) { C::store_row(src, ds
 template <class C>
 void decode_t(const uint16_t *src, float *dst, int64_t n) { C::load_row(src, dst, n); }
 
-// The entry points: ``kind`` picks the format once per call (0 bfloat16, 1 float16,
+// The half entry points: ``kind`` picks the format once per call (0 bfloat16, 1 float16,
 // 2 bfloat16 with stochastic rounding, which only the updates use).
 enum { BF16_SR = 2 };
 #define DISTEMB_HALF_DISPATCH(fn, ...)                  \
@@ -265,9 +301,37 @@ inline void adam(int kind, uint16_t *w, float *m, float *v, const int64_t *r, co
                  int64_t step, int64_t *rs, uint64_t seed, int nt) {
   DISTEMB_HALF_DISPATCH(adam_t, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, seed, nt);
 }
+inline void ftrl(int kind, uint16_t *w, float *acc, float *lin, const int64_t *r,
+                 const float *g, int64_t n, int64_t d, const distemb::rules::FtrlParams &p,
+                 uint64_t seed, int nt) {
+  DISTEMB_HALF_DISPATCH(ftrl_t, w, acc, lin, r, g, n, d, p, seed, nt);
+}
 inline void encode(int kind, const float *src, uint16_t *dst, int64_t n) {
   DISTEMB_HALF_DISPATCH(encode_t, src, dst, n);
 }
 inline void decode(int kind, const uint16_t *src, float *dst, int64_t n) {
   DISTEMB_HALF_DISPATCH(decode_t, src, dst, n);
+}
+
+// The float32 entry points (csrc/_kernels.pyx).
+inline void sgd_f32(float *w, const int64_t *r, const float *g, int64_t n, int64_t d,
+                    float lr, int nt) {
+  sgd_t<F32Row>(w, r, g, n, d, lr, 0, nt);
+}
+inline void adagrad_f32(float *w, float *s, const int64_t *r, const float *g, int64_t n,
+                        int64_t d, float clr, float eps, int nt) {
+  adagrad_t<F32Row>(w, s, r, g, n, d, clr, eps, 0, nt);
+}
+inline void rowwise_adagrad_f32(float *w, float *s, const int64_t *r, const float *g,
+                                int64_t n, int64_t d, float clr, float eps, int nt) {
+  rowwise_adagrad_t<F32Row>(w, s, r, g, n, d, clr, eps, 0, nt);
+}
+inline void adam_f32(float *w, float *m, float *v, const int64_t *r, const float *g, int64_t n,
+                     int64_t d, double lr, double b1, double b2, double eps, int64_t step,
+                     int64_t *rs, int nt) {
+  adam_t<F32Row>(w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, 0, nt);
+}
+inline void ftrl_f32(float *w, float *acc, float *lin, const int64_t *r, const float *g,
+                     int64_t n, int64_t d, const distemb::rules::FtrlParams &p, int nt) {
+  ftrl_t<F32Row>(w, acc, lin, r, g, n, d, p, 0, nt);
 }
