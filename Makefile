@@ -4,7 +4,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distemb-installed
-APT    := openmpi-bin libopenmpi-dev wordnet-base
+APT    := openmpi-bin libopenmpi-dev wordnet-base openssh-server
 export OMP_WAIT_POLICY ?= passive
 
 .PHONY: test demo bench data system clean
@@ -12,7 +12,8 @@ export OMP_WAIT_POLICY ?= passive
 $(PY):
 	python3 -m venv $(VENV)
 
-# Debian packages: MPI for the mpirun tests, WordNet for the graph examples.
+# Debian packages: MPI for the mpirun tests, WordNet for the graph examples, an sshd for
+# the test of DGL's own launcher (which starts every process through ssh).
 data: system
 
 system:
@@ -21,7 +22,7 @@ system:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  echo "installing Debian packages: $$missing"; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null \
-	  || echo "warning: could not install $$missing (MPI/WordNet tests will skip with a reason)"; \
+	  || echo "warning: could not install $$missing (MPI/WordNet/sshd tests will skip with a reason)"; \
 	fi
 
 $(STAMP): $(PY) setup.py setup.cfg pyproject.toml $(wildcard csrc/*.pyx csrc/cuda/*.cu) | system

@@ -49,6 +49,7 @@ class DistContext:
         self.num_threads = num_threads or default_num_threads()
         self._names = itertools.count()
         self._device_clients = {}
+        self._holders = {}  # (client, name) -> live tensor objects of it in this process
         self.closed = False
 
     @classmethod
@@ -131,6 +132,26 @@ class DistContext:
         if dev not in self._device_clients:
             self._device_clients[dev] = device_kv.DeviceKVClient(dev)
         return self._device_clients[dev]
+
+    def hold(self, client, name, delete_with_last=False):
+        """Count one more live object of table ``name`` of ``client`` in this process.
+
+        Args:
+            delete_with_last: given by the object that created the table: delete it once
+                the last object of it in this process is gone (DGL's non-persistent rule).
+        """
+        key = (id(client), name)
+        count, delete = self._holders.get(key, (0, False))
+        self._holders[key] = (count + 1, delete or delete_with_last)
+
+    def release(self, client, name):
+        """One object of ``name`` is gone; True when the table is now to be deleted."""
+        key = (id(client), name)
+        count, delete = self._holders.pop(key, (1, False))
+        if count > 1:
+            self._holders[key] = (count - 1, delete)
+            return False
+        return delete
 
     def new_name(self, prefix):
         """A name no other anonymous tensor of this context has."""

@@ -73,6 +73,11 @@ class DistEmbedding:
         init_func: ``init_func(shape, dtype)`` initialises each shard (zeros when None,
             as in DGL).
         part_policy: sharding of the rows (default: even ranges over the servers).
+        persistent: keep the table when the objects of it are gone (default: distemb's
+            rule: a table lives until its context closes, so a name always means the same
+            rows). With False, DGL's rule (:mod:`distemb.dgl`'s default): the table and
+            its optimizer state are deleted with the last object of it in the process
+            that created it, and re-creating the name starts again from ``init_func``.
         context: the :class:`~distemb.context.DistContext` (default: the current one).
         trace_limit: lookups recorded before a missing ``step()``/``zero_grad()`` raises
             :class:`~distemb.errors.TraceOverflowError` (a warning is issued at half).
@@ -128,7 +133,8 @@ class DistEmbedding:
 
     def __init__(self, num_embeddings: Optional[int], embedding_dim: int,
                  name: Optional[str] = None, init_func=None,
-                 part_policy: Optional[PartitionPolicy] = None, context=None,
+                 part_policy: Optional[PartitionPolicy] = None, persistent: bool = True,
+                 context=None,
                  trace_limit: int = DEFAULT_TRACE_LIMIT, device=None, dtype="float32",
                  rounding=Rounding.NEAREST, rounding_seed: int = 0, storage=None):
         _positive_int(embedding_dim, "embedding_dim")
@@ -142,6 +148,10 @@ class DistEmbedding:
                              f"{dtype_name!r}")
         self._trace_limit = _positive_int(trace_limit, "trace_limit")
         if num_embeddings is None or storage is not None:
+            if not persistent:
+                raise ValueError("persistent: a table on row stores lives until its context "
+                                 "closes or close() is called; persistent=False (DGL's "
+                                 "lifetime) is for dense tables")
             self._tensor = _store_tensor(num_embeddings, embedding_dim, name, init_func,
                                          part_policy, context, device, dtype_name, rounding,
                                          storage, type(self).__name__.lower())
@@ -150,7 +160,7 @@ class DistEmbedding:
             seed = rounding_seed if rounding is Rounding.STOCHASTIC else None
             self._tensor = DistTensor((num_embeddings, embedding_dim), dtype_name, name=name,
                                       init_func=init_func, part_policy=part_policy,
-                                      persistent=True, context=context, device=device,
+                                      persistent=persistent, context=context, device=device,
                                       rounding_seed=seed)
         self._F = self._tensor.context.F
         self._trace: List[Lookup] = []

@@ -25,6 +25,7 @@ Example::
 """
 import argparse
 import ctypes
+import hashlib
 import ipaddress
 import os
 import secrets
@@ -96,13 +97,19 @@ def read_ip_config(path):
     return machines
 
 
-def build_config(machines, num_servers, num_trainers, part_config=None, **options):
+def build_config(machines, num_servers, num_trainers, part_config=None, job_token=None,
+                 port_offset=0, **options):
     """The cluster config of S servers and T trainers per machine.
 
     Args:
         machines: (ip, port or None) per machine, as :func:`read_ip_config` returns.
         num_servers, num_trainers: per machine.
         part_config: a DGL partition config or distemb policy file, or None.
+        job_token: the job's token (default: a fresh one). Processes that each build the
+            config themselves (under DGL's launcher) pass the same token: the job id is
+            then derived from it, so every process writes the same config.
+        port_offset: server ``k`` of machine ``m`` listens on ``port_m + port_offset + k``
+            (DGL's own servers hold ``port_m + k``).
         options: other :class:`~distemb.config.ClusterConfig` fields (``transport``,
             ``consistency``, ``shared_memory``, ``timeout_s``, ``master_port``, ...);
             a field left out takes its declared default.
@@ -114,7 +121,7 @@ def build_config(machines, num_servers, num_trainers, part_config=None, **option
     for what, v in (("--num-servers", num_servers), ("--num-trainers", num_trainers)):
         if v < 1:
             raise ConfigError(f"{what}: must be >= 1, got {v}")
-    servers = [{"host": ip, "port": (port or DEFAULT_PORT) + k, "machine": m}
+    servers = [{"host": ip, "port": (port or DEFAULT_PORT) + port_offset + k, "machine": m}
                for m, (ip, port) in enumerate(machines) for k in range(num_servers)]
     if part_config:
         parts = {p.num_partitions for p in load_policies(part_config).values()}
@@ -124,8 +131,12 @@ def build_config(machines, num_servers, num_trainers, part_config=None, **option
                               f"not match {total} server(s) ({len(machines)} machine(s) x "
                               f"{num_servers}): partition p lives on server p % servers, so "
                               f"the partition count must be a multiple of the server count")
+    if job_token is None:
+        job_id, job_token = uuid.uuid4().hex[:12], secrets.token_hex(16)
+    else:
+        job_id = hashlib.sha256(f"distemb-job:{job_token}".encode()).hexdigest()[:12]
     return parse_cluster_config({
-        "job_id": uuid.uuid4().hex[:12], "job_token": secrets.token_hex(16),
+        "job_id": job_id, "job_token": job_token,
         "servers": servers,
         "num_trainers": num_trainers * len(machines),
         "trainer_machines": [m for m in range(len(machines)) for _ in range(num_trainers)],

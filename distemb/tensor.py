@@ -16,7 +16,7 @@ from distemb.context import current_context
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy, range_policy
-from distemb.rules import state_name
+from distemb.rules import state_name, state_owner
 
 # DGL's optimizers name their state "<table>_sum" (Adagrad) and "<table>_mem",
 # "<table>_power", "<table>_step" (Adam); code written for DGL attaches to those names.
@@ -95,7 +95,13 @@ class DistTensor(NamedRows):
             state when no tensor of the name itself exists (a compatibility alias).
         init_func: ``init_func(shape, dtype)`` returns the initial values of one shard.
         part_policy: how rows are sharded (default: even ranges over the servers).
-        persistent: keep the data after this object is garbage collected.
+        persistent: keep the data after the objects of it are garbage collected. A
+            non-persistent tensor is deleted (with any optimizer state of it) when the
+            last object of it in the process that created it is gone, so re-creating it
+            by name starts again from ``init_func`` (DGL's rule); objects that attached
+            to an existing tensor never delete it. With several trainers the deletion is
+            collective, like the creation: each trainer drops its last object of the
+            tensor at the same point of its program.
         context: the :class:`~distemb.context.DistContext` (default: the current one).
         device: where the rows live: None or 'cpu' (host memory, or the servers of a
             cluster), or a CUDA device ('cuda', 'cuda:N'; embedded contexts only): the
@@ -153,7 +159,7 @@ class DistTensor(NamedRows):
         self._name = _resolve_name(self._client, name) or ctx.new_name("anonymous")
         self._persistent = persistent
         meta = self._client.data_meta(self._name)
-        self._owner = meta is None
+        self._held = False
         if meta is None:
             # checked only when it will be called: DGL's own tests pass a policy in its
             # place when they attach to a tensor that exists
@@ -168,6 +174,8 @@ class DistTensor(NamedRows):
         elif meta.shape != self._shape or meta.dtype != self._dtype:
             raise KVStoreError(f"name {self._name!r} exists with shape {meta.shape} and dtype "
                                f"{meta.dtype}; got shape {self._shape} and dtype {self._dtype}")
+        ctx.hold(self._client, self._name, delete_with_last=meta is None and not persistent)
+        self._held = True
 
     def lookup(self, ids: Tensor, client: Optional[KVClient] = None
                ) -> Tuple[GlobalIds, Tensor]:
@@ -207,8 +215,20 @@ class DistTensor(NamedRows):
 
     def __del__(self):
         try:
-            if self._owner and not self._persistent and not self._ctx.closed:
-                self._client.delete_data(self._name)
+            if not self._held or self._ctx.closed:
+                return
+            if self._ctx.release(self._client, self._name):
+                # Collective, as creation is (and as DGL's): every trainer drops its last
+                # object at the same point of the program, and nobody re-creates the name
+                # before every trainer has stopped using the old rows.
+                many = self._ctx.num_trainers > 1
+                if many:
+                    self._client.barrier()
+                states = [n for n in self._client.names() if state_owner(n) == self._name]
+                for name in [self._name] + states:
+                    self._client.delete_data(name)
+                if many:
+                    self._client.barrier()
         except Exception:  # interpreter shutdown: the store may already be gone
             pass
 

@@ -31,6 +31,9 @@ from distemb.kvstore.device_cache import DeviceCachedKVClient
 from distemb.kernels import cuda
 from distemb.kvstore.remote import RemoteKVClient
 
+# DGL's own files, run by tests/test_dgl_upstream.py in their own processes.
+collect_ignore = ["dgl_upstream"]
+
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
 #: Trainer caches in front of the remote clients: "<cluster kind>+<cache name>".
 CACHES = {"lru_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # evicts a lot

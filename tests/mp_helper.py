@@ -10,6 +10,7 @@ Example:
 """
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -92,11 +93,17 @@ class ProcessGroup:
     def __init__(self):
         self.procs = []
 
-    def spawn(self, args, env=None, expect=0, **kw):
-        """Start ``args``; ``expect`` is the exit code wait_all asserts (None: any)."""
-        p = subprocess.Popen(args, env=env or child_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, **kw)
-        p.expect = expect
+    def spawn(self, args, env=None, expect=0, cwd=ROOT, session=False, **kw):
+        """Start ``args``; ``expect`` is the exit code wait_all asserts (None: any).
+
+        ``session=True``: the process leads a new session, and kill_all signals its whole
+        process group (the group id is its saved PID): for a process that starts children
+        of its own that this helper cannot know (DGL's tests, its launcher).
+        """
+        p = subprocess.Popen(args, env=env or child_env(), cwd=cwd, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=session,
+                             **kw)
+        p.expect, p.session = expect, session
         self.procs.append(p)
         return p
 
@@ -160,6 +167,12 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for p in self.procs:  # what a session leader left: its group, by the saved PID
+            if getattr(p, "session", False):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def __enter__(self):
         return self

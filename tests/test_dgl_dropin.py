@@ -249,3 +249,54 @@ def test_transductive_example_trains_like_dgl(tmp_path):
     assert ours["trained_not_looked_up"] == 0, ours
     assert theirs["test_acc"] > 0.8, theirs  # the graph is learnable (3 classes)
     assert abs(ours["test_acc"] - theirs["test_acc"]) <= 0.05, (ours, theirs)
+
+
+def _ones(shape, dtype):
+    return torch.ones(shape, dtype=dtype)
+
+
+def test_non_persistent_table_restarts_from_its_initialiser(embedded):
+    """DGL's lifetime rule in the mirror: a DistEmbedding re-created by name after the
+    first object is gone starts again from init_func, with fresh optimizer state."""
+    ids = torch.tensor([1, 1, 2])
+    emb = dist.DistEmbedding(10, 2, name="life", init_func=_ones)
+    opt = SparseAdagrad([emb], lr=0.5)
+    emb(ids).sum().backward()
+    opt.step()
+    trained = emb.weight[0:10]
+    assert (trained[1:3] != 1).all()
+    alias = dist.DistTensor((10, 2), torch.float32, "life_sum")  # DGL's name of the state
+    assert (alias[torch.tensor([1])] == 4).all()
+    del alias  # an object that attached never deletes what it attached to
+    assert "life~opt~sum" in embedded.client.names()
+    client = emb.kvstore
+    del emb, opt
+    assert not [n for n in client.names() if n.startswith("life")], client.names()
+
+    emb = dist.DistEmbedding(10, 2, name="life", init_func=_ones)
+    assert torch.equal(emb.weight[0:10], torch.ones(10, 2))
+    opt = SparseAdagrad([emb], lr=0.5)
+    emb(torch.tensor([3])).sum().backward()
+    opt.step()  # fresh state: Adagrad's first step is exactly lr
+    assert torch.allclose(emb.weight[torch.tensor([3])], torch.full((1, 2), 0.5))
+
+
+def test_table_lives_while_any_object_of_it_does(embedded):
+    first = dist.DistEmbedding(4, 2, name="two", init_func=_ones)
+    second = dist.DistEmbedding(4, 2, name="two")
+    first.weight[0:4] = torch.full((4, 2), 5.0)
+    del first
+    assert torch.equal(second.weight[0:4], torch.full((4, 2), 5.0))
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: dist.DistEmbedding(4, 2, persistent=True, **kw),  # DGL mirror, opted in
+    lambda **kw: distemb.DistEmbedding(4, 2, **kw),                 # core: persistent
+    lambda **kw: dist.DistTensor((4, 2), torch.float32, persistent=True, **kw)])
+def test_persistent_tables_outlive_their_objects(embedded, make):
+    t = make(name="kept", init_func=_ones)
+    (t.weight if hasattr(t, "weight") else t)[0:4] = torch.full((4, 2), 3.0)
+    del t
+    again = make(name="kept", init_func=_ones)
+    assert torch.equal((again.weight if hasattr(again, "weight") else again)[0:4],
+                       torch.full((4, 2), 3.0))

@@ -1,15 +1,19 @@
-"""``import distemb.dgl as dist``: the names of ``dgl.distributed`` that distemb covers.
+"""``import distemb.dgl as dist``, or ``distemb.dgl.patch()``: DGL's distributed API on distemb.
 
-Code written for DGL's distributed embeddings runs after replacing ``import
-dgl.distributed as dist`` with ``import distemb.dgl as dist`` (``dist.optim.SparseAdam``
-by module path included), or ``from dgl.distributed import X`` with ``from distemb.dgl
-import X``. DGL's partition policies and books (``dgl.distributed.PartitionPolicy("node",
-g.get_partition_book())``) are converted to distemb's here; everything else is distemb's
-own class, with torch's semantics (duplicate ids sum their gradients; DGL averages).
-Importing this module imports DGL (through :mod:`distemb.integrations.dgl`).
+Two ways in, same classes:
 
-Not here: ``DistGraph``, samplers and ``node_split`` (keep using DGL's), ``KVServer`` /
-``KVClient`` (distemb's are in :mod:`distemb.kvstore`).
+- an import swap: ``import dgl.distributed as dist`` becomes ``import distemb.dgl as
+  dist`` (``dist.optim.SparseAdam`` by module path included);
+- one added line, ``distemb.dgl.patch()``, before the script imports from
+  ``dgl.distributed`` (or ``python -m distemb.dgl.patch script.py``): DGL's own module
+  paths then give distemb's ``DistEmbedding``, ``DistTensor`` and optimizers, and a job
+  started by DGL's launcher gets distemb's servers (:mod:`distemb.dgl.patch`,
+  :mod:`distemb.dgl.job`). :func:`unpatch` restores DGL.
+
+DGL's partition policies and books are converted to distemb's; ``DistGraph``, samplers,
+``node_split`` stay DGL's. Tables follow DGL's lifetime rule (deleted with their last
+object unless ``persistent=True``) and torch's maths (duplicate ids sum their gradients;
+DGL averages). Importing this package imports DGL.
 
 Example:
     >>> import torch
@@ -20,94 +24,34 @@ Example:
     >>> dist.optim.SparseAdam is __import__("distemb").SparseAdam
     True
 """
-from distemb import context as _context
-from distemb import embedding as _embedding
-from distemb import partition as _partition
-from distemb import tensor as _tensor
-from distemb.dgl import optim
-from distemb.integrations.dgl import convert_policy, dgl
+from distemb.dgl import job, optim
+from distemb.dgl.patch import dgl_own, is_patched, patch, unpatch
+from distemb.dgl.tables import (DistEmbedding, DistTensor, EdgePartitionPolicy,
+                                NodePartitionPolicy, PartitionPolicy, convert_policy,
+                                dgl_policy_for)
+from distemb.integrations.dgl import dgl as _dgl
 
 __all__ = ["DistEmbedding", "DistTensor", "PartitionPolicy", "NodePartitionPolicy",
-           "EdgePartitionPolicy", "initialize", "exit_client", "optim", "convert_policy"]
-
-
-class DistEmbedding(_embedding.DistEmbedding):
-    """:class:`distemb.DistEmbedding` that also takes DGL's ``part_policy`` objects.
-
-    Example:
-        >>> emb = DistEmbedding(10, 4, name="doc-mirror-emb")
-    """
-
-    def __init__(self, num_embeddings, embedding_dim, name=None, init_func=None,
-                 part_policy=None, **kwargs):
-        super().__init__(num_embeddings, embedding_dim, name=name, init_func=init_func,
-                         part_policy=convert_policy(part_policy), **kwargs)
-
-
-class DistTensor(_tensor.DistTensor):
-    """:class:`distemb.DistTensor` with DGL's signature (``is_gdata`` accepted).
-
-    ``is_gdata`` only says, in DGL, whether the tensor is registered as graph data; distemb
-    keeps no graph, so it has no effect.
-
-    Example:
-        >>> import torch
-        >>> t = DistTensor((4, 2), torch.float32, "doc-mirror-t")
-    """
-
-    def __init__(self, shape, dtype, name=None, init_func=None, part_policy=None,
-                 persistent=False, is_gdata=True, **kwargs):
-        super().__init__(shape, dtype, name=name, init_func=init_func,
-                         part_policy=convert_policy(part_policy), persistent=persistent,
-                         **kwargs)
-
-
-def PartitionPolicy(policy_str, partition_book):  # noqa: N802 (DGL's class name)
-    """DGL's ``PartitionPolicy(policy_str, partition_book)``, as a distemb policy.
-
-    Args:
-        policy_str: ``'node'``, ``'edge'``, ``'node~<ntype>'`` or ``'edge~<etype>'``.
-        partition_book: DGL's graph partition book or a distemb partition book.
-
-    Raises:
-        PartitionError: unknown kind or type.
-    """
-    if isinstance(partition_book, dgl.distributed.GraphPartitionBook):
-        return convert_policy(dgl.distributed.PartitionPolicy(policy_str, partition_book))
-    kind, _, type_name = policy_str.partition("~")
-    default = "_N" if kind == _partition.NODE else "_E"
-    return _partition.PartitionPolicy(kind, type_name or default, partition_book)
-
-
-def NodePartitionPolicy(partition_book, ntype="_N"):  # noqa: N802
-    """DGL's ``NodePartitionPolicy(partition_book, ntype)``, as a distemb policy."""
-    return PartitionPolicy(f"node~{ntype}", partition_book)
-
-
-def EdgePartitionPolicy(partition_book, etype="_E"):  # noqa: N802
-    """DGL's ``EdgePartitionPolicy(partition_book, etype)`` (etype: str or canonical tuple)."""
-    name = ":".join(etype) if isinstance(etype, tuple) else etype
-    if isinstance(partition_book, dgl.distributed.GraphPartitionBook):
-        return convert_policy(dgl.distributed.EdgePartitionPolicy(partition_book, etype))
-    return PartitionPolicy(f"edge~{name}", partition_book)
+           "EdgePartitionPolicy", "initialize", "exit_client", "optim", "convert_policy",
+           "dgl_policy_for", "patch", "unpatch", "is_patched", "job"]
 
 
 def initialize(ip_config=None, **kwargs):
-    """DGL's ``initialize(ip_config, ...)``: :func:`distemb.initialize`.
+    """DGL's ``initialize(ip_config, ...)``, then distemb's context for this process.
 
-    distemb reads its cluster from ``$DISTEMB_CONFIG`` (set by ``distemb-launch``, which
-    takes the same ip_config file), so ``ip_config`` and DGL's tuning options
-    (``max_queue_size``, ``net_type``, ``num_worker_threads``) are not used. Under DGL's
-    own launcher it raises, saying how to launch with distemb-launch.
+    DGL's own ``dgl.distributed.initialize`` runs first (a server-role process of DGL's
+    launcher serves there and never returns; a trainer connects to DGL's servers); then
+    :func:`distemb.dgl.job.join_trainer`: embedded tables in DGL's standalone mode, the
+    job's distemb servers in distributed mode (``$DISTEMB_JOB_TOKEN`` required).
 
     Returns:
         the :class:`~distemb.context.DistContext`.
     """
-    return _context.initialize()
+    dgl_own(_dgl.distributed, "initialize")(ip_config, **kwargs)
+    return job.join_trainer(ip_config)
 
 
 def exit_client():
-    """DGL's ``exit_client()``: :func:`distemb.shutdown`."""
-    _context.shutdown()
-
-
+    """DGL's ``exit_client()``: leave distemb's job, then DGL's."""
+    job.leave()
+    dgl_own(_dgl.distributed, "exit_client")()

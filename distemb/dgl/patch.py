@@ -1,0 +1,159 @@
+"""``distemb.dgl.patch()``: code that calls ``dgl.distributed`` by module path gets distemb's.
+
+After :func:`patch`, these names of DGL 1.1.3 are distemb's, wherever DGL exports them:
+``DistEmbedding``, ``DistTensor``, ``optim.SparseAdagrad``, ``optim.SparseAdam`` (so a
+script that writes ``dgl.distributed.DistTensor(...)`` or ``from dgl.distributed.optim
+import SparseAdam`` after the patch runs on distemb, with DGL's ``DistGraph``, samplers
+and partition books as they are), and:
+
+- ``dgl.distributed.initialize`` runs DGL's, then joins distemb's job
+  (:func:`distemb.dgl.job.join_trainer`); ``exit_client`` leaves it, then runs DGL's;
+- ``DistGraphServer.start`` also runs distemb's server beside DGL's
+  (:class:`distemb.dgl.job.ServerBeside`).
+
+DGL's own graph data (``DistGraph.ndata``, made inside DGL) stays DGL's. A ``from
+dgl.distributed import DistEmbedding`` executed *before* :func:`patch` keeps DGL's class:
+patch first (one line at the top of a script), or run the script with ``python -m
+distemb.dgl.patch script.py args...``. :func:`unpatch` puts every name back.
+
+Example:
+    >>> import dgl.distributed
+    >>> from distemb.dgl.patch import patch, unpatch
+    >>> patch()
+    >>> dgl.distributed.DistEmbedding.__module__
+    'distemb.dgl.tables'
+    >>> unpatch()
+    >>> dgl.distributed.DistEmbedding.__module__
+    'dgl.distributed.nn.pytorch.sparse_emb'
+"""
+import functools
+import os
+import runpy
+import sys
+
+from distemb.dgl import job, optim, tables
+from distemb.integrations.dgl import dgl
+
+__all__ = ["patch", "unpatch", "is_patched", "dgl_own", "main"]
+
+_dist = dgl.distributed
+
+
+def _initialize(original):
+    @functools.wraps(original)
+    def initialize(ip_config, *args, **kwargs):
+        if job.is_distributed() or os.environ.get("DGL_ROLE") == "server":
+            job.job_token()  # refuse before DGL's server waits for clients or vice versa
+        out = original(ip_config, *args, **kwargs)  # a server-role process never returns
+        job.join_trainer(ip_config)
+        return out
+    return initialize
+
+
+def _exit_client(original):
+    @functools.wraps(original)
+    def exit_client(*args, **kwargs):
+        job.leave()
+        return original(*args, **kwargs)
+    return exit_client
+
+
+def _server_start(original):
+    @functools.wraps(original)
+    def start(self, *args, **kwargs):
+        beside = job.ServerBeside(self.server_id, self.ip_config, self.num_servers,
+                                  self.num_clients)
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            code = beside.wait()
+        if code != 0:
+            raise job.DistEmbError(f"distemb server {beside.server_id} (pid "
+                                   f"{beside.process.pid}) exited with {code}")
+        return out
+    return start
+
+
+def _targets():
+    """(object, attribute, replacement or wrapper) of everything patch() replaces."""
+    emb, opt = tables.DistEmbedding, optim
+    return [
+        (_dist, "DistEmbedding", emb), (_dist.nn, "DistEmbedding", emb),
+        (_dist.nn.pytorch, "DistEmbedding", emb),
+        (_dist.nn.pytorch.sparse_emb, "DistEmbedding", emb),
+        (_dist, "DistTensor", tables.DistTensor),
+        (_dist.optim, "SparseAdagrad", opt.SparseAdagrad),
+        (_dist.optim, "SparseAdam", opt.SparseAdam),
+        (_dist.optim.pytorch, "SparseAdagrad", opt.SparseAdagrad),
+        (_dist.optim.pytorch, "SparseAdam", opt.SparseAdam),
+        (_dist.optim.pytorch.sparse_optim, "SparseAdagrad", opt.SparseAdagrad),
+        (_dist.optim.pytorch.sparse_optim, "SparseAdam", opt.SparseAdam),
+        (_dist, "initialize", _initialize),
+        (_dist.dist_context, "initialize", _initialize),
+        (_dist, "exit_client", _exit_client),
+        (_dist.DistGraphServer, "start", _server_start),
+    ]
+
+
+# What patch() replaced, to put back: (object, attribute) -> DGL's original. This and the
+# replaced attributes are the patch's only state; both go with unpatch().
+_originals = {}
+
+
+def dgl_own(obj, attr):
+    """DGL's own ``obj.attr``, patched or not (e.g. ``dgl_own(dgl.distributed, "initialize")``)."""
+    return _originals.get((obj, attr), getattr(obj, attr))
+
+
+def is_patched():
+    """True between :func:`patch` and :func:`unpatch`."""
+    return bool(_originals)
+
+
+def patch():
+    """Make ``dgl.distributed``'s tables, optimizers and job set-up distemb's (idempotent).
+
+    Example:
+        >>> import dgl.distributed, distemb.dgl
+        >>> distemb.dgl.patch()
+        >>> dgl.distributed.optim.SparseAdam is distemb.SparseAdam
+        True
+        >>> distemb.dgl.unpatch()
+    """
+    if _originals:
+        return
+    for obj, attr, new in _targets():
+        original = getattr(obj, attr)
+        _originals[(obj, attr)] = original
+        wraps_original = attr in ("initialize", "exit_client", "start")
+        setattr(obj, attr, new(original) if wraps_original else new)
+
+
+def unpatch():
+    """Put DGL's own names back (a no-op when not patched)."""
+    for (obj, attr), original in _originals.items():
+        setattr(obj, attr, original)
+    _originals.clear()
+
+
+def main(argv=None):
+    """``python -m distemb.dgl.patch script.py args...``: run a DGL script, patched."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m distemb.dgl.patch script.py [args...]\n\n"
+              "Runs script.py with dgl.distributed's DistEmbedding, DistTensor and optim "
+              "replaced by distemb's (see distemb.dgl.patch).", file=sys.stderr)
+        return 0 if argv else 2
+    patch()
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python script.py`
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the copy of this module that everyone else imports (``distemb.dgl.patch``), not
+    # this ``__main__`` one, so that unpatch() and is_patched() see the same record.
+    from distemb.dgl import patch as installed
+
+    sys.exit(installed.main())

@@ -1,0 +1,138 @@
+"""A job started by DGL 1.1.3's real tools/launch.py gets distemb's servers.
+
+DGL's launcher (tests/dgl_upstream/launch.py, unedited) runs every server and trainer
+through ssh; here an sshd from Debian's openssh-server listens on 127.0.0.1 on a free
+port, with its own host key and an authorized key made for the test (a ``ssh`` wrapper
+first on PATH points DGL's ``ssh`` commands at that key). The script
+(tests/dgl_launch_trainer.py) is DGL code plus ``distemb.dgl.patch()``: distemb's
+servers start inside DGL's server-role processes, trainers join with DGL's variables,
+and the job token comes through DGL's ``--extra_envs``.
+
+Oracle: every trainer looks up its own nodes (DGL's node_split) with ``sum`` as the loss,
+so each row gets gradient 1 per step from one trainer: torch's Adagrad on an
+``nn.Embedding(sparse=True)`` with all nodes as one batch is the single-process job.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mp_helper import ROOT, ProcessGroup, child_env, free_port
+
+dgl = pytest.importorskip("dgl")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCH = os.path.join(HERE, "dgl_upstream", "launch.py")
+TRAINER = os.path.join(HERE, "dgl_launch_trainer.py")
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+@pytest.fixture
+def sshd(tmp_path):
+    """An sshd on 127.0.0.1:<free port> admitting one key; yields (port, PATH prefix)."""
+    if not os.path.exists(SSHD):
+        pytest.skip(f"{SSHD} is missing: DGL's launcher starts every process through ssh; "
+                    "`make system` installs Debian's openssh-server (it could not here)")
+    d = tmp_path / "ssh"
+    d.mkdir()
+    for key in ("host_key", "id_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)],
+                       check=True)
+    shutil.copy(d / "id_key.pub", d / "authorized_keys")
+    port = free_port(1)
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\n"
+        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+        f"StrictModes no\nPidFile {d / 'sshd.pid'}\nAcceptEnv none\n")
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    wrapper = bindir / "ssh"
+    wrapper.write_text(f"#!/bin/sh\nexec /usr/bin/ssh -i {d / 'id_key'} -o BatchMode=yes "
+                       "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR \"$@\"\n")
+    wrapper.chmod(0o755)
+    with ProcessGroup() as group:
+        group.spawn([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], expect=None)
+        group.wait_listening([("127.0.0.1", port)], timeout=30)
+        yield port, str(bindir)
+
+
+def _partition(tmp_path, machines):
+    g = dgl.rand_graph(1000, 4000)
+    dgl.distributed.partition_graph(g, "g", machines, str(tmp_path / "parts"))
+    return str(tmp_path / "parts" / "g.json"), g.num_nodes()
+
+
+def _launch(tmp_path, sshd, ip_config, part_config, servers, trainers, mode, token,
+            timeout=300):
+    port, bindir = sshd
+    env = child_env(PATH=bindir + os.pathsep + os.environ["PATH"], DGLBACKEND="pytorch")
+    extra = [f"DISTEMB_JOB_TOKEN={token}"] if token else []
+    # --extra_envs takes every word up to the next option: it goes first
+    argv = [sys.executable, LAUNCH, *(["--extra_envs", *extra] if extra else []),
+            "--workspace", str(tmp_path), "--ssh_port", str(port),
+            "--num_trainers", str(trainers), "--num_servers", str(servers),
+            "--num_omp_threads", "1", "--ip_config", ip_config, "--part_config", part_config,
+            f"{sys.executable} {TRAINER} --ip_config {ip_config} --part_config {part_config} "
+            f"--mode {mode} --out {tmp_path}"]
+    with ProcessGroup() as group:
+        group.spawn(argv, env=env, cwd=str(tmp_path), session=True, expect=None)
+        (out,) = group.wait_all(timeout=timeout).values()
+    return out
+
+
+def _adagrad_oracle(n, steps, lr=0.1):
+    emb = torch.nn.Embedding(n, 4, sparse=True)
+    torch.nn.init.constant_(emb.weight, 0.5)
+    opt = torch.optim.Adagrad(emb.parameters(), lr=lr, eps=1e-10)
+    for _ in range(steps):
+        opt.zero_grad()
+        emb(torch.arange(n)).sum().backward()
+        opt.step()
+    return emb.weight.detach().numpy(), opt.state[emb.weight]["sum"].numpy()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.timeout(700)
+def test_dgl_launcher_job_trains_and_saves_4_loads_2(tmp_path, sshd, servers):
+    """1 machine: S servers, 4 trainers train and save; 2 trainers load the checkpoint."""
+    part_config, n = _partition(tmp_path, 1)
+    ip_config = str(tmp_path / "ip_config.txt")
+    with open(ip_config, "w") as f:
+        f.write(f"127.0.0.1 {free_port(4)}\n")
+    token = os.urandom(16).hex()
+    out = _launch(tmp_path, sshd, ip_config, part_config, servers, 4, "train", token)
+    for r in range(4):
+        assert f"rank {r} of 4: train ok" in out, out[-4000:]
+    ids = np.concatenate([np.load(tmp_path / f"ids-{r}.npy") for r in range(4)])
+    assert sorted(ids.tolist()) == list(range(n))  # DGL split every node, once
+    rows, state = _adagrad_oracle(n, 3)
+    np.testing.assert_allclose(np.load(tmp_path / "train-rows.npy"), rows, rtol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / "train-state.npy"), state, rtol=1e-6)
+
+    out = _launch(tmp_path, sshd, ip_config, part_config, servers, 2, "load", token)
+    for r in range(2):
+        assert f"rank {r} of 2: load ok" in out, out[-4000:]
+    np.testing.assert_array_equal(np.load(tmp_path / "load-rows.npy"),
+                                  np.load(tmp_path / "train-rows.npy"))
+    np.testing.assert_array_equal(np.load(tmp_path / "load-state.npy"),
+                                  np.load(tmp_path / "train-state.npy"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_dgl_launcher_without_token_is_refused_clearly(tmp_path, sshd):
+    part_config, _ = _partition(tmp_path, 1)
+    ip_config = str(tmp_path / "ip_config.txt")
+    with open(ip_config, "w") as f:
+        f.write(f"127.0.0.1 {free_port(4)}\n")
+    out = _launch(tmp_path, sshd, ip_config, part_config, 1, 1, "train", None, timeout=200)
+    assert "DISTEMB_JOB_TOKEN is not set" in out and "--extra_envs" in out, out[-4000:]
+    assert "train ok" not in out

@@ -1,0 +1,153 @@
+"""DGL 1.1.3's own tests, unedited but for one added line (``distemb.dgl.patch()``).
+
+The files in tests/dgl_upstream/ are DGL's (see its README). Each case runs DGL's own
+pytest function in a fresh process, as DGL's CI does: DGL's test starts DGL's servers
+(``DistGraphServer``) and clients itself, with DGL's variables, in spawned processes.
+Under the patch each DGL server process also starts a distemb server beside it and each
+client joins those (distemb.dgl.job), with the job token in ``$DISTEMB_JOB_TOKEN``.
+
+Besides DGL's own assertions (and the exit codes DGL's test checks), every case asserts
+that distemb really ran: the log lines of the distemb servers that started and of the
+trainers that joined (tests/dgl_upstream/log_distemb turns distemb's INFO log on in
+every process), and no traceback in any process (DGL's ``test_sparse_opt`` does not
+check its clients' exit codes).
+"""
+import os
+import re
+import secrets
+import shutil
+import sys
+
+import pytest
+
+from mp_helper import ROOT, ProcessGroup, child_env, free_port
+
+pytest.importorskip("dgl")
+
+UPSTREAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dgl_upstream")
+LOGGING = os.path.join(UPSTREAM, "log_distemb")
+
+
+def upstream_env(**extra):
+    """Environment of DGL's test process: DGL's test helpers and distemb's log on."""
+    extra.setdefault("DISTEMB_JOB_TOKEN", secrets.token_hex(16))
+    env = child_env(DGLBACKEND="pytorch", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([LOGGING, UPSTREAM, ROOT])
+    return env
+
+
+def run_dgl_test(tmp_path, test_file, test_name, timeout, env=None):
+    """Run DGL's ``test_file::test_name`` in ``tmp_path`` (its ip_config goes there);
+    returns the output of every process it started."""
+    os.makedirs("/tmp/dist_graph", exist_ok=True)  # DGL's tests write their graphs here
+    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+            f"{os.path.join(UPSTREAM, test_file)}::{test_name}"]
+    with ProcessGroup() as group:
+        group.spawn(argv, env=env or upstream_env(), cwd=str(tmp_path), session=True)
+        out = next(iter(group.wait_all(timeout=timeout).values()))
+    assert "1 passed" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    return out
+
+
+def joined(out):
+    """(rank, trainers) of every 'trainer joined' log line."""
+    return [(int(r), int(t)) for r, t in
+            re.findall(r"distemb-log: distemb trainer (\d+) of (\d+) joined", out)]
+
+
+def servers_started(out):
+    return re.findall(r"distemb-log: distemb server (\d+) of (\d+) started beside", out)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_dist_optim_sparse_opt(tmp_path):
+    """test_dist_optim.py::test_sparse_opt: DGL's SparseAdam test against torch's, one
+    trainer, with and without DGL's shared memory; DistGraph, DGL's own policy object."""
+    out = run_dgl_test(tmp_path, "test_dist_optim.py", "test_sparse_opt", 360)
+    assert joined(out) == [(0, 1), (0, 1)], out[-3000:]
+    assert len(servers_started(out)) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_dist_graph_store_dist_emb_server_client(tmp_path):
+    """test_dist_graph_store.py::test_dist_emb_server_client: check_dist_emb (Adagrad
+    step, '<emb>_sum' state, duplicate lookups) through DGL's servers' processes."""
+    out = run_dgl_test(tmp_path, "test_dist_graph_store.py", "test_dist_emb_server_client",
+                       360)
+    assert joined(out) == [(0, 1), (0, 1)], out[-3000:]
+    assert len(servers_started(out)) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dist_graph_store_optim_save_4_load_8_and_2(tmp_path):
+    """test_dist_graph_store.py::test_dist_optim_server_client: 4 trainers save the
+    optimizer state, then 8 and then 2 trainers load it and compare (rank 0)."""
+    shutil.rmtree("/tmp/dist_graph/emb.pt", ignore_errors=True)  # an earlier run's
+    out = run_dgl_test(tmp_path, "test_dist_graph_store.py", "test_dist_optim_server_client",
+                       840)
+    counts = [t for _, t in joined(out)]
+    assert sorted(counts) == [2] * 2 + [4] * 4 + [8] * 8, out[-3000:]
+    for t in (4, 8, 2):  # every rank of each job joined once
+        assert sorted(r for r, n in joined(out) if n == t) == list(range(t))
+    # distemb's checkpoint (a directory with a manifest), not DGL's per-trainer files
+    assert os.path.exists("/tmp/dist_graph/emb.pt/manifest.json")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_dist_graph_store_standalone_node_emb(tmp_path):
+    """test_dist_graph_store.py::test_standalone_node_emb: check_dist_emb in DGL's
+    standalone mode (DistGraph on a partition config, tables embedded in distemb)."""
+    out = run_dgl_test(tmp_path, "test_dist_graph_store.py", "test_standalone_node_emb", 240)
+    assert "distemb-log: distemb in DGL's standalone mode" in out, out[-3000:]
+
+
+def _objects_job(tmp_path, num_servers, num_clients, targets, timeout):
+    """DGL's tests/dist/test_dist_objects.py on one machine, without its ssh: the servers
+    and clients of run_dist_objects.py, with the variables DGL's test gives them."""
+    import dgl  # DGL's partitioner writes the graph the job loads
+
+    graph_path = tmp_path / "dist_graph"
+    g = dgl.rand_graph(10000, 40000)
+    dgl.distributed.partition_graph(g, "random_test_graph", 1, str(graph_path))
+    ip_config = tmp_path / "ip_config.txt"
+    ip_config.write_text(f"127.0.0.1 {free_port(16)}\n")
+    base = {"DIST_DGL_TEST_WORKSPACE": str(tmp_path), "DIST_DGL_TEST_NUM_PART": "1",
+            "DIST_DGL_TEST_NUM_SERVER": str(num_servers),
+            "DIST_DGL_TEST_NUM_CLIENT": str(num_clients), "DIST_DGL_TEST_NET_TYPE": "socket",
+            "DIST_DGL_TEST_GRAPH_PATH": str(graph_path),
+            "DIST_DGL_TEST_IP_CONFIG": str(ip_config), "DIST_DGL_TEST_PART_ID": "0"}
+    token = secrets.token_hex(16)
+    script = [sys.executable, os.path.join(UPSTREAM, "run_dist_objects.py")]
+    with ProcessGroup() as group:
+        for sid in range(num_servers):
+            group.spawn(script, env=upstream_env(
+                **base, DIST_DGL_TEST_SERVER_ID=sid, DIST_DGL_TEST_SHARED_MEM=1,
+                DIST_DGL_TEST_MODE="server", DISTEMB_JOB_TOKEN=token), cwd=str(tmp_path))
+        for _ in range(num_clients):
+            group.spawn(script, env=upstream_env(
+                **base, DIST_DGL_TEST_OBJECT_TYPE=targets, DIST_DGL_TEST_MODE="client",
+                DISTEMB_JOB_TOKEN=token), cwd=str(tmp_path))
+        outs = group.wait_all(timeout=timeout)
+    out = "\n".join(outs.values())
+    assert "Traceback" not in out, out[-3000:]
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("num_servers", [1, 2])
+@pytest.mark.timeout(400)
+def test_run_dist_objects_tables(tmp_path, num_servers):
+    """tests/dist/python/run_dist_objects.py (DGL's multi-machine test) targets DistTensor
+    (anonymous and named tensors shared by the trainers, destroy and re-create with a new
+    shape, persistent), DistEmbedding (Adagrad/Adam, 'SomeEmbedding' made three times)
+    and DistOptimizer (SparseAdam save/load by every trainer): 2 trainers."""
+    out = _objects_job(tmp_path, num_servers, 2, "DistTensor,DistEmbedding,DistOptimizer",
+                       360)
+    assert sorted(joined(out)) == [(0, 2), (1, 2)], out[-3000:]
+    assert len(servers_started(out)) == num_servers
