@@ -129,6 +129,12 @@ extensions = [
         language="c++",
     ),
     Extension(
+        "distemb._skipgram",
+        ["csrc/_skipgram.pyx"],
+        extra_compile_args=COMPILE_ARGS,
+        language="c++",
+    ),
+    Extension(
         "distemb._hashtable",
         ["csrc/_hashtable.pyx"],
         extra_compile_args=COMPILE_ARGS,

@@ -73,7 +73,8 @@ def main(argv=None):
     for method in args.methods.split(","):
         dw_args = deepwalk.parse_args(["--dataset", args.dataset, "--quiet", "--lr", str(args.lr),
                                        "--max-steps", str(args.max_steps), *rest,
-                                       "--backend", "torch" if method == "torch" else "distemb"])
+                                       "--backend", "torch" if method == "torch" else "distemb",
+                                       *(["--loss", "torch"] if method == "torch" else [])])
         if method == "gensim":
             emb, seconds = gensim_embeddings(ds.graph, dw_args, args.threads)
             pairs = None

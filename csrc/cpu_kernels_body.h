@@ -214,8 +214,8 @@ template <class C>
 void adam_t(typename C::T *w0, float *m0, float *v0, const int64_t *r, const float *g0,
             int64_t n, int64_t d, double lr, double beta1, double beta2, double eps,
             int64_t step, int64_t *rs, uint64_t seed, int nt) {
-  // 1 - beta in double, then rounded, as torch computes it
-  float omb1 = (float)(1.0 - beta1), omb2 = (float)(1.0 - beta2), feps = (float)eps;
+  const float omb1 = distemb::rules::adam_one_minus(beta1);
+  const float omb2 = distemb::rules::adam_one_minus(beta2), feps = (float)eps;
   float global_size = rs ? 0.0f : distemb::rules::adam_step_size(lr, beta1, beta2, (double)step);
 #pragma omp parallel num_threads(nt)
   {

@@ -54,8 +54,11 @@ DISTEMB_RULE float adam_step_size(double lr, double beta1, double beta2, double 
   return static_cast<float>(lr * sqrt(1.0 - pow(beta2, step)) / (1.0 - pow(beta1, step)));
 }
 
-// torch.optim.SparseAdam: m, v updated in place with omb = (float)(1 - beta) (the
-// difference in double, as torch); w - step_size * (m / (sqrt(v) + eps)).
+// Adam's moment weights: 1 - beta in double, then rounded, as torch computes it.
+DISTEMB_RULE float adam_one_minus(double beta) { return static_cast<float>(1.0 - beta); }
+
+// torch.optim.SparseAdam: m, v updated in place with omb = adam_one_minus(beta);
+// w - step_size * (m / (sqrt(v) + eps)).
 DISTEMB_RULE float adam(float w, float g, float& m, float& v, float omb1, float omb2,
                         float step_size, float eps) {
   const float mj = m + (g - m) * omb1;

@@ -36,6 +36,7 @@ _LAZY = {
     "SparseRowWiseAdagrad": "distemb.optim",
     "SparseAdam": "distemb.optim",
     "SparseFtrl": "distemb.optim",
+    "skipgram_loss": "distemb.losses",
 }
 
 __all__ = sorted(["DistContext", "current_context", "initialize", "shutdown", "DistEmbError",

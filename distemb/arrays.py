@@ -5,7 +5,8 @@ placements; the alias says what it holds, its docstring comment the shape and dt
 Nothing is checked by these names: they document contracts that the functions using
 them validate.
 """
-from typing import Any, Tuple, Type
+import inspect
+from typing import Any, Callable, Sequence, Tuple, Type
 
 Array = Any
 #: (N,) int64 global (type-wise) ids, validated against a table's policy; duplicates allowed.
@@ -26,3 +27,35 @@ def check_shape(what: str, have, want, error: Type[Exception] = ValueError) -> N
     """Raise ``error`` naming ``what`` when shape ``have`` is not ``want``."""
     if tuple(have) != tuple(want):
         raise error(f"{what} has shape {tuple(have)}, expected {tuple(want)}")
+
+
+#: The two initialiser signatures: a dense table's shards, a keyed table's keys.
+DENSE_INIT = ("shape", "dtype")
+KEYED_INIT = ("keys",)
+
+
+def check_init_func(init_func: Callable, takes: Sequence[str]) -> None:
+    """TypeError, at construction, when ``init_func`` cannot be called with the
+    arguments ``takes`` names (a dense table's ``(shape, dtype)`` or a keyed table's
+    ``(keys)``), naming the signature expected and the one it has.
+
+    Callables whose signature Python cannot read (some builtins) are accepted.
+    """
+    if init_func is None:
+        return
+    if not callable(init_func):
+        raise TypeError(f"init_func: expected a callable init_func({', '.join(takes)}) -> "
+                        f"rows, got {type(init_func).__name__}")
+    try:
+        sig = inspect.signature(init_func)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*takes)
+    except TypeError:
+        other = KEYED_INIT if tuple(takes) == DENSE_INIT else DENSE_INIT
+        has = tuple(p for p in sig.parameters)
+        hint = (f" (that is the signature of a {'keyed' if other == KEYED_INIT else 'dense'}"
+                " table's initialiser)") if len(has) == len(other) else ""
+        raise TypeError(f"init_func: expected init_func({', '.join(takes)}) -> rows, got a "
+                        f"function that takes ({', '.join(has)}){hint}") from None

@@ -1,17 +1,36 @@
-"""DistEmbedding: a sharded embedding table that records a trace while autograd records."""
+"""DistEmbedding: a sharded embedding table that records a trace while autograd records.
+
+One table class for every storage: dense rows 0..N-1 (the default), any int64 key
+(``num_embeddings=None``: a hash table that grows and evicts) or any row store
+(``storage=``: a store object, or a spec such as a file-backed table). The rows are a
+:class:`~distemb.tensor.DistTensor` or a :class:`~distemb.tensor.StoreTensor`, which
+answer the key-management calls (``size``, ``contains``, ``get``, ``remove``,
+``evict``, ``export``, ...) each for its kind: what a kind cannot do is refused naming it.
+"""
+import json
+import os
 import warnings
+import zipfile
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+import numpy as np
+
 from distemb.arrays import GlobalIds, Rows, Tensor, UniqueIds
+from distemb.context import current_context
 from distemb.enums import Rounding
-from distemb.errors import TraceOverflowError
+from distemb.errors import StoreError, TraceOverflowError
+from distemb.kernels.hashtable import keys_array
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy
-from distemb.tensor import DistTensor
+from distemb.stores import RowStore
+from distemb.stores.spec import SPECS, HashTableSpec
+from distemb.tensor import DistTensor, StoreTensor
 
 DEFAULT_TRACE_LIMIT = 1024
 #: Dtypes a table's rows may be stored in.
 ROW_DTYPES = ("float32", "bfloat16", "float16")
+#: The format tag of :meth:`DistEmbedding.save`'s files.
+SAVE_FORMAT = "distemb-store-table"
 
 
 class Lookup(NamedTuple):
@@ -46,7 +65,9 @@ class DistEmbedding:
     for their backward. Lookups under ``torch.no_grad()`` record nothing.
 
     Args:
-        num_embeddings: number of rows (the table is not tied to a graph's node count).
+        num_embeddings: number of rows (the table is not tied to a graph's node count), or
+            None for a table of any int64 key (a hash table: rows made on first lookup by
+            ``init_func(keys)``, removable, evictable).
         embedding_dim: length of each row.
         name: KVStore name; tables of the same name share storage.
         init_func: ``init_func(shape, dtype)`` initialises each shard (zeros when None,
@@ -79,13 +100,22 @@ class DistEmbedding:
             (seed, partition, update call, local row, column): a run is reproducible for
             the same seed, partitioning and sequence of steps, whatever the thread count
             and whether the table is embedded or on servers.
+        storage: where the rows live when not in dense shards: a
+            :class:`~distemb.stores.RowStore` object (embedded only), or a table spec of
+            :data:`~distemb.stores.spec.SPECS` (``HashTableSpec``, ``FileTableSpec``: each
+            shard's store made where it lives, embedded or on servers). Its own
+            initialiser, dim and dtype are the table's; ``num_embeddings`` must be None or
+            the spec's key count.
 
     Raises:
         CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
             run here (not built, CPU-only torch or no GPU; the message says which).
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
         ValueError: ``dtype`` is not a row dtype, or stochastic rounding of rows other
-            than bfloat16.
+            than bfloat16; an argument that a table on row stores does not take
+            (``part_policy``, a GPU ``device``) or that contradicts its ``storage``.
+        TypeError: ``init_func`` of the wrong signature (``(shape, dtype)`` for dense
+            rows, ``(keys)`` for a keyed table), or a ``storage`` of another type.
 
     Example:
         >>> import torch
@@ -101,12 +131,12 @@ class DistEmbedding:
         ...     assert not cuda_available()
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, name: Optional[str] = None,
-                 init_func=None, part_policy: Optional[PartitionPolicy] = None,
-                 persistent: bool = True, context=None,
+    def __init__(self, num_embeddings: Optional[int], embedding_dim: int,
+                 name: Optional[str] = None, init_func=None,
+                 part_policy: Optional[PartitionPolicy] = None, persistent: bool = True,
+                 context=None,
                  trace_limit: int = DEFAULT_TRACE_LIMIT, device=None, dtype="float32",
-                 rounding=Rounding.NEAREST, rounding_seed: int = 0):
-        _positive_int(num_embeddings, "num_embeddings")
+                 rounding=Rounding.NEAREST, rounding_seed: int = 0, storage=None):
         _positive_int(embedding_dim, "embedding_dim")
         dtype_name = str(dtype).replace("torch.", "")
         if dtype_name not in ROW_DTYPES:
@@ -116,14 +146,24 @@ class DistEmbedding:
         if rounding is Rounding.STOCHASTIC and dtype_name != "bfloat16":
             raise ValueError(f"rounding: 'stochastic' is for bfloat16 rows, got dtype "
                              f"{dtype_name!r}")
-        seed = rounding_seed if rounding is Rounding.STOCHASTIC else None
-        self._tensor = DistTensor((num_embeddings, embedding_dim), dtype_name, name=name,
-                                  init_func=init_func, part_policy=part_policy,
-                                  persistent=persistent, context=context, device=device,
-                                  rounding_seed=seed)
+        self._trace_limit = _positive_int(trace_limit, "trace_limit")
+        if num_embeddings is None or storage is not None:
+            if not persistent:
+                raise ValueError("persistent: a table on row stores lives until its context "
+                                 "closes or close() is called; persistent=False (DGL's "
+                                 "lifetime) is for dense tables")
+            self._tensor = _store_tensor(num_embeddings, embedding_dim, name, init_func,
+                                         part_policy, context, device, dtype_name, rounding,
+                                         storage, type(self).__name__.lower())
+        else:
+            _positive_int(num_embeddings, "num_embeddings")
+            seed = rounding_seed if rounding is Rounding.STOCHASTIC else None
+            self._tensor = DistTensor((num_embeddings, embedding_dim), dtype_name, name=name,
+                                      init_func=init_func, part_policy=part_policy,
+                                      persistent=persistent, context=context, device=device,
+                                      rounding_seed=seed)
         self._F = self._tensor.context.F
         self._trace: List[Lookup] = []
-        self._trace_limit = _positive_int(trace_limit, "trace_limit")
         self._optm_state: Optional[Dict[str, str]] = None
 
     def __call__(self, idx: Tensor, device: Any = None) -> Tensor:
@@ -229,6 +269,137 @@ class DistEmbedding:
         """The torch device of the table, or None for a host table (numpy rows)."""
         return self._tensor.device
 
+    # -- keys: every kind answers; what a kind cannot do is refused naming it ------------
+
+    def _keys(self, keys):
+        F = self._F
+        return keys_array(F.to_numpy(keys) if F.is_tensor(keys) else keys)
+
+    def size(self) -> int:
+        """Keys held (over every server): N for a dense table."""
+        return self._tensor.size()
+
+    @property
+    def capacity(self) -> Optional[int]:
+        """Keys held at most (None: unbounded)."""
+        return self._tensor.capacity
+
+    @property
+    def store(self):
+        """The RowStore holding this table (embedded tables on a row store only).
+
+        Raises:
+            AttributeError: a dense table, or one sharded over a cluster's servers.
+        """
+        return self._tensor.store
+
+    def upsert(self, keys, rows) -> None:
+        """Insert or overwrite the rows of ``keys`` (their optimizer state is kept)."""
+        self.weight[keys] = rows
+
+    def remove(self, keys) -> int:
+        """Remove ``keys`` with their optimizer state; how many were present.
+
+        Raises:
+            StoreError: the table's keys are fixed (dense or file-backed).
+        """
+        return self._tensor.remove(self._keys(keys))
+
+    def contains(self, keys) -> np.ndarray:
+        """Bool array: whether each key is held."""
+        return self._tensor.contains(self._keys(keys))
+
+    def get(self, keys) -> Tensor:
+        """Rows of ``keys`` without inserting (not traced, not counted for eviction).
+
+        Raises:
+            MissingKeyError: a key is not held (never looked up, removed or evicted).
+            PartitionError: a key outside a dense table's 0..N-1.
+        """
+        return self._tensor.get(self._keys(keys))
+
+    def evict(self, target_size: int, policy=None) -> np.ndarray:
+        """Evict keys by ``policy`` (default: the table's) down to ``target_size``
+        (in a cluster, each server down to its even share, by its own order).
+
+        Returns:
+            The evicted keys (int64 numpy array).
+
+        Raises:
+            StoreError: the table's keys are fixed (dense or file-backed).
+        """
+        return self._tensor.evict(target_size, policy)
+
+    def export(self) -> Dict[str, np.ndarray]:
+        """``{"keys": int64 ascending, "weight": rows, <state name>: state rows}`` of every
+        key held (from every server; the weight as float32).
+
+        Optimizer step counts live in the optimizer (``opt.state_dict()``), not here.
+        """
+        keys, cols = self._tensor.export(self._optm_state or {})
+        return {"keys": keys, **cols}
+
+    def import_(self, data: Dict[str, np.ndarray]) -> None:
+        """Upsert what :meth:`export` returned (the optimizer's state columns must exist
+        here when the data has them: create the optimizer first).
+
+        Raises:
+            StoreError: ``data`` lacks ``"keys"``, or a column is unknown or misshapen.
+        """
+        if "keys" not in data:
+            raise StoreError(f"data: expected a dict with 'keys' and columns, got keys "
+                             f"{sorted(data)}")
+        cols = {k: np.asarray(v) for k, v in data.items() if k != "keys"}
+        self._tensor.import_(keys_array(np.asarray(data["keys"]), "keys"), cols,
+                             self._optm_state or {})
+
+    def save(self, path) -> None:
+        """Write :meth:`export` (keys, rows as float32, optimizer state) to ``path`` (.npz),
+        atomically: a failed save leaves an earlier file at ``path`` untouched.
+
+        The optimizer's step counts and hyperparameters are in ``opt.state_dict()``.
+        """
+        data = self.export()
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **{f"c/{k}": v for k, v in data.items()},
+                         meta=np.frombuffer(json.dumps(
+                             {"format": SAVE_FORMAT, "dim": self.embedding_dim,
+                              "columns": sorted(data)}).encode(), np.uint8))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def load(self, path) -> None:
+        """Upsert the rows and state saved by :meth:`save` (create the optimizer first when
+        the file has optimizer state: its columns must exist here).
+
+        Raises:
+            StoreError: ``path`` is not such a file, or its dim or columns do not fit.
+        """
+        try:
+            with np.load(path) as z:
+                meta = json.loads(z["meta"].tobytes().decode())
+                data = {k[2:]: z[k] for k in z.files if k.startswith("c/")}
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise StoreError(f"path: {path} is not a saved table ({e})") from None
+        if meta.get("format") != SAVE_FORMAT or meta.get("dim") != self.embedding_dim:
+            raise StoreError(f"path: {path} holds format {meta.get('format')!r} with dim "
+                             f"{meta.get('dim')}, expected {SAVE_FORMAT!r} with dim "
+                             f"{self.embedding_dim}")
+        self.import_(data)
+
+    def flush(self) -> None:
+        """Make completed updates durable (file stores; no-op in memory)."""
+        self._tensor.flush()
+
+    def close(self) -> None:
+        """Flush and release a table on row stores (it leaves its context; a file table
+        reopens when made again); nothing for a dense table (released with its context)."""
+        self._tensor.close()
+
     @property
     def optm_state(self) -> Optional[Dict[str, str]]:
         """KVStore names of the optimizer state ({state: name}), set by the optimizer."""
@@ -239,5 +410,47 @@ class DistEmbedding:
         self._optm_state = dict(names)
 
     def __repr__(self):
-        return (f"DistEmbedding(name={self.name!r}, num_embeddings={self.num_embeddings}, "
-                f"embedding_dim={self.embedding_dim}, dtype={self._tensor.dtype})")
+        return (f"{type(self).__name__}(name={self.name!r}, num_embeddings="
+                f"{self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"dtype={self._tensor.dtype})")
+
+
+def _store_tensor(num_embeddings, dim, name, init_func, part_policy, context, device,
+                  dtype, rounding, storage, kind):
+    """The StoreTensor of a table on row stores, made (or attached) in the context's
+    store client; see :class:`DistEmbedding` for the arguments."""
+    if part_policy is not None:
+        raise ValueError(f"part_policy: a table on row stores is routed by its storage "
+                         f"(keys by hash, or by range for a file table), got {part_policy!r}")
+    if device is not None and str(device) != "cpu":
+        raise ValueError(f"device: a table on row stores lives in host memory or on the "
+                         f"servers; look its rows up onto a GPU with emb(ids, device=...), "
+                         f"got device={device!r}")
+    if storage is None:
+        storage = HashTableSpec(dim, dtype=dtype, init=init_func, rounding=rounding.value)
+    elif init_func is not None:
+        raise ValueError("init_func: a table on a given storage uses the storage's own "
+                         "initialiser; pass it to the spec (or store) instead")
+    if isinstance(storage, RowStore):
+        make = lambda client, name: client.add_table(name, storage)  # noqa: E731
+        fixed = storage.size() if storage.fixed_keys else None
+    elif isinstance(storage, tuple(SPECS.values())):
+        make = lambda client, name: client.create_table(name, storage)  # noqa: E731
+        fixed = getattr(storage, "num_rows", None) if storage.fixed_keys else None
+    else:
+        raise TypeError(f"storage: expected a RowStore, or a table spec of "
+                        f"{sorted(c.__name__ for c in SPECS.values())}, got "
+                        f"{type(storage).__name__}")
+    if storage.dim != dim:
+        raise ValueError(f"storage: holds rows of dim {storage.dim}, embedding_dim is {dim}")
+    if dtype != "float32" and dtype != storage.dtype:
+        raise ValueError(f"dtype: the storage holds {storage.dtype} rows, got dtype {dtype!r}")
+    if num_embeddings is not None and num_embeddings != fixed:
+        what = f"the keys 0..{fixed - 1}" if fixed else "any int64 key"
+        raise ValueError(f"num_embeddings: the storage holds {what}; expected "
+                         f"{fixed if fixed else None}, got {num_embeddings!r}")
+    ctx = context or current_context()
+    name = name or ctx.new_name(kind)
+    client = ctx.client.store_client()
+    make(client, name)
+    return StoreTensor(client, name, ctx, storage.dtype)

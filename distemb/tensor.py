@@ -1,16 +1,19 @@
 """DistTensor: a named, row-sharded tensor; ``t[ids]`` pulls, ``t[ids] = v`` pushes.
 
+:class:`StoreTensor` is the same for a table on row stores (any int64 key for a hash
+table): ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
+
 Where the rows live is the business of the tensor's KVClient (DESIGN.md, placement): the
 tensor hands the caller's tensors to ``client.ids_in``/``values_in`` and the pulled rows
 to ``client.rows_out``, on one path for every placement.
 """
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from distemb.arrays import GlobalIds, Shape, Tensor
+from distemb.arrays import DENSE_INIT, GlobalIds, Shape, Tensor, check_init_func
 from distemb.context import current_context
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy, range_policy
 from distemb.rules import state_name, state_owner
@@ -45,7 +48,42 @@ def _check_shape(shape) -> Shape:
     return shape
 
 
-class DistTensor:
+class NamedRows:
+    """What every tensor of rows has: a name in its client, a context, a storage dtype.
+
+    Subclasses (:class:`DistTensor`, :class:`StoreTensor`) set ``_name``, ``_ctx``,
+    ``_client`` and ``_dtype`` (a dtype name).
+
+    Example:
+        >>> import torch
+        >>> t = DistTensor((4, 2), torch.bfloat16, name="doc-named-rows")
+        >>> isinstance(t, NamedRows), t.name, t.dtype
+        (True, 'doc-named-rows', torch.bfloat16)
+    """
+
+    _name: str
+    _dtype: str
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def dtype(self):
+        """The dtype the rows are stored in (half rows are read and written as float32)."""
+        return self._ctx.F.dtype(self._dtype)
+
+    @property
+    def context(self):
+        return self._ctx
+
+    @property
+    def client(self):
+        """The KVClient holding the rows (a device client for a GPU-resident tensor)."""
+        return self._client
+
+
+class DistTensor(NamedRows):
     """A tensor sharded by rows across the KVStore, addressed by global row ids.
 
     Args:
@@ -123,6 +161,9 @@ class DistTensor:
         meta = self._client.data_meta(self._name)
         self._held = False
         if meta is None:
+            # checked only when it will be called: DGL's own tests pass a policy in its
+            # place when they attach to a tensor that exists
+            check_init_func(init_func, DENSE_INIT)
             client = self._client
             wrapped = None if init_func is None else (
                 lambda s, d: client.tensor_in(init_func(s, F.dtype(d)), F))
@@ -191,30 +232,89 @@ class DistTensor:
         except Exception:  # interpreter shutdown: the store may already be gone
             pass
 
+    # -- keys: a dense tensor holds the fixed keys 0..N-1 (StoreTensor has the same) -----
+
+    def size(self) -> int:
+        """Keys held: all of 0..N-1."""
+        return self._shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Keys held at most: N."""
+        return self._shape[0]
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """Bool per key: in 0..N-1."""
+        return (keys >= 0) & (keys < self._shape[0])
+
+    def get(self, keys: np.ndarray) -> Tensor:
+        """Rows of ``keys`` (as ``t[keys]``; a key outside 0..N-1 is an error)."""
+        return self[keys]
+
+    def remove(self, keys: np.ndarray) -> int:
+        """Refused: a dense tensor's keys are fixed."""
+        raise StoreError(f"remove: {self._name!r} is a dense table of the fixed keys "
+                         f"0..{self._shape[0] - 1}; a table with removable keys is "
+                         "DistEmbedding(None, dim) (a hash table)")
+
+    def evict(self, target_size: int, policy=None) -> np.ndarray:
+        """Refused: a dense tensor's keys are fixed."""
+        raise StoreError(f"evict: {self._name!r} is a dense table of the fixed keys "
+                         f"0..{self._shape[0] - 1}; only hash tables evict")
+
+    def export(self, states: Dict[str, str]) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+        """(keys 0..N-1, {"weight": every row as float32, state: every state row}) of the
+        optimizer states ``states`` ({state: KVStore name})."""
+        keys = np.arange(self._shape[0], dtype=np.int64)
+        F = self._ctx.F
+        rows = F.to_numpy(self[F.from_numpy(keys)])
+        return keys, {"weight": np.asarray(rows, np.float32),
+                      **self._client.table_state(self._name, states)}
+
+    def import_(self, keys: np.ndarray, columns: Dict[str, np.ndarray],
+                states: Dict[str, str]) -> None:
+        """Write rows ``keys`` of every column of ``columns`` (what :meth:`export` gave).
+
+        Raises:
+            StoreError: a column that is neither the weight nor one of ``states``, or
+                rows of the wrong count.
+        """
+        unknown = [c for c in columns if c != "weight" and c not in states]
+        if unknown:
+            raise StoreError(f"columns: {unknown} not in table {self._name!r} (has "
+                             f"{['weight'] + sorted(states)}; create the optimizer first "
+                             "to import its state)")
+        for c, values in columns.items():
+            if len(values) != len(keys):
+                raise StoreError(f"columns[{c!r}]: expected {len(keys)} rows, got "
+                                 f"{len(values)}")
+        F, client = self._ctx.F, self._client
+        for c, values in columns.items():
+            if c == "weight":
+                self[F.from_numpy(keys)] = F.from_numpy(np.ascontiguousarray(values))
+            else:
+                client.push(states[c], client.from_host(keys),
+                            client.from_host(np.ascontiguousarray(values)))
+
+    def flush(self) -> None:
+        """Nothing to make durable: a dense tensor lives in memory."""
+
+    def close(self) -> None:
+        """Nothing to release alone: a dense tensor is released with its context."""
+
+    @property
+    def store(self):
+        """Refused: a dense tensor is shards of its client, not one row store."""
+        raise AttributeError(f"{self._name!r} is a dense table held by "
+                             f"{type(self._client).__name__}: it has no row store")
+
     @property
     def shape(self):
         return self._shape
 
     @property
-    def dtype(self):
-        return self._ctx.F.dtype(self._dtype)
-
-    @property
-    def name(self):
-        return self._name
-
-    @property
     def part_policy(self):
         return self._policy
-
-    @property
-    def context(self):
-        return self._ctx
-
-    @property
-    def client(self):
-        """The KVClient holding the rows (a device client for a GPU-resident tensor)."""
-        return self._client
 
     @property
     def device(self):
@@ -223,3 +323,111 @@ class DistTensor:
 
     def __repr__(self):
         return f"DistTensor(name={self._name!r}, shape={self._shape}, dtype={self._dtype})"
+
+
+class StoreTensor(NamedRows):
+    """The rows of a store-backed table: ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
+
+    Args:
+        client: the table's :class:`~distemb.kvstore.store_client.StoreClient`.
+        name: the table's name in it.
+        context: the :class:`~distemb.context.DistContext` (backend, threads).
+        dtype: the rows' storage dtype name (they are read and written as float32).
+
+    Example:
+        >>> import torch
+        >>> from distemb.embedding import DistEmbedding
+        >>> emb = DistEmbedding(None, 2, name="doc-store-tensor")  # any int64 key
+        >>> emb.weight[torch.tensor([5])] = torch.ones(1, 2)
+        >>> emb.weight[torch.tensor([5])]
+        tensor([[1., 1.]])
+    """
+
+    def __init__(self, client, name, context, dtype="float32"):
+        self._client, self._name, self._ctx = client, name, context
+        self._dim = client.dim(name)
+        self._dtype = dtype
+
+    def lookup(self, ids, client=None):
+        """The flat int64 keys and their rows, shaped as ``ids`` + (dim,) (as DistTensor).
+
+        Args:
+            ids: integer keys, any shape.
+            client: the client (or a view of it) placing the rows; the table's by default.
+        """
+        client = client or self._client
+        F = self._ctx.F
+        flat, shape = client.ids_in(self._name, ids, F)
+        rows = client.rows_out(client.pull(self._name, flat), F)
+        return flat, F.reshape(rows, tuple(shape) + (self._dim,))
+
+    def __getitem__(self, idx):
+        return self.lookup(idx)[1]
+
+    def __setitem__(self, idx, values):
+        F = self._ctx.F
+        flat, _ = self._client.ids_in(self._name, idx, F)
+        self._client.push(self._name, flat,
+                          self._client.values_in(self._name, values, F, len(flat)))
+
+    @property
+    def shape(self):
+        """(keys held, dim): the row count changes as keys come and go."""
+        return (self._client.size(self._name), self._dim)
+
+    @property
+    def part_policy(self):
+        return None
+
+    @property
+    def device(self):
+        return None
+
+    def __len__(self):
+        return self._client.size(self._name)
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def size(self) -> int:
+        """Keys held (over every server)."""
+        return self._client.size(self._name)
+
+    @property
+    def capacity(self):
+        """Keys held at most (None: unbounded)."""
+        return self._client.capacity(self._name)
+
+    def contains(self, keys):
+        return self._client.contains(self._name, keys)
+
+    def get(self, keys):
+        return self._ctx.F.from_numpy(self._client.get(self._name, keys))
+
+    def remove(self, keys):
+        return self._client.remove(self._name, keys)
+
+    def evict(self, target_size, policy=None):
+        return self._client.evict(self._name, target_size, policy)
+
+    def export(self, states=None):
+        return self._client.export(self._name)
+
+    def import_(self, keys, columns, states=None):
+        self._client.import_(self._name, keys, columns)
+
+    def flush(self):
+        self._client.flush(self._name)
+
+    def close(self):
+        """Flush and release this table's store(s): the table is gone from its context
+        (a file store is reopened by making the table again)."""
+        self._client.delete_data(self._name)
+
+    @property
+    def store(self):
+        """The RowStore holding this table (embedded tables only)."""
+        if not hasattr(self._client, "store"):
+            raise AttributeError(f"{self._name!r} is sharded over "
+                                 f"{self._client.num_servers} servers: it has no one store "
+                                 "in this process")
+        return self._client.store(self._name)

@@ -21,7 +21,9 @@ import ast
 import itertools
 import json
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +68,46 @@ def skipgram_loss(u: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Te
     return -(positive + negative).mean()
 
 
+def plain_loss(tables, batch) -> torch.Tensor:
+    """Look up the batch's rows and return skipgram_loss() written with torch ops."""
+    centers, contexts, negatives = batch
+    b, k = negatives.shape
+    u = tables.node(centers)
+    # One context lookup for positives and negatives: one pull, one trace entry.
+    ctx = tables.context(torch.cat([contexts, negatives.reshape(-1)]))
+    return skipgram_loss(u, ctx[:b], ctx[b:].reshape(b, k, -1))
+
+
+def unique_batch(batch):
+    """A batch as unique ids and indices into them: what fused_loss() takes.
+
+    Returns (center ids, center index (B,), context ids, positive index (B,), negative
+    index (B, K)); made by the sampler, off the training step's path when prefetching.
+    """
+    centers, contexts, negatives = batch
+    b, k = negatives.shape
+    u_ids, u_idx = torch.unique(centers, return_inverse=True)
+    c_ids, c_idx = torch.unique(torch.cat([contexts, negatives.reshape(-1)]),
+                                return_inverse=True)
+    return u_ids, u_idx, c_ids, c_idx[:b], c_idx[b:].view(b, k)
+
+
+def fused_loss(tables, batch) -> torch.Tensor:
+    """The same loss by distemb.skipgram_loss on a unique_batch(): one fused pass.
+
+    Each row is looked up once and its gradient comes out of the pass already summed,
+    so the optimizer's sum per id has nothing to add (see distemb/losses.py).
+    """
+    u_ids, u_idx, c_ids, pos_idx, neg_idx = batch
+    return distemb.skipgram_loss(tables.node(u_ids), tables.context(c_ids), u_idx, pos_idx,
+                                 neg_idx)
+
+
+#: --loss: (how the sampler prepares a batch, how a step computes the loss from it); the
+#: same value and gradients either way.
+LOSSES = dict(fused=(unique_batch, fused_loss), torch=(lambda batch: batch, plain_loss))
+
+
 def _data_option(text: str):
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -98,6 +140,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--p", type=float, default=1.0, help="node2vec return parameter")
     p.add_argument("--q", type=float, default=1.0, help="node2vec in-out parameter")
     p.add_argument("--negatives", type=int, default=5, help="negatives per pair")
+    p.add_argument("--loss", choices=sorted(LOSSES), default="fused",
+                   help="'fused': distemb.skipgram_loss on unique ids (forward and backward "
+                   "in one compiled pass); 'torch': the same loss written with torch ops")
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="batches the sampler keeps ready while a second thread trains "
+                   "(0: sample and train in turn, in one thread)")
     p.add_argument("--batch-size", type=int, default=4096, help="pairs per step")
     p.add_argument("--epochs", type=int, default=1, help="passes of fresh walks")
     p.add_argument("--lr", type=float, default=0.01, help="SparseAdam learning rate")
@@ -118,6 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "epochs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.prefetch < 0:
+        p.error(f"--prefetch: must be >= 0, got {args.prefetch}")
     if args.max_steps < 0:
         p.error(f"--max-steps: must be >= 0, got {args.max_steps}")
     if not 0.0 <= args.link_prediction < 1.0:
@@ -155,39 +205,106 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     if args.max_steps:
         total = min(total, args.max_steps)
     losses, pairs = [], 0
-    # Where the time goes: making batches (walks, pairs, negatives), lookups with
-    # forward and backward, and the optimizer step.
-    phase = dict(sample=0.0, forward_backward=0.0, step=0.0)
-    stream = ((epoch, batch) for epoch in range(args.epochs) for batch in batches.epoch(epoch))
+    # Where the time goes: waiting for a batch (walks, pairs, negatives; while
+    # prefetching, only what the sampler thread did not hide), lookups with forward and
+    # backward, and the optimizer step; 'sampler' is the sampler's own time.
+    phase = dict(sample=0.0, forward_backward=0.0, step=0.0, sampler=0.0)
+    prepare, loss_fn = LOSSES[args.loss]
+
+    def made():  # (epoch, pairs, prepared batch), timed
+        stream = ((epoch, batch) for epoch in range(args.epochs)
+                  for batch in batches.epoch(epoch))
+        it = shard(stream, rank, num_trainers, total)
+        while True:
+            t0 = time.perf_counter()
+            item = next(it, None)
+            if item is None:
+                return
+            epoch, batch = item
+            item = (epoch, len(batch[0]), prepare(batch))
+            phase["sampler"] += time.perf_counter() - t0
+            yield item
+
     bar = tqdm(total=total // num_trainers, disable=args.quiet, unit="step",
                dynamic_ncols=True)
-    start = tick = time.perf_counter()
-    for epoch, (centers, contexts, negatives) in shard(stream, rank, num_trainers, total):
+    start = time.perf_counter()
+    tick = [start]
+
+    def train_step(item):
+        nonlocal pairs
+        epoch, b, batch = item
         t1 = time.perf_counter()
-        b, k = negatives.shape
         tables.zero_grad()
-        u = tables.node(centers)
-        # One context lookup for positives and negatives: one pull, one trace entry.
-        ctx = tables.context(torch.cat([contexts, negatives.reshape(-1)]))
-        loss = skipgram_loss(u, ctx[:b], ctx[b:].reshape(b, k, -1))
+        loss = loss_fn(tables, batch)
         loss.backward()
         t2 = time.perf_counter()
         tables.step()
         losses.append(loss.item())
         tock = time.perf_counter()
-        phase["sample"] += t1 - tick
+        phase["sample"] += t1 - tick[0]
         phase["forward_backward"] += t2 - t1
         phase["step"] += tock - t2
-        tick = tock
+        tick[0] = tock
         pairs += b
         bar.update(1)
         if len(losses) % 50 == 0:
             bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]):.4f}",
                             pairs_s=f"{pairs / (tock - start):,.0f}")
+
+    overlapped(made(), train_step, args.prefetch)
     seconds = time.perf_counter() - start
     bar.close()
     return dict(embeddings=export(tables, rank, num_trainers), losses=losses,
                 steps=len(losses), pairs=pairs, seconds=seconds, phase_seconds=phase)
+
+
+def overlapped(items, consume, depth: int) -> None:
+    """Call consume(item) for every item, in order; with depth > 0, in a second thread.
+
+    The calling thread makes the items (DGL's walks stay in the thread that seeded them:
+    DGL keeps a generator per thread, so walks made elsewhere would differ from
+    gensim's) and keeps up to ``depth`` ready in a queue while the other thread trains,
+    so sampling overlaps with training on a second core. An exception in either thread
+    is raised here after both have stopped.
+    """
+    if depth == 0:
+        for item in items:
+            consume(item)
+        return
+    ready: "queue.Queue" = queue.Queue(maxsize=depth)
+    failed = []
+
+    def worker():
+        try:
+            while (item := ready.get()) is not _END:
+                consume(item)
+        except BaseException as exc:  # handed to the calling thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=worker, name="deepwalk-trainer", daemon=True)
+    thread.start()
+
+    def put(item):  # False once the trainer has stopped (it failed)
+        while thread.is_alive():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in items:
+            if not put(item):
+                break
+    finally:  # also when making an item failed: the trainer stops after what it has
+        put(_END)
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
+_END = object()  # the end of overlapped()'s queue
 
 
 def shard(stream, rank: int, num_trainers: int, total: int):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import distemb
-from graph_examples.deepwalk import main, parse_args, skipgram_loss
+from graph_examples.deepwalk import main, overlapped, parse_args, skipgram_loss
 from graph_examples.tables import _node_init, make_tables
 
 FAST = ["--dataset", "karate", "--dim", "8", "--walk-length", "8", "--window", "2",
@@ -54,6 +54,7 @@ def test_link_prediction_flag_reports_auc(tmp_path):
     (["--link-prediction", "1.0"], r"--link-prediction: must be in \[0, 1\)"),
     (["--data-opt", "oops"], "--data-opt: expected KEY=VALUE"),
     (["--max-steps", "-1"], "--max-steps: must be >= 0, got -1"),
+    (["--prefetch", "-1"], "--prefetch: must be >= 0, got -1"),
     (["--dataset", "cora"], "invalid choice: 'cora'"),
 ])
 def test_bad_arguments_exit_with_a_message(capsys, argv, message):
@@ -75,6 +76,43 @@ def test_distemb_backend_matches_torch(tmp_path):
     a = np.load(tmp_path / "torch" / "embeddings.npy")
     b = np.load(tmp_path / "distemb" / "embeddings.npy")
     assert np.abs(a - b).max() < 1e-4
+
+
+def test_fused_loss_and_prefetching_train_as_the_plain_loss_in_turn(tmp_path):
+    """The default step (distemb.skipgram_loss on unique ids, sampling in the main thread
+    while a second thread trains) against the plain torch loss, sampled and trained in
+    turn in one thread: the same batches, so the same embeddings up to rounding; the
+    plain loss with and without prefetching: bit for bit the same."""
+    runs = {}
+    for name, extra in (("plain", ["--loss", "torch", "--prefetch", "0"]),
+                        ("plain_prefetch", ["--loss", "torch", "--prefetch", "3"]),
+                        ("fused", [])):
+        main(FAST + ["--backend", "distemb", *extra, "--out", str(tmp_path / name)])
+        runs[name] = np.load(tmp_path / name / "embeddings.npy")
+    assert np.array_equal(runs["plain"], runs["plain_prefetch"])
+    np.testing.assert_allclose(runs["fused"], runs["plain"], rtol=0, atol=1e-5)
+    assert not np.allclose(runs["fused"], _node_init(8, 0)((34, 8)).numpy(), atol=1e-3)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_overlapped_consumes_in_order_and_raises_either_threads_error(depth):
+    seen = []
+    overlapped(iter(range(50)), seen.append, depth)
+    assert seen == list(range(50))
+
+    def bad_consumer(item):
+        if item == 5:
+            raise KeyError("consumer failed")
+    with pytest.raises(KeyError, match="consumer failed"):
+        overlapped(iter(range(50)), bad_consumer, depth)
+
+    def bad_items():
+        yield from range(7)
+        raise IndexError("sampler failed")
+    seen.clear()
+    with pytest.raises(IndexError, match="sampler failed"):
+        overlapped(bad_items(), seen.append, depth)
+    assert seen == list(range(7))  # the trainer finished what it had, then stopped
 
 
 def test_max_steps_stops_early_and_phases_add_up(tmp_path):

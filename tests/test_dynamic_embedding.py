@@ -156,3 +156,172 @@ def test_bad_input(ctx):
     opt.step()
     # state_dict covers store tables now (keyed state; tests/test_optim_store_state.py)
     assert SparseAdagrad([emb], lr=0.1).state_dict()["state"]["bad"]["keys"].tolist() == [1]
+
+
+# --- defects of issue 21: each test failed before its fix -----------------------------
+
+@pytest.mark.parametrize("kernels", ["twin", "gpu"])
+def test_dynamic_table_looked_up_onto_a_device_trains_its_own_keys(ctx, monkeypatch,
+                                                                  kernels):
+    """Keys far past the live key count are summed apart, not lumped into one phantom
+    key (the device view used the key count as a table size). On the CPU through the
+    CUDA kernels' CPU stand-in (as tests/test_cuda_dispatch.py does for dense tables),
+    and on a GPU where one is usable."""
+    from cpu_cuda_twin import CpuCudaTwin
+    from distemb.kernels import cuda
+    from distemb.kvstore import device as device_kv
+
+    if kernels == "twin":
+        monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+        monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", CpuCudaTwin())
+    elif not cuda.cuda_available():
+        pytest.skip("no usable GPU here: the CPU stand-in case covers the same path")
+    emb = DynamicEmbedding(2, name="dyn-dev", context=ctx)
+    opt = SparseSGD([emb], lr=1.0)
+    keys = torch.tensor([2 ** 40, 2 ** 41, 1, -5])
+    rows = emb(keys, device="cuda")
+    (rows * torch.tensor([[1.0], [10.0], [100.0], [1000.0]]).to(rows.device)).sum().backward()
+    opt.step()
+    got = emb.export()
+    assert got["keys"].tolist() == [-5, 1, 2 ** 40, 2 ** 41]
+    assert got["weight"][:, 0].tolist() == [-1000.0, -100.0, -1.0, -10.0]
+
+
+def test_one_store_client_per_context_closed_with_it(ctx, tmp_path):
+    """Two tables of one name in one context are one table; closing the context closes
+    (flushes) its store tables."""
+    a = DynamicEmbedding(2, name="same", context=ctx)
+    b = DynamicEmbedding(2, name="same", context=ctx)
+    a.upsert(torch.tensor([7]), torch.ones(1, 2))
+    assert b.size() == 1 and b.get(torch.tensor([7])).tolist() == [[1.0, 1.0]]
+    with pytest.raises(DistEmbError, match=r"'same' exists with dim 2.*got dim 3"):
+        DynamicEmbedding(3, name="same", context=ctx)
+    from distemb.stores import FileStore
+    from distemb.dynamic import StoreEmbedding
+
+    store = FileStore(tmp_path / "f", num_rows=10, dim=2)
+    StoreEmbedding(store, name="file", context=ctx).weight[torch.tensor([3])] = \
+        torch.full((1, 2), 5.0)
+    ctx.close()
+    assert store.closed  # closed (and flushed) with its context
+    assert FileStore(tmp_path / "f").gather(np.array([3])).tolist() == [[5.0, 5.0]]
+
+
+@pytest.mark.parametrize("make", ["dynamic", "dense"])
+def test_initialiser_of_the_wrong_signature_is_refused_at_construction(ctx, make):
+    if make == "dynamic":  # a DGL-style init_func(shape, dtype) given to a keyed table
+        with pytest.raises(TypeError, match=r"init_func: expected init_func\(keys\) -> rows"
+                                            r".*takes \(shape, dtype\)"):
+            DynamicEmbedding(4, name="bad-init", context=ctx,
+                             init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    else:  # a keyed initialiser given to a dense table
+        with pytest.raises(TypeError, match=r"init_func: expected init_func\(shape, dtype\) -> rows"
+                                            r".*takes \(keys\)"):
+            DistEmbedding(10, 4, name="bad-init", context=ctx, init_func=lambda keys: keys)
+
+
+# --- one table class for every storage (issue 21, item 5) -------------------------------
+
+def _dense_init(shape, dtype):
+    return torch.from_numpy(key_normal(DIM, seed=11)(np.arange(shape[0])))
+
+
+@pytest.mark.parametrize("storage", ["hash", "file spec", "dense store", "file store"])
+def test_one_table_class_trains_every_storage_as_the_dense_table(ctx, tmp_path, storage):
+    """DistEmbedding(None or N, dim, storage=...) over each storage equals the dense
+    DistEmbedding (itself tested against torch.optim) bit for bit on zipf ids."""
+    from distemb.stores import DenseStore, FileStore
+    from distemb.stores.spec import FileTableSpec
+
+    init = key_normal(DIM, seed=11)
+    table = {
+        "hash": lambda: DistEmbedding(None, DIM, name="t", context=ctx, init_func=init),
+        "file spec": lambda: DistEmbedding(ROWS, DIM, name="t", context=ctx, storage=(
+            FileTableSpec(str(tmp_path / "spec"), ROWS, DIM, init=init, preallocate=False))),
+        "dense store": lambda: DistEmbedding(ROWS, DIM, name="t", context=ctx,
+                                             storage=DenseStore(ROWS, DIM, init=init)),
+        "file store": lambda: DistEmbedding(None, DIM, name="t", context=ctx, storage=(
+            FileStore(tmp_path / "store", ROWS, DIM, init=init, preallocate=False))),
+    }[storage]()
+    dense = DistEmbedding(ROWS, DIM, name="dense", context=ctx, init_func=_dense_init)
+    assert type(table) is DistEmbedding and table.part_policy is None
+    opts = [SparseAdagrad([table], lr=0.1), SparseAdagrad([dense], lr=0.1)]
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        ids = torch.from_numpy(zipf_ids(rng, ROWS, BATCH))
+        for emb, opt in zip((table, dense), opts):
+            (emb(ids) * torch.linspace(-1, 1, DIM)).sum().backward()
+            opt.step()
+    every = torch.arange(ROWS)
+    assert torch.equal(table.get(every), dense.get(every))
+    assert not torch.equal(dense.get(every), _dense_init((ROWS, DIM), None))
+    got, want = table.export(), dense.export()
+    assert sorted(got) == sorted(want) == ["keys", "sum", "weight"]
+    assert np.array_equal(got["sum"][np.searchsorted(got["keys"], want["keys"])], want["sum"])
+
+
+def test_a_dense_table_answers_key_management_or_refuses_by_name(ctx):
+    emb = DistEmbedding(10, 2, name="dense-keys", context=ctx)
+    opt = SparseAdagrad([emb], lr=0.5)
+    emb(torch.tensor([3, 3, 9])).sum().backward()
+    opt.step()
+    assert emb.size() == emb.capacity == 10
+    assert emb.contains(torch.tensor([0, 9, 10, -1])).tolist() == [True, True, False, False]
+    emb.upsert(torch.tensor([4]), torch.full((1, 2), 7.0))
+    assert emb.get(torch.tensor([4])).tolist() == [[7.0, 7.0]]
+    data = emb.export()
+    assert data["keys"].tolist() == list(range(10)) and sorted(data) == ["keys", "sum",
+                                                                          "weight"]
+    assert data["sum"][3].tolist() == [4.0, 4.0] and data["sum"][9].tolist() == [1.0, 1.0]
+    copy = DistEmbedding(10, 2, name="dense-copy", context=ctx)
+    with pytest.raises(StoreError, match=r"'sum'.*create the optimizer first"):
+        copy.import_(data)
+    SparseAdagrad([copy], lr=0.5)
+    copy.import_(data)
+    for col in ("weight", "sum"):
+        assert np.array_equal(copy.export()[col], data[col])
+    with pytest.raises(StoreError, match="fixed keys 0..9"):
+        emb.remove(torch.tensor([1]))
+    with pytest.raises(StoreError, match="fixed keys 0..9"):
+        emb.evict(5)
+    with pytest.raises(AttributeError, match="dense table"):
+        emb.store
+
+
+def test_storage_arguments_are_checked_by_name(ctx, tmp_path):
+    from distemb.partition import range_policy
+    from distemb.stores import DenseStore
+    from distemb.stores.spec import FileTableSpec, HashTableSpec
+
+    with pytest.raises(ValueError, match="part_policy: a table on row stores"):
+        DistEmbedding(None, 2, context=ctx, part_policy=range_policy(4))
+    with pytest.raises(ValueError, match="device: a table on row stores"):
+        DistEmbedding(None, 2, context=ctx, device="cuda")
+    with pytest.raises(ValueError, match="storage: holds rows of dim 3, embedding_dim is 2"):
+        DistEmbedding(None, 2, context=ctx, storage=DenseStore(4, 3))
+    with pytest.raises(ValueError, match=r"num_embeddings: the storage holds the keys "
+                                         r"0\.\.3; expected 4, got 5"):
+        DistEmbedding(5, 2, context=ctx, storage=DenseStore(4, 2))
+    with pytest.raises(ValueError, match="num_embeddings: the storage holds any int64 key"):
+        DistEmbedding(5, 2, context=ctx, storage=HashTableSpec(2))
+    with pytest.raises(ValueError, match="init_func: a table on a given storage"):
+        DistEmbedding(None, 2, context=ctx, storage=HashTableSpec(2),
+                      init_func=key_normal(2))
+    with pytest.raises(ValueError, match="dtype: the storage holds float32 rows"):
+        DistEmbedding(None, 2, context=ctx, storage=FileTableSpec(
+            str(tmp_path), 4, 2, preallocate=False), dtype="bfloat16")
+    with pytest.raises(TypeError, match="storage: expected a RowStore, or a table spec"):
+        DistEmbedding(None, 2, context=ctx, storage="hash")
+
+
+def test_closing_one_store_table_leaves_the_others(ctx, tmp_path):
+    from distemb.dynamic import StoreEmbedding
+    from distemb.stores import FileStore
+
+    a = StoreEmbedding(FileStore(tmp_path / "a", 4, 2), name="a", context=ctx)
+    b = StoreEmbedding(FileStore(tmp_path / "b", 4, 2), name="b", context=ctx)
+    a.upsert(torch.tensor([1]), torch.ones(1, 2))
+    a.close()  # flushed, unlocked, gone from the context
+    b.upsert(torch.tensor([2]), torch.ones(1, 2))
+    assert b.get(torch.tensor([2])).tolist() == [[1.0, 1.0]]
+    assert FileStore(tmp_path / "a").gather(np.array([1])).tolist() == [[1.0, 1.0]]

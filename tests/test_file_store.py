@@ -121,3 +121,24 @@ def test_sigkill_loses_no_completed_step(ctx, tmp_path):
     for name in ("weight", "sum"):
         np.testing.assert_array_equal(on_disk[name], want[name])
     assert not np.array_equal(on_disk["weight"], replay(ctx, flushed)["weight"])
+
+
+def test_a_second_opener_of_the_directory_is_refused(tmp_path):
+    """One writer per FileStore directory: a second FileStore (this process or another)
+    gets a clear error while the first is open, and opens once it is closed."""
+    first = FileStore(tmp_path / "t", num_rows=10, dim=2)
+    with pytest.raises(StoreError, match=r"is open in process \d+ .*close it first"):
+        FileStore(tmp_path / "t")
+    code = textwrap.dedent(f"""
+        from distemb.errors import StoreError
+        from distemb.stores import FileStore
+        try:
+            FileStore({str(tmp_path / 't')!r})
+        except StoreError as e:
+            print("refused:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert "refused:" in out.stdout and "is open in process" in out.stdout, out.stderr
+    first.close()
+    FileStore(tmp_path / "t").close()

@@ -163,3 +163,28 @@ def test_optimizer_state_lives_beside_rows(client, rule):
     client.push_update("w", np.array([2, 11]), np.ones((2, 4), np.float32), rule, hyper)
     w = client.pull("w", np.arange(20))
     assert (w[[2, 11]] < 0).all() and (np.delete(w, [2, 11], axis=0) == 0).all()
+
+
+def test_row_store_tables_work_or_are_refused_by_name(client, request):
+    """Every placement either holds row-store (hash-keyed) tables or refuses them with
+    an error naming itself: never a silent bypass. Which do what is the capability table
+    of the README: the host clients hold them; caches and GPU placements refuse them."""
+    from conftest import HostView
+    from distemb.stores.spec import HashTableSpec
+
+    kind = request.node.callspec.params["client"]
+    real = client.inner if isinstance(client, HostView) else client
+    refuses = any(k in kind for k in ("lru", "lfu", "device"))
+    if refuses:
+        with pytest.raises(KVStoreError, match=rf"{type(real).__name__}: tables on row "
+                                               r"stores .* cannot be placed|row stores"):
+            real.store_client()
+        return
+    stores = real.store_client()
+    assert stores is real.store_client()  # one per client: a name is one table
+    stores.create_table("rs", HashTableSpec(2))
+    try:
+        assert stores.pull("rs", np.array([2 ** 40, -1, 2 ** 40])).shape == (3, 2)
+        assert stores.size("rs") == 2
+    finally:
+        stores.delete_data("rs")

@@ -19,14 +19,15 @@ from distemb import checkpoint
 from distemb.config import parse_cluster_config
 from distemb.context import DistContext
 from distemb.dynamic import DynamicEmbedding, StoreEmbedding
-from distemb.errors import KVStoreError, MissingKeyError, StoreError
+from distemb.embedding import DistEmbedding
+from distemb.errors import DistEmbError, KVStoreError, MissingKeyError, StoreError
 from distemb.kernels import reference
 from distemb.kvstore import LocalKVClient, RemoteKVClient
 from distemb.optim import SparseAdagrad
 from distemb.partition import key_partition
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.stores import HashStore, key_normal, key_uniform
-from distemb.stores.spec import HashTableSpec
+from distemb.stores.spec import FileTableSpec, HashTableSpec
 from distemb.transport.messages import StoreRead
 
 pytestmark = pytest.mark.timeout(60)
@@ -220,7 +221,8 @@ def test_a_cluster_refuses_a_plain_init_function_and_a_store_object(cluster):
         with pytest.raises(TypeError, match=r"key_normal\(dim, std, seed\)"):
             DynamicEmbedding(3, name="plain", init_func=lambda keys: np.zeros((len(keys), 3)),
                              context=ctx)
-        with pytest.raises(KVStoreError, match="use DynamicEmbedding"):
+        with pytest.raises(KVStoreError, match="store object lives in this process.*pass a "
+                                               "table spec"):
             StoreEmbedding(HashStore(3), name="object", context=ctx)
         assert "plain" not in kv.store_client().names()
     finally:
@@ -273,3 +275,127 @@ def test_a_server_refuses_keys_another_server_owns(cluster):
         dyn.delete_data("routed")
     finally:
         kv.close(goodbye=False)
+
+
+# --- file-backed tables: FileTableSpec, one FileStore per shard, keys routed by range ----
+
+FILE_ROWS = 50
+
+
+def file_table(base, tmp_path, name=None, **spec):
+    kv = base.store_client()
+    name = name or f"f-{uuid.uuid4().hex[:8]}"
+    kv.create_table(name, FileTableSpec(str(tmp_path / "files" / name), num_rows=FILE_ROWS,
+                                        dim=3, init=key_normal(3, seed=4),
+                                        preallocate=False, **spec))
+    return kv, name
+
+
+def test_a_file_table_holds_every_key_of_its_range_wherever_it_lives(base, tmp_path):
+    kv, name = file_table(base, tmp_path)
+    keys = np.array([0, 24, 25, 49, 7, 7], np.int64)
+    np.testing.assert_array_equal(kv.pull(name, keys), key_normal(3, seed=4)(keys))
+    assert kv.size(name) == FILE_ROWS and kv.capacity(name) in (None, FILE_ROWS)
+    assert kv.contains(name, np.array([0, 49])).tolist() == [True, True]
+    exported = kv.export(name)
+    assert exported[0].tolist() == list(range(FILE_ROWS))
+    np.testing.assert_array_equal(exported[1]["weight"],
+                                  key_normal(3, seed=4)(np.arange(FILE_ROWS)))
+    with pytest.raises(DistEmbError, match="out of range"):
+        kv.pull(name, np.array([FILE_ROWS]))
+    with pytest.raises(DistEmbError, match="fixed keys"):
+        kv.remove(name, np.array([3]))
+    with pytest.raises(DistEmbError, match="fixed keys"):
+        kv.evict(name, 10)
+    kv.delete_data(name)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_file_table_updates_match_the_reference_kernels(base, tmp_path, rule):
+    kv, name = file_table(base, tmp_path)
+    kv.init_optimizer(name, rule, {})
+    dense = key_normal(3, seed=4)(np.arange(FILE_ROWS))
+    state = np.zeros_like(dense)
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        pick = rng.choice(FILE_ROWS, 12, replace=False).astype(np.int64)
+        grads = rng.standard_normal((12, 3)).astype(np.float32)
+        if rule == "sgd":
+            kv.push_update(name, pick, grads, "sgd", SGDHyper(lr=0.1))
+            reference.sgd_update(dense, pick, grads, 0.1)
+        else:
+            kv.push_update(name, pick, grads, "adagrad", AdagradHyper(clr=0.1, eps=1e-10))
+            reference.adagrad_update(dense, state, pick, grads, 0.1, 1e-10)
+    keys, cols = kv.export(name)
+    np.testing.assert_array_equal(cols["weight"], dense)
+    if rule == "adagrad":
+        np.testing.assert_array_equal(cols["sum"], state)
+    kv.delete_data(name)
+
+
+def test_a_file_table_reopens_with_its_rows_and_locks_its_files(base, tmp_path):
+    """Closing (here: dropping) a file table flushes and unlocks its shards' files; made
+    again from the same spec, it has its rows back."""
+    kv, name = file_table(base, tmp_path)
+    kv.push(name, np.array([1, 40]), np.full((2, 3), 7.0, np.float32))
+    kv.delete_data(name)
+    kv, _ = file_table(base, tmp_path, name=name)
+    np.testing.assert_array_equal(kv.get(name, np.array([1, 40, 2])),
+                                  [[7.0] * 3, [7.0] * 3, key_normal(3, seed=4)([2])[0]])
+    kv.delete_data(name)
+
+
+def test_a_file_table_checkpoint_loads_under_another_shard_count(cluster, tmp_path):
+    """Saved by two servers (each its range, keys saved as the table's keys), loaded into
+    one embedded shard, and back: the rows and state are the same everywhere."""
+    remote = RemoteKVClient(cluster, 0)
+    local = LocalKVClient()
+    try:
+        kv, name = file_table(remote, tmp_path)
+        kv.init_optimizer(name, "adagrad", {})
+        ids = np.array([0, 3, 24, 25, 26, 49], np.int64)
+        kv.push_update(name, ids, np.ones((len(ids), 3), np.float32), "adagrad",
+                       AdagradHyper(clr=0.1, eps=1e-10))
+        want = kv.export(name)
+        path = str(tmp_path / "ck")
+        checkpoint.save_items(path, [(kv, name)], {"note": "file"})
+        emb_kv, _ = file_table(local, tmp_path / "embedded", name=name)
+        emb_kv.init_optimizer(name, "adagrad", {})
+        checkpoint.restore(path, emb_kv, [name])
+        got = emb_kv.export(name)
+        np.testing.assert_array_equal(got[0], want[0])
+        for c in want[1]:
+            np.testing.assert_array_equal(got[1][c], want[1][c])
+        assert (got[1]["sum"][ids] == 1).all() and (got[1]["sum"].sum() == 3 * len(ids))
+        kv.delete_data(name)
+    finally:
+        local.close()
+        remote.close(goodbye=False)
+
+
+def test_store_embedding_of_a_file_spec_trains_as_a_dense_table(base, tmp_path):
+    """StoreEmbedding(FileTableSpec) in either placement equals DistEmbedding (itself
+    tested against torch.optim) bit for bit, on duplicate-heavy ids."""
+    ctx = DistContext(base, backend="pytorch")
+    spec = FileTableSpec(str(tmp_path / "se" / uuid.uuid4().hex[:8]), num_rows=FILE_ROWS,
+                         dim=3, init=key_normal(3, seed=4), preallocate=False)
+    emb = StoreEmbedding(spec, name=f"se-{uuid.uuid4().hex[:8]}", context=ctx)
+    oracle_ctx = DistContext.embedded(backend="pytorch")
+    dense = DistEmbedding(FILE_ROWS, 3, name="oracle", context=oracle_ctx,
+                          init_func=lambda shape, dtype: torch.from_numpy(
+                              key_normal(3, seed=4)(np.arange(FILE_ROWS))))
+    opts = [SparseAdagrad([emb], lr=0.3), SparseAdagrad([dense], lr=0.3)]
+    rng = np.random.default_rng(5)
+    try:
+        for _ in range(6):
+            ids = torch.from_numpy((rng.zipf(1.3, 64) - 1) % FILE_ROWS)
+            for table, opt in zip((emb, dense), opts):
+                (table(ids) * torch.arange(3.0)).sum().backward()
+                opt.step()
+        all_ids = torch.arange(FILE_ROWS)
+        assert torch.equal(emb.weight[all_ids], dense.weight[all_ids])
+        assert not torch.equal(dense.weight[all_ids], torch.from_numpy(
+            key_normal(3, seed=4)(np.arange(FILE_ROWS)))), "the oracle did not move"
+    finally:
+        emb.kvstore.delete_data(emb.name)
+        oracle_ctx.close()

@@ -209,8 +209,7 @@ __global__ void adam_kernel(uint16_t* weight, float* exp_avg, float* exp_avg_sq,
                             double beta2, float eps, float global_step_size,
                             int64_t* row_steps, uint64_t seed) {
   const int lane = threadIdx.x % kWarp;
-  // 1 - beta in double, then rounded, as torch (and the CPU kernels) compute it.
-  const float omb1 = static_cast<float>(1.0 - beta1), omb2 = static_cast<float>(1.0 - beta2);
+  const float omb1 = rules::adam_one_minus(beta1), omb2 = rules::adam_one_minus(beta2);
   for (int64_t i = first_row(kWarp); i < n; i += row_stride(kWarp)) {
     const int64_t r = rows[i];
     if (out_of_table(r, num_rows)) continue;  // the whole warp: it shares the row

@@ -52,7 +52,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
-from distemb.kvstore.types import KVClient, PlacedAsInner
+from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
 from distemb.rules import rule_of, state_owner
 
 #: The version of a cached copy someone else may have changed (bounded staleness): it is
@@ -210,8 +210,12 @@ class CachedKVClient(PlacedAsInner, KVClient):
         self.inner.barrier()
 
     def store_client(self):
-        """The wrapped client's: tables on row stores bypass the trainer cache."""
-        return self.inner.store_client()
+        """Refused: row-store tables cannot sit behind the trainer cache yet.
+
+        Raises:
+            KVStoreError: always, naming this placement and the tables it cannot hold.
+        """
+        raise refuse_row_stores(self, "the trainer cache", "cache")
 
     def close(self, **kw):
         """Close the wrapped client (keywords go to its ``close``)."""

@@ -376,8 +376,11 @@ def dedup_on(ops, device, meta: DataMeta, ids: Sequence[Array], grads: Sequence[
     grads = [g.reshape(-1, meta.shape[1]).to(device) for g in grads]
     flat = ids[0] if len(ids) == 1 else torch.cat(ids)
     g = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(torch.float32).contiguous()
-    dedup = ops.dedup_sum_padded if padded else ops.dedup_sum
-    return dedup(flat, g, num_rows=meta.shape[0])
+    if padded:
+        return ops.dedup_sum_padded(flat, g, num_rows=meta.shape[0])
+    # A keyed table (no partition policy: any int64 key) has no row count to sort
+    # against: its shape[0] is the live key count, and keys past it are valid keys.
+    return ops.dedup_sum(flat, g, num_rows=meta.shape[0] if meta.policy is not None else None)
 
 
 class ClientView(PlacedAsInner, KVClient):

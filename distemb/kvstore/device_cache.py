@@ -44,7 +44,7 @@ from distemb.enums import CachePolicy
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
 from distemb.kvstore.cache import TableCache
-from distemb.kvstore.types import KVClient, PlacedAsInner
+from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
 from distemb.rules import rule_of, state_name, state_owner
 
 
@@ -304,8 +304,12 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         self.inner.barrier()
 
     def store_client(self):
-        """The wrapped client's: tables on row stores bypass the device cache."""
-        return self.inner.store_client()
+        """Refused: row-store tables cannot sit behind the device cache yet.
+
+        Raises:
+            KVStoreError: always, naming this placement and the tables it cannot hold.
+        """
+        raise refuse_row_stores(self, "the device cache", "device_cache")
 
     def close(self, **kw):
         """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""

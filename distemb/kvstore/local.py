@@ -53,6 +53,7 @@ class LocalKVClient(KVClient):
         self.server = server or KVServer(num_threads=num_threads)
         self.num_threads = self.server.num_threads
         self._meta = {}
+        self._stores = None  # the StoreKVClient of row-store tables, made on first use
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         check_new_name(self._meta, name)
@@ -108,9 +109,14 @@ class LocalKVClient(KVClient):
             self.server.load_shard(name, part, directory, entry, start, step)
 
     def store_client(self):
-        """A :class:`~distemb.kvstore.store_client.StoreKVClient` (stores in this process)."""
-        return StoreKVClient(num_threads=self.server.num_threads)
+        """The :class:`~distemb.kvstore.store_client.StoreKVClient` of this client's
+        context (stores in this process): one per client, closed (flushed) with it."""
+        if self._stores is None:
+            self._stores = StoreKVClient(num_threads=self.server.num_threads)
+        return self._stores
 
     def close(self):
         for name in list(self._meta):
             self.delete_data(name)
+        if self._stores is not None:
+            self._stores.close()

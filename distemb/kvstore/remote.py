@@ -106,6 +106,7 @@ class RemoteKVClient(VersionedPulls, KVClient):
         self._conns = list(connections) if connections is not None else open_connections(cfg)
         self._meta, self._shm, self._seq, self._slots = {}, {}, {}, {}
         self._closed = False
+        self._stores = None  # the RemoteStoreClient of dynamic tables, made on first use
         hello = {sid: Hello(rank=rank, token=cfg.job_token or "")
                  for sid in range(self.num_servers)}
         self.server_info = [r.fields for r in self._call(hello).values()]
@@ -179,8 +180,10 @@ class RemoteKVClient(VersionedPulls, KVClient):
         return self._call(requests, wait=wait, on_reply=on_reply, timeout=timeout)
 
     def store_client(self):
-        """Dynamic tables on these servers (a :class:`RemoteStoreClient`)."""
-        return RemoteStoreClient(self)
+        """Dynamic tables on these servers: this client's one :class:`RemoteStoreClient`."""
+        if self._stores is None:
+            self._stores = RemoteStoreClient(self)
+        return self._stores
 
     def _frame_for(self, sid, msg, wait):
         """The frame of ``msg``; an update or push to a co-located server goes via /dev/shm.

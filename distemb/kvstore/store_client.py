@@ -63,6 +63,26 @@ class StoreClient(KVClient):
 
     def __init__(self):
         self._states = {}  # KVStore name of an optimizer state -> its table
+        self._specs = {}  # name -> the HashTableSpec of a table made by create_table
+
+    def _exists(self, name: str, spec) -> bool:
+        """Whether table ``name`` exists already, made from a spec like ``spec`` (then a
+        second ``DynamicEmbedding(name=...)`` attaches to it, as a DistTensor does).
+
+        Raises:
+            KVStoreError: ``name`` exists with another spec, or as a given store object.
+        """
+        if name not in self.names():
+            return False
+        have = self._specs.get(name)
+        if have is None:
+            raise KVStoreError(f"name {name!r} already exists in the KVStore (a table on a "
+                               "given store object); pick another name")
+        diff = have.differences(spec)
+        if diff:
+            raise KVStoreError(f"table {name!r} exists with {diff}; use another name, or "
+                               "the same arguments to attach to it")
+        return True
 
     @abc.abstractmethod
     def create_table(self, name: str, spec) -> None:
@@ -206,7 +226,10 @@ class StoreKVClient(StoreClient):
         self._stores = {}
 
     def create_table(self, name, spec):
+        if self._exists(name, spec):
+            return
         self.add_table(name, spec.make_store())
+        self._specs[name] = spec
 
     def add_table(self, name, store):
         """Hold ``store`` as table ``name``.
@@ -272,6 +295,7 @@ class StoreKVClient(StoreClient):
 
     def delete_data(self, name):
         store = self._stores.pop(name, None)
+        self._specs.pop(name, None)
         if store is not None:
             store.close()
         self._states = {s: t for s, t in self._states.items() if t != name}

@@ -1,12 +1,16 @@
-"""RemoteStoreClient: dynamic tables sharded by key hash over a cluster's servers.
+"""RemoteStoreClient: tables on row stores, sharded over a cluster's servers by a router.
 
-Each server holds one hash store per dynamic table (:mod:`distemb.kvstore.store_service`)
-with the keys ``k`` for which ``key_partition(k, num_servers)`` names it
+Each server holds one store per table (:mod:`distemb.kvstore.store_service`), made there
+from the table's spec, with the keys the table's router (:mod:`distemb.routers`) gives
+it: a dynamic table (:class:`~distemb.stores.spec.HashTableSpec`) has a hash store per
+server holding the keys ``k`` for which ``key_partition(k, num_servers)`` names it
 (:func:`~distemb.partition.key_partition`: splitmix64 of the key, modulo the server
-count), so any key lands on the same server whichever trainer sends it. A lookup is a
-find-or-insert on the owning server, which makes a new key's row with the table's
-initialiser, rebuilt there from its spec (``key_normal``/``key_uniform``): the row a key
-gets does not depend on the server count or on who asked first.
+count), so any key lands on the same server whichever trainer sends it; a file-backed
+table (:class:`~distemb.stores.spec.FileTableSpec`) has a FileStore per server holding
+a range of its keys 0..N-1. A lookup of a dynamic table is a find-or-insert on the
+owning server, which makes a new key's row with the table's initialiser, rebuilt there
+from its spec (``key_normal``/``key_uniform``): the row a key gets does not depend on
+the server count or on who asked first.
 
 Every request is split by owning server and sent to all of them before a reply is read
 (the cluster client's one send-then-collect routine, :meth:`RemoteKVClient.call
@@ -30,7 +34,6 @@ from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.store_client import StoreClient
 from distemb.kvstore.store_snapshot import check_entry, store_entry
-from distemb.partition import key_partition
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import (Drop, StoreCreate, StoreExport, StoreInfo, StoreLoad,
@@ -43,8 +46,7 @@ IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge 
 
 
 class RemoteStoreClient(StoreClient):
-    """Store client of a cluster: a hash store per server per table; see the module
-    docstring.
+    """Store client of a cluster: a store per server per table; see the module docstring.
 
     Args:
         remote: the trainer's :class:`~distemb.kvstore.remote.RemoteKVClient` (its
@@ -55,7 +57,7 @@ class RemoteStoreClient(StoreClient):
         super().__init__()
         self.remote = remote
         self.num_servers, self.num_threads = remote.num_servers, remote.num_threads
-        self._specs, self._seq = {}, {}
+        self._specs, self._seq, self._routers = {}, {}, {}
 
     @property
     def consistency(self):
@@ -68,15 +70,11 @@ class RemoteStoreClient(StoreClient):
             raise KVStoreError(f"name {name!r} is not in the KVStore "
                                f"(known: {sorted(self._specs)[:10]})") from None
 
-    def _split(self, keys):
-        """{server id: (positions in ``keys``, its keys)} of the servers owning some."""
-        if self.num_servers == 1:
-            return {0: (np.arange(len(keys)), keys)} if len(keys) else {}
-        owner = key_partition(keys, self.num_servers)
-        order = np.argsort(owner, kind="stable")
-        bounds = np.searchsorted(owner[order], np.arange(self.num_servers + 1))
-        return {sid: (order[lo:hi], keys[order[lo:hi]])
-                for sid, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo}
+    def _split(self, name, keys):
+        """{server id: (positions in ``keys``, its keys)} of the servers owning some, by
+        the table's router (:mod:`distemb.routers`)."""
+        self._spec(name)  # the error for an unknown table
+        return self._routers[name].split(keys)
 
     def _all(self, make, timeout=None):
         return self.remote.call({sid: make(sid) for sid in range(self.num_servers)},
@@ -86,7 +84,7 @@ class RemoteStoreClient(StoreClient):
         """Rows of ``keys`` asked of their owners with ``make(keys)``, in key order."""
         keys = table_keys(keys)
         out = np.empty((len(keys),) + row_shape, dtype)
-        split = self._split(keys)
+        split = self._split(name, keys)
 
         def take(sid, frame):
             pos = split[sid][0]
@@ -107,17 +105,19 @@ class RemoteStoreClient(StoreClient):
             TypeError: the spec's initialiser is a plain function (servers cannot run it).
             KVStoreError: ``name`` exists here, or on the servers with another spec.
         """
-        if name in self._specs:
-            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        if self._exists(name, spec):
+            return
         fields = spec.fields()
         self._all(lambda sid: StoreCreate(name=name, **fields))
         self._specs[name] = spec
+        self._routers[name] = spec.router(self.num_servers)
         self.remote.barrier()
 
     def add_table(self, name, store):
         raise KVStoreError(f"table {name!r}: a store object lives in this process, and this "
-                           "is a trainer of a cluster; use DynamicEmbedding (a hash store "
-                           "per server, made from its spec)")
+                           "is a trainer of a cluster; pass a table spec instead (e.g. "
+                           "StoreEmbedding(FileTableSpec(...)), or DynamicEmbedding): each "
+                           "server makes its own shard's store from it")
 
     def names(self):
         return list(self._specs)
@@ -145,7 +145,7 @@ class RemoteStoreClient(StoreClient):
         return int(sum(r.fields["size"] for r in self._info(name)[1].values()))
 
     def remove(self, name, keys):
-        split = self._split(table_keys(keys))
+        split = self._split(name, table_keys(keys))
         replies = self.remote.call({sid: StoreRemove(name=name, ids=k)
                                     for sid, (_, k) in split.items()})
         return int(sum(r.fields["removed"] for r in replies.values()))
@@ -205,12 +205,13 @@ class RemoteStoreClient(StoreClient):
                 self._write(name, keys[lo:lo + page], values[lo:lo + page], c)
 
     def _write(self, name, keys, values, column):
-        split = self._split(keys)
+        split = self._split(name, keys)
         self.remote.call({sid: StoreWrite(name=name, column=column, ids=k,
                                           values=np.ascontiguousarray(values[pos]))
                           for sid, (pos, k) in split.items()})
 
     def delete_data(self, name):
+        self._routers.pop(name, None)
         if self._specs.pop(name, None) is not None:
             self._states = {s: t for s, t in self._states.items() if t != name}
             self._all(lambda sid: Drop(name=name))
@@ -246,7 +247,7 @@ class RemoteStoreClient(StoreClient):
         self._seq[name] = seq
         exact = self.consistency == Consistency.SYNC_EXACT
         grads = np.asarray(grads, np.float32)
-        split = self._split(table_keys(ids))
+        split = self._split(name, table_keys(ids))
         requests = {sid: StoreUpdate(name=name, rule=impl.name.value, hyper=fields, seq=seq,
                                      exact=exact, ids=k,
                                      grads=np.ascontiguousarray(grads[pos]))

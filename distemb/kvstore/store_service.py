@@ -1,12 +1,17 @@
-"""StoreTables: a server's dynamic tables, one hash store each, and their request handlers.
+"""StoreTables: a server's tables on row stores, one store each, and their handlers.
 
-A server holds row stores as it holds arrays: table ``name`` is one
-:class:`~distemb.stores.hash.HashStore` here, holding the keys ``k`` with
-``key_partition(k, num_servers) == server_id`` (trainers route every key there). The
-:class:`~distemb.kvstore.service.KVService` decodes each request (every field and array
-checked by :mod:`distemb.transport.messages`) and hands the STORE_* ones to the handlers
-here, which check them against the table (columns, row shapes, dtypes, rules) before
-any store sees them; any failure becomes an error reply.
+A server holds row stores as it holds arrays: table ``name`` is one store here, made
+from the table's spec (:data:`~distemb.stores.spec.SPECS`: a
+:class:`~distemb.stores.hash.HashStore` for a dynamic table, a
+:class:`~distemb.stores.file.FileStore` for a file-backed one), holding the keys the
+table's router (:mod:`distemb.routers`) gives this server: ``key_partition(k, S)`` for
+hash tables, a range of 0..N-1 for file tables. Requests carry the table's keys; the
+handlers check that this server owns them and turn them into the store's keys (a range
+shard's local ids) and back. The :class:`~distemb.kvstore.service.KVService` decodes
+each request (every field and array checked by :mod:`distemb.transport.messages`) and
+hands the STORE_* ones to the handlers here, which check them against the table
+(columns, row shapes, dtypes, rules, what its store can do) before any store sees them;
+any failure becomes an error reply.
 
 Concurrency: one lock per table, held by every request on it, lookups included (a
 lookup may insert, grow the arrays and evict). One writer per row, as for arrays.
@@ -26,12 +31,11 @@ import threading
 import numpy as np
 
 from distemb import kernels
-from distemb.errors import KVStoreError, StoreError
+from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kvstore import snapshot, store_snapshot
 from distemb.kvstore.store_client import init_state_columns
-from distemb.partition import key_partition
 from distemb.rules import rule_of
-from distemb.stores.spec import HashTableSpec
+from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import Reply, Service
 
@@ -41,8 +45,9 @@ MAX_DIM = 1 << 16
 
 
 class _Table:
-    def __init__(self, spec, store):
-        self.spec, self.store, self.lock = spec, store, threading.Lock()
+    def __init__(self, spec, router, store):
+        self.spec, self.router, self.store = spec, router, store
+        self.lock = threading.Lock()
 
 
 class StoreTables:
@@ -50,7 +55,7 @@ class StoreTables:
 
     Args:
         server_id, num_servers: this server's place; it holds the keys
-            ``key_partition`` sends to ``server_id``.
+            each table's router sends to ``server_id``.
         num_threads: OpenMP threads of the update kernels.
         has_array: ``has_array(name) -> bool``: whether ``name`` is an array table here
             (a name is one or the other).
@@ -83,11 +88,15 @@ class StoreTables:
 
     def drop(self, name):
         with self._lock:
-            self._tables.pop(name, None)
+            t = self._tables.pop(name, None)
+        if t is not None:
+            with t.lock:
+                t.store.close()  # a file store flushes and unlocks its directory
 
-    def owns(self, keys):
-        """Bool mask: the keys this server holds."""
-        return key_partition(keys, self.num_servers) == self.server_id
+    def close(self):
+        """Close every store (file stores flush): the server is exiting."""
+        for name in list(self._tables):
+            self.drop(name)
 
     # -- handlers ---------------------------------------------------------------------
 
@@ -100,9 +109,9 @@ class StoreTables:
                                f"capacity >= 0, got dim {m.dim}, capacity {m.capacity}")
         fields = {f: getattr(m, f) for f in type(m).FIELDS}
         try:
-            spec = HashTableSpec.from_fields(fields)
+            spec = spec_from_fields(fields)
         except (TypeError, ValueError) as e:
-            raise KVStoreError(f"dynamic table {m.name!r}: {e}") from None
+            raise KVStoreError(f"table {m.name!r}: {e}") from None
         with self._lock:
             if self._has_array(m.name):
                 raise KVStoreError(f"name {m.name!r} is an array table on server "
@@ -110,10 +119,11 @@ class StoreTables:
             have = self._tables.get(m.name)
             if have is not None:
                 if have.spec != spec:
-                    raise KVStoreError(f"dynamic table {m.name!r} exists with {have.spec}, "
+                    raise KVStoreError(f"table {m.name!r} exists with {have.spec}, "
                                        f"asked for {spec}")
                 return Reply(fields={"existed": True})
-            self._tables[m.name] = _Table(spec, spec.make_store(self.num_servers))
+            store = spec.make_store(self.server_id, self.num_servers)
+            self._tables[m.name] = _Table(spec, spec.router(self.num_servers), store)
         return Reply(fields={"existed": False})
 
     def opt_init(self, m, session=None):
@@ -122,32 +132,40 @@ class StoreTables:
         with t.lock:
             init_state_columns(t.store, m.rule, m.options)
 
-    def _mine(self, m):
-        """KVStoreError when a key of ``m`` is not this server's (a trainer routed it
-        with another server count: its rows would be lost to every other trainer)."""
-        if len(m.ids) and not self.owns(m.ids).all():
-            bad = m.ids[~self.owns(m.ids)][0]
-            raise KVStoreError(f"key {int(bad)} of {m.name!r} belongs to server "
-                               f"{int(key_partition(np.array([bad]), self.num_servers)[0])} of "
-                               f"{self.num_servers}, not server {self.server_id}")
+    def _local(self, t, m):
+        """The store's keys of ``m.ids``; KVStoreError when a key is not this server's (a
+        trainer routed it with another server count: its rows would be lost to every
+        other trainer) or outside a fixed key space."""
+        if not len(m.ids):
+            return m.ids
+        try:
+            owner = t.router.part_of(m.ids)
+        except PartitionError as e:
+            raise KVStoreError(f"{m.name!r}: {e}") from None
+        if (owner != self.server_id).any():
+            bad = int(np.flatnonzero(owner != self.server_id)[0])
+            raise KVStoreError(f"key {int(m.ids[bad])} of {m.name!r} belongs to server "
+                               f"{int(owner[bad])} of {self.num_servers}, not server "
+                               f"{self.server_id}")
+        return t.router.to_local(self.server_id, m.ids)
 
     def read(self, m, session=None):
         t = self.table(m.name)
-        self._mine(m)
+        keys = self._local(t, m)
         with t.lock:
             if m.mode == "contains":
-                return Reply(arrays=[t.store.find(m.ids) >= 0])
+                return Reply(arrays=[t.store.find(keys) >= 0])
             if m.mode == "lookup":
                 if m.column != WEIGHT:
                     raise KVStoreError(f"lookup of {m.name!r}: reads the weight, not column "
                                        f"{m.column!r}")
-                return Reply(arrays=[t.store.lookup(m.ids)])
+                return Reply(arrays=[t.store.lookup(keys)])
             t.store.column(m.column)  # StoreError for an unknown column
-            return Reply(arrays=[t.store.gather(m.ids, m.column, insert=False)])
+            return Reply(arrays=[t.store.gather(keys, m.column, insert=False)])
 
     def write(self, m, session=None):
         t = self.table(m.name)
-        self._mine(m)
+        keys = self._local(t, m)
         with t.lock:
             shape, dtype = t.store.columns().get(m.column, (None, None))
             if shape is None:
@@ -158,15 +176,22 @@ class StoreTables:
                 raise StoreError(f"values of {m.name!r}.{m.column}: expected {want} rows of "
                                  f"shape {tuple(shape)}, got {m.values.dtype} "
                                  f"{m.values.shape[1:]}")
-            t.store.scatter(m.ids, m.values, m.column)
+            t.store.scatter(keys, m.values, m.column)
 
     def remove(self, m, session=None):
         t = self.table(m.name)
+        if t.spec.fixed_keys:
+            raise StoreError(f"remove: {m.name!r} is a {t.spec.kind} table, which holds the "
+                             f"fixed keys 0..{t.router.num_keys - 1}; only hash tables "
+                             "remove keys")
         with t.lock:
             return Reply(fields={"removed": t.store.remove(m.ids)})
 
     def info(self, m, session=None):
         t = self.table(m.name)
+        if m.evict_to >= 0 and t.spec.fixed_keys:
+            raise StoreError(f"evict: {m.name!r} is a {t.spec.kind} table, which holds the "
+                             f"fixed keys 0..{t.router.num_keys - 1}; only hash tables evict")
         with t.lock:
             evicted = np.empty(0, np.int64)
             if m.evict_to >= 0:
@@ -189,12 +214,12 @@ class StoreTables:
             rows = [t.store.decode(t.store.column(c)[slots]) if c == WEIGHT
                     else t.store.column(c)[slots] for c in cols]
             return Reply(fields={"total": int(len(keys)), "columns": cols},
-                         arrays=[sel] + rows)
+                         arrays=[t.router.to_global(self.server_id, sel)] + rows)
 
     def check_update(self, m):
         """Check an update against its table before it is applied (or buffered)."""
         t = self.table(m.name)
-        self._mine(m)
+        self._local(t, m)
         m.hyper = rule_of(m.rule).hyper_from(m.hyper)
         if m.grads.dtype != np.float32 or m.grads.ndim != 2 or \
                 m.grads.shape[1] != t.spec.dim:
@@ -213,14 +238,16 @@ class StoreTables:
                                          num_threads=self.num_threads)
         impl = rule_of(first.rule)
         with t.lock:
-            t.store.update(impl, uniq, summed, first.hyper, self.num_threads)
+            t.store.update(impl, t.router.to_local(self.server_id, uniq), summed,
+                           first.hyper, self.num_threads)
         return {}
 
     def save(self, m, session=None):
         t = self.table(m.name)
         with t.lock:
-            rec = store_snapshot.save_store(m.directory, m.save_id, m.name, self.server_id,
-                                            t.store)
+            rec = store_snapshot.save_store(
+                m.directory, m.save_id, m.name, self.server_id, t.store,
+                lambda keys: t.router.to_global(self.server_id, keys))
         return Reply(fields={"record": rec})
 
     def load(self, m, session=None):
@@ -229,5 +256,8 @@ class StoreTables:
                                       m.directory)
         store_snapshot.check_entry(entry, m.name, t.spec.dim, m.directory)
         with t.lock:
-            t.store.remove(t.store.keys())
-            store_snapshot.load_store(m.directory, entry, t.store, self.owns)
+            if not t.spec.fixed_keys:  # a fixed key set: the checkpoint overwrites each key
+                t.store.remove(t.store.keys())
+            store_snapshot.load_store(m.directory, entry, t.store,
+                                      lambda keys: t.router.owns(self.server_id, keys),
+                                      lambda keys: t.router.to_local(self.server_id, keys))

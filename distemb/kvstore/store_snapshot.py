@@ -33,10 +33,12 @@ def _segment_name(name, column):
     return f"{name}\x00{column}"
 
 
-def save_store(directory, save_id, name, part, store):
-    """Write ``store`` (shard ``part`` of dynamic table ``name``) as segments.
+def save_store(directory, save_id, name, part, store, to_global=None):
+    """Write ``store`` (shard ``part`` of table ``name``) as segments.
 
     The caller holds whatever lock keeps the store still (the server's table lock).
+    ``to_global(store keys) -> table keys`` (a router's, for shards of a range-routed
+    table): the checkpoint holds the table's keys, so it loads under any shard count.
 
     Returns:
         the shard's manifest record: ``{"part", "count", "keys": segment, "columns":
@@ -45,10 +47,11 @@ def save_store(directory, save_id, name, part, store):
     keys = store.keys()
     slots = store.slots(keys) if len(keys) else np.empty(0, np.int64)
     n = len(keys)
+    saved = keys if to_global is None else to_global(keys)
     record = {"part": int(part), "count": n,
               KEYS: snapshot.write_segment(directory, save_id, _segment_name(name, KEYS),
                                            part, 0, 1, (n,), "int64",
-                                           lambda lo, hi: keys[lo:hi]),
+                                           lambda lo, hi: saved[lo:hi]),
               "columns": {}}
     for col, (shape, dtype) in store.columns().items():
         arr = store.column(col)
@@ -78,8 +81,9 @@ def _check_record(rec, i):
                            f"({str(rec)[:80]!r})")
 
 
-def load_store(directory, entry, store, owns):
-    """Upsert, into ``store``, the saved keys ``owns(keys)`` selects, with every column.
+def load_store(directory, entry, store, owns, to_local=None):
+    """Upsert, into ``store``, the saved keys ``owns(keys)`` selects, with every column
+    (as the store's keys ``to_local(keys)`` when given: a range-routed shard's).
 
     Args:
         directory: the checkpoint directory.
@@ -111,6 +115,9 @@ def load_store(directory, entry, store, owns):
         snapshot.read_segments(directory, [rec[KEYS]], "int64", (), 0, 1, n,
                                lambda j, rows: keys.__setitem__(j, rows))
         mine = np.asarray(owns(keys), dtype=bool)
+        mapped = keys.copy()
+        if to_local is not None and mine.any():
+            mapped[mine] = to_local(keys[mine])
         # the weight first: it inserts the keys, then state columns overwrite fresh state
         order = [WEIGHT] + [c for c in rec["columns"] if c != WEIGHT]
         for col in order:
@@ -119,7 +126,7 @@ def load_store(directory, entry, store, owns):
             def write(j, rows, col=col):
                 m = mine[j]
                 if m.any():
-                    store.scatter(keys[j][m], rows[m], col)
+                    store.scatter(mapped[j][m], rows[m], col)
             snapshot.read_segments(directory, [c["segment"]], c["dtype"], tuple(c["shape"]),
                                    0, 1, n, write)
 

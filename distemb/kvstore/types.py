@@ -419,6 +419,21 @@ class KVClient(ABC):
         return HostTableOnDevice.of(self, device)
 
 
+def refuse_row_stores(client: KVClient, placement: str, config_key: str):
+    """The error of a placement that cannot hold tables on row stores, naming both.
+
+    Args:
+        client: the refusing client.
+        placement: what it is, e.g. "the trainer cache".
+        config_key: the context setting that made it, e.g. "cache".
+    """
+    return KVStoreError(f"{type(client).__name__}: tables on row stores (DynamicEmbedding, "
+                        "StoreEmbedding: any int64 key, hash or file stores) cannot be "
+                        f"placed behind {placement}, whose slot map is an array sized to a "
+                        f"dense table's rows; make them in a context without "
+                        f"'{config_key}' (their rows then go to their owner uncached)")
+
+
 class PlacedAsInner:
     """Mixin of a client wrapping another (``self.inner``) without moving its rows: the
     placement half (ids, values and rows in and out, the duplicate sum) is the wrapped

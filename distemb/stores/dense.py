@@ -41,6 +41,8 @@ class DenseStore(RowStore):
         [[2.0, 2.0]]
     """
 
+    fixed_keys = True
+
     def __init__(self, num_rows, dim, dtype="float32", init=None, rounding="nearest"):
         self.num_rows = check_dim(num_rows, "num_rows")
         self.dim = check_dim(dim)
@@ -83,6 +85,11 @@ class DenseStore(RowStore):
                                  f"{self.num_rows})")
         return keys
 
+    def find(self, keys):
+        """Slot of each key (a dense store's keys are its slots), -1 outside 0..N-1."""
+        keys = keys_array(keys)
+        return np.where((keys >= 0) & (keys < self.num_rows), keys, -1)
+
     def column(self, name):
         try:
             return self._cols[name]
@@ -121,6 +128,10 @@ class DenseStore(RowStore):
     def remove(self, keys):
         raise StoreError(f"remove: a {type(self).__name__} holds the fixed keys "
                          f"0..{self.num_rows - 1}; use a HashStore for removable keys")
+
+    def evict(self, target_size, policy=None, protect=None):
+        raise StoreError(f"evict: a {type(self).__name__} holds the fixed keys "
+                         f"0..{self.num_rows - 1}; only a HashStore evicts")
 
     def export(self):
         # every key is its own slot: the columns are already in key order

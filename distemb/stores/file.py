@@ -18,6 +18,7 @@ loss, which loses at most the writes since the last flush. Reopening the same pa
 (``meta.json`` records the shape and the columns). Step counts of an optimizer
 (Adam's bias correction, Adagrad's lr_decay) live in the optimizer, not here.
 """
+import fcntl
 import json
 import mmap
 import os
@@ -31,6 +32,7 @@ from distemb.stores.types import WEIGHT, check_dim, check_float_dtype
 
 FORMAT = "distemb-file-store"
 META = "meta.json"
+LOCK = ".lock"  # flock'ed by the one FileStore that has the directory open; holds its pid
 
 
 def _writable_dir(path):
@@ -42,6 +44,34 @@ def _writable_dir(path):
     if not os.access(path, os.W_OK | os.X_OK):
         raise StoreError(f"path: directory {path!r} is not writable; a FileStore needs a "
                          "writable directory (read-only file system or permissions?)")
+
+
+def _lock_dir(path):
+    """Take the directory's exclusive lock: the open lock file (closing it, or the
+    process ending, releases the lock).
+
+    Raises:
+        StoreError: another FileStore (this process or another) has the directory open.
+    """
+    try:
+        f = open(os.path.join(path, LOCK), "a+")
+    except OSError as e:
+        raise StoreError(f"path: cannot open the lock file of the FileStore at {path!r} "
+                         f"({e.strerror}); a FileStore needs a writable directory") from None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read(32).strip() or "unknown"
+        f.close()
+        raise StoreError(f"path: the FileStore at {path!r} is open in process {holder} "
+                         "(one writer per directory: two would share the mapped rows "
+                         "unknowingly); close it first") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 class FileStore(DenseStore):
@@ -79,12 +109,36 @@ class FileStore(DenseStore):
         self.path = os.fspath(path)
         self.preallocate = bool(preallocate)
         self._maps = {}
+        self._lock = None
         meta_path = os.path.join(self.path, META)
         if os.path.exists(meta_path):
-            self._reopen(meta_path, num_rows, dim, dtype)
-            self._set_rounding(rounding)
+            self._lock = _lock_dir(self.path)
+            try:
+                self._reopen(meta_path, num_rows, dim, dtype)
+                self._set_rounding(rounding)
+            except BaseException:
+                self._unlock()
+                raise
             return
         _writable_dir(self.path)
+        self._lock = _lock_dir(self.path)
+        try:
+            self._create(num_rows, dim, dtype, init, rounding)
+        except BaseException:
+            self._unlock()
+            raise
+
+    @property
+    def closed(self):
+        """True once :meth:`close` ran (the directory may be opened again)."""
+        return self._lock is None
+
+    def _unlock(self):
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _create(self, num_rows, dim, dtype, init, rounding):
         if num_rows is None or dim is None:
             raise ValueError(f"num_rows, dim: a new FileStore at {self.path!r} needs both, "
                              f"got num_rows={num_rows!r}, dim={dim!r}")
@@ -200,6 +254,7 @@ class FileStore(DenseStore):
         for mm in self._maps.values():
             _close_map(mm)
         self._maps = {}
+        self._unlock()
 
     def nbytes(self):
         return int(sum(a.nbytes for a in self._cols.values()))

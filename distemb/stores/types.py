@@ -87,6 +87,8 @@ class RowStore(abc.ABC):
     #: True when the rows outlive the process (a file store): optimizer state columns are
     #: then kept on reopening, not reset.
     persistent = False
+    #: True when the store holds a fixed key set 0..N-1 (dense, file): no remove, no evict.
+    fixed_keys = False
 
     # ---- what implementations provide -------------------------------------------------
 

@@ -355,12 +355,15 @@ class KeysMessage(Message):
 
 
 class StoreCreate(Message):
-    """Make this server's hash store of dynamic table ``name`` (the fields of a
-    :class:`~distemb.stores.spec.HashTableSpec`); an existing one must match."""
+    """Make this server's store of table ``name`` (the fields of a spec of
+    :data:`~distemb.stores.spec.SPECS`: its ``kind`` picks which); an existing one must
+    match."""
 
     SERVICE = Service.STORE_CREATE
-    FIELDS = {"dim": int_value, "dtype": text, "init": text, "init_args": scalar_dict,
-              "capacity": int_value, "evict": text, "low_water": real, "rounding": text}
+    FIELDS = {"kind": text, "dim": int_value, "dtype": text, "init": text,
+              "init_args": scalar_dict, "capacity": int_value, "evict": text,
+              "low_water": real, "rounding": text, "num_rows": int_value, "path": text,
+              "preallocate": int_value}
 
 
 class StoreOptInit(Message):

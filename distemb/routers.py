@@ -1,0 +1,155 @@
+"""Routers: which shard holds a table's key, and the key's name inside that shard.
+
+One interface, two implementations, so every client splits requests the same way
+whatever the table's key space:
+
+- :class:`PolicyRouter`: keys 0..N-1 sharded by a :class:`~distemb.partition.
+  PartitionPolicy` (range, hash, or DGL's partition book): a shard's keys are its local
+  ids 0..n-1, so a dense or file store holds exactly its part of the rows.
+- :class:`KeyHashRouter`: any int64 key, on shard ``key_partition(key, P)``; a shard
+  keeps the keys themselves (hash stores).
+
+Messages carry global keys; the shard's owner checks :meth:`Router.owns` and turns them
+into its store's keys with :meth:`Router.to_local` (and back with :meth:`Router.to_global`
+when it exports or saves), so a checkpoint holds global keys and loads under any count
+of shards.
+
+Example:
+    >>> import numpy as np
+    >>> r = PolicyRouter.ranges(10, 2)
+    >>> {p: (pos.tolist(), k.tolist()) for p, (pos, k) in r.split(np.array([7, 1])).items()}
+    {0: ([1], [1]), 1: ([0], [7])}
+    >>> r.to_local(1, np.array([7])).tolist(), r.to_global(1, np.array([2])).tolist()
+    ([2], [7])
+"""
+import abc
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from distemb.partition import PartitionPolicy, key_partition, range_policy
+
+#: {shard: (positions in the request, the global keys it holds)}.
+Split = Dict[int, Tuple[np.ndarray, np.ndarray]]
+
+
+class Router(abc.ABC):
+    """Keys of one table -> shards (see the module docstring).
+
+    Attributes:
+        num_parts: the number of shards.
+    """
+
+    num_parts: int
+
+    @abc.abstractmethod
+    def part_of(self, keys: np.ndarray) -> np.ndarray:
+        """(N,) int64 shard of each key.
+
+        Raises:
+            PartitionError: a key outside a fixed key space.
+        """
+
+    @abc.abstractmethod
+    def to_local(self, part: int, keys: np.ndarray) -> np.ndarray:
+        """Keys of shard ``part`` as its store's keys."""
+
+    @abc.abstractmethod
+    def to_global(self, part: int, local: np.ndarray) -> np.ndarray:
+        """Store keys of shard ``part`` as the table's keys."""
+
+    @property
+    def num_keys(self) -> Optional[int]:
+        """Keys 0..N-1 of a fixed key space: N; None for any int64 key."""
+        return None
+
+    def owns(self, part: int, keys: np.ndarray) -> np.ndarray:
+        """Bool mask: the keys shard ``part`` holds (keys outside the key space: False)."""
+        keys = np.asarray(keys, np.int64)
+        if self.num_keys is not None:
+            inside = (keys >= 0) & (keys < self.num_keys)
+            mask = np.zeros(keys.shape, bool)
+            mask[inside] = self.part_of(keys[inside]) == part
+            return mask
+        return self.part_of(keys) == part
+
+    def split(self, keys: np.ndarray) -> Split:
+        """Group ``keys`` by shard: {shard: (positions in ``keys``, its keys)}."""
+        keys = np.asarray(keys, np.int64)
+        if not len(keys):
+            return {}
+        if self.num_parts == 1:
+            self.part_of(keys[:0] if self.num_keys is None else keys)  # range errors
+            return {0: (np.arange(len(keys)), keys)}
+        owner = self.part_of(keys)
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(self.num_parts + 1))
+        return {p: (order[lo:hi], keys[order[lo:hi]])
+                for p, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo}
+
+
+class KeyHashRouter(Router):
+    """Any int64 key, on shard ``key_partition(key, num_parts)``; stores keep the keys.
+
+    Example:
+        >>> KeyHashRouter(2).part_of(np.array([0, 1, -1])).tolist()
+        [1, 1, 0]
+    """
+
+    def __init__(self, num_parts: int):
+        self.num_parts = int(num_parts)
+
+    def part_of(self, keys):
+        return key_partition(keys, self.num_parts)
+
+    def to_local(self, part, keys):
+        return keys
+
+    def to_global(self, part, local):
+        return local
+
+    def __repr__(self):
+        return f"KeyHashRouter({self.num_parts})"
+
+
+class PolicyRouter(Router):
+    """Keys 0..N-1 sharded by a partition policy; a shard's store keys are its local ids.
+
+    Args:
+        policy: the :class:`~distemb.partition.PartitionPolicy` (range, hash or DGL's).
+
+    Example:
+        >>> PolicyRouter.ranges(10, 2).owns(1, np.array([4, 5, 10])).tolist()
+        [False, True, False]
+    """
+
+    def __init__(self, policy: PartitionPolicy):
+        self.policy = policy
+        self.num_parts = policy.num_partitions
+
+    @classmethod
+    def ranges(cls, num_keys: int, num_parts: int) -> "PolicyRouter":
+        """Keys 0..num_keys-1 in ``num_parts`` near-equal ranges."""
+        return cls(range_policy(num_keys, num_parts))
+
+    @property
+    def num_keys(self):
+        return self.policy.get_size()
+
+    def part_size(self, part: int) -> int:
+        """Keys shard ``part`` holds."""
+        return self.policy.get_part_size(part)
+
+    def part_of(self, keys):
+        self.policy.check_ids(np.asarray(keys, np.int64), "keys")
+        return self.policy.to_partid(keys)
+
+    def to_local(self, part, keys):
+        return self.policy.to_local(keys).astype(np.int64, copy=False)
+
+    def to_global(self, part, local):
+        start, step, _ = self.policy.id_progression(part)
+        return start + step * np.asarray(local, np.int64)
+
+    def __repr__(self):
+        return f"PolicyRouter({self.policy!r})"
