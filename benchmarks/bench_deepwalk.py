@@ -81,6 +81,10 @@ def main(argv=None):
         else:
             result = deepwalk.train(ds.graph, dw_args)
             emb, seconds, pairs = result["embeddings"], result["seconds"], result["pairs"]
+            print(f"{method} step parts (s, sample = waiting for a batch; sampler = the "
+                  "sampler's own time, overlapped when prefetching): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in result["phase_seconds"].items()),
+                  flush=True)
         scores = node_classification(emb, ds, "test", dw_args.eval_max_iter, dw_args.seed)
         rows.append((method, seconds, pairs, scores.micro_f1, scores.macro_f1))
         print(f"{method}: {seconds:.1f} s, Micro-F1 {scores.micro_f1:.4f}", flush=True)

@@ -6,8 +6,10 @@ starts distemb's server beside) and, through torch's launcher, in its trainers.
 
 ``python dgl_launch_trainer.py --ip_config IP --part_config CFG --mode train|load --out D``
 
-- train: each trainer looks up its own ``node_split`` nodes (DGL's split of the graph's
-  nodes) for ``--steps`` Adagrad steps of ``sum(emb(ids))``, then every trainer saves
+- train: each trainer looks up its own nodes (every world-size-th node from its torch
+  rank: DGL's node_split takes the machine from the IP address, and the test's
+  "machines" share 127.0.0.1) for ``--steps`` Adagrad steps of ``sum(emb(ids))``, the
+  table sharded by DGL's partition policy, then every trainer saves
   the optimizer (collectively) to ``D/ckpt``; rank 0 writes the rows and the state;
 - load: a fresh table and optimizer load ``D/ckpt``; rank 0 writes the rows and state.
 """
@@ -43,8 +45,7 @@ def main():
     opt = dgl.distributed.optim.SparseAdagrad([emb], lr=0.1)
     ckpt = os.path.join(args.out, "ckpt")
     if args.mode == "train":
-        mine = dgl.distributed.node_split(th.ones(n, dtype=th.bool), g.get_partition_book(),
-                                          force_even=True)
+        mine = th.arange(n)[rank::th.distributed.get_world_size()]
         np.save(os.path.join(args.out, f"ids-{rank}.npy"), mine.numpy())
         for _ in range(args.steps):
             emb(mine).sum().backward()
@@ -58,7 +59,9 @@ def main():
         np.save(os.path.join(args.out, f"{args.mode}-rows.npy"), emb.weight[0:n].numpy())
         np.save(os.path.join(args.out, f"{args.mode}-state.npy"), state[0:n].numpy())
     th.distributed.barrier()
-    print(f"rank {rank} of {th.distributed.get_world_size()}: {args.mode} ok", flush=True)
+    policy = emb.part_policy  # DGL's node policy of the graph, taken as DGL would
+    print(f"rank {rank} of {th.distributed.get_world_size()}: {args.mode} ok, "
+          f"{policy.policy_str} in {policy.num_partitions} partition(s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ first on PATH points DGL's ``ssh`` commands at that key). The script
 servers start inside DGL's server-role processes, trainers join with DGL's variables,
 and the job token comes through DGL's ``--extra_envs``.
 
-Oracle: every trainer looks up its own nodes (DGL's node_split) with ``sum`` as the loss,
+Oracle: every trainer looks up its own nodes with ``sum`` as the loss,
 so each row gets gradient 1 per step from one trainer: torch's Adagrad on an
 ``nn.Embedding(sparse=True)`` with all nodes as one batch is the single-process job.
 """
@@ -99,25 +99,29 @@ def _adagrad_oracle(n, steps, lr=0.1):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("servers", [1, 2])
-@pytest.mark.timeout(700)
-def test_dgl_launcher_job_trains_and_saves_4_loads_2(tmp_path, sshd, servers):
-    """1 machine: S servers, 4 trainers train and save; 2 trainers load the checkpoint."""
-    part_config, n = _partition(tmp_path, 1)
+@pytest.mark.parametrize("machines,servers", [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.timeout(900)
+def test_dgl_launcher_job_trains_and_saves_4_loads_2(tmp_path, sshd, machines, servers):
+    """M machines' worth of processes on 127.0.0.1 (one ip_config line each, as many
+    partitions), S servers per machine: 4 trainers in all train and save, then 2 load."""
+    part_config, n = _partition(tmp_path, machines)
     ip_config = str(tmp_path / "ip_config.txt")
     with open(ip_config, "w") as f:
-        f.write(f"127.0.0.1 {free_port(4)}\n")
+        f.writelines(f"127.0.0.1 {free_port(4)}\n" for _ in range(machines))
     token = os.urandom(16).hex()
-    out = _launch(tmp_path, sshd, ip_config, part_config, servers, 4, "train", token)
+    out = _launch(tmp_path, sshd, ip_config, part_config, servers, 4 // machines, "train",
+                  token, timeout=400)
     for r in range(4):
-        assert f"rank {r} of 4: train ok" in out, out[-4000:]
+        assert f"rank {r} of 4: train ok, node~_N in {machines} partition(s)" in out, \
+            out[-4000:]
     ids = np.concatenate([np.load(tmp_path / f"ids-{r}.npy") for r in range(4)])
-    assert sorted(ids.tolist()) == list(range(n))  # DGL split every node, once
+    assert sorted(ids.tolist()) == list(range(n))  # the trainers split every node, once
     rows, state = _adagrad_oracle(n, 3)
     np.testing.assert_allclose(np.load(tmp_path / "train-rows.npy"), rows, rtol=1e-6)
     np.testing.assert_allclose(np.load(tmp_path / "train-state.npy"), state, rtol=1e-6)
 
-    out = _launch(tmp_path, sshd, ip_config, part_config, servers, 2, "load", token)
+    out = _launch(tmp_path, sshd, ip_config, part_config, servers, 2 // machines, "load",
+                  token, timeout=400)
     for r in range(2):
         assert f"rank {r} of 2: load ok" in out, out[-4000:]
     np.testing.assert_array_equal(np.load(tmp_path / "load-rows.npy"),

@@ -151,3 +151,56 @@ def test_run_dist_objects_tables(tmp_path, num_servers):
                        360)
     assert sorted(joined(out)) == [(0, 2), (1, 2)], out[-3000:]
     assert len(servers_started(out)) == num_servers
+
+
+def _sbm_partition(out):
+    """A learnable graph, partitioned as DGL's example expects (labels and masks)."""
+    import dgl
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from graph_examples.datasets import load_sbm
+
+    ds = load_sbm(num_nodes=1500, num_classes=3, avg_degree=8.0, seed=3)
+    g = ds.graph
+    g.ndata["labels"] = ds.labels
+    for key, idx in (("train_mask", ds.train_idx), ("val_mask", ds.val_idx),
+                     ("test_mask", ds.test_idx)):
+        mask = torch.zeros(g.num_nodes(), dtype=torch.bool)
+        mask[idx] = True
+        g.ndata[key] = mask
+    dgl.distributed.partition_graph(g, "sbm", 1, str(out / "parts"))
+    return str(out / "parts" / "sbm.json")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+def test_train_dist_transductive_standalone_like_dgl(tmp_path):
+    """examples/pytorch/graphsage/dist/train_dist_transductive.py --standalone
+    --dgl_sparse: the file with distemb's line, and DGL's own file (that line removed),
+    on the same partitioned graph: both learn it, to within 0.05 test accuracy."""
+    part_config = _sbm_partition(tmp_path)
+    (tmp_path / "ip_config.txt").write_text("127.0.0.1\n")
+    with open(os.path.join(UPSTREAM, "train_dist_transductive.py")) as f:
+        ours = f.read()
+    assert ours.startswith("import distemb.dgl; distemb.dgl.patch()")
+    theirs = tmp_path / "train_dist_transductive_dgl.py"
+    theirs.write_text(ours.split("\n", 1)[1])
+    args = ["--standalone", "--dgl_sparse", "--graph_name", "sbm", "--ip_config",
+            "ip_config.txt", "--part_config", part_config, "--num_epochs", "8",
+            "--eval_every", "8", "--batch_size", "100", "--num_hidden", "16",
+            "--sparse_lr", "0.05", "--lr", "0.01", "--fan_out", "10,25"]
+    accs = {}
+    for which, script in (("distemb", os.path.join(UPSTREAM, "train_dist_transductive.py")),
+                          ("dgl", str(theirs))):
+        with ProcessGroup() as group:
+            group.spawn([sys.executable, script, *args], env=upstream_env(),
+                        cwd=str(tmp_path))
+            (out,) = group.wait_all(timeout=400).values()
+        found = re.findall(r"Test Acc (\d\.\d+)", out)
+        assert found, out[-3000:]
+        accs[which] = float(found[-1])
+        patched = "distemb-log: distemb in DGL's standalone mode" in out
+        assert patched == (which == "distemb"), out[-3000:]
+    assert accs["dgl"] > 0.8, accs  # the graph is learnable (3 classes)
+    assert abs(accs["distemb"] - accs["dgl"]) <= 0.05, accs
