@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.distemb-installed
 APT    := openmpi-bin libopenmpi-dev wordnet-base openssh-server
 export OMP_WAIT_POLICY ?= passive
 
-.PHONY: test demo bench data system clean
+.PHONY: test demo bench data system clean docs
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -27,12 +27,17 @@ system:
 
 $(STAMP): $(PY) setup.py setup.cfg pyproject.toml $(wildcard csrc/*.pyx csrc/cuda/*.cu) | system
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,dgl,mpi,examples]'
+	$(PY) -m pip install -q -e '.[test,dgl,mpi,examples,docs]'
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 	DISTEMB_NO_EXT=1 $(PY) -m pytest -q
+
+# The documentation site (mkdocs; API reference from the docstrings) into site/; any
+# warning (a broken link or anchor, a docstring griffe cannot read) fails the build.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
 
 demo: $(STAMP)
 	$(PY) graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet

@@ -300,3 +300,26 @@ def test_persistent_tables_outlive_their_objects(embedded, make):
     again = make(name="kept", init_func=_ones)
     assert torch.equal((again.weight if hasattr(again, "weight") else again)[0:4],
                        torch.full((4, 2), 3.0))
+
+
+def test_patch_runner_runs_a_script_patched_and_unpatch_restores(tmp_path):
+    """``python -m distemb.dgl.patch script.py args``: the script sees distemb's classes
+    at DGL's paths (imported by name before any line of its own), with its argv."""
+    script = tmp_path / "uses_dgl.py"
+    script.write_text(
+        "import sys\n"
+        "from dgl.distributed import DistEmbedding, DistTensor\n"
+        "from dgl.distributed.optim import SparseAdam\n"
+        "import distemb.dgl\n"
+        "print(DistEmbedding.__module__, DistTensor.__module__, SparseAdam.__module__,\n"
+        "      sys.argv[1:], distemb.dgl.is_patched())\n"
+        "distemb.dgl.unpatch()\n"
+        "import dgl.distributed\n"
+        "print(dgl.distributed.DistEmbedding.__module__, distemb.dgl.is_patched())\n")
+    with ProcessGroup() as group:
+        group.spawn([sys.executable, "-m", "distemb.dgl.patch", str(script), "a", "--b"])
+        (out,) = group.wait_all(timeout=120).values()
+    lines = out.strip().splitlines()
+    assert lines[-2] == ("distemb.dgl.tables distemb.dgl.tables distemb.optim.optimizers "
+                         "['a', '--b'] True"), out
+    assert lines[-1] == "dgl.distributed.nn.pytorch.sparse_emb False", out

@@ -152,8 +152,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # Run the copy of this module that everyone else imports (``distemb.dgl.patch``), not
-    # this ``__main__`` one, so that unpatch() and is_patched() see the same record.
-    from distemb.dgl import patch as installed
-
-    sys.exit(installed.main())
+    # Run the copy of this module that everyone else imports (``distemb.dgl.patch``, which
+    # importing the package loaded already), not this ``__main__`` one, so that unpatch()
+    # and is_patched() see the same record.
+    sys.exit(sys.modules["distemb.dgl.patch"].main())
