@@ -10,16 +10,9 @@ import scipy.sparse as spsp
 
 def generate_ip_config(file_name, num_machines, num_servers):
     """Get local IP and available ports, writes to file."""
-    # get available IP in localhost
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        # doesn't even have to be reachable
-        sock.connect(("10.255.255.255", 1))
-        ip = sock.getsockname()[0]
-    except ValueError:
-        ip = "127.0.0.1"
-    finally:
-        sock.close()
+    # distemb: loopback only (DGL takes this machine's interface address; the test
+    # machines here may address nothing but 127.0.0.0/8, see README.md)
+    ip = "127.0.0.1"
 
     # scan available PORT
     ports = []
