@@ -363,7 +363,7 @@ class KVService:
             return None
         out = np.empty(m.ids.shape[0], np.int64)
         for part, ids, sl in self._rows(m):
-            out[sl] = self.server.versions(m.name, part)[ids]
+            out[sl] = self.server.versions(m.name, part, ids)
         return Reply(arrays=[out])
 
     def _versioned_pull(self, m, session=None):
@@ -372,7 +372,7 @@ class KVService:
         for part, ids, sl in self._rows(m):
             # Versions first: a row written meanwhile then carries an older version than
             # its contents, which the next validation refetches (never the reverse).
-            cur = self.server.versions(m.name, part)[ids]
+            cur = self.server.versions(m.name, part, ids)
             have = m.have[sl]
             stale = np.flatnonzero(cur != have)
             pos.append(stale + sl.start)

@@ -13,8 +13,12 @@ hands the STORE_* ones to the handlers here, which check them against the table
 (columns, row shapes, dtypes, rules, what its store can do) before any store sees them;
 any failure becomes an error reply.
 
-Concurrency: one lock per table, held by every request on it, lookups included (a
-lookup may insert, grow the arrays and evict). One writer per row, as for arrays.
+Concurrency: each table's store is one :class:`~distemb.kvstore.shard.ShardTable`, the
+shard type of array tables too: reads that cannot insert hold its lock shared; writes,
+updates, removals and lookups of a store that inserts on read (a hash store may grow
+its arrays and evict) hold it exclusive. One writer per row, as for arrays. Every write
+of a row bumps its version (once versions are tracked), a hidden column evicted with
+the row.
 
 Example:
     >>> import numpy as np
@@ -33,6 +37,7 @@ import numpy as np
 from distemb import kernels
 from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kvstore import snapshot, store_snapshot
+from distemb.kvstore.shard import ShardTable
 from distemb.kvstore.store_client import init_state_columns
 from distemb.rules import rule_of
 from distemb.stores.spec import spec_from_fields
@@ -45,9 +50,15 @@ MAX_DIM = 1 << 16
 
 
 class _Table:
+    """A table's spec, router and this server's shard of it."""
+
     def __init__(self, spec, router, store):
-        self.spec, self.router, self.store = spec, router, store
-        self.lock = threading.Lock()
+        self.spec, self.router, self.shard = spec, router, ShardTable(store)
+        self.store = store
+
+    def lookup_lock(self):
+        """The lock a lookup takes: exclusive when the store inserts on read."""
+        return self.shard.write() if self.shard.inserts_on_read else self.shard.read()
 
 
 class StoreTables:
@@ -90,7 +101,7 @@ class StoreTables:
         with self._lock:
             t = self._tables.pop(name, None)
         if t is not None:
-            with t.lock:
+            with t.shard.write():
                 t.store.close()  # a file store flushes and unlocks its directory
 
     def close(self):
@@ -129,8 +140,9 @@ class StoreTables:
     def opt_init(self, m, session=None):
         t = self.table(m.name)
         rule_of(m.rule)  # an unknown rule fails before the table changes
-        with t.lock:
+        with t.shard.write():
             init_state_columns(t.store, m.rule, m.options)
+        t.shard.bump_all()  # cached copies of the state are void
 
     def _local(self, t, m):
         """The store's keys of ``m.ids``; KVStoreError when a key is not this server's (a
@@ -152,31 +164,34 @@ class StoreTables:
     def read(self, m, session=None):
         t = self.table(m.name)
         keys = self._local(t, m)
-        with t.lock:
+        if m.mode == "lookup":
+            if m.column != WEIGHT:
+                raise KVStoreError(f"lookup of {m.name!r}: reads the weight, not column "
+                                   f"{m.column!r}")
+            with t.lookup_lock():
+                return Reply(arrays=[t.store.lookup(keys)])
+        with t.shard.read():
             if m.mode == "contains":
                 return Reply(arrays=[t.store.find(keys) >= 0])
-            if m.mode == "lookup":
-                if m.column != WEIGHT:
-                    raise KVStoreError(f"lookup of {m.name!r}: reads the weight, not column "
-                                       f"{m.column!r}")
-                return Reply(arrays=[t.store.lookup(keys)])
-            t.store.column(m.column)  # StoreError for an unknown column
+            if m.column not in t.shard.columns():
+                t.store.column(None)  # the StoreError naming the columns
             return Reply(arrays=[t.store.gather(keys, m.column, insert=False)])
 
     def write(self, m, session=None):
         t = self.table(m.name)
         keys = self._local(t, m)
-        with t.lock:
-            shape, dtype = t.store.columns().get(m.column, (None, None))
+        with t.shard.write():
+            shape, dtype = t.shard.columns().get(m.column, (None, None))
             if shape is None:
                 raise StoreError(f"column: no column {m.column!r} in {m.name!r} (has "
-                                 f"{sorted(t.store.columns())})")
+                                 f"{sorted(t.shard.columns())})")
             want = "float32" if m.column == WEIGHT else dtype
             if m.values.dtype.name != want or m.values.shape[1:] != tuple(shape):
                 raise StoreError(f"values of {m.name!r}.{m.column}: expected {want} rows of "
                                  f"shape {tuple(shape)}, got {m.values.dtype} "
                                  f"{m.values.shape[1:]}")
             t.store.scatter(keys, m.values, m.column)
+            t.shard.bump(t.store.slots(keys))
 
     def remove(self, m, session=None):
         t = self.table(m.name)
@@ -184,7 +199,7 @@ class StoreTables:
             raise StoreError(f"remove: {m.name!r} is a {t.spec.kind} table, which holds the "
                              f"fixed keys 0..{t.router.num_keys - 1}; only hash tables "
                              "remove keys")
-        with t.lock:
+        with t.shard.write():
             return Reply(fields={"removed": t.store.remove(m.ids)})
 
     def info(self, m, session=None):
@@ -192,18 +207,18 @@ class StoreTables:
         if m.evict_to >= 0 and t.spec.fixed_keys:
             raise StoreError(f"evict: {m.name!r} is a {t.spec.kind} table, which holds the "
                              f"fixed keys 0..{t.router.num_keys - 1}; only hash tables evict")
-        with t.lock:
+        with t.shard.write():
             evicted = np.empty(0, np.int64)
             if m.evict_to >= 0:
                 evicted = t.store.evict(m.evict_to, m.policy or None)
-            cols = {c: [list(s), d] for c, (s, d) in t.store.columns().items()}
+            cols = {c: [list(s), d] for c, (s, d) in t.shard.columns().items()}
             return Reply(fields={"size": t.store.size(), "capacity": t.store.capacity,
                                  "columns": cols}, arrays=[evicted])
 
     def export(self, m, session=None):
         t = self.table(m.name)
-        with t.lock:
-            have = t.store.columns()
+        with t.shard.read():
+            have = t.shard.columns()
             cols = list(m.columns) or list(have)
             missing = [c for c in cols if c not in have]
             if missing:
@@ -237,17 +252,18 @@ class StoreTables:
         uniq, summed = kernels.dedup_sum(ids, np.ascontiguousarray(grads),
                                          num_threads=self.num_threads)
         impl = rule_of(first.rule)
-        with t.lock:
-            t.store.update(impl, t.router.to_local(self.server_id, uniq), summed,
-                           first.hyper, self.num_threads)
+        keys = t.router.to_local(self.server_id, uniq)
+        with t.shard.write():
+            t.store.update(impl, keys, summed, first.hyper, self.num_threads)
+            t.shard.bump(t.store.slots(keys), len(contribs))
         return {}
 
     def save(self, m, session=None):
         t = self.table(m.name)
-        with t.lock:
+        with t.shard.read():
             rec = store_snapshot.save_store(
                 m.directory, m.save_id, m.name, self.server_id, t.store,
-                lambda keys: t.router.to_global(self.server_id, keys))
+                lambda keys: t.router.to_global(self.server_id, keys), t.shard.columns())
         return Reply(fields={"record": rec})
 
     def load(self, m, session=None):
@@ -255,9 +271,10 @@ class StoreTables:
         entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
                                       m.directory)
         store_snapshot.check_entry(entry, m.name, t.spec.dim, m.directory)
-        with t.lock:
+        with t.shard.write():
             if not t.spec.fixed_keys:  # a fixed key set: the checkpoint overwrites each key
                 t.store.remove(t.store.keys())
             store_snapshot.load_store(m.directory, entry, t.store,
                                       lambda keys: t.router.owns(self.server_id, keys),
                                       lambda keys: t.router.to_local(self.server_id, keys))
+        t.shard.bump_all()  # cached copies of every row are void
