@@ -26,14 +26,15 @@ def test_versions_start_at_first_and_count_writes(tmp_path, kind):
     with t.write():
         store.scatter(keys, np.ones((3, 2), np.float32))
     assert not t.tracks_versions
-    slots = store.slots(keys)
-    assert t.versions(slots, first=100).tolist() == [100, 100, 100]
+    assert t.versions(keys, first=100).tolist() == [100, 100, 100]
     with t.write():
-        t.bump(slots[[0, 0, 2]])  # duplicates change once
-        t.bump(slots[2:], by=np.array([3]))
-    assert t.versions(slots, first=None).tolist() == [101, 100, 104]
+        t.bump(keys[[0, 0, 2]])  # duplicates change once
+        t.bump(keys[2:], by=np.array([3]))
+    assert t.versions(keys, first=None).tolist() == [101, 100, 104]
+    t.push(keys[1:2], np.zeros((1, 2), np.float32))
+    assert t.versions(keys, first=None).tolist() == [101, 101, 104]
     t.bump_all()
-    assert t.versions(slots, first=None).tolist() == [102, 101, 105]
+    assert t.versions(keys, first=None).tolist() == [102, 102, 105]
     assert VERSION not in t.columns()  # hidden from exports and checkpoints
     store.close()
 
@@ -43,20 +44,18 @@ def test_a_hash_rows_version_is_evicted_with_the_row():
     t = ShardTable(store)
     store.lookup(np.array([10, 20, 30]))
     first = 7 << 40
-    s = store.slots(np.array([10]))
-    t.versions(s, first)
+    t.versions(np.array([10]), first)
     with t.write():
-        t.bump(s, by=5)
-    assert t.versions(store.slots(np.array([10])), None).tolist() == [first + 5]
-    with t.write():
-        t.bump(store.slots(np.array([20])))
+        t.bump(np.array([10]), by=5)
+    assert t.versions(np.array([10]), None).tolist() == [first + 5]
+    t.push(np.array([20]), np.ones((1, 2), np.float32))
     store.remove(np.array([10]))
-    store.lookup(np.array([40, 10]))  # 10 comes back as a fresh row
-    got = t.versions(store.slots(np.array([10, 20, 40])), None)
+    t.pull(np.array([40, 10]))  # 10 comes back as a fresh row
+    got = t.versions(np.array([10, 20, 40]), None)
     assert got.tolist() == [first, first + 1, first]
     store.evict(2, "lru")  # 30 and 20 are the least recent: evicted
-    store.lookup(np.array([20]))
-    assert t.versions(store.slots(np.array([20])), None).tolist() == [first]
+    t.pull(np.array([20]))
+    assert t.versions(np.array([20]), None).tolist() == [first]
     assert VERSION in store.columns() and VERSION not in t.columns()
 
 

@@ -26,7 +26,6 @@ import threading
 
 import numpy as np
 
-from distemb import kernels
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
@@ -105,6 +104,32 @@ class KVServer:
             if version is not None:
                 table.set_counter(column, version)
 
+    def add_table(self, name, part, store, spec, router):
+        """Hold ``store`` as shard ``part`` of table ``name``, made from ``spec`` and routed
+        by ``router`` (requests carry the table's keys); returns its ShardTable.
+
+        Raises:
+            KVStoreError: the shard exists.
+        """
+        with self._meta_lock:
+            if (name, part) in self._shards:
+                raise KVStoreError(f"shard {part} of {name!r} already exists on server "
+                                   f"{self.server_id}")
+            table = ShardTable(store, spec, router, part)
+            self._tables[(name, part)] = table
+            self._shards[(name, part)] = (table, WEIGHT)
+        return table
+
+    def attach_states(self, name, part, states):
+        """Name the state columns ``states`` of table ``name``'s store (made by the store
+        itself) as its shards ``state_name(name, state)``."""
+        table = self.table(name, part)
+        with self._meta_lock:
+            for key in [k for k, (t, c) in self._shards.items() if t is table and c != WEIGHT]:
+                del self._shards[key]
+            for state in states:
+                self._shards[(state_name(name, state), part)] = (table, state)
+
     def drop(self, name):
         """Forget every shard of ``name``."""
         for name_, part in [k for k in self._shards if k[0] == name]:
@@ -121,9 +146,21 @@ class KVServer:
             table.set_counter(column, None)
             if column == WEIGHT:
                 self._tables.pop((name, part), None)
-            else:
+                if table.spec is not None:  # its store is the server's own (a file flushes)
+                    for key in [k for k, (t, _) in self._shards.items() if t is table]:
+                        del self._shards[key]
+                    with table.write():
+                        table.store.close()
+            elif table.spec is None:
                 with table.write():
                     table.store.drop_column(column)
+
+    def close(self):
+        """Close the stores of tables made from a spec (a file store flushes and unlocks
+        its directory): the holder is exiting. Array shards are their holder's to free."""
+        for name, part in [k for k, (t, c) in list(self._shards.items())
+                           if c == WEIGHT and t.spec is not None]:
+            self.drop_shard(name, part)
 
     def _entry(self, name, part):
         try:
@@ -136,6 +173,12 @@ class KVServer:
         """The :class:`~distemb.kvstore.shard.ShardTable` of shard ``part`` of ``name``
         (a state's name gives its table's)."""
         return self._entry(name, part)[0]
+
+    def row_dtype(self, name, part):
+        """The dtype of shard ``part`` of ``name``'s rows in requests and replies: a
+        table's :attr:`~distemb.kvstore.shard.ShardTable.wire_dtype`, a state's own."""
+        table, column = self._entry(name, part)
+        return table.wire_dtype if column == WEIGHT else table.store.column(column).dtype
 
     def has(self, name, part):
         return (name, part) in self._shards
@@ -150,22 +193,10 @@ class KVServer:
         return table.store.column(column)
 
     def pull(self, name, part, local_ids, out=None):
-        """Rows ``local_ids`` of the shard, into ``out`` when given.
-
-        Rows come in the shard's dtype, except that a half shard's rows are decoded to
-        float32 (in the gather, one pass) when ``out`` is a float32 array.
-        """
+        """Rows ``local_ids`` of the shard, into ``out`` when given (see
+        :meth:`ShardTable.pull <distemb.kvstore.shard.ShardTable.pull>`)."""
         table, column = self._entry(name, part)
-        arr = table.store.column(column)
-        with table.read():
-            if out is not None and out.dtype == np.float32 and arr.dtype != np.float32:
-                return half.gather_rows(arr, local_ids, out, self.num_threads)
-            if arr.dtype == np.float32 and arr.ndim == 2:
-                return kernels.gather_rows(arr, local_ids, out, self.num_threads)
-            if out is None:
-                return arr[local_ids]
-            np.take(arr, local_ids, axis=0, out=out)
-            return out
+        return table.pull(local_ids, column, out, self.num_threads)
 
     def versions(self, name, part, local_ids):
         """Write counters of rows ``local_ids`` of shard ``part`` of ``name``.
@@ -190,12 +221,7 @@ class KVServer:
         """Write rows ``local_ids`` of the shard (float32 values into a half shard are
         rounded to nearest-even)."""
         table, column = self._entry(name, part)
-        arr = table.store.column(column)
-        if arr.dtype != values.dtype and half.is_half(half.dtype_name(arr)):
-            values = half.encode(values, half.dtype_name(arr))
-        with table.write():
-            arr[local_ids] = values
-            table.bump(local_ids)
+        table.push(local_ids, values, column)
 
     def update(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper,
                contributions=1) -> None:
@@ -217,9 +243,7 @@ class KVServer:
         for s in impl.states:
             if s.name not in have:
                 self.shard(state_name(name, s.name), part)  # the error naming it
-        with table.write():
-            table.store.update(impl, local_ids, grads, hyper, self.num_threads)
-            table.bump(local_ids, contributions)
+        table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)
 
     def save_shard(self, name, part, directory, save_id, start, step):
         """Write shard ``part`` of ``name`` as a checkpoint segment (see
