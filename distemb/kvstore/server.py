@@ -98,15 +98,22 @@ class KVServer:
                 else:
                     store = DenseStore.from_array(array, "stochastic",
                                                   half.shard_seed(rounding_seed, part))
-                table, column = ShardTable(store), WEIGHT
+                table, column = ShardTable(store, arrays=True), WEIGHT
                 self._tables[key] = table
             self._shards[key] = (table, column)
             if version is not None:
                 table.set_counter(column, version)
 
-    def add_table(self, name, part, store, spec, router):
-        """Hold ``store`` as shard ``part`` of table ``name``, made from ``spec`` and routed
-        by ``router`` (requests carry the table's keys); returns its ShardTable.
+    def add_table(self, name, part, store, spec=None, router=None):
+        """Hold ``store`` as shard ``part`` of table ``name``; returns its ShardTable.
+
+        Args:
+            store: a :class:`~distemb.stores.types.RowStore` (made from ``spec``, or a
+                user's); it is closed when the shard is dropped.
+            spec: the spec it was made from, or None.
+            router: the table's router when requests carry the table's keys (a server's
+                shard of a spec'd table), or None (the holder routes: one shard holds
+                every key).
 
         Raises:
             KVStoreError: the shard exists.
@@ -146,20 +153,21 @@ class KVServer:
             table.set_counter(column, None)
             if column == WEIGHT:
                 self._tables.pop((name, part), None)
-                if table.spec is not None:  # its store is the server's own (a file flushes)
+                if not table.arrays:  # its store is closed with it (a file flushes)
                     for key in [k for k, (t, _) in self._shards.items() if t is table]:
                         del self._shards[key]
                     with table.write():
                         table.store.close()
-            elif table.spec is None:
+            elif table.arrays:
                 with table.write():
                     table.store.drop_column(column)
 
     def close(self):
-        """Close the stores of tables made from a spec (a file store flushes and unlocks
-        its directory): the holder is exiting. Array shards are their holder's to free."""
+        """Close the stores of tables other than array tables (a file store flushes and
+        unlocks its directory): the holder is exiting. Array shards are their holder's to
+        free."""
         for name, part in [k for k, (t, c) in list(self._shards.items())
-                           if c == WEIGHT and t.spec is not None]:
+                           if c == WEIGHT and not t.arrays]:
             self.drop_shard(name, part)
 
     def _entry(self, name, part):

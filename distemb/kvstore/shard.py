@@ -95,6 +95,11 @@ class ShardTable:
         router: for a table made from a spec, its :class:`~distemb.routers.Router`:
             requests then carry the table's keys, which must be this shard's.
         part: the shard's partition (the server's id for a spec'd table).
+        arrays: True when the store holds its holder's arrays as they are (an array
+            table: any dtype, rows read and written raw, ids range-checked by
+            :meth:`local_keys`); False for a store that keys, checks and encodes its own
+            rows (every store made from a spec or given by a user), read and written
+            through the :class:`~distemb.stores.types.RowStore` methods as float32 rows.
 
     Example:
         >>> from distemb.stores import DenseStore
@@ -103,8 +108,9 @@ class ShardTable:
         (1, 2)
     """
 
-    def __init__(self, store, spec=None, router=None, part=0):
+    def __init__(self, store, spec=None, router=None, part=0, arrays=False):
         self.store, self.spec, self.router, self.part = store, spec, router, part
+        self.arrays = arrays
         self.lock = RWLock()
         self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
@@ -118,8 +124,8 @@ class ShardTable:
     @property
     def wire_dtype(self):
         """The dtype of weight rows in requests and replies: the storage dtype of an array
-        table (half rows travel as 2 bytes), float32 for a spec'd table."""
-        if self.spec is None:
+        table (half rows travel as 2 bytes), float32 for a store's rows."""
+        if self.arrays:
             return self.store.column(WEIGHT).dtype
         return np.dtype(np.float32)
 
@@ -168,8 +174,8 @@ class ShardTable:
             PartitionError: a local id out of range, or a key outside the table's key space.
             KVStoreError: a key another shard owns.
         """
-        if not len(ids):
-            return ids
+        if not len(ids) or not (self.arrays or self.router):
+            return ids  # a store keys and checks its own
         if self.router is None:
             rows = self.store.capacity
             lo, hi = int(ids.min()), int(ids.max())
@@ -194,12 +200,12 @@ class ShardTable:
         """Rows ``keys`` of ``column``, into ``out`` when given.
 
         An array table's rows come in its storage dtype, except that half rows are
-        decoded to float32 (in the gather, one pass) when ``out`` is float32. A store
-        that inserts on read finds or inserts weight rows (counting the access) and
-        returns them as float32; its state rows must exist.
+        decoded to float32 (in the gather, one pass) when ``out`` is float32. Another
+        store's weight rows are a lookup (a hash store finds or inserts them and counts
+        the access), float32; its state rows must exist.
         """
-        if self.inserts_on_read:
-            with self.write():
+        if not self.arrays:
+            with self.write() if self.inserts_on_read else self.read():
                 if column == WEIGHT:
                     rows = self.store.lookup(keys)
                 else:
@@ -223,7 +229,7 @@ class ShardTable:
         """Write (upsert) rows ``keys`` of ``column``; float32 weight values into half rows
         are rounded to nearest-even."""
         with self.write():
-            if self.inserts_on_read:
+            if not self.arrays:
                 self.store.scatter(keys, values, column)
             else:
                 arr = self.store.column(column)
