@@ -127,3 +127,26 @@ def test_update_of_a_state_name_or_with_missing_state_is_refused():
     with pytest.raises(KVStoreError, match="optimizer state"):
         srv.update(state_name("T", "sum"), 0, np.array([1]), np.ones((1, 2), np.float32),
                    "sgd", SGDHyper(lr=0.1))
+
+
+def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
+    """Issue 18's crash: Create T (100000 x 4), Create 'T~opt~evil' (1 x 65536), then a
+    VersionedPull of T's last row with state 'evil' read outside the 1-row array. A state
+    is a column of its table's store now, so the second Create is refused and the pull
+    names the missing state; the service goes on serving."""
+    from distemb.kvstore.service import KVService
+    from distemb.transport.messages import Create, Pull, Service, VersionedPull
+    svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
+
+    def ask(msg):
+        return svc.handle(msg.encode())
+    assert ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0],
+                      part_rows=[100000])).service == Service.REPLY
+    bad = ask(Create(name="T~opt~evil", dtype="float32", row_shape=[65536], parts=[0],
+                     part_rows=[1]))
+    assert bad.service == Service.ERROR and "expected 100000 rows" in bad.fields["message"]
+    pulled = ask(VersionedPull(name="T", parts=[0], counts=[1], ids=np.array([99999]),
+                               have=np.array([-2]), states=["evil"]))
+    assert pulled.service == Service.ERROR and "T~opt~evil" in pulled.fields["message"]
+    ok = ask(Pull(name="T", parts=[0], counts=[1], ids=np.array([99999])))
+    assert ok.service == Service.REPLY and ok.arrays[0].shape == (1, 4)
