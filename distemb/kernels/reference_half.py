@@ -99,8 +99,9 @@ def _elementwise(rule):
     states = "".join(f"    {s}_rows = {s}[rows]\n" for s in rule.states)
     back = "".join(f"    {s}[rows] = {s}_rows\n" for s in rule.states)
     args = "".join(f"{s}_rows, " for s in rule.states)
+    params = rule.params().replace("num_threads=1", "seed=0, num_threads=1")
     source = (
-        f"def {rule.kernel}(kind, {rule.params().replace('num_threads=1', 'seed=0, num_threads=1')}):\n"
+        f"def {rule.kernel}(kind, {params}):\n"
         "    w = _rows(kind, weight, rows)\n" + states
         + f"    reference.{rule.kernel}(w, {args}np.arange(len(rows)), grads, "
           f"{', '.join(rule.hyper_names)})\n"
