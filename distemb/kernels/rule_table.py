@@ -56,6 +56,11 @@ class ElementwiseRule:
             by every build otherwise, the message naming both).
         summary: the contract's one-line description.
         doc: more of the contract's docstring (the formula), may be empty.
+
+    Example:
+        >>> rule = rule_named("adagrad")
+        >>> rule.kernel, rule.params()
+        ('adagrad_update', 'weight, state_sum, rows, grads, clr, eps, num_threads=1')
     """
 
     name: str
