@@ -20,7 +20,7 @@ from distemb.stores.spec import HashTableSpec
 from distemb.transport import tcp
 from distemb.transport.base import Connection
 from distemb.transport.messages import InShm, Push, Service
-from distemb.transport.shm import RequestSlot, ShmArena, SlotReader
+from distemb.transport.shm import RequestSlot, ShmArena, SlotReader, create_private
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -191,3 +191,56 @@ def test_colocated_dynamic_table_writes_travel_in_shared_memory(clusters):
     finally:
         dyn.delete_data("dyn")
         kv.close(goodbye=False)
+
+
+def test_shared_memory_files_are_private_to_their_user(slot_dir):
+    """Shards and request slots are mode 0600: another local user cannot read a table."""
+    arena = ShmArena("jobp", 0, slot_dir)
+    arr = arena.allocate((10, 4), "float32")
+    slot = RequestSlot("jobp", 0, 0, slot_dir)
+    path, _ = slot.write([np.arange(3)])
+    for p in (arena.path_of(arr), path):
+        assert os.stat(p).st_mode & 0o777 == 0o600, (p, oct(os.stat(p).st_mode))
+    slot.close()
+    arena.close()
+
+
+def test_a_file_already_in_a_shared_memory_files_place_is_never_opened(slot_dir):
+    planted = os.path.join(slot_dir, "target")
+    with open(planted, "w") as f:
+        f.write("someone else's")
+    os.symlink(planted, os.path.join(slot_dir, "distemb-pX-j-s0-0"))
+    with pytest.raises(FileExistsError):
+        create_private(os.path.join(slot_dir, "distemb-pX-j-s0-0"))
+    assert open(planted).read() == "someone else's"
+
+
+def test_slot_reader_refuses_links_fifos_and_a_file_truncated_after_mapping(slot_dir):
+    """Issue 18's token-holder attacks on a server's slot reader: each is a TransportError
+    (an error reply), never a SIGBUS, a blocked thread or a read of another file."""
+    reader = SlotReader("jobq", slot_dir)
+    slot = RequestSlot("jobq", 0, 0, slot_dir)
+    path, layout = slot.write([np.arange(8, dtype=np.int64)])
+    assert reader.arrays(path, layout)[0].tolist() == list(range(8))
+    # truncated after the server mapped it, then named again with an array further in
+    os.truncate(path, 0)
+    far = [[layout[0][0], [8], 8192]]
+    with pytest.raises(TransportError, match="shrank"):
+        reader.arrays(path, far)
+    with pytest.raises(TransportError, match="not a non-empty regular file"):
+        reader.arrays(path, far)  # and re-opened: empty now
+    prefix = os.path.basename(path).rsplit("-", 1)[0]
+    secret = os.path.join(slot_dir, "secret")
+    np.arange(2048, dtype=np.int64).tofile(secret)
+    link = os.path.join(slot_dir, f"{prefix}-7")
+    os.symlink(secret, link)
+    with pytest.raises(TransportError, match="cannot open"):
+        reader.arrays(link, layout)
+    fifo = os.path.join(slot_dir, f"{prefix}-8")
+    os.mkfifo(fifo)
+    with pytest.raises(TransportError, match="not a non-empty regular file"):
+        reader.arrays(fifo, layout)  # returns at once: nobody writes the FIFO
+    path2, layout2 = RequestSlot("jobq", 1, 0, slot_dir).write([np.arange(3)])
+    assert reader.arrays(path2, layout2)[0].tolist() == [0, 1, 2]
+    reader.close()
+    slot.close()

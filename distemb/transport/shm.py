@@ -13,7 +13,10 @@ the same even value, else tries again, and after :data:`READ_TRIES` tries asks t
 (whose lock it then waits for). On x86-64 stores are seen in order and loads are not
 reordered with loads, which is all this needs.
 
-Files are named ``distemb-p<pid>-<job>-s<server>-<n>`` after the owning server's pid;
+Every file is created by its owner with mode 0600 (``O_CREAT|O_EXCL|O_NOFOLLOW``: never
+through a link, never one that already exists), so another user on the machine can
+neither read a table nor plant a file a server would map. Files are named
+``distemb-p<pid>-<job>-s<server>-<n>`` after the owning server's pid;
 the server unlinks them on every exit it can catch (a mapped file stays readable by
 trainers that still hold it), and :func:`remove_orphans` removes the files of servers
 that are gone (killed by SIGKILL, say), as every launch on the machine does first.
@@ -24,7 +27,11 @@ push into its :class:`RequestSlot` (one file per trainer and server,
 file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
 server maps the file (:class:`SlotReader`), reads the arrays in place and applies the
 request, still the only writer of its rows. The trainer reuses the slot only after the
-server's reply, so the server never reads a slot being rewritten.
+server's reply, so the server never reads a slot being rewritten. The server trusts a
+slot file no more than the frame that names it: it opens it without following links
+(``O_NOFOLLOW|O_NONBLOCK``: a FIFO cannot block it), maps it only if it is a regular
+file of this user, and checks its size again (``fstat`` of the file it mapped) before
+every use, so a file truncated after it was mapped is refused, not read past its end.
 
 Example:
     >>> arena = ShmArena("doc", 0)
@@ -40,6 +47,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 
@@ -56,6 +64,13 @@ HEADER_BYTES = 64  # the version counter, then padding to a cache line
 READ_TRIES = 64
 _OWNED = re.compile(r"^distemb-p(\d+)-")
 log = logging.getLogger("distemb")
+
+
+def create_private(path):
+    """A new file ``path`` opened read-write, mode 0600: refused if anything (a file, a
+    link, a FIFO) is already there, so nobody else's file is ever written or mapped."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "w+b")
 
 
 class ShmArena:
@@ -80,13 +95,13 @@ class ShmArena:
         path = f"{self.prefix}{next(self._ids)}"
         size = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
         try:
-            with open(path, "w+b") as f:
+            with create_private(path) as f:
                 # Reserve the pages now: a sparse file would fail later with SIGBUS, in
                 # the middle of training, when /dev/shm fills up.
                 os.posix_fallocate(f.fileno(), 0, HEADER_BYTES + size)
-            version = np.memmap(path, dtype=np.int64, mode="r+", shape=(1,))
-            arr = np.memmap(path, dtype=dtype, mode="r+", shape=tuple(shape),
-                            offset=HEADER_BYTES) if size else np.zeros(shape, dtype)
+                version = np.memmap(f, dtype=np.int64, mode="r+", shape=(1,))
+                arr = np.memmap(f, dtype=dtype, mode="r+", shape=tuple(shape),
+                                offset=HEADER_BYTES) if size else np.zeros(shape, dtype)
         except BaseException as e:
             if os.path.exists(path):
                 os.unlink(path)
@@ -288,9 +303,9 @@ class RequestSlot:
         size = max(size, 1 << 20, 0 if self._map is None else 2 * self._map.shape[0])
         old = self.path
         self.path = f"{self._prefix}{next(self._gen)}"
-        with open(self.path, "w+b") as f:
+        with create_private(self.path) as f:
             f.truncate(size)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(size,))
+            self._map = np.memmap(f, dtype=np.uint8, mode="r+", shape=(size,))
         if old and os.path.exists(old):
             os.unlink(old)  # the server's mapping of it stays valid until it remaps
 
@@ -314,7 +329,7 @@ class SlotReader:
     def __init__(self, job, directory=SHM_DIR):
         self._name = re.compile(rf"(distemb-{re.escape(job)}-t\d+-s\d+-)[0-9a-f]{{12}}-\d+")
         self.directory = directory
-        self._maps = {}  # slot prefix -> (path, mapping)
+        self._maps = {}  # slot prefix -> (path, its open fd, mapping)
 
     def arrays(self, path, layout):
         """Views of the arrays ``layout`` describes in the slot file ``path``.
@@ -351,15 +366,38 @@ class SlotReader:
                                  f"this job in {self.directory}")
         have = self._maps.get(match.group(1))
         if have is not None and have[0] == path:
-            return have[1]
+            _, fd, mapping = have
+            if os.fstat(fd).st_size < mapping.shape[0]:  # truncated since it was mapped
+                self._forget(match.group(1))
+                raise TransportError(f"slot path: {path} shrank below the "
+                                     f"{mapping.shape[0]} bytes mapped")
+            return mapping
         try:
-            size = os.path.getsize(path)
-            mapping = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-        except (OSError, ValueError) as e:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise TransportError(f"slot path: cannot open {path}: {e}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or not st.st_size:
+                raise TransportError(f"slot path: {path} is not a non-empty regular file "
+                                     "of this user")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                mapping = np.memmap(f, dtype=np.uint8, mode="r", shape=(st.st_size,))
+        except (OSError, ValueError, TransportError) as e:
+            os.close(fd)
+            if isinstance(e, TransportError):
+                raise
             raise TransportError(f"slot path: cannot map {path}: {e}") from None
-        self._maps[match.group(1)] = (path, mapping)
+        self._forget(match.group(1))
+        self._maps[match.group(1)] = (path, fd, mapping)
         return mapping
+
+    def _forget(self, prefix):
+        have = self._maps.pop(prefix, None)
+        if have is not None:
+            os.close(have[1])
 
     def close(self):
         """Drop every mapping."""
-        self._maps.clear()
+        for prefix in list(self._maps):
+            self._forget(prefix)
