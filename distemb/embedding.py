@@ -22,6 +22,7 @@ from distemb.errors import StoreError, TraceOverflowError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy
+from distemb.rules import check_table_name
 from distemb.stores import RowStore
 from distemb.stores.spec import SPECS, HashTableSpec
 from distemb.tensor import DistTensor, StoreTensor
@@ -450,7 +451,7 @@ def _store_tensor(num_embeddings, dim, name, init_func, part_policy, context, de
         raise ValueError(f"num_embeddings: the storage holds {what}; expected "
                          f"{fixed if fixed else None}, got {num_embeddings!r}")
     ctx = context or current_context()
-    name = name or ctx.new_name(kind)
+    name = check_table_name(name or ctx.new_name(kind))
     client = ctx.client.store_client()
     make(client, name)
     return StoreTensor(client, name, ctx, storage.dtype)

@@ -254,14 +254,28 @@ def rule_of(name) -> UpdateRule:
         raise KVStoreError(f"rule: expected one of {RuleName.values()}, got {name!r}") from None
 
 
+#: What joins a table's name and its state's in a state's name (reserved in table names).
+STATE_SEP = "~opt~"
+
+
 def state_name(table: str, state: str) -> str:
     """Name under which a table's optimizer state is stored in the KVStore."""
-    return f"{table}~opt~{state}"
+    return f"{table}{STATE_SEP}{state}"
+
+
+def check_table_name(name: str) -> str:
+    """``name`` for a new table; ValueError when it holds the reserved ``"~opt~"`` that
+    names optimizer state (:func:`state_name`): a table so named would be taken for the
+    state of another (a peer could pair a 1-row array with a 100,000-row table)."""
+    if STATE_SEP in name:
+        raise ValueError(f"name: {name!r} contains {STATE_SEP!r}, which is reserved for the "
+                         "names of optimizer state; pick another name")
+    return name
 
 
 def state_owner(name: str) -> Optional[str]:
     """The table whose optimizer state ``name`` is (see :func:`state_name`), else None."""
-    table, sep, _ = name.partition("~opt~")
+    table, sep, _ = name.partition(STATE_SEP)
     return table if sep else None
 
 

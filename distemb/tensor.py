@@ -16,7 +16,7 @@ from distemb.context import current_context
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy, range_policy
-from distemb.rules import state_name, state_owner
+from distemb.rules import check_table_name, state_name, state_owner
 
 # DGL's optimizers name their state "<table>_sum" (Adagrad) and "<table>_mem",
 # "<table>_power", "<table>_step" (Adam); code written for DGL attaches to those names.
@@ -161,6 +161,7 @@ class DistTensor(NamedRows):
         meta = self._client.data_meta(self._name)
         self._held = False
         if meta is None:
+            check_table_name(self._name)  # a new table: not named like optimizer state
             # checked only when it will be called: DGL's own tests pass a policy in its
             # place when they attach to a tensor that exists
             check_init_func(init_func, DENSE_INIT)

@@ -131,9 +131,9 @@ def test_update_of_a_state_name_or_with_missing_state_is_refused():
 
 def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
     """Issue 18's crash: Create T (100000 x 4), Create 'T~opt~evil' (1 x 65536), then a
-    VersionedPull of T's last row with state 'evil' read outside the 1-row array. A state
-    is a column of its table's store now, so the second Create is refused and the pull
-    names the missing state; the service goes on serving."""
+    VersionedPull of T's last row with state 'evil' read outside the 1-row array. The
+    second Create is refused and the pull names the missing state; the service goes on
+    serving."""
     from distemb.kvstore.service import KVService
     from distemb.transport.messages import Create, Pull, Service, VersionedPull
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
@@ -144,9 +144,47 @@ def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
                       part_rows=[100000])).service == Service.REPLY
     bad = ask(Create(name="T~opt~evil", dtype="float32", row_shape=[65536], parts=[0],
                      part_rows=[1]))
-    assert bad.service == Service.ERROR and "expected 100000 rows" in bad.fields["message"]
+    # refused by its reserved name on the wire (and by its rows, KVServer.create, above)
+    assert bad.service == Service.ERROR and "reserved" in bad.fields["message"]
     pulled = ask(VersionedPull(name="T", parts=[0], counts=[1], ids=np.array([99999]),
                                have=np.array([-2]), states=["evil"]))
     assert pulled.service == Service.ERROR and "T~opt~evil" in pulled.fields["message"]
     ok = ask(Pull(name="T", parts=[0], counts=[1], ids=np.array([99999])))
     assert ok.service == Service.REPLY and ok.arrays[0].shape == (1, 4)
+
+
+def test_reserved_state_names_and_non_finite_initial_state_are_refused():
+    """Issue 18: '~opt~' names optimizer state, so no table may be created with it (on
+    the wire, by StoreCreate, or by the API); an OptInit with a NaN or infinite initial
+    value is refused before any state is made."""
+    import math
+
+    import distemb
+    from distemb.kvstore.service import KVService
+    from distemb.stores.spec import HashTableSpec
+    from distemb.transport.messages import Create, OptInit, Service, StoreCreate
+    svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
+
+    def ask(msg):
+        return svc.handle(msg.encode())
+    for msg in (Create(name="a~opt~b", dtype="float32", row_shape=[4], parts=[0],
+                       part_rows=[5]),
+                StoreCreate(name="d~opt~sum", **HashTableSpec(4).fields())):
+        r = ask(msg)
+        assert r.service == Service.ERROR and "reserved" in r.fields["message"], r.fields
+    assert not svc.server.parts_of("a~opt~b") and not svc.server.parts_of("d~opt~sum")
+    assert ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0],
+                      part_rows=[5])).service == Service.REPLY
+    for value in (math.nan, math.inf, -math.inf):
+        r = ask(OptInit(name="T", rule="adagrad", parts=[0],
+                        options={"initial_accumulator_value": value}))
+        assert r.service == Service.ERROR and "finite" in r.fields["message"]
+        assert not svc.server.has("T~opt~sum", 0)
+    distemb.shutdown()
+    try:
+        with pytest.raises(ValueError, match="reserved"):
+            distemb.DistEmbedding(10, 4, name="x~opt~y")
+        with pytest.raises(ValueError, match="reserved"):
+            distemb.DistEmbedding(None, 4, name="x~opt~y")
+    finally:
+        distemb.shutdown()

@@ -25,6 +25,7 @@ Example:
 """
 import hmac
 import logging
+import math
 import os
 import sys
 import threading
@@ -40,7 +41,7 @@ from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.kvstore.store_service import StoreTables
-from distemb.rules import rule_of, state_init, state_name
+from distemb.rules import check_table_name, rule_of, state_init, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, Session
 from distemb.transport.messages import Error, InShm, Reply, Service, decode_request
@@ -177,6 +178,10 @@ class KVService:
         if not name or len(name) > MAX_TABLE_NAME or not name.isprintable():
             raise KVStoreError(f"table name: expected 1..{MAX_TABLE_NAME} printable "
                                f"characters, got {name[:64]!r}")
+        try:  # optimizer state is made by OptInit, never by a Create
+            check_table_name(name)
+        except ValueError as e:
+            raise KVStoreError(str(e)) from None
 
     def _rows(self, m):
         """(part, store keys, slice) per part of a rows message: an array table's local
@@ -315,6 +320,9 @@ class KVService:
 
     def _opt_init(self, m, session):
         impl = rule_of(m.rule)
+        bad = {k: v for k, v in m.options.items() if not math.isfinite(v)}
+        if bad:  # an initial state of NaN or inf would poison every row it touches
+            raise KVStoreError(f"OptInit.options: expected finite numbers, got {bad}")
         if self.stores.has(m.name):  # its store makes its state columns (and may keep them)
             for part in m.parts:
                 self._own(part)

@@ -38,6 +38,7 @@ import numpy as np
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import snapshot, store_snapshot
 from distemb.kvstore.store_client import init_state_columns
+from distemb.rules import check_table_name
 from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import Reply, Service
@@ -94,6 +95,10 @@ class StoreTables:
         if not m.name or len(m.name) > 256 or not m.name.isprintable():
             raise KVStoreError(f"table name: expected 1..256 printable characters, got "
                                f"{m.name[:64]!r}")
+        try:
+            check_table_name(m.name)
+        except ValueError as e:
+            raise KVStoreError(str(e)) from None
         if not 1 <= m.dim <= MAX_DIM or m.capacity < 0:
             raise KVStoreError(f"dynamic table {m.name!r}: expected 1 <= dim <= {MAX_DIM} and "
                                f"capacity >= 0, got dim {m.dim}, capacity {m.capacity}")
