@@ -76,7 +76,7 @@ def write_segment(directory, save_id, name, part, start, step, shape, dtype, rea
     if not os.path.isdir(directory):
         raise KVStoreError(f"checkpoint directory {directory!r} does not exist here")
     rows, row_bytes = int(shape[0]), _row_bytes(shape[1:], dtype)
-    block_rows = max(1, BLOCK_BYTES // max(1, row_bytes), -(-rows // MAX_BLOCKS))
+    block_rows = max_block_rows(rows, row_bytes)
     fname = segment_file(save_id, name, part)
     final = os.path.join(directory, fname)
     tmp = final + ".tmp"
@@ -119,8 +119,10 @@ def _int(seg, key, minimum):
 def read_segments(directory, segments, dtype, row_shape, start, step, count, write_rows):
     """Load the rows of global ids ``start + step * arange(count)`` from ``segments``.
 
-    Only the blocks that hold some of those ids are read; each block read is checked
-    against its CRC-32.
+    All or nothing: every block holding some of those ids is read and checked against
+    its CRC-32, and the ids must be covered exactly once, before ``write_rows`` sees the
+    first row (the blocks are then read a second time to write them), so a refused load
+    leaves the shard as it was.
 
     Args:
         directory: the checkpoint directory.
@@ -133,15 +135,52 @@ def read_segments(directory, segments, dtype, row_shape, start, step, count, wri
         KVStoreError: a missing, short or corrupt file (CRC mismatch), a malformed
             record, or ids the segments do not cover exactly once.
     """
+    check_segments(directory, segments, dtype, row_shape, start, step, count)
+    write_checked(directory, segments, dtype, row_shape, start, step, count, write_rows)
+
+
+def check_segments(directory, segments, dtype, row_shape, start, step, count):
+    """What :func:`read_segments` checks before it writes anything (every needed block's
+    CRC-32, the records, exact coverage), without writing.
+
+    Raises:
+        KVStoreError: as :func:`read_segments`.
+    """
+    covered = sum(len(local) for local, _ in
+                  _blocks(directory, segments, dtype, row_shape, start, step, count))
+    if covered != count:
+        raise KVStoreError(f"checkpoint: the segments hold {covered} of the {count} rows "
+                           f"asked for (global ids {start}, {start + step}, ...): they do not "
+                           f"cover the tensor exactly once")
+
+
+def write_checked(directory, segments, dtype, row_shape, start, step, count, write_rows):
+    """:func:`read_segments`'s writing pass, for segments :func:`check_segments` passed
+    (each block's CRC-32 is checked again as it is read)."""
+    for local, rows in _blocks(directory, segments, dtype, row_shape, start, step, count):
+        write_rows(local, rows)
+
+
+def max_block_rows(rows, row_bytes):
+    """The most rows a save puts in one block of a segment of ``rows`` rows (a manifest
+    asking for more would make a load allocate more than the save ever did)."""
+    return max(1, BLOCK_BYTES // max(1, row_bytes), -(-rows // MAX_BLOCKS))
+
+
+def _blocks(directory, segments, dtype, row_shape, start, step, count):
+    """(local ids, rows) of every CRC-checked block holding some of the shard's ids."""
     row_bytes = _row_bytes(row_shape, dtype)
     last = start + (count - 1) * step
-    covered = 0
     for seg in segments:
         if not isinstance(seg, dict) or not isinstance(seg.get("file"), str) or \
                 not SEGMENT_FILE.match(seg["file"]):
             raise KVStoreError(f"checkpoint: malformed segment record {str(seg)[:80]!r}")
         s0, st, n = _int(seg, "start", 0), _int(seg, "step", 1), _int(seg, "count", 0)
         br, crcs = _int(seg, "block_rows", 1), seg.get("crc32")
+        if br > max_block_rows(n, row_bytes):
+            raise KVStoreError(f"checkpoint segment {seg['file']}: block_rows {br} is more "
+                               f"than a save of {n} rows makes "
+                               f"({max_block_rows(n, row_bytes)})")
         if not isinstance(crcs, list) or len(crcs) != -(-n // br):
             raise KVStoreError(f"checkpoint segment {seg['file']}: expected {-(-n // br)} "
                                f"block checksums")
@@ -170,12 +209,7 @@ def read_segments(directory, segments, dtype, row_shape, start, step, count, wri
                 rel = s0 + np.arange(lo, hi, dtype=np.int64) * st - start
                 mine = (rel >= 0) & (rel % step == 0) & (rel // step < count)
                 if mine.any():
-                    write_rows(rel[mine] // step, block[mine])
-                    covered += int(mine.sum())
-    if covered != count:
-        raise KVStoreError(f"checkpoint: the segments hold {covered} of the {count} rows "
-                           f"asked for (global ids {start}, {start + step}, ...): they do not "
-                           f"cover the tensor exactly once")
+                    yield rel[mine] // step, block[mine]
 
 
 def manifest_path(directory):

@@ -361,11 +361,9 @@ class StoreKVClient(StoreClient):
         """Replace table ``name``'s keys with those of a checkpoint (any server count)."""
         t = self._table(name)
         store_snapshot.check_entry(entry, name, t.store.dim, directory)
-        with t.write():
-            if not t.store.fixed_keys:  # a fixed key set: the checkpoint overwrites each key
-                t.store.remove(t.store.keys())
+        with t.write():  # all or nothing: every check passes before a key is removed
             store_snapshot.load_store(directory, entry, t.store,
-                                      lambda keys: np.ones(len(keys), bool))
+                                      lambda keys: np.ones(len(keys), bool), replace=True)
         t.bump_all()
 
     def close(self):

@@ -183,10 +183,9 @@ class StoreTables:
         entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
                                       m.directory)
         store_snapshot.check_entry(entry, m.name, t.spec.dim, m.directory)
-        with t.write():
-            if not t.spec.fixed_keys:  # a fixed key set: the checkpoint overwrites each key
-                t.store.remove(t.store.keys())
+        with t.write():  # all or nothing: every check passes before a key is removed
             store_snapshot.load_store(m.directory, entry, t.store,
                                       lambda keys: t.router.owns(self.server_id, keys),
-                                      lambda keys: t.router.to_local(self.server_id, keys))
+                                      lambda keys: t.router.to_local(self.server_id, keys),
+                                      replace=True)
         t.bump_all()  # cached copies of every row are void

@@ -83,9 +83,13 @@ def _check_record(rec, i):
                            f"({str(rec)[:80]!r})")
 
 
-def load_store(directory, entry, store, owns, to_local=None):
+def load_store(directory, entry, store, owns, to_local=None, replace=False):
     """Upsert, into ``store``, the saved keys ``owns(keys)`` selects, with every column
     (as the store's keys ``to_local(keys)`` when given: a range-routed shard's).
+
+    All or nothing: the entry, every record and every segment (CRC-32 of each block it
+    needs, coverage) are checked before the store changes, so a refused load leaves it
+    as it was. The caller holds the store's write lock.
 
     Args:
         directory: the checkpoint directory.
@@ -93,6 +97,9 @@ def load_store(directory, entry, store, owns, to_local=None):
         store: the live shard (it must have every saved column: create the optimizer
             before loading a checkpoint that has optimizer state).
         owns: ``owns(keys) -> bool mask`` of the keys this shard holds.
+        to_local: ``to_local(keys) -> store keys`` of a range-routed shard.
+        replace: remove every key first (once the checks passed), so the store then
+            holds the checkpoint's keys only (a fixed key set is overwritten instead).
 
     Raises:
         KVStoreError: a malformed entry, a corrupt or missing segment, or a saved column
@@ -111,10 +118,18 @@ def load_store(directory, entry, store, owns, to_local=None):
             if tuple(c["shape"]) != tuple(live[col][0]):
                 raise KVStoreError(f"checkpoint: column {col!r} was saved with rows "
                                    f"{tuple(c['shape'])}, the live one has {live[col][0]}")
+    for rec in shards:  # every check before the first write
+        n = rec["count"]
+        snapshot.check_segments(directory, [rec[KEYS]], "int64", (), 0, 1, n)
+        for c in rec["columns"].values():
+            snapshot.check_segments(directory, [c["segment"]], c["dtype"],
+                                    tuple(c["shape"]), 0, 1, n)
+    if replace and not store.fixed_keys:
+        store.remove(store.keys())
     for rec in shards:
         n = rec["count"]
         keys = np.empty(n, np.int64)
-        snapshot.read_segments(directory, [rec[KEYS]], "int64", (), 0, 1, n,
+        snapshot.write_checked(directory, [rec[KEYS]], "int64", (), 0, 1, n,
                                lambda j, rows: keys.__setitem__(j, rows))
         mine = np.asarray(owns(keys), dtype=bool)
         mapped = keys.copy()
@@ -129,7 +144,7 @@ def load_store(directory, entry, store, owns, to_local=None):
                 m = mine[j]
                 if m.any():
                     store.scatter(mapped[j][m], rows[m], col)
-            snapshot.read_segments(directory, [c["segment"]], c["dtype"], tuple(c["shape"]),
+            snapshot.write_checked(directory, [c["segment"]], c["dtype"], tuple(c["shape"]),
                                    0, 1, n, write)
 
 

@@ -1,0 +1,95 @@
+"""A refused load changes nothing (issue 18): a checkpoint damaged in a late block, a
+table whose segments do not cover it, or a manifest asking for oversized blocks is
+refused before the first row of the live table is written, for array tables and for
+keyed tables (whose load used to remove every key before it found the damage)."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from distemb import checkpoint
+from distemb.errors import KVStoreError
+from distemb.kvstore import LocalKVClient, snapshot
+from distemb.kvstore.store_client import StoreKVClient
+from distemb.partition import range_policy
+from distemb.stores import HashStore
+
+
+def _damage_last_block(directory, suffix):
+    """Flip a byte in the last block of the (only) segment whose name ends in ``suffix``."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    segs = [s for t in manifest["tensors"].values() for s in t["segments"]
+            if s["file"].endswith(suffix)]
+    seg = segs[0]
+    assert len(seg["crc32"]) >= 3, "the test needs a segment of several blocks"
+    path = directory / seg["file"]
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 3)
+        f.write(b"\x5a")
+
+
+def test_a_corrupt_last_block_leaves_an_array_table_unchanged(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "BLOCK_BYTES", 4 * 16)  # 4 rows of 4 floats a block
+    rng = np.random.default_rng(1)
+    kv = LocalKVClient()
+    kv.init_data("w", (40, 4), "float32", range_policy(40))
+    kv.push("w", np.arange(40), rng.standard_normal((40, 4)).astype(np.float32))
+    checkpoint.save(tmp_path / "ck", kv, ["w"], {})
+    live = rng.standard_normal((40, 4)).astype(np.float32)
+    kv.push("w", np.arange(40), live)
+    _damage_last_block(tmp_path / "ck", "p0.bin")
+    with pytest.raises(KVStoreError, match="block 9 of segment .* is corrupt"):
+        kv.load_tensor("w", str(tmp_path / "ck"))
+    np.testing.assert_array_equal(kv.pull("w", np.arange(40)), live)
+
+
+def test_segments_that_miss_rows_or_ask_for_huge_blocks_change_nothing(tmp_path):
+    kv = LocalKVClient()
+    kv.init_data("w", (10, 2), "float32", range_policy(10, 2))
+    kv.push("w", np.arange(10), np.ones((10, 2), np.float32))
+    checkpoint.save(tmp_path / "ck", kv, ["w"], {})
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    live = np.full((10, 2), 3.0, np.float32)
+    kv.push("w", np.arange(10), live)
+    entry = manifest["tensors"]["w"]
+    one = LocalKVClient()  # the whole table in one shard: rows 0..9
+    one.init_data("w", (10, 2), "float32", range_policy(10))
+    one.push("w", np.arange(10), live)
+    half = dict(entry, segments=entry["segments"][:1])  # rows 0..4 only
+    with pytest.raises(KVStoreError, match="hold 5 of the 10 rows"):
+        one.server.load_shard("w", 0, str(tmp_path / "ck"), half, 0, 1)
+    np.testing.assert_array_equal(one.pull("w", np.arange(10)), live)
+    big = dict(entry, segments=[dict(s, block_rows=1 << 40, crc32=[0])
+                                for s in entry["segments"]])
+    with pytest.raises(KVStoreError, match="block_rows .* is more than a save"):
+        kv.server.load_shard("w", 0, str(tmp_path / "ck"), big, 0, 1)
+    np.testing.assert_array_equal(kv.pull("w", np.arange(10)), live)
+
+
+@pytest.mark.parametrize("damage", ["weight", "state", "keys"])
+def test_a_refused_load_of_a_keyed_table_keeps_every_key(tmp_path, monkeypatch, damage):
+    monkeypatch.setattr(snapshot, "BLOCK_BYTES", 8 * 4)
+    kv = StoreKVClient()
+    kv.add_table("t", HashStore(4))
+    kv.init_optimizer("t", "adagrad", {"initial_accumulator_value": 0.0})
+    keys = np.arange(-20, 40, dtype=np.int64) * 7919
+    kv.push("t", keys, np.ones((len(keys), 4), np.float32))
+    checkpoint.save(tmp_path / "ck", kv, ["t"], {})
+    kept = np.array([2 ** 50, -1], np.int64)  # not in the checkpoint
+    kv.push("t", kept, np.full((2, 4), 5.0, np.float32))
+    before_keys, before = kv.export("t")
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    rec = manifest["tensors"]["t"]["shards"][0]
+    seg = rec["keys"] if damage == "keys" else \
+        rec["columns"]["weight" if damage == "weight" else "sum"]["segment"]
+    assert len(seg["crc32"]) >= 3
+    with open(tmp_path / "ck" / seg["file"], "r+b") as f:
+        f.seek(os.path.getsize(tmp_path / "ck" / seg["file"]) - 2)
+        f.write(b"\x33")
+    with pytest.raises(KVStoreError, match="is corrupt"):
+        checkpoint.restore(tmp_path / "ck", kv, ["t"])
+    after_keys, after = kv.export("t")
+    np.testing.assert_array_equal(after_keys, before_keys)
+    for col in before:
+        np.testing.assert_array_equal(after[col], before[col])
