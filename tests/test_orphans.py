@@ -93,3 +93,21 @@ def test_launch_removes_segments_of_servers_that_are_gone(tmp_path):
         for path in (stale, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_the_request_slots_of_a_killed_trainer_are_orphans_too(tmp_path):
+    """A trainer killed with SIGKILL leaves its request slots in /dev/shm; they carry its
+    pid, so the next launch's cleanup removes them (they used to stay for good)."""
+    job = f"testjob{free_port()}"
+    code = ("import os, numpy as np; from distemb.transport.shm import RequestSlot; "
+            f"s = RequestSlot({job!r}, 0, 0, {SHM!r}); path, _ = s.write([np.arange(4)]); "
+            "print(path, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    path = out.stdout.strip()
+    try:
+        assert os.path.exists(path) and os.path.basename(path).startswith("distemb-p")
+        assert path in remove_orphans(SHM) and not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -49,7 +49,8 @@ def test_slot_round_trip_then_growth_remaps(slot_dir):
 
 @pytest.mark.parametrize("path,layout,match", [
     ("/etc/passwd", [[4, [1], 0]], "not a request slot"),
-    ("{dir}/distemb-otherjob-t0-s0-0123456789ab-0", [[4, [1], 0]], "not a request slot"),
+    ("{dir}/distemb-p1-otherjob-t0-s0-0123456789ab-0", [[4, [1], 0]], "not a request slot"),
+    ("{dir}/distemb-job-t0-s0-0123456789ab-0", [[4, [1], 0]], "not a request slot"),
     ("{slot}", [[99, [1], 0]], "invalid descriptor"),
     ("{slot}", [[4, [1], 8]], "invalid descriptor"),        # not aligned
     ("{slot}", [[4, [-1], 0]], "invalid descriptor"),

@@ -23,7 +23,8 @@ that are gone (killed by SIGKILL, say), as every launch on the machine does firs
 
 The other direction (co-located writes): a trainer writes the arrays of an update or a
 push into its :class:`RequestSlot` (one file per trainer and server,
-``distemb-<job>-t<rank>-s<server>-<token>-<generation>``) and sends only a small frame naming the
+``distemb-p<pid>-<job>-t<rank>-s<server>-<token>-<generation>``, after the trainer's pid
+so that :func:`remove_orphans` removes a killed trainer's slots too) and sends only a small frame naming the
 file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
 server maps the file (:class:`SlotReader`), reads the arrays in place and applies the
 request, still the only writer of its rows. The trainer reuses the slot only after the
@@ -162,7 +163,8 @@ class ShmShard:
 
 
 def remove_orphans(directory=SHM_DIR):
-    """Unlink the shard files whose owning server process no longer exists.
+    """Unlink the shard files and request slots whose owning process (a server, a
+    trainer) no longer exists.
 
     Returns:
         the paths removed.
@@ -242,8 +244,8 @@ class RequestSlot:
     def __init__(self, job, rank, server_id, directory=SHM_DIR):
         # A token per slot: a later client of the same rank never reuses a file name a
         # server still has mapped.
-        self._prefix = os.path.join(directory, f"distemb-{job}-t{rank}-s{server_id}-"
-                                               f"{uuid.uuid4().hex[:12]}-")
+        self._prefix = os.path.join(directory, f"distemb-p{os.getpid()}-{job}-t{rank}-"
+                                               f"s{server_id}-{uuid.uuid4().hex[:12]}-")
         self._gen = itertools.count()
         self.path, self._map = None, None
 
@@ -327,7 +329,7 @@ class SlotReader:
     """
 
     def __init__(self, job, directory=SHM_DIR):
-        self._name = re.compile(rf"(distemb-{re.escape(job)}-t\d+-s\d+-)[0-9a-f]{{12}}-\d+")
+        self._name = re.compile(rf"(distemb-p\d+-{re.escape(job)}-t\d+-s\d+-)[0-9a-f]{{12}}-\d+")
         self.directory = directory
         self._maps = {}  # slot prefix -> (path, its open fd, mapping)
 
