@@ -287,3 +287,30 @@ def closed_after_error(frame):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_strangers_who_never_say_hello_neither_stay_nor_starve_a_trainer(tmp_path):
+    """Issue 18: 1,030 silent connections made the server answer 'server busy' to a
+    trainer, and each stayed for the idle timeout (an hour). Now at most 64 wait for
+    their Hello (a newcomer closes the oldest) and each must say it within 10 s."""
+    from distemb.transport.tcp import HELLO_TIMEOUT_S, MAX_UNAUTHENTICATED
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group)
+        entry = srv.cfg.servers[0]
+        silent = [socket.create_connection((entry.host, entry.port), timeout=10)
+                  for _ in range(2 * MAX_UNAUTHENTICATED + 10)]
+        start = time.monotonic()
+        conn = srv.connect(hello_rank=0)  # a trainer gets in, and is served
+        reply = ask(conn, Pull(name="nothing", parts=[0], counts=[0],
+                               ids=np.empty(0, np.int64)))
+        assert reply is not None and reply.service == Service.ERROR  # served: no such table
+        conn.close()
+        for s in silent:  # every stranger is closed, the oldest at once, all in time
+            s.settimeout(HELLO_TIMEOUT_S + 10)
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+            s.close()
+        assert time.monotonic() - start < HELLO_TIMEOUT_S + 10
+        srv.finish(group)

@@ -11,6 +11,7 @@ Example:
     >>> cb.recv().arrays[0].tolist()
     [0, 1, 2]
 """
+import collections
 import errno
 import logging
 import socket
@@ -27,6 +28,14 @@ from distemb.transport.messages import Error
 
 _IOV_MAX = 512
 MAX_CONNECTIONS = 1024  # per server: a connection storm cannot exhaust threads
+#: Seconds a new connection has for its first frame, which must be its Hello (a
+#: trainer's client says Hello as it connects): a peer that never does is closed then,
+#: not after the idle timeout.
+HELLO_TIMEOUT_S = 10.0
+#: Connections still waiting for their Hello, at most. Past it the oldest of them is
+#: closed to admit the newcomer, so strangers can hold neither the connection slots nor
+#: the door: a trainer's connection is authenticated within a round trip of opening.
+MAX_UNAUTHENTICATED = 64
 log = logging.getLogger("distemb")
 
 
@@ -205,14 +214,43 @@ def _refuse(conn, e):
         pass
 
 
-def _serve_connection(conn, handle, inflight, slots):
+class _Doorway:
+    """The connections that have not completed their Hello yet, oldest first."""
+
+    def __init__(self, cap, hello_timeout):
+        self.cap, self.hello_timeout = cap, hello_timeout
+        self._lock = threading.Lock()
+        self._waiting = collections.OrderedDict()  # id(conn) -> conn
+
+    def enter(self, conn):
+        """Admit ``conn``; past the cap, shut the oldest waiting one (its thread ends)."""
+        with self._lock:
+            self._waiting[id(conn)] = conn
+            oldest = self._waiting.popitem(last=False)[1] if \
+                len(self._waiting) > self.cap else None
+        if oldest is not None:
+            log.info("%s: closed unauthenticated to admit a newer connection", oldest.peer)
+            try:
+                oldest.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # it went away meanwhile
+
+    def leave(self, conn):
+        """``conn`` said Hello (or closed)."""
+        with self._lock:
+            self._waiting.pop(id(conn), None)
+
+
+def _serve_connection(conn, handle, inflight, slots, doorway):
     """Answer requests on ``conn`` until the peer leaves, idles out, sends a malformed
     frame or fails its handshake. Never raises: one client cannot kill the server."""
     session = Session(peer=conn.peer)
     try:
         while not session.closing:
+            waiting = session.rank is None and not session.trusted
             try:
-                frame = conn.recv()
+                frame = conn.recv(min(doorway.hello_timeout, conn.idle_timeout or
+                                      doorway.hello_timeout) if waiting else None)
             except ServerUnavailableError as e:
                 log.debug("%s", e)  # closed, reset, or idle past the limit
                 return
@@ -225,17 +263,21 @@ def _serve_connection(conn, handle, inflight, slots):
                 reply = handle(frame, session)
                 if reply is not None:
                     conn.send(reply)
+            if waiting and session.rank is not None:
+                doorway.leave(conn)
     except TransportError:
         pass  # the peer went away while we answered
     except Exception:  # a handler bug: log it, drop this client, keep serving the others
         log.exception("%s: request handler failed", conn.peer)
     finally:
+        doorway.leave(conn)
         conn.close()
         slots.release()
 
 
 def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES, timeout=None,
-          idle_timeout=None, max_connections=MAX_CONNECTIONS):
+          idle_timeout=None, max_connections=MAX_CONNECTIONS,
+          hello_timeout=HELLO_TIMEOUT_S, max_unauthenticated=MAX_UNAUTHENTICATED):
     """Accept clients on ``listener`` until ``stop`` (a threading.Event) is set.
 
     Each client gets a thread and a :class:`~distemb.transport.base.Session`; it reads
@@ -243,12 +285,16 @@ def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES, timeout=None,
     gets an error reply and its connection is closed, as does a request after which the
     handler set ``session.closing``; other clients are unaffected. A frame must arrive
     within ``timeout`` s once begun, the next one within ``idle_timeout`` s (None:
-    forever). Past ``max_connections`` open connections, new ones are refused. Replies
-    under way when ``stop`` is set are still sent.
+    forever), except that a connection whose session has no rank yet (no Hello) must
+    send its first frame within ``hello_timeout`` s; of those, at most
+    ``max_unauthenticated`` are kept (a newcomer closes the oldest). Past
+    ``max_connections`` open connections, new ones are refused. Replies under way when
+    ``stop`` is set are still sent.
     """
     listener.settimeout(0.1)
     inflight = _InFlight()
     slots = threading.BoundedSemaphore(max_connections)
+    doorway = _Doorway(max_unauthenticated, hello_timeout)
     while not stop.is_set():
         try:
             sock, addr = listener.accept()
@@ -268,7 +314,8 @@ def serve(listener, handle, stop, max_bytes=MAX_MESSAGE_BYTES, timeout=None,
                                          f"open, the limit"))
             conn.close()
             continue
-        threading.Thread(target=_serve_connection, args=(conn, handle, inflight, slots),
-                         daemon=True).start()
+        doorway.enter(conn)
+        threading.Thread(target=_serve_connection,
+                         args=(conn, handle, inflight, slots, doorway), daemon=True).start()
     listener.close()
     inflight.wait_idle(timeout=2.0)
