@@ -58,8 +58,8 @@ def _exact_step(svc, arrival, grads, seq=0):
             r, svc.handle(f, Session(peer=f"t{r}", rank=r))))
         t.start()
         threads.append(t)
-        while n + 1 < len(arrival) and (len(svc._exact) == 0 or len(
-                next(iter(svc._exact.values())).contribs) <= n):
+        while n + 1 < len(arrival) and (not svc.exact_steps.pending() or next(iter(
+                svc.exact_steps.pending().values())) <= n):
             threading.Event().wait(0.001)  # wait until this push is buffered
     for t in threads:
         t.join(30)
@@ -89,7 +89,7 @@ def test_sync_exact_refuses_a_second_push_of_one_rank():
     import threading
     first = threading.Thread(target=svc.handle, args=(frame, Session(peer="a", rank=0)))
     first.start()
-    while not svc._exact:
+    while not svc.exact_steps.pending():
         threading.Event().wait(0.001)
     reply = svc.handle(frame, Session(peer="b", rank=0))
     assert reply.service == Service.ERROR

@@ -38,6 +38,7 @@ from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, TransportError
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kvstore import snapshot
+from distemb.kvstore.exact import ExactSteps
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.kvstore.store_service import StoreTables
@@ -58,15 +59,6 @@ MAX_TABLE_NAME = 256
 
 class RefusedError(KVStoreError):
     """A request this connection may not make (no or failed handshake, another's rank)."""
-
-
-class _ExactStep:
-    """Contributions of the trainers to one (table, step) in sync_exact mode."""
-
-    def __init__(self):
-        self.contribs, self.done, self.error, self.left = [], False, None, 0
-        self.ranks = []  # the rank of each contribution's connection (None: in-process)
-        self.replies = {}  # id(message) -> its versions reply, taken when applied
 
 
 class KVService:
@@ -97,8 +89,8 @@ class KVService:
         # Co-located trainers hand updates and pushes over in their request slots.
         self.slots = SlotReader(arena.job, arena.directory) if arena else None
         self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
-        self._cond = threading.Condition()  # sync_exact buffers and barriers
-        self._exact = {}
+        self._cond = threading.Condition()  # barriers and byes
+        self.exact_steps = ExactSteps(num_trainers, timeout_s)  # sync_exact buffers
         self._barrier_gen, self._barrier_count = 0, 0
         self._byes = set()
         self._handlers = {Service.HELLO: self._hello, Service.CREATE: self._create,
@@ -363,7 +355,7 @@ class KVService:
                                    f"{m.grads.shape[1:]}")
         if m.exact:
             self._rows(m)  # reject bad ids before they are buffered
-            return self._update_exact(m, session, self._apply_summed)
+            return self.exact_steps.join(m, session, self._apply_summed)
         for part, ids, sl in self._rows(m):
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
         return self._versions_reply(m)
@@ -396,53 +388,6 @@ class KVService:
             raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
                      + [np.concatenate(st) for st in states])
-
-    def _update_exact(self, m, session, apply):
-        """Buffer ``m`` until every trainer sent its step ``m.seq`` of the table, then
-        ``apply(contributions) -> {id(message): reply}`` once; answer each with its reply.
-
-        The contributions are applied in rank order, not arrival order: a row's sum of
-        three or more trainers' gradients rounds differently in another order, and the
-        order the pushes happen to arrive in must not change the table (runs repeat).
-
-        Raises:
-            KVStoreError: this connection's rank already sent step ``m.seq`` of the table
-                (its second push would stand in for a missing trainer), or the others did
-                not send theirs within ``timeout_s``.
-        """
-        key = (m.SERVICE, m.name, m.seq)
-        rank = session.rank if session is not None else None
-        deadline = time.monotonic() + self.timeout_s
-        with self._cond:
-            step = self._exact.setdefault(key, _ExactStep())
-            if rank is not None and rank in step.ranks:
-                raise KVStoreError(f"sync_exact: rank {rank} sent step {m.seq} of "
-                                   f"{m.name!r} twice")
-            step.contribs.append(m)
-            step.ranks.append(rank)
-            if len(step.contribs) == self.num_trainers:
-                order = sorted(range(len(step.ranks)), key=lambda i: (
-                    step.ranks[i] is None, step.ranks[i] or 0, i))
-                try:
-                    step.replies = apply([step.contribs[i] for i in order])
-                except Exception as e:
-                    step.error = e
-                step.done = True
-                self._cond.notify_all()
-            while not step.done:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._exact.pop(key, None)
-                    raise KVStoreError(f"sync_exact: step {m.seq} of {m.name!r} got "
-                                       f"{len(step.contribs)} of {self.num_trainers} trainers' "
-                                       f"pushes within {self.timeout_s} s")
-                self._cond.wait(left)
-            step.left += 1
-            if step.left == len(step.contribs):
-                self._exact.pop(key, None)
-        if step.error is not None:
-            raise step.error
-        return step.replies.get(id(m))
 
     def _apply_summed(self, contribs):
         """Sum every trainer's rows of each part (duplicates added) and update once."""
