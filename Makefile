@@ -13,16 +13,33 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # Debian packages: MPI for the mpirun tests, WordNet for the graph examples, an sshd for
-# the test of DGL's own launcher (which starts every process through ssh).
+# the test of DGL's own launcher (which starts every process through ssh; the test runs
+# its own sshd on 127.0.0.1). The install starts no service: while it runs, a temporary
+# /usr/sbin/policy-rc.d answers 101 ("action forbidden"), which Debian's maintainer
+# scripts ask before starting one (invoke-rc.d, deb-systemd-invoke), so no system sshd
+# comes up on port 22; a policy-rc.d already there is left as it is. With systemd, the
+# ssh units a fresh openssh-server enabled are disabled again (no sshd at the next boot).
+# POLICY_RC and SYSTEMD_DIR are variables only so that tests/test_make_system.py can
+# check all this without touching the machine.
+POLICY_RC   ?= /usr/sbin/policy-rc.d
+SYSTEMD_DIR ?= /run/systemd/system
 data: system
 
 system:
-	@missing=$$(for p in $(APT); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(APT); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done | tr '\n' ' '); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  echo "installing Debian packages: $$missing"; \
+	  ours=; \
+	  if [ ! -e $(POLICY_RC) ] && printf '#!/bin/sh\n# made by distemb make system for one apt-get install: start no service\nexit 101\n' \
+	       | $$SUDO tee $(POLICY_RC) >/dev/null && $$SUDO chmod 755 $(POLICY_RC); then ours=1; \
+	    trap '$$SUDO rm -f $(POLICY_RC)' EXIT; trap 'exit 130' INT TERM; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null \
 	  || echo "warning: could not install $$missing (MPI/WordNet/sshd tests will skip with a reason)"; \
+	  if [ -n "$$ours" ]; then $$SUDO rm -f $(POLICY_RC); trap - EXIT INT TERM; fi; \
+	  case " $$missing " in *" openssh-server "*) \
+	    if [ -d $(SYSTEMD_DIR) ]; then $$SUDO systemctl disable --quiet ssh.service ssh.socket 2>/dev/null || true; fi;; \
+	  esac; \
 	fi
 
 $(STAMP): $(PY) setup.py setup.cfg pyproject.toml $(wildcard csrc/*.pyx csrc/cuda/*.cu) | system

@@ -168,7 +168,7 @@ def test_optimizer_state_lives_beside_rows(client, rule):
 def test_row_store_tables_work_or_are_refused_by_name(client, request):
     """Every placement either holds row-store (hash-keyed) tables or refuses them with
     an error naming itself: never a silent bypass. Which do what is the capability table
-    of the README: the host clients hold them; caches and GPU placements refuse them."""
+    in docs/stores.md: the host clients hold them; caches and GPU placements refuse them."""
     from conftest import HostView
     from distemb.stores.spec import HashTableSpec
 

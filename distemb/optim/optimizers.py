@@ -150,11 +150,11 @@ class SparseFtrl(SparseOptimizer):
     Args:
         lr: learning rate, > 0.
         learning_rate_power: <= 0; -0.5 (default) scales like Adagrad, 0 is a fixed rate.
-        initial_accumulator_value: >= 0 (Keras' default 0.1).
-        l1_regularization_strength: >= 0.
-        l2_regularization_strength: >= 0.
-        l2_shrinkage_regularization_strength: >= 0.
-        beta: >= 0.
+        initial_accumulator_value: at least 0 (Keras' default 0.1).
+        l1_regularization_strength: at least 0.
+        l2_regularization_strength: at least 0.
+        l2_shrinkage_regularization_strength: at least 0.
+        beta: at least 0.
 
     Example:
         >>> from distemb import DistEmbedding
