@@ -14,8 +14,9 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 - with ``--links loopback,1gbit,10gbit``: the two TCP jobs (and ``--dynamic``'s) once per
   link: ``loopback`` runs every process on 127.0.0.1; a rate puts every server and every
   trainer on a host of its own, a network namespace whose link to a switch is shaped to
-  that rate each way (``benchmarks/netns.py``; needs root), so every row crosses a link.
-  The links are checked first: a bulk TCP transfer across each, against its rate.
+  that rate each way (``benchmarks/netns.py``; needs root), so every row crosses a link;
+  ``veth``: the same hosts, links not shaped (what the simulated network itself costs on
+  this machine's CPUs). The links are checked first: a bulk TCP transfer across each.
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -24,7 +25,7 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
-        [--dgl] [--dynamic] [--rounds 3] [--only-shm] [--links loopback,1gbit,10gbit]
+        [--dgl] [--dynamic] [--rounds 3] [--only-shm] [--links loopback,veth,10gbit,1gbit]
 """
 import argparse
 import json
@@ -207,8 +208,9 @@ def main():
     p.add_argument("--only-shm", action="store_true",
                    help="only the in-process baseline and 1 server x 1 trainer, shm")
     p.add_argument("--links", default="loopback",
-                   help="links of the TCP jobs, comma-separated: 'loopback' and/or rates "
-                   "('1gbit', '10gbit'): each server and trainer on its own shaped host")
+                   help="links of the TCP jobs, comma-separated: 'loopback', 'veth' (hosts "
+                   "in namespaces, unshaped) and/or rates ('1gbit', '10gbit'): each server "
+                   "and trainer on its own shaped host")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()

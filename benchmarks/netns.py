@@ -23,6 +23,7 @@ Example::
         print(net.measure(1, 0))  # bits/s of a bulk TCP transfer from host 1 to host 0
 """
 import atexit
+import math
 import os
 import re
 import shutil
@@ -61,25 +62,34 @@ c.close()
 """
 
 
+VETH = math.inf  # the link "veth": hosts in namespaces, links not shaped
+
+
 def parse_link(text):
-    """Bits/s of a link named like ``1gbit``, ``100mbit`` or ``2.5gbit``; None for ``loopback``.
+    """Bits/s of a link named like ``1gbit``, ``100mbit`` or ``2.5gbit``; None for
+    ``loopback`` (no namespaces); :data:`VETH` (infinity) for ``veth``: hosts in
+    namespaces as for a rate, their links unshaped (what the simulation itself costs).
 
     Raises:
         ValueError: naming the text and the expected form.
     """
     if text == "loopback":
         return None
+    if text == "veth":
+        return VETH
     m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text)
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"link: expected 'loopback' or a rate like '1gbit', '100mbit', "
-                         f"got {text!r}")
+        raise ValueError(f"link: expected 'loopback', 'veth' or a rate like '1gbit', "
+                         f"'100mbit', got {text!r}")
     return float(m.group(1)) * UNITS[m.group(2)]
 
 
 def link_name(rate):
-    """``loopback`` for None, else the rate written as ``1gbit``/``100mbit``."""
+    """``loopback`` for None, ``veth`` for :data:`VETH`, else the rate as ``1gbit``."""
     if rate is None:
         return "loopback"
+    if rate == VETH:
+        return "veth"
     for unit in ("gbit", "mbit", "kbit"):
         if rate >= UNITS[unit]:
             return f"{rate / UNITS[unit]:g}{unit}"
@@ -133,7 +143,7 @@ class Network:
 
     Args:
         num_hosts: hosts to make (1..250).
-        rate: bits/s of every host's link, each direction; None: unshaped veth.
+        rate: bits/s of every host's link, each direction; None or VETH: unshaped.
 
     Raises:
         RuntimeError: not root, no iproute2, or an ``ip``/``tc`` command failed (the
@@ -145,6 +155,7 @@ class Network:
             raise ValueError(f"num_hosts: expected 1..250, got {num_hosts}")
         if rate is not None and rate <= 0:
             raise ValueError(f"rate: expected bits/s > 0 or None, got {rate}")
+        rate = None if rate == VETH else rate
         why = available()
         if why:
             raise RuntimeError(f"Network: {why}")
@@ -259,7 +270,8 @@ class JobHosts:
 
     Args:
         num_servers, num_trainers: processes of the job.
-        rate: bits/s of every host's link, or None for loopback (127.0.0.1).
+        rate: bits/s of every host's link (:data:`VETH`: unshaped), or None for
+            loopback (127.0.0.1).
 
     Example::
 
@@ -325,14 +337,15 @@ def exit_on_sigterm():
 
 def verify(rates, nbytes=None):
     """Measure a bulk transfer across a 2-host link at each rate; print and return
-    ``{rate: measured bits/s}`` (None: an unshaped veth, the machine's ceiling)."""
+    ``{rate: measured bits/s}`` (None or VETH: an unshaped veth, the machine's ceiling)."""
     out = {}
     for rate in rates:
         with Network(2, rate) as net:
             got = net.measure(0, 1, nbytes)
         out[rate] = got
-        shaped = "" if rate is None else f" of {link_name(rate)} configured ({got / rate:.0%})"
-        print(f"link check: {link_name(rate) if rate else 'unshaped veth'}: bulk TCP "
+        shaped = "" if rate in (None, VETH) else (f" of {link_name(rate)} configured "
+                                                  f"({got / rate:.0%})")
+        print(f"link check: {link_name(rate) if rate else 'veth'}: bulk TCP "
               f"{got / 1e9:.2f} Gbit/s measured{shaped}", flush=True)
     return out
 

@@ -72,10 +72,11 @@ def test_namespaces_of_a_killed_run_are_removed_by_the_next():
 
 
 def test_bad_rates_are_named():
-    with pytest.raises(ValueError, match="link: expected 'loopback' or a rate like '1gbit'.*"
-                                         "got '1gb'"):
+    with pytest.raises(ValueError, match="link: expected 'loopback', 'veth' or a rate like "
+                                         "'1gbit'.*got '1gb'"):
         netns.parse_link("1gb")
     assert netns.parse_link("loopback") is None
+    assert netns.parse_link("veth") == netns.VETH and netns.link_name(netns.VETH) == "veth"
     assert netns.parse_link("2.5gbit") == 2.5e9
     assert netns.link_name(1e9) == "1gbit" and netns.link_name(None) == "loopback"
     with pytest.raises(ValueError, match="num_hosts: expected 1..250, got 0"):
