@@ -7,6 +7,7 @@ Environment switches: ``DISTEMB_NO_CUDA=1`` skips the CUDA build, ``DISTEMB_REQU
 turns a missing nvcc or a failed CUDA build into an error, ``NVCC`` names the compiler.
 """
 import glob
+import importlib.util
 import logging
 import os
 import shutil
@@ -23,10 +24,23 @@ from setuptools.command.build_ext import build_ext
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
 
 
+def _generate_rule_glue():
+    """Write csrc/gen/ (the per-rule entry points of every build) from the one rule table,
+    distemb/kernels/rule_table.py, with csrc/codegen.py; returns the files it wrote."""
+    spec = importlib.util.spec_from_file_location(
+        "distemb_codegen", os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
+                                        "codegen.py"))
+    codegen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(codegen)
+    return [os.path.relpath(p) for p in codegen.generate()]
+
+
+GENERATED = _generate_rule_glue()
+RULE_DEPENDS = ["csrc/rules.h", "distemb/kernels/rule_table.py", "csrc/codegen.py"] + GENERATED
 
 CUDA_SOURCES = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-CUDA_DEPENDS = CUDA_SOURCES + sorted(glob.glob(os.path.join("csrc", "cuda", "*.*h"))) + [
-    os.path.join("csrc", "rules.h")]
+CUDA_DEPENDS = CUDA_SOURCES + sorted(glob.glob(os.path.join("csrc", "cuda", "*.*h"))) + \
+    RULE_DEPENDS
 CUDA_LIB = os.path.join("distemb", "_cuda_kernels.so")
 NVCC_FLAGS = [
     "-O3", "-std=c++17", "-shared", "-cudart", "static",
@@ -112,7 +126,7 @@ extensions = [
         include_dirs=["csrc"],
         # the updates are csrc/cpu_kernels.h: a baseline and an AVX2 build of each, picked
         # at run time (no -m flags here)
-        depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h", "csrc/rules.h"],
+        depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h"] + RULE_DEPENDS,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],
         language="c++",
@@ -123,7 +137,7 @@ extensions = [
         include_dirs=["csrc"],
         # one baseline and one AVX2 + F16C build of each kernel, picked at run time by
         # the CPU that runs them (csrc/cpu_kernels.h): no -m flags here
-        depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h", "csrc/rules.h"],
+        depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h"] + RULE_DEPENDS,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],
         language="c++",
@@ -143,6 +157,7 @@ extensions = [
 ]
 
 setup(
-    ext_modules=cythonize(extensions, compiler_directives={"language_level": 3}),
+    ext_modules=cythonize(extensions, compiler_directives={"language_level": 3},
+                          include_path=["csrc"]),
     cmdclass={"build_ext": BuildExtWithCuda},
 )

@@ -11,11 +11,6 @@ from libc.stdint cimport int64_t, uint16_t, uint64_t
 cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
     void c_gather "distemb_cpu::gather"(int isa, int kind, const uint16_t *t, const int64_t *r,
                                          float *o, int64_t n, int64_t d, int nt)
-    void c_sgd "distemb_cpu::sgd"(int isa, int kind, uint16_t *w, const int64_t *r, const float *g,
-                                   int64_t n, int64_t d, float lr, uint64_t seed, int nt)
-    void c_adagrad "distemb_cpu::adagrad"(int isa, int kind, uint16_t *w, float *s, const int64_t *r,
-                                           const float *g, int64_t n, int64_t d, float clr,
-                                           float eps, uint64_t seed, int nt)
     void c_rowwise "distemb_cpu::rowwise_adagrad"(int isa, int kind, uint16_t *w, float *s,
                                                    const int64_t *r, const float *g,
                                                    int64_t n, int64_t d, float clr,
@@ -24,10 +19,6 @@ cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
                                      const int64_t *r, const float *g, int64_t n, int64_t d,
                                      double lr, double b1, double b2, double eps,
                                      int64_t step, int64_t *rs, uint64_t seed, int nt)
-    void c_ftrl "distemb_cpu::ftrl"(int isa, int kind, uint16_t *w, float *acc, float *lin,
-                                     const int64_t *r, const float *g, int64_t n, int64_t d,
-                                     double lr, double lr_power, double l1, double l2,
-                                     double l2_shrinkage, double beta, uint64_t seed, int nt)
     int c_get_isa "distemb_cpu::get_process_isa"()
     void c_set_isa "distemb_cpu::set_process_isa"(int isa)
     void c_encode "distemb_cpu::encode"(int isa, int kind, const float *src, uint16_t *dst, int64_t n)
@@ -68,28 +59,6 @@ def gather_rows(int kind, const uint16_t[:, ::1] table, const int64_t[::1] rows,
             c_gather(use, kind, &table[0, 0], &rows[0], &out[0, 0], n, d, num_threads)
 
 
-def sgd_update(int kind, uint16_t[:, ::1] weight, const int64_t[::1] rows,
-               const float[:, ::1] grads, double lr, uint64_t seed=0, int num_threads=1,
-               int isa=-1):
-    cdef int64_t n = rows.shape[0], d = weight.shape[1]
-    cdef int use = _isa(isa)
-    if n:
-        with nogil:
-            c_sgd(use, kind, &weight[0, 0], &rows[0], &grads[0, 0], n, d, <float>lr, seed,
-                  num_threads)
-
-
-def adagrad_update(int kind, uint16_t[:, ::1] weight, float[:, ::1] state_sum,
-                   const int64_t[::1] rows, const float[:, ::1] grads, double clr, double eps,
-                   uint64_t seed=0, int num_threads=1, int isa=-1):
-    cdef int64_t n = rows.shape[0], d = weight.shape[1]
-    cdef int use = _isa(isa)
-    if n:
-        with nogil:
-            c_adagrad(use, kind, &weight[0, 0], &state_sum[0, 0], &rows[0], &grads[0, 0], n, d,
-                      <float>clr, <float>eps, seed, num_threads)
-
-
 def rowwise_adagrad_update(int kind, uint16_t[:, ::1] weight, float[::1] state_sum,
                            const int64_t[::1] rows, const float[:, ::1] grads, double clr,
                            double eps, uint64_t seed=0, int num_threads=1, int isa=-1):
@@ -114,19 +83,6 @@ def adam_update(int kind, uint16_t[:, ::1] weight, float[:, ::1] exp_avg,
                    &grads[0, 0], n, d, lr, beta1, beta2, eps, step, rs, seed, num_threads)
 
 
-def ftrl_update(int kind, uint16_t[:, ::1] weight, float[:, ::1] accum, float[:, ::1] linear,
-                const int64_t[::1] rows, const float[:, ::1] grads, double lr,
-                double lr_power, double l1, double l2, double l2_shrinkage, double beta,
-                uint64_t seed=0, int num_threads=1, int isa=-1):
-    cdef int64_t n = rows.shape[0], d = weight.shape[1]
-    cdef int use = _isa(isa)
-    if n:
-        with nogil:
-            c_ftrl(use, kind, &weight[0, 0], &accum[0, 0], &linear[0, 0], &rows[0],
-                   &grads[0, 0], n, d, lr, lr_power, l1, l2, l2_shrinkage, beta, seed,
-                   num_threads)
-
-
 def encode(int kind, const float[::1] src, uint16_t[::1] dst, int isa=-1):
     cdef int use = _isa(isa)
     if src.shape[0]:
@@ -139,3 +95,8 @@ def decode(int kind, const uint16_t[::1] src, float[::1] dst, int isa=-1):
     if src.shape[0]:
         with nogil:
             c_decode(use, kind, &src[0], &dst[0], src.shape[0])
+
+
+# The element-wise rules' wrappers (sgd_update, adagrad_update, ftrl_update, ...),
+# generated from distemb/kernels/rule_table.py by csrc/codegen.py.
+include "gen/halfkernels_rules.pxi"

@@ -24,11 +24,6 @@ cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
     bint c_cpu_has_vector "distemb_cpu::cpu_has_vector"()
     int c_get_isa "distemb_cpu::get_process_isa"()
     void c_set_isa "distemb_cpu::set_process_isa"(int isa)
-    void c_sgd "distemb_cpu::sgd_f32"(float *w, const int64_t *r, const float *g, int64_t n,
-                                      int64_t d, float lr, int nt)
-    void c_adagrad "distemb_cpu::adagrad_f32"(float *w, float *s, const int64_t *r,
-                                              const float *g, int64_t n, int64_t d,
-                                              float clr, float eps, int nt)
     void c_rowwise "distemb_cpu::rowwise_adagrad_f32"(float *w, float *s, const int64_t *r,
                                                       const float *g, int64_t n, int64_t d,
                                                       float clr, float eps, int nt)
@@ -36,10 +31,6 @@ cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
                                         const float *g, int64_t n, int64_t d, double lr,
                                         double b1, double b2, double eps, int64_t step,
                                         int64_t *rs, int nt)
-    void c_ftrl "distemb_cpu::ftrl_f32"(float *w, float *acc, float *lin, const int64_t *r,
-                                        const float *g, int64_t n, int64_t d, double lr,
-                                        double lr_power, double l1, double l2,
-                                        double l2_shrinkage, double beta, int nt)
 
 cdef extern from *:
     """
@@ -215,25 +206,6 @@ def set_isa(int isa):
     c_set_isa(isa)
 
 
-def sgd_update(float[:, ::1] weight, const int64_t[::1] rows, const float[:, ::1] grads,
-               double lr, int num_threads=1):
-    """weight[rows] -= lr * grads (rows unique)."""
-    cdef int64_t n = rows.shape[0], d = weight.shape[1]
-    if n:
-        with nogil:
-            c_sgd(&weight[0, 0], &rows[0], &grads[0, 0], n, d, <float>lr, num_threads)
-
-
-def adagrad_update(float[:, ::1] weight, float[:, ::1] state_sum, const int64_t[::1] rows,
-                   const float[:, ::1] grads, double clr, double eps, int num_threads=1):
-    """torch.optim.Adagrad on unique rows: s += g^2; w -= clr * (g / (sqrt(s) + eps))."""
-    cdef int64_t n = rows.shape[0], d = weight.shape[1]
-    if n:
-        with nogil:
-            c_adagrad(&weight[0, 0], &state_sum[0, 0], &rows[0], &grads[0, 0], n, d,
-                      <float>clr, <float>eps, num_threads)
-
-
 def rowwise_adagrad_update(float[:, ::1] weight, float[::1] state_sum,
                            const int64_t[::1] rows, const float[:, ::1] grads,
                            double clr, double eps, int num_threads=1):
@@ -258,13 +230,6 @@ def adam_update(float[:, ::1] weight, float[:, ::1] exp_avg, float[:, ::1] exp_a
                    n, d, lr, beta1, beta2, eps, step, rs, num_threads)
 
 
-def ftrl_update(float[:, ::1] weight, float[:, ::1] accum, float[:, ::1] linear,
-                const int64_t[::1] rows, const float[:, ::1] grads, double lr,
-                double lr_power, double l1, double l2, double l2_shrinkage, double beta,
-                int num_threads=1):
-    """FTRL-Proximal (tf.keras.optimizers.Ftrl) on unique rows; see csrc/rules.h."""
-    cdef int64_t n = rows.shape[0], d = weight.shape[1]
-    if n:
-        with nogil:
-            c_ftrl(&weight[0, 0], &accum[0, 0], &linear[0, 0], &rows[0], &grads[0, 0], n, d,
-                   lr, lr_power, l1, l2, l2_shrinkage, beta, num_threads)
+# The element-wise rules' wrappers (sgd_update, adagrad_update, ftrl_update, ...),
+# generated from distemb/kernels/rule_table.py by csrc/codegen.py.
+include "gen/kernels_rules.pxi"

@@ -89,15 +89,6 @@ inline void gather(int isa, int kind, const uint16_t *t, const int64_t *r, float
                    int64_t n, int64_t d, int nt) {
   DISTEMB_CPU_ISA(gather, kind, t, r, o, n, d, nt);
 }
-inline void sgd(int isa, int kind, uint16_t *w, const int64_t *r, const float *g, int64_t n,
-                int64_t d, float lr, uint64_t seed, int nt) {
-  DISTEMB_CPU_ISA(sgd, kind, w, r, g, n, d, lr, seed, nt);
-}
-inline void adagrad(int isa, int kind, uint16_t *w, float *s, const int64_t *r,
-                    const float *g, int64_t n, int64_t d, float clr, float eps, uint64_t seed,
-                    int nt) {
-  DISTEMB_CPU_ISA(adagrad, kind, w, s, r, g, n, d, clr, eps, seed, nt);
-}
 inline void rowwise_adagrad(int isa, int kind, uint16_t *w, float *s, const int64_t *r,
                             const float *g, int64_t n, int64_t d, float clr, float eps,
                             uint64_t seed, int nt) {
@@ -108,14 +99,6 @@ inline void adam(int isa, int kind, uint16_t *w, float *m, float *v, const int64
                  double eps, int64_t step, int64_t *rs, uint64_t seed, int nt) {
   DISTEMB_CPU_ISA(adam, kind, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, seed, nt);
 }
-inline void ftrl(int isa, int kind, uint16_t *w, float *acc, float *lin, const int64_t *r,
-                 const float *g, int64_t n, int64_t d, double lr, double lr_power,
-                 double l1, double l2, double l2_shrinkage, double beta, uint64_t seed,
-                 int nt) {
-  const distemb::rules::FtrlParams p =
-      distemb::rules::ftrl_params(lr, lr_power, l1, l2, l2_shrinkage, beta);
-  DISTEMB_CPU_ISA(ftrl, kind, w, acc, lin, r, g, n, d, p, seed, nt);
-}
 inline void encode(int isa, int kind, const float *src, uint16_t *dst, int64_t n) {
   DISTEMB_CPU_ISA(encode, kind, src, dst, n);
 }
@@ -124,16 +107,6 @@ inline void decode(int isa, int kind, const uint16_t *src, float *dst, int64_t n
 }
 
 // float32 rows, always at the process's choice of build.
-inline void sgd_f32(float *w, const int64_t *r, const float *g, int64_t n, int64_t d,
-                    float lr, int nt) {
-  const int isa = -1;
-  DISTEMB_CPU_ISA(sgd_f32, w, r, g, n, d, lr, nt);
-}
-inline void adagrad_f32(float *w, float *s, const int64_t *r, const float *g, int64_t n,
-                        int64_t d, float clr, float eps, int nt) {
-  const int isa = -1;
-  DISTEMB_CPU_ISA(adagrad_f32, w, s, r, g, n, d, clr, eps, nt);
-}
 inline void rowwise_adagrad_f32(float *w, float *s, const int64_t *r, const float *g,
                                 int64_t n, int64_t d, float clr, float eps, int nt) {
   const int isa = -1;
@@ -145,13 +118,9 @@ inline void adam_f32(float *w, float *m, float *v, const int64_t *r, const float
   const int isa = -1;
   DISTEMB_CPU_ISA(adam_f32, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, nt);
 }
-inline void ftrl_f32(float *w, float *acc, float *lin, const int64_t *r, const float *g,
-                     int64_t n, int64_t d, double lr, double lr_power, double l1, double l2,
-                     double l2_shrinkage, double beta, int nt) {
-  const int isa = -1;
-  const distemb::rules::FtrlParams p =
-      distemb::rules::ftrl_params(lr, lr_power, l1, l2, l2_shrinkage, beta);
-  DISTEMB_CPU_ISA(ftrl_f32, w, acc, lin, r, g, n, d, p, nt);
-}
+
+// The entry points of the element-wise rules (Sgd, Adagrad, Ftrl, ...), generated from
+// distemb/kernels/rule_table.py by csrc/codegen.py (setup.py runs it).
+#include "gen/cpu_rules.h"
 
 }  // namespace distemb_cpu

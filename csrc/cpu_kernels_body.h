@@ -148,26 +148,13 @@ void gather_t(const typename C::T *t, const int64_t *r, float *o, int64_t n, int
   }
 }
 
-template <class C>
-void sgd_t(typename C::T *w0, const int64_t *r, const float *g0, int64_t n, int64_t d,
-           float lr, uint64_t seed, int nt) {
-#pragma omp parallel num_threads(nt)
-  {
-    RowView<C> view(d);
-#pragma omp for schedule(dynamic, CHUNK_ROWS)
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + PREFETCH_AHEAD < n) prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
-      const float *g = g0 + i * d;
-      float *w = view.load(w0 + r[i] * d, d);
-      for (int64_t j = 0; j < d; ++j) w[j] = distemb::rules::sgd(w[j], g[j], lr);
-      view.store(w, w0 + r[i] * d, d, seed, r[i]);
-    }
-  }
-}
-
-template <class C>
-void adagrad_t(typename C::T *w0, float *s0, const int64_t *r, const float *g0, int64_t n,
-               int64_t d, float clr, float eps, uint64_t seed, int nt) {
+// Every element-wise rule R (a struct of csrc/rules.h: Sgd, Adagrad, Ftrl, ...): each
+// element is R::update of its weight, gradient and the row's R::kStates state arrays.
+// Its entry points (float32 and half rows, both ISAs) are generated from
+// distemb/kernels/rule_table.py into csrc/gen/cpu_rules.h.
+template <class C, class R>
+void elementwise_t(typename C::T *w0, float *const *s0, const int64_t *r, const float *g0,
+                   int64_t n, int64_t d, const typename R::Params p, uint64_t seed, int nt) {
 #pragma omp parallel num_threads(nt)
   {
     RowView<C> view(d);
@@ -175,12 +162,13 @@ void adagrad_t(typename C::T *w0, float *s0, const int64_t *r, const float *g0, 
     for (int64_t i = 0; i < n; ++i) {
       if (i + PREFETCH_AHEAD < n) {
         prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
-        prefetch(s0 + r[i + PREFETCH_AHEAD] * d, d * 4);
+        for (int k = 0; k < R::kStates; ++k) prefetch(s0[k] + r[i + PREFETCH_AHEAD] * d, d * 4);
       }
-      float *s = s0 + r[i] * d;
+      float *s[R::kStates > 0 ? R::kStates : 1];
+      for (int k = 0; k < R::kStates; ++k) s[k] = s0[k] + r[i] * d;
       const float *g = g0 + i * d;
       float *w = view.load(w0 + r[i] * d, d);
-      for (int64_t j = 0; j < d; ++j) w[j] = distemb::rules::adagrad(w[j], g[j], s[j], clr, eps);
+      for (int64_t j = 0; j < d; ++j) w[j] = R::update(w[j], g[j], s, j, p);
       view.store(w, w0 + r[i] * d, d, seed, r[i]);
     }
   }
@@ -244,29 +232,6 @@ void adam_t(typename C::T *w0, float *m0, float *v0, const int64_t *r, const flo
 }
 
 template <class C>
-void ftrl_t(typename C::T *w0, float *n0, float *z0, const int64_t *r, const float *g0,
-            int64_t n, int64_t d, const distemb::rules::FtrlParams p, uint64_t seed, int nt) {
-#pragma omp parallel num_threads(nt)
-  {
-    RowView<C> view(d);
-#pragma omp for schedule(dynamic, CHUNK_ROWS)
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + PREFETCH_AHEAD < n) {
-        prefetch(w0 + r[i + PREFETCH_AHEAD] * d, d * sizeof(*w0));
-        prefetch(n0 + r[i + PREFETCH_AHEAD] * d, d * 4);
-        prefetch(z0 + r[i + PREFETCH_AHEAD] * d, d * 4);
-      }
-      float *acc = n0 + r[i] * d;
-      float *lin = z0 + r[i] * d;
-      const float *g = g0 + i * d;
-      float *w = view.load(w0 + r[i] * d, d);
-      for (int64_t j = 0; j < d; ++j) w[j] = distemb::rules::ftrl(w[j], g[j], acc[j], lin[j], p);
-      view.store(w, w0 + r[i] * d, d, seed, r[i]);
-    }
-  }
-}
-
-template <class C>
 void encode_t(const float *src, uint16_t *dst, int64_t n) { C::store_row(src, dst, n, 0); }
 
 template <class C>
@@ -284,14 +249,6 @@ enum { BF16_SR = 2 };
 
 inline void gather(int kind, const uint16_t *t, const int64_t *r, float *o, int64_t n,
                    int64_t d, int nt) { DISTEMB_HALF_DISPATCH(gather_t, t, r, o, n, d, nt); }
-inline void sgd(int kind, uint16_t *w, const int64_t *r, const float *g, int64_t n, int64_t d,
-                float lr, uint64_t seed, int nt) {
-  DISTEMB_HALF_DISPATCH(sgd_t, w, r, g, n, d, lr, seed, nt);
-}
-inline void adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
-                    int64_t n, int64_t d, float clr, float eps, uint64_t seed, int nt) {
-  DISTEMB_HALF_DISPATCH(adagrad_t, w, s, r, g, n, d, clr, eps, seed, nt);
-}
 inline void rowwise_adagrad(int kind, uint16_t *w, float *s, const int64_t *r, const float *g,
                             int64_t n, int64_t d, float clr, float eps, uint64_t seed, int nt) {
   DISTEMB_HALF_DISPATCH(rowwise_adagrad_t, w, s, r, g, n, d, clr, eps, seed, nt);
@@ -301,10 +258,14 @@ inline void adam(int kind, uint16_t *w, float *m, float *v, const int64_t *r, co
                  int64_t step, int64_t *rs, uint64_t seed, int nt) {
   DISTEMB_HALF_DISPATCH(adam_t, w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, seed, nt);
 }
-inline void ftrl(int kind, uint16_t *w, float *acc, float *lin, const int64_t *r,
-                 const float *g, int64_t n, int64_t d, const distemb::rules::FtrlParams &p,
-                 uint64_t seed, int nt) {
-  DISTEMB_HALF_DISPATCH(ftrl_t, w, acc, lin, r, g, n, d, p, seed, nt);
+// An element-wise rule on half rows (generated entry points: csrc/gen/cpu_rules.h).
+template <class R>
+inline void elementwise(int kind, uint16_t *w, float *const *s, const int64_t *r,
+                        const float *g, int64_t n, int64_t d, const typename R::Params &p,
+                        uint64_t seed, int nt) {
+  if (kind == BF16) elementwise_t<BF16Conv, R>(w, s, r, g, n, d, p, seed, nt);
+  else if (kind == F16) elementwise_t<F16Conv, R>(w, s, r, g, n, d, p, seed, nt);
+  else elementwise_t<BF16SRConv, R>(w, s, r, g, n, d, p, seed, nt);
 }
 inline void encode(int kind, const float *src, uint16_t *dst, int64_t n) {
   DISTEMB_HALF_DISPATCH(encode_t, src, dst, n);
@@ -314,13 +275,10 @@ inline void decode(int kind, const uint16_t *src, float *dst, int64_t n) {
 }
 
 // The float32 entry points (csrc/_kernels.pyx).
-inline void sgd_f32(float *w, const int64_t *r, const float *g, int64_t n, int64_t d,
-                    float lr, int nt) {
-  sgd_t<F32Row>(w, r, g, n, d, lr, 0, nt);
-}
-inline void adagrad_f32(float *w, float *s, const int64_t *r, const float *g, int64_t n,
-                        int64_t d, float clr, float eps, int nt) {
-  adagrad_t<F32Row>(w, s, r, g, n, d, clr, eps, 0, nt);
+template <class R>
+inline void elementwise_f32(float *w, float *const *s, const int64_t *r, const float *g,
+                            int64_t n, int64_t d, const typename R::Params &p, int nt) {
+  elementwise_t<F32Row, R>(w, s, r, g, n, d, p, 0, nt);
 }
 inline void rowwise_adagrad_f32(float *w, float *s, const int64_t *r, const float *g,
                                 int64_t n, int64_t d, float clr, float eps, int nt) {
@@ -330,8 +288,4 @@ inline void adam_f32(float *w, float *m, float *v, const int64_t *r, const float
                      int64_t d, double lr, double b1, double b2, double eps, int64_t step,
                      int64_t *rs, int nt) {
   adam_t<F32Row>(w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, 0, nt);
-}
-inline void ftrl_f32(float *w, float *acc, float *lin, const int64_t *r, const float *g,
-                     int64_t n, int64_t d, const distemb::rules::FtrlParams &p, int nt) {
-  ftrl_t<F32Row>(w, acc, lin, r, g, n, d, p, 0, nt);
 }

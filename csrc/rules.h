@@ -10,8 +10,12 @@
 // contraction, CUDA with -fmad=false). The independent oracle is the numpy twin in
 // distemb/kernels/reference.py, written separately from this file on purpose.
 //
-// Adding an element-wise rule: a function here (and a parameter struct when it needs
-// more than plain floats), see README.md "Adding an optimizer" for the files around it.
+// An element-wise rule (one whose element needs only its own weight, gradient and state) is
+// also a struct below (Sgd, Adagrad, Ftrl): its number of float32 state arrays, its
+// parameters built once per call from the hyperparameters (doubles, in the order of
+// distemb/kernels/rule_table.py) and its per-element update. The kernels of every build
+// are one template over such a struct, and their entry points are generated from the
+// table (csrc/codegen.py, run by setup.py). Adding one: README.md "Adding an optimizer".
 #ifndef DISTEMB_RULES_H_
 #define DISTEMB_RULES_H_
 
@@ -20,8 +24,10 @@
 
 #if defined(__CUDACC__)
 #define DISTEMB_RULE __host__ __device__ __forceinline__
+#define DISTEMB_RULE_MEMBER __host__ __device__ __forceinline__ static
 #else
 #define DISTEMB_RULE static inline
+#define DISTEMB_RULE_MEMBER static inline
 #endif
 
 namespace distemb {
@@ -108,6 +114,46 @@ DISTEMB_RULE float ftrl(float w, float g, float& n, float& z, const FtrlParams& 
   const float clipped = zj < -p.l1 ? -p.l1 : (zj > p.l1 ? p.l1 : zj);
   return (clipped - zj) / (pow_new / p.lr + p.two_l2);
 }
+
+// The element-wise rules as the kernel templates take them. `update` gets the element's
+// weight and gradient as float32, the rule's state arrays at the element's row (s[k][j]
+// is state k of column j) and the call's parameters, and returns the new weight.
+struct Sgd {
+  static constexpr int kStates = 0;
+  struct Params {
+    float lr;
+  };
+  DISTEMB_RULE_MEMBER Params params(const double* h) { return {static_cast<float>(h[0])}; }
+  DISTEMB_RULE_MEMBER float update(float w, float g, float* const*, int64_t, const Params& p) {
+    return sgd(w, g, p.lr);
+  }
+};
+
+struct Adagrad {
+  static constexpr int kStates = 1;
+  struct Params {
+    float clr, eps;
+  };
+  DISTEMB_RULE_MEMBER Params params(const double* h) {
+    return {static_cast<float>(h[0]), static_cast<float>(h[1])};
+  }
+  DISTEMB_RULE_MEMBER float update(float w, float g, float* const* s, int64_t j,
+                                   const Params& p) {
+    return adagrad(w, g, s[0][j], p.clr, p.eps);
+  }
+};
+
+struct Ftrl {
+  static constexpr int kStates = 2;
+  typedef FtrlParams Params;
+  DISTEMB_RULE_MEMBER Params params(const double* h) {
+    return ftrl_params(h[0], h[1], h[2], h[3], h[4], h[5]);
+  }
+  DISTEMB_RULE_MEMBER float update(float w, float g, float* const* s, int64_t j,
+                                   const Params& p) {
+    return ftrl(w, g, s[0][j], s[1][j], p);
+  }
+};
 
 }  // namespace rules
 }  // namespace distemb

@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from distemb.kernels import cuda, half, reference
+from distemb.kernels import cuda, half, reference, rule_table
 
 
 def chunked_dedup_sum(ids, grads, chunk=cuda.SUM_CHUNK, num_rows=None):
@@ -144,19 +144,6 @@ class CpuCudaTwin:
             flags_np[2] = max(flags_np[2], rows_np[bad].max())
         return out
 
-    def sgd_update(self, weight, rows, grads, lr, num_threads=1):
-        self.calls["sgd_update"] += 1
-        w = _tensor("weight", weight, torch.float32, 2)
-        rows_np, grads_np = _in_table(w, rows, grads)
-        reference.sgd_update(w, rows_np, grads_np, lr)
-
-    def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
-        self.calls["adagrad_update"] += 1
-        w = _tensor("weight", weight, torch.float32, 2)
-        rows_np, grads_np = _in_table(w, rows, grads)
-        reference.adagrad_update(w, _tensor("state_sum", state_sum, torch.float32, 2),
-                                 rows_np, grads_np, clr, eps)
-
     def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
         self.calls["rowwise_adagrad_update"] += 1
         w = _tensor("weight", weight, torch.float32, 2)
@@ -173,15 +160,6 @@ class CpuCudaTwin:
         reference.adam_update(w, _tensor("exp_avg", exp_avg, torch.float32, 2),
                               _tensor("exp_avg_sq", exp_avg_sq, torch.float32, 2),
                               rows_np, grads_np, lr, beta1, beta2, eps, step, row_steps=steps)
-
-    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
-                    l2_shrinkage, beta, num_threads=1):
-        self.calls["ftrl_update"] += 1
-        w = _tensor("weight", weight, torch.float32, 2)
-        rows_np, grads_np = _in_table(w, rows, grads)
-        reference.ftrl_update(w, _tensor("accum", accum, torch.float32, 2),
-                              _tensor("linear", linear, torch.float32, 2), rows_np, grads_np,
-                              lr, lr_power, l1, l2, l2_shrinkage, beta)
 
 
 def _half_bits(name, t):
@@ -241,17 +219,6 @@ class CpuCudaHalfTwin:
         rows_np, grads_np = _in_table(w, rows, grads)
         return w, rows_np, np.ascontiguousarray(grads_np)
 
-    def sgd_update(self, weight, rows, grads, lr, num_threads=1):
-        self.calls["half_sgd_update"] += 1
-        half.seeded_sgd_update(*self._args(weight, rows, grads), lr,
-                               rounding_seed=self._seed())
-
-    def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
-        self.calls["half_adagrad_update"] += 1
-        w, r, g = self._args(weight, rows, grads)
-        half.seeded_adagrad_update(w, _tensor("state_sum", state_sum, torch.float32, 2), r, g,
-                                   clr, eps, rounding_seed=self._seed())
-
     def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
         self.calls["half_rowwise_adagrad_update"] += 1
         w, r, g = self._args(weight, rows, grads)
@@ -267,11 +234,27 @@ class CpuCudaHalfTwin:
                                 _tensor("exp_avg_sq", exp_avg_sq, torch.float32, 2), r, g,
                                 lr, beta1, beta2, eps, step, steps, rounding_seed=self._seed())
 
-    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
-                    l2_shrinkage, beta, num_threads=1):
-        self.calls["half_ftrl_update"] += 1
-        w, r, g = self._args(weight, rows, grads)
-        half.seeded_ftrl_update(w, _tensor("accum", accum, torch.float32, 2),
-                                _tensor("linear", linear, torch.float32, 2), r, g, lr,
-                                lr_power, l1, l2, l2_shrinkage, beta,
-                                rounding_seed=self._seed())
+
+def _elementwise(rule):
+    """The twins' methods of an element-wise rule, made from its table entry: the float32
+    one runs the numpy twin, the half one the CPU half kernels, both skipping rows outside
+    the table as the CUDA kernels do."""
+    states = "".join(f"_tensor({s!r}, {s}, torch.float32, 2), " for s in rule.states)
+    hyper = ", ".join(rule.hyper_names)
+    f32 = (f"def {rule.kernel}(self, {rule.params()}):\n"
+           f"    self.calls[{rule.kernel!r}] += 1\n"
+           "    w = _tensor('weight', weight, torch.float32, 2)\n"
+           "    rows_np, grads_np = _in_table(w, rows, grads)\n"
+           f"    reference.{rule.kernel}(w, {states}rows_np, grads_np, {hyper})\n")
+    f16 = (f"def {rule.kernel}(self, {rule.params()}):\n"
+           f"    self.calls['half_{rule.kernel}'] += 1\n"
+           "    w, r, g = self._args(weight, rows, grads)\n"
+           f"    half.seeded_{rule.kernel}(w, {states}r, g, {hyper},\n"
+           "                             rounding_seed=self._seed())\n")
+    setattr(CpuCudaTwin, rule.kernel, rule_table.define(f32, globals(), rule.kernel))
+    setattr(CpuCudaHalfTwin, rule.kernel, rule_table.define(f16, globals(), rule.kernel))
+
+
+for _rule in rule_table.RULES:
+    _elementwise(_rule)
+del _rule

@@ -12,6 +12,7 @@ become plain updates), against the twin's ``gather_rows_checked``.
 """
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -30,6 +31,9 @@ def build(tmp_path_factory, name):
     if CXX is None:
         pytest.skip("no C++ compiler (g++) to build the kernel emulation")
     exe = tmp_path_factory.mktemp("emu") / name
+    # csrc/gen/ (the rule list the half emulation includes), as setup.py writes it
+    subprocess.run([sys.executable, f"{ROOT}/csrc/codegen.py"], check=True, timeout=60,
+                   stdout=subprocess.DEVNULL)
     subprocess.run([CXX, "-O2", "-std=c++17", "-Wall", "-Wno-unknown-pragmas", "-o", str(exe),
                     f"{ROOT}/tests/cuda_host/{name}.cpp"], check=True, timeout=300)
     return exe

@@ -67,13 +67,6 @@ DISTEMB_API int distemb_cuda_gather_rows_checked(const float* table, int64_t num
 /* The updates take the table's row count: a row outside [0, num_rows) is skipped (ids
  * are validated on the device without stopping the stream, so a bad one can reach an
  * update before the host reports it; it never writes outside the table). */
-DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t num_rows, int64_t d,
-                                        const int64_t* rows, const float* grads, int64_t n,
-                                        float lr, int device, void* stream);
-DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int64_t num_rows,
-                                            int64_t d, const int64_t* rows, const float* grads,
-                                            int64_t n, float clr, float eps, int device,
-                                            void* stream);
 /* state_sum holds one float per table row. */
 DISTEMB_API int distemb_cuda_rowwise_adagrad_update(float* weight, float* state_sum,
                                                     int64_t num_rows, int64_t d,
@@ -88,14 +81,6 @@ DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* e
                                          const float* grads, int64_t n, double lr, double beta1,
                                          double beta2, double eps, int64_t step,
                                          int64_t* row_steps, int device, void* stream);
-/* FTRL-Proximal as tf.keras.optimizers.Ftrl (csrc/rules.h): accum and linear hold one
- * float per element; lr > 0. */
-DISTEMB_API int distemb_cuda_ftrl_update(float* weight, float* accum, float* linear,
-                                         int64_t num_rows, int64_t d, const int64_t* rows,
-                                         const float* grads, int64_t n, double lr,
-                                         double lr_power, double l1, double l2,
-                                         double l2_shrinkage, double beta, int device,
-                                         void* stream);
 
 /* Half-precision rows: `table`/`weight` hold uint16 bits, `kind` 0 bfloat16, 1 float16,
  * 2 bfloat16 rounded stochastically (updates; the random bits are a hash of `seed`, the
@@ -107,15 +92,6 @@ DISTEMB_API int distemb_cuda_half_gather_rows_checked(const uint16_t* table, int
                                                       const int64_t* rows, int64_t n,
                                                       float* out, int64_t* flags,
                                                       int device, void* stream);
-DISTEMB_API int distemb_cuda_half_sgd_update(uint16_t* weight, int kind, uint64_t seed,
-                                             int64_t num_rows, int64_t d, const int64_t* rows,
-                                             const float* grads, int64_t n, float lr,
-                                             int device, void* stream);
-DISTEMB_API int distemb_cuda_half_adagrad_update(uint16_t* weight, int kind, uint64_t seed,
-                                                 float* state_sum, int64_t num_rows,
-                                                 int64_t d, const int64_t* rows,
-                                                 const float* grads, int64_t n, float clr,
-                                                 float eps, int device, void* stream);
 DISTEMB_API int distemb_cuda_half_rowwise_adagrad_update(uint16_t* weight, int kind,
                                                          uint64_t seed, float* state_sum,
                                                          int64_t num_rows, int64_t d,
@@ -130,12 +106,16 @@ DISTEMB_API int distemb_cuda_half_adam_update(uint16_t* weight, int kind, uint64
                                               double beta1, double beta2, double eps,
                                               int64_t step, int64_t* row_steps, int device,
                                               void* stream);
-DISTEMB_API int distemb_cuda_half_ftrl_update(uint16_t* weight, int kind, uint64_t seed,
-                                              float* accum, float* linear, int64_t num_rows,
-                                              int64_t d, const int64_t* rows,
-                                              const float* grads, int64_t n, double lr,
-                                              double lr_power, double l1, double l2,
-                                              double l2_shrinkage, double beta, int device,
-                                              void* stream);
+
+/* The element-wise rules (SGD, Adagrad, FTRL, ...: csrc/rules.h), float32 and half rows:
+ *   distemb_cuda_<rule>_update(float* weight, <float* state>..., int64_t num_rows,
+ *       int64_t d, const int64_t* rows, const float* grads, int64_t n, <hyperparameters>,
+ *       int device, void* stream)
+ *   distemb_cuda_half_<rule>_update(uint16_t* weight, int kind, uint64_t seed, <as above>)
+ * with each rule's states ((R, D) float32) and hyperparameters as distemb/kernels/
+ * rule_table.py lists them; declared in csrc/gen/cuda_rules.h, generated from that table
+ * by csrc/codegen.py (setup.py runs it). A hyperparameter the table marks positive is
+ * refused (cudaErrorInvalidValue) when it is not. */
+#include "../gen/cuda_rules.h"
 
 #endif  /* DISTEMB_CUDA_H_ */

@@ -27,6 +27,33 @@ bool bad_args(int kind, int64_t num_rows, int64_t d, int64_t n) {
     }                                                                                     \
   } while (0)
 
+// The body of every generated element-wise entry point, after its argument checks.
+template <class R>
+int launch_half_elementwise(uint16_t* weight, int kind, uint64_t seed,
+                            distemb::StatePtrs<R::kStates> states, int64_t num_rows, int64_t d,
+                            const int64_t* rows, const float* grads, int64_t n,
+                            typename R::Params p, int device, void* stream) {
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const int lanes = distemb::lanes_per_row(d);
+#define DISTEMB_ELEMENTWISE_KERNEL(Conv) distemb::half::elementwise_kernel<Conv, R>
+  if (kind == distemb::half::kBF16) {
+    DISTEMB_ELEMENTWISE_KERNEL(distemb::half::BF16)
+        <<<distemb::blocks_for(n * lanes), distemb::kThreads, 0, distemb::as_stream(stream)>>>(
+            weight, states, num_rows, d, rows, grads, n, lanes, p, seed);
+  } else if (kind == distemb::half::kF16) {
+    DISTEMB_ELEMENTWISE_KERNEL(distemb::half::F16)
+        <<<distemb::blocks_for(n * lanes), distemb::kThreads, 0, distemb::as_stream(stream)>>>(
+            weight, states, num_rows, d, rows, grads, n, lanes, p, seed);
+  } else {
+    DISTEMB_ELEMENTWISE_KERNEL(distemb::half::BF16SR)
+        <<<distemb::blocks_for(n * lanes), distemb::kThreads, 0, distemb::as_stream(stream)>>>(
+            weight, states, num_rows, d, rows, grads, n, lanes, p, seed);
+  }
+#undef DISTEMB_ELEMENTWISE_KERNEL
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 using distemb::blocks_for;
@@ -44,33 +71,6 @@ DISTEMB_API int distemb_cuda_half_gather_rows_checked(const uint16_t* table, int
   const int lanes = lanes_per_row(d);
   DISTEMB_HALF_LAUNCH(distemb::half::gather_checked_kernel, blocks_for(n * lanes), table,
                       num_rows, d, rows, n, lanes, out, reinterpret_cast<long long*>(flags));
-  return cudaGetLastError();
-}
-
-DISTEMB_API int distemb_cuda_half_sgd_update(uint16_t* weight, int kind, uint64_t seed,
-                                             int64_t num_rows, int64_t d, const int64_t* rows,
-                                             const float* grads, int64_t n, float lr,
-                                             int device, void* stream) {
-  if (bad_args(kind, num_rows, d, n)) return cudaErrorInvalidValue;
-  DISTEMB_TRY(cudaSetDevice(device));
-  if (n == 0) return cudaSuccess;
-  const int lanes = lanes_per_row(d);
-  DISTEMB_HALF_LAUNCH(distemb::half::sgd_kernel, blocks_for(n * lanes), weight, num_rows, d,
-                      rows, grads, n, lanes, lr, seed);
-  return cudaGetLastError();
-}
-
-DISTEMB_API int distemb_cuda_half_adagrad_update(uint16_t* weight, int kind, uint64_t seed,
-                                                 float* state_sum, int64_t num_rows,
-                                                 int64_t d, const int64_t* rows,
-                                                 const float* grads, int64_t n, float clr,
-                                                 float eps, int device, void* stream) {
-  if (bad_args(kind, num_rows, d, n)) return cudaErrorInvalidValue;
-  DISTEMB_TRY(cudaSetDevice(device));
-  if (n == 0) return cudaSuccess;
-  const int lanes = lanes_per_row(d);
-  DISTEMB_HALF_LAUNCH(distemb::half::adagrad_kernel, blocks_for(n * lanes), weight, state_sum,
-                      num_rows, d, rows, grads, n, lanes, clr, eps, seed);
   return cudaGetLastError();
 }
 
@@ -111,20 +111,5 @@ DISTEMB_API int distemb_cuda_half_adam_update(uint16_t* weight, int kind, uint64
   return cudaGetLastError();
 }
 
-DISTEMB_API int distemb_cuda_half_ftrl_update(uint16_t* weight, int kind, uint64_t seed,
-                                              float* accum, float* linear, int64_t num_rows,
-                                              int64_t d, const int64_t* rows,
-                                              const float* grads, int64_t n, double lr,
-                                              double lr_power, double l1, double l2,
-                                              double l2_shrinkage, double beta, int device,
-                                              void* stream) {
-  if (bad_args(kind, num_rows, d, n) || !(lr > 0.0)) return cudaErrorInvalidValue;
-  DISTEMB_TRY(cudaSetDevice(device));
-  if (n == 0) return cudaSuccess;
-  const int lanes = lanes_per_row(d);
-  DISTEMB_HALF_LAUNCH(distemb::half::ftrl_kernel, blocks_for(n * lanes), weight, accum,
-                      linear, num_rows, d, rows, grads, n, lanes,
-                      distemb::rules::ftrl_params(lr, lr_power, l1, l2, l2_shrinkage, beta),
-                      seed);
-  return cudaGetLastError();
-}
+// The entry points of the element-wise rules, generated from distemb/kernels/rule_table.py.
+#include "../gen/cuda_half_rules.inc"

@@ -142,36 +142,26 @@ __global__ void gather_checked_kernel(const uint16_t* table, int64_t num_rows, i
   }
 }
 
-template <class C>
-__global__ void sgd_kernel(uint16_t* weight, int64_t num_rows, int64_t d, const int64_t* rows,
-                           const float* grads, int64_t n, int lanes, float lr, uint64_t seed) {
-  const int lane = threadIdx.x % lanes;
-  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
-    const int64_t r = rows[i];
-    if (out_of_table(r, num_rows)) continue;
-    const uint64_t stream = row_stream(seed, r);
-    uint16_t* w = weight + r * d;
-    const float* g = grads + i * d;
-    for (int64_t j = lane; j < d; j += lanes) {
-      w[j] = C::store(rules::sgd(C::load(w[j]), g[j], lr), stream, j);
-    }
-  }
-}
-
-template <class C>
-__global__ void adagrad_kernel(uint16_t* weight, float* state_sum, int64_t num_rows, int64_t d,
-                               const int64_t* rows, const float* grads, int64_t n, int lanes,
-                               float clr, float eps, uint64_t seed) {
+// Every element-wise rule R (csrc/rules.h: Sgd, Adagrad, Ftrl, ...) on half rows: each
+// element is loaded as float32, updated by R::update with the row's R::kStates state
+// arrays, and rounded on store. Entry points: csrc/gen/cuda_half_rules.inc (generated).
+template <class C, class R>
+__global__ void elementwise_kernel(uint16_t* weight, StatePtrs<R::kStates> states,
+                                   int64_t num_rows, int64_t d, const int64_t* rows,
+                                   const float* grads, int64_t n, int lanes,
+                                   typename R::Params p, uint64_t seed) {
   const int lane = threadIdx.x % lanes;
   for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
     const int64_t r = rows[i];
     if (out_of_table(r, num_rows)) continue;
     const uint64_t stream = row_stream(seed, r);
     const int64_t base = r * d;
+    float* s[R::kStates > 0 ? R::kStates : 1];
+    for (int k = 0; k < R::kStates; ++k) s[k] = states.p[k] + base;
+    uint16_t* w = weight + base;
     const float* g = grads + i * d;
     for (int64_t j = lane; j < d; j += lanes) {
-      const float w = rules::adagrad(C::load(weight[base + j]), g[j], state_sum[base + j], clr, eps);
-      weight[base + j] = C::store(w, stream, j);
+      w[j] = C::store(R::update(C::load(w[j]), g[j], s, j, p), stream, j);
     }
   }
 }
@@ -226,25 +216,6 @@ __global__ void adam_kernel(uint16_t* weight, float* exp_avg, float* exp_avg_sq,
     for (int64_t j = lane; j < d; j += kWarp) {
       const float w = rules::adam(C::load(weight[base + j]), g[j], exp_avg[base + j],
                                   exp_avg_sq[base + j], omb1, omb2, step_size, eps);
-      weight[base + j] = C::store(w, stream, j);
-    }
-  }
-}
-
-template <class C>
-__global__ void ftrl_kernel(uint16_t* weight, float* accum, float* linear, int64_t num_rows,
-                            int64_t d, const int64_t* rows, const float* grads, int64_t n,
-                            int lanes, rules::FtrlParams p, uint64_t seed) {
-  const int lane = threadIdx.x % lanes;
-  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
-    const int64_t r = rows[i];
-    if (out_of_table(r, num_rows)) continue;
-    const uint64_t stream = row_stream(seed, r);
-    const int64_t base = r * d;
-    const float* g = grads + i * d;
-    for (int64_t j = lane; j < d; j += lanes) {
-      const float w = rules::ftrl(C::load(weight[base + j]), g[j], accum[base + j],
-                                  linear[base + j], p);
       weight[base + j] = C::store(w, stream, j);
     }
   }

@@ -39,6 +39,12 @@ __device__ inline int64_t row_stride(int lanes) {
   return static_cast<int64_t>(gridDim.x) * (blockDim.x / lanes);
 }
 
+// The state arrays of an element-wise rule (csrc/rules.h), passed to a kernel by value.
+template <int K>
+struct StatePtrs {
+  float* p[K > 0 ? K : 1];
+};
+
 __device__ inline int64_t thread_index() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }

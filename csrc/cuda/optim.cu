@@ -19,28 +19,24 @@ __device__ inline bool out_of_table(int64_t r, int64_t num_rows) {
   return r < 0 || r >= num_rows;
 }
 
-__global__ void sgd_kernel(float* weight, int64_t num_rows, int64_t d, const int64_t* rows,
-                           const float* grads, int64_t n, int lanes, float lr) {
-  const int lane = threadIdx.x % lanes;
-  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
-    if (out_of_table(rows[i], num_rows)) continue;
-    float* w = weight + rows[i] * d;
-    const float* g = grads + i * d;
-    for (int64_t j = lane; j < d; j += lanes) w[j] = rules::sgd(w[j], g[j], lr);
-  }
-}
-
-__global__ void adagrad_kernel(float* weight, float* state_sum, int64_t num_rows, int64_t d,
-                               const int64_t* rows, const float* grads, int64_t n, int lanes,
-                               float clr, float eps) {
+// Every element-wise rule R (csrc/rules.h: Sgd, Adagrad, Ftrl, ...): each element is
+// R::update of its weight, gradient and the row's R::kStates state arrays. The entry
+// points (distemb_cuda_<rule>_update) are generated from distemb/kernels/rule_table.py
+// into csrc/gen/cuda_optim_rules.inc, included at the end of this file.
+template <class R>
+__global__ void elementwise_kernel(float* weight, StatePtrs<R::kStates> states,
+                                   int64_t num_rows, int64_t d, const int64_t* rows,
+                                   const float* grads, int64_t n, int lanes,
+                                   typename R::Params p) {
   const int lane = threadIdx.x % lanes;
   for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
     if (out_of_table(rows[i], num_rows)) continue;
     const int64_t base = rows[i] * d;
+    float* s[R::kStates > 0 ? R::kStates : 1];
+    for (int k = 0; k < R::kStates; ++k) s[k] = states.p[k] + base;
+    float* w = weight + base;
     const float* g = grads + i * d;
-    for (int64_t j = lane; j < d; j += lanes) {
-      weight[base + j] = rules::adagrad(weight[base + j], g[j], state_sum[base + j], clr, eps);
-    }
+    for (int64_t j = lane; j < d; j += lanes) w[j] = R::update(w[j], g[j], s, j, p);
   }
 }
 
@@ -93,21 +89,20 @@ __global__ void adam_kernel(float* weight, float* exp_avg, float* exp_avg_sq,
   }
 }
 
-__global__ void ftrl_kernel(float* weight, float* accum, float* linear, int64_t num_rows,
-                            int64_t d, const int64_t* rows, const float* grads, int64_t n,
-                            int lanes, rules::FtrlParams p) {
-  const int lane = threadIdx.x % lanes;
-  for (int64_t i = first_row(lanes); i < n; i += row_stride(lanes)) {
-    if (out_of_table(rows[i], num_rows)) continue;
-    const int64_t base = rows[i] * d;
-    const float* g = grads + i * d;
-    for (int64_t j = lane; j < d; j += lanes) {
-      weight[base + j] = rules::ftrl(weight[base + j], g[j], accum[base + j], linear[base + j], p);
-    }
-  }
-}
-
 bool bad_sizes(int64_t num_rows, int64_t d, int64_t n) { return num_rows < 0 || n < 0 || d <= 0; }
+
+// The body of every generated element-wise entry point, after its argument checks.
+template <class R>
+int launch_elementwise(float* weight, StatePtrs<R::kStates> states, int64_t num_rows,
+                       int64_t d, const int64_t* rows, const float* grads, int64_t n,
+                       typename R::Params p, int device, void* stream) {
+  DISTEMB_TRY(cudaSetDevice(device));
+  if (n == 0) return cudaSuccess;
+  const int lanes = lanes_per_row(d);
+  elementwise_kernel<R><<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
+      weight, states, num_rows, d, rows, grads, n, lanes, p);
+  return cudaGetLastError();
+}
 
 }  // namespace
 }  // namespace distemb
@@ -116,31 +111,6 @@ using distemb::as_stream;
 using distemb::blocks_for;
 using distemb::kThreads;
 using distemb::kWarp;
-
-DISTEMB_API int distemb_cuda_sgd_update(float* weight, int64_t num_rows, int64_t d,
-                                        const int64_t* rows, const float* grads, int64_t n,
-                                        float lr, int device, void* stream) {
-  if (distemb::bad_sizes(num_rows, d, n)) return cudaErrorInvalidValue;
-  DISTEMB_TRY(cudaSetDevice(device));
-  if (n == 0) return cudaSuccess;
-  const int lanes = distemb::lanes_per_row(d);
-  distemb::sgd_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
-      weight, num_rows, d, rows, grads, n, lanes, lr);
-  return cudaGetLastError();
-}
-
-DISTEMB_API int distemb_cuda_adagrad_update(float* weight, float* state_sum, int64_t num_rows,
-                                            int64_t d, const int64_t* rows, const float* grads,
-                                            int64_t n, float clr, float eps, int device,
-                                            void* stream) {
-  if (distemb::bad_sizes(num_rows, d, n)) return cudaErrorInvalidValue;
-  DISTEMB_TRY(cudaSetDevice(device));
-  if (n == 0) return cudaSuccess;
-  const int lanes = distemb::lanes_per_row(d);
-  distemb::adagrad_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
-      weight, state_sum, num_rows, d, rows, grads, n, lanes, clr, eps);
-  return cudaGetLastError();
-}
 
 DISTEMB_API int distemb_cuda_rowwise_adagrad_update(float* weight, float* state_sum,
                                                     int64_t num_rows, int64_t d,
@@ -175,18 +145,5 @@ DISTEMB_API int distemb_cuda_adam_update(float* weight, float* exp_avg, float* e
   return cudaGetLastError();
 }
 
-DISTEMB_API int distemb_cuda_ftrl_update(float* weight, float* accum, float* linear,
-                                         int64_t num_rows, int64_t d, const int64_t* rows,
-                                         const float* grads, int64_t n, double lr,
-                                         double lr_power, double l1, double l2,
-                                         double l2_shrinkage, double beta, int device,
-                                         void* stream) {
-  if (distemb::bad_sizes(num_rows, d, n) || !(lr > 0.0)) return cudaErrorInvalidValue;
-  DISTEMB_TRY(cudaSetDevice(device));
-  if (n == 0) return cudaSuccess;
-  const int lanes = distemb::lanes_per_row(d);
-  distemb::ftrl_kernel<<<blocks_for(n * lanes), kThreads, 0, as_stream(stream)>>>(
-      weight, accum, linear, num_rows, d, rows, grads, n, lanes,
-      distemb::rules::ftrl_params(lr, lr_power, l1, l2, l2_shrinkage, beta));
-  return cudaGetLastError();
-}
+// The entry points of the element-wise rules, generated from distemb/kernels/rule_table.py.
+#include "../gen/cuda_optim_rules.inc"

@@ -43,7 +43,7 @@ from typing import Iterator, Optional, Tuple
 import numpy as np
 
 from distemb.arrays import Array, GlobalIds, Rows, UniqueIds
-from distemb.kernels import reference
+from distemb.kernels import reference, rule_table
 
 if os.environ.get("DISTEMB_NO_EXT", "") not in ("", "0"):
     _compiled = _compiled_half = None
@@ -257,30 +257,6 @@ def gather_rows(table: Rows, rows: GlobalIds, out: Optional[Rows] = None,
     return out
 
 
-def sgd_update(weight: Rows, rows: UniqueIds, grads: Rows, lr: float,
-               num_threads: int = 1) -> None:
-    """In place: ``weight[rows] -= lr * grads``. ``rows`` must be unique."""
-    _check_table("weight", weight)
-    rows, grads = _ids("rows", rows), _grads(grads)
-    _check_rows(rows, grads, weight)
-    _impl.sgd_update(weight, rows, grads, float(lr),
-                     num_threads=_threads(num_threads, grads.size))
-
-
-def adagrad_update(weight: Rows, state_sum: Rows, rows: UniqueIds, grads: Rows, clr: float,
-                   eps: float, num_threads: int = 1) -> None:
-    """In place, torch.optim.Adagrad's sparse rule on unique ``rows``.
-
-    ``s += g*g; w -= clr * (g / (sqrt(s) + eps))``, element-wise in float32.
-    """
-    _check_table("weight", weight)
-    _check_table("state_sum", state_sum, weight)
-    rows, grads = _ids("rows", rows), _grads(grads)
-    _check_rows(rows, grads, weight)
-    _impl.adagrad_update(weight, state_sum, rows, grads, float(clr), float(eps),
-                         num_threads=_threads(num_threads, grads.size))
-
-
 def rowwise_adagrad_update(weight: Rows, state_sum: Array, rows: UniqueIds, grads: Rows,
                            clr: float, eps: float, num_threads: int = 1) -> None:
     """In place, row-wise Adagrad (one accumulator per row: the mean of g^2)."""
@@ -316,24 +292,27 @@ def adam_update(weight: Rows, exp_avg: Rows, exp_avg_sq: Rows, rows: UniqueIds, 
                       num_threads=_threads(num_threads, grads.size))
 
 
-def ftrl_update(weight: Rows, accum: Rows, linear: Rows, rows: UniqueIds, grads: Rows,
-                lr: float, lr_power: float, l1: float, l2: float, l2_shrinkage: float,
-                beta: float, num_threads: int = 1) -> None:
-    """In place, FTRL-Proximal (``tf.keras.optimizers.Ftrl``) on unique ``rows``.
+def _elementwise(rule: rule_table.ElementwiseRule):
+    """The validating wrapper of an element-wise rule's update, made from its table entry:
+    weight and each state a writeable C-contiguous float32 (R, D) array, the positive
+    hyperparameters positive, rows and grads as :func:`dedup_sum` takes them."""
+    states = "".join(f"{s}, " for s in rule.states)
+    source = (
+        f"def {rule.kernel}({rule.params()}):\n"
+        "    _check_table('weight', weight)\n"
+        + "".join(f"    _check_table({s!r}, {s}, weight)\n" for s in rule.states)
+        + rule_table.checks(rule)
+        + "    rows, grads = _ids('rows', rows), _grads(grads)\n"
+          "    _check_rows(rows, grads, weight)\n"
+          f"    _impl.{rule.kernel}(weight, {states}rows, grads, {rule_table.floats(rule)},\n"
+          "                        num_threads=_threads(num_threads, grads.size))\n")
+    doc = (f"In place on unique ``rows``: {rule.summary}\n\n"
+           f"The states ({', '.join(rule.states) or 'none'}) are (R, D) float32 arrays like "
+           "``weight``; see :mod:`distemb.kernels.ops` for the contract.")
+    return rule_table.define(source, globals(), rule.kernel, doc)
 
-    ``accum`` and ``linear`` are the (R, D) accumulator and linear term; see
-    :meth:`distemb.kernels.ops.KernelOps.ftrl_update` for the formula.
 
-    Raises:
-        ValueError: ``lr`` is not positive.
-    """
-    _check_table("weight", weight)
-    _check_table("accum", accum, weight)
-    _check_table("linear", linear, weight)
-    if not lr > 0:
-        raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
-    rows, grads = _ids("rows", rows), _grads(grads)
-    _check_rows(rows, grads, weight)
-    _impl.ftrl_update(weight, accum, linear, rows, grads, float(lr), float(lr_power),
-                      float(l1), float(l2), float(l2_shrinkage), float(beta),
-                      num_threads=_threads(num_threads, grads.size))
+# sgd_update, adagrad_update, ftrl_update, ...: one per rule of the table.
+for _rule in rule_table.RULES:
+    globals()[_rule.kernel] = _elementwise(_rule)
+del _rule

@@ -36,6 +36,7 @@ import functools
 
 import torch
 
+from distemb.kernels import rule_table
 from distemb.kernels.cuda_lib import (ABI_VERSION, CLEAN_ID_FLAGS, CUDA_LIB_PATH,  # noqa: F401
                                       MAX_BATCH, SUM_CHUNK, SYMBOLS, CudaKernelError,
                                       CudaUnavailableError, check_status, cuda_available,
@@ -280,60 +281,6 @@ def gather_rows_checked(table, rows, flags, out=None, num_threads=1):
     return out
 
 
-def sgd_update(weight, rows, grads, lr, num_threads=1):
-    """In place on the GPU: ``weight[rows] -= lr * grads``. ``rows`` must be unique.
-
-    Args:
-        weight: (R, D) float32 CUDA tensor, updated in place.
-        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
-        grads: (N, D) float32 CUDA tensor.
-        lr: learning rate.
-        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
-
-    Raises:
-        TypeError: wrong type, dtype or a CPU tensor.
-        ValueError: wrong shape, non-contiguous or mixed devices.
-        CudaUnavailableError: the CUDA kernels cannot run here.
-        CudaKernelError: the kernel failed.
-    """
-    _check_update(weight, rows, grads)
-    device = _same_device(weight=weight, rows=rows, grads=grads)
-    lib = require_cuda()
-    if grads.numel() > 0:
-        _call(lib, "distemb_cuda_sgd_update", device, weight.data_ptr(), weight.shape[0],
-              weight.shape[1],
-              rows.data_ptr(), grads.data_ptr(), rows.shape[0], float(lr))
-
-
-def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
-    """In place on the GPU, torch.optim.Adagrad's sparse rule on unique ``rows``.
-
-    Args:
-        weight: (R, D) float32 CUDA tensor, updated in place.
-        state_sum: (R, D) float32 CUDA tensor of summed squared gradients, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
-        grads: (N, D) float32 CUDA tensor.
-        clr: the step's learning rate (after torch's lr_decay).
-        eps: added to the root of the state.
-        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
-
-    Raises:
-        TypeError: wrong type, dtype or a CPU tensor.
-        ValueError: wrong shape, non-contiguous or mixed devices.
-        CudaUnavailableError: the CUDA kernels cannot run here.
-        CudaKernelError: the kernel failed.
-    """
-    _check_update(weight, rows, grads)
-    _tensor("state_sum", state_sum, torch.float32, 2)
-    _shape("state_sum", state_sum, weight.shape)
-    device = _same_device(weight=weight, state_sum=state_sum, rows=rows, grads=grads)
-    lib = require_cuda()
-    if grads.numel() > 0:
-        _call(lib, "distemb_cuda_adagrad_update", device, weight.data_ptr(),
-              state_sum.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
-              grads.data_ptr(), rows.shape[0], float(clr), float(eps))
-
-
 def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     """In place on the GPU, row-wise Adagrad (one accumulator per row: the mean of g^2).
 
@@ -414,43 +361,46 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
               float(eps), int(step), steps_ptr)
 
 
-def ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage, beta,
-                num_threads=1):
-    """In place on the GPU, FTRL-Proximal (``tf.keras.optimizers.Ftrl``) on unique ``rows``.
+def _elementwise(rule: rule_table.ElementwiseRule):
+    """The wrapper of an element-wise rule's CUDA update, made from its table entry: the
+    checks of every update here (weight, rows, grads, each (R, D) float32 state, one
+    device), the positive hyperparameters, then one call of distemb_cuda_<rule>_update."""
+    states = "".join(f"{s}.data_ptr(), " for s in rule.states)
+    tensors = ", ".join(["weight=weight"] + [f"{s}={s}" for s in rule.states]
+                        + ["rows=rows", "grads=grads"])
+    source = (
+        f"def {rule.kernel}({rule.params()}):\n"
+        "    _check_update(weight, rows, grads)\n"
+        + "".join(f"    _tensor({s!r}, {s}, torch.float32, 2)\n"
+                  f"    _shape({s!r}, {s}, weight.shape)\n" for s in rule.states)
+        + rule_table.checks(rule)
+        + f"    device = _same_device({tensors})\n"
+          "    lib = require_cuda()\n"
+          "    if grads.numel() > 0:\n"
+          f"        _call(lib, 'distemb_cuda_{rule.kernel}', device, weight.data_ptr(), {states}\n"
+          "              weight.shape[0], weight.shape[1], rows.data_ptr(), grads.data_ptr(),\n"
+          f"              rows.shape[0], {rule_table.floats(rule)})\n")
+    doc = (f"In place on the GPU, on unique ``rows``: {rule.summary}\n\n"
+           "Args:\n"
+           "    weight: (R, D) float32 CUDA tensor, updated in place.\n"
+           + "".join(f"    {s}: (R, D) float32 CUDA tensor of state, in place.\n"
+                     for s in rule.states)
+           + "    rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are "
+             "skipped.\n"
+             "    grads: (N, D) float32 CUDA tensor.\n"
+           + "".join(f"    {h}: see :mod:`distemb.kernels.ops`.\n" for h in rule.hyper_names)
+           + "    num_threads: ignored; the CPU twin's keyword, accepted so callers can swap "
+             "modules.\n\n"
+             "Raises:\n"
+             "    TypeError: wrong type, dtype or a CPU tensor.\n"
+             "    ValueError: wrong shape, non-contiguous, mixed devices or a hyperparameter "
+             "that must be positive is not.\n"
+             "    CudaUnavailableError: the CUDA kernels cannot run here.\n"
+             "    CudaKernelError: the kernel failed.")
+    return rule_table.define(source, globals(), rule.kernel, doc)
 
-    The formula is :meth:`distemb.kernels.ops.KernelOps.ftrl_update`'s, per element, from
-    csrc/rules.h (as the CPU kernels).
 
-    Args:
-        weight: (R, D) float32 CUDA tensor, updated in place.
-        accum: (R, D) float32 CUDA tensor, the accumulator of squared gradients, in place.
-        linear: (R, D) float32 CUDA tensor, the linear term, in place.
-        rows: (N,) int64 CUDA tensor of unique row ids; ids outside [0, R) are skipped.
-        grads: (N, D) float32 CUDA tensor.
-        lr: learning rate, > 0.
-        lr_power: the accumulator's power (-0.5: Adagrad-like; 0: a fixed rate).
-        l1: L1 strength.
-        l2: L2 strength.
-        l2_shrinkage: L2 shrinkage strength (added to the gradient).
-        beta: Keras' beta (adds ``beta / (2 lr)`` to the L2 strength).
-        num_threads: ignored; the CPU twin's keyword, accepted so callers can swap modules.
-
-    Raises:
-        TypeError: wrong type, dtype or a CPU tensor.
-        ValueError: wrong shape, non-contiguous, mixed devices or ``lr`` <= 0.
-        CudaUnavailableError: the CUDA kernels cannot run here.
-        CudaKernelError: the kernel failed.
-    """
-    _check_update(weight, rows, grads)
-    for name, t in (("accum", accum), ("linear", linear)):
-        _tensor(name, t, torch.float32, 2)
-        _shape(name, t, weight.shape)
-    if not lr > 0:
-        raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
-    device = _same_device(weight=weight, accum=accum, linear=linear, rows=rows, grads=grads)
-    lib = require_cuda()
-    if grads.numel() > 0:
-        _call(lib, "distemb_cuda_ftrl_update", device, weight.data_ptr(), accum.data_ptr(),
-              linear.data_ptr(), weight.shape[0], weight.shape[1], rows.data_ptr(),
-              grads.data_ptr(), rows.shape[0], float(lr), float(lr_power), float(l1),
-              float(l2), float(l2_shrinkage), float(beta))
+# sgd_update, adagrad_update, ftrl_update, ...: one per rule of the table.
+for _rule in rule_table.RULES:
+    globals()[_rule.kernel] = _elementwise(_rule)
+del _rule

@@ -11,7 +11,7 @@ bit for bit, stochastic rounding included (same seed, same row ids).
 
 Example:
     >>> import torch
-    >>> from distemb.kernels import cuda
+    >>> from distemb.kernels import cuda, rule_table
     >>> ops = CudaHalfOps(rounding_seed=None)
     >>> if cuda.cuda_available():
     ...     w = torch.ones(4, 8, dtype=torch.bfloat16, device="cuda")
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from distemb.kernels import cuda
+from distemb.kernels import cuda, rule_table
 from distemb.kernels.cuda import _call, _same_device, _shape, _tensor
 from distemb.kernels.cuda_lib import CLEAN_ID_FLAGS, require_cuda
 
@@ -118,23 +118,6 @@ class CudaHalfOps:
         kind, seed = self._kind_seed(weight)
         return device, require_cuda(), kind, seed
 
-    def sgd_update(self, weight, rows, grads, lr, num_threads=1):
-        """In place: ``w = round(w - lr * g)`` on unique ``rows`` (others skipped)."""
-        device, lib, kind, seed = self._check(weight, rows, grads)
-        if grads.numel() > 0:
-            _call(lib, "distemb_cuda_half_sgd_update", device, weight.data_ptr(), kind, seed,
-                  weight.shape[0], weight.shape[1], rows.data_ptr(), grads.data_ptr(),
-                  rows.shape[0], float(lr))
-
-    def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
-        """In place, Adagrad with float32 ``state_sum`` (R, D) and half rows."""
-        device, lib, kind, seed = self._check(weight, rows, grads,
-                                              state_sum=(state_sum, weight.shape))
-        if grads.numel() > 0:
-            _call(lib, "distemb_cuda_half_adagrad_update", device, weight.data_ptr(), kind,
-                  seed, state_sum.data_ptr(), weight.shape[0], weight.shape[1],
-                  rows.data_ptr(), grads.data_ptr(), rows.shape[0], float(clr), float(eps))
-
     def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
         """In place, row-wise Adagrad with one float32 accumulator per row, half rows."""
         device, lib, kind, seed = self._check(weight, rows, grads,
@@ -162,17 +145,27 @@ class CudaHalfOps:
                   float(beta2), float(eps), int(step),
                   None if row_steps is None else row_steps.data_ptr())
 
-    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
-                    l2_shrinkage, beta, num_threads=1):
-        """In place, FTRL-Proximal with float32 accumulator and linear term (R, D) and half
-        rows (see cuda.ftrl_update)."""
-        if not lr > 0:
-            raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
-        device, lib, kind, seed = self._check(weight, rows, grads,
-                                              accum=(accum, weight.shape),
-                                              linear=(linear, weight.shape))
-        if grads.numel() > 0:
-            _call(lib, "distemb_cuda_half_ftrl_update", device, weight.data_ptr(), kind, seed,
-                  accum.data_ptr(), linear.data_ptr(), weight.shape[0], weight.shape[1],
-                  rows.data_ptr(), grads.data_ptr(), rows.shape[0], float(lr),
-                  float(lr_power), float(l1), float(l2), float(l2_shrinkage), float(beta))
+
+def _elementwise(rule: rule_table.ElementwiseRule):
+    """CudaHalfOps' method of an element-wise rule, made from its table entry: the positive
+    hyperparameters, the common checks, then one call of distemb_cuda_half_<rule>_update."""
+    states = "".join(f"{s}.data_ptr(), " for s in rule.states)
+    shapes = "".join(f", {s}=({s}, weight.shape)" for s in rule.states)
+    source = (
+        f"def {rule.kernel}(self, {rule.params()}):\n"
+        + rule_table.checks(rule)
+        + f"    device, lib, kind, seed = self._check(weight, rows, grads{shapes})\n"
+          "    if grads.numel() > 0:\n"
+          f"        _call(lib, 'distemb_cuda_half_{rule.kernel}', device, weight.data_ptr(), "
+          f"kind, seed, {states}\n"
+          "              weight.shape[0], weight.shape[1], rows.data_ptr(), grads.data_ptr(),\n"
+          f"              rows.shape[0], {rule_table.floats(rule)})\n")
+    return rule_table.define(source, globals(), rule.kernel,
+                             f"In place on half rows: {rule.summary} (float32 states "
+                             f"{', '.join(rule.states) or '(none)'}, (R, D) each).")
+
+
+# sgd_update, adagrad_update, ftrl_update, ...: one per rule of the table.
+for _rule in rule_table.RULES:
+    setattr(CudaHalfOps, _rule.kernel, _elementwise(_rule))
+del _rule

@@ -17,6 +17,7 @@ import os
 import torch
 
 from distemb.errors import DistEmbError
+from distemb.kernels import rule_table
 
 CUDA_LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "_cuda_kernels.so")
@@ -45,31 +46,35 @@ _SIGNATURES = {
     "distemb_cuda_dedup_sum": (_INT, [_P, _I64, _I64, _P, _SIZE, _P, _INT, _P]),
     "distemb_cuda_gather_rows": (_INT, [_P, _I64, _P, _I64, _P, _INT, _P]),
     "distemb_cuda_gather_rows_checked": (_INT, [_P, _I64, _I64, _P, _I64, _P, _P, _INT, _P]),
-    "distemb_cuda_sgd_update": (_INT, [_P, _I64, _I64, _P, _P, _I64, _F32, _INT, _P]),
-    "distemb_cuda_adagrad_update":
-        (_INT, [_P, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
     "distemb_cuda_rowwise_adagrad_update":
         (_INT, [_P, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
     "distemb_cuda_adam_update": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64,
                                         _F64, _I64, _P, _INT, _P]),
-    "distemb_cuda_ftrl_update": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64,
-                                        _F64, _F64, _F64, _INT, _P]),
     # Half-precision rows (weight bits, kind, seed, ...): distemb.kernels.cuda_half.
     "distemb_cuda_half_gather_rows_checked":
         (_INT, [_P, _INT, _I64, _I64, _P, _I64, _P, _P, _INT, _P]),
-    "distemb_cuda_half_sgd_update":
-        (_INT, [_P, _INT, _U64, _I64, _I64, _P, _P, _I64, _F32, _INT, _P]),
-    "distemb_cuda_half_adagrad_update":
-        (_INT, [_P, _INT, _U64, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
     "distemb_cuda_half_rowwise_adagrad_update":
         (_INT, [_P, _INT, _U64, _P, _I64, _I64, _P, _P, _I64, _F32, _F32, _INT, _P]),
     "distemb_cuda_half_adam_update":
         (_INT, [_P, _INT, _U64, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64, _F64,
                 _I64, _P, _INT, _P]),
-    "distemb_cuda_half_ftrl_update":
-        (_INT, [_P, _INT, _U64, _P, _P, _I64, _I64, _P, _P, _I64, _F64, _F64, _F64, _F64,
-                _F64, _F64, _INT, _P]),
 }
+_CTYPE = {"float": _F32, "double": _F64}
+
+
+def _rule_signatures(rule):
+    """The C signatures of an element-wise rule's two entry points (csrc/gen/cuda_rules.h,
+    generated from the same table entry): weight [kind, seed], its states, num_rows, d,
+    rows, grads, n, its hyperparameters, device, stream."""
+    states = [_P] * len(rule.states)
+    tail = [_I64, _I64, _P, _P, _I64] + [_CTYPE[c] for _, c in rule.hyper] + [_INT, _P]
+    return {f"distemb_cuda_{rule.kernel}": (_INT, [_P] + states + tail),
+            f"distemb_cuda_half_{rule.kernel}": (_INT, [_P, _INT, _U64] + states + tail)}
+
+
+for _rule in rule_table.RULES:
+    _SIGNATURES.update(_rule_signatures(_rule))
+del _rule
 SYMBOLS = tuple(sorted(_SIGNATURES))
 
 _BUILD_HINT = ("Build it with the CUDA toolkit's nvcc on PATH (or NVCC=/path/to/nvcc) by "

@@ -28,7 +28,7 @@ import sys
 import numpy as np
 
 from distemb import kernels
-from distemb.kernels import reference_half
+from distemb.kernels import reference_half, rule_table
 
 if kernels.HAS_EXT:
     from distemb import _halfkernels as _compiled  # built with _kernels, same switch
@@ -183,16 +183,6 @@ def gather_rows(table, rows, out=None, num_threads=1):
     return out
 
 
-def sgd_update(weight, rows, grads, lr, num_threads=1):
-    """In place on half rows: ``w = round(w - lr * g)``, to nearest-even."""
-    seeded_sgd_update(weight, rows, grads, lr, num_threads)
-
-
-def adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
-    """In place, Adagrad with float32 ``state_sum`` and half rows, to nearest-even."""
-    seeded_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads)
-
-
 def rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1):
     """In place, row-wise Adagrad (one float32 accumulator per row), to nearest-even."""
     seeded_rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads)
@@ -205,36 +195,9 @@ def adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
                        row_steps, num_threads)
 
 
-def ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage, beta,
-                num_threads=1):
-    """In place, FTRL-Proximal with float32 accumulator and linear term and half rows."""
-    seeded_ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
-                       l2_shrinkage, beta, num_threads)
-
-
 # The same updates with a choice of rounding: ``rounding_seed`` None rounds to
 # nearest-even; an int rounds bfloat16 rows stochastically with random bits hashed from
 # (seed, row, column), reproducible for any thread count (use a new seed per call).
-
-def seeded_sgd_update(weight, rows, grads, lr, num_threads=1, rounding_seed=None):
-    """In place on half rows: ``w = round(w - lr * g)``.
-
-    Every update takes ``rounding_seed``: None rounds to nearest-even; an int rounds
-    bfloat16 rows stochastically with random bits hashed from (seed, row, column), so a
-    run is reproducible for any thread count (use a new seed per call).
-    """
-    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
-    _impl().sgd_update(kind, bits, rows, grads, float(lr), seed=seed,
-                     num_threads=_nt(num_threads, grads))
-
-
-def seeded_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
-                          rounding_seed=None):
-    """In place, Adagrad with float32 ``state_sum`` and half rows."""
-    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
-    _f32("state_sum", state_sum, weight.shape)
-    _impl().adagrad_update(kind, bits, state_sum, rows, grads, float(clr), float(eps),
-                         seed=seed, num_threads=_nt(num_threads, grads))
 
 
 def seeded_rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads=1,
@@ -258,19 +221,6 @@ def seeded_adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta
                         f"{row_steps.dtype} {row_steps.shape}")
     _impl().adam_update(kind, bits, exp_avg, exp_avg_sq, rows, grads, float(lr), float(beta1),
                         float(beta2), float(eps), int(step), row_steps=row_steps, seed=seed,
-                        num_threads=_nt(num_threads, grads))
-
-
-def seeded_ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage,
-                       beta, num_threads=1, rounding_seed=None):
-    """In place, FTRL-Proximal (see kernels.ftrl_update) with float32 state and half rows."""
-    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)
-    _f32("accum", accum, weight.shape)
-    _f32("linear", linear, weight.shape)
-    if not lr > 0:
-        raise ValueError(f"lr: expected a positive learning rate, got {lr!r}")
-    _impl().ftrl_update(kind, bits, accum, linear, rows, grads, float(lr), float(lr_power),
-                        float(l1), float(l2), float(l2_shrinkage), float(beta), seed=seed,
                         num_threads=_nt(num_threads, grads))
 
 
@@ -303,13 +253,6 @@ class StochasticRounding:
     dedup_sum = staticmethod(dedup_sum)
     gather_rows = staticmethod(gather_rows)
 
-    def sgd_update(self, weight, rows, grads, lr, num_threads=1):
-        seeded_sgd_update(weight, rows, grads, lr, num_threads, rounding_seed=self._seed())
-
-    def adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
-        seeded_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
-                              rounding_seed=self._seed())
-
     def rowwise_adagrad_update(self, weight, state_sum, rows, grads, clr, eps, num_threads=1):
         seeded_rowwise_adagrad_update(weight, state_sum, rows, grads, clr, eps, num_threads,
                                       rounding_seed=self._seed())
@@ -319,7 +262,36 @@ class StochasticRounding:
         seeded_adam_update(weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2, eps,
                            step, row_steps, num_threads, rounding_seed=self._seed())
 
-    def ftrl_update(self, weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
-                    l2_shrinkage, beta, num_threads=1):
-        seeded_ftrl_update(weight, accum, linear, rows, grads, lr, lr_power, l1, l2,
-                           l2_shrinkage, beta, num_threads, rounding_seed=self._seed())
+
+def _elementwise(rule):
+    """The half kernels of an element-wise rule, made from its table entry: the seeded
+    update, the nearest-even one and :class:`StochasticRounding`'s method."""
+    states = "".join(f"{s}, " for s in rule.states)
+    hyper = ", ".join(rule.hyper_names)
+    seeded = "seeded_" + rule.kernel
+    source = (
+        f"def {seeded}({rule.params()}, rounding_seed=None):\n"
+        "    kind, bits, rows, grads, seed = _check(weight, rows, grads, rounding_seed)\n"
+        + "".join(f"    _f32({s!r}, {s}, weight.shape)\n" for s in rule.states)
+        + rule_table.checks(rule)
+        + f"    _impl().{rule.kernel}(kind, bits, {states}rows, grads, {rule_table.floats(rule)},\n"
+          "        seed=seed, num_threads=_nt(num_threads, grads))\n")
+    names = ", ".join(rule.states) or "none"
+    doc = (f"In place on half rows: {rule.summary}\n\nThe states ({names}) are float32 "
+           "(R, D); ``rounding_seed`` None rounds to nearest-even, an int rounds bfloat16 "
+           "rows stochastically (see the module docstring).")
+    globals()[seeded] = rule_table.define(source, globals(), seeded, doc)
+    call = f"{seeded}(weight, {states}rows, grads, {hyper}, num_threads"
+    globals()[rule.kernel] = rule_table.define(
+        f"def {rule.kernel}({rule.params()}):\n    {call})\n", globals(), rule.kernel,
+        f"In place on half rows, rounded to nearest-even: {rule.summary}")
+    setattr(StochasticRounding, rule.kernel, rule_table.define(
+        f"def {rule.kernel}(self, {rule.params()}):\n"
+        f"    {call}, rounding_seed=self._seed())\n", globals(), rule.kernel,
+        f"{rule.kernel} with the next seed's stochastic rounding."))
+
+
+# sgd_update, adagrad_update, ftrl_update and their seeded_* twins, ...: per table rule.
+for _rule in rule_table.RULES:
+    _elementwise(_rule)
+del _rule

@@ -12,22 +12,21 @@ the CUDA ones. Shared preconditions: tables and gradients are C-contiguous float
 int64 (the host wrappers widen int32); ``rows`` passed to an update are unique and in
 range (callers deduplicate and range-check: the kernels trust them); ``num_threads`` is
 a positive int (the CUDA kernels ignore it). Updates are in place and return None.
+
+The update kernels of the element-wise rules (``sgd_update``, ``adagrad_update``,
+``ftrl_update``, ...) are declared from the one rule table,
+:mod:`distemb.kernels.rule_table`: weight, the rule's (R, D) state arrays, rows, grads,
+its hyperparameters, ``num_threads=1``. The others are written out below.
 """
+import types
 from typing import Optional, Protocol, Tuple, runtime_checkable
 
 from distemb.arrays import Array, GlobalIds, Rows, UniqueIds
+from distemb.kernels import rule_table
 
 
-@runtime_checkable
-class KernelOps(Protocol):
-    """The kernel functions of one implementation (a module or an object).
-
-    Example:
-        >>> from distemb import kernels
-        >>> from distemb.kernels import reference
-        >>> isinstance(kernels, KernelOps), isinstance(reference, KernelOps)
-        (True, True)
-    """
+class _WrittenOut:
+    """The contract's kernels that are not element-wise rules (see KernelOps)."""
 
     def dedup_sum(self, ids: GlobalIds, grads: Rows, num_rows: Optional[int] = None,
                   out: Optional[Rows] = None, num_threads: int = 1
@@ -52,14 +51,6 @@ class KernelOps(Protocol):
                     num_threads: int = 1) -> Rows:
         """``out[i] = table[rows[i]]`` for (R, D) ``table``; ``out`` (N, D) made when None."""
 
-    def sgd_update(self, weight: Rows, rows: UniqueIds, grads: Rows, lr: float,
-                   num_threads: int = 1) -> None:
-        """``weight[rows] -= lr * grads``."""
-
-    def adagrad_update(self, weight: Rows, state_sum: Rows, rows: UniqueIds, grads: Rows,
-                       clr: float, eps: float, num_threads: int = 1) -> None:
-        """torch.optim.Adagrad: ``s += g*g; w -= clr * g / (sqrt(s) + eps)``; s is (R, D)."""
-
     def rowwise_adagrad_update(self, weight: Rows, state_sum: Array, rows: UniqueIds,
                                grads: Rows, clr: float, eps: float,
                                num_threads: int = 1) -> None:
@@ -75,21 +66,40 @@ class KernelOps(Protocol):
         int64), each row increments and bias-corrects with its own count instead.
         """
 
-    def ftrl_update(self, weight: Rows, accum: Rows, linear: Rows, rows: UniqueIds,
-                    grads: Rows, lr: float, lr_power: float, l1: float, l2: float,
-                    l2_shrinkage: float, beta: float, num_threads: int = 1) -> None:
-        """FTRL-Proximal as ``tf.keras.optimizers.Ftrl``, element-wise in float32.
 
-        ``g' = g + 2 l2_shrinkage w; n' = n + g^2; z += g' - (n'^-p - n^-p) / lr * w;
-        w = (clip(z, -l1, l1) - z) / (n'^-p / lr + 2 (l2 + beta / (2 lr)))`` with
-        ``p = lr_power``, accumulator ``n = accum`` and linear term ``z = linear``, both
-        (R, D); ``lr > 0``.
-        """
+def _declared(rule):
+    """The contract of an element-wise rule's update kernel, from its table entry."""
+    doc = rule.summary + ("\n\n" + rule.doc if rule.doc else "")
+    return rule_table.define(f"def {rule.kernel}(self, {rule.params()}) -> None:\n    pass\n",
+                             globals(), rule.kernel, doc)
 
 
 #: Names of the contract's functions, in declaration order.
-KERNEL_NAMES = ("dedup_sum", "gather_rows", "sgd_update", "adagrad_update",
-                "rowwise_adagrad_update", "adam_update", "ftrl_update")
+KERNEL_NAMES = ("dedup_sum", "gather_rows") + rule_table.UPDATE_KERNELS
+
+
+def _kernel_ops_body(namespace):
+    namespace["__doc__"] = _KERNEL_OPS_DOC
+    namespace["__module__"] = __name__
+    for name in KERNEL_NAMES:
+        namespace[name] = vars(_WrittenOut).get(name) or _declared(
+            next(r for r in rule_table.RULES if r.kernel == name))
+
+
+_KERNEL_OPS_DOC = """The kernel functions of one implementation (a module or an object).
+
+    Every function of :data:`KERNEL_NAMES`; the element-wise rules' updates are declared
+    from :mod:`distemb.kernels.rule_table`.
+
+    Example:
+        >>> from distemb import kernels
+        >>> from distemb.kernels import reference
+        >>> isinstance(kernels, KernelOps), isinstance(reference, KernelOps)
+        (True, True)
+    """
+
+KernelOps = runtime_checkable(types.new_class("KernelOps", (Protocol,),
+                                              exec_body=_kernel_ops_body))
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ the updated rows (``seed`` picks the random bits); weights arrive as their uint1
 """
 import numpy as np
 
-from distemb.kernels import reference
+from distemb.kernels import reference, rule_table
 
 BF16, F16, BF16_SR = 0, 1, 2
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -73,19 +73,6 @@ def gather_rows(kind, table, rows, out, num_threads=1):
     decode(kind, table[rows], out)
 
 
-def sgd_update(kind, weight, rows, grads, lr, seed=0, num_threads=1):
-    w = _rows(kind, weight, rows)
-    reference.sgd_update(w, np.arange(len(rows)), grads, lr)
-    _store(kind, weight, rows, w, seed)
-
-
-def adagrad_update(kind, weight, state_sum, rows, grads, clr, eps, seed=0, num_threads=1):
-    w, s = _rows(kind, weight, rows), state_sum[rows]
-    reference.adagrad_update(w, s, np.arange(len(rows)), grads, clr, eps)
-    state_sum[rows] = s
-    _store(kind, weight, rows, w, seed)
-
-
 def rowwise_adagrad_update(kind, weight, state_sum, rows, grads, clr, eps, seed=0,
                            num_threads=1):
     w, s = _rows(kind, weight, rows), state_sum[rows]
@@ -106,10 +93,24 @@ def adam_update(kind, weight, exp_avg, exp_avg_sq, rows, grads, lr, beta1, beta2
     _store(kind, weight, rows, w, seed)
 
 
-def ftrl_update(kind, weight, accum, linear, rows, grads, lr, lr_power, l1, l2, l2_shrinkage,
-                beta, seed=0, num_threads=1):
-    w, n, z = _rows(kind, weight, rows), accum[rows], linear[rows]
-    reference.ftrl_update(w, n, z, np.arange(len(rows)), grads, lr, lr_power, l1, l2,
-                          l2_shrinkage, beta)
-    accum[rows], linear[rows] = n, z
-    _store(kind, weight, rows, w, seed)
+def _elementwise(rule):
+    """The half twin of an element-wise rule, made from its table entry: decode the rows,
+    the float32 twin on them and their states' rows, write the states back, encode."""
+    states = "".join(f"    {s}_rows = {s}[rows]\n" for s in rule.states)
+    back = "".join(f"    {s}[rows] = {s}_rows\n" for s in rule.states)
+    args = "".join(f"{s}_rows, " for s in rule.states)
+    params = rule.params().replace("num_threads=1", "seed=0, num_threads=1")
+    source = (
+        f"def {rule.kernel}(kind, {params}):\n"
+        "    w = _rows(kind, weight, rows)\n" + states
+        + f"    reference.{rule.kernel}(w, {args}np.arange(len(rows)), grads, "
+          f"{', '.join(rule.hyper_names)})\n"
+        + back + "    _store(kind, weight, rows, w, seed)\n")
+    return rule_table.define(source, globals(), rule.kernel,
+                             f"The half twin of reference.{rule.kernel} (decode, twin, encode).")
+
+
+# sgd_update, adagrad_update, ftrl_update, ...: one per rule of the table.
+for _rule in rule_table.RULES:
+    globals()[_rule.kernel] = _elementwise(_rule)
+del _rule
