@@ -15,7 +15,7 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
 1. Hit rate vs cache size (1 server x 1 trainer, exact mode, D=16: the hit rate does not
    depend on D): the share of looked-up unique rows served without their data, for LRU
    and LFU, after a warm-up; written as a PNG plot.
-2. Bytes and steps/s (D=128; ``sage``, ``deepwalk`` and synthetic zipf(1.1) ids, 13,000
+2. Bytes and steps/s (D=128 or ``--dim``; ``sage``, ``deepwalk`` and synthetic zipf(1.1) ids, 13,000
    per step, for contrast), 1 server x 1 trainer and 2 servers x 2 trainers: no cache vs
    LRU and LFU caches of each of ``--fractions`` of the rows (exact mode), and LFU at the
    first size with bounded staleness ``s``. One set of server and trainer processes per
@@ -264,6 +264,7 @@ def main():
     p.add_argument("--skip-hit-rate", action="store_true")
     p.add_argument("--streams", default="sage,deepwalk,zipf",
                    help="id streams of part 2: sage, deepwalk, zipf (WordNet), zipf10m")
+    p.add_argument("--dim", type=int, default=128, help="part 2's row width")
     p.add_argument("--zipf-rows", type=int, default=10_000_000, help="zipf10m's table rows")
     p.add_argument("--zipf-batch", type=int, default=13_000, help="zipf10m's ids per step")
     p.add_argument("--links", default="loopback",
@@ -323,14 +324,14 @@ def main():
             for servers in args.jobs:
                 per = per_rank[:1] if servers == 1 else per_rank[1:3]
                 t0 = time.perf_counter()
-                runs = run_job(per, servers, num_rows, 128, schedule * args.rounds,
+                runs = run_job(per, servers, num_rows, args.dim, schedule * args.rounds,
                                args.warmup, f"{sname}{servers}", rate,
                                zero_init=(sname == "zipf10m"))
                 job = f"{sname}, {servers}s x {len(per)}t, {netns.link_name(rate)}"
                 print(f"  {job}: {len(runs)} runs in {time.perf_counter() - t0:.0f} s, load "
                       f"average {os.getloadavg()[0]:.1f}", flush=True)
                 rows += summarize(job, runs, configs, len(schedule), args.rounds)
-    print(f"\nD=128, {args.steps} timed steps per trainer, one thread per process, "
+    print(f"\nD={args.dim}, {args.steps} timed steps per trainer, one thread per process, "
           f"{os.cpu_count()} cores, medians of {args.rounds} rounds, every cached run between "
           f"two uncached ones (vs no cache: against their mean); load average now "
           f"{os.getloadavg()[0]:.1f}\n")
