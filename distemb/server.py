@@ -76,7 +76,7 @@ def run(cfg, server_id):
             tcp.serve(listener, service.handle, stop, cfg.max_message_bytes,
                       timeout=cfg.timeout_s, idle_timeout=cfg.idle_timeout_s)
     finally:
-        service.stores.close()  # file-backed tables flush and unlock their directories
+        service.server.close()  # file-backed tables flush and unlock their directories
         if service.arena:
             service.arena.close()
 

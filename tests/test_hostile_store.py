@@ -1,5 +1,6 @@
-"""A server holding a dynamic table against hostile STORE_* frames: 300 requests built
-with the store message classes, some fields and arrays made hostile (absurd dims, keys
+"""A server holding a dynamic table against hostile frames: 300 requests built with the
+store message classes and the row requests every table takes (Pull, Push, OptInit,
+Update on the dynamic table's keys), some fields and arrays made hostile (absurd dims, keys
 another server owns, wrong dtypes and shapes, unknown columns, rules and modes). Each
 must get an error (or a reply); afterwards the real trainer's table is intact and
 still trains, and the server exits cleanly when the trainers say goodbye."""
@@ -15,9 +16,9 @@ from distemb.kvstore.store_remote import RemoteStoreClient
 from distemb.rules import AdagradHyper
 from distemb.stores import key_normal
 from distemb.stores.spec import HashTableSpec
-from distemb.transport.messages import (Service, StoreCreate, StoreExport, StoreInfo,
-                                        StoreLoad, StoreOptInit, StoreRead, StoreRemove,
-                                        StoreSave, StoreUpdate, StoreWrite)
+from distemb.transport.messages import (OptInit, Pull, Push, Service, StoreCreate,
+                                        StoreExport, StoreInfo, StoreLoad, StoreRead,
+                                        StoreRemove, StoreSave, Update)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -26,12 +27,14 @@ def hostile_store_message(rng, tmp):
     keys = np.array([3, -7, 2 ** 40], np.int64)
     valid = {
         StoreCreate: dict(HashTableSpec(4, init=key_normal(4)).fields()),
-        StoreOptInit: dict(rule="adagrad", options={"initial_accumulator_value": 0.0}),
-        StoreRead: dict(mode="lookup", column="weight", ids=keys),
-        StoreWrite: dict(column="weight", ids=keys, values=np.ones((3, 4), np.float32)),
+        OptInit: dict(rule="adagrad", options={"initial_accumulator_value": 0.0}, parts=[0]),
+        Pull: dict(parts=[0], counts=[3], ids=keys),
+        StoreRead: dict(mode="get", column="weight", ids=keys),
+        Push: dict(parts=[0], counts=[3], ids=keys, values=np.ones((3, 4), np.float32)),
         StoreRemove: dict(ids=keys),
-        StoreUpdate: dict(rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10}, seq=1,
-                          exact=False, ids=keys, grads=np.ones((3, 4), np.float32)),
+        Update: dict(rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10}, seq=1,
+                     exact=False, parts=[0], counts=[3], ids=keys,
+                     grads=np.ones((3, 4), np.float32)),
         StoreInfo: dict(evict_to=1, policy="lfu"),
         StoreExport: dict(start=0, count=10, columns=[]),
         StoreSave: dict(directory=str(tmp), save_id="ab12cd34"),
@@ -45,7 +48,7 @@ def hostile_store_message(rng, tmp):
                 BAD_VALUES[rng.integers(len(BAD_VALUES))]
     if cls is StoreCreate and rng.random() < 0.3:
         kw["dim"] = [0, -1, 1 << 40, 1 << 20, 5][rng.integers(5)]
-    if cls is StoreUpdate and kw.get("exact") is True:
+    if cls is Update and kw.get("exact") is True:
         kw["exact"] = "yes"  # a legitimate exact step would wait for the other trainer
     return cls(name=NAMES[rng.integers(len(NAMES))] if rng.random() < 0.5 else "dyn", **kw)
 

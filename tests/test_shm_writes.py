@@ -16,6 +16,7 @@ from distemb.kvstore.server import KVServer
 from distemb.kvstore.service import KVService
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
+from distemb.stores.spec import HashTableSpec
 from distemb.transport import tcp
 from distemb.transport.base import Connection
 from distemb.transport.messages import InShm, Push, Service
@@ -154,4 +155,39 @@ def test_colocated_updates_travel_in_shared_memory(clusters, consistency):
     finally:
         for name in kv.names():
             kv.delete_data(name)
+        kv.close(goodbye=False)
+
+
+@pytest.mark.multiprocess
+def test_colocated_dynamic_table_writes_travel_in_shared_memory(clusters):
+    """A table made from a spec (any int64 key) takes the requests of every table: its
+    pushes and updates to a co-located server go in the request slot, as InShm frames with
+    no payload; the oracle is the reference rule on a copy of the rows."""
+    cluster = clusters("tcp_shm")
+    conns = connect(cluster.cfg)
+    kv = RemoteKVClient(cluster.cfg, 0, connections=conns, consistency="sync")
+    dyn = kv.store_client()
+    try:
+        d = 4
+        rng = np.random.default_rng(5)
+        keys = np.array([2 ** 40, -3, 7, 2 ** 62, -(2 ** 50), 11], np.int64)
+        init = rng.standard_normal((len(keys), d)).astype(np.float32)
+        dyn.create_table("dyn", HashTableSpec(d))
+        for conn in conns:
+            conn.sent.clear()
+        dyn.push("dyn", keys, init)
+        dyn.init_optimizer("dyn", "adagrad", {"initial_accumulator_value": 0.0})
+        weight, state = init.copy(), np.zeros_like(init)
+        hyper = AdagradHyper(clr=0.1, eps=1e-10)
+        for _ in range(5):
+            pos = np.unique(rng.integers(0, len(keys), 4))
+            grads = rng.standard_normal((len(pos), d)).astype(np.float32)
+            dyn.push_update("dyn", keys[pos], grads, "adagrad", hyper)
+            reference.adagrad_update(weight, state, pos, grads, hyper.clr, hyper.eps)
+        np.testing.assert_allclose(dyn.pull("dyn", keys), weight, rtol=1e-6, atol=1e-6)
+        sent = [s for conn in conns for s in conn.sent
+                if s[0] in (Service.UPDATE, Service.PUSH, Service.IN_SHM)]
+        assert len(sent) >= 6 and all(s == (Service.IN_SHM, 0) for s in sent), sent
+    finally:
+        dyn.delete_data("dyn")
         kv.close(goodbye=False)

@@ -28,7 +28,7 @@ from distemb.partition import key_partition
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.stores import HashStore, key_normal, key_uniform
 from distemb.stores.spec import FileTableSpec, HashTableSpec
-from distemb.transport.messages import StoreRead
+from distemb.transport.messages import Pull
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = np.array([5, -3, 2 ** 62, 0, -(2 ** 40), 123456789], np.int64)
@@ -270,7 +270,7 @@ def test_a_server_refuses_keys_another_server_owns(cluster):
         keys = np.arange(50, dtype=np.int64)
         theirs = keys[key_partition(keys, 2) == 1][:1]
         with pytest.raises(KVStoreError, match=f"key {int(theirs[0])} .* belongs to server 1"):
-            kv.call({0: StoreRead(name="routed", mode="lookup", column="weight", ids=theirs)})
+            kv.call({0: Pull(name="routed", parts=[0], counts=[1], ids=theirs)})
         assert dyn.size("routed") == 0
         dyn.delete_data("routed")
     finally:

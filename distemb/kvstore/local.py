@@ -112,7 +112,7 @@ class LocalKVClient(KVClient):
         """The :class:`~distemb.kvstore.store_client.StoreKVClient` of this client's
         context (stores in this process): one per client, closed (flushed) with it."""
         if self._stores is None:
-            self._stores = StoreKVClient(num_threads=self.server.num_threads)
+            self._stores = StoreKVClient(self.server.num_threads, self.server)
         return self._stores
 
     def close(self):

@@ -1,15 +1,18 @@
 """KVServer: owns named shards and runs the pull, push and update handlers.
 
-A shard is one partition of one named tensor, held as a numpy array. The server uses
+A shard is one partition of one named tensor: a :class:`~distemb.kvstore.shard.ShardTable`
+over a :class:`~distemb.stores.dense.DenseStore` whose weight column is the array the
+server was given, with the table's optimizer-state arrays (``"<table>~opt~<state>"``)
+held as columns of the same store. The server uses
 numpy only (it never imports torch): embedded, it lives inside the trainer process and
 its arrays are shared zero-copy with torch; in a cluster it runs in its own process.
 
-Concurrency: each shard (with its optimizer-state shards, which share its guard) has a
-reader/writer lock. Pulls hold it shared, pushes and updates exclusive, so a pull never
-sees a row between an update's read and its write (no torn rows), pulls of one shard run
-in parallel, and shards are updated in parallel. Readers outside the process (trainers
-mapping the shard from /dev/shm) cannot take the lock: each write also makes the shard's
-version counters odd while it runs (a seqlock, see :mod:`distemb.transport.shm`).
+Concurrency: the ShardTable's reader/writer lock guards a shard and its optimizer
+state. Pulls hold it shared, pushes and updates exclusive, so a pull never sees a row
+between an update's read and its write (no torn rows), pulls of one shard run in
+parallel, and shards are updated in parallel. Readers outside the process (trainers
+mapping the shard from /dev/shm) cannot take the lock: each write also makes the
+shard's seqlock counters odd while it runs (see :mod:`distemb.transport.shm`).
 
 Example:
     >>> import numpy as np
@@ -20,82 +23,27 @@ Example:
     [[1.0, 1.0], [0.0, 0.0]]
 """
 import threading
-from contextlib import contextmanager
 
 import numpy as np
 
-from distemb import kernels
+from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
-from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
+from distemb.kvstore.shard import VERSION_EPOCH, ShardTable
 from distemb.rules import Hyper, rule_of, state_name, state_owner
+from distemb.stores.dense import DenseStore
+from distemb.stores.types import WEIGHT
 
-#: Distance between the first versions of two version arrays of one server, so a
-#: table dropped and made again never repeats a version a trainer's cache holds.
-VERSION_EPOCH = 1 << 40
 #: Row dtypes a checkpoint converts between on load.
 CONVERTIBLE = ("float32", "bfloat16", "float16")
 
 
-class RWLock:
-    """Many readers or one writer; waiting writers go first (updates never starve)."""
-
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._readers, self._writer, self._waiting = 0, False, 0
-
-    @contextmanager
-    def read(self):
-        with self._cond:
-            while self._writer or self._waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def write(self):
-        with self._cond:
-            self._waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
-class _Guard:
-    """The lock of a shard and its state shards, and their shared-memory versions."""
-
-    def __init__(self):
-        self.lock = RWLock()
-        self.versions = {}  # (name, part) -> 1-element int64 array (seqlock counter)
-
-    @contextmanager
-    def write(self):
-        with self.lock.write():
-            counters = list(self.versions.values())
-            for v in counters:
-                v[0] += 1  # odd: a write is under way
-            try:
-                yield
-            finally:
-                for v in counters:
-                    v[0] += 1  # even again: the rows are consistent
-
-
 class KVServer:
     """Holds shards ``(name, part) -> array`` and applies requests to them.
+
+    Each table's shard is one :class:`~distemb.kvstore.shard.ShardTable`; the shards of
+    its optimizer state (named ``state_name(table, state)``) are columns of that table's
+    store, so they share its lock, seqlock and row versions.
 
     Args:
         server_id: this server's rank among the servers.
@@ -105,23 +53,19 @@ class KVServer:
     def __init__(self, server_id=0, num_threads=1):
         self.server_id = server_id
         self.num_threads = num_threads
-        self._shards = {}
-        # One writer per row (DESIGN.md) and no torn reads: see the module docstring.
-        self._guards = {}  # (name, part) -> _Guard, shared by a table's state shards
-        self._meta_lock = threading.Lock()  # the two dicts above
-        # Per-row write counters of shards that trainer caches validate against, made on
-        # the first versioned pull (KVService): every write of a row (or of its optimizer
-        # state) after that bumps its version, under the shard's write lock.
-        self._versions = {}
+        self._tables = {}  # (table, part) -> ShardTable
+        self._shards = {}  # (name, part) -> (ShardTable, column): weights and states
+        self._meta_lock = threading.Lock()  # the two dicts above and the epoch count
         self._epochs = 0
-        self._ops = {}  # (name, part) -> kernels of a weight shard other than float32 ones
 
     def create(self, name, part, array, owner=None, version=None, rounding_seed=None):
         """Own ``array`` as shard ``part`` of ``name``.
 
         Args:
-            owner: the table whose shard ``part`` this one belongs with (optimizer state):
-                they share one lock, so an update of both is one critical section.
+            owner: the table whose shard ``part`` this one is optimizer state of (by
+                default the table :func:`~distemb.rules.state_owner` names, when this
+                server holds its shard): the array becomes a column of that table's
+                store, so an update of both is one critical section.
             version: a 1-element int64 array this server makes odd while it writes the
                 shard (the counter of a shared-memory shard), or None.
             rounding_seed: for a bfloat16 shard, round its updates stochastically from
@@ -129,21 +73,69 @@ class KVServer:
 
         Half-precision shards (``numpy.float16``, or :data:`~distemb.kernels.half.BFLOAT16`
         bits) are updated by the half kernels: float32 maths and state, rounded on store.
+
+        Raises:
+            KVStoreError: the shard exists, or a state's rows differ from its table's.
         """
-        ops = half.ops_for(half.dtype_name(array), None if rounding_seed is None
-                           else half.shard_seed(rounding_seed, part))
         key = (name, part)
+        owner = owner or state_owner(name)
         with self._meta_lock:
             if key in self._shards:
                 raise KVStoreError(f"shard {part} of {name!r} already exists on server "
                                    f"{self.server_id}")
-            guard = self._guards.get((owner, part) if owner else key) or _Guard()
-            self._guards[key] = guard
+            table = self._tables.get((owner, part)) if owner else None
+            if table is not None:
+                column = name[len(state_name(owner, "")):]
+                with table.write():
+                    try:
+                        table.store.adopt_column(column, array)
+                    except StoreError as e:
+                        raise KVStoreError(f"shard {part} of {name!r}: {e} (the rows of "
+                                           f"shard {part} of {owner!r})") from None
+            else:
+                if rounding_seed is None:
+                    store = DenseStore.from_array(array)
+                else:
+                    store = DenseStore.from_array(array, "stochastic",
+                                                  half.shard_seed(rounding_seed, part))
+                table, column = ShardTable(store, arrays=True), WEIGHT
+                self._tables[key] = table
+            self._shards[key] = (table, column)
             if version is not None:
-                guard.versions[key] = version
-            self._shards[key] = array
-            if ops is not kernels:
-                self._ops[key] = ops
+                table.set_counter(column, version)
+
+    def add_table(self, name, part, store, spec=None, router=None):
+        """Hold ``store`` as shard ``part`` of table ``name``; returns its ShardTable.
+
+        Args:
+            store: a :class:`~distemb.stores.types.RowStore` (made from ``spec``, or a
+                user's); it is closed when the shard is dropped.
+            spec: the spec it was made from, or None.
+            router: the table's router when requests carry the table's keys (a server's
+                shard of a spec'd table), or None (the holder routes: one shard holds
+                every key).
+
+        Raises:
+            KVStoreError: the shard exists.
+        """
+        with self._meta_lock:
+            if (name, part) in self._shards:
+                raise KVStoreError(f"shard {part} of {name!r} already exists on server "
+                                   f"{self.server_id}")
+            table = ShardTable(store, spec, router, part)
+            self._tables[(name, part)] = table
+            self._shards[(name, part)] = (table, WEIGHT)
+        return table
+
+    def attach_states(self, name, part, states):
+        """Name the state columns ``states`` of table ``name``'s store (made by the store
+        itself) as its shards ``state_name(name, state)``."""
+        table = self.table(name, part)
+        with self._meta_lock:
+            for key in [k for k, (t, c) in self._shards.items() if t is table and c != WEIGHT]:
+                del self._shards[key]
+            for state in states:
+                self._shards[(state_name(name, state), part)] = (table, state)
 
     def drop(self, name):
         """Forget every shard of ``name``."""
@@ -151,18 +143,50 @@ class KVServer:
             self.drop_shard(name_, part)
 
     def drop_shard(self, name, part):
-        """Forget shard ``part`` of ``name`` (no-op when absent)."""
+        """Forget shard ``part`` of ``name`` (no-op when absent). A table's state shards
+        stay until they are dropped themselves (their holder frees their memory)."""
         with self._meta_lock:
-            self._shards.pop((name, part), None)
-            self._versions.pop((name, part), None)
-            self._ops.pop((name, part), None)
-            guard = self._guards.pop((name, part), None)
-            if guard is not None:
-                guard.versions.pop((name, part), None)
+            entry = self._shards.pop((name, part), None)
+            if entry is None:
+                return
+            table, column = entry
+            table.set_counter(column, None)
+            if column == WEIGHT:
+                self._tables.pop((name, part), None)
+                if not table.arrays:  # its store is closed with it (a file flushes)
+                    for key in [k for k, (t, _) in self._shards.items() if t is table]:
+                        del self._shards[key]
+                    with table.write():
+                        table.store.close()
+            elif table.arrays:
+                with table.write():
+                    table.store.drop_column(column)
 
-    def _guard(self, name, part):
-        self.shard(name, part)  # the error for a missing shard
-        return self._guards[(name, part)]
+    def close(self):
+        """Close the stores of tables other than array tables (a file store flushes and
+        unlocks its directory): the holder is exiting. Array shards are their holder's to
+        free."""
+        for name, part in [k for k, (t, c) in list(self._shards.items())
+                           if c == WEIGHT and not t.arrays]:
+            self.drop_shard(name, part)
+
+    def _entry(self, name, part):
+        try:
+            return self._shards[(name, part)]
+        except KeyError:
+            raise KVStoreError(f"server {self.server_id} has no shard {part} of "
+                               f"{name!r}") from None
+
+    def table(self, name, part):
+        """The :class:`~distemb.kvstore.shard.ShardTable` of shard ``part`` of ``name``
+        (a state's name gives its table's)."""
+        return self._entry(name, part)[0]
+
+    def row_dtype(self, name, part):
+        """The dtype of shard ``part`` of ``name``'s rows in requests and replies: a
+        table's :attr:`~distemb.kvstore.shard.ShardTable.wire_dtype`, a state's own."""
+        table, column = self._entry(name, part)
+        return table.wire_dtype if column == WEIGHT else table.store.column(column).dtype
 
     def has(self, name, part):
         return (name, part) in self._shards
@@ -173,71 +197,39 @@ class KVServer:
 
     def shard(self, name, part):
         """The array of shard ``part`` of ``name`` (shared, not copied)."""
-        try:
-            return self._shards[(name, part)]
-        except KeyError:
-            raise KVStoreError(f"server {self.server_id} has no shard {part} of "
-                               f"{name!r}") from None
+        table, column = self._entry(name, part)
+        return table.store.column(column)
 
     def pull(self, name, part, local_ids, out=None):
-        """Rows ``local_ids`` of the shard, into ``out`` when given.
+        """Rows ``local_ids`` of the shard, into ``out`` when given (see
+        :meth:`ShardTable.pull <distemb.kvstore.shard.ShardTable.pull>`)."""
+        table, column = self._entry(name, part)
+        return table.pull(local_ids, column, out, self.num_threads)
 
-        Rows come in the shard's dtype, except that a half shard's rows are decoded to
-        float32 (in the gather, one pass) when ``out`` is a float32 array.
-        """
-        arr = self.shard(name, part)
-        with self._guard(name, part).lock.read():
-            if out is not None and out.dtype == np.float32 and arr.dtype != np.float32:
-                return half.gather_rows(arr, local_ids, out, self.num_threads)
-            if arr.dtype == np.float32 and arr.ndim == 2:
-                return kernels.gather_rows(arr, local_ids, out, self.num_threads)
-            if out is None:
-                return arr[local_ids]
-            np.take(arr, local_ids, axis=0, out=out)
-            return out
-
-    def versions(self, name, part):
-        """Write counters of the rows of shard ``part`` of ``name`` (made on first use).
+    def versions(self, name, part, local_ids):
+        """Write counters of rows ``local_ids`` of shard ``part`` of ``name``.
 
         A row's version changes with every write of the row or of its optimizer state;
         an update adds the number of trainers' gradients it applied (sync_exact sums).
+        The counters are made on first use, each table's from a new epoch.
         """
-        key = (name, part)
-        ver = self._versions.get(key)
-        if ver is None:
-            rows = self.shard(name, part).shape[0]
+        table = self.table(name, part)
+        first = None
+        if not table.tracks_versions:
             with self._meta_lock:
-                ver = self._versions.get(key)
-                if ver is None:
-                    self._epochs += 1
-                    ver = np.full(rows, self._epochs * VERSION_EPOCH, np.int64)
-                    self._versions[key] = ver
-        return ver
+                self._epochs += 1
+                first = self._epochs * VERSION_EPOCH
+        return table.versions(local_ids, first)
 
     def bump_all(self, name, part):
         """Change every version of shard ``part`` of ``name`` (its state was reset)."""
-        ver = self._versions.get((name, part))
-        if ver is not None:
-            with self._guard(name, part).write():
-                ver += 1
-
-    def _bump(self, name, part, local_ids, by=1):
-        ver = self._versions.get((name, part))
-        if ver is not None:
-            ver[local_ids] += by  # duplicate ids (a push) change once: enough
+        self.table(name, part).bump_all()
 
     def push(self, name, part, local_ids, values):
         """Write rows ``local_ids`` of the shard (float32 values into a half shard are
         rounded to nearest-even)."""
-        arr = self.shard(name, part)
-        if arr.dtype != values.dtype and half.is_half(half.dtype_name(arr)):
-            values = half.encode(values, half.dtype_name(arr))
-        with self._guard(name, part).write():
-            arr[local_ids] = values
-            self._bump(name, part, local_ids)
-            owner = state_owner(name)
-            if owner is not None:
-                self._bump(owner, part, local_ids)
+        table, column = self._entry(name, part)
+        table.push(local_ids, values, column)
 
     def update(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper,
                contributions=1) -> None:
@@ -247,24 +239,29 @@ class KVServer:
         row's sum holds; it is added to the rows' versions.
 
         Raises:
-            KVStoreError: no such shard or rule, or ``hyper`` is not the rule's type.
+            KVStoreError: no such shard, state or rule, or ``hyper`` is not the rule's type.
         """
         impl = rule_of(rule)
         hyper = impl.check_hyper(hyper)
-        weight = self.shard(name, part)
-        states = {s.name: self.shard(state_name(name, s.name), part) for s in impl.states}
-        with self._guard(name, part).write():
-            impl.apply(self._ops.get((name, part), kernels), weight, states, local_ids, grads, hyper, self.num_threads)
-            self._bump(name, part, local_ids, contributions)
+        table, column = self._entry(name, part)
+        if column != WEIGHT:
+            raise KVStoreError(f"update: {name!r} is optimizer state of a table, not a "
+                               "table")
+        have = table.store.columns()
+        for s in impl.states:
+            if s.name not in have:
+                self.shard(state_name(name, s.name), part)  # the error naming it
+        table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)
 
     def save_shard(self, name, part, directory, save_id, start, step):
         """Write shard ``part`` of ``name`` as a checkpoint segment (see
         :mod:`distemb.kvstore.snapshot`); each block is copied under the shard's read
         lock. Returns the segment's manifest record."""
-        arr, guard = self.shard(name, part), self._guard(name, part)
+        table, column = self._entry(name, part)
+        arr = table.store.column(column)
 
         def read_block(lo, hi):
-            with guard.lock.read():
+            with table.read():
                 return arr[lo:hi].copy()
         return snapshot.write_segment(directory, save_id, name, part, start, step,
                                       arr.shape, half.dtype_name(arr), read_block)
@@ -272,7 +269,8 @@ class KVServer:
     def load_shard(self, name, part, directory, entry, start, step):
         """Fill shard ``part`` of ``name`` (global ids ``start + step * k``) from the
         segments of manifest record ``entry``, reading only the blocks it needs."""
-        arr, guard = self.shard(name, part), self._guard(name, part)
+        table, column = self._entry(name, part)
+        arr = table.store.column(column)
         saved, live = entry.get("dtype"), half.dtype_name(arr)
         # float32, bfloat16 and float16 rows convert into each other on load (to float32
         # exactly, to half rounded to nearest-even); any other difference is an error.
@@ -283,16 +281,12 @@ class KVServer:
                                f"{entry.get('shape')} {saved}, the live one has "
                                f"rows {arr.shape[1:]} {live}")
 
-        owner = state_owner(name)
-
         def write_rows(local, rows):
             if convert:
                 rows = half.decode(rows) if half.is_half(saved) else rows
                 rows = half.encode(rows, live) if half.is_half(live) else rows
-            with guard.write():
+            with table.write():
                 arr[local] = rows
-                self._bump(name, part, local)  # cached copies of these rows are void
-                if owner is not None:
-                    self._bump(owner, part, local)
+                table.bump(local)  # cached copies of these rows are void
         snapshot.read_segments(directory, entry["segments"], half.storage_dtype(saved),
                                arr.shape[1:], start, step, arr.shape[0], write_rows)

@@ -34,7 +34,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import ClusterConfig
-from distemb.errors import KVStoreError, PartitionError, TransportError
+from distemb.errors import KVStoreError, TransportError
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
@@ -106,11 +106,9 @@ class KVService:
                           Service.UPDATE: self._update, Service.BARRIER: self._barrier,
                           Service.SHM_INFO: self._shm_info, Service.BYE: self._bye,
                           Service.SAVE: self._save, Service.LOAD: self._load,
-                          Service.VERSIONED_PULL: self._versioned_pull,
-                          Service.STORE_UPDATE: self._store_update}
-        # Dynamic tables: a hash store per table, keys sharded by key_partition.
-        self.stores = StoreTables(server_id, num_servers, server.num_threads,
-                                  has_array=lambda name: bool(server.parts_of(name)))
+                          Service.VERSIONED_PULL: self._versioned_pull}
+        # Tables made from a spec (dynamic, file-backed): their key management.
+        self.stores = StoreTables(server, server_id, num_servers)
         self._handlers.update(self.stores.handlers())
 
     def handle(self, frame, session=None):
@@ -181,18 +179,15 @@ class KVService:
                                f"characters, got {name[:64]!r}")
 
     def _rows(self, m):
-        """(part, local ids, slice) per part of a rows message, ids range-checked."""
+        """(part, store keys, slice) per part of a rows message: an array table's local
+        ids range-checked, a spec'd table's keys checked against its router and mapped
+        (:meth:`~distemb.kvstore.shard.ShardTable.local_keys`)."""
         out, start = [], 0
         for part, n in zip(m.parts, m.counts):
             sl = slice(start, start + n)
             start += n
-            ids = m.ids[sl]
-            rows = self.server.shard(m.name, part).shape[0]
-            if n and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                raise PartitionError(f"id {bad} of shard {part} of {m.name!r} is out of range "
-                                     f"(expected 0 <= id < {rows})")
-            out.append((part, ids, sl))
+            table = self.server.table(m.name, part)
+            out.append((part, table.local_keys(m.ids[sl], f"shard {part} of {m.name!r}"), sl))
         return out
 
     def _new_array(self, shape, dtype):
@@ -287,7 +282,6 @@ class KVService:
         return Reply(fields={"existed": existed})
 
     def _drop(self, m, session):
-        self.stores.drop(m.name)
         with self._lock:
             for part in self.server.parts_of(m.name):
                 self._forget(m.name, part)
@@ -297,12 +291,14 @@ class KVService:
         first = self.server.shard(m.name, m.parts[0]) if m.parts else None
         if first is None:
             return Reply(arrays=[np.empty((0,), np.float32)])
+        dtype = self.server.row_dtype(m.name, m.parts[0])
         for part in m.parts[1:]:
             arr = self.server.shard(m.name, part)
-            if arr.shape[1:] != first.shape[1:] or arr.dtype != first.dtype:
+            if arr.shape[1:] != first.shape[1:] or \
+                    self.server.row_dtype(m.name, part) != dtype:
                 raise KVStoreError(f"shards {m.parts[0]} and {part} of {m.name!r} differ in "
                                    f"row shape or dtype")
-        out = np.empty((m.ids.shape[0],) + first.shape[1:], dtype=first.dtype)
+        out = np.empty((m.ids.shape[0],) + first.shape[1:], dtype=dtype)
         for part, ids, sl in rows:
             self.server.pull(m.name, part, ids, out=out[sl])
         return Reply(arrays=[out])
@@ -310,14 +306,21 @@ class KVService:
     def _push(self, m, session):
         for part, ids, sl in self._rows(m):
             shard = self.server.shard(m.name, part)
-            if m.values.dtype != shard.dtype or m.values.shape[1:] != shard.shape[1:]:
-                raise KVStoreError(f"values of {m.name!r}: expected {dtype_name(shard)} rows of "
-                                   f"shape {shard.shape[1:]}, got {dtype_name(m.values)} "
-                                   f"{m.values.shape[1:]}")
+            want = self.server.row_dtype(m.name, part)
+            if m.values.dtype != want or m.values.shape[1:] != shard.shape[1:]:
+                raise KVStoreError(f"values of {m.name!r}: expected {dtype_name(np.empty(0, want))} "
+                                   f"rows of shape {shard.shape[1:]}, got "
+                                   f"{dtype_name(m.values)} {m.values.shape[1:]}")
             self.server.push(m.name, part, ids, m.values[sl])
 
     def _opt_init(self, m, session):
         impl = rule_of(m.rule)
+        if self.stores.has(m.name):  # its store makes its state columns (and may keep them)
+            for part in m.parts:
+                self._own(part)
+            with self._lock:
+                self.stores.init_states(m.name, impl.name.value, m.options)
+            return
         with self._lock:
             wanted = []
             for part in m.parts:
@@ -363,7 +366,7 @@ class KVService:
             return None
         out = np.empty(m.ids.shape[0], np.int64)
         for part, ids, sl in self._rows(m):
-            out[sl] = self.server.versions(m.name, part)[ids]
+            out[sl] = self.server.versions(m.name, part, ids)
         return Reply(arrays=[out])
 
     def _versioned_pull(self, m, session=None):
@@ -372,7 +375,7 @@ class KVService:
         for part, ids, sl in self._rows(m):
             # Versions first: a row written meanwhile then carries an older version than
             # its contents, which the next validation refetches (never the reverse).
-            cur = self.server.versions(m.name, part)[ids]
+            cur = self.server.versions(m.name, part, ids)
             have = m.have[sl]
             stale = np.flatnonzero(cur != have)
             pos.append(stale + sl.start)
@@ -385,12 +388,6 @@ class KVService:
             raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
                      + [np.concatenate(st) for st in states])
-
-    def _store_update(self, m, session):
-        self.stores.check_update(m)
-        if m.exact:
-            return self._update_exact(m, session, self.stores.apply)
-        self.stores.apply([m])
 
     def _update_exact(self, m, session, apply):
         """Buffer ``m`` until every trainer sent its step ``m.seq`` of the table, then

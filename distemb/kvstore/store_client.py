@@ -25,9 +25,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from distemb.errors import KVStoreError, StoreError
+from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore import store_snapshot
+from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import DataMeta, KVClient
 from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
@@ -214,32 +215,50 @@ class StoreClient(KVClient):
 
 
 class StoreKVClient(StoreClient):
-    """Embedded store client over named row stores; see the module docstring.
+    """Embedded store client; see the module docstring.
+
+    Each table is one :class:`~distemb.kvstore.shard.ShardTable` (its store, lock and row
+    versions) in a :class:`~distemb.kvstore.server.KVServer`: the embedded context's own,
+    beside its array tables (one registry, one namespace), or a new one.
 
     Args:
         num_threads: OpenMP threads of the kernels run on the stores.
+        server: the KVServer holding the tables (a new one when None).
     """
 
-    def __init__(self, num_threads=1):
+    PART = 0  # embedded, one shard holds every key
+
+    def __init__(self, num_threads=1, server=None):
         super().__init__()
         self.num_threads = num_threads
-        self._stores = {}
+        self.server = server if server is not None else KVServer(num_threads=num_threads)
+        self._names = []
 
     def create_table(self, name, spec):
         if self._exists(name, spec):
             return
-        self.add_table(name, spec.make_store())
+        self._add(name, spec.make_store(), spec)
         self._specs[name] = spec
 
     def add_table(self, name, store):
-        """Hold ``store`` as table ``name``.
+        """Hold ``store`` as table ``name`` (closed when the table is deleted).
 
         Raises:
-            KVStoreError: ``name`` exists.
+            KVStoreError: ``name`` exists (a table of any kind).
         """
-        if name in self._stores:
+        self._add(name, store, None)
+
+    def _add(self, name, store, spec):
+        if name in self._names or self.server.has(name, self.PART):
             raise KVStoreError(f"name {name!r} already exists in the KVStore")
-        self._stores[name] = store
+        self.server.add_table(name, self.PART, store, spec)
+        self._names.append(name)
+
+    def _table(self, name):
+        if name not in self._names:
+            raise KVStoreError(f"name {name!r} is not in the KVStore "
+                               f"(known: {sorted(self._names)[:10]})")
+        return self.server.table(name, self.PART)
 
     def store(self, name):
         """The RowStore of table ``name``.
@@ -247,14 +266,10 @@ class StoreKVClient(StoreClient):
         Raises:
             KVStoreError: no such table.
         """
-        try:
-            return self._stores[name]
-        except KeyError:
-            raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self._stores)[:10]})") from None
+        return self._table(name).store
 
     def names(self):
-        return list(self._stores)
+        return list(self._names)
 
     def dim(self, name):
         return self.store(name).dim
@@ -266,19 +281,30 @@ class StoreKVClient(StoreClient):
         return self.store(name).capacity
 
     def remove(self, name, keys):
-        return self.store(name).remove(keys_array(keys))
+        t = self._table(name)
+        with t.write():
+            return t.store.remove(keys_array(keys))
 
     def contains(self, name, keys):
-        return self.store(name).find(keys_array(keys)) >= 0
+        t = self._table(name)
+        with t.read():
+            return t.store.find(keys_array(keys)) >= 0
 
     def get(self, name, keys):
-        return self.store(name).gather(keys_array(keys), insert=False)
+        t = self._table(name)
+        with t.read():
+            return t.store.gather(keys_array(keys), insert=False)
 
     def evict(self, name, target_size, policy=None):
-        return self.store(name).evict(target_size, policy)
+        t = self._table(name)
+        with t.write():
+            return t.store.evict(target_size, policy)
 
     def export(self, name, columns=None):
-        keys, cols = self.store(name).export()
+        t = self._table(name)
+        with t.read():
+            keys, cols = t.store.export()
+        cols = {c: a for c, a in cols.items() if c in t.columns()}
         if columns is not None:
             missing = [c for c in columns if c not in cols]
             if missing:
@@ -288,52 +314,63 @@ class StoreKVClient(StoreClient):
         return keys, cols
 
     def import_(self, name, keys, columns):
-        self.store(name).import_(keys, columns)
+        t = self._table(name)
+        with t.write():
+            t.store.import_(keys, columns)
+        t.bump_all()  # cached copies of these rows are void
 
     def flush(self, name):
-        self.store(name).flush()
+        t = self._table(name)
+        with t.read():
+            t.store.flush()
 
     def delete_data(self, name):
-        store = self._stores.pop(name, None)
+        if name in self._names:
+            self._names.remove(name)
+            self.server.drop_shard(name, self.PART)  # closes the store
         self._specs.pop(name, None)
-        if store is not None:
-            store.close()
         self._states = {s: t for s, t in self._states.items() if t != name}
 
     def pull(self, name, ids):
-        return self.store(name).lookup(ids)
+        return self._table(name).pull(ids)
 
     def push(self, name, ids, values):
-        self.store(name).scatter(ids, values)
+        self._table(name).push(ids, values)
 
     def init_optimizer(self, name, rule, options):
         """State columns for ``rule`` in table ``name``'s store (see
         :func:`init_state_columns`)."""
-        init_state_columns(self.store(name), rule, options)
+        t = self._table(name)
+        with t.write():
+            init_state_columns(t.store, rule, options)
+        t.bump_all()
         return self._state_names(name, rule)
 
     def push_update(self, name, ids, grads, rule, hyper):
         impl = rule_of(rule)
-        self.store(name).update(impl, ids, grads, impl.check_hyper(hyper), self.num_threads)
+        self._table(name).update(impl, ids, grads, impl.check_hyper(hyper), self.num_threads)
 
     def checkpoint_entry(self, name, directory, save_id):
-        store = self.store(name)
-        rec = store_snapshot.save_store(directory, save_id, name, 0, store)
-        return store_snapshot.store_entry(store.dim, store.dtype, [rec])
+        t = self._table(name)
+        with t.read():
+            rec = store_snapshot.save_store(directory, save_id, name, 0, t.store,
+                                            columns=t.columns())
+        return store_snapshot.store_entry(t.store.dim, t.store.dtype, [rec])
 
     def restore_entry(self, name, directory, entry):
         """Replace table ``name``'s keys with those of a checkpoint (any server count)."""
-        store = self.store(name)
-        store_snapshot.check_entry(entry, name, store.dim, directory)
-        try:
-            store.remove(store.keys())
-        except StoreError:
-            pass  # a fixed key set (dense, file store): the checkpoint overwrites every key
-        store_snapshot.load_store(directory, entry, store, lambda keys: np.ones(len(keys), bool))
+        t = self._table(name)
+        store_snapshot.check_entry(entry, name, t.store.dim, directory)
+        with t.write():
+            if not t.store.fixed_keys:  # a fixed key set: the checkpoint overwrites each key
+                t.store.remove(t.store.keys())
+            store_snapshot.load_store(directory, entry, t.store,
+                                      lambda keys: np.ones(len(keys), bool))
+        t.bump_all()
 
     def close(self):
         """Flush and close every store."""
-        for name in list(self._stores):
+        for name in list(self._names):
             self.delete_data(name)
 
 

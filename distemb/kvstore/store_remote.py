@@ -18,7 +18,11 @@ Every request is split by owning server and sent to all of them before a reply i
 job's consistency as array tables do: ``sync`` waits for every server, ``async`` does
 not, ``sync_exact`` has every trainer push to every server each step (empty when it has
 no rows there), and a server sums the step's contributions and applies them once.
-Dynamic tables always travel over the sockets (no shared-memory path, no trainer cache).
+Reads, writes and updates are the requests of every table (``Pull``, ``Push``,
+``OptInit``, ``Update`` addressed to the server's shard ``parts=[server id]``, with the
+table's keys as ids): pushes and updates to a co-located server hand their arrays over
+in /dev/shm request slots, as for array tables. Rows are read over the sockets (a store
+that inserts on read has no mapped rows) and there is no trainer cache for them yet.
 
 Example (servers started by ``distemb-launch``)::
 
@@ -30,15 +34,15 @@ Example (servers started by ``distemb-launch``)::
 import numpy as np
 
 from distemb.enums import Consistency, EvictPolicy
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.store_client import StoreClient
 from distemb.kvstore.store_snapshot import check_entry, store_entry
-from distemb.rules import rule_of
+from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
-from distemb.transport.messages import (Drop, StoreCreate, StoreExport, StoreInfo, StoreLoad,
-                                        StoreOptInit, StoreRead, StoreRemove, StoreSave,
-                                        StoreUpdate, StoreWrite)
+from distemb.transport.messages import (Drop, OptInit, Pull, Push, StoreCreate, StoreExport,
+                                        StoreInfo, StoreLoad, StoreRead, StoreRemove,
+                                        StoreSave, Update)
 
 #: Bytes of rows per export or import request (well under any frame limit).
 PAGE_BYTES = 16 << 20
@@ -81,7 +85,8 @@ class RemoteStoreClient(StoreClient):
                                 timeout=timeout)
 
     def _gather(self, name, keys, make, row_shape, dtype):
-        """Rows of ``keys`` asked of their owners with ``make(keys)``, in key order."""
+        """Rows of ``keys`` asked of their owners with ``make(server id, keys)``, in key
+        order."""
         keys = table_keys(keys)
         out = np.empty((len(keys),) + row_shape, dtype)
         split = self._split(name, keys)
@@ -93,7 +98,7 @@ class RemoteStoreClient(StoreClient):
                 raise KVStoreError(f"server {sid}: reply of the wrong shape for {name!r}")
             out[pos] = got
 
-        self.remote.call({sid: make(k) for sid, (_, k) in split.items()}, on_reply=take)
+        self.remote.call({sid: make(sid, k) for sid, (_, k) in split.items()}, on_reply=take)
         return out
 
     # -- tables -------------------------------------------------------------------------
@@ -152,12 +157,12 @@ class RemoteStoreClient(StoreClient):
 
     def contains(self, name, keys):
         self._spec(name)
-        return self._gather(name, keys, lambda k: StoreRead(
+        return self._gather(name, keys, lambda sid, k: StoreRead(
             name=name, mode="contains", column=WEIGHT, ids=k), (), np.bool_)
 
     def get(self, name, keys):
         dim = self.dim(name)
-        return self._gather(name, keys, lambda k: StoreRead(
+        return self._gather(name, keys, lambda sid, k: StoreRead(
             name=name, mode="get", column=WEIGHT, ids=k), (dim,), np.float32)
 
     def evict(self, name, target_size, policy=None):
@@ -195,6 +200,10 @@ class RemoteStoreClient(StoreClient):
             if len(values) != len(keys):
                 raise KVStoreError(f"columns[{c!r}]: expected {len(keys)} rows, got "
                                    f"{len(values)}")
+        have = self._info(name)[1][0].fields["columns"]  # every server's store has the same
+        missing = [c for c in columns if c not in have]
+        if missing:  # refused before any row is written
+            raise StoreError(f"columns: {missing} not in table {name!r} (has {sorted(have)})")
         # the weight first: it inserts absent keys, state columns then overwrite
         for c in sorted(columns, key=lambda c: c != WEIGHT):
             values = np.asarray(columns[c])
@@ -205,9 +214,12 @@ class RemoteStoreClient(StoreClient):
                 self._write(name, keys[lo:lo + page], values[lo:lo + page], c)
 
     def _write(self, name, keys, values, column):
+        """Upsert ``values`` into ``column`` of ``keys``: a Push of the table (its weight)
+        or of the state's name (a co-located server takes it from shared memory)."""
         split = self._split(name, keys)
-        self.remote.call({sid: StoreWrite(name=name, column=column, ids=k,
-                                          values=np.ascontiguousarray(values[pos]))
+        target = name if column == WEIGHT else state_name(name, column)
+        self.remote.call({sid: Push(name=target, parts=[sid], counts=[len(k)], ids=k,
+                                    values=np.ascontiguousarray(values[pos]))
                           for sid, (pos, k) in split.items()})
 
     def delete_data(self, name):
@@ -220,8 +232,8 @@ class RemoteStoreClient(StoreClient):
 
     def pull(self, name, ids):
         dim = self.dim(name)
-        return self._gather(name, ids, lambda k: StoreRead(
-            name=name, mode="lookup", column=WEIGHT, ids=k), (dim,), np.float32)
+        return self._gather(name, ids, lambda sid, k: Pull(
+            name=name, parts=[sid], counts=[len(k)], ids=k), (dim,), np.float32)
 
     def push(self, name, ids, values):
         self._write(name, table_keys(ids), np.asarray(values, np.float32).reshape(
@@ -234,7 +246,8 @@ class RemoteStoreClient(StoreClient):
         opts = {k: float(v) for k, v in options.items()}
         self.remote.barrier()
         if self.remote.rank == 0:
-            self._all(lambda sid: StoreOptInit(name=name, rule=impl.name.value, options=opts))
+            self._all(lambda sid: OptInit(name=name, rule=impl.name.value, options=opts,
+                                          parts=[sid]))
         self.remote.barrier()
         self._seq[name] = 0
         return self._state_names(name, rule)
@@ -248,17 +261,18 @@ class RemoteStoreClient(StoreClient):
         exact = self.consistency == Consistency.SYNC_EXACT
         grads = np.asarray(grads, np.float32)
         split = self._split(name, table_keys(ids))
-        requests = {sid: StoreUpdate(name=name, rule=impl.name.value, hyper=fields, seq=seq,
-                                     exact=exact, ids=k,
-                                     grads=np.ascontiguousarray(grads[pos]))
+        requests = {sid: Update(name=name, rule=impl.name.value, hyper=fields, seq=seq,
+                                exact=exact, parts=[sid], counts=[len(k)], ids=k,
+                                grads=np.ascontiguousarray(grads[pos]))
                     for sid, (pos, k) in split.items()}
         if exact:
             # every server hears from every trainer each step, so it knows when the
             # step's contributions are complete
             for sid in range(self.num_servers):
-                requests.setdefault(sid, StoreUpdate(
+                requests.setdefault(sid, Update(
                     name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=True,
-                    ids=np.empty(0, np.int64), grads=np.empty((0, dim), np.float32)))
+                    parts=[sid], counts=[0], ids=np.empty(0, np.int64),
+                    grads=np.empty((0, dim), np.float32)))
         self.remote.call(requests, wait=self.consistency != Consistency.ASYNC)
 
     def coalesce(self, name, ids, grads, F):

@@ -1,40 +1,43 @@
-"""StoreTables: a server's tables on row stores, one store each, and their handlers.
+"""StoreTables: the requests that manage the keys of tables made from a spec.
 
-A server holds row stores as it holds arrays: table ``name`` is one store here, made
-from the table's spec (:data:`~distemb.stores.spec.SPECS`: a
-:class:`~distemb.stores.hash.HashStore` for a dynamic table, a
-:class:`~distemb.stores.file.FileStore` for a file-backed one), holding the keys the
-table's router (:mod:`distemb.routers`) gives this server: ``key_partition(k, S)`` for
-hash tables, a range of 0..N-1 for file tables. Requests carry the table's keys; the
-handlers check that this server owns them and turn them into the store's keys (a range
-shard's local ids) and back. The :class:`~distemb.kvstore.service.KVService` decodes
-each request (every field and array checked by :mod:`distemb.transport.messages`) and
-hands the STORE_* ones to the handlers here, which check them against the table
-(columns, row shapes, dtypes, rules, what its store can do) before any store sees them;
-any failure becomes an error reply.
+A server holds every table in its :class:`~distemb.kvstore.server.KVServer`, one
+:class:`~distemb.kvstore.shard.ShardTable` per shard: array tables (``Create``: arrays
+the server allocates, routed by the trainers' partition policies) and tables made from a
+spec (``StoreCreate``: a store built here from the validated spec of
+:data:`~distemb.stores.spec.SPECS`, a :class:`~distemb.stores.hash.HashStore` for a
+dynamic table, a :class:`~distemb.stores.file.FileStore` for a file-backed one, holding
+the keys the table's router (:mod:`distemb.routers`) gives this server). Both kinds are
+read, written and updated by the same requests (``Pull``, ``Push``, ``OptInit``,
+``Update``, ``VersionedPull``, handled by :class:`~distemb.kvstore.service.KVService`):
+a spec'd table's requests carry its keys, which its ShardTable checks against the router
+before the store sees them.
 
-Concurrency: one lock per table, held by every request on it, lookups included (a
-lookup may insert, grow the arrays and evict). One writer per row, as for arrays.
+What only keyed tables have lives here: creation from a spec, ``contains``/``get``
+without inserting, removal, size and eviction, export, and their checkpoint segments.
+Every request is decoded and checked by :mod:`distemb.transport.messages` first; any
+failure becomes an error reply.
 
 Example:
     >>> import numpy as np
+    >>> from distemb.kvstore.server import KVServer
     >>> from distemb.stores.spec import HashTableSpec
     >>> from distemb.transport.messages import StoreCreate, StoreRead
-    >>> t = StoreTables(server_id=0, num_servers=1)
+    >>> srv = KVServer()
+    >>> t = StoreTables(srv, server_id=0, num_servers=1)
     >>> _ = t.create(StoreCreate(name="d", **HashTableSpec(2).fields()))
-    >>> t.read(StoreRead(name="d", mode="lookup", column="weight",
-    ...                  ids=np.array([2**60]))).arrays[0].tolist()
+    >>> srv.pull("d", 0, np.array([2**60])).tolist()
     [[0.0, 0.0]]
+    >>> t.read(StoreRead(name="d", mode="contains", column="weight",
+    ...                  ids=np.array([2**60, 5]))).arrays[0].tolist()
+    [True, False]
 """
 import threading
 
 import numpy as np
 
-from distemb import kernels
-from distemb.errors import KVStoreError, PartitionError, StoreError
+from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import snapshot, store_snapshot
 from distemb.kvstore.store_client import init_state_columns
-from distemb.rules import rule_of
 from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import Reply, Service
@@ -44,59 +47,46 @@ from distemb.transport.messages import Reply, Service
 MAX_DIM = 1 << 16
 
 
-class _Table:
-    def __init__(self, spec, router, store):
-        self.spec, self.router, self.store = spec, router, store
-        self.lock = threading.Lock()
-
-
 class StoreTables:
-    """The dynamic tables of one server; see the module docstring.
+    """The spec'd tables of one server's :class:`~distemb.kvstore.server.KVServer`; see
+    the module docstring.
 
     Args:
-        server_id, num_servers: this server's place; it holds the keys
-            each table's router sends to ``server_id``.
-        num_threads: OpenMP threads of the update kernels.
-        has_array: ``has_array(name) -> bool``: whether ``name`` is an array table here
-            (a name is one or the other).
+        server: the KVServer holding every shard of this server.
+        server_id, num_servers: this server's place; it holds the keys each table's
+            router sends to ``server_id``.
     """
 
-    def __init__(self, server_id, num_servers, num_threads=1, has_array=None):
-        self.server_id, self.num_servers, self.num_threads = server_id, num_servers, num_threads
-        self._has_array = has_array or (lambda name: False)
-        self._tables = {}
-        self._lock = threading.Lock()  # the dict above
+    def __init__(self, server, server_id, num_servers):
+        self.server, self.server_id, self.num_servers = server, server_id, num_servers
+        self._lock = threading.Lock()  # creation: check and add as one
 
     def handlers(self):
-        """{service: handler(message, session=None)} of every STORE_* request but
-        STORE_UPDATE (the service applies updates through :meth:`apply`, see there)."""
-        return {Service.STORE_CREATE: self.create, Service.STORE_OPT_INIT: self.opt_init,
-                Service.STORE_READ: self.read, Service.STORE_WRITE: self.write,
+        """{service: handler(message, session=None)} of the STORE_* requests."""
+        return {Service.STORE_CREATE: self.create, Service.STORE_READ: self.read,
                 Service.STORE_REMOVE: self.remove, Service.STORE_INFO: self.info,
                 Service.STORE_EXPORT: self.export, Service.STORE_SAVE: self.save,
                 Service.STORE_LOAD: self.load}
 
     def has(self, name):
-        return name in self._tables
+        """Whether ``name`` is a spec'd table here."""
+        return self.server.has(name, self.server_id) and \
+            self.server.table(name, self.server_id).spec is not None
 
     def table(self, name):
-        try:
-            return self._tables[name]
-        except KeyError:
+        """The ShardTable of spec'd table ``name`` on this server."""
+        if not self.has(name):
             raise KVStoreError(f"server {self.server_id} has no dynamic table "
-                               f"{name!r}") from None
+                               f"{name!r}")
+        return self.server.table(name, self.server_id)
 
-    def drop(self, name):
-        with self._lock:
-            t = self._tables.pop(name, None)
-        if t is not None:
-            with t.lock:
-                t.store.close()  # a file store flushes and unlocks its directory
-
-    def close(self):
-        """Close every store (file stores flush): the server is exiting."""
-        for name in list(self._tables):
-            self.drop(name)
+    def init_states(self, name, rule, options):
+        """(Re)create ``rule``'s state columns in spec'd table ``name``'s store."""
+        t = self.table(name)
+        with t.write():
+            states = init_state_columns(t.store, rule, options)
+        self.server.attach_states(name, self.server_id, states)
+        t.bump_all()  # cached copies of the state are void
 
     # -- handlers ---------------------------------------------------------------------
 
@@ -113,70 +103,29 @@ class StoreTables:
         except (TypeError, ValueError) as e:
             raise KVStoreError(f"table {m.name!r}: {e}") from None
         with self._lock:
-            if self._has_array(m.name):
+            if self.server.parts_of(m.name) and not self.has(m.name):
                 raise KVStoreError(f"name {m.name!r} is an array table on server "
                                    f"{self.server_id}, not a dynamic one")
-            have = self._tables.get(m.name)
-            if have is not None:
-                if have.spec != spec:
-                    raise KVStoreError(f"table {m.name!r} exists with {have.spec}, "
+            if self.has(m.name):
+                have = self.table(m.name).spec
+                if have != spec:
+                    raise KVStoreError(f"table {m.name!r} exists with {have}, "
                                        f"asked for {spec}")
                 return Reply(fields={"existed": True})
             store = spec.make_store(self.server_id, self.num_servers)
-            self._tables[m.name] = _Table(spec, spec.router(self.num_servers), store)
+            self.server.add_table(m.name, self.server_id, store, spec,
+                                  spec.router(self.num_servers))
         return Reply(fields={"existed": False})
-
-    def opt_init(self, m, session=None):
-        t = self.table(m.name)
-        rule_of(m.rule)  # an unknown rule fails before the table changes
-        with t.lock:
-            init_state_columns(t.store, m.rule, m.options)
-
-    def _local(self, t, m):
-        """The store's keys of ``m.ids``; KVStoreError when a key is not this server's (a
-        trainer routed it with another server count: its rows would be lost to every
-        other trainer) or outside a fixed key space."""
-        if not len(m.ids):
-            return m.ids
-        try:
-            owner = t.router.part_of(m.ids)
-        except PartitionError as e:
-            raise KVStoreError(f"{m.name!r}: {e}") from None
-        if (owner != self.server_id).any():
-            bad = int(np.flatnonzero(owner != self.server_id)[0])
-            raise KVStoreError(f"key {int(m.ids[bad])} of {m.name!r} belongs to server "
-                               f"{int(owner[bad])} of {self.num_servers}, not server "
-                               f"{self.server_id}")
-        return t.router.to_local(self.server_id, m.ids)
 
     def read(self, m, session=None):
         t = self.table(m.name)
-        keys = self._local(t, m)
-        with t.lock:
+        keys = t.local_keys(m.ids, repr(m.name))
+        with t.read():
             if m.mode == "contains":
                 return Reply(arrays=[t.store.find(keys) >= 0])
-            if m.mode == "lookup":
-                if m.column != WEIGHT:
-                    raise KVStoreError(f"lookup of {m.name!r}: reads the weight, not column "
-                                       f"{m.column!r}")
-                return Reply(arrays=[t.store.lookup(keys)])
-            t.store.column(m.column)  # StoreError for an unknown column
+            if m.column not in t.columns():
+                t.store.column(None)  # the StoreError naming the columns
             return Reply(arrays=[t.store.gather(keys, m.column, insert=False)])
-
-    def write(self, m, session=None):
-        t = self.table(m.name)
-        keys = self._local(t, m)
-        with t.lock:
-            shape, dtype = t.store.columns().get(m.column, (None, None))
-            if shape is None:
-                raise StoreError(f"column: no column {m.column!r} in {m.name!r} (has "
-                                 f"{sorted(t.store.columns())})")
-            want = "float32" if m.column == WEIGHT else dtype
-            if m.values.dtype.name != want or m.values.shape[1:] != tuple(shape):
-                raise StoreError(f"values of {m.name!r}.{m.column}: expected {want} rows of "
-                                 f"shape {tuple(shape)}, got {m.values.dtype} "
-                                 f"{m.values.shape[1:]}")
-            t.store.scatter(keys, m.values, m.column)
 
     def remove(self, m, session=None):
         t = self.table(m.name)
@@ -184,7 +133,7 @@ class StoreTables:
             raise StoreError(f"remove: {m.name!r} is a {t.spec.kind} table, which holds the "
                              f"fixed keys 0..{t.router.num_keys - 1}; only hash tables "
                              "remove keys")
-        with t.lock:
+        with t.write():
             return Reply(fields={"removed": t.store.remove(m.ids)})
 
     def info(self, m, session=None):
@@ -192,18 +141,18 @@ class StoreTables:
         if m.evict_to >= 0 and t.spec.fixed_keys:
             raise StoreError(f"evict: {m.name!r} is a {t.spec.kind} table, which holds the "
                              f"fixed keys 0..{t.router.num_keys - 1}; only hash tables evict")
-        with t.lock:
+        with t.write():
             evicted = np.empty(0, np.int64)
             if m.evict_to >= 0:
                 evicted = t.store.evict(m.evict_to, m.policy or None)
-            cols = {c: [list(s), d] for c, (s, d) in t.store.columns().items()}
+            cols = {c: [list(s), d] for c, (s, d) in t.columns().items()}
             return Reply(fields={"size": t.store.size(), "capacity": t.store.capacity,
                                  "columns": cols}, arrays=[evicted])
 
     def export(self, m, session=None):
         t = self.table(m.name)
-        with t.lock:
-            have = t.store.columns()
+        with t.read():
+            have = t.columns()
             cols = list(m.columns) or list(have)
             missing = [c for c in cols if c not in have]
             if missing:
@@ -216,38 +165,12 @@ class StoreTables:
             return Reply(fields={"total": int(len(keys)), "columns": cols},
                          arrays=[t.router.to_global(self.server_id, sel)] + rows)
 
-    def check_update(self, m):
-        """Check an update against its table before it is applied (or buffered)."""
-        t = self.table(m.name)
-        self._local(t, m)
-        m.hyper = rule_of(m.rule).hyper_from(m.hyper)
-        if m.grads.dtype != np.float32 or m.grads.ndim != 2 or \
-                m.grads.shape[1] != t.spec.dim:
-            raise KVStoreError(f"grads of {m.name!r}: expected float32 rows of {t.spec.dim}, "
-                               f"got {m.grads.dtype} {m.grads.shape[1:]}")
-
-    def apply(self, contribs):
-        """Apply the updates ``contribs`` (one trainer's, or every trainer's step in
-        sync_exact mode) as one: their gradients of equal keys summed, one update."""
-        first = contribs[0]
-        t = self.table(first.name)
-        ids = np.concatenate([c.ids for c in contribs])
-        grads = np.concatenate([c.grads for c in contribs])
-        # summing also makes a hostile request's duplicate keys harmless
-        uniq, summed = kernels.dedup_sum(ids, np.ascontiguousarray(grads),
-                                         num_threads=self.num_threads)
-        impl = rule_of(first.rule)
-        with t.lock:
-            t.store.update(impl, t.router.to_local(self.server_id, uniq), summed,
-                           first.hyper, self.num_threads)
-        return {}
-
     def save(self, m, session=None):
         t = self.table(m.name)
-        with t.lock:
+        with t.read():
             rec = store_snapshot.save_store(
                 m.directory, m.save_id, m.name, self.server_id, t.store,
-                lambda keys: t.router.to_global(self.server_id, keys))
+                lambda keys: t.router.to_global(self.server_id, keys), t.columns())
         return Reply(fields={"record": rec})
 
     def load(self, m, session=None):
@@ -255,9 +178,10 @@ class StoreTables:
         entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
                                       m.directory)
         store_snapshot.check_entry(entry, m.name, t.spec.dim, m.directory)
-        with t.lock:
+        with t.write():
             if not t.spec.fixed_keys:  # a fixed key set: the checkpoint overwrites each key
                 t.store.remove(t.store.keys())
             store_snapshot.load_store(m.directory, entry, t.store,
                                       lambda keys: t.router.owns(self.server_id, keys),
                                       lambda keys: t.router.to_local(self.server_id, keys))
+        t.bump_all()  # cached copies of every row are void

@@ -33,12 +33,14 @@ def _segment_name(name, column):
     return f"{name}\x00{column}"
 
 
-def save_store(directory, save_id, name, part, store, to_global=None):
+def save_store(directory, save_id, name, part, store, to_global=None, columns=None):
     """Write ``store`` (shard ``part`` of table ``name``) as segments.
 
     The caller holds whatever lock keeps the store still (the server's table lock).
     ``to_global(store keys) -> table keys`` (a router's, for shards of a range-routed
     table): the checkpoint holds the table's keys, so it loads under any shard count.
+    ``columns`` (``{name: (row_shape, dtype)}``, default all of the store's) are the
+    columns saved: a ShardTable leaves out its hidden version column.
 
     Returns:
         the shard's manifest record: ``{"part", "count", "keys": segment, "columns":
@@ -53,7 +55,7 @@ def save_store(directory, save_id, name, part, store, to_global=None):
                                            part, 0, 1, (n,), "int64",
                                            lambda lo, hi: saved[lo:hi]),
               "columns": {}}
-    for col, (shape, dtype) in store.columns().items():
+    for col, (shape, dtype) in (store.columns() if columns is None else columns).items():
         arr = store.column(col)
         if col == WEIGHT:
             dtype = "float32"

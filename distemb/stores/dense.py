@@ -55,17 +55,49 @@ class DenseStore(RowStore):
             fill_rows(self._cols[WEIGHT], init, encode=self.encode)
 
     @classmethod
-    def from_array(cls, weight):
-        """A store owning ``weight`` ((N, D) float32, C-contiguous) as its weight column."""
+    def from_array(cls, weight, rounding="nearest", seed=0):
+        """A store holding ``weight`` (shared, not copied) as its weight column.
+
+        This is how a server or an embedded client keeps a dense shard whose arrays it
+        allocated itself (in /dev/shm, say). Any row shape and dtype is held (a
+        DistTensor of labels, say); the update rules run on 2-d float32, bfloat16 and
+        float16 weights.
+
+        Args:
+            weight: a C-contiguous array with one row per key (``(N, ...)``).
+            rounding, seed: how updates round into bfloat16 rows (stochastic rounding
+                draws from ``seed``).
+
+        Raises:
+            ValueError: ``weight`` is not a C-contiguous array of at least one dimension;
+                stochastic rounding of rows other than bfloat16.
+        """
         weight = np.asarray(weight)
-        if weight.ndim != 2 or weight.dtype != np.float32 or not weight.flags.c_contiguous:
-            raise ValueError(f"weight: expected a C-contiguous float32 (N, D) array, got "
+        if weight.ndim < 1 or not weight.flags.c_contiguous:
+            raise ValueError(f"weight: expected a C-contiguous (N, ...) array, got "
                              f"{weight.dtype} {weight.shape}")
         store = cls.__new__(cls)
-        store.num_rows, store.dim, store.dtype = weight.shape[0], weight.shape[1], "float32"
+        store.num_rows = weight.shape[0]
+        store.dim = int(np.prod(weight.shape[1:], dtype=np.int64))
+        store.dtype = dtype_name(weight)
         store._cols, store._shapes = {}, {}
-        store._set(WEIGHT, weight, (store.dim,))
+        store._set(WEIGHT, weight, weight.shape[1:])
+        store._set_rounding(rounding, seed)
         return store
+
+    def adopt_column(self, name, array):
+        """Hold ``array`` (shared, not copied; one row per key) as column ``name``,
+        replacing any column of that name.
+
+        Raises:
+            StoreError: ``name`` is the weight, or ``array`` has another number of rows.
+        """
+        if name == WEIGHT:
+            raise StoreError("column: 'weight' is the rows; it cannot be re-added")
+        if array.ndim < 1 or array.shape[0] != self.num_rows:
+            raise StoreError(f"column {name!r}: expected {self.num_rows} rows, got shape "
+                             f"{array.shape}")
+        self._set(name, array, array.shape[1:])
 
     def _new_array(self, name, row_shape, dtype, fill, keep):
         """A (num_rows,) + row_shape array of ``dtype`` filled with ``fill``."""

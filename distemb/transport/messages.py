@@ -39,13 +39,12 @@ class Service(enum.IntEnum):
     LOAD = 12
     IN_SHM = 13
     VERSIONED_PULL = 14
-    # Dynamic tables: one hash store per server, keys routed by key_partition (20-29).
+    # Key management of tables made from a spec (dynamic, file-backed), which are read,
+    # written and updated by PULL/PUSH/OPT_INIT/UPDATE like every table. 21, 23 and 25
+    # were the store tables' own opt-init, write and update: retired, never reused.
     STORE_CREATE = 20
-    STORE_OPT_INIT = 21
     STORE_READ = 22
-    STORE_WRITE = 23
     STORE_REMOVE = 24
-    STORE_UPDATE = 25
     STORE_INFO = 26
     STORE_EXPORT = 27
     STORE_SAVE = 28
@@ -366,28 +365,14 @@ class StoreCreate(Message):
               "preallocate": int_value}
 
 
-class StoreOptInit(Message):
-    """(Re)create the state columns of ``rule`` in this server's store of ``name``."""
-
-    SERVICE = Service.STORE_OPT_INIT
-    FIELDS = {"rule": text, "options": scalar_dict}
-
-
 class StoreRead(KeysMessage):
-    """Rows of ``column`` for keys: ``lookup`` finds or inserts (and counts the access),
-    ``get`` fails on an absent key, ``contains`` answers a bool per key."""
+    """Rows of ``column`` for keys without inserting or counting them: ``get`` fails on
+    an absent key, ``contains`` answers a bool per key (a lookup, which inserts, is a
+    :class:`Pull`)."""
 
     SERVICE = Service.STORE_READ
-    FIELDS = {"mode": choice("lookup", "get", "contains"), "column": text}
+    FIELDS = {"mode": choice("get", "contains"), "column": text}
     ARRAYS = ("ids",)
-
-
-class StoreWrite(KeysMessage):
-    """Upsert ``values`` into ``column`` of the keys (absent keys are inserted first)."""
-
-    SERVICE = Service.STORE_WRITE
-    FIELDS = {"column": text}
-    ARRAYS = ("ids", "values")
 
 
 class StoreRemove(KeysMessage):
@@ -395,15 +380,6 @@ class StoreRemove(KeysMessage):
 
     SERVICE = Service.STORE_REMOVE
     ARRAYS = ("ids",)
-
-
-class StoreUpdate(KeysMessage):
-    """Apply ``rule`` to unique keys (inserted first when absent); ``exact``/``seq`` as
-    :class:`Update` (sync_exact: summed over every trainer's step ``seq``)."""
-
-    SERVICE = Service.STORE_UPDATE
-    FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag}
-    ARRAYS = ("ids", "grads")
 
 
 class StoreInfo(Message):
@@ -443,8 +419,8 @@ class StoreLoad(Message):
     FIELDS = {"directory": abs_path}
 
 
-STORE_REQUESTS = (StoreCreate, StoreOptInit, StoreRead, StoreWrite, StoreRemove, StoreUpdate,
-                  StoreInfo, StoreExport, StoreSave, StoreLoad)
+STORE_REQUESTS = (StoreCreate, StoreRead, StoreRemove, StoreInfo, StoreExport, StoreSave,
+                  StoreLoad)
 REQUESTS = {m.SERVICE: m for m in (Hello, Create, Drop, Pull, Push, OptInit, Update,
                                    Barrier, ShmInfo, Bye, Save, Load, VersionedPull)
             + STORE_REQUESTS}

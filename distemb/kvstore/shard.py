@@ -1,0 +1,291 @@
+"""ShardTable: one shard of one table, a RowStore and everything that guards it.
+
+Every shard a process holds is one ShardTable, whatever its store: a dense array (or
+several, its optimizer state as columns beside the weight), a hash table, a file. The
+store says where the rows are; the ShardTable owns what the server needs around them:
+
+- a reader/writer lock: pulls hold it shared, pushes and updates exclusive, so a pull
+  never sees a row between an update's read and its write, and pulls run in parallel;
+- seqlock counters: readers outside the process (trainers mapping a column from
+  /dev/shm, see :mod:`distemb.transport.shm`) cannot take the lock, so each write makes
+  the counters of the mapped columns odd while it runs;
+- a per-row version (write counter), made on first use: what trainer caches validate
+  their copies against. A fixed key set keeps it in an array beside the store (its slots
+  never move); a store that inserts and evicts keeps it as a hidden column, so a row's
+  version is evicted with the row and a re-inserted key starts again from the table's
+  first version.
+
+Concurrency: one writer per row (DESIGN.md). Stores that insert on read (a hash store's
+lookup may grow its arrays or evict) take the write lock for lookups too.
+
+Example:
+    >>> import numpy as np
+
+    >>> from distemb.stores import HashStore
+    >>> t = ShardTable(HashStore(2))
+    >>> t.versions(np.array([2**40]), first=0).tolist()
+    [0]
+    >>> t.push(np.array([2**40]), np.ones((1, 2), np.float32))
+    >>> t.versions(np.array([2**40]), first=None).tolist(), t.pull(np.array([2**40])).tolist()
+    ([1], [[1.0, 1.0]])
+"""
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+
+from distemb import kernels
+from distemb.errors import KVStoreError, PartitionError
+from distemb.kernels import half
+from distemb.stores.types import WEIGHT
+
+#: Hidden column of a store that inserts and evicts: each row's write counter.
+VERSION = "~version"
+#: Distance between the first versions of two version arrays of one holder, so a table
+#: dropped and made again never repeats a version a trainer's cache holds.
+VERSION_EPOCH = 1 << 40
+
+
+class RWLock:
+    """Many readers or one writer; waiting writers go first (updates never starve)."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._readers, self._writer, self._waiting = 0, False, 0
+
+    @contextmanager
+    def read(self):
+        with self._cond:
+            while self._writer or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self):
+        with self._cond:
+            self._waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class ShardTable:
+    """One shard: ``store`` (a :class:`~distemb.stores.types.RowStore`), its lock, seqlock
+    counters and row versions; see the module docstring.
+
+    Args:
+        store: the shard's rows and optimizer-state columns.
+        spec: the table spec the store was made from (:mod:`distemb.stores.spec`), or
+            None for an array table (its holder allocated the arrays: a partition of a
+            table whose client routes ids by a partition policy).
+        router: for a table made from a spec, its :class:`~distemb.routers.Router`:
+            requests then carry the table's keys, which must be this shard's.
+        part: the shard's partition (the server's id for a spec'd table).
+        arrays: True when the store holds its holder's arrays as they are (an array
+            table: any dtype, rows read and written raw, ids range-checked by
+            :meth:`local_keys`); False for a store that keys, checks and encodes its own
+            rows (every store made from a spec or given by a user), read and written
+            through the :class:`~distemb.stores.types.RowStore` methods as float32 rows.
+
+    Example:
+        >>> from distemb.stores import DenseStore
+        >>> t = ShardTable(DenseStore(4, 2))
+        >>> t.pull(np.array([3])).shape
+        (1, 2)
+    """
+
+    def __init__(self, store, spec=None, router=None, part=0, arrays=False):
+        self.store, self.spec, self.router, self.part = store, spec, router, part
+        self.arrays = arrays
+        self.lock = RWLock()
+        self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
+        self._fixed_versions = None  # versions of a fixed key set, indexed by slot
+        self._tracked = False
+
+    @property
+    def inserts_on_read(self):
+        """Whether a lookup may insert keys (and so must hold the write lock)."""
+        return not self.store.fixed_keys
+
+    @property
+    def wire_dtype(self):
+        """The dtype of weight rows in requests and replies: the storage dtype of an array
+        table (half rows travel as 2 bytes), float32 for a store's rows."""
+        if self.arrays:
+            return self.store.column(WEIGHT).dtype
+        return np.dtype(np.float32)
+
+    def read(self):
+        """Context manager: the shared lock (reads of rows that cannot move)."""
+        return self.lock.read()
+
+    @contextmanager
+    def write(self):
+        """Context manager: the exclusive lock, with every seqlock counter odd meanwhile."""
+        with self.lock.write():
+            counters = list(self._counters.values())
+            for v in counters:
+                v[0] += 1  # odd: a write is under way
+            try:
+                yield
+            finally:
+                for v in counters:
+                    v[0] += 1  # even again: the rows are consistent
+
+    def set_counter(self, column, counter):
+        """Make ``counter`` (a 1-element int64 array) the seqlock counter of ``column``
+        (None forgets it): :meth:`write` makes it odd while it writes. The caller holds
+        no lock of this table."""
+        with self.lock.write():
+            if counter is None:
+                self._counters.pop(column, None)
+            else:
+                self._counters[column] = counter
+
+    def columns(self):
+        """``{name: (row_shape, dtype)}`` of the store's columns, the hidden ones left out."""
+        return {c: s for c, s in self.store.columns().items() if c != VERSION}
+
+    # -- keys of requests -------------------------------------------------------------
+
+    def local_keys(self, ids, what):
+        """The store keys of request ids ``ids`` (int64); ``what`` names the shard in errors.
+
+        Ids of an array table are its local row ids, each checked against its rows. Ids
+        of a spec'd table are the table's keys: each must be this shard's by the table's
+        router (a trainer that routed with another server count would lose its rows to
+        every other trainer), then they map to the store's keys.
+
+        Raises:
+            PartitionError: a local id out of range, or a key outside the table's key space.
+            KVStoreError: a key another shard owns.
+        """
+        if not len(ids) or not (self.arrays or self.router):
+            return ids  # a store keys and checks its own
+        if self.router is None:
+            rows = self.store.capacity
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= rows:
+                raise PartitionError(f"id {lo if lo < 0 else hi} of {what} is out of range "
+                                     f"(expected 0 <= id < {rows})")
+            return ids
+        try:
+            owner = self.router.part_of(ids)
+        except PartitionError as e:
+            raise PartitionError(f"{what}: {e}") from None
+        if (owner != self.part).any():
+            bad = int(np.flatnonzero(owner != self.part)[0])
+            raise KVStoreError(f"key {int(ids[bad])} of {what} belongs to server "
+                               f"{int(owner[bad])}, not server {self.part} (the trainer "
+                               "routed it for another number of servers)")
+        return self.router.to_local(self.part, ids)
+
+    # -- rows -------------------------------------------------------------------------
+
+    def pull(self, keys, column=WEIGHT, out=None, num_threads=1):
+        """Rows ``keys`` of ``column``, into ``out`` when given.
+
+        An array table's rows come in its storage dtype, except that half rows are
+        decoded to float32 (in the gather, one pass) when ``out`` is float32. Another
+        store's weight rows are a lookup (a hash store finds or inserts them and counts
+        the access), float32; its state rows must exist.
+        """
+        if not self.arrays:
+            with self.write() if self.inserts_on_read else self.read():
+                if column == WEIGHT:
+                    rows = self.store.lookup(keys)
+                else:
+                    rows = self.store.gather(keys, column, insert=False)
+            if out is None:
+                return rows
+            out[...] = rows
+            return out
+        arr = self.store.column(column)
+        with self.read():
+            if out is not None and out.dtype == np.float32 and arr.dtype != np.float32:
+                return half.gather_rows(arr, keys, out, num_threads)
+            if arr.dtype == np.float32 and arr.ndim == 2:
+                return kernels.gather_rows(arr, keys, out, num_threads)
+            if out is None:
+                return arr[keys]
+            np.take(arr, keys, axis=0, out=out)
+            return out
+
+    def push(self, keys, values, column=WEIGHT):
+        """Write (upsert) rows ``keys`` of ``column``; float32 weight values into half rows
+        are rounded to nearest-even."""
+        with self.write():
+            if not self.arrays:
+                self.store.scatter(keys, values, column)
+            else:
+                arr = self.store.column(column)
+                if arr.dtype != values.dtype and half.is_half(half.dtype_name(arr)):
+                    values = half.encode(values, half.dtype_name(arr))
+                arr[keys] = values
+            self.bump(keys)
+
+    def update(self, rule, keys, grads, hyper, num_threads=1, contributions=1):
+        """Apply update ``rule`` to unique ``keys`` (inserted first when absent) and add
+        ``contributions`` (an int, or one per key) to their versions."""
+        with self.write():
+            self.store.update(rule, keys, grads, hyper, num_threads)
+            self.bump(keys, contributions)
+
+    # -- versions ---------------------------------------------------------------------
+
+    @property
+    def tracks_versions(self):
+        """Whether rows have versions yet (made by the first :meth:`versions` call)."""
+        return self._tracked
+
+    def _version_array(self):
+        if self._fixed_versions is not None:
+            return self._fixed_versions
+        return self.store.column(VERSION)  # a hash store's arrays move as it grows
+
+    def _slots(self, keys):
+        # a fixed key set's keys are its slots; another store's keys are present here
+        return keys if self.store.fixed_keys else self.store.slots(keys, insert=True)
+
+    def versions(self, keys, first):
+        """Versions of the rows of ``keys`` (a store that inserts on read inserts absent
+        ones), every row starting at ``first`` on the first call (the holder's next
+        :data:`VERSION_EPOCH` multiple)."""
+        if not self._tracked:
+            with self.lock.write():
+                if not self._tracked:
+                    if self.store.fixed_keys:
+                        self._fixed_versions = np.full(self.store.capacity, first, np.int64)
+                    else:
+                        self.store.add_column(VERSION, (), "int64", fill=first)
+                    self._tracked = True
+        if self.inserts_on_read:
+            with self.write():
+                return self._version_array()[self._slots(keys)]
+        return self._version_array()[keys]
+
+    def bump(self, keys, by=1):
+        """Add ``by`` (an int, or one per key) to the versions of ``keys``; the caller
+        holds the write lock. Duplicate keys change once: enough to void a cached copy."""
+        if self._tracked:
+            self._version_array()[self._slots(keys)] += by
+
+    def bump_all(self):
+        """Change every row's version (its optimizer state was reset)."""
+        if self._tracked:
+            with self.write():
+                self._version_array()[...] += 1

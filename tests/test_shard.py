@@ -1,0 +1,152 @@
+"""ShardTable, the one shard type: its lock, seqlock counters and row versions, over every
+store kind, and KVServer's shards as ShardTables (state arrays as columns of their table)."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from distemb.errors import KVStoreError
+from distemb.kvstore.server import KVServer
+from distemb.kvstore.shard import VERSION, ShardTable
+from distemb.rules import AdagradHyper, SGDHyper, state_name
+from distemb.stores import DenseStore, FileStore, HashStore
+
+
+def _stores(tmp_path):
+    return {"dense": DenseStore(8, 2), "hash": HashStore(2),
+            "file": FileStore(str(tmp_path / "f"), 8, 2)}
+
+
+@pytest.mark.parametrize("kind", ["dense", "hash", "file"])
+def test_versions_start_at_first_and_count_writes(tmp_path, kind):
+    store = _stores(tmp_path)[kind]
+    t = ShardTable(store)
+    keys = np.array([1, 5, 7])
+    with t.write():
+        store.scatter(keys, np.ones((3, 2), np.float32))
+    assert not t.tracks_versions
+    assert t.versions(keys, first=100).tolist() == [100, 100, 100]
+    with t.write():
+        t.bump(keys[[0, 0, 2]])  # duplicates change once
+        t.bump(keys[2:], by=np.array([3]))
+    assert t.versions(keys, first=None).tolist() == [101, 100, 104]
+    t.push(keys[1:2], np.zeros((1, 2), np.float32))
+    assert t.versions(keys, first=None).tolist() == [101, 101, 104]
+    t.bump_all()
+    assert t.versions(keys, first=None).tolist() == [102, 102, 105]
+    assert VERSION not in t.columns()  # hidden from exports and checkpoints
+    store.close()
+
+
+def test_a_hash_rows_version_is_evicted_with_the_row():
+    store = HashStore(2)
+    t = ShardTable(store)
+    store.lookup(np.array([10, 20, 30]))
+    first = 7 << 40
+    t.versions(np.array([10]), first)
+    with t.write():
+        t.bump(np.array([10]), by=5)
+    assert t.versions(np.array([10]), None).tolist() == [first + 5]
+    t.push(np.array([20]), np.ones((1, 2), np.float32))
+    store.remove(np.array([10]))
+    t.pull(np.array([40, 10]))  # 10 comes back as a fresh row
+    got = t.versions(np.array([10, 20, 40]), None)
+    assert got.tolist() == [first, first + 1, first]
+    store.evict(2, "lru")  # 30 and 20 are the least recent: evicted
+    t.pull(np.array([20]))
+    assert t.versions(np.array([20]), None).tolist() == [first]
+    assert VERSION in store.columns() and VERSION not in t.columns()
+
+
+def test_seqlock_counters_are_odd_while_a_write_runs():
+    t = ShardTable(DenseStore(4, 2))
+    w, s = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    t.set_counter("weight", w)
+    t.set_counter("sum", s)
+    with t.write():
+        assert (w[0], s[0]) == (1, 1)
+    assert (w[0], s[0]) == (2, 2)
+    t.set_counter("sum", None)
+    with t.write():
+        assert (w[0], s[0]) == (3, 2)
+
+
+def test_a_writer_excludes_readers():
+    t = ShardTable(DenseStore(4, 2))
+    seen = []
+    inside = threading.Event()
+
+    def reader():
+        inside.wait()
+        with t.read():
+            seen.append("read")
+
+    th = threading.Thread(target=reader)
+    th.start()
+    with t.write():
+        inside.set()
+        time.sleep(0.2)
+        seen.append("write done")
+    th.join(10)
+    assert seen == ["write done", "read"]
+
+
+def test_server_state_shards_are_columns_of_their_table():
+    srv = KVServer()
+    srv.create("T", 0, np.zeros((5, 2), np.float32))
+    srv.create(state_name("T", "sum"), 0, np.zeros((5, 2), np.float32))
+    table = srv.table("T", 0)
+    assert srv.table(state_name("T", "sum"), 0) is table
+    assert "sum" in table.store.columns()
+    # a write of the state voids cached copies of the table's rows
+    v0 = srv.versions("T", 0, np.array([3])).tolist()
+    srv.push(state_name("T", "sum"), 0, np.array([3]), np.ones((1, 2), np.float32))
+    assert srv.versions("T", 0, np.array([3])).tolist() == [v0[0] + 1]
+    srv.drop_shard(state_name("T", "sum"), 0)
+    assert "sum" not in table.store.columns()
+    assert srv.has("T", 0)
+
+
+def test_a_state_with_other_rows_than_its_table_is_refused():
+    # a token holder's Create "T~opt~evil" of 1 x 65536 must not pair with T's 100000 rows
+    srv = KVServer()
+    srv.create("T", 0, np.zeros((100, 4), np.float32))
+    with pytest.raises(KVStoreError, match="expected 100 rows"):
+        srv.create(state_name("T", "evil"), 0, np.zeros((1, 65536), np.float32))
+    assert not srv.has(state_name("T", "evil"), 0)
+
+
+def test_update_of_a_state_name_or_with_missing_state_is_refused():
+    srv = KVServer()
+    srv.create("T", 0, np.zeros((5, 2), np.float32))
+    with pytest.raises(KVStoreError, match="no shard 0 of 'T~opt~sum'"):
+        srv.update("T", 0, np.array([1]), np.ones((1, 2), np.float32), "adagrad",
+                   AdagradHyper(clr=0.1, eps=1e-10))
+    srv.create(state_name("T", "sum"), 0, np.zeros((5, 2), np.float32))
+    with pytest.raises(KVStoreError, match="optimizer state"):
+        srv.update(state_name("T", "sum"), 0, np.array([1]), np.ones((1, 2), np.float32),
+                   "sgd", SGDHyper(lr=0.1))
+
+
+def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
+    """Issue 18's crash: Create T (100000 x 4), Create 'T~opt~evil' (1 x 65536), then a
+    VersionedPull of T's last row with state 'evil' read outside the 1-row array. A state
+    is a column of its table's store now, so the second Create is refused and the pull
+    names the missing state; the service goes on serving."""
+    from distemb.kvstore.service import KVService
+    from distemb.transport.messages import Create, Pull, Service, VersionedPull
+    svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
+
+    def ask(msg):
+        return svc.handle(msg.encode())
+    assert ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0],
+                      part_rows=[100000])).service == Service.REPLY
+    bad = ask(Create(name="T~opt~evil", dtype="float32", row_shape=[65536], parts=[0],
+                     part_rows=[1]))
+    assert bad.service == Service.ERROR and "expected 100000 rows" in bad.fields["message"]
+    pulled = ask(VersionedPull(name="T", parts=[0], counts=[1], ids=np.array([99999]),
+                               have=np.array([-2]), states=["evil"]))
+    assert pulled.service == Service.ERROR and "T~opt~evil" in pulled.fields["message"]
+    ok = ask(Pull(name="T", parts=[0], counts=[1], ids=np.array([99999])))
+    assert ok.service == Service.REPLY and ok.arrays[0].shape == (1, 4)
