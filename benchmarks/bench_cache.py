@@ -15,7 +15,7 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
 1. Hit rate vs cache size (1 server x 1 trainer, exact mode, D=16: the hit rate does not
    depend on D): the share of looked-up unique rows served without their data, for LRU
    and LFU, after a warm-up; written as a PNG plot.
-2. Bytes and steps/s (D=128; ``sage``, ``deepwalk`` and synthetic zipf(1.1) ids, 13,000
+2. Bytes and steps/s (D=128 or ``--dim``; ``sage``, ``deepwalk`` and synthetic zipf(1.1) ids, 13,000
    per step, for contrast), 1 server x 1 trainer and 2 servers x 2 trainers: no cache vs
    LRU and LFU caches of each of ``--fractions`` of the rows (exact mode), and LFU at the
    first size with bounded staleness ``s``. One set of server and trainer processes per
@@ -27,11 +27,23 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
 Also printed: the hit rate of a clairvoyant static cache of the most frequent rows of
 the stream (an upper bound for any policy that keeps a fixed share of rows).
 
+A recommendation-like workload beside WordNet's, stream ``zipf10m``: ``--zipf-batch`` ids
+per step from a Zipf(1.05) distribution truncated to a ``--zipf-rows`` table (10M rows;
+rank k drawn with probability proportional to k^-1.05, ranks scattered over the table by
+a fixed permutation). Its tables are created zero on the servers (no rows cross the wire
+at creation, and untouched rows cost no memory) and the loss is ``((rows - 0.5) ** 2)``
+so that every step updates them.
+
+``--links loopback,1gbit``: part 2 once per link; with a rate, every server and trainer
+runs on a host of its own whose link is shaped to it (``benchmarks/netns.py``, needs
+root), checked first with a bulk transfer; ``veth``: those hosts, links not shaped.
+
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fractions 0.1,0.4]
         [--staleness 5] [--plot out/bench_cache_hit_rate.png]
-        [--streams sage,deepwalk,zipf] [--jobs 1,2] [--rounds 3] [--skip-hit-rate]
+        [--streams sage,deepwalk,zipf,zipf10m] [--jobs 1,2] [--rounds 3] [--skip-hit-rate]
+        [--policies lru,lfu] [--links loopback,1gbit,10gbit]
 """
 import argparse
 import json
@@ -47,6 +59,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import distemb  # noqa: E402
 from distemb.config import parse_cache_config, parse_cluster_config  # noqa: E402
@@ -56,52 +69,8 @@ from distemb.kvstore.remote import RemoteKVClient  # noqa: E402
 from distemb.partition import range_policy  # noqa: E402
 from distemb.transport import tcp  # noqa: E402
 from distemb.transport.base import Connection  # noqa: E402
-
-SIZES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
-
-
-# -- id streams ---------------------------------------------------------------------------
-
-def sage_stream(graph, train_idx, steps, rank, num_trainers, seed=0):
-    """Per step, {table: ids}: the input nodes of NeighborSampler([10, 10]) batches."""
-    from distemb.integrations.dgl import dgl
-
-    nodes = train_idx[rank::num_trainers]
-    sampler = dgl.dataloading.NeighborSampler([10, 10])
-    torch.manual_seed(seed + rank)
-    loader = dgl.dataloading.DataLoader(graph, nodes, sampler, batch_size=1024, shuffle=True,
-                                        drop_last=False)
-    out = []
-    while len(out) < steps:
-        for input_nodes, _, _ in loader:
-            out.append({"nodes": input_nodes.numpy().astype(np.int64)})
-            if len(out) == steps:
-                break
-    return out
-
-
-def zipf_stream(num_rows, steps, rank, size=13_000, a=1.1, seed=0):
-    """Per step, {table: ids}: ``size`` zipf(a) draws, ranks scattered over the table."""
-    rng = np.random.default_rng(seed + 100 + rank)
-    perm = np.random.default_rng(seed).permutation(num_rows)
-    return [{"nodes": perm[(rng.zipf(a, size) - 1) % num_rows].astype(np.int64)}
-            for _ in range(steps)]
-
-
-def deepwalk_stream(graph, steps, rank, seed=0):
-    """Per step, {table: ids}: a skip-gram batch's centres and contexts + negatives."""
-    from graph_examples.walks import SkipGramBatches
-
-    batches = SkipGramBatches(graph, walk_length=20, window=3, num_walks=2, negatives=5,
-                              batch_size=4096, seed=seed + rank)
-    out = []
-    for centers, contexts, negatives in batches.epoch(0):
-        out.append({"nodes": centers.numpy().astype(np.int64),
-                    "contexts": torch.cat([contexts, negatives.reshape(-1)]).numpy()
-                    .astype(np.int64)})
-        if len(out) == steps:
-            break
-    return out
+import netns  # noqa: E402
+from id_streams import SIZES, draw_streams, exact_bound, static_hit_rates  # noqa: E402
 
 
 # -- one trainer ----------------------------------------------------------------------------
@@ -125,19 +94,23 @@ class Counting(Connection):
         self.conn.close()
 
 
-def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label):
+def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
+              zero_init=False):
     """Train on ``stream`` as trainer ``rank``; per-step numbers after ``warmup`` steps.
 
     ``client`` is this trainer's RemoteKVClient on the counting connections ``conns``;
     with ``cache``, a CachedKVClient in front of it (a view: the connections are shared).
-    The tables are fresh (named ``label``) and deleted at the end.
+    The tables are fresh (named ``label``) and deleted at the end. ``zero_init``: tables
+    made zero by the servers (nothing sent) and a loss that moves them from zero.
     """
     kv = client if cache is None else CachedKVClient(client, cache)
     ctx = DistContext(kv, backend="pytorch", num_threads=1)
+    init = None if zero_init else (lambda s, d: torch.full(s, 0.01, dtype=d))
+    shift = 0.5 if zero_init else 0.0
     tables = {name: distemb.DistEmbedding(
         num_rows, dim, name=f"{label}-{name}", context=ctx,
-        part_policy=range_policy(num_rows, client.num_servers),
-        init_func=lambda s, d: torch.full(s, 0.01, dtype=d)) for name in stream[0]}
+        part_policy=range_policy(num_rows, client.num_servers), init_func=init)
+        for name in stream[0]}
     opt = distemb.SparseAdagrad(list(tables.values()), lr=0.01)
     for i, step in enumerate(stream):
         if i == warmup:
@@ -146,7 +119,7 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label):
             sent0, recv0 = sum(c.sent for c in conns), sum(c.received for c in conns)
             stats0 = kv.stats() if cache is not None else None
         opt.zero_grad()
-        loss = sum((tables[name](torch.from_numpy(ids)) ** 2).sum()
+        loss = sum(((tables[name](torch.from_numpy(ids)) - shift) ** 2).sum()
                    for name, ids in step.items())
         loss.backward()
         opt.step()
@@ -181,7 +154,7 @@ def trainer_main(args):
     for i, (label, cache) in enumerate(spec["schedule"]):
         out.append(run_steps(client, conns, args.rank, stream, spec["num_rows"], spec["dim"],
                              None if cache is None else parse_cache_config(cache),
-                             spec["warmup"], f"{spec['label']}-{i}"))
+                             spec["warmup"], f"{spec['label']}-{i}", spec["zero_init"]))
     client.close(goodbye=True)
     with open(os.path.join(spec["out"], f"rank{args.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -189,30 +162,25 @@ def trainer_main(args):
 
 # -- jobs -----------------------------------------------------------------------------------
 
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def env():
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 
-def cluster(num_servers, num_trainers):
-    return {"job_id": uuid.uuid4().hex[:8], "num_trainers": num_trainers,
-            "trainer_machines": [0] * num_trainers, "shared_memory": False, "timeout_s": 120.0,
-            "servers": [{"host": "127.0.0.1", "port": free_port(), "machine": 0}
-                        for _ in range(num_servers)]}
+def cluster(hosts):
+    return {"job_id": uuid.uuid4().hex[:8], "num_trainers": hosts.num_trainers,
+            "trainer_machines": hosts.trainer_machines(), "shared_memory": False,
+            "timeout_s": 120.0, "servers": hosts.servers()}
 
 
-def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label):
+def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label, rate=None,
+            zero_init=False):
     """Servers and one trainer process per stream, running every cache of ``schedule``
-    (a list of CacheConfig or None) in turn; per run, the trainers' results."""
-    raw = cluster(num_servers, len(streams))
-    with tempfile.TemporaryDirectory() as out:
+    (a list of CacheConfig or None) in turn; per run, the trainers' results. ``rate``:
+    every process on a host of its own linked at ``rate`` bits/s; None: loopback."""
+    with netns.JobHosts(num_servers, len(streams), rate) as hosts, \
+            tempfile.TemporaryDirectory() as out:
+        raw = cluster(hosts)
         cfg_path = os.path.join(out, "cluster.json")
         json.dump(raw, open(cfg_path, "w"))
         paths = []
@@ -223,14 +191,16 @@ def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label):
             np.savez(paths[-1], steps=holder)
         spec = dict(cluster=raw, streams=paths, num_rows=num_rows, dim=dim, warmup=warmup,
                     schedule=[[str(i), None if c is None else c.to_dict()]
-                              for i, c in enumerate(schedule)], out=out, label=label)
+                              for i, c in enumerate(schedule)], out=out, label=label,
+                    zero_init=zero_init)
         json.dump(spec, open(os.path.join(out, "spec.json"), "w"))
-        servers = [subprocess.Popen([sys.executable, "-m", "distemb.server", "--config",
-                                     cfg_path, "--server-id", str(s)], env=env())
-                   for s in range(num_servers)]
-        trainers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--trainer",
-                                      os.path.join(out, "spec.json"), "--rank", str(r)],
-                                     env=env()) for r in range(len(streams))]
+        servers = [subprocess.Popen(hosts.server(s, [
+            sys.executable, "-m", "distemb.server", "--config", cfg_path, "--server-id",
+            str(s)]), env=env()) for s in range(num_servers)]
+        trainers = [subprocess.Popen(hosts.trainer(r, [
+            sys.executable, os.path.abspath(__file__), "--trainer",
+            os.path.join(out, "spec.json"), "--rank", str(r)]), env=env())
+            for r in range(len(streams))]
         try:
             for p in trainers + servers:
                 if p.wait(timeout=3600) != 0:
@@ -239,6 +209,7 @@ def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label):
             for p in trainers + servers:
                 if p.poll() is None:
                     p.kill()
+                    p.wait()
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json")))
                  for r in range(len(streams))]
         return [[ranks[r][i] for r in range(len(streams))] for i in range(len(schedule))]
@@ -254,22 +225,6 @@ def hit_rates(streams, num_rows, warmup):
                 warmup, f"hr-{sname}-{policy}")
             out[(sname, policy)] = [run[0]["hit_rate"] for run in res]
             print(f"  hit rate {sname} {policy}: {out[(sname, policy)]}", flush=True)
-    return out
-
-
-def static_hit_rates(streams, num_rows, warmup):
-    """{(stream, 'static top-k'): [hit rate per size]}: the most frequent rows, kept."""
-    out = {}
-    for sname, stream in streams.items():
-        steps = [np.unique(np.concatenate(list(s.values()))) for s in stream]
-        freq = np.bincount(np.concatenate(steps), minlength=num_rows)
-        order = np.argsort(-freq, kind="stable")
-        rates = []
-        for frac in SIZES:
-            top = np.zeros(num_rows, bool)
-            top[order[:int(frac * num_rows)]] = True
-            rates.append(float(np.mean([top[ids].mean() for ids in steps[warmup:]])))
-        out[(sname, "static top-k")] = rates
     return out
 
 
@@ -299,14 +254,22 @@ def main():
     p.add_argument("--steps", type=int, default=40, help="timed steps per trainer")
     p.add_argument("--warmup", type=int, default=10, help="steps before timing")
     p.add_argument("--fractions", default="0.1,0.4",
-                   help="cache sizes of part 2 (fractions of the table), LRU and LFU each")
+                   help="cache sizes of part 2 (fractions of the table), each policy")
+    p.add_argument("--policies", default="lru,lfu", help="cache policies of part 2")
     p.add_argument("--staleness", type=int, default=5,
-                   help="part 2 also runs LFU at the first size with this staleness")
+                   help="part 2 also runs LFU at the first size with this staleness (0: not)")
     p.add_argument("--jobs", default="1,2", help="part 2's jobs: 1 (1 server x 1 trainer), "
                    "2 (2 servers x 2 trainers)")
     p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
     p.add_argument("--skip-hit-rate", action="store_true")
-    p.add_argument("--streams", default="sage,deepwalk,zipf", help="id streams of part 2")
+    p.add_argument("--streams", default="sage,deepwalk,zipf",
+                   help="id streams of part 2: sage, deepwalk, zipf (WordNet), zipf10m")
+    p.add_argument("--dim", type=int, default=128, help="part 2's row width")
+    p.add_argument("--zipf-rows", type=int, default=10_000_000, help="zipf10m's table rows")
+    p.add_argument("--zipf-batch", type=int, default=13_000, help="zipf10m's ids per step")
+    p.add_argument("--links", default="loopback",
+                   help="part 2's links, comma-separated: 'loopback', 'veth' and/or rates "
+                   "('1gbit')")
     p.add_argument("--rounds", type=int, default=3, help="rounds in turns (medians)")
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -315,22 +278,21 @@ def main():
         return trainer_main(args)
     args.fractions = [float(x) for x in args.fractions.split(",")]
     args.jobs = [int(x) for x in args.jobs.split(",")]
-    from graph_examples.datasets import load_dataset
-
-    ds = load_dataset("wordnet")
-    n = ds.graph.num_nodes()
-    total = args.steps + args.warmup
-    t0 = time.perf_counter()
-    sage = [sage_stream(ds.graph, ds.train_idx, total, r, T) for T in (1, 2) for r in range(T)]
-    walk = [deepwalk_stream(ds.graph, total, r) for T in (1, 2) for r in range(T)]
-    zipf = [zipf_stream(n, total, r) for T in (1, 2) for r in range(T)]
-    print(f"WordNet: {n} nodes; streams drawn in {time.perf_counter() - t0:.1f} s; sage "
-          f"batches: {np.mean([len(s['nodes']) for s in sage[0]]):.0f} ids "
-          f"({np.mean([len(np.unique(s['nodes'])) for s in sage[0]]):.0f} unique); deepwalk: "
-          f"{np.mean([sum(len(v) for v in s.values()) for s in walk[0]]):.0f} ids", flush=True)
+    links = [netns.parse_link(x) for x in args.links.split(",")]
+    if any(rate is not None for rate in links):
+        netns.exit_on_sigterm()  # a kill still removes the namespaces
+        why = netns.available()
+        if why:
+            p.error(f"--links {args.links}: {why}")
+        netns.verify([rate for rate in links if rate is not None])
+    names = args.streams.split(",")
+    streams = draw_streams(names + ([] if args.skip_hit_rate else ["sage", "deepwalk"]),
+                           args.steps + args.warmup, args)
     if not args.skip_hit_rate:
-        rates = hit_rates({"sage": sage[0], "deepwalk": walk[0]}, n, args.warmup)
-        rates.update(static_hit_rates({"sage": sage[0], "deepwalk": walk[0]}, n, args.warmup))
+        n = streams["sage"][0]
+        first = {k: streams[k][1][0] for k in ("sage", "deepwalk")}
+        rates = hit_rates(first, n, args.warmup)
+        rates.update(static_hit_rates(first, n, args.warmup))
         plot(rates, args.plot)
         print(f"\nhit rate (% of unique rows per step) vs cache size, plot: {args.plot}\n")
         print("| ids, policy | " + " | ".join(f"{s:.0%}" for s in SIZES) + " |")
@@ -339,59 +301,76 @@ def main():
             print(f"| {sname}, {policy} | " + " | ".join(f"{100 * x:.1f}" for x in r) + " |")
     configs = [(f"{pol} {frac:.0%} exact", parse_cache_config({"policy": pol,
                                                                 "fraction": frac}))
-               for frac in args.fractions for pol in ("lru", "lfu")]
-    configs.append((f"lfu {args.fractions[0]:.0%} staleness {args.staleness}",
-                    parse_cache_config({"policy": "lfu", "fraction": args.fractions[0],
-                                        "staleness": args.staleness})))
+               for frac in args.fractions for pol in args.policies.split(",")]
+    if args.staleness:
+        configs.append((f"lfu {args.fractions[0]:.0%} staleness {args.staleness}",
+                        parse_cache_config({"policy": "lfu", "fraction": args.fractions[0],
+                                            "staleness": args.staleness})))
     # Every cached run between two uncached ones (none, c1, none, c2, ..., ck, none), in
     # the same processes, for --rounds rounds; a cached run's ratio is against the mean
     # of its two neighbours: the load of a shared machine drifts less between them.
     schedule = [None]
     for _, cache in configs:
         schedule += [cache, None]
-    streams = {"sage": sage, "deepwalk": walk, "zipf": zipf}
-    rows = []
-    for sname in args.streams.split(","):
-        for servers in args.jobs:
-            per = streams[sname][:1] if servers == 1 else streams[sname][1:3]
-            t0 = time.perf_counter()
-            runs = run_job(per, servers, n, 128, schedule * args.rounds, args.warmup,
-                           f"{sname}{servers}")
-            res = [dict(rate=float(np.mean([r["steps_per_s"] for r in run])),
-                        recv=float(np.mean([r["received_per_step"] for r in run])),
-                        sent=float(np.mean([r["sent_per_step"] for r in run])),
-                        hit=float(np.mean([r.get("hit_rate", 0.0) for r in run])))
-                   for run in runs]
-            print(f"  {sname} {servers}x{len(per)}: {len(runs)} runs in "
-                  f"{time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.1f}",
-                  flush=True)
-            k = len(schedule)
-            base = [res[r * k + j] for r in range(args.rounds) for j in range(0, k, 2)]
-            job = f"{sname}, {servers}s x {len(per)}t tcp"
-            rows.append((job, "no cache", float(np.median([b["rate"] for b in base])), 1.0,
-                         float(np.median([b["recv"] for b in base])), 0.0,
-                         float(np.median([b["sent"] for b in base])), 0.0))
-            for c, (name, _) in enumerate(configs):
-                at = [r * k + 2 * c + 1 for r in range(args.rounds)]
-                mine = [res[i] for i in at]
-                ratio = [res[i]["rate"] / (0.5 * (res[i - 1]["rate"] + res[i + 1]["rate"]))
-                         for i in at]
-
-                def med(key, mine=mine):
-                    return float(np.median([r[key] for r in mine]))
-
-                rows.append((job, name, med("rate"), float(np.median(ratio)), med("recv"),
-                             1 - med("recv") / rows[-1 - c][4], med("sent"), med("hit")))
-    print(f"\nD=128, {args.steps} timed steps per trainer, one thread per process, "
+    rows, bounds = [], {}
+    for sname in names:
+        num_rows, per_rank = streams[sname]
+        bounds[sname] = static_hit_rates({sname: per_rank[0]}, num_rows, args.warmup,
+                                         args.fractions)[(sname, "static top-k")]
+        if 2 in args.jobs:
+            bounds[sname + " (exact, 2 trainers)"] = [
+                exact_bound(per_rank[1:3], num_rows, args.warmup, f) for f in args.fractions]
+        for rate in links:
+            for servers in args.jobs:
+                per = per_rank[:1] if servers == 1 else per_rank[1:3]
+                t0 = time.perf_counter()
+                runs = run_job(per, servers, num_rows, args.dim, schedule * args.rounds,
+                               args.warmup, f"{sname}{servers}", rate,
+                               zero_init=(sname == "zipf10m"))
+                job = f"{sname}, {servers}s x {len(per)}t, {netns.link_name(rate)}"
+                print(f"  {job}: {len(runs)} runs in {time.perf_counter() - t0:.0f} s, load "
+                      f"average {os.getloadavg()[0]:.1f}", flush=True)
+                rows += summarize(job, runs, configs, len(schedule), args.rounds)
+    print(f"\nD={args.dim}, {args.steps} timed steps per trainer, one thread per process, "
           f"{os.cpu_count()} cores, medians of {args.rounds} rounds, every cached run between "
           f"two uncached ones (vs no cache: against their mean); load average now "
           f"{os.getloadavg()[0]:.1f}\n")
-    print("| ids, job | cache | steps/s per trainer | vs no cache | bytes received per step "
-          "| fewer bytes | bytes sent per step | hit rate |")
+    print("clairvoyant static top-k hit rate of trainer 0's stream (the most frequent rows "
+          "kept; exact with 2 trainers: a copy the other trainer updated since trainer 0 "
+          "read it is a miss): " + "; ".join(f"{k}: " + ", ".join(f"{f:.0%} of rows {100 * h:.0f}%"
+                                                     for f, h in zip(args.fractions, v))
+                                for k, v in bounds.items()) + "\n")
+    print("| ids, job, link | cache | steps/s per trainer | vs no cache | bytes received "
+          "per step | fewer bytes | bytes sent per step | hit rate |")
     print("|---|---|---|---|---|---|---|---|")
     for job, name, rate, ratio, recv, saved, sent, hit in rows:
         print(f"| {job} | {name} | {rate:.1f} | {ratio:.2f}x | {recv / 1e6:.2f} MB | "
               f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% |")
+
+
+def summarize(job, runs, configs, k, rounds):
+    """Table rows of one job: no cache, then each cache against its two neighbours."""
+    res = [dict(rate=float(np.mean([r["steps_per_s"] for r in run])),
+                recv=float(np.mean([r["received_per_step"] for r in run])),
+                sent=float(np.mean([r["sent_per_step"] for r in run])),
+                hit=float(np.mean([r.get("hit_rate", 0.0) for r in run]))) for run in runs]
+    base = [res[r * k + j] for r in range(rounds) for j in range(0, k, 2)]
+    none = (job, "no cache", float(np.median([b["rate"] for b in base])), 1.0,
+            float(np.median([b["recv"] for b in base])), 0.0,
+            float(np.median([b["sent"] for b in base])), 0.0)
+    rows = [none]
+    for c, (name, _) in enumerate(configs):
+        at = [r * k + 2 * c + 1 for r in range(rounds)]
+        mine = [res[i] for i in at]
+        ratio = [res[i]["rate"] / (0.5 * (res[i - 1]["rate"] + res[i + 1]["rate"]))
+                 for i in at]
+
+        def med(key, mine=mine):
+            return float(np.median([r[key] for r in mine]))
+
+        rows.append((job, name, med("rate"), float(np.median(ratio)), med("recv"),
+                     1 - med("recv") / none[4], med("sent"), med("hit")))
+    return rows
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 - with ``--dynamic``: the same step on a ``DynamicEmbedding`` (N int64 keys spread over
   the whole range; one hash store per server, keys sharded by key hash), in process,
   1s x 1t and 2s x 2t over TCP (dynamic tables have no shared-memory path).
+- with ``--links loopback,1gbit,10gbit``: the two TCP jobs (and ``--dynamic``'s) once per
+  link: ``loopback`` runs every process on 127.0.0.1; a rate puts every server and every
+  trainer on a host of its own, a network namespace whose link to a switch is shaped to
+  that rate each way (``benchmarks/netns.py``; needs root), so every row crosses a link;
+  ``veth``: the same hosts, links not shaped (what the simulated network itself costs on
+  this machine's CPUs). The links are checked first: a bulk TCP transfer across each.
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -19,7 +25,7 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
-        [--dgl] [--dynamic] [--rounds 3] [--only-shm]
+        [--dgl] [--dynamic] [--rounds 3] [--only-shm] [--links loopback,veth,10gbit,1gbit]
 """
 import argparse
 import json
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import numpy as np
 import torch
@@ -38,6 +45,8 @@ from distemb.context import DistContext
 from distemb.stores import key_uniform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import netns  # noqa: E402
 
 
 def train(ctx, args):
@@ -107,6 +116,41 @@ def run_cluster(args, servers, trainers, shm, dynamic=False):
                 for r in range(trainers)]
 
 
+def run_hosts(args, servers, trainers, rate, dynamic=False):
+    """The job with every process on a host of its own, linked at ``rate`` bits/s, or all
+    on 127.0.0.1 (``rate=None``), started here without a launcher (every process's parent
+    is this one); shared memory off. Per-trainer steps/s."""
+    with tempfile.TemporaryDirectory() as out, netns.JobHosts(servers, trainers, rate) as hosts:
+        path = os.path.join(out, "cluster.json")
+        with open(path, "w") as f:
+            json.dump({"job_id": uuid.uuid4().hex[:8], "num_trainers": trainers,
+                       "trainer_machines": hosts.trainer_machines(), "servers": hosts.servers(),
+                       "shared_memory": False, "timeout_s": 120.0}, f)
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1", DISTEMB_CONFIG=path)
+        procs = [subprocess.Popen(hosts.server(s, [
+            sys.executable, "-m", "distemb.server", "--config", path, "--server-id", str(s)]),
+            env=dict(env, DISTEMB_ROLE="server", DISTEMB_RANK=str(s))) for s in range(servers)]
+        try:
+            procs += [subprocess.Popen(hosts.trainer(r, [
+                sys.executable, os.path.abspath(__file__), "--trainer", "--out", out, "--steps",
+                str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+                "--dim", str(args.dim), "--rows", str(args.rows)]
+                + (["--dynamic-table"] if dynamic else [])),
+                env=dict(env, DISTEMB_ROLE="trainer", DISTEMB_RANK=str(r)))
+                for r in range(trainers)]
+            for p in procs[servers:] + procs[:servers]:
+                if p.wait(timeout=600) != 0:
+                    raise RuntimeError(f"{p.args} exited {p.returncode}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return [json.load(open(os.path.join(out, f"rank{r}.json")))["steps_per_s"]
+                for r in range(trainers)]
+
+
 def run_dgl(args, servers, trainers, workdir):
     """DGL's distributed KVStore on 127.0.0.1; per-trainer steps/s."""
     ip = os.path.join(workdir, "ip.txt")
@@ -163,27 +207,49 @@ def main():
                    help="repeat every configuration in turns; print medians")
     p.add_argument("--only-shm", action="store_true",
                    help="only the in-process baseline and 1 server x 1 trainer, shm")
+    p.add_argument("--links", default="loopback",
+                   help="links of the TCP jobs, comma-separated: 'loopback', 'veth' (hosts "
+                   "in namespaces, unshaped) and/or rates ('1gbit', '10gbit'): each server "
+                   "and trainer on its own shaped host")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trainer:
         return trainer_main(args)
     torch.set_num_threads(1)
+    links = [netns.parse_link(x) for x in args.links.split(",")]
+    if any(rate is not None for rate in links):
+        netns.exit_on_sigterm()  # a kill still removes the namespaces
+        why = netns.available()
+        if why:
+            p.error(f"--links {args.links}: {why}")
+        netns.verify([rate for rate in links if rate is not None])
     workdir = tempfile.TemporaryDirectory()
-    configs = [("1 server x 1 trainer, shm", lambda: run_cluster(args, 1, 1, shm=True)),
-               ("1 server x 1 trainer, tcp", lambda: run_cluster(args, 1, 1, shm=False)),
-               ("2 servers x 2 trainers, tcp", lambda: run_cluster(args, 2, 2, shm=False))]
-    if args.only_shm:
-        configs = configs[:1]
+    configs = [("1 server x 1 trainer, shm", lambda: run_cluster(args, 1, 1, shm=True))]
+    side = {}  # (job, link) -> configuration name: the side-by-side table of --links
+
+    def on(job, rate):
+        name = job + ("" if rate is None and len(links) == 1
+                      else f" over {netns.link_name(rate)}")
+        side[(job, netns.link_name(rate))] = name
+        return name
+
+    if not args.only_shm:
+        for rate in links:
+            configs += [(on("1 server x 1 trainer, tcp", rate),
+                         lambda rate=rate: run_hosts(args, 1, 1, rate)),
+                        (on("2 servers x 2 trainers, tcp", rate),
+                         lambda rate=rate: run_hosts(args, 2, 2, rate))]
     if args.dynamic:
         def in_process_dynamic():
             ns = argparse.Namespace(**{**vars(args), "dynamic_table": True})
             return [train(DistContext.embedded(num_threads=1), ns)]
-        configs += [("dynamic, in-process", in_process_dynamic),
-                    ("dynamic, 1 server x 1 trainer, tcp",
-                     lambda: run_cluster(args, 1, 1, shm=False, dynamic=True)),
-                    ("dynamic, 2 servers x 2 trainers, tcp",
-                     lambda: run_cluster(args, 2, 2, shm=False, dynamic=True))]
+        configs.append(("dynamic, in-process", in_process_dynamic))
+        for rate in links:
+            configs += [(on("dynamic, 1 server x 1 trainer, tcp", rate),
+                         lambda rate=rate: run_hosts(args, 1, 1, rate, dynamic=True)),
+                        (on("dynamic, 2 servers x 2 trainers, tcp", rate),
+                         lambda rate=rate: run_hosts(args, 2, 2, rate, dynamic=True))]
     if args.dgl:
         dgl_graph(args, workdir.name)
         configs.append((DGL_1X1, lambda: run_dgl(args, 1, 1, workdir.name)))
@@ -220,6 +286,21 @@ def main():
             [np.mean(a) / b[0] for a, b in zip(rates[name], rates[DGL_1X1])])
         print(f"| {name} | {mean:.1f} | {total / 1e6:.2f} M | "
               f"{float(np.median(ratios[name])):.2f}x |{vs_dgl}")
+    if len(links) > 1:
+        names = [netns.link_name(rate) for rate in links]
+        first = names[0]
+        print(f"\nthe TCP jobs side by side: steps/s per trainer (medians; in brackets: vs "
+              f"{first}, same round)\n")
+        print("| job | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for job in dict.fromkeys(job for job, _ in side):
+            cells = []
+            for link in names:
+                got, ref = rates[side[(job, link)]], rates[side[(job, first)]]
+                cells.append(f"{float(np.median([np.mean(r) for r in got])):.1f} (" + "%.2fx"
+                             % np.median([np.mean(a) / np.mean(b) for a, b in zip(got, ref)])
+                             + ")")
+            print(f"| {job} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

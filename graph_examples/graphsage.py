@@ -3,6 +3,10 @@
 DGL's NeighborSampler + DataLoader yield blocks; the sampled input nodes are looked up in
 a distemb table, which a sparse optimizer updates (only those rows), while the dense
 SAGE layers use torch.optim.Adam. Node classification; reports accuracy.
+``--backend torch`` runs the same model on ``torch.nn.Embedding(sparse=True)`` with
+torch's optimizer of the same rule (the baseline of ``benchmarks/bench_graphsage.py``):
+the same seed gives the same initial rows, batches and dropout on either backend (the
+batches only with one DGL thread: its parallel neighbour sampling is not repeatable).
 
 Runs unchanged embedded (the default) and under ``distemb-launch`` with several trainers:
 each trainer then takes its share of the training nodes and the dense layers are wrapped
@@ -37,6 +41,10 @@ from graph_examples.plots import save_training_plot  # noqa: E402
 
 OPTIMIZERS = {"adam": distemb.SparseAdam, "adagrad": distemb.SparseAdagrad,
               "rowwise_adagrad": distemb.SparseRowWiseAdagrad, "sgd": distemb.SparseSGD}
+# torch's optimizer of the same rule on nn.Embedding(sparse=True) (row-wise Adagrad has none)
+TORCH_OPTIMIZERS = {"adam": torch.optim.SparseAdam, "adagrad": torch.optim.Adagrad,
+                    "sgd": torch.optim.SGD}
+BACKENDS = ("distemb", "torch")
 
 
 class SAGE(torch.nn.Module):
@@ -75,10 +83,14 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no cap)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
                    help="distemb sparse optimizer of the input table")
+    p.add_argument("--backend", choices=BACKENDS, default="distemb",
+                   help="input table: a DistEmbedding, or torch.nn.Embedding(sparse=True) "
+                   "with torch's optimizer of the same rule (one process only)")
     p.add_argument("--emb-lr", type=float, default=0.01, help="sparse optimizer learning rate")
     p.add_argument("--lr", type=float, default=0.005, help="Adam learning rate of the SAGE layers")
     p.add_argument("--seed", type=int, default=0, help="seed of init, sampling and shuffling")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch's and DGL's threads (default: their "
+                   "choice); sampling repeats exactly only with 1")
     p.add_argument("--out", default="out/graphsage", help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -91,6 +103,9 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if not args.fanouts or min(args.fanouts) < 1:
         p.error(f"--fanouts: each must be >= 1, got {args.fanouts}")
+    if args.backend == "torch" and args.optimizer not in TORCH_OPTIMIZERS:
+        p.error(f"--optimizer {args.optimizer}: torch has no such optimizer for "
+                f"--backend torch; expected one of {sorted(TORCH_OPTIMIZERS)}")
     return args
 
 
@@ -98,6 +113,10 @@ def _loader(graph, nodes, fanouts, batch_size, shuffle, seed):
     # DGL suggests CPU affinity for worker processes; we use none (num_workers=0).
     warnings.filterwarnings("ignore", message="Dataloader CPU affinity opt")
     sampler = dgl.dataloading.NeighborSampler(fanouts)
+    # The same seed, the same batches: DGL shuffles with numpy's global generator and
+    # samples neighbours with its own; the dropout masks that follow come from torch's.
+    np.random.seed(seed)
+    dgl.seed(seed)
     torch.manual_seed(seed)
     return dgl.dataloading.DataLoader(graph, nodes, sampler, batch_size=batch_size,
                                       shuffle=shuffle, drop_last=False)
@@ -110,7 +129,7 @@ def evaluate(model, emb, graph, labels, nodes, args):
     correct, hidden = 0, []
     for input_nodes, output_nodes, blocks in _loader(graph, nodes, args.fanouts, 4096,
                                                      False, args.seed):
-        x = lookup(emb, input_nodes)
+        x = emb(input_nodes)
         correct += int((model(blocks, x).argmax(1) == labels[output_nodes]).sum())
         hidden.append(model(blocks, x, return_hidden=True))
     model.train()
@@ -128,38 +147,99 @@ def _shard(nodes, ctx):
     return nodes[ctx.rank::ctx.num_trainers][:len(nodes) // ctx.num_trainers]
 
 
+def input_table(backend, num_nodes, dim, optimizer, lr, seed, name):
+    """The learnable input features on ``backend``: (table, lookup, sparse optimizer).
+
+    Both backends start from the same rows for the same seed (``randn * 0.1`` from one
+    generator) and update them by the same rule; ``table(ids)`` reads rows, ``lookup``
+    takes a DataLoader's ``input_nodes``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def init(shape, dtype):
+        return (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+
+    if backend == "torch":
+        table = torch.nn.Embedding(num_nodes, dim, sparse=True,
+                                   _weight=init((num_nodes, dim), torch.float32))
+        return table, table, TORCH_OPTIMIZERS[optimizer]([table.weight], lr=lr)
+    if backend != "distemb":
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    table = distemb.DistEmbedding(num_nodes, dim, name=name, init_func=init)
+    return table, lambda ids: lookup(table, ids), OPTIMIZERS[optimizer]([table], lr=lr)
+
+
+class Learner:
+    """The input table, the SAGE layers and their two optimizers, seeded from ``args``.
+
+    Two learners built from the same ``args`` (whatever their ``backend``) start equal.
+    """
+
+    def __init__(self, ds, args, ctx):
+        if args.backend == "torch" and ctx.num_trainers > 1:
+            raise SystemExit("--backend torch: a torch.nn.Embedding lives in one process; "
+                             "a distemb-launch job trains distemb tables")
+        torch.manual_seed(args.seed)  # the SAGE layers' initial weights
+        self.emb, self.rows_of, self.sparse_opt = input_table(
+            args.backend, ds.graph.num_nodes(), args.dim, args.optimizer, args.emb_lr,
+            args.seed, f"sage-{ds.name}")
+        self.model = SAGE(args.dim, args.hidden, ds.num_classes, len(args.fanouts))
+        self.dense = self.model
+        if ctx.num_trainers > 1:
+            torch.distributed.init_process_group("gloo")
+            self.dense = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.dense_opt = torch.optim.Adam(self.dense.parameters(), lr=args.lr)
+
+    def step(self, input_nodes, blocks, labels):
+        """One training step on a DataLoader batch.
+
+        Returns:
+            (loss, seconds of the table's lookup, seconds of the table's optimizer step).
+        """
+        t1 = time.perf_counter()
+        x = self.rows_of(input_nodes)
+        t2 = time.perf_counter()
+        loss = F.cross_entropy(self.dense(blocks, x), labels)
+        loss.backward()
+        t3 = time.perf_counter()
+        self.sparse_opt.step()
+        t4 = time.perf_counter()
+        self.dense_opt.step()
+        self.sparse_opt.zero_grad()  # torch's optimizers accumulate into .grad otherwise
+        self.dense_opt.zero_grad()
+        return loss.item(), t2 - t1, t4 - t3
+
+
 def train(ds, args, ctx):
-    """Train the table and the SAGE layers; return metrics, losses and the model."""
-    graph, labels = ds.graph, ds.labels
-    gen = torch.Generator().manual_seed(args.seed)
-    emb = distemb.DistEmbedding(graph.num_nodes(), args.dim, name=f"sage-{ds.name}",
-                                init_func=lambda s, d: (torch.randn(s, generator=gen) * 0.1).to(d))
-    model = SAGE(args.dim, args.hidden, ds.num_classes, len(args.fanouts))
-    dense = model
-    if ctx.num_trainers > 1:
-        torch.distributed.init_process_group("gloo")
-        dense = torch.nn.parallel.DistributedDataParallel(model)
-    sparse_opt = OPTIMIZERS[args.optimizer]([emb], lr=args.emb_lr)
-    dense_opt = torch.optim.Adam(dense.parameters(), lr=args.lr)
+    """Train the table and the SAGE layers; return metrics, losses and the model.
+
+    The result also has lists of per-step seconds: ``sample_seconds`` (waiting for DGL's
+    sampler), ``step_seconds`` (lookup, forward, backward and both optimizers' steps) and
+    two parts of it, ``lookup_seconds`` and ``sparse_step_seconds`` (the table's optimizer).
+    """
+    learner = Learner(ds, args, ctx)
     nodes = _shard(ds.train_idx, ctx)
     steps_per_epoch = -(-len(nodes) // args.batch_size)
     total = steps_per_epoch * args.epochs
     if args.max_steps:
         total = min(total, args.max_steps)
-    losses, seen, step = [], 0, 0
+    losses, seen, step, times = [], 0, 0, []
     bar = tqdm(total=total, disable=args.quiet, unit="step", dynamic_ncols=True)
     start = time.perf_counter()
     for epoch in range(args.epochs):
-        for input_nodes, output_nodes, blocks in _loader(graph, nodes, args.fanouts,
-                                                         args.batch_size, True,
-                                                         args.seed + epoch):
-            logits = dense(blocks, lookup(emb, input_nodes))
-            loss = F.cross_entropy(logits, labels[output_nodes])
-            loss.backward()
-            sparse_opt.step()
-            dense_opt.step()
-            dense_opt.zero_grad()
-            losses.append(loss.item())
+        batches = iter(_loader(ds.graph, nodes, args.fanouts, args.batch_size, True,
+                               args.seed + epoch))
+        while True:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            input_nodes, output_nodes, blocks = batch
+            t1 = time.perf_counter()
+            loss, lookup_s, sparse_s = learner.step(input_nodes, blocks,
+                                                    ds.labels[output_nodes])
+            losses.append(loss)
+            times.append((t1 - t0, time.perf_counter() - t1, lookup_s, sparse_s))
             seen += len(output_nodes)
             step += 1
             bar.update(1)
@@ -171,7 +251,10 @@ def train(ds, args, ctx):
             break
     bar.close()
     seconds = time.perf_counter() - start
-    return dict(emb=emb, model=model, losses=losses, steps=step, seconds=seconds, seen=seen)
+    sample_s, step_s, lookup_s, sparse_s = (list(t) for t in zip(*times)) if times else [[]] * 4
+    return dict(emb=learner.emb, model=learner.model, losses=losses, steps=step,
+                seconds=seconds, seen=seen, sample_seconds=sample_s, step_seconds=step_s,
+                lookup_seconds=lookup_s, sparse_step_seconds=sparse_s)
 
 
 def main(argv=None):
@@ -179,6 +262,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+        dgl.utils.set_num_threads(args.threads)  # DGL's sampler has its own OpenMP threads
     ctx = distemb.initialize()
     try:
         ds = load_dataset(args.dataset, **dict(args.data_opt))
@@ -191,7 +275,8 @@ def main(argv=None):
         val_acc, _ = evaluate(model, emb, ds.graph, ds.labels, ds.val_idx, args)
         test_acc, hidden = evaluate(model, emb, ds.graph, ds.labels, ds.test_idx, args)
         metrics = dict(dataset=ds.name, nodes=ds.graph.num_nodes(), classes=ds.num_classes,
-                       trainers=ctx.num_trainers, rank=ctx.rank, optimizer=args.optimizer,
+                       trainers=ctx.num_trainers, rank=ctx.rank, backend=args.backend,
+                       optimizer=args.optimizer,
                        steps=result["steps"], train_seconds=round(result["seconds"], 2),
                        nodes_per_second=round(result["seen"] / result["seconds"]),
                        final_loss=round(float(np.mean(result["losses"][-20:])), 4),

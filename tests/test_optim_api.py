@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from distemb.context import DistContext
 from distemb.embedding import DistEmbedding
@@ -77,6 +79,62 @@ def test_step_lr_drives_param_groups(ctx):
         sched.step()
         moved.append(float((before - emb.weight[torch.tensor([0])])[0, 0]))
     assert moved == pytest.approx([1.0, 0.5, 0.25])
+
+
+def test_step_runs_torchs_step_hooks_around_the_update(ctx):
+    """step() is left out of torch's profiler wrapper (module docstring of
+    distemb.optim.base), so it runs the hooks that wrapper ran, in torch's order."""
+    emb, = _tables(ctx)[:1]
+    opt = SparseSGD([emb], lr=1.0)
+    calls = []
+
+    def seen(tag):
+        def hook(o, args, kwargs):
+            row = float(emb.weight[torch.tensor([0])][0, 0])
+            calls.append((tag, o is opt, args[0] is opt, row))
+        return hook
+
+    handles = [register_optimizer_step_pre_hook(seen("global pre")),
+               opt.register_step_pre_hook(seen("pre")), opt.register_step_post_hook(seen("post")),
+               register_optimizer_step_post_hook(seen("global post"))]
+    try:
+        start = float(emb.weight[torch.tensor([0])][0, 0])
+        emb(torch.tensor([0])).sum().backward()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert [c[:3] for c in calls] == [(t, True, True) for t in
+                                      ("global pre", "pre", "post", "global post")]
+    assert [c[3] for c in calls] == pytest.approx([start, start, start - 1, start - 1])
+
+
+def test_a_step_pre_hook_may_replace_the_arguments(ctx):
+    emb, = _tables(ctx)[:1]
+    opt = SparseSGD([emb], lr=1.0)
+    ran = []
+    handle = opt.register_step_pre_hook(
+        lambda o, args, kwargs: (args, {"closure": lambda: ran.append(1) or 7.0}))
+    try:
+        assert opt.step() == 7.0 and ran == [1]
+        bad = opt.register_step_pre_hook(lambda o, args, kwargs: "nonsense")
+        with pytest.raises(RuntimeError, match="must return None or a tuple"):
+            opt.step()
+        bad.remove()
+    finally:
+        handle.remove()
+
+
+def test_step_is_not_a_profiler_range(ctx):
+    emb, = _tables(ctx)[:1]
+    opt = SparseSGD([emb], lr=1.0)
+    emb(torch.tensor([0])).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0).step()  # the check can fail
+    names = [e.name for e in prof.events()]
+    assert not any("SparseSGD" in n for n in names)
+    assert any(n.startswith("Optimizer.step#SGD") for n in names)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
