@@ -42,7 +42,11 @@ system:
 	  esac; \
 	fi
 
-$(STAMP): $(PY) setup.py setup.cfg pyproject.toml $(wildcard csrc/*.pyx csrc/cuda/*.cu) | system
+# Every source of the compiled kernels: an edited header, rule table or generator rebuilds.
+KERNEL_SOURCES := $(wildcard csrc/*.pyx csrc/*.h csrc/*.py csrc/cuda/*.cu csrc/cuda/*.cuh \
+                    csrc/cuda/*.h) distemb/kernels/rule_table.py
+
+$(STAMP): $(PY) setup.py setup.cfg pyproject.toml $(KERNEL_SOURCES) | system
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,dgl,mpi,examples,docs]'
 	touch $(STAMP)
