@@ -188,3 +188,23 @@ def test_reserved_state_names_and_non_finite_initial_state_are_refused():
             distemb.DistEmbedding(None, 4, name="x~opt~y")
     finally:
         distemb.shutdown()
+
+
+def test_dropping_a_table_frees_its_arrays_and_its_optimizer_states():
+    """A table's state shards are columns of its store: dropping the table must let go of
+    every array (a server kept a deleted table's weight alive through its states)."""
+    import gc
+    import weakref
+    srv = KVServer()
+    w, s = np.zeros((1000, 8), np.float32), np.zeros((1000, 8), np.float32)
+    refs = [weakref.ref(w), weakref.ref(s)]
+    srv.create("T", 0, w)
+    srv.create(state_name("T", "sum"), 0, s)
+    srv.create("U", 0, np.zeros((3, 2), np.float32))
+    del w, s
+    assert srv.shards_of("T") == [(state_name("T", "sum"), 0), ("T", 0)]
+    srv.drop("T")
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert not srv.has("T", 0) and not srv.has(state_name("T", "sum"), 0)
+    assert srv.has("U", 0)

@@ -138,13 +138,20 @@ class KVServer:
                 self._shards[(state_name(name, state), part)] = (table, state)
 
     def drop(self, name):
-        """Forget every shard of ``name``."""
-        for name_, part in [k for k in self._shards if k[0] == name]:
+        """Forget every shard of table ``name`` and of its optimizer state."""
+        for name_, part in self.shards_of(name):
             self.drop_shard(name_, part)
 
+    def shards_of(self, name):
+        """``[(name, part)]`` of every shard of table ``name`` held here, its optimizer
+        state's first (a table's state dies with it)."""
+        keys = [k for k in list(self._shards) if k[0] == name or state_owner(k[0]) == name]
+        return sorted(keys, key=lambda k: k[0] == name)
+
     def drop_shard(self, name, part):
-        """Forget shard ``part`` of ``name`` (no-op when absent). A table's state shards
-        stay until they are dropped themselves (their holder frees their memory)."""
+        """Forget shard ``part`` of ``name`` (no-op when absent). Dropping a table's own
+        shard while state shards of it remain keeps their arrays (their holder frees
+        them: :meth:`shards_of` lists them first)."""
         with self._meta_lock:
             entry = self._shards.pop((name, part), None)
             if entry is None:

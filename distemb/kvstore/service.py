@@ -279,9 +279,9 @@ class KVService:
         return Reply(fields={"existed": existed})
 
     def _drop(self, m, session):
-        with self._lock:
-            for part in self.server.parts_of(m.name):
-                self._forget(m.name, part)
+        with self._lock:  # the table's optimizer state goes with it (its shm files too)
+            for name, part in self.server.shards_of(m.name):
+                self._forget(name, part)
 
     def _pull(self, m, session):
         rows = self._rows(m)
