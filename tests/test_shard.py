@@ -1,5 +1,6 @@
 """ShardTable, the one shard type: its lock, seqlock counters and row versions, over every
 store kind, and KVServer's shards as ShardTables (state arrays as columns of their table)."""
+import os
 import threading
 import time
 
@@ -208,3 +209,28 @@ def test_dropping_a_table_frees_its_arrays_and_its_optimizer_states():
     assert [r() for r in refs] == [None, None]
     assert not srv.has("T", 0) and not srv.has(state_name("T", "sum"), 0)
     assert srv.has("U", 0)
+
+
+def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop(tmp_path):
+    """The server's arena knows its arrays by identity: the shard a ShardTable holds must
+    be the arena's own array, or co-located trainers get no shm path (and read over
+    sockets) and a dropped table's file is never unlinked (its memory stays)."""
+    from distemb.kvstore.service import KVService
+    from distemb.transport.messages import Create, Drop, OptInit, Service, ShmInfo
+    from distemb.transport.shm import ShmArena
+    arena = ShmArena("idjob", 0, str(tmp_path))
+    svc = KVService(KVServer(), 0, 1, 1, arena=arena)
+
+    def ask(msg):
+        reply = svc.handle(msg.encode())
+        assert reply.service == Service.REPLY, reply.fields
+        return reply
+    ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0], part_rows=[50]))
+    ask(OptInit(name="T", rule="adagrad", options={}, parts=[0]))
+    paths = [ask(ShmInfo(name=n, parts=[0])).fields["paths"][0]
+             for n in ("T", state_name("T", "sum"))]
+    assert all(p and os.path.exists(p) for p in paths), paths
+    ask(Drop(name="T"))
+    assert not any(os.path.exists(p) for p in paths)
+    assert os.listdir(tmp_path) == []
+    arena.close()

@@ -72,7 +72,9 @@ class DenseStore(RowStore):
             ValueError: ``weight`` is not a C-contiguous array of at least one dimension;
                 stochastic rounding of rows other than bfloat16.
         """
-        weight = np.asarray(weight)
+        # the object itself, not np.asarray's base-class view of a memmap: its holder
+        # finds it again by identity (a server's shm arena frees its file by it)
+        weight = weight if isinstance(weight, np.ndarray) else np.asarray(weight)
         if weight.ndim < 1 or not weight.flags.c_contiguous:
             raise ValueError(f"weight: expected a C-contiguous (N, ...) array, got "
                              f"{weight.dtype} {weight.shape}")
