@@ -168,6 +168,7 @@ def main(argv=None):
     args.ip_config = os.path.join(tempfile.mkdtemp(prefix="bench-dgl-"), "ip_config.txt")
     print(f"# bench_step: rows={args.rows} dim={args.dim} batch={args.batch} "
           f"repeats={args.repeats} steps={args.steps} kernels={kernels.IMPL_NAME} "
+          f"isa={kernels.ISA or '-'} (this CPU runs {kernels.available_cpu_isas()}) "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}")
     print("# calls/s: steps/s for full steps, kernel calls/s for kernels; rows/s: ids "
           "looked up per s (steps, gathers, dedup) or unique rows updated per s (updates)")
