@@ -33,7 +33,8 @@ def build_service(cfg, server_id, stop):
     """The KVService of server ``server_id`` of ``cfg``; ``stop`` is set on the last BYE."""
     arena = ShmArena(cfg.job_id, server_id) if cfg.shared_memory else None
     return KVService(KVServer(server_id, default_num_threads()), server_id, len(cfg.servers),
-                     cfg.num_trainers, cfg.timeout_s, arena, stop.set, token=cfg.job_token)
+                     cfg.num_trainers, cfg.timeout_s, arena, stop.set, token=cfg.job_token,
+                     max_request_bytes=cfg.max_message_bytes)
 
 
 def watch_parent(stop, parent):
