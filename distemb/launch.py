@@ -11,7 +11,7 @@ trainers also get ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCA
 dense layers can use ``torch.distributed`` (DDP).
 
 Launchers: ``local`` (every address must be loopback; all processes start here), ``ssh``
-(one ``ssh HOST 'cd DIR && ENV... exec python -m distemb.session_guard CMD'`` per process;
+(one ``ssh HOST 'cd DIR && ENV... python -m distemb.session_guard CMD'`` per process;
 the config path must be on a shared file system) and ``mpirun`` (ranks < S*machines are
 servers, the rest trainers). ``--dry-run`` prints the exact commands. If a process fails,
 or on Ctrl-C, every child is stopped by PID. If the launcher itself dies, even by SIGKILL,
@@ -195,7 +195,7 @@ def ssh_argv(host, env, argv, cwd, python=sys.executable):
     :mod:`distemb.session_guard`: the remote process dies when its ssh session does."""
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     guard = [python, "-m", "distemb.session_guard"]
-    remote = f"cd {shlex.quote(cwd)} && {exports} exec {shlex.join(guard + list(argv))}"
+    remote = f"cd {shlex.quote(cwd)} && {exports} {shlex.join(guard + list(argv))}"
     return ["ssh", "-o", "StrictHostKeyChecking=no", host, remote]
 
 

@@ -10,7 +10,7 @@ the remote machine. SIGTERM, SIGINT and SIGHUP to the guard are passed on to CMD
 
 Example::
 
-    ssh host 'cd /job && exec python -m distemb.session_guard python train.py'
+    ssh host 'cd /job && python -m distemb.session_guard python train.py'
 """
 import os
 import signal

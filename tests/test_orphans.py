@@ -85,7 +85,8 @@ def kill_launcher_and_check(group, tmp_path, extra=(), env=None):
     for p in running:  # ours (the test started their launcher): do not leak them
         os.kill(p, signal.SIGKILL)
     print(f"{' '.join(extra) or 'local'}: {elapsed:.2f} s after SIGKILL of the launcher, "
-          f"{len(running)} of its 4 children running and {len(files)} files of the job left")
+          f"{len(running)} of its 4 children running and {len(files)} of the job's "
+          f"{len(mine)} files in {SHM} left")
     assert not running, f"still running {elapsed:.1f} s after the launcher died: {running}"
     assert elapsed < 10 and files == [], (elapsed, files)
 
