@@ -25,7 +25,6 @@ from test_hostile import Server, ask
 from distemb import checkpoint
 from distemb.kernels.half import BFLOAT16
 from distemb.kvstore import LocalKVClient, snapshot
-from distemb.kvstore.store_client import StoreKVClient
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
@@ -293,7 +292,7 @@ def damaged_checkpoints(tmp_path, monkeypatch):
     kv.init_data("keep", (ROWS, DIM), "float32", range_policy(ROWS, 2))
     kv.push("keep", np.arange(ROWS), rng.standard_normal((ROWS, DIM)).astype(np.float32))
     checkpoint.save(tmp_path / "ck_keep", kv, ["keep"], {})
-    skv = StoreKVClient()
+    skv = LocalKVClient()
     skv.add_table("dyn", HashStore(DIM))
     skv.init_optimizer("dyn", "adagrad", {"initial_accumulator_value": 0.5})
     skv.push("dyn", KEYS, rng.standard_normal((len(KEYS), DIM)).astype(np.float32))

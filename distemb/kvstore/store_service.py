@@ -39,8 +39,8 @@ import numpy as np
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.half import storage_dtype
 from distemb.kvstore import snapshot, store_snapshot
+from distemb.kvstore.keyed import init_state_columns
 from distemb.kvstore.limits import check_disk, check_request
-from distemb.kvstore.store_client import init_state_columns
 from distemb.rules import check_table_name, state_owner
 from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
