@@ -1,9 +1,9 @@
-"""The store-client suite: every test runs on the embedded StoreKVClient and on the
+"""The store-client suite: every test runs on the embedded LocalKVClient and on the
 RemoteStoreClient of two server processes (keys sharded by key hash).
 
 The fixture hands out the *placement* client (LocalKVClient or RemoteKVClient); tests
 get the store client from it (``store_client()``) or build a DynamicEmbedding in a
-context around it, and use only the StoreClient interface, so any difference between
+context around it, and use only the keyed-table interface (distemb.kvstore.keyed), so any difference between
 embedded and sharded dynamic tables is a bug. Oracles: the key initialiser itself,
 numpy reference kernels on a dense copy, and the table's own export before a round trip.
 """

@@ -166,10 +166,14 @@ class KVService:
                                f"{session.rank}; it may only speak for that rank")
 
     @staticmethod
-    def _check_name(name):
+    def _check_name(name, table=True):
+        """KVStoreError unless ``name`` is a name at all, and (``table``) not the name of
+        optimizer state."""
         if not name or len(name) > MAX_TABLE_NAME or not name.isprintable():
             raise KVStoreError(f"table name: expected 1..{MAX_TABLE_NAME} printable "
                                f"characters, got {name[:64]!r}")
+        if not table:
+            return
         try:  # optimizer state is made by OptInit, never by a Create
             check_table_name(name)
         except ValueError as e:
@@ -279,6 +283,7 @@ class KVService:
         return Reply(fields={"existed": existed})
 
     def _drop(self, m, session):
+        self._check_name(m.name, table=False)  # a client drops each state it lists
         with self._lock:  # the table's optimizer state goes with it (its shm files too)
             for name, part in self.server.shards_of(m.name):
                 self._forget(name, part)
@@ -311,13 +316,15 @@ class KVService:
             self.server.push(m.name, part, ids, m.values[sl])
 
     def _opt_init(self, m, session):
+        self._check_name(m.name)  # optimizer state has no optimizer of its own
         impl = rule_of(m.rule)
         bad = {k: v for k, v in m.options.items() if not math.isfinite(v)}
         if bad:  # an initial state of NaN or inf would poison every row it touches
             raise KVStoreError(f"OptInit.options: expected finite numbers, got {bad}")
         if self.stores.has(m.name):  # its store makes its state columns (and may keep them)
-            for part in m.parts:
-                self._own(part)
+            if list(m.parts) != [self.server_id]:  # a spec'd table's one shard is the server's
+                raise KVStoreError(f"OptInit of dynamic table {m.name!r}: parts must be "
+                                   f"[{self.server_id}], got {m.parts[:8]}")
             with self._lock:
                 self.stores.init_states(m.name, impl.name.value, m.options)
             return
@@ -325,7 +332,6 @@ class KVService:
             wanted = []
             for part in m.parts:
                 self._own(part)
-                self.server.bump_all(m.name, part)  # cached copies of the state are void
                 weight = self.server.shard(m.name, part)
                 if dtype_name(weight) not in WEIGHT_DTYPES or weight.ndim != 2:
                     raise KVStoreError(f"optimizer of {m.name!r}: needs a 2-d table of "
@@ -335,6 +341,8 @@ class KVService:
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
                     wanted.append((state_name(m.name, spec.name), part, shape, spec.dtype,
                                    state_init(spec, (1,) * len(shape), m.options), m.name))
+            for part in m.parts:  # every part checked: cached copies of the state are void
+                self.server.bump_all(m.name, part)
             for sname, part, *_ in wanted:  # a fresh optimizer starts from fresh state
                 self._forget(sname, part)
             self._allocate_all(wanted, f"optimizer state of {m.name!r}")
@@ -447,6 +455,9 @@ class KVService:
     def _load(self, m, session):
         entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
                                       m.directory)
-        for part, start, step in zip(m.parts, m.starts, m.steps):
+        shards = list(zip(m.parts, m.starts, m.steps))
+        for part, start, step in shards:  # all or nothing: every shard checked first
             self._own(part)
-            self.server.load_shard(m.name, part, m.directory, entry, start, step)
+            self.server.load_shard(m.name, part, m.directory, entry, start, step, write=False)
+        for part, start, step in shards:
+            self.server.load_shard(m.name, part, m.directory, entry, start, step, check=False)

@@ -36,8 +36,9 @@ import numpy as np
 from distemb.enums import Consistency, EvictPolicy
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.hashtable import table_keys
-from distemb.kvstore.store_client import StoreClient
+from distemb.kvstore.keyed import KeyedTables
 from distemb.kvstore.store_snapshot import check_entry, store_entry
+from distemb.kvstore.types import KVClient
 from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import (Drop, OptInit, Pull, Push, StoreCreate, StoreExport,
@@ -49,7 +50,7 @@ PAGE_BYTES = 16 << 20
 IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge table
 
 
-class RemoteStoreClient(StoreClient):
+class RemoteStoreClient(KeyedTables, KVClient):
     """Store client of a cluster: a store per server per table; see the module docstring.
 
     Args:
@@ -58,10 +59,17 @@ class RemoteStoreClient(StoreClient):
     """
 
     def __init__(self, remote):
-        super().__init__()
+        self._init_keyed()
         self.remote = remote
         self.num_servers, self.num_threads = remote.num_servers, remote.num_threads
-        self._specs, self._seq, self._routers = {}, {}, {}
+        self._meta, self._seq, self._routers = {}, {}, {}  # no array tables here
+
+    def keyed_names(self):
+        return list(self._specs)
+
+    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        raise KVStoreError(f"init_data({name!r}): the cluster's dense tables are its "
+                           "RemoteKVClient's; this client holds keyed tables")
 
     @property
     def consistency(self):
@@ -123,9 +131,6 @@ class RemoteStoreClient(StoreClient):
                            "is a trainer of a cluster; pass a table spec instead (e.g. "
                            "StoreEmbedding(FileTableSpec(...)), or DynamicEmbedding): each "
                            "server makes its own shard's store from it")
-
-    def names(self):
-        return list(self._specs)
 
     def dim(self, name):
         return self._spec(name).dim
@@ -224,8 +229,8 @@ class RemoteStoreClient(StoreClient):
 
     def delete_data(self, name):
         self._routers.pop(name, None)
-        if self._specs.pop(name, None) is not None:
-            self._states = {s: t for s, t in self._states.items() if t != name}
+        if name in self._specs:
+            self._forget(name)
             self._all(lambda sid: Drop(name=name))
 
     # -- KVClient -----------------------------------------------------------------------

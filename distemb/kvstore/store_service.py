@@ -37,8 +37,8 @@ import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import snapshot, store_snapshot
-from distemb.kvstore.store_client import init_state_columns
-from distemb.rules import check_table_name
+from distemb.kvstore.keyed import init_state_columns
+from distemb.rules import check_table_name, state_owner
 from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import Reply, Service
@@ -70,8 +70,9 @@ class StoreTables:
                 Service.STORE_LOAD: self.load}
 
     def has(self, name):
-        """Whether ``name`` is a spec'd table here."""
-        return self.server.has(name, self.server_id) and \
+        """Whether ``name`` is a spec'd table here (the name of its optimizer state is not:
+        a state is no table to remove keys from, evict, export or save alone)."""
+        return state_owner(name) is None and self.server.has(name, self.server_id) and \
             self.server.table(name, self.server_id).spec is not None
 
     def table(self, name):
@@ -107,6 +108,13 @@ class StoreTables:
             spec = spec_from_fields(fields)
         except (TypeError, ValueError) as e:
             raise KVStoreError(f"table {m.name!r}: {e}") from None
+        # Fields the kind does not use (a hash table's path, a file's capacity) must hold
+        # their neutral values: a spec is what it says, and says nothing it ignores.
+        said = {f: v for f, v in spec.fields().items() if f not in ("init", "init_args")}
+        odd = {f: fields[f] for f, v in said.items() if fields[f] != v}
+        if odd:
+            raise KVStoreError(f"table {m.name!r}: fields {odd} of a {spec.kind} table "
+                               f"must be {({f: said[f] for f in odd})}")
         with self._lock:
             if self.server.parts_of(m.name) and not self.has(m.name):
                 raise KVStoreError(f"name {m.name!r} is an array table on server "
