@@ -91,6 +91,30 @@ class DistContext:
         return cls(wrap(client), backend=backend, role=Role.TRAINER, rank=rank,
                    num_trainers=cfg.num_trainers, num_threads=nt)
 
+    @classmethod
+    def collective(cls, backend=None, num_threads=None, timeout_s=60.0):
+        """A rank of a torch.distributed job holding one shard of every table
+        (:mod:`distemb.kvstore.collective`); no servers.
+
+        Joins the default process group, or creates a gloo one from torchrun's
+        environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+        Args:
+            timeout_s: how long an exchange waits for the other ranks before it raises,
+                naming the ranks that did not report.
+
+        Raises:
+            DistEmbError: no process group and no torchrun environment to make one.
+        """
+        # Imported here: it imports torch, which server processes must never load.
+        from distemb.kvstore.collective import CollectiveKVClient, join_process_group
+
+        join_process_group(timeout_s)
+        nt = num_threads or default_num_threads()
+        client = CollectiveKVClient(timeout_s=timeout_s, num_threads=nt)
+        return cls(client, backend=backend, role=Role.COLLECTIVE, rank=client.rank,
+                   num_trainers=client.world_size, num_threads=nt)
+
     @property
     def num_servers(self):
         return self.client.num_servers
@@ -248,7 +272,9 @@ def _from_env(backend=None, num_threads=None, consistency=None, device_cache=Non
                 "servers and sets $DISTEMB_CONFIG/$DISTEMB_RANK for every trainer, e.g. "
                 "`distemb-launch --ip-config ip.txt --num-servers 1 --num-trainers 2 -- "
                 "python train.py` (it also sets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE for "
-                "torch.distributed); to join a running distemb cluster set "
+                "torch.distributed); under torchrun, without servers, call "
+                "distemb.initialize(mode='collective') (every rank holds a shard of every "
+                "table); to join a running distemb cluster set "
                 "DISTEMB_CONFIG=<its cluster.json> and DISTEMB_RANK=<trainer rank>. For a "
                 "deliberately private table pass context=distemb.DistContext.embedded().")
         if consistency not in (None, Consistency.SYNC):
@@ -267,7 +293,8 @@ def _from_env(backend=None, num_threads=None, consistency=None, device_cache=Non
     return DistContext.trainer(path, _env_rank(), backend, num_threads, consistency)
 
 
-def initialize(backend=None, num_threads=None, consistency=None, device_cache=None):
+def initialize(backend=None, num_threads=None, consistency=None, device_cache=None,
+               mode=None, timeout_s=60.0):
     """Create this process's context and make it current.
 
     Embedded unless ``$DISTEMB_CONFIG`` names a cluster config (``distemb-launch`` sets
@@ -286,6 +313,11 @@ def initialize(backend=None, num_threads=None, consistency=None, device_cache=No
         device_cache: embedded only: a GPU cache of each table's hot rows for
             ``emb(ids, device="cuda")`` (see :meth:`DistContext.embedded`); a cluster's
             trainers take it from the cluster config's ``device_cache``.
+        mode: None (embedded, or a trainer under distemb-launch, as above) or
+            ``'collective'``: this process is one rank of a torch.distributed job
+            (torchrun) and holds one shard of every table, no servers
+            (:meth:`DistContext.collective`; every step is exact).
+        timeout_s: collective mode: seconds an exchange waits for the other ranks.
 
     Returns:
         the new :class:`DistContext`.
@@ -293,6 +325,7 @@ def initialize(backend=None, num_threads=None, consistency=None, device_cache=No
     Raises:
         ConfigError: ``consistency`` is not one of the modes, or ``device_cache`` is
             invalid.
+        KVStoreError: collective mode: the ranks could not build their group.
         CudaUnavailableError: ``device_cache`` is given but no GPU can be used here.
         DistEmbError: already initialized, a non-sync mode without a cluster, or one of
             several processes without ``$DISTEMB_CONFIG`` (the message says how to launch
@@ -304,7 +337,15 @@ def initialize(backend=None, num_threads=None, consistency=None, device_cache=No
         raise DistEmbError(f"initialize(): distemb is already initialized in this process "
                            f"({how}); call initialize() before creating tables, or "
                            "distemb.shutdown() first")
-    ctx = _from_env(backend, num_threads, consistency, device_cache)
+    if mode not in (None, "collective"):
+        raise DistEmbError(f"mode: expected None or 'collective', got {mode!r}")
+    if mode == "collective":
+        if device_cache is not None or consistency not in (None, "sync_exact"):
+            raise DistEmbError("mode='collective': no device_cache yet, and every step is "
+                               f"exact (consistency {consistency!r} is not available)")
+        ctx = DistContext.collective(backend, num_threads, timeout_s)
+    else:
+        ctx = _from_env(backend, num_threads, consistency, device_cache)
     _current[:] = [ctx]
     return ctx
 

@@ -74,6 +74,8 @@ class Role(Choice):
     TRAINER = "trainer"
     # A KVStore server process (python -m distemb.server): owns shards, applies updates.
     SERVER = "server"
+    # One rank of a torch.distributed job holding a shard of every table (no servers).
+    COLLECTIVE = "collective"
 
 
 class Transport(Choice):

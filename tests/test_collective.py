@@ -1,0 +1,135 @@
+"""Collective mode (distemb.kvstore.collective) with real gloo processes on 127.0.0.1.
+
+The job of tests/collective_trainer.py (every optimizer, zipf ids with many duplicates,
+a rank that looks nothing up on some steps) run by W ranks must give bit-identical rows
+and optimizer state to the same job in one embedded process on the concatenated
+batches (exact by construction: see that module). A rank that dies, tables defined
+differently, and ranks whose calls went apart make every surviving rank raise a
+KVStoreError that says what happened, within the timeout, never hang. What collective
+mode does not do yet is refused (a world of one, in this process).
+"""
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import collective_trainer as job
+import distemb
+from distemb import DistEmbedding
+from distemb.dynamic import DynamicEmbedding
+from distemb.errors import DistEmbError, KVStoreError
+from distemb.optim import SparseSGD
+from distemb.partition import range_policy
+from mp_helper import ProcessGroup, child_env, free_port
+
+TRAINER = os.path.join(os.path.dirname(__file__), "collective_trainer.py")
+
+
+def run_job(tmp_path, world, *extra, expect=0, timeout=150):
+    """Start ``world`` ranks with torchrun's environment; {rank: output}."""
+    port = free_port()
+    with ProcessGroup() as group:
+        procs = [group.spawn([sys.executable, TRAINER, str(tmp_path), *extra],
+                             env=child_env(RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=port, LOCAL_RANK=r),
+                             expect=expect(r) if callable(expect) else expect)
+                 for r in range(world)]
+        outs = group.wait_all(timeout=timeout)
+        return {r: outs[p.pid] for r, p in enumerate(procs)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
+    steps = 15
+    outs = run_job(tmp_path, world, "--steps", str(steps))
+    assert all(f"rank {r} of {world}: done" in outs[r] for r in range(world))
+    want = job.oracle(steps, world)
+    for i, k in enumerate(job.OPTIMIZERS):
+        with np.load(tmp_path / f"{k}.npz") as z:
+            got = {c: z[c] for c in z.files}
+        assert sorted(got) == sorted(want[k]), k
+        for col, arr in want[k].items():
+            assert got[col].dtype == arr.dtype, (k, col)
+            assert np.array_equal(got[col], arr), f"table {k}: {col} differs from one process"
+        moved = np.abs(got["weight"] - job.initial(i).numpy()).max(axis=1)
+        assert (moved > 0).sum() >= 50, f"table {k}: too few rows trained to mean anything"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_dying_rank_fails_the_others_naming_it(tmp_path):
+    start = time.monotonic()
+    outs = run_job(tmp_path, 3, "--steps", "10", "--die-at", "4", "--timeout", "20",
+                   expect=lambda r: 9 if r == 2 else 3, timeout=90)
+    for r in (0, 1):
+        assert "KVStoreError" in outs[r] and "rank(s) [2] did not report" in outs[r], outs[r]
+    assert time.monotonic() - start < 90
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag,says", [
+    ("--mismatch", "table 'mismatched': rank 1 defines it differently from rank 0 (shape"),
+    ("--apart", "every rank must make the same distemb calls in the same order")])
+def test_ranks_that_disagree_all_raise(tmp_path, flag, says):
+    outs = run_job(tmp_path, 2, "--steps", "3", flag, "--timeout", "20", expect=3, timeout=90)
+    for r in (0, 1):
+        assert says in outs[r], outs[r]
+
+
+# -- a world of one, in this process: semantics and refusals -----------------------------
+
+@pytest.fixture
+def ctx(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        c = distemb.initialize(backend="pytorch", num_threads=1, mode="collective",
+                               timeout_s=10)
+        yield c
+        distemb.shutdown()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_of_one_pulls_pushes_and_trains_as_embedded(ctx):
+    assert ctx.role == "collective" and ctx.num_trainers == 1
+    emb = DistEmbedding(10, 3, name="one", context=ctx)
+    emb.weight[torch.tensor([4, 9, 4])] = torch.tensor([[1.0] * 3, [2.0] * 3, [3.0] * 3])
+    assert emb.weight[torch.tensor([9, 4, 0])].tolist() == [[2.0] * 3, [3.0] * 3, [0.0] * 3]
+    opt = SparseSGD([emb], lr=0.5)
+    emb(torch.tensor([9, 9, 0])).sum().backward()
+    opt.step()
+    assert emb.weight[torch.tensor([9, 0])].tolist() == [[1.0] * 3, [-0.5] * 3]
+
+
+def test_not_yet_in_collective_mode_is_refused(ctx, tmp_path):
+    emb = DistEmbedding(10, 3, name="refused", context=ctx)
+    opt = SparseSGD([emb], lr=0.5)
+    with pytest.raises(KVStoreError, match="checkpoint save is not available in collective"):
+        opt.save(str(tmp_path / "ck"))
+    with pytest.raises(KVStoreError, match="row store .* not available in collective"):
+        DynamicEmbedding(4, name="dyn", context=ctx)
+    with pytest.raises(KVStoreError, match="onto 'cuda' is not available in collective"):
+        emb(torch.tensor([1]), device="cuda")
+    with pytest.raises(KVStoreError, match="needs one per rank"):
+        ctx.client.init_data("three", (9, 2), "float32", range_policy(9, 3))
+
+
+def test_initialize_collective_refuses_what_it_cannot_do(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(DistEmbError, match="MASTER_ADDR, MASTER_PORT not set"):
+        distemb.initialize(mode="collective")
+    with pytest.raises(DistEmbError, match="no device_cache yet"):
+        distemb.initialize(mode="collective", device_cache={"fraction": 0.1})
+    with pytest.raises(DistEmbError, match="consistency 'async' is not available"):
+        distemb.initialize(mode="collective", consistency="async")
+    with pytest.raises(DistEmbError, match="mode: expected None or 'collective'"):
+        distemb.initialize(mode="servers")
