@@ -19,9 +19,11 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # -fno-math-errno lets sqrtf vectorise; no -ffast-math: results must stay IEEE (torch's).
-# No -march: the update kernels are built for baseline x86-64 and for AVX2 and picked at
-# run time (csrc/cpu_kernels.h), so a wheel runs on any x86-64 CPU at its best speed.
-COMPILE_ARGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
+# -ffp-contract=off: the AVX2 and AVX-512 builds may use FMA instructions, but never fuse a
+# multiply and an add of the source (that skips a rounding: other bits than torch's).
+# No -march: the CPU kernels are built for baseline x86-64, AVX2 + FMA and AVX-512 and
+# picked at run time (csrc/cpu_kernels.h), so a wheel runs on any x86-64 CPU at its best.
+COMPILE_ARGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
 def _generate_rule_glue():
@@ -124,8 +126,8 @@ extensions = [
         "distemb._kernels",
         ["csrc/_kernels.pyx"],
         include_dirs=["csrc"],
-        # the updates are csrc/cpu_kernels.h: a baseline and an AVX2 build of each, picked
-        # at run time (no -m flags here)
+        # the kernels are csrc/cpu_kernels.h: a baseline, an AVX2 and an AVX-512 build of
+        # each, picked at run time (no -m flags here)
         depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h"] + RULE_DEPENDS,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],
@@ -135,8 +137,8 @@ extensions = [
         "distemb._halfkernels",
         ["csrc/_halfkernels.pyx"],
         include_dirs=["csrc"],
-        # one baseline and one AVX2 + F16C build of each kernel, picked at run time by
-        # the CPU that runs them (csrc/cpu_kernels.h): no -m flags here
+        # a baseline, an AVX2 + FMA + F16C and an AVX-512 build of each kernel, picked
+        # at run time by the CPU that runs them (csrc/cpu_kernels.h): no -m flags here
         depends=["csrc/cpu_kernels.h", "csrc/cpu_kernels_body.h"] + RULE_DEPENDS,
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-fopenmp"],

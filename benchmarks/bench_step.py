@@ -7,13 +7,22 @@ all of them alike. A repeat's rate is 1 / (median time of its ``--steps`` calls)
 cell is the median over ``--repeats``. Ratios are same-run: a contender's steps/s over
 the baseline's. Thread scaling is its own block, the thread counts timed in turns.
 
+A process's rates depend on where its tables landed in physical memory (2 MiB or 4 KiB
+pages, distemb/stores/pages.py), so the whole run is repeated in ``--processes`` fresh
+processes, one after another: each prints one line (its distemb/torch/DGL ratios and how
+much of its memory is on huge pages), then the tables give the median over processes of
+each cell and, per contender, the spread of its calls/s across processes
+((max - min) / median).
+
 Example:
     OMP_WAIT_POLICY=passive python benchmarks/bench_step.py --threads 1 2
 """
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,6 +118,7 @@ def run_turns(args, contenders):
             cursor[i] += args.steps
     result = {c.name: (statistics.median(r), c.rows_per_call, c.kind)
               for c, r in zip(contenders, rates)}
+    result[HUGE_KEY] = (huge_page_share(), 0, "memory")
     for c in contenders:
         c.close()
     del contenders
@@ -116,16 +126,59 @@ def run_turns(args, contenders):
     return result
 
 
+HUGE_KEY = "share of anonymous memory on huge pages"
+
+
+def huge_page_share():
+    """AnonHugePages / Anonymous of this process (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kb = {line.split(":")[0]: int(line.split()[1]) for line in f if ":" in line
+                  and line.split()[-1] == "kB"}
+        return kb.get("AnonHugePages", 0) / max(1, kb.get("Anonymous", 0))
+    except OSError:
+        return 0.0
+
+
 def ratio(res, name, base):
     return f"{res[name][0] / res[base][0]:.2f}x" if base in res else "-"
 
 
-def print_table(dist, threads, res):
-    """One block of the table: steps/s, rows/s and same-run ratios."""
-    print(f"\n## dist={dist} threads={threads}")
+def spread(values):
+    """(max - min) / median of one contender's rates across processes."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def combine(runs):
+    """Per block, the median over processes of each cell, and each contender's spread.
+
+    ``runs``: one ``[(title, dist, threads, res), ...]`` per process (same blocks).
+    Returns ``[(dist, threads, res, spreads)]``; ``res`` as one process's, ratios taken
+    from the medians.
+    """
+    out = []
+    for blocks in zip(*runs):
+        dist, threads = blocks[0][1], blocks[0][2]
+        res, spreads = {}, {}
+        for name, (_, rows, kind) in blocks[0][3].items():
+            rates = [b[3][name][0] for b in blocks]
+            res[name] = (statistics.median(rates), rows, kind)
+            spreads[name] = spread(rates) if min(rates) > 0 else 0.0
+        out.append((dist, threads, res, spreads))
+    return out
+
+
+def print_table(dist, threads, res, spreads=None, processes=1):
+    """One block of the table: steps/s, rows/s and same-run ratios (medians over
+    ``processes`` processes, with each contender's spread across them)."""
+    res = {k: v for k, v in res.items() if k != HUGE_KEY}
+    over = f" (median of {processes} processes)" if processes > 1 else ""
+    print(f"\n## dist={dist} threads={threads}{over}")
     print(f"| {'contender':<30} | {'calls/s':>9} | {'rows/s':>11} | {'vs torch':>8} "
-          f"| {'vs torch same rule':>18} | {'vs DGL':>7} | {'of roofline':>11} |")
-    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 13}|{'-' * 10}|{'-' * 20}|{'-' * 9}|{'-' * 13}|")
+          f"| {'vs torch same rule':>18} | {'vs DGL':>7} | {'of roofline':>11} "
+          f"| {'spread':>6} |")
+    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 13}|{'-' * 10}|{'-' * 20}|{'-' * 9}|{'-' * 13}"
+          f"|{'-' * 8}|")
     t_gather = 1 / max(res["roofline gather (np.take)"][0], res["kernel gather_rows"][0])
     t_rmw = 1 / res["roofline rmw w,s (w[r]-=0*g)"][0]
     roofline_of = {
@@ -137,9 +190,11 @@ def print_table(dist, threads, res):
         step = kind == "step"
         roof = f"{rate / roofline_of[name]:.0%}" if name in roofline_of else ""
         same = ratio(res, name, SAME_RULE[name]) if name in SAME_RULE else ""
+        spr = f"{spreads[name]:.0%}" if spreads else ""
         print(f"| {name:<30} | {rate:>9.1f} | {rate * rows:>11.3g} "
               f"| {ratio(res, name, BASE_TORCH) if step else '':>8} | {same:>18} "
-              f"| {ratio(res, name, BASE_DGL) if step else '':>7} | {roof:>11} |")
+              f"| {ratio(res, name, BASE_DGL) if step else '':>7} | {roof:>11} "
+              f"| {spr:>6} |")
     sys.stdout.flush()
 
 
@@ -157,30 +212,92 @@ def parse_args(argv=None):
     p.add_argument("--pool", type=int, default=64,
                    help="distinct id batches cycled through (64 x 4096 rows >> L3)")
     p.add_argument("--no-dgl", dest="dgl", action="store_false", help="skip the DGL baseline")
+    p.add_argument("--processes", type=int, default=3,
+                   help="fresh processes that each run everything, one after another "
+                        "(medians and spread over them)")
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a child's results
     return p.parse_args(argv)
 
 
+def run_blocks(args):
+    """Every block of one process: ``[(title, dist, threads, res), ...]``."""
+    dists = ["uniform", "zipf"] if args.dist == "both" else [args.dist]
+    blocks = [(f"{dist}-{t}", dist, t, measure(args, dist, t))
+              for dist in dists for t in args.threads]
+    if len(args.threads) > 1:
+        blocks += [(f"scaling-{dist}", dist, "scaling", measure_threads(args, dist))
+                   for dist in dists]
+    return blocks
+
+
+def process_line(k, blocks):
+    """One process's summary: distemb Adagrad against torch and DGL per block."""
+    cells = []
+    for _, dist, threads, res in blocks:
+        if threads == "scaling":
+            continue
+        cell = f"{dist}/{threads}t: {res['distemb Adagrad'][0]:.0f} steps/s " \
+               f"{ratio(res, 'distemb Adagrad', BASE_TORCH)} torch"
+        if BASE_DGL in res:
+            cell += f" {ratio(res, 'distemb Adagrad', BASE_DGL)} DGL"
+        cells.append(cell + f", {res[HUGE_KEY][0]:.0%} of anon memory on huge pages")
+    return f"process {k}: " + "; ".join(cells)
+
+
+def run_processes(args, argv):
+    """Run everything in ``args.processes`` fresh child processes; their blocks."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        for k in range(args.processes):
+            path = os.path.join(tmp, f"{k}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--processes", "1",
+                   "--json", path]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+            with open(path) as f:
+                blocks = [(t, d, th, {n: tuple(v) for n, v in res.items()})
+                          for t, d, th, res in json.load(f)]
+            print(process_line(k, blocks))
+            sys.stdout.flush()
+            runs.append(blocks)
+    return runs
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.dgl and not bs.dgl_available():
-        print("DGL not importable: DGL baseline skipped")
+        if args.json is None:
+            print("DGL not importable: DGL baseline skipped")
         args.dgl = False
     args.ip_config = os.path.join(tempfile.mkdtemp(prefix="bench-dgl-"), "ip_config.txt")
+    if args.json is not None:  # a child: measure, hand the results back, print nothing
+        with open(args.json, "w") as f:
+            json.dump(run_blocks(args), f)
+        sys.stdout.flush()
+        os._exit(0)  # DGL's DistTensor.__del__ raises at interpreter exit (standalone)
     print(f"# bench_step: rows={args.rows} dim={args.dim} batch={args.batch} "
-          f"repeats={args.repeats} steps={args.steps} kernels={kernels.IMPL_NAME} "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}")
+          f"repeats={args.repeats} steps={args.steps} processes={args.processes} "
+          f"kernels={kernels.IMPL_NAME} isa={kernels.ISA or '-'} (this CPU runs "
+          f"{kernels.available_cpu_isas()}) OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', '')}")
     print("# calls/s: steps/s for full steps, kernel calls/s for kernels; rows/s: ids "
-          "looked up per s (steps, gathers, dedup) or unique rows updated per s (updates)")
-    dists = ["uniform", "zipf"] if args.dist == "both" else [args.dist]
-    for dist in dists:
-        for threads in args.threads:
-            print_table(dist, threads, measure(args, dist, threads))
-    if len(args.threads) > 1:
+          "looked up per s (steps, gathers, dedup) or unique rows updated per s (updates); "
+          "spread: (max - min) / median of calls/s across the processes")
+    if args.processes > 1:
+        runs = run_processes(args, [a for a in argv])
+    else:
+        runs = [run_blocks(args)]
+    for dist, threads, res, spreads in combine(runs):
+        if threads == "scaling":
+            continue
+        print_table(dist, threads, res, spreads if len(runs) > 1 else None, len(runs))
+    scaling = [(dist, res) for dist, threads, res, _ in combine(runs) if threads == "scaling"]
+    if scaling:
         print("\n## thread scaling, timed in turns: distemb Adagrad steps/s (medians)")
-        for dist in dists:
-            res = measure_threads(args, dist)
-            rates = [r for r, _, _ in res.values()]
-            cells = "  ".join(f"{name}: {r:.1f}" for name, r in zip(res, rates))
+        for dist, res in scaling:
+            named = [(n, r) for n, (r, _, _) in res.items() if n != HUGE_KEY]
+            rates = [r for _, r in named]
+            cells = "  ".join(f"{name}: {r:.1f}" for name, r in named)
             print(f"{dist}: {cells}  (last/first = {rates[-1] / rates[0]:.2f}x)")
     sys.stdout.flush()
     if args.dgl:

@@ -4,8 +4,9 @@
 distemb.kernels.half, which validates inputs and passes the rows' uint16 bits; its twin
 in distemb/kernels/reference_half.py defines the semantics (decode, the float32 kernel,
 encode with round-to-nearest-even). Every kernel takes ``isa`` (-1: the best build this
-CPU runs, or the one ``set_isa`` chose; 0: baseline x86-64, 1: AVX2 + F16C; see
-csrc/cpu_kernels.h), for the tests that compare the two builds; callers leave it."""
+CPU runs, or the one ``set_isa`` chose; 0: baseline x86-64, 1: AVX2 + FMA + F16C, 2:
+AVX-512; see csrc/cpu_kernels.h), for the tests that compare the builds; callers leave
+it."""
 from libc.stdint cimport int64_t, uint16_t, uint64_t
 
 cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
@@ -22,31 +23,31 @@ cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
     int c_get_isa "distemb_cpu::get_process_isa"()
     void c_set_isa "distemb_cpu::set_process_isa"(int isa)
     void c_encode "distemb_cpu::encode"(int isa, int kind, const float *src, uint16_t *dst, int64_t n)
-    bint c_cpu_has_vector "distemb_cpu::cpu_has_vector"()
+    bint c_cpu_supports "distemb_cpu::cpu_supports"(int isa)
     void c_decode "distemb_cpu::decode"(int isa, int kind, const uint16_t *src, float *dst, int64_t n)
 
 
-def has_vector_build():
-    """Whether this CPU runs the AVX2 + F16C build of the kernels (picked when it does)."""
-    return c_cpu_has_vector()
+def isa_supported(int isa):
+    """Whether this CPU runs build ``isa`` (0 baseline, 1 AVX2 + FMA + F16C, 2 AVX-512)."""
+    return c_cpu_supports(isa)
 
 
 def get_isa():
-    """The build a call with ``isa=-1`` runs: -1 the best this CPU runs, 0, or 1."""
+    """The build a call with ``isa=-1`` runs: -1 the best this CPU runs, else 0, 1 or 2."""
     return c_get_isa()
 
 
 def set_isa(int isa):
-    """Make ``isa=-1`` calls run build ``isa`` (-1 the best this CPU runs, 0, 1)."""
+    """Make ``isa=-1`` calls run build ``isa`` (-1 the best this CPU runs, 0, 1 or 2)."""
     c_set_isa(_isa(isa))
 
 
 cdef int _isa(int isa) except -2:
-    """-1: the best build this CPU runs; 0: the baseline build; 1: the AVX2 + F16C build."""
-    if isa == 1 and not c_cpu_has_vector():
-        raise ValueError("isa: 1 (AVX2 + F16C) asked for, but this CPU lacks AVX2 or F16C")
-    if isa < -1 or isa > 1:
-        raise ValueError(f"isa: expected -1, 0 or 1, got {isa}")
+    """-1: the best build this CPU runs; else build 0, 1 or 2, if this CPU runs it."""
+    if isa < -1 or isa > 2:
+        raise ValueError(f"isa: expected -1, 0, 1 or 2, got {isa}")
+    if isa >= 0 and not c_cpu_supports(isa):
+        raise ValueError(f"isa: {isa} asked for, but this CPU lacks it")
     return isa
 
 

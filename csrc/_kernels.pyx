@@ -3,27 +3,33 @@
 """Compiled CPU kernels (OpenMP). Imported only by distemb.kernels, which validates
 inputs; twins in distemb/kernels/reference.py define the semantics.
 
-The updates run csrc/cpu_kernels.h: each rule's per-element arithmetic from
-csrc/rules.h (shared with the half and CUDA kernels), in a baseline and an AVX2 build
-picked at run time (``set_isa``; the same bits either way). Inner loops run on raw typed
-pointers (memoryview indexing per element blocks gcc's vectoriser); the build passes
--fno-math-errno so that sqrtf becomes a vector instruction, and nothing else that would
-change IEEE results. Rows are random in tables far larger than the caches, so each loop
-prefetches the row it will touch ``PREFETCH_AHEAD`` iterations later: that keeps several
-row misses in flight instead of one.
+Every kernel runs csrc/cpu_kernels.h: the updates apply each rule's per-element
+arithmetic from csrc/rules.h (shared with the half and CUDA kernels); the gather, the id
+sort and the duplicate sums of ``dedup_sum`` are there too. Each exists in a baseline, an
+AVX2 + FMA and an AVX-512 build, picked at run time (``set_isa``; the same bits in every
+one). The build passes -fno-math-errno so that sqrtf becomes a vector instruction, and
+-ffp-contract=off so that no multiply-add is fused; nothing that would change IEEE
+results. Rows are random in tables far larger than the caches, so each loop prefetches
+the row it will touch ``PREFETCH_AHEAD`` iterations later: that keeps several row misses
+in flight instead of one.
 """
-from cython.parallel cimport prange
-from libc.string cimport memcpy
 from libc.stdint cimport int64_t, uint64_t
-from libcpp.algorithm cimport sort
 from libcpp.vector cimport vector
-from libcpp.pair cimport pair
 import numpy as np
 
 cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
-    bint c_cpu_has_vector "distemb_cpu::cpu_has_vector"()
+    bint c_cpu_supports "distemb_cpu::cpu_supports"(int isa)
+    int c_best_isa "distemb_cpu::best_isa"()
     int c_get_isa "distemb_cpu::get_process_isa"()
     void c_set_isa "distemb_cpu::set_process_isa"(int isa)
+    void c_gather "distemb_cpu::gather_f32"(const float *t, const int64_t *r, float *o,
+                                            int64_t n, int64_t d, int nt)
+    int64_t c_dedup_order "distemb_cpu::dedup_order"(const int64_t *ids, int64_t n,
+                                                     int64_t *order, int64_t *starts)
+    void c_segment_sum "distemb_cpu::segment_sum"(const int64_t *ids, const float *g,
+                                                  int64_t d, const int64_t *order,
+                                                  const int64_t *starts, int64_t nu,
+                                                  int64_t *uniq, float *out, int nt)
     void c_rowwise "distemb_cpu::rowwise_adagrad_f32"(float *w, float *s, const int64_t *r,
                                                       const float *g, int64_t n, int64_t d,
                                                       float clr, float eps, int nt)
@@ -32,138 +38,29 @@ cdef extern from "cpu_kernels.h" namespace "distemb_cpu" nogil:
                                         double b1, double b2, double eps, int64_t step,
                                         int64_t *rs, int nt)
 
-cdef extern from *:
-    """
-    static inline void distemb_prefetch_row(const void *p, long nbytes, int write) {
-        const char *c = (const char *)p;
-        for (long off = 0; off < nbytes; off += 64) {
-            if (write) __builtin_prefetch(c + off, 1, 3);
-            else __builtin_prefetch(c + off, 0, 3);
-        }
-    }
-    """
-    void prefetch_row "distemb_prefetch_row"(const void *p, long nbytes, int write) nogil
-
-# Rows ahead to prefetch: enough to cover a DRAM miss at ~0.3 us of work per row.
-DEF PREFETCH_AHEAD = 8
-DEF RADIX_BITS = 11
-# Rows per work chunk. Chunks are handed out dynamically: on a machine shared with
-# other jobs a helper thread may wake late, and with a static split its half of the
-# rows would wait for it; dynamically, the threads that run take the chunks.
-# Every row (and every duplicate segment) is still done by one thread, in order, so
-# results do not depend on the schedule.
-DEF CHUNK_ROWS = 64
-
-
-cdef inline int _bit_length(uint64_t x) noexcept nogil:
-    cdef int b = 0
-    while x:
-        x >>= 1
-        b += 1
-    return b
-
-
-cdef void _radix_sort(uint64_t *keys, uint64_t *tmp, Py_ssize_t n, int lo_bit,
-                      int hi_bit) noexcept nogil:
-    """Stable LSD radix sort of ``keys`` on bits [lo_bit, hi_bit); result in ``keys``."""
-    cdef Py_ssize_t counts[1 << RADIX_BITS]
-    cdef Py_ssize_t i, total, c
-    cdef int shift = lo_bit, nb = 1 << RADIX_BITS
-    cdef uint64_t mask = nb - 1, digit
-    cdef uint64_t *src = keys
-    cdef uint64_t *dst = tmp
-    cdef uint64_t *swap
-    while shift < hi_bit:
-        for i in range(nb):
-            counts[i] = 0
-        for i in range(n):
-            counts[(src[i] >> shift) & mask] += 1
-        total = 0
-        for i in range(nb):
-            c = counts[i]
-            counts[i] = total
-            total += c
-        for i in range(n):
-            digit = (src[i] >> shift) & mask
-            dst[counts[digit]] = src[i]
-            counts[digit] += 1
-        swap = src
-        src = dst
-        dst = swap
-        shift += RADIX_BITS
-    if src != keys:
-        memcpy(keys, src, n * sizeof(uint64_t))
+#: The builds by number, as set_isa and get_isa name them (-1: the best this CPU runs).
+ISA_NAMES = ("baseline", "avx2", "avx512")
 
 
 def dedup_sum(const int64_t[::1] ids, const float[:, ::1] grads, num_rows=None, out=None,
               int num_threads=1):
     """Ascending unique ids and, per id, the sum of its rows in batch order (into out[:U])."""
-    cdef Py_ssize_t n = ids.shape[0], d = grads.shape[1], i, k, j, nu = 0, seg
-    cdef int64_t lo = 0, hi = 0
-    cdef int pos_bits, id_bits
-    cdef uint64_t pos_mask
-    cdef vector[uint64_t] keys, tmp
-    cdef vector[pair[int64_t, int64_t]] pairs
-    cdef vector[Py_ssize_t] starts
-    cdef vector[int64_t] order
+    cdef int64_t n = ids.shape[0], d = grads.shape[1], nu = 0
+    cdef vector[int64_t] order, starts
     cdef const int64_t *pid = &ids[0] if n else NULL
-    cdef const float *g0 = &grads[0, 0] if n else NULL
-    cdef const float *src
-    cdef float *dst
     with nogil:
         order.resize(n)
-        if n:
-            lo = pid[0]
-            hi = pid[0]
-        for i in range(n):
-            if pid[i] < lo:
-                lo = pid[i]
-            if pid[i] > hi:
-                hi = pid[i]
-        pos_bits = _bit_length(<uint64_t>n)
-        id_bits = _bit_length(<uint64_t>hi - <uint64_t>lo)
-        if n and pos_bits + id_bits <= 64:
-            # One key per id: (id - lo) above its position. LSD radix on the id bits only
-            # is stable, so equal ids keep batch order: sums are deterministic.
-            keys.resize(n)
-            tmp.resize(n)
-            for i in range(n):
-                keys[i] = ((<uint64_t>pid[i] - <uint64_t>lo) << pos_bits) | <uint64_t>i
-            _radix_sort(keys.data(), tmp.data(), n, pos_bits, pos_bits + id_bits)
-            pos_mask = (<uint64_t>1 << pos_bits) - 1
-            for i in range(n):
-                order[i] = <int64_t>(keys[i] & pos_mask)
-                if i == 0 or (keys[i] >> pos_bits) != (keys[i - 1] >> pos_bits):
-                    starts.push_back(i)
-        elif n:  # ids spanning nearly all of int64: compare (id, position) pairs
-            pairs.resize(n)
-            for i in range(n):
-                pairs[i].first = pid[i]
-                pairs[i].second = i
-            sort(pairs.begin(), pairs.end())
-            for i in range(n):
-                order[i] = pairs[i].second
-                if i == 0 or pairs[i].first != pairs[i - 1].first:
-                    starts.push_back(i)
-        nu = starts.size()
-        starts.push_back(n)
+        starts.resize(n + 1)
+        nu = c_dedup_order(pid, n, order.data(), starts.data())
     uniq_np = np.empty(nu, dtype=np.int64)
     summed_np = np.empty((nu, d), dtype=np.float32) if out is None else out[:nu]
     if nu == 0:
         return uniq_np, summed_np
     cdef int64_t[::1] uniq = uniq_np
     cdef float[:, ::1] summed = summed_np
-    cdef int64_t *pu = &uniq[0]
-    cdef float *ps = &summed[0, 0]
     with nogil:
-        for k in prange(nu, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
-            pu[k] = pid[order[starts[k]]]
-            dst = ps + k * d
-            memcpy(dst, g0 + order[starts[k]] * d, d * sizeof(float))
-            for seg in range(starts[k] + 1, starts[k + 1]):
-                src = g0 + order[seg] * d
-                for j in range(d):
-                    dst[j] = dst[j] + src[j]
+        c_segment_sum(pid, &grads[0, 0], d, order.data(), starts.data(), nu, &uniq[0],
+                      &summed[0, 0], num_threads)
     return uniq_np, summed_np
 
 
@@ -172,37 +69,34 @@ def gather_rows(const float[:, ::1] table, const int64_t[::1] rows, float[:, ::1
     """out[i] = table[rows[i]] (``out`` allocated when None)."""
     if out is None:
         out = np.empty((rows.shape[0], table.shape[1]), dtype=np.float32)
-    cdef Py_ssize_t n = rows.shape[0], d = table.shape[1], i
-    cdef size_t nbytes = d * sizeof(float)
-    if n == 0:
-        return out
-    cdef const float *t = &table[0, 0]
-    cdef const int64_t *r = &rows[0]
-    cdef float *o = &out[0, 0]
-    with nogil:
-        for i in prange(n, num_threads=num_threads, schedule='dynamic', chunksize=CHUNK_ROWS):
-            if i + PREFETCH_AHEAD < n:
-                prefetch_row(t + r[i + PREFETCH_AHEAD] * d, nbytes, 0)
-            memcpy(o + i * d, t + r[i] * d, nbytes)
+    cdef int64_t n = rows.shape[0], d = table.shape[1]
+    if n:
+        with nogil:
+            c_gather(&table[0, 0], &rows[0], &out[0, 0], n, d, num_threads)
     return out
 
 
-def has_vector_build():
-    """Whether this CPU runs the AVX2 build of the update kernels."""
-    return c_cpu_has_vector()
+def isa_supported(int isa):
+    """Whether this CPU runs build ``isa`` (0 baseline, 1 AVX2 + FMA + F16C, 2 AVX-512)."""
+    return c_cpu_supports(isa)
+
+
+def best_isa():
+    """The best build this CPU runs (0, 1 or 2)."""
+    return c_best_isa()
 
 
 def get_isa():
-    """The build the updates run: -1 the best this CPU runs, 0 baseline, 1 AVX2."""
+    """The build the kernels run: -1 the best this CPU runs, else 0, 1 or 2."""
     return c_get_isa()
 
 
 def set_isa(int isa):
-    """Run the updates on build ``isa`` (-1 the best this CPU runs, 0 baseline, 1 AVX2)."""
-    if isa < -1 or isa > 1:
-        raise ValueError(f"isa: expected -1, 0 or 1, got {isa}")
-    if isa == 1 and not c_cpu_has_vector():
-        raise ValueError("isa: 1 (AVX2) asked for, but this CPU lacks AVX2 or F16C")
+    """Run the kernels on build ``isa`` (-1 the best this CPU runs, 0, 1 or 2)."""
+    if isa < -1 or isa >= len(ISA_NAMES):
+        raise ValueError(f"isa: expected -1, 0, 1 or 2, got {isa}")
+    if isa >= 0 and not c_cpu_supports(isa):
+        raise ValueError(f"isa: {isa} ({ISA_NAMES[isa]}) asked for, but this CPU lacks it")
     c_set_isa(isa)
 
 

@@ -4,7 +4,7 @@ Run by setup.py before it compiles anything (``python csrc/codegen.py`` does the
 hand). For each element-wise rule of the table it writes, into csrc/gen/ (not in git):
 
 - ``cpu_rules.h``: the CPU entry points on float32 rows (``<name>_f32``) and on half rows
-  (``<name>``), each dispatching to the baseline or AVX2 build of the one template in
+  (``<name>``), each dispatching to the baseline, AVX2 or AVX-512 build of the one template in
   csrc/cpu_kernels_body.h;
 - ``kernels_rules.pxi`` and ``halfkernels_rules.pxi``: their Cython wrappers
   (``<name>_update``), included by csrc/_kernels.pyx and csrc/_halfkernels.pyx;

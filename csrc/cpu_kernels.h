@@ -1,20 +1,32 @@
-// The CPU update kernels on float32 and half rows (csrc/cpu_kernels_body.h), built twice
-// and picked at run time: a baseline build that runs on any x86-64 CPU, and one compiled
-// for AVX2 + F16C (8-lane float32 maths, 8-lane float16 conversions, 256-bit bfloat16
-// rounding), used when the CPU running the code has both. No build flag decides: a wheel
-// built on one machine runs on another.
+// The CPU kernels (csrc/cpu_kernels_body.h: the updates on float32 and half rows, the
+// gathers, the id sort and the duplicate sums of dedup), compiled three times from the
+// one body and picked at run time:
+//   0 baseline: any x86-64 CPU (SSE2), or any other CPU;
+//   1 avx2:     AVX2 + FMA + F16C (8-lane float32 maths, 8-lane float16 conversions);
+//   2 avx512:   AVX-512 F/BW/VL on top of those (16-lane maths and conversions).
+// Each build is a namespace compiled under its own `#pragma GCC target`, so no -m / -march
+// flag decides anything: a wheel built on one machine runs on another at its best build.
+// The process uses the best build the CPU runs, unless set_process_isa chose one
+// (distemb.kernels: DISTEMB_CPU_ISA for a process, kernels.cpu_isa() for a block).
 //
-// Both builds give the same bits. Neither enables FMA: contracting ``w - lr * g`` (SGD,
-// Adagrad) or ``m + (g - m) * (1 - beta1)`` (Adam) into one fused multiply-add would skip
-// a rounding and change the result in the last bit, away from torch's and the numpy
-// oracle's, and from the GPU's (built with -fmad=false); the updates are bound by memory
-// and by float32 sqrt and division, not by multiply-adds. The build's -std=c++17 (ISO
-// mode) also keeps gcc from contracting on its own.
+// Every build gives the same bits. FMA is on in builds 1 and 2, but the extensions are
+// compiled with -ffp-contract=off, so the compiler never fuses `w - lr * g` (SGD,
+// Adagrad) or `m + (g - m) * (1 - beta1)` (Adam) into one fused multiply-add: a fused
+// operation skips a rounding and would move the result by an ulp away from torch's, the
+// numpy oracle's and the GPU's (built with -fmad=false). Wider vectors change nothing
+// else: every element is computed alone, in the same order, with IEEE float32 operations
+// (sqrt and division are correctly rounded in every width); the row-wise Adagrad sum of
+// g^2 and dedup's duplicate sums keep their left-to-right order (no reassociation without
+// -ffast-math). The one exception is FTRL with a learning_rate_power other than -0.5 or 0:
+// it calls libm's powf, the same scalar function in every build (not vectorised), so
+// still the same bits.
 // Included by csrc/_kernels.pyx (float32) and csrc/_halfkernels.pyx (half rows).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -35,7 +47,7 @@ namespace generic {
 
 #if DISTEMB_CPU_X86
 #pragma GCC push_options
-#pragma GCC target("avx2,f16c")
+#pragma GCC target("avx2,fma,f16c")
 namespace distemb_cpu {
 namespace avx2 {
 #define DISTEMB_CPU_VECTOR 1
@@ -44,23 +56,52 @@ namespace avx2 {
 }  // namespace avx2
 }  // namespace distemb_cpu
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c,prefer-vector-width=512")
+// gcc 12's own avx512fintrin.h trips -Wmaybe-uninitialized (_mm512_undefined_*, gcc PR
+// 105593): a false alarm in the compiler's header, silenced for this build only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace distemb_cpu {
+namespace avx512 {
+#define DISTEMB_CPU_VECTOR 2
+#include "cpu_kernels_body.h"
+#undef DISTEMB_CPU_VECTOR
+}  // namespace avx512
+}  // namespace distemb_cpu
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
 #endif
 
 namespace distemb_cpu {
 
-// Whether this CPU runs the AVX2 + F16C build (asked once).
-inline bool cpu_has_vector() {
+enum Isa { ISA_BASELINE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_COUNT = 3 };
+
+// Whether this CPU (and its OS: the CPU model code checks XGETBV) runs build `isa`.
+inline bool cpu_supports(int isa) {
 #if DISTEMB_CPU_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return has;
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl");
+  return isa == ISA_BASELINE || (isa == ISA_AVX2 && avx2) || (isa == ISA_AVX512 && avx512);
 #else
-  return false;
+  return isa == ISA_BASELINE;
 #endif
 }
 
+// The best build this CPU runs.
+inline int best_isa() {
+  for (int isa = ISA_COUNT - 1; isa > 0; --isa)
+    if (cpu_supports(isa)) return isa;
+  return ISA_BASELINE;
+}
+
 // The build this process runs when a call asks for -1: -1 the best this CPU runs (the
-// default), 0 the baseline, 1 AVX2 + F16C. Set once per module (set_process_isa); each
-// extension module that includes this header has its own copy.
+// default), else an Isa the caller checked with cpu_supports. Set once per module
+// (set_process_isa); each extension module that includes this header has its own copy.
 inline int &process_isa() {
   static int isa = -1;
   return isa;
@@ -68,18 +109,20 @@ inline int &process_isa() {
 inline int get_process_isa() { return process_isa(); }
 inline void set_process_isa(int isa) { process_isa() = isa; }
 
-// ``isa``: -1 the process's choice (process_isa), 0 the baseline build, 1 the AVX2 + F16C
-// build (the caller checks cpu_has_vector() first).
-inline bool use_vector(int isa) {
+// The build a call with ``isa`` runs: -1 the process's choice, else ``isa`` itself.
+inline int resolve_isa(int isa) {
   if (isa < 0) isa = process_isa();
-  return isa == 1 || (isa < 0 && cpu_has_vector());
+  return isa < 0 ? best_isa() : isa;
 }
 
 #if DISTEMB_CPU_X86
-#define DISTEMB_CPU_ISA(fn, ...)                \
-  do {                                          \
-    if (use_vector(isa)) avx2::fn(__VA_ARGS__); \
-    else generic::fn(__VA_ARGS__);              \
+#define DISTEMB_CPU_ISA(fn, ...)                   \
+  do {                                             \
+    switch (resolve_isa(isa)) {                    \
+      case ISA_AVX512: avx512::fn(__VA_ARGS__); break; \
+      case ISA_AVX2: avx2::fn(__VA_ARGS__); break; \
+      default: generic::fn(__VA_ARGS__);           \
+    }                                              \
   } while (0)
 #else
 #define DISTEMB_CPU_ISA(fn, ...) generic::fn(__VA_ARGS__)
@@ -107,6 +150,23 @@ inline void decode(int isa, int kind, const uint16_t *src, float *dst, int64_t n
 }
 
 // float32 rows, always at the process's choice of build.
+inline void gather_f32(const float *t, const int64_t *r, float *o, int64_t n, int64_t d,
+                       int nt) {
+  const int isa = -1;
+  DISTEMB_CPU_ISA(gather_f32, t, r, o, n, d, nt);
+}
+inline int64_t dedup_order(const int64_t *ids, int64_t n, int64_t *order, int64_t *starts) {
+  const int isa = -1;
+  int64_t nu = 0;
+  DISTEMB_CPU_ISA(dedup_order_into, ids, n, order, starts, &nu);
+  return nu;
+}
+inline void segment_sum(const int64_t *ids, const float *g, int64_t d, const int64_t *order,
+                        const int64_t *starts, int64_t nu, int64_t *uniq, float *out,
+                        int nt) {
+  const int isa = -1;
+  DISTEMB_CPU_ISA(segment_sum, ids, g, d, order, starts, nu, uniq, out, nt);
+}
 inline void rowwise_adagrad_f32(float *w, float *s, const int64_t *r, const float *g,
                                 int64_t n, int64_t d, float clr, float eps, int nt) {
   const int isa = -1;

@@ -5,18 +5,21 @@
 // back: in place for float32, rounded to nearest-even (or stochastically) for half rows,
 // so a half kernel equals "decode, float32 kernel, encode", bit for bit.
 // Included once per instruction set by csrc/cpu_kernels.h (DISTEMB_CPU_VECTOR 0: baseline
-// x86-64 / any CPU, 1: compiled for AVX2 + F16C), each time inside its own namespace: no
-// include guard, no includes of its own.
+// x86-64 / any CPU, 1: compiled for AVX2 + FMA + F16C, 2: for AVX-512 F/BW/VL on top),
+// each time inside its own namespace: no include guard, no includes of its own.
 
 enum Kind { BF16 = 0, F16 = 1 };
 static const int64_t PREFETCH_AHEAD = 8;
 static const int CHUNK_ROWS = 64;
 
-// float32 rows: the kernels work on the row itself.
+// float32 rows: the updates work on the row itself (RowView never copies); a gather
+// copies it.
 struct F32Row {
   typedef float T;
   static const bool kInPlace = true;
-  static inline void load_row(const float *, float *, int64_t) {}
+  static inline void load_row(const float *src, float *dst, int64_t d) {
+    std::memcpy(dst, src, d * sizeof(float));
+  }
   static inline void store_row(const float *, float *, int64_t, uint64_t) {}
 };
 
@@ -96,9 +99,14 @@ struct F16Conv {
     std::memcpy(&h, &x, 2);
     return h;
   }
-  // gcc does not vectorise _Float16 conversions: with F16C, 8 lanes per instruction
+  // gcc does not vectorise _Float16 conversions: with F16C, 8 lanes per instruction (16
+  // with AVX-512; both round to nearest even, as the scalar conversion does)
   static inline void load_row(const uint16_t *src, float *dst, int64_t d) {
     int64_t j = 0;
+#if DISTEMB_CPU_VECTOR >= 2
+    for (; j + 16 <= d; j += 16)
+      _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + j))));
+#endif
 #if DISTEMB_CPU_VECTOR
     for (; j + 8 <= d; j += 8)
       _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
@@ -107,6 +115,11 @@ struct F16Conv {
   }
   static inline void store_row(const float *src, uint16_t *dst, int64_t d, uint64_t) {
     int64_t j = 0;
+#if DISTEMB_CPU_VECTOR >= 2
+    for (; j + 16 <= d; j += 16)
+      _mm256_storeu_si256((__m256i *)(dst + j),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
 #if DISTEMB_CPU_VECTOR
     for (; j + 8 <= d; j += 8)
       _mm_storeu_si128((__m128i *)(dst + j),
@@ -116,9 +129,13 @@ struct F16Conv {
   }
 };
 
-static inline void prefetch(const void *p, long nbytes) {
+// Prefetch a row about to be written (updates) or, with write=false, only read (gathers).
+static inline void prefetch(const void *p, long nbytes, bool write = true) {
   const char *c = (const char *)p;
-  for (long off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+  for (long off = 0; off < nbytes; off += 64) {
+    if (write) __builtin_prefetch(c + off, 1, 3);
+    else __builtin_prefetch(c + off, 0, 3);
+  }
 }
 
 // One thread's float32 view of the row being updated: the row itself for float32 rows,
@@ -143,14 +160,14 @@ void gather_t(const typename C::T *t, const int64_t *r, float *o, int64_t n, int
               int nt) {
 #pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
   for (int64_t i = 0; i < n; ++i) {
-    if (i + PREFETCH_AHEAD < n) prefetch(t + r[i + PREFETCH_AHEAD] * d, d * sizeof(*t));
+    if (i + PREFETCH_AHEAD < n) prefetch(t + r[i + PREFETCH_AHEAD] * d, d * sizeof(*t), false);
     C::load_row(t + r[i] * d, o + i * d, d);
   }
 }
 
 // Every element-wise rule R (a struct of csrc/rules.h: Sgd, Adagrad, Ftrl, ...): each
 // element is R::update of its weight, gradient and the row's R::kStates state arrays.
-// Its entry points (float32 and half rows, both ISAs) are generated from
+// Its entry points (float32 and half rows, every ISA build) are generated from
 // distemb/kernels/rule_table.py into csrc/gen/cpu_rules.h.
 template <class C, class R>
 void elementwise_t(typename C::T *w0, float *const *s0, const int64_t *r, const float *g0,
@@ -275,6 +292,10 @@ inline void decode(int kind, const uint16_t *src, float *dst, int64_t n) {
 }
 
 // The float32 entry points (csrc/_kernels.pyx).
+inline void gather_f32(const float *t, const int64_t *r, float *o, int64_t n, int64_t d,
+                       int nt) {
+  gather_t<F32Row>(t, r, o, n, d, nt);
+}
 template <class R>
 inline void elementwise_f32(float *w, float *const *s, const int64_t *r, const float *g,
                             int64_t n, int64_t d, const typename R::Params &p, int nt) {
@@ -288,4 +309,88 @@ inline void adam_f32(float *w, float *m, float *v, const int64_t *r, const float
                      int64_t d, double lr, double b1, double b2, double eps, int64_t step,
                      int64_t *rs, int nt) {
   adam_t<F32Row>(w, m, v, r, g, n, d, lr, b1, b2, eps, step, rs, 0, nt);
+}
+
+// dedup_sum's two halves. The sort: ``order`` (n) gets the positions of ``ids`` in
+// ascending id order, equal ids in batch order (stable); ``starts`` (n + 1) the first
+// position in ``order`` of each distinct id and n after the last; ``*nu`` their number.
+static const int RADIX_BITS = 11;
+
+static inline int bit_length(uint64_t x) {
+  int b = 0;
+  for (; x; x >>= 1) ++b;
+  return b;
+}
+
+// Stable LSD radix sort of ``keys`` on bits [lo_bit, hi_bit); the result in ``keys``.
+static void radix_sort(uint64_t *keys, uint64_t *tmp, int64_t n, int lo_bit, int hi_bit) {
+  std::vector<int64_t> counts(1 << RADIX_BITS);
+  const uint64_t mask = (1u << RADIX_BITS) - 1;
+  uint64_t *src = keys, *dst = tmp;
+  for (int shift = lo_bit; shift < hi_bit; shift += RADIX_BITS) {
+    std::fill(counts.begin(), counts.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++counts[(src[i] >> shift) & mask];
+    int64_t total = 0;
+    for (auto &c : counts) {
+      const int64_t k = c;
+      c = total;
+      total += k;
+    }
+    for (int64_t i = 0; i < n; ++i) dst[counts[(src[i] >> shift) & mask]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != keys) std::memcpy(keys, src, n * sizeof(uint64_t));
+}
+
+inline void dedup_order_into(const int64_t *ids, int64_t n, int64_t *order, int64_t *starts,
+                             int64_t *nu) {
+  int64_t count = 0;
+  if (n) {
+    int64_t lo = ids[0], hi = ids[0];
+    for (int64_t i = 0; i < n; ++i) {
+      lo = ids[i] < lo ? ids[i] : lo;
+      hi = ids[i] > hi ? ids[i] : hi;
+    }
+    const int pos_bits = bit_length((uint64_t)n);
+    const int id_bits = bit_length((uint64_t)hi - (uint64_t)lo);
+    if (pos_bits + id_bits <= 64) {
+      // One key per id: (id - lo) above its position. LSD radix on the id bits only is
+      // stable, so equal ids keep batch order: the sums are deterministic.
+      std::vector<uint64_t> keys(n), tmp(n);
+      for (int64_t i = 0; i < n; ++i)
+        keys[i] = (((uint64_t)ids[i] - (uint64_t)lo) << pos_bits) | (uint64_t)i;
+      radix_sort(keys.data(), tmp.data(), n, pos_bits, pos_bits + id_bits);
+      const uint64_t pos_mask = pos_bits == 64 ? ~0ull : (1ull << pos_bits) - 1;
+      for (int64_t i = 0; i < n; ++i) {
+        order[i] = (int64_t)(keys[i] & pos_mask);
+        if (i == 0 || (keys[i] >> pos_bits) != (keys[i - 1] >> pos_bits)) starts[count++] = i;
+      }
+    } else {  // ids spanning nearly all of int64: compare (id, position) pairs
+      std::vector<std::pair<int64_t, int64_t>> pairs(n);
+      for (int64_t i = 0; i < n; ++i) pairs[i] = {ids[i], i};
+      std::sort(pairs.begin(), pairs.end());
+      for (int64_t i = 0; i < n; ++i) {
+        order[i] = pairs[i].second;
+        if (i == 0 || pairs[i].first != pairs[i - 1].first) starts[count++] = i;
+      }
+    }
+  }
+  starts[count] = n;
+  *nu = count;
+}
+
+// The sums: uniq[k] = the k-th distinct id, out[k] = the sum of its gradient rows, in
+// batch order (one thread per id: deterministic for any thread count).
+inline void segment_sum(const int64_t *ids, const float *g, int64_t d, const int64_t *order,
+                        const int64_t *starts, int64_t nu, int64_t *uniq, float *out, int nt) {
+#pragma omp parallel for schedule(dynamic, CHUNK_ROWS) num_threads(nt)
+  for (int64_t k = 0; k < nu; ++k) {
+    uniq[k] = ids[order[starts[k]]];
+    float *dst = out + k * d;
+    std::memcpy(dst, g + order[starts[k]] * d, d * sizeof(float));
+    for (int64_t seg = starts[k] + 1; seg < starts[k + 1]; ++seg) {
+      const float *src = g + order[seg] * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = dst[j] + src[j];
+    }
+  }
 }

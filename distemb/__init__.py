@@ -13,6 +13,7 @@ Example:
 """
 import importlib
 
+from distemb import malloc
 from distemb.errors import (BackendError, ConfigError, DistEmbError, KVStoreError,
                             PartitionError, TraceOverflowError)
 from distemb.partition import (EdgePartitionPolicy, HashPartitionBook, NodePartitionPolicy,
@@ -20,6 +21,8 @@ from distemb.partition import (EdgePartitionPolicy, HashPartitionBook, NodeParti
                                load_policy_config)
 
 __version__ = "0.1.0"
+
+malloc.tune()  # a step's large buffers reused, not faulted in again (see distemb.malloc)
 
 _LAZY = {
     "DistContext": "distemb.context",

@@ -4,16 +4,16 @@ Both are thin: ``DynamicEmbedding(dim, ...)`` is ``DistEmbedding(None, dim,
 storage=HashTableSpec(dim, ...))`` and ``StoreEmbedding(store)`` is ``DistEmbedding(None,
 store.dim, storage=store)``; the table, its lookups, key management and checkpoints are
 :class:`~distemb.embedding.DistEmbedding`'s. ``step()`` sums duplicate gradients and
-hands them to the table's client, a :class:`~distemb.kvstore.store_client.StoreClient`,
+hands them to the table's client (its keyed tables: :mod:`distemb.kvstore.keyed`),
 which runs the rule on the store's columns. Every optimizer works unchanged, with the
 same kernels: a dynamic table whose keys are 0..N-1 gives bit-identical rows to a dense
 table.
 
 Placement is the context's: embedded, the table is one store in this process
-(:class:`~distemb.kvstore.store_client.StoreKVClient`); in a cluster (``distemb-launch``)
+(:class:`~distemb.kvstore.local.LocalKVClient`); in a cluster (``distemb-launch``)
 a DynamicEmbedding is one hash store per server, keys sharded by
 :func:`~distemb.partition.key_partition`
-(:class:`~distemb.kvstore.store_remote.RemoteStoreClient`), its initialiser sent to the
+(:class:`~distemb.kvstore.remote.RemoteKVClient`), its initialiser sent to the
 servers as a spec (``key_normal``/``key_uniform``). A StoreEmbedding over a given store
 object is embedded only; over a spec it runs anywhere.
 

@@ -330,7 +330,7 @@ class StoreTensor(NamedRows):
     """The rows of a store-backed table: ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
 
     Args:
-        client: the table's :class:`~distemb.kvstore.store_client.StoreClient`.
+        client: the table's client, one holding keyed tables (:mod:`distemb.kvstore.keyed`).
         name: the table's name in it.
         context: the :class:`~distemb.context.DistContext` (backend, threads).
         dtype: the rows' storage dtype name (they are read and written as float32).

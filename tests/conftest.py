@@ -14,6 +14,7 @@ With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite
 trainer of an ``mpirun`` job) the one client kind is a RemoteKVClient over MPI to the
 job's servers, read from ``$DISTEMB_CONFIG``.
 """
+import contextlib
 import os
 
 import numpy as np
@@ -196,19 +197,30 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
-@pytest.fixture(params=["compiled", "reference"])
-def kernel_impl(request):
-    """Run the test with the compiled kernels and again with their numpy twins.
+#: The compiled kernels once per CPU build (csrc/cpu_kernels.h), then their numpy twins.
+KERNEL_IMPLS = ["compiled-baseline", "compiled-avx2", "compiled-avx512", "reference"]
 
-    The compiled run skips where the extension is not loaded (not built, or the whole
-    suite is rerun with DISTEMB_NO_EXT=1, as ``make test`` does).
+
+@pytest.fixture(params=KERNEL_IMPLS)
+def kernel_impl(request):
+    """Run the test with the compiled kernels under each CPU build (baseline, AVX2,
+    AVX-512) and again with their numpy twins.
+
+    A compiled run skips where the extension is not loaded (not built, or the whole suite
+    is rerun with DISTEMB_NO_EXT=1, as ``make test`` does), or where this CPU lacks its
+    build.
     """
     from distemb import kernels
 
-    if request.param == "compiled" and not kernels.HAS_EXT:
+    impl, _, isa = request.param.partition("-")
+    if impl == "compiled" and not kernels.HAS_EXT:
         pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT=1 or not built): "
                     "the reference run covers this case")
-    with kernels.implementation(request.param):
+    if isa and isa not in kernels.available_cpu_isas():
+        pytest.skip(f"this CPU lacks the {isa} build's instructions (it runs "
+                    f"{kernels.available_cpu_isas()})")
+    with kernels.implementation(impl), \
+            (kernels.cpu_isa(isa) if isa else contextlib.nullcontext()):
         yield request.param
 
 

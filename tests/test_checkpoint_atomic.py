@@ -11,7 +11,7 @@ import pytest
 from distemb import checkpoint
 from distemb.errors import KVStoreError
 from distemb.kvstore import LocalKVClient, snapshot
-from distemb.kvstore.store_client import StoreKVClient
+from distemb.kvstore import LocalKVClient
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 
@@ -70,7 +70,7 @@ def test_segments_that_miss_rows_or_ask_for_huge_blocks_change_nothing(tmp_path)
 @pytest.mark.parametrize("damage", ["weight", "state", "keys"])
 def test_a_refused_load_of_a_keyed_table_keeps_every_key(tmp_path, monkeypatch, damage):
     monkeypatch.setattr(snapshot, "BLOCK_BYTES", 8 * 4)
-    kv = StoreKVClient()
+    kv = LocalKVClient()
     kv.add_table("t", HashStore(4))
     kv.init_optimizer("t", "adagrad", {"initial_accumulator_value": 0.0})
     keys = np.arange(-20, 40, dtype=np.int64) * 7919

@@ -1,7 +1,7 @@
-"""The two builds of the compiled half kernels (csrc/cpu_kernels.h): the baseline x86-64
-build and the AVX2 + F16C build, picked at run time by the CPU, give the same bits for
-every kernel, every format and both roundings (so which one a machine picks changes
-nothing but speed)."""
+"""The builds of the compiled half kernels (csrc/cpu_kernels.h): the baseline x86-64 build,
+the AVX2 + FMA + F16C build and the AVX-512 build, picked at run time by the CPU, give
+the same bits for every kernel, every format and both roundings (so which one a machine
+picks changes nothing but speed)."""
 import numpy as np
 import pytest
 
@@ -11,25 +11,27 @@ pytestmark = pytest.mark.skipif(not kernels.HAS_EXT, reason="compiled kernels no
                                 "(DISTEMB_NO_EXT=1 or not built): nothing to compare")
 
 
-def _builds():
+def _builds(isa):
     from distemb import _halfkernels as hk
-    if not hk.has_vector_build():
-        pytest.skip("this CPU lacks AVX2 or F16C: only the baseline build runs here")
+    if isa not in kernels.available_cpu_isas():
+        pytest.skip(f"this CPU lacks the {isa} build's instructions: it runs "
+                    f"{kernels.available_cpu_isas()}")
     return hk
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("kind", [0, 1, 2])
 @pytest.mark.parametrize("op", ["encode", "gather", "sgd", "adagrad", "rowwise", "adam"])
-def test_baseline_and_vector_builds_agree(kind, op):
-    hk = _builds()
+def test_every_build_gives_the_baseline_bits(kind, op, isa):
+    hk = _builds(isa)
     rng = np.random.default_rng(kind)
-    rows, d = 400, 133  # not a multiple of 8: the vector loops' tails too
+    rows, d = 400, 133  # not a multiple of 8 or 16: the vector loops' tails too
     vals = (rng.standard_normal((rows, d)) * np.exp(rng.uniform(-20, 12, (rows, 1)))
             ).astype(np.float32)
     ids = rng.permutation(rows)[:150].astype(np.int64)
     grads = rng.standard_normal((150, d)).astype(np.float32)
     outs = []
-    for isa in (0, 1):
+    for isa in (0, kernels.CPU_ISAS[isa]):
         bits = np.empty(rows * d, np.uint16)
         hk.encode(min(kind, 1), vals.reshape(-1), bits, isa=isa)
         w = bits.reshape(rows, d)
@@ -56,5 +58,5 @@ def test_baseline_and_vector_builds_agree(kind, op):
 
 def test_an_unknown_build_is_refused():
     from distemb import _halfkernels as hk
-    with pytest.raises(ValueError, match="isa: expected -1, 0 or 1"):
+    with pytest.raises(ValueError, match="isa: expected -1, 0, 1 or 2"):
         hk.encode(0, np.zeros(4, np.float32), np.zeros(4, np.uint16), isa=7)

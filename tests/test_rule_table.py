@@ -105,7 +105,7 @@ def test_compiled_half_build_runs_the_rule(name, kind):
     want_bits, want_s = bits.copy(), [s.copy() for s in states]
     getattr(reference_half, rule.kernel)(code, want_bits, *want_s, rows, grads,
                                          *hyper_of(rule), seed=77)
-    for isa in (0, 1) if _halfkernels.has_vector_build() else (0,):
+    for isa in (kernels.CPU_ISAS[n] for n in kernels.available_cpu_isas()):
         got_bits, got_s = bits.copy(), [s.copy() for s in states]
         getattr(_halfkernels, rule.kernel)(code, got_bits, *got_s, rows, grads,
                                            *hyper_of(rule), seed=77, isa=isa)

@@ -13,11 +13,14 @@ Choosing the implementation, in one place:
 - ``with kernels.implementation("reference"):`` (or ``"compiled"``) switches this process
   for the duration of the block (tests parametrise over it; see tests/conftest.py).
 
-The compiled updates (float32 and half rows) exist in two builds, picked at import: a
-baseline x86-64 one and an AVX2 one, used when the CPU has AVX2 and F16C. Both give the
-same bits (no FMA contraction in either; see csrc/cpu_kernels.h). ``DISTEMB_CPU_ISA``
-(``baseline``, ``avx2`` or ``best``, the default) picks one for the whole process;
-``with kernels.cpu_isa("baseline"):`` for a block (the tests compare the builds).
+Every compiled CPU kernel (the updates on float32 and half rows, the gathers, dedup's sort
+and sums) exists in three builds, picked at import: baseline x86-64, AVX2 + FMA + F16C,
+and AVX-512 (F/BW/VL), the best this CPU runs. All give the same bits (no FMA
+contraction in any; see csrc/cpu_kernels.h). :data:`ISA` names the build in use;
+``DISTEMB_CPU_ISA`` (``baseline``, ``avx2``, ``avx512`` or ``best``, the default) picks
+one for the whole process (a build this CPU lacks is refused at import, with the reason);
+``with kernels.cpu_isa("baseline"):`` for a block (the tests run the kernel and optimizer
+oracles under each build this CPU has).
 
 Output buffers: ``gather_rows(out=...)`` and ``dedup_sum(out=...)`` write into a buffer
 the caller owns and reuses, which avoids a fresh allocation per step. Reuse is only safe
@@ -62,47 +65,52 @@ _impl = _compiled if HAS_EXT else reference
 
 
 #: The compiled builds by name (``set_isa``'s number in each extension module).
-CPU_ISAS = {"best": -1, "baseline": 0, "avx2": 1}
+CPU_ISAS = {"best": -1, "baseline": 0, "avx2": 1, "avx512": 2}
+#: Every build's name, best last (whether or not this CPU runs it).
+ALL_CPU_ISAS = ("baseline", "avx2", "avx512")
 
 
 def available_cpu_isas() -> Tuple[str, ...]:
-    """The builds of the compiled updates this CPU runs: ``('baseline', 'avx2')`` or
-    ``('baseline',)``; ``()`` when the compiled kernels are not loaded."""
+    """The builds of the compiled kernels this CPU runs, best last, e.g.
+    ``('baseline', 'avx2', 'avx512')``; ``()`` when the compiled kernels are not loaded."""
     if not HAS_EXT:
         return ()
-    return ("baseline", "avx2") if _compiled.has_vector_build() else ("baseline",)
+    return tuple(name for name in ALL_CPU_ISAS if _compiled.isa_supported(CPU_ISAS[name]))
 
 
 def _set_cpu_isa(name: str) -> None:
+    global ISA
     if name not in CPU_ISAS:
         raise ValueError(f"isa: expected one of {sorted(CPU_ISAS)}, got {name!r}")
     if name != "best" and name not in available_cpu_isas():
-        raise ValueError(f"isa: {name!r} is not available here (available: "
+        raise ValueError(f"isa: {name!r} is not available here (this CPU runs "
                          f"{available_cpu_isas()}, compiled kernels loaded: {HAS_EXT})")
     if HAS_EXT:
         _compiled.set_isa(CPU_ISAS[name])
         _compiled_half.set_isa(CPU_ISAS[name])
+    ISA = current_cpu_isa()
 
 
 def current_cpu_isa() -> str:
-    """The build the compiled updates run now: 'avx2' or 'baseline' ('' when not loaded)."""
+    """The build the compiled kernels run now: 'baseline', 'avx2' or 'avx512' ('' when
+    the compiled kernels are not loaded)."""
     if not HAS_EXT:
         return ""
     isa = _compiled.get_isa()
-    if isa < 0:
-        return "avx2" if _compiled.has_vector_build() else "baseline"
-    return "avx2" if isa == 1 else "baseline"
+    return ALL_CPU_ISAS[_compiled.best_isa() if isa < 0 else isa]
 
 
 @contextlib.contextmanager
 def cpu_isa(name: str) -> Iterator[None]:
-    """Run the block's compiled updates (float32 and half rows) on build ``name``
-    (``'baseline'``, ``'avx2'`` or ``'best'``), then restore the previous choice.
+    """Run the block's compiled kernels (float32 and half rows) on build ``name``
+    (``'baseline'``, ``'avx2'``, ``'avx512'`` or ``'best'``), then restore the previous
+    choice.
 
     Raises:
         ValueError: an unknown name, or a build this CPU (or this install) lacks.
     """
-    saved = _compiled.get_isa() if HAS_EXT else -1
+    global ISA
+    saved, saved_name = (_compiled.get_isa() if HAS_EXT else -1), ISA
     _set_cpu_isa(name)
     try:
         yield
@@ -110,8 +118,12 @@ def cpu_isa(name: str) -> Iterator[None]:
         if HAS_EXT:
             _compiled.set_isa(saved)
             _compiled_half.set_isa(saved)
+        ISA = saved_name
 
 
+#: The build the compiled kernels run now ('baseline', 'avx2' or 'avx512'; '' when they
+#: are not loaded): chosen at import (``DISTEMB_CPU_ISA``), changed by :func:`cpu_isa`.
+ISA = ""
 if HAS_EXT:
     _set_cpu_isa(os.environ.get("DISTEMB_CPU_ISA", "best") or "best")
 

@@ -7,7 +7,7 @@ so it is written once, as a template, and made per rule from the entry here (FBG
 ``codegen/genscript/optimizers.py`` pattern: one record per optimizer):
 
 - at build time, ``csrc/codegen.py`` (run by ``setup.py``) writes, into ``csrc/gen/``
-  (not in git), the CPU entry points of both ISA builds on float32 and half rows, their
+  (not in git), the CPU entry points of every ISA build on float32 and half rows, their
   Cython wrappers, the CUDA entry points (float32 and half) and their C declarations,
   and the list of rules the CPU emulation of the CUDA kernels runs;
 - at import time, :func:`define` makes the Python functions from it: the kernel contract

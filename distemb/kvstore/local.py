@@ -3,10 +3,12 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kernels import half
-from distemb.kvstore import snapshot
+from distemb.kernels.hashtable import keys_array
+from distemb.kvstore import snapshot, store_snapshot
+from distemb.kvstore.keyed import KeyedTables, init_state_columns
 from distemb.kvstore.server import KVServer
-from distemb.kvstore.store_client import StoreKVClient
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.rules import rule_of
 
 
 def init_shard(init_func, shape, dtype, name):
@@ -34,8 +36,14 @@ def init_shard(init_func, shape, dtype, name):
     return shard
 
 
-class LocalKVClient(KVClient):
+class LocalKVClient(KeyedTables, KVClient):
     """Embedded KVClient: every partition of every table lives in this process.
+
+    Array tables (``init_data``: rows 0..N-1 of a partition policy, one shard per
+    partition) and keyed tables (``create_table``/``add_table``: one
+    :class:`~distemb.kvstore.shard.ShardTable` over the table's row store, see
+    :mod:`distemb.kvstore.keyed`) live side by side in one
+    :class:`~distemb.kvstore.server.KVServer`, one namespace.
 
     Args:
         server: the in-process :class:`KVServer` (a new one when None).
@@ -49,13 +57,20 @@ class LocalKVClient(KVClient):
         (1, 2)
     """
 
+    PART = 0  # a keyed table's one shard holds every key
+
     def __init__(self, server=None, num_threads=1):
         self.server = server or KVServer(num_threads=num_threads)
         self.num_threads = self.server.num_threads
         self._meta = {}
-        self._stores = None  # the StoreKVClient of row-store tables, made on first use
+        self._keyed = []  # names of keyed tables, in creation order
+        self._init_keyed()
+
+    # -- array tables -------------------------------------------------------------------
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        if self.is_keyed(name):
+            raise KVStoreError(f"name {name!r} already exists in the KVStore")
         check_new_name(self._meta, name)
         check_rounding(dtype, rounding_seed)
         for part in range(policy.num_partitions):
@@ -65,10 +80,17 @@ class LocalKVClient(KVClient):
         self._meta[name] = DataMeta(tuple(shape), dtype, policy)
 
     def delete_data(self, name):
+        if name in self._keyed:
+            self._keyed.remove(name)
+            self.server.drop_shard(name, self.PART)  # closes the store
+            self._forget(name)
+            return
         self._meta.pop(name, None)
         self.server.drop(name)
 
     def pull(self, name, ids):
+        if self.is_keyed(name):
+            return self._table(name).pull(ids)
         meta = self._meta_of(name)
         # rows as float32 for half tables: decoded in the gather (one pass)
         out = np.empty((len(ids),) + meta.shape[1:], dtype=half.row_dtype(meta.dtype))
@@ -80,6 +102,9 @@ class LocalKVClient(KVClient):
         return out
 
     def push(self, name, ids, values):
+        if self.is_keyed(name):
+            self._table(name).push(ids, values)
+            return
         meta = self._meta_of(name)
         if meta.policy.num_partitions == 1:
             self.server.push(name, 0, ids, values)
@@ -87,7 +112,24 @@ class LocalKVClient(KVClient):
         for part, pos, local in meta.policy.split(ids):
             self.server.push(name, part, local, values[pos])
 
+    def init_optimizer(self, name, rule, options):
+        """Optimizer state of table ``name``: state arrays sharded like an array table,
+        state columns in a keyed table's store (see
+        :func:`~distemb.kvstore.keyed.init_state_columns`)."""
+        if not self.is_keyed(name):
+            return super().init_optimizer(name, rule, options)
+        t = self._table(name)
+        with t.write():
+            init_state_columns(t.store, rule, options)
+        t.bump_all()
+        return self._state_names(name, rule)
+
     def push_update(self, name, ids, grads, rule, hyper):
+        if self.is_keyed(name):
+            impl = rule_of(rule)
+            self._table(name).update(impl, ids, grads, impl.check_hyper(hyper),
+                                     self.num_threads)
+            return
         meta = self._meta_of(name)
         if meta.policy.num_partitions == 1:
             self.server.update(name, 0, ids, grads, rule, hyper)
@@ -108,15 +150,127 @@ class LocalKVClient(KVClient):
             start, step, _ = meta.policy.id_progression(part)
             self.server.load_shard(name, part, directory, entry, start, step)
 
+    def checkpoint_entry(self, name, directory, save_id):
+        if not self.is_keyed(name):
+            return super().checkpoint_entry(name, directory, save_id)
+        t = self._table(name)
+        with t.read():
+            rec = store_snapshot.save_store(directory, save_id, name, 0, t.store,
+                                            columns=t.columns())
+        return store_snapshot.store_entry(t.store.dim, t.store.dtype, [rec])
+
+    def restore_entry(self, name, directory, entry):
+        """Fill table ``name`` from its checkpoint entry; a keyed table's keys are
+        replaced by the checkpoint's (saved by any number of servers)."""
+        if not self.is_keyed(name):
+            return super().restore_entry(name, directory, entry)
+        t = self._table(name)
+        store_snapshot.check_entry(entry, name, t.store.dim, directory)
+        with t.write():  # all or nothing: every check passes before a key is removed
+            store_snapshot.load_store(directory, entry, t.store,
+                                      lambda keys: np.ones(len(keys), bool), replace=True)
+        t.bump_all()
+
     def store_client(self):
-        """The :class:`~distemb.kvstore.store_client.StoreKVClient` of this client's
-        context (stores in this process): one per client, closed (flushed) with it."""
-        if self._stores is None:
-            self._stores = StoreKVClient(self.server.num_threads, self.server)
-        return self._stores
+        """This client: it holds keyed tables itself."""
+        return self
 
     def close(self):
-        for name in list(self._meta):
+        """Drop every table; keyed tables' stores are flushed and closed."""
+        for name in list(self._meta) + list(self._keyed):
             self.delete_data(name)
-        if self._stores is not None:
-            self._stores.close()
+
+    # -- keyed tables (see distemb.kvstore.keyed) ---------------------------------------
+
+    def keyed_names(self):
+        return list(self._keyed)
+
+    def is_keyed(self, name):
+        return name in self._keyed
+
+    def create_table(self, name, spec):
+        if self._exists(name, spec):
+            return
+        self._add(name, spec.make_store(), spec)
+        self._specs[name] = spec
+
+    def add_table(self, name, store):
+        """Hold ``store`` as keyed table ``name`` (closed when the table is deleted).
+
+        Raises:
+            KVStoreError: ``name`` exists (a table of any kind).
+        """
+        self._add(name, store, None)
+
+    def _add(self, name, store, spec):
+        if name in self._keyed or name in self._meta or self.server.has(name, self.PART):
+            raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        self.server.add_table(name, self.PART, store, spec)
+        self._keyed.append(name)
+
+    def _table(self, name):
+        if name not in self._keyed:
+            raise KVStoreError(f"name {name!r} is not a table on a row store in the KVStore "
+                               f"(known: {sorted(self._keyed)[:10]})")
+        return self.server.table(name, self.PART)
+
+    def store(self, name):
+        """The RowStore of keyed table ``name``.
+
+        Raises:
+            KVStoreError: no such keyed table.
+        """
+        return self._table(name).store
+
+    def dim(self, name):
+        return self.store(name).dim
+
+    def size(self, name):
+        return self.store(name).size()
+
+    def capacity(self, name):
+        return self.store(name).capacity
+
+    def remove(self, name, keys):
+        t = self._table(name)
+        with t.write():
+            return t.store.remove(keys_array(keys))
+
+    def contains(self, name, keys):
+        t = self._table(name)
+        with t.read():
+            return t.store.find(keys_array(keys)) >= 0
+
+    def get(self, name, keys):
+        t = self._table(name)
+        with t.read():
+            return t.store.gather(keys_array(keys), insert=False)
+
+    def evict(self, name, target_size, policy=None):
+        t = self._table(name)
+        with t.write():
+            return t.store.evict(target_size, policy)
+
+    def export(self, name, columns=None):
+        t = self._table(name)
+        with t.read():
+            keys, cols = t.store.export()
+        cols = {c: a for c, a in cols.items() if c in t.columns()}
+        if columns is not None:
+            missing = [c for c in columns if c not in cols]
+            if missing:
+                raise KVStoreError(f"columns: {missing} not in table {name!r} "
+                                   f"(has {sorted(cols)})")
+            cols = {c: cols[c] for c in columns}
+        return keys, cols
+
+    def import_(self, name, keys, columns):
+        t = self._table(name)
+        with t.write():
+            t.store.import_(keys, columns)
+        t.bump_all()  # cached copies of these rows are void
+
+    def flush(self, name):
+        t = self._table(name)
+        with t.read():
+            t.store.flush()

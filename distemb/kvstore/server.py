@@ -273,9 +273,12 @@ class KVServer:
         return snapshot.write_segment(directory, save_id, name, part, start, step,
                                       arr.shape, half.dtype_name(arr), read_block)
 
-    def load_shard(self, name, part, directory, entry, start, step):
+    def load_shard(self, name, part, directory, entry, start, step, check=True, write=True):
         """Fill shard ``part`` of ``name`` (global ids ``start + step * k``) from the
-        segments of manifest record ``entry``, reading only the blocks it needs."""
+        segments of manifest record ``entry``, reading only the blocks it needs.
+
+        ``check=False`` skips the checks (every CRC, coverage) a call with
+        ``write=False`` already made: a load of several shards checks them all first."""
         table, column = self._entry(name, part)
         arr = table.store.column(column)
         saved, live = entry.get("dtype"), half.dtype_name(arr)
@@ -295,5 +298,9 @@ class KVServer:
             with table.write():
                 arr[local] = rows
                 table.bump(local)  # cached copies of these rows are void
-        snapshot.read_segments(directory, entry["segments"], half.storage_dtype(saved),
-                               arr.shape[1:], start, step, arr.shape[0], write_rows)
+        where = (directory, entry["segments"], half.storage_dtype(saved), arr.shape[1:], start,
+                 step, arr.shape[0])
+        if check:
+            snapshot.check_segments(*where)
+        if write:
+            snapshot.write_checked(*where, write_rows)

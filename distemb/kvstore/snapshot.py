@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -170,7 +171,6 @@ def max_block_rows(rows, row_bytes):
 def _blocks(directory, segments, dtype, row_shape, start, step, count):
     """(local ids, rows) of every CRC-checked block holding some of the shard's ids."""
     row_bytes = _row_bytes(row_shape, dtype)
-    last = start + (count - 1) * step
     for seg in segments:
         if not isinstance(seg, dict) or not isinstance(seg.get("file"), str) or \
                 not SEGMENT_FILE.match(seg["file"]):
@@ -185,31 +185,45 @@ def _blocks(directory, segments, dtype, row_shape, start, step, count):
             raise KVStoreError(f"checkpoint segment {seg['file']}: expected {-(-n // br)} "
                                f"block checksums")
         path = os.path.join(directory, seg["file"])
-        try:
-            size = os.path.getsize(path)
+        try:  # O_NONBLOCK: a FIFO in a segment's place cannot block the server
+            f = open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
         except OSError as e:
             raise KVStoreError(f"checkpoint: segment {path} is missing ({e.strerror})") from None
-        if size != n * row_bytes:
-            raise KVStoreError(f"checkpoint: segment {path} has {size} bytes, expected "
-                               f"{n * row_bytes} ({n} rows of {row_bytes} bytes): the saved "
-                               f"tensor's rows differ from the live one's, or it is truncated")
-        if not count or not n:
-            continue
-        with open(path, "rb") as f:
-            for b, lo in enumerate(range(0, n, br)):
-                hi = min(n, lo + br)
-                if s0 + (hi - 1) * st < start or s0 + lo * st > last:
-                    continue  # none of this block's ids are ours: not read
-                block = np.empty((hi - lo,) + tuple(row_shape), dtype=storage_dtype(dtype))
-                f.seek(lo * row_bytes)
-                view = memoryview(block).cast("B")
-                if f.readinto(view) != len(view) or zlib.crc32(view) != crcs[b]:
-                    raise KVStoreError(f"checkpoint: block {b} of segment {path} is corrupt "
-                                       f"(CRC-32 mismatch or short read)")
-                rel = s0 + np.arange(lo, hi, dtype=np.int64) * st - start
-                mine = (rel >= 0) & (rel % step == 0) & (rel // step < count)
-                if mine.any():
-                    yield rel[mine] // step, block[mine]
+        with f:
+            info = os.fstat(f.fileno())
+            size = info.st_size if stat.S_ISREG(info.st_mode) else -1
+            if size != n * row_bytes:
+                raise KVStoreError(f"checkpoint: segment {path} has {size} bytes, expected "
+                                   f"{n * row_bytes} ({n} rows of {row_bytes} bytes): the "
+                                   f"saved tensor's rows differ from the live one's, or it is "
+                                   f"truncated")
+            if not count or not n:
+                continue
+            yield from _read_blocks(f, path, (s0, st, n, br, crcs), row_shape, dtype, start,
+                                    step, count)
+
+
+def _read_blocks(f, path, record, row_shape, dtype, start, step, count):
+    """(local ids, rows) of the CRC-checked blocks of open segment ``f`` holding ids of
+    the shard (global ids ``start + step * k``, k < count); ``record`` is the segment's
+    checked (start, step, count, block_rows, crc32)."""
+    s0, st, n, br, crcs = record
+    row_bytes = _row_bytes(row_shape, dtype)
+    last = start + (count - 1) * step
+    for b, lo in enumerate(range(0, n, br)):
+        hi = min(n, lo + br)
+        if s0 + (hi - 1) * st < start or s0 + lo * st > last:
+            continue  # none of this block's ids are ours: not read
+        block = np.empty((hi - lo,) + tuple(row_shape), dtype=storage_dtype(dtype))
+        f.seek(lo * row_bytes)
+        view = memoryview(block).cast("B")
+        if f.readinto(view) != len(view) or zlib.crc32(view) != crcs[b]:
+            raise KVStoreError(f"checkpoint: block {b} of segment {path} is corrupt "
+                               f"(CRC-32 mismatch or short read)")
+        rel = s0 + np.arange(lo, hi, dtype=np.int64) * st - start
+        mine = (rel >= 0) & (rel % step == 0) & (rel // step < count)
+        if mine.any():
+            yield rel[mine] // step, block[mine]
 
 
 def manifest_path(directory):
@@ -225,10 +239,15 @@ def read_manifest(directory):
     """
     path = manifest_path(directory)
     try:
-        if os.path.getsize(path) > MAX_MANIFEST_BYTES:
+        # O_NONBLOCK: a FIFO in its place cannot block the server; only a regular file is
+        # read, and no more than the limit of it (a link to /dev/zero never ends).
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise KVStoreError(f"{path}: not a regular file")
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
             raise KVStoreError(f"{path}: over {MAX_MANIFEST_BYTES} bytes")
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(data.decode("utf-8"))
     except (OSError, ValueError) as e:
         raise KVStoreError(f"{directory}: not a distemb checkpoint (no readable "
                            f"{MANIFEST}: {e})") from None

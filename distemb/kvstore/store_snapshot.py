@@ -78,6 +78,9 @@ def _check_record(rec, i):
             isinstance(c, dict) and isinstance(c.get("shape"), list) and
             isinstance(c.get("dtype"), str) and isinstance(c.get("segment"), dict)
             for c in rec["columns"].values())
+    if ok:  # every segment of the record holds its count of rows, no more, no fewer
+        segs = [rec[KEYS]] + [c["segment"] for c in rec["columns"].values()]
+        ok = all(s.get("count") == rec["count"] for s in segs)
     if not ok:
         raise KVStoreError(f"checkpoint: shard record {i} of a dynamic table is malformed "
                            f"({str(rec)[:80]!r})")

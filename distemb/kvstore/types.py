@@ -272,7 +272,7 @@ class KVClient(ABC):
 
     def store_client(self) -> "KVClient":
         """A client for tables on row stores placed where this client places rows
-        (:class:`~distemb.kvstore.store_client.StoreClient`): embedded stores, or a hash
+        (:mod:`distemb.kvstore.keyed`): the embedded client itself, or a hash
         store per server of this client's cluster.
 
         Raises:

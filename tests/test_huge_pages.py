@@ -1,0 +1,64 @@
+"""Dense tables land on 2 MiB pages even when their first touch got 4 KiB pages
+(distemb/stores/pages.py): what the kernel mapped is read back from /proc/self/smaps."""
+import sys
+
+import numpy as np
+import pytest
+
+from distemb.stores.dense import DenseStore
+from distemb.stores.pages import MIN_BYTES, back_with_huge_pages
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="transparent huge pages are a Linux feature")
+
+
+def huge_bytes(array):
+    """Bytes of ``array``'s address range that the kernel maps with huge pages."""
+    lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
+    total, overlap = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                overlap = start < hi and end > lo
+            elif head == "AnonHugePages:" and overlap:
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.fixture
+def four_k_pages():
+    """numpy's own request for huge pages off: new arrays start on 4 KiB pages."""
+    previous = np.core.multiarray._set_madvise_hugepage(False)
+    yield
+    np.core.multiarray._set_madvise_hugepage(previous)
+
+
+def test_a_touched_array_moves_onto_huge_pages_unchanged(four_k_pages):
+    a = np.random.default_rng(0).random((1 << 16, 64), dtype=np.float32)  # 16 MiB
+    before, want = huge_bytes(a), a.copy()
+    if not back_with_huge_pages(a):
+        pytest.skip("this kernel refused MADV_COLLAPSE (Linux < 6.1, or THP disabled)")
+    assert before < a.nbytes // 2, "the array was on huge pages already: a void test"
+    assert huge_bytes(a) >= a.nbytes - 2 * (2 << 20)  # all but the partial ends
+    assert np.array_equal(a, want)
+
+
+def test_dense_store_columns_are_on_huge_pages(four_k_pages):
+    store = DenseStore(1 << 15, 128, init=lambda k: np.ones((len(k), 128), np.float32))
+    store.add_column("state", (128,), "float32", fill=0.5)
+    probe = np.ones(MIN_BYTES // 4, np.float32)
+    if not back_with_huge_pages(probe):
+        pytest.skip("this kernel refused MADV_COLLAPSE (Linux < 6.1, or THP disabled)")
+    for name in ("weight", "state"):
+        col = store.column(name)
+        assert huge_bytes(col) >= col.nbytes - 2 * (2 << 20), name
+    assert float(store.column("weight").sum()) == (1 << 15) * 128
+    assert float(store.column("state")[-1, -1]) == 0.5
+
+
+def test_small_arrays_are_left_alone():
+    a = np.zeros(MIN_BYTES // 8, np.float32)
+    assert back_with_huge_pages(a) is False
+    assert back_with_huge_pages([1.0, 2.0]) is False
