@@ -152,9 +152,6 @@ def main(argv=None):
     args, rest = p.parse_known_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("DISTEMB_NUM_THREADS", str(args.threads))
-    # For every method of the run (gensim's too): no page faults on buffers freed and
-    # allocated again each step (see deepwalk.keep_freed_memory).
-    deepwalk.keep_freed_memory()
     ds = load_dataset(args.dataset)
     # torch.optim.Optimizer's first construction imports torch._dynamo (~4 s): do it
     # before timing, so the method that happens to run first does not pay it alone.

@@ -18,7 +18,6 @@ Example:
 """
 import argparse
 import ast
-import ctypes
 import itertools
 import json
 import os
@@ -107,29 +106,6 @@ def fused_loss(tables, batch) -> torch.Tensor:
 #: --loss: (how the sampler prepares a batch, how a step computes the loss from it); the
 #: same value and gradients either way.
 LOSSES = dict(fused=(unique_batch, fused_loss), torch=(lambda batch: batch, plain_loss))
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to keep freed buffers in the heap instead of returning them.
-
-    Each step allocates and frees a few buffers of ~10 MB (looked-up rows, gradients).
-    By default glibc hands such buffers back to the kernel on free (mmap, or trimming
-    the heap's top) and the next step faults every page in again: ~1,800 page faults a
-    step on WordNet, a third of the step's CPU time (11.4 -> 7.3-8.2 ms measured with
-    these settings). Buffers below 32 MiB (mallopt's largest mmap threshold) then come
-    from the heap, and the heap is trimmed only past 1 GiB free. A no-op where libc is
-    not glibc.
-
-    Returns:
-        True if glibc accepted both settings.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)
-                and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def _data_option(text: str):
@@ -382,7 +358,6 @@ def format_table(rows) -> str:
 def main(argv=None) -> dict:
     """Run DeepWalk from the command line; return the metrics written to metrics.json."""
     args = parse_args(argv)
-    keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     if os.environ.get("DISTEMB_CONFIG"):  # a trainer of a distemb-launch job
