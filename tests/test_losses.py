@@ -50,9 +50,10 @@ def test_skipgram_loss_matches_autograd(kernel_impl, seed, scale):
     torch.testing.assert_close(c.grad.double(), want_ctx, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("isa", ["baseline", "avx2"])
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_each_cpu_build_matches_autograd(isa):
-    """The compiled pass's two builds (picked by kernels.cpu_isa, as every update)."""
+    """The compiled pass's two builds, picked by kernels.cpu_isa as every kernel's
+    (under 'avx512' the pass runs its AVX2 + FMA build)."""
     from distemb import kernels
     if isa not in kernels.available_cpu_isas():
         pytest.skip(f"no {isa} build here (compiled kernels loaded: {kernels.HAS_EXT}, "

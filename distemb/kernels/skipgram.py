@@ -4,7 +4,7 @@ The compiled kernel (``csrc/_skipgram.pyx``, one thread) is chosen by the same s
 as every kernel: it runs while :func:`distemb.kernels.active` is ``'compiled'``;
 ``DISTEMB_NO_EXT=1`` or ``kernels.implementation('reference')`` give the numpy twin in
 :mod:`distemb.kernels.reference_skipgram`. Its AVX2 + FMA build runs where
-:func:`distemb.kernels.current_cpu_isa` is ``'avx2'`` (``DISTEMB_CPU_ISA``,
+:func:`distemb.kernels.current_cpu_isa` is ``'avx2'`` or ``'avx512'`` (``DISTEMB_CPU_ISA``,
 ``kernels.cpu_isa()``) and the CPU has FMA; the baseline build otherwise.
 
 The inputs are rows of *unique* ids and index arrays into them, so the gradients come
@@ -31,6 +31,11 @@ if kernels.HAS_EXT:
     from distemb import _skipgram as _compiled  # built with _kernels, same switch
 else:
     _compiled = None
+
+
+#: kernels.current_cpu_isa() values under which the AVX2 + FMA build of the pass runs (it
+#: has no AVX-512 build of its own; every AVX-512 CPU runs AVX2 + FMA).
+_VECTOR_ISAS = ("avx2", "avx512")
 
 
 def _rows(name, a):
@@ -92,6 +97,6 @@ def sgns_loss_grad(node_rows: Rows, context_rows: Rows, centers, positives,
                          f"{positives.shape[0]} and {negatives.shape[0]}")
     if _compiled is not None and kernels.active() == "compiled":
         return _compiled.sgns_loss_grad(node_rows, context_rows, centers, positives,
-                                        negatives, kernels.current_cpu_isa() == "avx2")
+                                        negatives, kernels.current_cpu_isa() in _VECTOR_ISAS)
     return reference_skipgram.sgns_loss_grad(node_rows, context_rows, centers, positives,
                                              negatives)
