@@ -77,7 +77,7 @@ def save(path, client, names, meta):
     save_items(path, [(client, name) for name in names], meta)
 
 
-def save_items(path, items, meta):
+def save_items(path, items, meta, writer=True):
     """Write tensors ``items`` (``(client, name)`` pairs) and ``meta`` as checkpoint
     directory ``path``; each client writes its own (a dynamic table's entry holds its
     keys and every column, optimizer state included).
@@ -92,6 +92,9 @@ def save_items(path, items, meta):
         items: ``(client, name)``: a tensor and the
             :class:`~distemb.kvstore.KVClient` holding it.
         meta: JSON-able metadata stored in the manifest (optimizer, steps, ...).
+        writer: False on the other ranks of a collective client (its
+            ``all_ranks_checkpoint``): they write their shards of every item, in the same
+            order, and leave the manifest to the writer.
 
     Raises:
         DistEmbError: ``path`` is a file, or a server could not write (the previous
@@ -108,6 +111,8 @@ def save_items(path, items, meta):
         if client.data_meta(name) is None:
             raise DistEmbError(f"save: no tensor {name!r} in the KVStore")
         tensors[name] = client.checkpoint_entry(name, path, save_id)
+    if not writer:
+        return
     manifest = dict(meta, format=FORMAT, version=VERSION, save_id=save_id,
                     created=time.time(), tensors=tensors)
     tmp = f"{manifest_path(path)}.tmp-{os.getpid()}"

@@ -109,9 +109,9 @@ class DistContext:
         # Imported here: it imports torch, which server processes must never load.
         from distemb.kvstore.collective import CollectiveKVClient, join_process_group
 
-        join_process_group(timeout_s)
+        made = join_process_group(timeout_s)
         nt = num_threads or default_num_threads()
-        client = CollectiveKVClient(timeout_s=timeout_s, num_threads=nt)
+        client = CollectiveKVClient(timeout_s=timeout_s, num_threads=nt, own_group=made)
         return cls(client, backend=backend, role=Role.COLLECTIVE, rank=client.rank,
                    num_trainers=client.world_size, num_threads=nt)
 

@@ -10,7 +10,9 @@ writes each table's rows and optimizer state (``opt.state_dict()``, pulled colle
 to OUT_DIR/<table>.npz. ``--die-at S``: the last rank exits abruptly at step S; the
 others must raise KVStoreError naming it (they print it and exit 3). ``--mismatch``: rank 1
 defines a table with another row length; ``--apart``: rank 0 alone reads a row before
-training. Every rank must raise KVStoreError (printed, exit 3).
+training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` after
+training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
+at DIR/<table>, collective (each rank writes and reads its own shards).
 
 Bit-identical by construction (as tests/dynamic_trainer.py): the gradient of a looked-up
 row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
@@ -71,9 +73,10 @@ def make_tables(ctx):
     return embs, {k: OPTIMIZERS[k](e) for k, e in embs.items()}
 
 
-def train(embs, opts, steps, ranks, world, die_at=None, me=None):
-    """``ranks``: the ranks whose batch rows this process looks up (all: the oracle)."""
-    for step in range(steps):
+def train(embs, opts, steps, ranks, world, die_at=None, start=0):
+    """Steps ``start``.. ``start + steps - 1``; ``ranks``: the ranks whose batch rows this
+    process looks up (all of them: the oracle)."""
+    for step in range(start, start + steps):
         if die_at == step:
             os._exit(9)
         ids, c = batch(step)
@@ -97,11 +100,19 @@ def snapshot(embs, opts):
     return out
 
 
-def oracle(steps, world):
-    """The same job in one embedded process on the concatenated batches."""
+def oracle(steps, world, load=None, then=()):
+    """The same job in one embedded process on the concatenated batches: ``steps`` steps
+    of ``world`` ranks (after loading checkpoint ``load``, when given), then each
+    ``(steps, world)`` of ``then``."""
     ctx = distemb.DistContext.embedded(backend="pytorch", num_threads=1)
     embs, opts = make_tables(ctx)
-    train(embs, opts, steps, range(world), world)
+    if load:
+        for k, opt in opts.items():
+            opt.load(os.path.join(load, k))
+    start = 0
+    for n, w in ((steps, world),) + tuple(then):
+        train(embs, opts, n, range(w), w, start=start)
+        start += n
     out = snapshot(embs, opts)
     ctx.close()
     return out
@@ -119,7 +130,13 @@ def main(args):
         embs, opts = make_tables(ctx)
         if args.apart and rank == 0:
             embs["sgd"].weight[torch.arange(3)]
-        train(embs, opts, args.steps, [rank], world, die_at)
+        if args.load:
+            for k, opt in opts.items():
+                opt.load(os.path.join(args.load, k))
+        train(embs, opts, args.steps, [rank], world, die_at, args.start)
+        if args.save:
+            for k, opt in opts.items():
+                opt.save(os.path.join(args.save, k))
     except KVStoreError as e:
         print(f"rank {rank}: KVStoreError: {e}", flush=True)
         os._exit(3)
@@ -137,6 +154,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--save")
+    parser.add_argument("--load")
     parser.add_argument("--mismatch", action="store_true")
     parser.add_argument("--apart", action="store_true")
     main(parser.parse_args())

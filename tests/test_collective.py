@@ -3,11 +3,13 @@
 The job of tests/collective_trainer.py (every optimizer, zipf ids with many duplicates,
 a rank that looks nothing up on some steps) run by W ranks must give bit-identical rows
 and optimizer state to the same job in one embedded process on the concatenated
-batches (exact by construction: see that module). A rank that dies, tables defined
+batches (exact by construction: see that module); its checkpoint, each rank writing its
+own shards, loads into one process and into another number of ranks. A rank that dies, tables defined
 differently, and ranks whose calls went apart make every surviving rank raise a
 KVStoreError that says what happened, within the timeout, never hang. What collective
 mode does not do yet is refused (a world of one, in this process).
 """
+import json
 import os
 import sys
 import time
@@ -61,6 +63,39 @@ def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
         assert (moved > 0).sum() >= 50, f"table {k}: too few rows trained to mean anything"
 
 
+def assert_same(got, want, what):
+    assert sorted(got) == sorted(want), what
+    for col, arr in want.items():
+        assert got[col].dtype == arr.dtype, (what, col)
+        assert np.array_equal(got[col], arr), f"{what}: {col} differs"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_checkpoint_of_two_ranks_loads_embedded_and_into_three_ranks(tmp_path):
+    ck, first, second = tmp_path / "ck", tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    run_job(first, 2, "--steps", "8", "--save", str(ck))
+    with open(ck / "adam" / "manifest.json", encoding="utf-8") as f:
+        tensors = json.load(f)["tensors"]
+    for name in ("coll-adam", "coll-adam~opt~exp_avg"):  # one segment per rank, each file there
+        segs = tensors[name]["segments"]
+        assert sorted(s["part"] for s in segs) == [0, 1], name
+        assert all(os.path.isfile(ck / "adam" / s["file"]) for s in segs), name
+    # W ranks -> one process: the embedded job after the same 8 steps
+    assert_embedded = job.oracle(0, 1, load=str(ck))
+    after8 = job.oracle(8, 2)
+    for k in job.OPTIMIZERS:
+        assert_same(assert_embedded[k], after8[k], f"table {k} loaded into one process")
+    # W ranks -> W' ranks, resumed: the uninterrupted job
+    run_job(second, 3, "--start", "8", "--steps", "7", "--load", str(ck))
+    want = job.oracle(8, 2, then=[(7, 3)])
+    for k in job.OPTIMIZERS:
+        with np.load(second / f"{k}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, want[k], f"table {k} resumed on 3 ranks")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_dying_rank_fails_the_others_naming_it(tmp_path):
@@ -109,11 +144,8 @@ def test_world_of_one_pulls_pushes_and_trains_as_embedded(ctx):
     assert emb.weight[torch.tensor([9, 0])].tolist() == [[1.0] * 3, [-0.5] * 3]
 
 
-def test_not_yet_in_collective_mode_is_refused(ctx, tmp_path):
+def test_not_yet_in_collective_mode_is_refused(ctx):
     emb = DistEmbedding(10, 3, name="refused", context=ctx)
-    opt = SparseSGD([emb], lr=0.5)
-    with pytest.raises(KVStoreError, match="checkpoint save is not available in collective"):
-        opt.save(str(tmp_path / "ck"))
     with pytest.raises(KVStoreError, match="row store .* not available in collective"):
         DynamicEmbedding(4, name="dyn", context=ctx)
     with pytest.raises(KVStoreError, match="onto 'cuda' is not available in collective"):

@@ -22,8 +22,10 @@ raise :class:`~distemb.errors.KVStoreError` within the group's timeout, naming t
 that did not report after the failure (through the job's rendezvous store).
 
 Not in this mode yet (each is a KVStoreError, never a silent bypass): tables on row
-stores (DynamicEmbedding, StoreEmbedding), checkpoints (``save``/``load``), lookups onto
-a GPU (``emb(ids, device=...)``) and caches.
+stores (DynamicEmbedding, StoreEmbedding), lookups onto a GPU (``emb(ids, device=...)``)
+and caches. Checkpoints (``opt.save``/``opt.load``) are collective: each rank writes and
+reads its own shard, in the format of every other placement (a checkpoint of W ranks
+loads into W' ranks, servers or one process, and back).
 
 This module imports torch: server processes never import it.
 
@@ -52,6 +54,7 @@ import torch.distributed as dist
 from distemb import kernels
 from distemb.errors import DistEmbError, KVStoreError
 from distemb.kernels import half
+from distemb.kvstore import snapshot
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
@@ -66,14 +69,15 @@ REPORT_GRACE_S = 5.0
 
 def join_process_group(timeout_s=60.0):
     """Make the default process group (gloo) from torchrun's environment unless one
-    exists: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    exists: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Returns
+    whether it made one (its maker destroys it: see ``CollectiveKVClient(own_group=)``).
 
     Raises:
         DistEmbError: no group, and the environment lacks one of them (the message
             names it and says how to launch).
     """
     if dist.is_initialized():
-        return
+        return False
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if not os.environ.get(v)]
     if missing:
@@ -82,6 +86,7 @@ def join_process_group(timeout_s=60.0):
                            "`torchrun --nproc-per-node N train.py`, or call "
                            "torch.distributed.init_process_group() first")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
 
 
 def _crc(name):
@@ -117,18 +122,20 @@ class CollectiveKVClient(KVClient):
         group: the ranks sharing the tables (default: the whole default group; it must
             be initialized). This client makes its own gloo group over them, so its
             exchanges never interleave with the user's (e.g. DDP's NCCL) collectives.
+        own_group: destroy the default group on :meth:`close` (distemb made it).
 
     Raises:
         KVStoreError: torch.distributed is not initialized.
     """
 
-    def __init__(self, timeout_s=60.0, num_threads=1, group=None):
+    def __init__(self, timeout_s=60.0, num_threads=1, group=None, own_group=False):
         if not dist.is_available() or not dist.is_initialized():
             raise KVStoreError("CollectiveKVClient: torch.distributed is not initialized "
                                "(distemb.initialize(mode='collective') creates the group "
                                "from torchrun's environment)")
         ranks = None if group is None else dist.get_process_group_ranks(group)
         self.timeout_s = float(timeout_s)
+        self._own_group = own_group
         self._group = dist.new_group(ranks=ranks, backend="gloo",
                                      timeout=datetime.timedelta(seconds=self.timeout_s))
         self.rank = dist.get_rank(self._group)
@@ -319,14 +326,46 @@ class CollectiveKVClient(KVClient):
             return np.empty(0, np.int64), np.empty((0, self.row_dim(name)), np.float32)
         return summed
 
+    # -- checkpoints: every rank writes and reads its own shard --------------------------
+
+    #: ``opt.save``/``opt.load`` run on every rank (checkpoint.save_items' ``writer``).
+    all_ranks_checkpoint = True
+
+    def save_tensor(self, name, directory, save_id):
+        """Collective: every rank writes its shard of ``name`` as a segment of rank 0's
+        save ``save_id``; every rank gets the records of all (rank order)."""
+        meta = self._meta_of(name)
+        what = f"save of {name!r}"
+        save_id = self._gather_objects(what, save_id)[0]
+        start, step, _ = meta.policy.id_progression(self.rank)
+        rec = self.server.save_shard(name, self.rank, directory, save_id, start, step)
+        return self._gather_objects(what, rec)
+
+    def load_tensor(self, name, directory):
+        """Every rank fills its shard of ``name`` from the checkpoint's segments (saved
+        under any partitioning: by W ranks, servers or one process), reading only the
+        blocks that hold its rows."""
+        meta = self._meta_of(name)
+        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
+        start, step, _ = meta.policy.id_progression(self.rank)
+        self.server.load_shard(name, self.rank, directory, entry, start, step)
+
     def barrier(self):
         self._guard("barrier", lambda: dist.barrier(group=self._group))
 
     def close(self):
-        """Drop this rank's shards (the process group stays the user's)."""
+        """Drop this rank's shards and this client's group (and the default group when
+        distemb made it; a group the user made stays theirs). Not collective: a rank may
+        close while others have failed. Without it, gloo's threads may abort the process
+        at exit ("terminate called without an active exception")."""
         for name in list(self._meta):
             self.delete_data(name)
         self.server.close()
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+            if self._own_group:
+                dist.destroy_process_group()
+        self._group = None
 
     # -- what this mode does not do yet: refused, never bypassed --------------------------
 
@@ -334,18 +373,6 @@ class CollectiveKVClient(KVClient):
         return KVStoreError(f"{what} is not available in collective mode yet "
                             "(docs/cluster.md, 'Collective mode'); use the server mode "
                             "(distemb-launch) for it")
-
-    def save_tensor(self, name, directory, save_id):
-        raise self._refuse("checkpoint save")
-
-    def load_tensor(self, name, directory):
-        raise self._refuse("checkpoint load")
-
-    def checkpoint_entry(self, name, directory, save_id):
-        raise self._refuse("checkpoint save")
-
-    def restore_entry(self, name, directory, entry):
-        raise self._refuse("checkpoint load")
 
     def store_client(self):
         raise self._refuse("a table on a row store (DynamicEmbedding, StoreEmbedding)")

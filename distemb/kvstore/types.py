@@ -99,6 +99,9 @@ class KVClient(ABC):
     num_servers = 1
     #: OpenMP threads of this client's own kernels (coalescing, shared-memory gathers).
     num_threads = 1
+    #: Whether every trainer takes part in a checkpoint, each writing and reading its own
+    #: shards (collective clients); False: one trainer saves and loads for all.
+    all_ranks_checkpoint = False
 
     # -- storage ---------------------------------------------------------------------
 

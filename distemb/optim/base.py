@@ -248,10 +248,11 @@ class SparseOptimizer(torch.optim.Optimizer):
         updates have landed), rank 0 alone starts the one checkpoint (the servers write
         their shards, then the manifest), and a second barrier keeps every rank waiting
         until it is complete. A save on rank 0 only waits at the barrier for the others.
+        In collective mode every rank writes its own shards and rank 0 the manifest.
         """
         client, writer = self._collective()
         client.barrier()
-        if writer:
+        if writer or client.all_ranks_checkpoint:  # collective: each rank its own shards
             items = []
             for emb in self._embs:  # a store table's state is saved with its rows
                 items += [(emb.kvstore, n) for n in emb.kvstore.checkpoint_names(
@@ -259,7 +260,8 @@ class SparseOptimizer(torch.optim.Optimizer):
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
             checkpoint.save_items(path, items,
                                   {"optimizer": type(self).__name__, "rule": self.rule,
-                                   "steps": self._steps, "param_groups": groups})
+                                   "steps": self._steps, "param_groups": groups},
+                                  writer=writer)
         client.barrier()
 
     def load(self, path):
@@ -267,8 +269,8 @@ class SparseOptimizer(torch.optim.Optimizer):
 
         Collective: every trainer calls it, with any number of trainers (not necessarily
         the number that saved). Every rank reads the step counts and hyperparameters;
-        rank 0 alone pushes the rows and state, between two barriers, so no rank trains
-        on half-restored rows.
+        rank 0 alone pushes the rows and state (in collective mode every rank reads its
+        own shards), between two barriers, so no rank trains on half-restored rows.
         """
         meta = checkpoint.read_meta(path)
         if meta.get("rule") != self.rule:
@@ -280,7 +282,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         client, writer = self._collective()
         client.barrier()
         for emb in self._embs:
-            if writer:
+            if writer or client.all_ranks_checkpoint:
                 names = emb.kvstore.checkpoint_names(
                     emb.name, list(self._state_names(emb).values()))
                 checkpoint.restore(path, emb.kvstore, names)
