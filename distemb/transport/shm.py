@@ -24,8 +24,9 @@ that are gone (killed by SIGKILL, say), as every launch on the machine does firs
 The other direction (co-located writes): a trainer writes the arrays of an update or a
 push into its :class:`RequestSlot` (one file per trainer and server,
 ``distemb-p<pid>-<job>-t<rank>-s<server>-<token>-<generation>``, after the trainer's pid
-so that :func:`remove_orphans` removes a killed trainer's slots too) and sends only a small frame naming the
-file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
+so that :func:`remove_orphans` removes a killed trainer's slots too, as a server whose
+launcher died does at once: :func:`remove_job_orphans`) and sends only a small frame
+naming the file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
 server maps the file (:class:`SlotReader`), reads the arrays in place and applies the
 request, still the only writer of its rows. The trainer reuses the slot only after the
 server's reply, so the server never reads a slot being rewritten. The server trusts a
