@@ -13,7 +13,7 @@ Placement is the context's: embedded, the table is one store in this process
 (:class:`~distemb.kvstore.local.LocalKVClient`); in a cluster (``distemb-launch``)
 a DynamicEmbedding is one hash store per server, keys sharded by
 :func:`~distemb.partition.key_partition`
-(:class:`~distemb.kvstore.store_remote.RemoteStoreClient`), its initialiser sent to the
+(:class:`~distemb.kvstore.remote.RemoteKVClient`), its initialiser sent to the
 servers as a spec (``key_normal``/``key_uniform``). A StoreEmbedding over a given store
 object is embedded only; over a spec it runs anywhere.
 

@@ -11,11 +11,13 @@ trainers also get ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCA
 dense layers can use ``torch.distributed`` (DDP).
 
 Launchers: ``local`` (every address must be loopback; all processes start here), ``ssh``
-(one ``ssh HOST 'cd DIR && ENV... CMD'`` per process; the config path must be on a
-shared file system) and ``mpirun`` (ranks < S*machines are servers, the rest trainers).
-``--dry-run`` prints the exact commands. If a process fails, or on Ctrl-C, every child is
-stopped by PID. If the launcher itself dies, even by SIGKILL, the kernel stops its local
-children (Linux parent-death signal), and servers also notice they were orphaned. Every
+(one ``ssh HOST 'cd DIR && ENV... python -m distemb.session_guard CMD'`` per process;
+the config path must be on a shared file system) and ``mpirun`` (ranks < S*machines are
+servers, the rest trainers). ``--dry-run`` prints the exact commands. If a process fails,
+or on Ctrl-C, every child is stopped by PID. If the launcher itself dies, even by SIGKILL,
+the kernel stops its local children (Linux parent-death signal), servers also notice they
+were orphaned (and remove the request slots of the trainers that died with it), and each
+remote process's guard reads end-of-file on its ssh session and stops it. Every
 line a child writes is prefixed with its role and rank (``[server0]: ``, ``[trainer1]: ``).
 The config carries a fresh job token: a process outside the job cannot join it.
 
@@ -188,10 +190,12 @@ def plan(cfg, cfg_path, command, python):
     return procs
 
 
-def ssh_argv(host, env, argv, cwd):
-    """The ssh command starting ``argv`` with ``env`` in ``cwd`` on ``host``."""
+def ssh_argv(host, env, argv, cwd, python=sys.executable):
+    """The ssh command starting ``argv`` with ``env`` in ``cwd`` on ``host``, under
+    :mod:`distemb.session_guard`: the remote process dies when its ssh session does."""
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    remote = f"cd {shlex.quote(cwd)} && {exports} {shlex.join(argv)}"
+    guard = [python, "-m", "distemb.session_guard"]
+    remote = f"cd {shlex.quote(cwd)} && {exports} {shlex.join(guard + list(argv))}"
     return ["ssh", "-o", "StrictHostKeyChecking=no", host, remote]
 
 
@@ -265,10 +269,14 @@ class Supervisor:
         self._labels, self._relays = [], []
         self._lock = threading.Lock()
 
-    def start(self, argv, env, server, label=None, local=True):
+    def start(self, argv, env, server, label=None, local=True, ssh=False):
         sig = signal.SIGTERM if server else signal.SIGKILL
+        # An ssh child gets a pipe for stdin that we never write: when we die (or it
+        # does), its remote side reads end-of-file, and distemb.session_guard stops the
+        # remote process.
         p = subprocess.Popen(argv, env=dict(os.environ, **env), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE,
+                             stdin=subprocess.PIPE if ssh else None,
                              preexec_fn=_death_signal_setter(sig) if local else None)
         (self.servers if server else self.trainers).append(p)
         self._labels.append((p, label or ("server" if server else "trainer")))
@@ -423,7 +431,7 @@ def run(args):
                 server = i < len(cfg.servers)
                 label = f"{env['DISTEMB_ROLE']}{env['DISTEMB_RANK']}"
                 sup.start(ssh_argv(h, env, argv, os.getcwd()) if commands else argv, env,
-                          server, label)
+                          server, label, ssh=bool(commands))
         sup.relay_output()
         return sup.watch()
     except KeyboardInterrupt:

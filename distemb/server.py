@@ -24,16 +24,20 @@ from distemb.errors import DistEmbError
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.service import KVService
 from distemb.transport import tcp
-from distemb.transport.shm import ShmArena
+from distemb.transport.shm import ShmArena, remove_job_orphans
 
 PARENT_POLL_S = 0.5
+#: How long a server whose launcher died waits for the job's trainers to die (killed by
+#: the kernel with the launcher) to remove their request slots.
+ORPHAN_WAIT_S = 5.0
 
 
 def build_service(cfg, server_id, stop):
     """The KVService of server ``server_id`` of ``cfg``; ``stop`` is set on the last BYE."""
     arena = ShmArena(cfg.job_id, server_id) if cfg.shared_memory else None
     return KVService(KVServer(server_id, default_num_threads()), server_id, len(cfg.servers),
-                     cfg.num_trainers, cfg.timeout_s, arena, stop.set, token=cfg.job_token)
+                     cfg.num_trainers, cfg.timeout_s, arena, stop.set, token=cfg.job_token,
+                     max_request_bytes=cfg.max_message_bytes)
 
 
 def watch_parent(stop, parent):
@@ -62,7 +66,8 @@ def run(cfg, server_id):
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    watch_parent(stop, os.getppid())
+    parent = os.getppid()
+    watch_parent(stop, parent)
     service = build_service(cfg, server_id, stop)
     if service.arena:
         atexit.register(service.arena.close)  # exits that skip the finally below
@@ -79,6 +84,9 @@ def run(cfg, server_id):
         service.server.close()  # file-backed tables flush and unlock their directories
         if service.arena:
             service.arena.close()
+            # The request slots of the job's trainers that died: when the launcher died,
+            # the kernel is killing them right now (SIGKILL leaves their files behind).
+            remove_job_orphans(cfg.job_id, ORPHAN_WAIT_S if os.getppid() != parent else 0.0)
 
 
 def main(argv=None):

@@ -13,9 +13,7 @@ so each row gets gradient 1 per step from one trainer: torch's Adagrad on an
 ``nn.Embedding(sparse=True)`` with all nodes as one batch is the single-process job.
 """
 import os
-import shutil
 import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -23,44 +21,22 @@ import pytest
 import torch
 
 from mp_helper import ROOT, ProcessGroup, child_env, free_port
+from ssh_helper import ssh_wrapper, start_sshd
 
 dgl = pytest.importorskip("dgl")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH = os.path.join(HERE, "dgl_upstream", "launch.py")
 TRAINER = os.path.join(HERE, "dgl_launch_trainer.py")
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
 @pytest.fixture
 def sshd(tmp_path):
     """An sshd on 127.0.0.1:<free port> admitting one key; yields (port, PATH prefix)."""
-    if not os.path.exists(SSHD):
-        pytest.skip(f"{SSHD} is missing: DGL's launcher starts every process through ssh; "
-                    "`make system` installs Debian's openssh-server (it could not here)")
-    d = tmp_path / "ssh"
-    d.mkdir()
-    for key in ("host_key", "id_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)],
-                       check=True)
-    shutil.copy(d / "id_key.pub", d / "authorized_keys")
-    port = free_port(1)
-    (d / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\n"
-        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
-        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
-        f"StrictModes no\nPidFile {d / 'sshd.pid'}\nAcceptEnv none\n")
-    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    wrapper = bindir / "ssh"
-    wrapper.write_text(f"#!/bin/sh\nexec /usr/bin/ssh -i {d / 'id_key'} -o BatchMode=yes "
-                       "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR \"$@\"\n")
-    wrapper.chmod(0o755)
     with ProcessGroup() as group:
-        group.spawn([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], expect=None)
-        group.wait_listening([("127.0.0.1", port)], timeout=30)
-        yield port, str(bindir)
+        port, key = start_sshd(tmp_path, group, "DGL's launcher starts every process "
+                                                "through ssh")
+        yield port, ssh_wrapper(tmp_path / "bin", key)
 
 
 def _partition(tmp_path, machines):

@@ -12,7 +12,6 @@ import pytest
 from mp_helper import ProcessGroup
 from test_hostile import BAD_VALUES, NAMES, Server, _array, ask, closed_after_error
 
-from distemb.kvstore.store_remote import RemoteStoreClient
 from distemb.rules import AdagradHyper
 from distemb.stores import key_normal
 from distemb.stores.spec import HashTableSpec

@@ -1,5 +1,5 @@
 """The store-client suite: every test runs on the embedded LocalKVClient and on the
-RemoteStoreClient of two server processes (keys sharded by key hash).
+RemoteKVClient of two server processes (keys sharded by key hash).
 
 The fixture hands out the *placement* client (LocalKVClient or RemoteKVClient); tests
 get the store client from it (``store_client()``) or build a DynamicEmbedding in a
@@ -270,7 +270,7 @@ def test_a_server_refuses_keys_another_server_owns(cluster):
         keys = np.arange(50, dtype=np.int64)
         theirs = keys[key_partition(keys, 2) == 1][:1]
         with pytest.raises(KVStoreError, match=f"key {int(theirs[0])} .* belongs to server 1"):
-            kv.call({0: Pull(name="routed", parts=[0], counts=[1], ids=theirs)})
+            kv._call({0: Pull(name="routed", parts=[0], counts=[1], ids=theirs)})
         assert dyn.size("routed") == 0
         dyn.delete_data("routed")
     finally:

@@ -25,7 +25,6 @@ from test_hostile import Server, ask
 from distemb import checkpoint
 from distemb.kernels.half import BFLOAT16
 from distemb.kvstore import LocalKVClient, snapshot
-from distemb.kvstore import LocalKVClient
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec

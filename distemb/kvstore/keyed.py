@@ -10,8 +10,8 @@ of the KVClient methods it has its keys managed (``remove``, ``contains``, ``get
 
 :class:`KeyedTables` is the mixin a placement client takes to hold keyed tables beside
 its array tables, in one namespace: :class:`~distemb.kvstore.local.LocalKVClient` (one
-process owns the stores) and :class:`~distemb.kvstore.store_remote.RemoteStoreClient`
-(a store per server). It implements, once for every placement, what a keyed table does
+process owns the stores) and :class:`~distemb.kvstore.remote.RemoteKVClient` (a store
+per server, :mod:`distemb.kvstore.remote_keyed`). It implements, once for every placement, what a keyed table does
 differently at the client (its ids, values, metadata, optimizer state and its
 ``state_dict``) and leaves array tables to the client's own methods. Both run one shared
 test suite (tests/test_store_client_suite.py).

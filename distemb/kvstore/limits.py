@@ -1,14 +1,24 @@
-"""What a server may allocate: the memory and shared-memory space left on this machine.
+"""What a server may allocate: the memory and shared-memory space left on this machine,
+and what any one request may make it allocate.
 
 A table a server cannot hold is refused when it is created, with the numbers, instead of
 being accepted and failing later (an untouched ``np.zeros`` or a sparse /dev/shm file
 costs nothing until its pages are written: the server would die of the OOM killer or
 SIGBUS mid-training).
 
+Every other request is bounded by :func:`check_request`: the memory it would make the
+server allocate (a reply's rows, keys a lookup inserts) must be at most the job's
+``max_message_bytes`` (1 GiB by default; no reply over it could be sent anyway), checked
+from the request's numbers before anything is allocated.
+
 Example:
     >>> check_fits(1 << 20, "table 'w'")  # a MiB fits anywhere
     >>> available_memory() > 0
     True
+    >>> check_request(10 * (1 << 40), 1 << 30, "pull of 10 rows of 'w'")
+    Traceback (most recent call last):
+    ...
+    distemb.errors.KVStoreError: pull of 10 rows of 'w': would make this server allocate ...
 """
 import os
 
@@ -56,3 +66,35 @@ def check_fits(nbytes, what, shm_dir=None):
         raise KVStoreError(f"{what}: needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB), but "
                            f"this server has {room:,} bytes ({room / 2**30:.2f} GiB) left in "
                            f"{where}; use more servers or a smaller table")
+
+
+def check_request(nbytes, limit, what):
+    """Raise unless one request's ``nbytes`` of new memory are within ``limit``.
+
+    Args:
+        nbytes: what the request would make the server allocate (a Python int).
+        limit: the job's bound per request (``ClusterConfig.max_message_bytes``).
+        what: the request, for the message.
+
+    Raises:
+        KVStoreError: naming both numbers.
+    """
+    if nbytes > limit:
+        raise KVStoreError(f"{what}: would make this server allocate {nbytes:,} bytes, over "
+                           f"the limit of {limit:,} bytes per request (max_message_bytes); "
+                           "ask for fewer rows per request")
+
+
+def check_disk(nbytes, what, directory):
+    """Raise unless ``nbytes`` fit in 90% of the free space of ``directory``'s file system.
+
+    Raises:
+        KVStoreError: naming the bytes asked for and the bytes free.
+    """
+    try:
+        room = int(free_space(directory) * HEADROOM)
+    except OSError as e:
+        raise KVStoreError(f"{what}: cannot stat {directory!r} ({e.strerror})") from None
+    if nbytes > room:
+        raise KVStoreError(f"{what}: needs {nbytes:,} bytes on disk, but {directory} has "
+                           f"{room:,} bytes left (90% of its free space)")

@@ -31,7 +31,7 @@ from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, Store
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.remote_versions import VersionedPulls
-from distemb.kvstore.store_remote import RemoteStoreClient
+from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables
 from distemb.rules import rule_of, state_name
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
@@ -41,7 +41,6 @@ from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm
 from distemb.transport.shm import RequestSlot, attach
 
 INIT_CHUNK_BYTES = 64 << 20
-IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge shard
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).
 ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
           "MissingKeyError": MissingKeyError}
@@ -80,8 +79,12 @@ def open_connections(cfg):
             for i, s in enumerate(cfg.servers)]
 
 
-class RemoteKVClient(VersionedPulls, KVClient):
+class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
     """KVClient over a cluster of KVStore servers.
+
+    Array tables (``init_data``) are partitioned by their policy; keyed tables
+    (``create_table``) are a row store per server, keys routed by the table's router
+    (:mod:`distemb.kvstore.remote_keyed`).
 
     Args:
         cfg: the job's :class:`~distemb.config.ClusterConfig`.
@@ -106,7 +109,7 @@ class RemoteKVClient(VersionedPulls, KVClient):
         self._conns = list(connections) if connections is not None else open_connections(cfg)
         self._meta, self._shm, self._seq, self._slots = {}, {}, {}, {}
         self._closed = False
-        self._stores = None  # the RemoteStoreClient of dynamic tables, made on first use
+        self._init_remote_keyed()
         hello = {sid: Hello(rank=rank, token=cfg.job_token or "")
                  for sid in range(self.num_servers)}
         self.server_info = [r.fields for r in self._call(hello).values()]
@@ -175,15 +178,9 @@ class RemoteKVClient(VersionedPulls, KVClient):
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
 
-    def call(self, requests, wait=True, on_reply=None, timeout=None):
-        """``_call`` for the clients sharing these connections (:meth:`store_client`)."""
-        return self._call(requests, wait=wait, on_reply=on_reply, timeout=timeout)
-
     def store_client(self):
-        """Dynamic tables on these servers: this client's one :class:`RemoteStoreClient`."""
-        if self._stores is None:
-            self._stores = RemoteStoreClient(self)
-        return self._stores
+        """This client: it holds keyed tables itself."""
+        return self
 
     def _frame_for(self, sid, msg, wait):
         """The frame of ``msg``; an update or push to a co-located server goes via /dev/shm.
@@ -232,6 +229,8 @@ class RemoteKVClient(VersionedPulls, KVClient):
     # -- KVClient -----------------------------------------------------------------------
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
+        if self.is_keyed(name):
+            raise KVStoreError(f"name {name!r} already exists in the KVStore")
         check_new_name(self._meta, name)
         check_rounding(dtype, rounding_seed)
         by = self._parts_by_server(policy)
@@ -272,6 +271,8 @@ class RemoteKVClient(VersionedPulls, KVClient):
                                                      half.storage_dtype(dt))
 
     def delete_data(self, name):
+        if self.is_keyed(name):
+            return self._keyed_delete(name)
         meta = self._meta.pop(name, None)
         if meta is None:
             return
@@ -281,6 +282,8 @@ class RemoteKVClient(VersionedPulls, KVClient):
 
     def pull(self, name, ids):
         self._check_open()
+        if self.is_keyed(name):
+            return self._keyed_pull(name, ids)
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         meta.policy.check_ids(ids, f"ids of {name!r}")
@@ -329,6 +332,8 @@ class RemoteKVClient(VersionedPulls, KVClient):
         return shard.read(lambda a: a[local])
 
     def push(self, name, ids, values):
+        if self.is_keyed(name):
+            return self._keyed_push(name, ids, values)
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         meta.policy.check_ids(ids, f"ids of {name!r}")
@@ -341,6 +346,8 @@ class RemoteKVClient(VersionedPulls, KVClient):
                               values=_take(values, r.positions)) for sid, r in routes.items()})
 
     def init_optimizer(self, name, rule, options):
+        if self.is_keyed(name):
+            return self._keyed_init_optimizer(name, rule, options)
         meta = self._meta_of(name)
         impl = rule_of(rule)
         opts = {k: float(v) for k, v in options.items()}
@@ -361,6 +368,8 @@ class RemoteKVClient(VersionedPulls, KVClient):
         return names
 
     def push_update(self, name, ids, grads, rule, hyper):
+        if self.is_keyed(name):
+            return self._keyed_push_update(name, ids, grads, rule, hyper)
         self.push_update_versions(name, ids, grads, rule, hyper, versions=False)
 
     def push_update_versions(self, name, ids, grads, rule, hyper, versions=True):
@@ -416,6 +425,16 @@ class RemoteKVClient(VersionedPulls, KVClient):
                                 steps=[p[1] for p in prog], **fields)
         return requests
 
+    def checkpoint_entry(self, name, directory, save_id):
+        if self.is_keyed(name):
+            return self._keyed_checkpoint_entry(name, directory, save_id)
+        return super().checkpoint_entry(name, directory, save_id)
+
+    def restore_entry(self, name, directory, entry):
+        if self.is_keyed(name):
+            return self._keyed_restore_entry(name, directory, entry)
+        return super().restore_entry(name, directory, entry)
+
     def save_tensor(self, name, directory, save_id):
         """Every server writes its own shards of ``name``, all at once (in parallel)."""
         replies = self._call(self._shard_requests(Save, name, directory=directory,
@@ -435,8 +454,7 @@ class RemoteKVClient(VersionedPulls, KVClient):
         """
         summed = super().coalesce(name, ids, grads, F)
         if summed is None and self.consistency == Consistency.SYNC_EXACT:
-            dim = self._meta_of(name).shape[1]
-            return np.empty(0, np.int64), np.empty((0, dim), np.float32)
+            return np.empty(0, np.int64), np.empty((0, self.row_dim(name)), np.float32)
         return summed
 
     def _sum_buffer(self, name, n, dim):
@@ -445,6 +463,8 @@ class RemoteKVClient(VersionedPulls, KVClient):
         The summed gradients are then handed to the server where they were summed, with
         no copy (``push_update`` follows ``coalesce`` before any other request).
         """
+        if self.is_keyed(name):  # its rows go by key to any server
+            return super()._sum_buffer(name, n, dim)
         sids = set(self._parts_by_server(self._meta_of(name).policy))
         slot = self._slots.get(next(iter(sids))) if len(sids) == 1 else None
         if slot is None:

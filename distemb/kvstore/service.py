@@ -39,12 +39,12 @@ from distemb.errors import KVStoreError, TransportError
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kvstore import snapshot
 from distemb.kvstore.exact import ExactSteps
-from distemb.kvstore.limits import check_fits
+from distemb.kvstore.limits import check_fits, check_request
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.kvstore.store_service import StoreTables
 from distemb.rules import check_table_name, rule_of, state_init, state_name
 from distemb.schema import default_of
-from distemb.transport.base import FLAG_NO_REPLY, Session
+from distemb.transport.base import FLAG_NO_REPLY, MAX_MESSAGE_BYTES, Session
 from distemb.transport.messages import Error, InShm, Reply, Service, decode_request
 from distemb.transport.shm import SlotReader
 
@@ -73,6 +73,9 @@ class KVService:
             memory, or None for private memory.
         on_all_bye: called once every trainer has said BYE.
         token: the job's secret; a Hello without it is refused (None: no check).
+        max_request_bytes: the most memory one request other than a Create or OptInit
+            (bounded by the machine's memory) may make this server allocate: a reply's
+            rows, the keys a lookup inserts (:func:`~distemb.kvstore.limits.check_request`).
 
     Trust: a connection's first request must be a Hello with the job's token and a rank
     in 0..num_trainers-1; that rank is the connection's for good, and a Barrier or Bye
@@ -82,10 +85,11 @@ class KVService:
 
     def __init__(self, server, server_id, num_servers, num_trainers,
                  timeout_s=default_of(ClusterConfig, "timeout_s"), arena=None, on_all_bye=None,
-                 token=None):
+                 token=None, max_request_bytes=MAX_MESSAGE_BYTES):
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye, self.token = arena, on_all_bye, token
+        self.max_request_bytes = max_request_bytes
         # Co-located trainers hand updates and pushes over in their request slots.
         self.slots = SlotReader(arena.job, arena.directory) if arena else None
         self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
@@ -101,7 +105,7 @@ class KVService:
                           Service.SAVE: self._save, Service.LOAD: self._load,
                           Service.VERSIONED_PULL: self._versioned_pull}
         # Tables made from a spec (dynamic, file-backed): their key management.
-        self.stores = StoreTables(server, server_id, num_servers)
+        self.stores = StoreTables(server, server_id, num_servers, max_request_bytes)
         self._handlers.update(self.stores.handlers())
 
     def handle(self, frame, session=None):
@@ -190,6 +194,11 @@ class KVService:
             table = self.server.table(m.name, part)
             out.append((part, table.local_keys(m.ids[sl], f"shard {part} of {m.name!r}"), sl))
         return out
+
+    def _row_bytes(self, name, part):
+        """Bytes of one row of shard ``part`` of ``name`` in a reply."""
+        shape = self.server.shard(name, part).shape[1:]
+        return self.server.row_dtype(name, part).itemsize * int(np.prod(shape, dtype=object))
 
     def _new_array(self, shape, dtype):
         return self.arena.allocate(shape, dtype) if self.arena else np.zeros(shape, dtype)
@@ -300,6 +309,8 @@ class KVService:
                     self.server.row_dtype(m.name, part) != dtype:
                 raise KVStoreError(f"shards {m.parts[0]} and {part} of {m.name!r} differ in "
                                    f"row shape or dtype")
+        check_request(m.ids.shape[0] * self._row_bytes(m.name, m.parts[0]),
+                      self.max_request_bytes, f"pull of {m.ids.shape[0]} rows of {m.name!r}")
         out = np.empty((m.ids.shape[0],) + first.shape[1:], dtype=dtype)
         for part, ids, sl in rows:
             self.server.pull(m.name, part, ids, out=out[sl])
@@ -379,21 +390,31 @@ class KVService:
 
     def _versioned_pull(self, m, session=None):
         """Rows (and optimizer states) whose version differs from the trainer's copy."""
-        pos, vers, rows, states = [], [], [], [[] for _ in m.states]
-        for part, ids, sl in self._rows(m):
+        if not m.parts:
+            raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
+        parts = self._rows(m)
+        row_bytes = 16 + sum(self._row_bytes(name, m.parts[0]) for name in  # position, version
+                             [m.name] + [state_name(m.name, s) for s in m.states])
+        what = f"versioned pull of {m.ids.shape[0]} rows of {m.name!r}"
+        inserting = any(self.server.table(m.name, p).inserts_on_read for p in m.parts)
+        if inserting:  # its versions insert absent keys: every row may be new, check first
+            check_request(m.ids.shape[0] * row_bytes, self.max_request_bytes, what)
+        found = []
+        for part, ids, sl in parts:
             # Versions first: a row written meanwhile then carries an older version than
             # its contents, which the next validation refetches (never the reverse).
             cur = self.server.versions(m.name, part, ids)
+            found.append((part, ids, sl, cur, np.flatnonzero(cur != m.have[sl])))
+        check_request(sum(len(f[4]) for f in found) * row_bytes, self.max_request_bytes, what)
+        pos, vers, rows, states = [], [], [], [[] for _ in m.states]
+        for part, ids, sl, cur, stale in found:
             have = m.have[sl]
-            stale = np.flatnonzero(cur != have)
             pos.append(stale + sl.start)
             vers.append(cur[stale])
             rows.append(self.server.pull(m.name, part, ids[stale]))
             keep = ids[stale[have[stale] != -1]]  # -1: the trainer does not keep the row
             for i, sname in enumerate(m.states):
                 states[i].append(self.server.pull(state_name(m.name, sname), part, keep))
-        if not pos:
-            raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
                      + [np.concatenate(st) for st in states])
 

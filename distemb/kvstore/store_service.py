@@ -31,21 +31,39 @@ Example:
     ...                  ids=np.array([2**60, 5]))).arrays[0].tolist()
     [True, False]
 """
+import os
 import threading
 
 import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
+from distemb.kernels.half import storage_dtype
 from distemb.kvstore import snapshot, store_snapshot
 from distemb.kvstore.keyed import init_state_columns
+from distemb.kvstore.limits import check_disk, check_request
 from distemb.rules import check_table_name, state_owner
 from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
+from distemb.transport.base import MAX_MESSAGE_BYTES
 from distemb.transport.messages import Reply, Service
 
 
 #: Longest row a server accepts for a dynamic table (a hostile dim must not allocate).
 MAX_DIM = 1 << 16
+
+
+def _row_bytes(column):
+    """Bytes of one row of a column ``(row shape, dtype)`` (its rows travel as float32 or
+    wider)."""
+    shape, dtype = column
+    return max(4, storage_dtype(dtype).itemsize) * int(np.prod(shape, dtype=object))
+
+
+def _existing(path):
+    """``path`` or its nearest existing ancestor (where a new directory's bytes go)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 class StoreTables:
@@ -56,10 +74,13 @@ class StoreTables:
         server: the KVServer holding every shard of this server.
         server_id, num_servers: this server's place; it holds the keys each table's
             router sends to ``server_id``.
+        max_request_bytes: the most memory one read or export may make it allocate
+            (:func:`~distemb.kvstore.limits.check_request`).
     """
 
-    def __init__(self, server, server_id, num_servers):
+    def __init__(self, server, server_id, num_servers, max_request_bytes=MAX_MESSAGE_BYTES):
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
+        self.max_request_bytes = max_request_bytes
         self._lock = threading.Lock()  # creation: check and add as one
 
     def handlers(self):
@@ -125,6 +146,10 @@ class StoreTables:
                     raise KVStoreError(f"table {m.name!r} exists with {have}, "
                                        f"asked for {spec}")
                 return Reply(fields={"existed": True})
+            if spec.kind == "file" and spec.preallocate:  # its columns' blocks, reserved now
+                rows = -(-spec.num_rows // self.num_servers)  # this server's shard
+                check_disk(rows * spec.dim * storage_dtype(spec.dtype).itemsize,
+                           f"file table {m.name!r}", _existing(spec.path))
             store = spec.make_store(self.server_id, self.num_servers)
             self.server.add_table(m.name, self.server_id, store, spec,
                                   spec.router(self.num_servers))
@@ -138,6 +163,8 @@ class StoreTables:
                 return Reply(arrays=[t.store.find(keys) >= 0])
             if m.column not in t.columns():
                 t.store.column(None)  # the StoreError naming the columns
+            check_request(len(keys) * _row_bytes(t.columns()[m.column]), self.max_request_bytes,
+                          f"get of {len(keys)} rows of {m.name!r}")
             return Reply(arrays=[t.store.gather(keys, m.column, insert=False)])
 
     def remove(self, m, session=None):
@@ -170,6 +197,9 @@ class StoreTables:
             missing = [c for c in cols if c not in have]
             if missing:
                 raise StoreError(f"columns: {missing} not in {m.name!r} (has {sorted(have)})")
+            n = max(0, min(m.count, t.store.size() - m.start))
+            check_request(n * (8 + sum(_row_bytes(have[c]) for c in cols)),
+                          self.max_request_bytes, f"export of {n} keys of {m.name!r}")
             keys = t.store.keys()
             sel = keys[m.start:m.start + m.count]
             slots = t.store.slots(sel) if len(sel) else np.empty(0, np.int64)

@@ -162,9 +162,12 @@ class ShmShard:
         return None
 
 
-def remove_orphans(directory=SHM_DIR):
+def remove_orphans(directory=SHM_DIR, job=None):
     """Unlink the shard files and request slots whose owning process (a server, a
-    trainer) no longer exists.
+    trainer) no longer exists (or is a zombie).
+
+    Args:
+        job: only the files of this job id (None: of every job).
 
     Returns:
         the paths removed.
@@ -172,7 +175,8 @@ def remove_orphans(directory=SHM_DIR):
     removed = []
     for name in os.listdir(directory) if os.path.isdir(directory) else ():
         match = _OWNED.match(name)
-        if not match or _alive(int(match.group(1))):
+        if not match or (job is not None and not name.startswith(
+                f"{match.group(0)}{job}-")) or _alive(int(match.group(1))):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -191,7 +195,28 @@ def _alive(pid):
         return False
     except PermissionError:
         return True  # exists, another user's
-    return True
+    try:  # a zombie (killed, not yet reaped by its new parent) holds nothing any more
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_job_orphans(job, wait_s, directory=SHM_DIR):
+    """Unlink the files of job ``job`` whose owners are gone, waiting up to ``wait_s`` s
+    for the owners of the rest to go too (a server whose launcher died: the kernel is
+    killing the job's trainers at the same moment, and their request slots must not stay).
+
+    Returns:
+        the names of the job's files still there (their owners outlived the wait).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        remove_orphans(directory, job)
+        left = [n for n in os.listdir(directory) if _OWNED.match(n) and f"-{job}-" in n]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 def attach(path, shape, dtype):

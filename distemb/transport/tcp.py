@@ -36,6 +36,8 @@ HELLO_TIMEOUT_S = 10.0
 #: closed to admit the newcomer, so strangers can hold neither the connection slots nor
 #: the door: a trainer's connection is authenticated within a round trip of opening.
 MAX_UNAUTHENTICATED = 64
+#: Largest array payload of a frame before the connection's Hello (a Hello has none).
+MAX_HELLO_BYTES = 4096
 log = logging.getLogger("distemb")
 
 
@@ -245,9 +247,13 @@ def _serve_connection(conn, handle, inflight, slots, doorway):
     """Answer requests on ``conn`` until the peer leaves, idles out, sends a malformed
     frame or fails its handshake. Never raises: one client cannot kill the server."""
     session = Session(peer=conn.peer)
+    max_bytes = conn.max_bytes
     try:
         while not session.closing:
             waiting = session.rank is None and not session.trusted
+            # Before its Hello a peer may send small frames only: 64 strangers must not
+            # make the server buffer 64 frames of max_message_bytes.
+            conn.max_bytes = min(max_bytes, MAX_HELLO_BYTES) if waiting else max_bytes
             try:
                 frame = conn.recv(min(doorway.hello_timeout, conn.idle_timeout or
                                       doorway.hello_timeout) if waiting else None)

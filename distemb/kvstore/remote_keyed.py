@@ -1,4 +1,8 @@
-"""RemoteStoreClient: tables on row stores, sharded over a cluster's servers by a router.
+"""The keyed tables of a cluster's trainer: row stores sharded over the servers by a router.
+
+A mixin of :class:`~distemb.kvstore.remote.RemoteKVClient` (it uses that client's
+connections, rank, barrier and consistency), beside its array tables in one namespace;
+:mod:`distemb.kvstore.keyed` has what keyed tables do differently at every client.
 
 Each server holds one store per table (:mod:`distemb.kvstore.store_service`), made there
 from the table's spec, with the keys the table's router (:mod:`distemb.routers`) gives
@@ -13,8 +17,8 @@ from its spec (``key_normal``/``key_uniform``): the row a key gets does not depe
 the server count or on who asked first.
 
 Every request is split by owning server and sent to all of them before a reply is read
-(the cluster client's one send-then-collect routine, :meth:`RemoteKVClient.call
-<distemb.kvstore.remote.RemoteKVClient.call>`, over its connections). Updates follow the
+(the cluster client's one send-then-collect routine, ``RemoteKVClient._call``, over
+its connections). Updates follow the
 job's consistency as array tables do: ``sync`` waits for every server, ``async`` does
 not, ``sync_exact`` has every trainer push to every server each step (empty when it has
 no rows there), and a server sums the step's contributions and applies them once.
@@ -27,9 +31,8 @@ that inserts on read has no mapped rows) and there is no trainer cache for them 
 Example (servers started by ``distemb-launch``)::
 
     kv = RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]), rank=0)
-    dyn = kv.store_client()
-    dyn.create_table("users", HashTableSpec(16, init=key_normal(16, std=0.1)))
-    rows = dyn.pull("users", np.array([2**40, -3]))
+    kv.create_table("users", HashTableSpec(16, init=key_normal(16, std=0.1)))
+    rows = kv.pull("users", np.array([2**40, -3]))
 """
 import numpy as np
 
@@ -38,7 +41,6 @@ from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.keyed import KeyedTables
 from distemb.kvstore.store_snapshot import check_entry, store_entry
-from distemb.kvstore.types import KVClient
 from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import (Drop, OptInit, Pull, Push, StoreCreate, StoreExport,
@@ -50,30 +52,21 @@ PAGE_BYTES = 16 << 20
 IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge table
 
 
-class RemoteStoreClient(KeyedTables, KVClient):
-    """Store client of a cluster: a store per server per table; see the module docstring.
+class RemoteKeyedTables(KeyedTables):
+    """The keyed tables of :class:`~distemb.kvstore.remote.RemoteKVClient`: a store per
+    server per table; see the module docstring. The client's ``pull``, ``push``,
+    ``push_update``, ``init_optimizer``, ``delete_data`` and checkpoint methods hand a
+    keyed table to the ``_keyed_*`` methods here."""
 
-    Args:
-        remote: the trainer's :class:`~distemb.kvstore.remote.RemoteKVClient` (its
-            connections, rank, barrier and consistency are shared).
-    """
-
-    def __init__(self, remote):
+    def _init_remote_keyed(self):
         self._init_keyed()
-        self.remote = remote
-        self.num_servers, self.num_threads = remote.num_servers, remote.num_threads
-        self._meta, self._seq, self._routers = {}, {}, {}  # no array tables here
+        self._routers = {}
 
     def keyed_names(self):
         return list(self._specs)
 
-    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
-        raise KVStoreError(f"init_data({name!r}): the cluster's dense tables are its "
-                           "RemoteKVClient's; this client holds keyed tables")
-
-    @property
-    def consistency(self):
-        return self.remote.consistency
+    def is_keyed(self, name):
+        return name in self._specs
 
     def _spec(self, name):
         try:
@@ -89,10 +82,10 @@ class RemoteStoreClient(KeyedTables, KVClient):
         return self._routers[name].split(keys)
 
     def _all(self, make, timeout=None):
-        return self.remote.call({sid: make(sid) for sid in range(self.num_servers)},
+        return self._call({sid: make(sid) for sid in range(self.num_servers)},
                                 timeout=timeout)
 
-    def _gather(self, name, keys, make, row_shape, dtype):
+    def _gather_keyed(self, name, keys, make, row_shape, dtype):
         """Rows of ``keys`` asked of their owners with ``make(server id, keys)``, in key
         order."""
         keys = table_keys(keys)
@@ -106,7 +99,7 @@ class RemoteStoreClient(KeyedTables, KVClient):
                 raise KVStoreError(f"server {sid}: reply of the wrong shape for {name!r}")
             out[pos] = got
 
-        self.remote.call({sid: make(sid, k) for sid, (_, k) in split.items()}, on_reply=take)
+        self._call({sid: make(sid, k) for sid, (_, k) in split.items()}, on_reply=take)
         return out
 
     # -- tables -------------------------------------------------------------------------
@@ -124,7 +117,7 @@ class RemoteStoreClient(KeyedTables, KVClient):
         self._all(lambda sid: StoreCreate(name=name, **fields))
         self._specs[name] = spec
         self._routers[name] = spec.router(self.num_servers)
-        self.remote.barrier()
+        self.barrier()
 
     def add_table(self, name, store):
         raise KVStoreError(f"table {name!r}: a store object lives in this process, and this "
@@ -156,18 +149,18 @@ class RemoteStoreClient(KeyedTables, KVClient):
 
     def remove(self, name, keys):
         split = self._split(name, table_keys(keys))
-        replies = self.remote.call({sid: StoreRemove(name=name, ids=k)
+        replies = self._call({sid: StoreRemove(name=name, ids=k)
                                     for sid, (_, k) in split.items()})
         return int(sum(r.fields["removed"] for r in replies.values()))
 
     def contains(self, name, keys):
         self._spec(name)
-        return self._gather(name, keys, lambda sid, k: StoreRead(
+        return self._gather_keyed(name, keys, lambda sid, k: StoreRead(
             name=name, mode="contains", column=WEIGHT, ids=k), (), np.bool_)
 
     def get(self, name, keys):
         dim = self.dim(name)
-        return self._gather(name, keys, lambda sid, k: StoreRead(
+        return self._gather_keyed(name, keys, lambda sid, k: StoreRead(
             name=name, mode="get", column=WEIGHT, ids=k), (dim,), np.float32)
 
     def evict(self, name, target_size, policy=None):
@@ -184,7 +177,7 @@ class RemoteStoreClient(KeyedTables, KVClient):
             start = 0
             while True:
                 page = max(1, PAGE_BYTES // (8 + 16 * spec.dim))  # weight + 3 states at most
-                r = self.remote.call({sid: StoreExport(name=name, start=start, count=page,
+                r = self._call({sid: StoreExport(name=name, start=start, count=page,
                                                        columns=cols or [])})[sid]
                 names = r.fields["columns"]
                 if len(r.arrays) != 1 + len(names):
@@ -223,41 +216,40 @@ class RemoteStoreClient(KeyedTables, KVClient):
         or of the state's name (a co-located server takes it from shared memory)."""
         split = self._split(name, keys)
         target = name if column == WEIGHT else state_name(name, column)
-        self.remote.call({sid: Push(name=target, parts=[sid], counts=[len(k)], ids=k,
+        self._call({sid: Push(name=target, parts=[sid], counts=[len(k)], ids=k,
                                     values=np.ascontiguousarray(values[pos]))
                           for sid, (pos, k) in split.items()})
 
-    def delete_data(self, name):
+    def _keyed_delete(self, name):
         self._routers.pop(name, None)
-        if name in self._specs:
-            self._forget(name)
-            self._all(lambda sid: Drop(name=name))
+        self._forget(name)
+        self._all(lambda sid: Drop(name=name))
 
-    # -- KVClient -----------------------------------------------------------------------
+    # -- the client's storage methods, for a keyed table --------------------------------
 
-    def pull(self, name, ids):
+    def _keyed_pull(self, name, ids):
         dim = self.dim(name)
-        return self._gather(name, ids, lambda sid, k: Pull(
+        return self._gather_keyed(name, ids, lambda sid, k: Pull(
             name=name, parts=[sid], counts=[len(k)], ids=k), (dim,), np.float32)
 
-    def push(self, name, ids, values):
+    def _keyed_push(self, name, ids, values):
         self._write(name, table_keys(ids), np.asarray(values, np.float32).reshape(
             len(ids), self.dim(name)), WEIGHT)
 
-    def init_optimizer(self, name, rule, options):
+    def _keyed_init_optimizer(self, name, rule, options):
         """Fresh state columns on every server (collective, as for array tables)."""
         self._spec(name)
         impl = rule_of(rule)
         opts = {k: float(v) for k, v in options.items()}
-        self.remote.barrier()
-        if self.remote.rank == 0:
+        self.barrier()
+        if self.rank == 0:
             self._all(lambda sid: OptInit(name=name, rule=impl.name.value, options=opts,
                                           parts=[sid]))
-        self.remote.barrier()
+        self.barrier()
         self._seq[name] = 0
         return self._state_names(name, rule)
 
-    def push_update(self, name, ids, grads, rule, hyper):
+    def _keyed_push_update(self, name, ids, grads, rule, hyper):
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
         dim = self.dim(name)
@@ -278,19 +270,9 @@ class RemoteStoreClient(KeyedTables, KVClient):
                     name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=True,
                     parts=[sid], counts=[0], ids=np.empty(0, np.int64),
                     grads=np.empty((0, dim), np.float32)))
-        self.remote.call(requests, wait=self.consistency != Consistency.ASYNC)
+        self._call(requests, wait=self.consistency != Consistency.ASYNC)
 
-    def coalesce(self, name, ids, grads, F):
-        """As the host clients; in sync_exact mode an empty step still pushes (nothing)."""
-        summed = super().coalesce(name, ids, grads, F)
-        if summed is None and self.consistency == Consistency.SYNC_EXACT:
-            return np.empty(0, np.int64), np.empty((0, self.dim(name)), np.float32)
-        return summed
-
-    def barrier(self):
-        self.remote.barrier()
-
-    def checkpoint_entry(self, name, directory, save_id):
+    def _keyed_checkpoint_entry(self, name, directory, save_id):
         """Every server writes its own store of ``name`` (in parallel)."""
         spec = self._spec(name)
         replies = self._all(lambda sid: StoreSave(name=name, directory=directory,
@@ -298,11 +280,8 @@ class RemoteStoreClient(KeyedTables, KVClient):
         return store_entry(spec.dim, spec.dtype,
                            [replies[sid].fields["record"] for sid in sorted(replies)])
 
-    def restore_entry(self, name, directory, entry):
+    def _keyed_restore_entry(self, name, directory, entry):
         """Every server replaces its keys with the checkpoint's keys it owns now."""
         check_entry(entry, name, self.dim(name), directory)
         self._all(lambda sid: StoreLoad(name=name, directory=directory),
                   timeout=IO_TIMEOUT_S)
-
-    def close(self):
-        """Nothing to release: the connections are the trainer's client's."""

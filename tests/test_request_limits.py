@@ -1,0 +1,103 @@
+"""What one request can make a server allocate is bounded (issue 18): a pull, versioned
+pull, get or export whose reply would exceed the job's ``max_message_bytes``, a lookup
+that would insert that much, a file table preallocating more than its disk holds, a frame
+claiming 2**40 ids, and any frame with a payload before the connection's Hello, are all
+refused before the server allocates, with the numbers, and change nothing."""
+import numpy as np
+import pytest
+
+from mp_helper import ProcessGroup
+from test_hostile import Server, ask, closed
+
+from distemb.kvstore.limits import check_request
+from distemb.stores.spec import FileTableSpec, HashTableSpec
+from distemb.transport.base import HEADER, MAGIC, VERSION
+from distemb.transport.messages import (Create, Hello, Pull, Push, Service, StoreCreate,
+                                        StoreExport, StoreInfo, StoreRead, VersionedPull)
+from distemb.transport.tcp import MAX_HELLO_BYTES
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+MIB = 1 << 20
+WIDE = 1 << 16  # floats per row: 256 KiB rows, 4 of them are the limit
+
+
+def refused(frame, match="would make this server allocate"):
+    return frame is not None and frame.service == Service.ERROR and \
+        match in frame.fields["message"]
+
+
+def test_check_request_names_both_numbers():
+    check_request(MIB, MIB, "pull")
+    with pytest.raises(Exception, match=r"pull: would make this server allocate 1,048,577 "
+                                        r"bytes, over the limit of 1,048,576"):
+        check_request(MIB + 1, MIB, "pull")
+
+
+def test_requests_over_the_limit_are_refused_before_the_server_allocates(tmp_path):
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group, max_message_bytes=MIB)
+        conn = srv.connect()
+        assert ask(conn, Create(name="wide", dtype="float32", row_shape=[WIDE], parts=[0],
+                                part_rows=[8])).service == Service.REPLY  # 2 MiB: a table
+        ids = np.arange(5, dtype=np.int64)  # 5 rows of 256 KiB: 1.25 MiB
+        for msg in (Pull(name="wide", parts=[0], counts=[5], ids=ids),
+                    VersionedPull(name="wide", parts=[0], counts=[5], ids=ids,
+                                  have=np.full(5, -2, np.int64), states=[])):
+            frame = ask(conn, msg)
+            assert refused(frame), frame.fields
+            assert "1,310,720 bytes" in frame.fields["message"] or \
+                "1,310,800 bytes" in frame.fields["message"], frame.fields
+        ok = ask(conn, Pull(name="wide", parts=[0], counts=[3], ids=ids[:3]))
+        assert ok.service == Service.REPLY and ok.arrays[0].shape == (3, WIDE)
+        # A cache's validation of 5 rows it holds fresh: only stale rows are sent (none).
+        have = np.concatenate([ask(conn, VersionedPull(
+            name="wide", parts=[0], counts=[len(k)], ids=k, have=np.full(len(k), -2, np.int64),
+            states=[])).arrays[1] for k in (ids[:3], ids[3:])])
+        fresh = ask(conn, VersionedPull(name="wide", parts=[0], counts=[5], ids=ids, have=have,
+                                        states=[]))
+        assert fresh.service == Service.REPLY and fresh.arrays[2].shape == (0, WIDE)
+        # A lookup in a dynamic table would insert 1.25 MiB of rows: refused, none inserted.
+        assert ask(conn, StoreCreate(name="dyn", **HashTableSpec(WIDE).fields())
+                   ).service == Service.REPLY
+        assert refused(ask(conn, Pull(name="dyn", parts=[0], counts=[5], ids=ids)))
+        assert ask(conn, StoreInfo(name="dyn")).fields["size"] == 0
+        for k in range(5):  # 5 keys, pushed one at a time (each frame under the limit)
+            ask(conn, Push(name="dyn", parts=[0], counts=[1], ids=ids[k:k + 1],
+                           values=np.full((1, WIDE), k, np.float32)))
+        assert ask(conn, StoreInfo(name="dyn")).fields["size"] == 5
+        assert refused(ask(conn, StoreRead(name="dyn", mode="get", column="weight", ids=ids)))
+        assert refused(ask(conn, StoreExport(name="dyn", start=0, count=10, columns=[])))
+        part = ask(conn, StoreExport(name="dyn", start=2, count=10, columns=[]))
+        assert part.service == Service.REPLY and part.arrays[1].shape == (3, WIDE)
+        assert part.arrays[1][:, 0].tolist() == [2.0, 3.0, 4.0]
+        # A file table whose shard the disk cannot hold, preallocated: refused up front.
+        spec = FileTableSpec(str(tmp_path / "ft"), 1 << 40, 4)
+        frame = ask(conn, StoreCreate(name="ft", **spec.fields()))
+        assert refused(frame, "bytes on disk"), frame.fields
+        assert not (tmp_path / "ft").exists()
+        # A header claiming 2**40 ids: refused by the frame limit, the connection closed.
+        conn.sock.sendall(HEADER.pack(MAGIC, VERSION, Service.PULL, 0, 0, 1, 0, 8 << 40))
+        frame = conn.recv()
+        assert frame.service == Service.ERROR and "over the limit of 1048576" in \
+            frame.fields["message"], frame.fields
+        assert closed(conn)
+        srv.finish(group)
+
+
+def test_a_connection_sends_no_payload_before_its_hello(tmp_path):
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group)
+        conn = srv.connect(hello_rank=None)
+        n = MAX_HELLO_BYTES // 8 + 1
+        frame = ask(conn, Pull(name="w", parts=[0], counts=[n], ids=np.zeros(n, np.int64)))
+        assert frame.service == Service.ERROR and "over the limit" in frame.fields["message"]
+        assert closed(conn)
+        conn = srv.connect(hello_rank=None)  # a Hello still gets in, then big frames do
+        assert ask(conn, Hello(rank=1, token=srv.cfg.job_token)).service == Service.REPLY
+        frame = ask(conn, Pull(name="w", parts=[0], counts=[n], ids=np.zeros(n, np.int64)))
+        assert frame.service == Service.ERROR and "no shard" in frame.fields["message"]
+        srv.finish(group)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
