@@ -12,8 +12,9 @@ store says where the rows are; the ShardTable owns what the server needs around 
 - a per-row version (write counter), made on first use: what trainer caches validate
   their copies against. A fixed key set keeps it in an array beside the store (its slots
   never move); a store that inserts and evicts keeps it as a hidden column, so a row's
-  version is evicted with the row and a re-inserted key starts again from the table's
-  first version.
+  version is evicted with the row, and a key inserted (or inserted again after its
+  removal) starts above every version the shard has issued: a copy of an evicted row
+  never matches the version of the row that replaced it.
 
 Concurrency: one writer per row (DESIGN.md). Stores that insert on read (a hash store's
 lookup may grow its arrays or evict) take the write lock for lookups too.
@@ -115,6 +116,7 @@ class ShardTable:
         self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
         self._tracked = False
+        self._high = 0  # >= every version issued (a store that inserts: new rows go above)
 
     @property
     def inserts_on_read(self):
@@ -137,6 +139,8 @@ class ShardTable:
     def write(self):
         """Context manager: the exclusive lock, with every seqlock counter odd meanwhile."""
         with self.lock.write():
+            if self._tracked and not self.store.fixed_keys:
+                self.store.set_fill(VERSION, self._high + 1)  # rows this write inserts
             counters = list(self._counters.values())
             for v in counters:
                 v[0] += 1  # odd: a write is under way
@@ -272,6 +276,7 @@ class ShardTable:
                         self._fixed_versions = np.full(self.store.capacity, first, np.int64)
                     else:
                         self.store.add_column(VERSION, (), "int64", fill=first)
+                    self._high = first
                     self._tracked = True
         if self.inserts_on_read:
             with self.write():
@@ -281,11 +286,15 @@ class ShardTable:
     def bump(self, keys, by=1):
         """Add ``by`` (an int, or one per key) to the versions of ``keys``; the caller
         holds the write lock. Duplicate keys change once: enough to void a cached copy."""
-        if self._tracked:
-            self._version_array()[self._slots(keys)] += by
+        if self._tracked and len(keys):
+            arr, slots = self._version_array(), self._slots(keys)
+            bumped = arr[slots] + by
+            arr[slots] = bumped
+            self._high = max(self._high, int(bumped.max()))
 
     def bump_all(self):
         """Change every row's version (its optimizer state was reset)."""
         if self._tracked:
             with self.write():
                 self._version_array()[...] += 1
+                self._high += 1
