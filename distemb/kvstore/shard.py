@@ -140,7 +140,8 @@ class ShardTable:
         """Context manager: the exclusive lock, with every seqlock counter odd meanwhile."""
         with self.lock.write():
             if self._tracked and not self.store.fixed_keys:
-                self.store.set_fill(VERSION, self._high + 1)  # rows this write inserts
+                self._high += 1  # rows this write inserts start above every version issued
+                self.store.set_fill(VERSION, self._high)
             counters = list(self._counters.values())
             for v in counters:
                 v[0] += 1  # odd: a write is under way
@@ -280,14 +281,16 @@ class ShardTable:
                     self._tracked = True
         if self.inserts_on_read:
             with self.write():
-                return self._version_array()[self._slots(keys)]
+                slots = self._slots(keys)  # first: inserting may grow the version array
+                return self._version_array()[slots]
         return self._version_array()[keys]
 
     def bump(self, keys, by=1):
         """Add ``by`` (an int, or one per key) to the versions of ``keys``; the caller
         holds the write lock. Duplicate keys change once: enough to void a cached copy."""
         if self._tracked and len(keys):
-            arr, slots = self._version_array(), self._slots(keys)
+            slots = self._slots(keys)  # first: inserting may grow the version array
+            arr = self._version_array()
             bumped = arr[slots] + by
             arr[slots] = bumped
             self._high = max(self._high, int(bumped.max()))
