@@ -24,10 +24,9 @@ Example:
 
     >>> from distemb.stores import HashStore
     >>> t = ShardTable(HashStore(2))
-    >>> t.versions(np.array([2**40]), first=0).tolist()
-    [0]
+    >>> v = t.versions(np.array([2**40]), first=0)  # the key is inserted, above version 0
     >>> t.push(np.array([2**40]), np.ones((1, 2), np.float32))
-    >>> t.versions(np.array([2**40]), first=None).tolist(), t.pull(np.array([2**40])).tolist()
+    >>> (t.versions(np.array([2**40]), first=None) - v).tolist(), t.pull(np.array([2**40])).tolist()
     ([1], [[1.0, 1.0]])
 """
 import threading
