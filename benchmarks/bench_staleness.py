@@ -88,7 +88,10 @@ def main():
     p.add_argument("--max-steps", type=int, default=0, help="0: one whole epoch")
     p.add_argument("deepwalk_args", nargs="*", help="more deepwalk.py options, after --")
     args = p.parse_args()
-    dw = ["--dataset", args.dataset, "--max-steps", str(args.max_steps), *args.deepwalk_args]
+    # Batches of 4,096 pairs, as the runs in benchmarks/README.md (deepwalk.py's default
+    # is 16,384 since issue 19); a --batch-size after -- overrides it.
+    dw = ["--dataset", args.dataset, "--max-steps", str(args.max_steps), "--batch-size", "4096",
+          *args.deepwalk_args]
     jobs = [("exact", 0, 0), (f"staleness {args.staleness}", args.staleness, 0)] + [
         (f"exact, seed {s}", 0, s) for s in args.noise_seed]
     print(f"DeepWalk on {args.dataset}: {args.servers} servers x {args.trainers} trainers, "

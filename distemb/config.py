@@ -255,8 +255,9 @@ class ClusterConfig(Schema):
         "hand them updates and pushes there")
     timeout_s: float = option(60.0, help="seconds before a silent server is an error",
                               validator=positive)
-    max_message_bytes: int = option(1 << 30, help="largest frame payload",
-                                    validator=at_least(1 << 20))
+    max_message_bytes: int = option(
+        1 << 30, help="largest frame payload, and the most memory one request other than "
+        "creating a table or optimizer may make a server allocate", validator=at_least(1 << 20))
     idle_timeout_s: float = option(3600.0, help="seconds a server keeps a connection that "
                                    "sends nothing", validator=positive)
     job_token: Optional[str] = option(

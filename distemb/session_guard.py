@@ -6,7 +6,8 @@ when the launcher dies (even by SIGKILL), or ssh or its connection does, the rem
 side reads end-of-file. The guard then stops CMD's whole process group (SIGTERM, and
 SIGKILL after :data:`GRACE_S` s) and removes the shared-memory files CMD's processes
 left (a trainer's request slots, named after its pid), so nothing of the job stays on
-the remote machine. SIGTERM, SIGINT and SIGHUP to the guard are passed on to CMD.
+the remote machine. SIGTERM, SIGINT and SIGHUP to the guard are passed on to CMD; CMD's
+own stdin is /dev/null; the guard exits with CMD's exit code (128 + N after signal N).
 
 Example::
 

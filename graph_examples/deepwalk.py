@@ -45,7 +45,7 @@ from graph_examples.datasets import DATASET_NAMES, GraphDataset, load_dataset  #
 from graph_examples.evaluate import (link_prediction_auc, node_classification,  # noqa: E402
                                      split_edges)
 from graph_examples.plots import save_training_plot  # noqa: E402
-from graph_examples.tables import BACKENDS, make_tables  # noqa: E402
+from graph_examples.tables import BACKENDS, OPTIMIZERS, make_tables  # noqa: E402
 from graph_examples.walks import SkipGramBatches  # noqa: E402
 from graph_examples.wordnet import LEX_NAMES  # noqa: E402
 
@@ -146,9 +146,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2,
                    help="batches the sampler keeps ready while a second thread trains "
                    "(0: sample and train in turn, in one thread)")
-    p.add_argument("--batch-size", type=int, default=4096, help="pairs per step")
+    # 16,384: Micro-F1 0.5925 on WordNet against 0.5762 with 4,096 and 0.5892 with 32,768
+    # (lr 0.01; lr 0.02 gave 0.5416), and a quarter of the steps' fixed costs per pair;
+    # at 32,768 the fused pass's rows outgrow the L3 cache (benchmarks/README.md).
+    p.add_argument("--batch-size", type=int, default=16384, help="pairs per step")
     p.add_argument("--epochs", type=int, default=1, help="passes of fresh walks")
-    p.add_argument("--lr", type=float, default=0.01, help="SparseAdam learning rate")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
+                   help="sparse optimizer of both tables (torch's class of the same name "
+                   "for --backend torch)")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many steps (0: run every epoch to the end)")
     p.add_argument("--seed", type=int, default=0, help="seed for walks, negatives, init")
@@ -198,7 +204,7 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
         'pairs', 'seconds' and 'phase_seconds' (sample, forward_backward, step).
     """
     tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
-                         args.table_name, args.device)
+                         args.table_name, args.device, args.optimizer)
     batches = SkipGramBatches(graph, args.walk_length, args.window, args.num_walks,
                               args.negatives, args.batch_size, args.p, args.q, args.seed)
     total = -(-batches.pairs_per_epoch() // args.batch_size) * args.epochs

@@ -1,8 +1,9 @@
 """Skip-gram embedding tables (node and context) on one of two backends, behind one interface.
 
-'distemb' uses distemb.DistEmbedding with distemb.SparseAdam; 'torch' uses
-torch.nn.Embedding(sparse=True) with torch.optim.SparseAdam, the baseline distemb is
-checked against. Both start the same way as word2vec: node rows uniform in
+'distemb' uses distemb.DistEmbedding with a distemb sparse optimizer; 'torch' uses
+torch.nn.Embedding(sparse=True) with the matching torch.optim class, the baseline distemb
+is checked against (OPTIMIZERS: SparseAdam by default; row-wise Adagrad has no torch
+class). Both start the same way as word2vec: node rows uniform in
 +-0.5/dim, context rows zero (were both zero, every gradient would stay zero).
 """
 from typing import Optional, Protocol
@@ -14,6 +15,12 @@ import distemb
 from distemb.kernels.cuda import CudaUnavailableError
 
 BACKENDS = ("distemb", "torch")
+
+#: --optimizer: name -> (distemb class, torch class or None where torch has none).
+OPTIMIZERS = {"adam": (distemb.SparseAdam, torch.optim.SparseAdam),
+              "adagrad": (distemb.SparseAdagrad, torch.optim.Adagrad),
+              "rowwise_adagrad": (distemb.SparseRowWiseAdagrad, None),
+              "sgd": (distemb.SparseSGD, torch.optim.SGD)}
 
 
 class SkipGramTables(Protocol):
@@ -45,14 +52,15 @@ def _node_init(dim: int, seed: int):
 
 
 class TorchTables:
-    """Tables as torch.nn.Embedding(sparse=True), trained by torch.optim.SparseAdam.
+    """Tables as torch.nn.Embedding(sparse=True), trained by a torch.optim class.
 
     Args:
         num_nodes: rows per table.
         dim: embedding width.
-        lr: SparseAdam learning rate.
+        lr: learning rate.
         seed: node-table initialisation seed.
         device: where the tables live ('cpu' or a CUDA device); ids are moved there.
+        optimizer: a key of OPTIMIZERS with a torch class.
 
     Example:
         >>> tables = TorchTables(34, 8, lr=0.01)
@@ -61,7 +69,7 @@ class TorchTables:
     """
 
     def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", optimizer: str = "adam"):
         self._device = torch.device(device)
         self._node = torch.nn.Embedding(num_nodes, dim, sparse=True,
                                         _weight=_node_init(dim, seed)((num_nodes, dim)))
@@ -69,7 +77,7 @@ class TorchTables:
                                            _weight=torch.zeros(num_nodes, dim))
         self._node.to(self._device)
         self._context.to(self._device)
-        self._opt = torch.optim.SparseAdam([self._node.weight, self._context.weight], lr=lr)
+        self._opt = OPTIMIZERS[optimizer][1]([self._node.weight, self._context.weight], lr=lr)
 
     def node(self, ids):
         return self._node(ids.to(self._device))
@@ -88,12 +96,12 @@ class TorchTables:
 
 
 class DistembTables:
-    """Tables as distemb.DistEmbedding, trained by distemb.SparseAdam (embedded mode).
+    """Tables as distemb.DistEmbedding, trained by a distemb sparse optimizer (embedded mode).
 
     Args:
         num_nodes: rows per table.
         dim: embedding width.
-        lr: SparseAdam learning rate.
+        lr: learning rate.
         seed: node-table initialisation seed.
         name: table-name prefix. Tables of one name share storage (distemb reuses an
             existing table instead of initialising it), which trainers of one job
@@ -108,14 +116,24 @@ class DistembTables:
     """
 
     def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0,
-                 name: Optional[str] = None, device: str = "cpu"):
+                 name: Optional[str] = None, device: str = "cpu", optimizer: str = "adam"):
         self._node = distemb.DistEmbedding(num_nodes, dim,
                                            name=name and f"{name}-node",
                                            init_func=_node_init(dim, seed), device=device)
         self._context = distemb.DistEmbedding(
             num_nodes, dim, name=name and f"{name}-context",
             init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype), device=device)
-        self._opt = distemb.SparseAdam([self._node, self._context], lr=lr)
+        self._opt = OPTIMIZERS[optimizer][0]([self._node, self._context], lr=lr)
+
+    @property
+    def node_table(self) -> distemb.DistEmbedding:
+        """The node table (what export() returns)."""
+        return self._node
+
+    @property
+    def context_table(self) -> distemb.DistEmbedding:
+        """The context table."""
+        return self._context
 
     def node(self, ids):
         return self._node(ids)
@@ -138,7 +156,8 @@ class DistembTables:
 
 
 def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0,
-                name: Optional[str] = None, device: str = "cpu") -> SkipGramTables:
+                name: Optional[str] = None, device: str = "cpu",
+                optimizer: str = "adam") -> SkipGramTables:
     """Build skip-gram tables on a backend.
 
     Args:
@@ -149,12 +168,14 @@ def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0
         seed: node-table initialisation seed.
         name: distemb table-name prefix (see DistembTables); ignored by 'torch'.
         device: where the tables live: 'cpu' or a CUDA device such as 'cuda'.
+        optimizer: a key of OPTIMIZERS.
 
     Returns:
         A SkipGramTables implementation.
 
     Raises:
-        ValueError: unknown backend, dim < 1 or lr <= 0.
+        ValueError: unknown backend or optimizer (or one torch has no class for), dim < 1
+            or lr <= 0.
         ImportError: backend 'distemb' without distemb installed.
         CudaUnavailableError: a CUDA device was asked for where the CUDA kernels (or, for
             'torch', torch's CUDA) cannot run; it says why.
@@ -163,11 +184,17 @@ def make_tables(backend: str, num_nodes: int, dim: int, lr: float, seed: int = 0
         raise ValueError(f"dim: must be >= 1, got {dim}")
     if not lr > 0:
         raise ValueError(f"lr: must be > 0, got {lr}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
     if backend == "torch":
+        if OPTIMIZERS[optimizer][1] is None:
+            raise ValueError(f"optimizer: {optimizer!r} has no torch.optim class (backend "
+                             "'torch' takes " + ", ".join(
+                                 k for k, v in OPTIMIZERS.items() if v[1]) + ")")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise CudaUnavailableError(f"device: {device!r} asked for, but torch "
                                        f"{torch.__version__} sees no CUDA device")
-        return TorchTables(num_nodes, dim, lr, seed, device)
+        return TorchTables(num_nodes, dim, lr, seed, device, optimizer)
     if backend == "distemb":
-        return DistembTables(num_nodes, dim, lr, seed, name, device)
+        return DistembTables(num_nodes, dim, lr, seed, name, device, optimizer)
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")

@@ -78,6 +78,27 @@ def test_distemb_backend_matches_torch(tmp_path):
     assert np.abs(a - b).max() < 1e-4
 
 
+@pytest.mark.parametrize("optimizer, lr", [("adagrad", "0.1"), ("sgd", "2")])
+def test_optimizer_flag_trains_as_torchs_class_of_that_name(tmp_path, optimizer, lr):
+    # --optimizer picks distemb's and torch's optimizer of one name: the same batches
+    # give the same embeddings (torch.optim.Adagrad / SGD on sparse gradients).
+    args = FAST + ["--optimizer", optimizer, "--lr", lr]
+    main(args + ["--backend", "torch", "--out", str(tmp_path / "torch")])
+    main(args + ["--backend", "distemb", "--out", str(tmp_path / "distemb")])
+    a = np.load(tmp_path / "torch" / "embeddings.npy")
+    b = np.load(tmp_path / "distemb" / "embeddings.npy")
+    assert np.abs(a).max() > 0.05  # trained away from the +-0.5/dim start
+    np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
+
+
+def test_optimizer_without_a_torch_class_is_refused_for_torch():
+    with pytest.raises(ValueError, match="optimizer: 'rowwise_adagrad' has no torch.optim "
+                                         "class"):
+        make_tables("torch", 10, 4, 0.1, optimizer="rowwise_adagrad")
+    with pytest.raises(ValueError, match="optimizer: expected one of"):
+        make_tables("distemb", 10, 4, 0.1, optimizer="lamb")
+
+
 def test_fused_loss_and_prefetching_train_as_the_plain_loss_in_turn(tmp_path):
     """The default step (distemb.skipgram_loss on unique ids, sampling in the main thread
     while a second thread trains) against the plain torch loss, sampled and trained in

@@ -50,6 +50,24 @@ def test_skipgram_loss_matches_autograd(kernel_impl, seed, scale):
     torch.testing.assert_close(c.grad.double(), want_ctx, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_each_cpu_build_matches_autograd(isa):
+    """The compiled pass's two builds, picked by kernels.cpu_isa as every kernel's
+    (under 'avx512' the pass runs its AVX2 + FMA build)."""
+    from distemb import kernels
+    if isa not in kernels.available_cpu_isas():
+        pytest.skip(f"no {isa} build here (compiled kernels loaded: {kernels.HAS_EXT}, "
+                    f"builds: {kernels.available_cpu_isas()})")
+    node, ctx, centers, positives, negatives = batch(7, d=133)  # a tail past 8 floats
+    want_loss, want_node, want_ctx = oracle(node, ctx, centers, positives, negatives)
+    with kernels.implementation("compiled"), kernels.cpu_isa(isa):
+        loss, g_node, g_ctx = sgns_loss_grad(node.numpy(), ctx.numpy(), centers.numpy(),
+                                             positives.numpy(), negatives.numpy())
+    assert loss == pytest.approx(float(want_loss), rel=1e-5)
+    np.testing.assert_allclose(g_node, want_node.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(g_ctx, want_ctx.numpy(), rtol=1e-4, atol=1e-6)
+
+
 def test_skipgram_loss_scales_by_upstream_gradient(kernel_impl):
     node, ctx, centers, positives, negatives = batch(3)
     _, want_node, want_ctx = oracle(node, ctx, centers, positives, negatives)
@@ -58,6 +76,25 @@ def test_skipgram_loss_scales_by_upstream_gradient(kernel_impl):
     (3.0 * distemb.skipgram_loss(u, c, centers, positives, negatives)).backward()
     torch.testing.assert_close(u.grad.double(), 3 * want_node, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(c.grad.double(), 3 * want_ctx, rtol=1e-4, atol=1e-6)
+
+
+def test_rows_no_pair_touches_get_zero_gradients(kernel_impl):
+    """Rows that no pair uses get exactly zero (the compiled pass writes each row on its
+    first touch instead of zeroing the buffers first, and must zero the rest)."""
+    node, ctx, centers, positives, negatives = batch(6, b=7, k=2, un=300, uc=200)
+    # Memory that held non-zero floats is likely to come back for the next buffers.
+    for _ in range(3):
+        np.full((300 + 200, 37), 7.0, np.float32)
+    _, want_node, want_ctx = oracle(node, ctx, centers, positives, negatives)
+    loss, g_node, g_ctx = sgns_loss_grad(node.numpy(), ctx.numpy(), centers.numpy(),
+                                         positives.numpy(), negatives.numpy())
+    unused_node = np.setdiff1d(np.arange(300), centers.numpy())
+    unused_ctx = np.setdiff1d(np.arange(200), np.concatenate([positives.numpy(),
+                                                              negatives.numpy().ravel()]))
+    assert len(unused_node) > 250 and len(unused_ctx) > 150
+    assert not g_node[unused_node].any() and not g_ctx[unused_ctx].any()
+    np.testing.assert_allclose(g_node, want_node.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(g_ctx, want_ctx.numpy(), rtol=1e-4, atol=1e-6)
 
 
 def test_twins_agree_closely():

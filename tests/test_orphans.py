@@ -142,3 +142,25 @@ def test_the_request_slots_of_a_killed_trainer_are_orphans_too(tmp_path):
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_the_session_guard_stops_its_command_when_stdin_closes_and_passes_its_exit_code():
+    """distemb.session_guard (what --launcher ssh runs remotely) on its own: its command
+    runs until the guard's stdin reads end-of-file, then dies with its own children."""
+    code = ("import os, subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+            "print(os.getpid(), c.pid, flush=True); time.sleep(300)")
+    with ProcessGroup() as group:
+        guard = group.spawn([sys.executable, "-m", "distemb.session_guard", sys.executable,
+                             "-c", code], stdin=subprocess.PIPE, expect=None)
+        pids = [int(w) for w in guard.stdout.readline().split()]
+        assert len(pids) == 2 and not any(gone(p) for p in pids)
+        guard.stdin.close()  # the ssh session ended
+        assert guard.wait(10) == 128 + signal.SIGTERM
+        start = time.monotonic()
+        while not all(gone(p) for p in pids) and time.monotonic() - start < 10:
+            time.sleep(0.02)
+        assert all(gone(p) for p in pids), pids
+        ok = group.spawn([sys.executable, "-m", "distemb.session_guard", sys.executable, "-c",
+                          "raise SystemExit(3)"], stdin=subprocess.PIPE, expect=3)
+        assert ok.wait(30) == 3

@@ -49,6 +49,13 @@ def test_requests_over_the_limit_are_refused_before_the_server_allocates(tmp_pat
                 "1,310,800 bytes" in frame.fields["message"], frame.fields
         ok = ask(conn, Pull(name="wide", parts=[0], counts=[3], ids=ids[:3]))
         assert ok.service == Service.REPLY and ok.arrays[0].shape == (3, WIDE)
+        # A cache's validation of 5 rows it holds fresh: only stale rows are sent (none).
+        have = np.concatenate([ask(conn, VersionedPull(
+            name="wide", parts=[0], counts=[len(k)], ids=k, have=np.full(len(k), -2, np.int64),
+            states=[])).arrays[1] for k in (ids[:3], ids[3:])])
+        fresh = ask(conn, VersionedPull(name="wide", parts=[0], counts=[5], ids=ids, have=have,
+                                        states=[]))
+        assert fresh.service == Service.REPLY and fresh.arrays[2].shape == (0, WIDE)
         # A lookup in a dynamic table would insert 1.25 MiB of rows: refused, none inserted.
         assert ask(conn, StoreCreate(name="dyn", **HashTableSpec(WIDE).fields())
                    ).service == Service.REPLY

@@ -194,3 +194,15 @@ def test_bad_keys_raise_clear_errors(store):
             s.remove(np.array([1]))
     with pytest.raises(StoreError, match="values: expected shape"):
         s.scatter(store.key_of([1]), np.ones((1, 3), np.float32))
+
+
+def test_a_refused_scatter_inserts_no_key(store):
+    """Issue 18: values of the wrong shape used to be refused after their keys were
+    inserted (a hash store grew by keys with initial rows)."""
+    s = store.make(10, 2)
+    s.scatter(store.key_of([1]), np.ones((1, 2), np.float32))
+    keys, size = s.keys().copy(), s.size()
+    with pytest.raises(StoreError, match="values: expected shape"):
+        s.scatter(store.key_of([4, 5]), np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(s.keys(), keys)
+    assert s.size() == size

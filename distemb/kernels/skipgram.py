@@ -3,7 +3,9 @@
 The compiled kernel (``csrc/_skipgram.pyx``, one thread) is chosen by the same switches
 as every kernel: it runs while :func:`distemb.kernels.active` is ``'compiled'``;
 ``DISTEMB_NO_EXT=1`` or ``kernels.implementation('reference')`` give the numpy twin in
-:mod:`distemb.kernels.reference_skipgram`.
+:mod:`distemb.kernels.reference_skipgram`. Its AVX2 + FMA build runs where
+:func:`distemb.kernels.current_cpu_isa` is ``'avx2'`` or ``'avx512'`` (``DISTEMB_CPU_ISA``,
+``kernels.cpu_isa()``) and the CPU has FMA; the baseline build otherwise.
 
 The inputs are rows of *unique* ids and index arrays into them, so the gradients come
 out summed per unique row: the coalesced buffers an optimizer pushes. The autograd
@@ -29,6 +31,11 @@ if kernels.HAS_EXT:
     from distemb import _skipgram as _compiled  # built with _kernels, same switch
 else:
     _compiled = None
+
+
+#: kernels.current_cpu_isa() values under which the AVX2 + FMA build of the pass runs (it
+#: has no AVX-512 build of its own; every AVX-512 CPU runs AVX2 + FMA).
+_VECTOR_ISAS = ("avx2", "avx512")
 
 
 def _rows(name, a):
@@ -88,6 +95,8 @@ def sgns_loss_grad(node_rows: Rows, context_rows: Rows, centers, positives,
     if positives.shape[0] != b or negatives.shape[0] != b:
         raise ValueError(f"positives, negatives: expected {b} rows (as centers), got "
                          f"{positives.shape[0]} and {negatives.shape[0]}")
-    impl = _compiled if (_compiled is not None and kernels.active() == "compiled") \
-        else reference_skipgram
-    return impl.sgns_loss_grad(node_rows, context_rows, centers, positives, negatives)
+    if _compiled is not None and kernels.active() == "compiled":
+        return _compiled.sgns_loss_grad(node_rows, context_rows, centers, positives,
+                                        negatives, kernels.current_cpu_isa() in _VECTOR_ISAS)
+    return reference_skipgram.sgns_loss_grad(node_rows, context_rows, centers, positives,
+                                             negatives)

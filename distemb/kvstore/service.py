@@ -390,27 +390,31 @@ class KVService:
 
     def _versioned_pull(self, m, session=None):
         """Rows (and optimizer states) whose version differs from the trainer's copy."""
-        pos, vers, rows, states = [], [], [], [[] for _ in m.states]
+        if not m.parts:
+            raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
         parts = self._rows(m)
         row_bytes = 16 + sum(self._row_bytes(name, m.parts[0]) for name in  # position, version
-                             [m.name] + [state_name(m.name, s) for s in m.states]) \
-            if m.parts else 0
-        check_request(m.ids.shape[0] * row_bytes, self.max_request_bytes,
-                      f"versioned pull of {m.ids.shape[0]} rows of {m.name!r}")
+                             [m.name] + [state_name(m.name, s) for s in m.states])
+        what = f"versioned pull of {m.ids.shape[0]} rows of {m.name!r}"
+        inserting = any(self.server.table(m.name, p).inserts_on_read for p in m.parts)
+        if inserting:  # its versions insert absent keys: every row may be new, check first
+            check_request(m.ids.shape[0] * row_bytes, self.max_request_bytes, what)
+        found = []
         for part, ids, sl in parts:
             # Versions first: a row written meanwhile then carries an older version than
             # its contents, which the next validation refetches (never the reverse).
             cur = self.server.versions(m.name, part, ids)
+            found.append((part, ids, sl, cur, np.flatnonzero(cur != m.have[sl])))
+        check_request(sum(len(f[4]) for f in found) * row_bytes, self.max_request_bytes, what)
+        pos, vers, rows, states = [], [], [], [[] for _ in m.states]
+        for part, ids, sl, cur, stale in found:
             have = m.have[sl]
-            stale = np.flatnonzero(cur != have)
             pos.append(stale + sl.start)
             vers.append(cur[stale])
             rows.append(self.server.pull(m.name, part, ids[stale]))
             keep = ids[stale[have[stale] != -1]]  # -1: the trainer does not keep the row
             for i, sname in enumerate(m.states):
                 states[i].append(self.server.pull(state_name(m.name, sname), part, keep))
-        if not pos:
-            raise KVStoreError(f"versioned pull of {m.name!r}: no partitions named")
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
                      + [np.concatenate(st) for st in states])
 

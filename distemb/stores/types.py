@@ -197,15 +197,15 @@ class RowStore(abc.ABC):
         return self.gather(keys)
 
     def scatter(self, keys: Keys, values: np.ndarray, column: str = WEIGHT) -> None:
-        """Write ``values`` into rows ``keys`` of ``column`` (upsert; last duplicate wins)."""
-        slots = self.slots(keys, insert=True)
-        arr = self.column(column)
+        """Write ``values`` into rows ``keys`` of ``column`` (upsert; last duplicate wins).
+        Values of the wrong shape are refused before any key is inserted."""
         values = np.asarray(values)
-        want = (slots.shape[0],) + arr.shape[1:]
+        want = (len(keys),) + self.column(column).shape[1:]
         if values.shape != want:
             raise StoreError(f"values: expected shape {want} for column {column!r}, "
                              f"got {values.shape}")
-        arr[slots] = self.encode(values) if column == WEIGHT else values
+        slots = self.slots(keys, insert=True)
+        self.column(column)[slots] = self.encode(values) if column == WEIGHT else values
 
     def update(self, rule, keys: Keys, grads: Rows, hyper, num_threads: int = 1) -> None:
         """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``.
