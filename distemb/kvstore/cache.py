@@ -55,6 +55,7 @@ from distemb import kernels
 from distemb.config import CacheConfig
 from distemb.kvstore.cache_keys import ArrayCounts, ArraySlots, HashSlots, SketchCounts
 from distemb.errors import KVStoreError
+from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_owner
 
@@ -391,8 +392,10 @@ class CachedKVClient(PlacedAsInner, KVClient):
         cache = self._table(name)
         if cache is None:
             return self.inner.pull(name, ids)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if not self.is_keyed(name):
+        if self.is_keyed(name):
+            ids = table_keys(ids)  # integers, none of the hash index's reserved keys
+        else:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
             self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
         uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
         self._tick += 1
