@@ -172,7 +172,7 @@ def kernel_contenders(batches, upstream, num_rows, num_threads):
         kernels.gather_rows(w, np_batches[k % nb], out, num_threads)
 
     def dedup(k):
-        kernels.dedup_sum(np_batches[k % nb], grads, num_threads, out=sum_buf)
+        kernels.dedup_sum(np_batches[k % nb], grads, out=sum_buf, num_threads=num_threads)
 
     def rmw(k):
         uniq, summed = deduped[k % nb]

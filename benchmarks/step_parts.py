@@ -6,7 +6,9 @@ timed, and inside them the three kernels (``gather_rows`` in the lookup, ``dedup
 and the update in ``opt.step``), wrapped by timers here; the rest of a statement is
 Python, validation and torch. Means per step over ``--steps`` steps after a warm-up, in
 one process; also the minor page faults per step and the share of the process's
-anonymous memory on huge pages.
+anonymous memory on huge pages. ``--four-k-pages`` builds the table as it lands when the
+kernel has no free 2 MiB blocks at its first touch (numpy's huge-page request and
+distemb's MADV_COLLAPSE both off): the slow processes bench_step's spread shows.
 
 Example:
     OMP_WAIT_POLICY=passive python benchmarks/step_parts.py --dist zipf
@@ -17,12 +19,14 @@ import resource
 import statistics
 import time
 
+import numpy as np
 import torch
 
 import bench_step
 import bench_systems as bs
 import distemb
 from distemb import kernels
+from distemb.stores import dense
 
 KERNELS = ("gather_rows", "dedup_sum", "adagrad_update")
 STATEMENTS = ("zero_grad", "lookup", "loss (mul, sum)", "backward", "opt.step")
@@ -50,7 +54,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--four-k-pages", action="store_true",
+                   help="the table on 4 KiB pages (no huge-page request, no collapse)")
     args = p.parse_args(argv)
+    if args.four_k_pages:
+        np.core.multiarray._set_madvise_hugepage(False)
+        dense.back_with_huge_pages = lambda array: False
     torch.set_num_threads(args.threads)
     batches = bench_step.id_batches(args.dist, args.rows, args.batch, 64)
     up = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
@@ -85,7 +94,8 @@ def main(argv=None):
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
     n = args.steps
     print(f"# step_parts: dist={args.dist} rows={args.rows} dim={args.dim} "
-          f"batch={args.batch} threads={args.threads} isa={kernels.ISA or '-'}")
+          f"batch={args.batch} threads={args.threads} isa={kernels.ISA or '-'}"
+          f"{' four-k-pages' if args.four_k_pages else ''}")
     print(f"step: {1 / statistics.median(times):.0f} steps/s (median), mean "
           f"{sum(times) / n * 1e3:.3f} ms; minor faults/step {faults:.1f}; "
           f"{bench_step.huge_page_share():.0%} of anon memory on huge pages")

@@ -21,6 +21,7 @@ from distemb.context import DistContext
 from distemb.kernels import reference
 from distemb.kvstore.cache import CachedKVClient
 from distemb.partition import range_policy
+from distemb.stores import key_normal
 
 N, D, B, LR = 40, 8, 24, 0.1
 
@@ -54,22 +55,36 @@ def side_ids(step, ids, per):
 
 #: ``--twins``: the same training on tables behind trainer caches, in the same job.
 TWINS = {"exact": {"policy": "lfu", "rows": 12},
-         "stale": {"policy": "lru", "fraction": 1.0, "staleness": 5}}
+         "stale": {"policy": "lru", "rows": N, "staleness": 5}}
 
 
-def train(out, steps, disjoint, side=False, twins=False):
+def dynamic_keys(ids):
+    """``--dynamic``: the int64 key of each id (spread over the whole key space)."""
+    return ids * 3_000_000_000_019 - 2 ** 62
+
+
+def make_table(name, ctx, dynamic):
+    """Table ``name`` of N rows: dense (rows 0..N-1, all at 0.5) or ``dynamic`` (a hash
+    store per server, a key's first row from its key)."""
+    if dynamic:
+        return distemb.DynamicEmbedding(D, name=name, context=ctx,
+                                        init_func=key_normal(D, std=0.1, seed=3))
+    return distemb.DistEmbedding(N, D, name=name, init_func=init, context=ctx,
+                                 part_policy=range_policy(N, ctx.num_servers))
+
+
+def train(out, steps, disjoint, side=False, twins=False, dynamic=False):
     ctx = distemb.initialize(backend="pytorch", num_threads=1)
     torch.set_num_threads(1)
     rank, T = ctx.rank, ctx.num_trainers
-    emb = distemb.DistEmbedding(N, D, name="emb", init_func=init,
-                                part_policy=range_policy(N, ctx.num_servers))
+    key = dynamic_keys if dynamic else (lambda ids: ids)
+    emb = make_table("emb", ctx, dynamic)
     tables = [emb]
     # Twins share the job's connections: a cache is a view of the trainer's client.
     caches = {k: CachedKVClient(ctx.client, parse_cache_config(v)) for k, v in TWINS.items()
               } if twins else {}
-    twin_tables = {k: distemb.DistEmbedding(
-        N, D, name=f"emb-{k}", init_func=init, part_policy=range_policy(N, ctx.num_servers),
-        context=DistContext(kv, backend="pytorch", num_threads=1)) for k, kv in caches.items()}
+    twin_tables = {k: make_table(f"emb-{k}", DistContext(kv, backend="pytorch", num_threads=1),
+                                 dynamic) for k, kv in caches.items()}
     twin_opts = {k: distemb.SparseAdagrad([t], lr=LR) for k, t in twin_tables.items()}
     if side:
         tables.append(distemb.DistEmbedding(N, D, name="side", init_func=init,
@@ -79,6 +94,7 @@ def train(out, steps, disjoint, side=False, twins=False):
     stale_dev = 0.0  # the largest |stale twin's row - servers' row| it trained with
     for step in range(steps):
         ids, targets = batch(step, T, disjoint)
+        ids = key(ids)
         sl = slice(rank * per, (rank + 1) * per)
         opt.zero_grad()
         loss = loss_of(emb(ids[sl]), targets[sl])
@@ -101,9 +117,10 @@ def train(out, steps, disjoint, side=False, twins=False):
     with open(os.path.join(out, f"cache{rank}.json"), "w") as f:
         json.dump(dict({k: kv.stats() for k, kv in caches.items()}, stale_dev=stale_dev), f)
     if rank == 0:
+        every = key(torch.arange(N))
         for k, t in twin_tables.items():
-            np.save(os.path.join(out, f"final-{k}.npy"), t.weight[torch.arange(N)].numpy())
-        np.save(os.path.join(out, "final.npy"), emb.weight[torch.arange(N)].numpy())
+            np.save(os.path.join(out, f"final-{k}.npy"), t.weight[every].numpy())
+        np.save(os.path.join(out, "final.npy"), emb.weight[every].numpy())
         if side:
             np.save(os.path.join(out, "side.npy"), tables[1].weight[torch.arange(N)].numpy())
     distemb.shutdown()
@@ -156,6 +173,8 @@ if __name__ == "__main__":
                         help="a second table that only rank 0 uses, on even steps")
     parser.add_argument("--twins", action="store_true",
                         help="also train copies of 'emb' behind the caches of TWINS")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="the tables are DynamicEmbeddings keyed by dynamic_keys(id)")
     args = parser.parse_args()
-    train(args.out, args.steps, args.disjoint, args.side, args.twins)
+    train(args.out, args.steps, args.disjoint, args.side, args.twins, args.dynamic)
     sys.exit(0)

@@ -73,3 +73,18 @@ def test_exact_cache_bit_identical_and_staleness_measured_sync_exact(tmp_path):
     dev = max(st["stale_dev"] for st in stats)
     print(f"largest |stale row - servers' row| a step used: {dev:.4f} (bound {bound:.4f})")
     assert 0 < dev <= bound * (1 + 1e-5), (dev, bound)
+
+
+def test_exact_cache_of_a_dynamic_table_is_bit_identical_to_no_cache(tmp_path):
+    """The same job on DynamicEmbeddings (int64 keys over the whole key space, a hash
+    store per server): the cache's slot map and LFU counts are hashed, its copies are
+    validated by the servers' row versions, and the oracle is the same: the uncached
+    table, bit for bit, in sync_exact with both trainers on the same rows."""
+    tables, stats = run(tmp_path, "sync_exact", ["--dynamic"], steps=16)
+    assert not np.array_equal(tables[""][0], tables[""][1]), "rows from their keys"
+    np.testing.assert_array_equal(tables["-exact"], tables[""])
+    assert sum(s["exact"]["hit_rows"] for s in stats) > 0, stats
+    assert sum(s["exact"]["evicted_replicas"] for s in stats) > 0, stats
+    # the bounded-staleness twin keeps its bound on a keyed table too (see above)
+    bound = 2 * (job.TWINS["stale"]["staleness"] - 1) * job.LR
+    assert max(s["stale_dev"] for s in stats) <= bound * (1 + 1e-5), stats

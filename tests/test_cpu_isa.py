@@ -134,3 +134,13 @@ def test_a_build_this_cpu_lacks_is_refused():
     proc = subprocess.run([sys.executable, "-c", "import distemb.kernels"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "is not available here" in proc.stderr
+
+
+def test_a_build_from_older_sources_is_refused_with_the_fix():
+    """An extension built before the ISA builds (no isa_supported) must not be half-used."""
+    code = ("import sys, types; sys.modules['distemb._kernels'] = "
+            "types.ModuleType('distemb._kernels'); import distemb.kernels")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, DISTEMB_NO_EXT="0"))
+    assert proc.returncode != 0
+    assert "was built from older sources" in proc.stderr and "rebuild" in proc.stderr

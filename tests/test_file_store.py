@@ -7,6 +7,7 @@ survives a process) and match a table trained in memory on the same batches.
 """
 import os
 import signal
+import stat
 import sys
 import subprocess
 import textwrap
@@ -142,3 +143,15 @@ def test_a_second_opener_of_the_directory_is_refused(tmp_path):
     assert "refused:" in out.stdout and "is open in process" in out.stdout, out.stderr
     first.close()
     FileStore(tmp_path / "t").close()
+
+
+def test_a_new_table_s_directory_and_files_are_private_to_their_user(tmp_path):
+    """Like the shared-memory files (issue 18): another local user reads no rows."""
+    s = FileStore(tmp_path / "t", num_rows=10, dim=2)
+    s.add_column("sum", (2,), "float32")
+    s.close()
+    assert stat.S_IMODE(os.stat(tmp_path / "t").st_mode) == 0o700
+    files = [f for f in os.listdir(tmp_path / "t") if f.endswith(".bin")]
+    assert len(files) == 2
+    for f in files:
+        assert stat.S_IMODE(os.stat(tmp_path / "t" / f).st_mode) == 0o600, f

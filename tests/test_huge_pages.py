@@ -58,7 +58,10 @@ def test_dense_store_columns_are_on_huge_pages(four_k_pages):
     assert float(store.column("state")[-1, -1]) == 0.5
 
 
-def test_small_arrays_are_left_alone():
+def test_small_arrays_and_files_are_left_alone(tmp_path):
     a = np.zeros(MIN_BYTES // 8, np.float32)
     assert back_with_huge_pages(a) is False
     assert back_with_huge_pages([1.0, 2.0]) is False
+    m = np.memmap(tmp_path / "t", dtype=np.float32, mode="w+", shape=(MIN_BYTES // 2,))
+    view = np.ndarray((MIN_BYTES // 4, 2), np.float32, buffer=m)  # as shm arenas view theirs
+    assert back_with_huge_pages(m) is False and back_with_huge_pages(view) is False

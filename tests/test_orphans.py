@@ -164,3 +164,31 @@ def test_the_session_guard_stops_its_command_when_stdin_closes_and_passes_its_ex
         ok = group.spawn([sys.executable, "-m", "distemb.session_guard", sys.executable, "-c",
                           "raise SystemExit(3)"], stdin=subprocess.PIPE, expect=3)
         assert ok.wait(30) == 3
+
+
+def test_a_job_launched_over_ssh_runs_to_completion_under_its_guards(tmp_path):
+    """The guards change nothing for a job that ends: trainers push and pull through the
+    servers, say goodbye, and the launcher exits 0 with every remote process gone."""
+    trainer = ("import numpy as np, distemb\n"
+               "from distemb.partition import range_policy\n"
+               "ctx = distemb.initialize(backend='numpy')\n"
+               "ctx.client.init_data('t', (10, 2), 'float32', range_policy(10, 2))\n"
+               "ctx.client.push('t', np.array([ctx.rank]), np.full((1, 2), 5.0, np.float32))\n"
+               "ctx.client.barrier()\n"
+               "print('ROWS', ctx.client.pull('t', np.array([0, 1])).sum(), flush=True)\n"
+               "ctx.close()\n")
+    with ProcessGroup() as group:
+        port, key = start_sshd(tmp_path, group, "the ssh launcher starts every process "
+                                                "through ssh")
+        bindir = ssh_wrapper(tmp_path / "bin", key, port)
+        ip = tmp_path / "ip.txt"
+        ip.write_text(f"127.0.0.1 {free_port()}\n")
+        launcher = group.spawn(
+            [sys.executable, "-m", "distemb.launch", "--ip-config", str(ip), "--launcher",
+             "ssh", "--num-servers", "2", "--num-trainers", "2", "--config-out",
+             str(tmp_path / "c.json"), "--timeout", "30", "--", sys.executable, "-c",
+             trainer], env=child_env(PATH=bindir + os.pathsep + os.environ["PATH"]))
+        out, _ = launcher.communicate(timeout=90)  # (the sshd runs on)
+    assert launcher.returncode == 0 and out.count("ROWS 20.0") == 2, out
+    job = json.loads((tmp_path / "c.json").read_text())["job_id"]
+    assert [n for n in os.listdir(SHM) if f"-{job}-" in n] == []

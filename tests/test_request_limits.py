@@ -3,6 +3,11 @@ pull, get or export whose reply would exceed the job's ``max_message_bytes``, a 
 that would insert that much, a file table preallocating more than its disk holds, a frame
 claiming 2**40 ids, and any frame with a payload before the connection's Hello, are all
 refused before the server allocates, with the numbers, and change nothing."""
+import json
+import os
+import shutil
+import uuid
+
 import numpy as np
 import pytest
 
@@ -12,11 +17,13 @@ from test_hostile import Server, ask, closed
 from distemb.kvstore.limits import check_request
 from distemb.stores.spec import FileTableSpec, HashTableSpec
 from distemb.transport.base import HEADER, MAGIC, VERSION
-from distemb.transport.messages import (Create, Hello, Pull, Push, Service, StoreCreate,
-                                        StoreExport, StoreInfo, StoreRead, VersionedPull)
+from distemb.transport.messages import (Create, Hello, Load, Pull, Push, Service, StoreCreate,
+                                        StoreExport, StoreInfo, StoreLoad, StoreRead,
+                                        VersionedPull)
 from distemb.transport.tcp import MAX_HELLO_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+SHM = "/dev/shm"
 MIB = 1 << 20
 WIDE = 1 << 16  # floats per row: 256 KiB rows, 4 of them are the limit
 
@@ -101,3 +108,70 @@ def test_a_connection_sends_no_payload_before_its_hello(tmp_path):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_a_keyed_checkpoint_bigger_than_the_machine_is_refused_before_it_is_read(tmp_path):
+    """A dynamic table's checkpoint of 2**37 keys (sparse files of the right sizes, 5 TiB
+    in all): refused with the numbers before any block is read (a real one would be read
+    for hours, its CRCs all right, and then fail to insert)."""
+    from distemb import checkpoint
+    from distemb.kvstore import LocalKVClient
+    from distemb.stores import HashStore
+    kv = LocalKVClient()
+    kv.add_table("dyn", HashStore(4))
+    kv.push("dyn", np.array([1, 2], np.int64), np.ones((2, 4), np.float32))
+    checkpoint.save(tmp_path / "ck", kv, ["dyn"], {})
+    path = tmp_path / "ck" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    n = 1 << 37
+    rec = manifest["tensors"]["dyn"]["shards"][0]
+    for seg, row_bytes in [(rec["keys"], 8)] + [(c["segment"], 16)
+                                                for c in rec["columns"].values()]:
+        seg.update(count=n, block_rows=n // 256, crc32=[0] * 256)
+        os.truncate(tmp_path / "ck" / seg["file"], n * row_bytes)
+    rec["count"] = n
+    path.write_text(json.dumps(manifest))
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group)
+        conn = srv.connect()
+        assert ask(conn, StoreCreate(name="dyn", **HashTableSpec(4).fields())
+                   ).service == Service.REPLY
+        frame = ask(conn, StoreLoad(name="dyn", directory=str(tmp_path / "ck")))
+        assert refused(frame, "load of 137,438,953,472 keys into 'dyn': needs"), frame.fields
+        assert ask(conn, StoreInfo(name="dyn")).fields["size"] == 0
+        srv.finish(group)
+
+
+def test_a_segment_whose_blocks_exceed_the_machine_is_refused_before_one_is_read(tmp_path):
+    """An array table's checkpoint whose segment claims 2**46 rows (a sparse 1 PiB file
+    in a tmpfs, blocks of 4 TiB as a save of that many rows would make them): loading
+    the table's 10 rows must not allocate the block holding them."""
+    from distemb import checkpoint
+    from distemb.kvstore import LocalKVClient
+    from distemb.partition import range_policy
+    kv = LocalKVClient()
+    kv.init_data("w", (10, 4), "float32", range_policy(10))
+    checkpoint.save(tmp_path / "ck", kv, ["w"], {})
+    ck = f"{SHM}/test-harden-ck-{uuid.uuid4().hex}"  # a tmpfs: files of any sparse size
+    shutil.copytree(tmp_path / "ck", ck)
+    try:
+        manifest = json.loads(open(f"{ck}/manifest.json", encoding="utf-8").read())
+        (seg,) = manifest["tensors"]["w"]["segments"]
+        n = 1 << 46
+        seg.update(count=n, block_rows=n // 256, crc32=[0] * 256)
+        os.truncate(f"{ck}/{seg['file']}", n * 16)
+        with open(f"{ck}/manifest.json", "w", encoding="utf-8") as f:
+            json.dump(manifest, f)
+        with ProcessGroup() as group:
+            srv = Server(tmp_path, group)
+            srv.init_data("w", 10, 4)
+            srv.real.push("w", np.arange(10), np.full((10, 4), 3.0, np.float32))
+            conn = srv.connect()
+            frame = ask(conn, Load(name="w", directory=ck, parts=[0], starts=[0], steps=[1]))
+            assert refused(frame, "a block of 274,877,906,944 rows: needs 4,398,046,511,104 "
+                                  "bytes"), frame.fields
+            np.testing.assert_array_equal(srv.real.pull("w", np.arange(10)),
+                                          np.full((10, 4), 3.0, np.float32))
+            srv.finish(group)
+    finally:
+        shutil.rmtree(ck)

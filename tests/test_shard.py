@@ -51,13 +51,35 @@ def test_a_hash_rows_version_is_evicted_with_the_row():
     assert t.versions(np.array([10]), None).tolist() == [first + 5]
     t.push(np.array([20]), np.ones((1, 2), np.float32))
     store.remove(np.array([10]))
-    t.pull(np.array([40, 10]))  # 10 comes back as a fresh row
-    got = t.versions(np.array([10, 20, 40]), None)
-    assert got.tolist() == [first, first + 1, first]
+    t.pull(np.array([40, 10]))  # 10 comes back as a fresh row, above every version issued
+    v10, v20, v40 = t.versions(np.array([10, 20, 40]), None).tolist()
+    assert v20 == first + 1 and v10 == v40 > first + 5
     store.evict(2, "lru")  # 30 and 20 are the least recent: evicted
     t.pull(np.array([20]))
-    assert t.versions(np.array([20]), None).tolist() == [first]
+    assert t.versions(np.array([20]), None)[0] > v10
     assert VERSION in store.columns() and VERSION not in t.columns()
+
+
+def test_a_copy_of_an_evicted_row_never_matches_the_row_that_replaced_it():
+    """A trainer cache holds key 10 at version v; the server evicts 10, a lookup inserts it
+    again with its initial row, and updates follow. Were versions restarted, the k-th
+    update would bring the new row back to v and the cache would take a stale copy for
+    current (versions are all a cache compares)."""
+    store = HashStore(2)
+    t = ShardTable(store)
+    held = t.versions(np.array([10]), 1 << 40)[0]
+    for _ in range(3):
+        t.push(np.array([10]), np.ones((1, 2), np.float32))
+    cached = t.versions(np.array([10]), None)[0]  # the cache's copy: three writes in
+    assert cached == held + 3
+    seen = set()
+    for _ in range(2):  # evicted and inserted twice, written 8 times after each insert
+        with t.write():
+            store.remove(np.array([10]))
+        for _ in range(8):
+            t.push(np.array([10]), np.full((1, 2), 2, np.float32))
+            seen.add(int(t.versions(np.array([10]), None)[0]))
+    assert cached not in seen and min(seen) > cached
 
 
 def test_seqlock_counters_are_odd_while_a_write_runs():
@@ -234,3 +256,17 @@ def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop(tmp_path):
     assert not any(os.path.exists(p) for p in paths)
     assert os.listdir(tmp_path) == []
     arena.close()
+
+
+def test_versions_of_keys_that_grow_a_hash_store_are_read_after_the_growth():
+    """A versioned pull of new keys inserts them; when that grows the store's arrays, the
+    versions come from the grown column (a trainer cache asks for versions of new keys)."""
+    t = ShardTable(HashStore(2))
+    first = 1 << 40
+    t.versions(np.arange(4), first)
+    got = t.versions(np.arange(100, 100 + 5000), None)  # grows every column many times
+    assert len(got) == 5000 and (got == got[0]).all() and got[0] > first
+    with t.write():
+        t.bump(np.arange(200_000, 210_000))  # bump of absent keys inserts them, then counts
+    bumped = t.versions(np.arange(200_000, 210_000), None)
+    assert (bumped == bumped[0]).all() and bumped[0] > got[0]

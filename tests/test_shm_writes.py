@@ -38,6 +38,13 @@ def test_slot_round_trip_then_growth_remaps(slot_dir):
     got = reader.arrays(path, layout)
     np.testing.assert_array_equal(got[0], ids)
     np.testing.assert_array_equal(got[1], rows)
+    # ids are copied out of the slot (checked and used as one value: the trainer cannot
+    # swap a checked id for another before the server indexes with it); rows stay in it
+    slot_ids = np.ndarray(ids.shape, ids.dtype, buffer=slot._map, offset=layout[0][2])
+    slot_ids[0] = 1 << 40  # the trainer writes its slot after the server read it
+    assert got[0].tolist() == [5, 1, 9]
+    slot._map[layout[1][2]:layout[1][2] + 4] = np.frombuffer(np.float32(7).tobytes(), np.uint8)
+    assert got[1][0, 0] == 7  # the float rows are read in place (no copy)
     big = np.ones((1 << 18, 8), np.float32)  # 8 MiB: past the first file's size
     path2, layout2 = slot.write([ids, big])
     assert path2 != path and not os.path.exists(path)  # old generation unlinked

@@ -16,13 +16,14 @@ import torch
 from mp_helper import ProcessGroup, cluster_dict, write_json
 
 from distemb import checkpoint
-from distemb.config import parse_cluster_config
+from distemb.config import parse_cache_config, parse_cluster_config
 from distemb.context import DistContext
 from distemb.dynamic import DynamicEmbedding, StoreEmbedding
 from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError, KVStoreError, MissingKeyError, StoreError
 from distemb.kernels import reference
 from distemb.kvstore import LocalKVClient, RemoteKVClient
+from distemb.kvstore.cache import CachedKVClient
 from distemb.optim import SparseAdagrad
 from distemb.partition import key_partition
 from distemb.rules import AdagradHyper, SGDHyper
@@ -49,16 +50,25 @@ def cluster(tmp_path_factory):
         group.__exit__(None, None, None)
 
 
-@pytest.fixture(params=["embedded", "remote"])
+#: Trainer caches in front of the two servers: exact (LRU of 4 rows: it evicts a lot) and
+#: bounded staleness (LFU with admission); both must keep every test's results.
+CACHES = {"remote+lru": {"policy": "lru", "rows": 4},
+          "remote+lfu_stale": {"policy": "lfu", "rows": 4, "staleness": 3}}
+
+
+@pytest.fixture(params=["embedded", "remote", *CACHES])
 def base(request):
-    """The placement client: tables in this process, or on two servers."""
+    """The placement client: tables in this process, on two servers, or on two servers
+    behind a trainer cache."""
     if request.param == "embedded":
         kv = LocalKVClient()
     else:
         request.node.add_marker(pytest.mark.multiprocess)
         kv = RemoteKVClient(request.getfixturevalue("cluster"), 0)
+        if request.param in CACHES:
+            kv = CachedKVClient(kv, parse_cache_config(CACHES[request.param]))
     yield kv
-    kv.close(goodbye=False) if request.param == "remote" else kv.close()
+    kv.close() if request.param == "embedded" else kv.close(goodbye=False)
 
 
 def table(base, **spec):

@@ -493,7 +493,8 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         holder.ok(Create(name="half", dtype="bfloat16", row_shape=[DIM], parts=[0],
                          part_rows=[ROWS]))
         holder.ok(Push(name="half", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
-                       values=np.arange(ROWS * DIM, dtype=np.uint16).reshape(ROWS, DIM).view(BFLOAT16)))
+                       values=np.arange(ROWS * DIM, dtype=np.uint16).reshape(ROWS, DIM)
+                       .view(BFLOAT16)))
         holder.ok(StoreCreate(name="dyn", **HashTableSpec(DIM).fields()))
         holder.ok(OptInit(name="dyn", rule="adagrad",
                           options={"initial_accumulator_value": 0.25}, parts=[0]))

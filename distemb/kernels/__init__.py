@@ -56,6 +56,14 @@ else:
         from distemb import _kernels as _compiled
     except ImportError:  # not built (e.g. running from a bare checkout)
         _compiled = _compiled_half = None
+    else:
+        for _module in (_compiled, _compiled_half):
+            if not hasattr(_module, "isa_supported"):  # built from older sources
+                where = getattr(_module, "__file__", "?")
+                raise ImportError(
+                    f"{_module.__name__} ({where}) was built from older sources (it has "
+                    "no isa_supported): rebuild it, e.g. `python setup.py build_ext "
+                    "--inplace` or `make`")
 
 HAS_EXT = _compiled is not None
 IMPL_NAME = "compiled" if HAS_EXT else "reference"

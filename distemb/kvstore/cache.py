@@ -1,9 +1,10 @@
 """CachedKVClient: a trainer-side cache of hot rows in front of a RemoteKVClient.
 
 Graph mini-batches touch a few hot rows most of the time (power-law degrees), so a
-trainer keeps a copy of them. The cache is a view of the remote client (storage calls
-and coalescing go to it); it changes how rows of float32 (N, D) tables are pulled and
-what happens after an update:
+trainer keeps a copy of them. The cache is a view of the remote client (storage calls,
+key management and coalescing go to it); it changes how rows of float32 (N, D) tables,
+dense or keyed (any int64 key: the slot map and pull counts are then hashed,
+:mod:`distemb.kvstore.cache_keys`), are pulled and what happens after an update:
 
 - Each cached row is held with its optimizer state and the *version* its owning server
   gave it (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`: a
@@ -52,7 +53,10 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
-from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
+from distemb.kvstore.cache_keys import ArrayCounts, ArraySlots, HashSlots, SketchCounts
+from distemb.errors import KVStoreError
+from distemb.kernels.hashtable import table_keys
+from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_owner
 
 #: The version of a cached copy someone else may have changed (bounded staleness): it is
@@ -67,13 +71,20 @@ class TableCache:
     """The cached rows of one table: values, optimizer state, versions, use stamps.
 
     Args:
-        num_rows: rows of the table; dim: its row width; capacity: cached rows.
+        num_rows: rows 0..num_rows-1 of a dense table, or None for a keyed table (any
+            int64 key: its slot map and pull counts are hashed,
+            :mod:`distemb.kvstore.cache_keys`).
+        dim: its row width; capacity: cached rows.
         states: {state name: (row shape, dtype)} of the table's update rule.
     """
 
-    def __init__(self, num_rows: int, dim: int, capacity: int, states=None, rule=None):
+    def __init__(self, num_rows: Optional[int], dim: int, capacity: int, states=None,
+                 rule=None):
         self.capacity, self.rule = capacity, rule
-        self.slot_of = np.full(num_rows, -1, np.int64)      # global id -> slot
+        if num_rows is None:
+            self.slot_of, self.seen = HashSlots(), SketchCounts(capacity)
+        else:
+            self.slot_of, self.seen = ArraySlots(num_rows), ArrayCounts(num_rows)
         self.ids = np.full(capacity, -1, np.int64)          # slot -> global id
         self.values = np.zeros((capacity, dim), np.float32)
         self.states = {name: np.zeros((capacity,) + shape, dtype)
@@ -81,7 +92,6 @@ class TableCache:
         self.version = np.full(capacity, -1, np.int64)
         self.checked = np.zeros(capacity, np.int64)         # step of the last validation
         self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
-        self.seen = np.zeros(num_rows, np.int32)            # recent pulls of every row
         self.pulls = 0
         self.step = 0
 
@@ -89,8 +99,8 @@ class TableCache:
         """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
         self.pulls += 1
         if self.pulls % DECAY == 0:
-            self.seen >>= 1
-        self.seen[ids] += 1
+            self.seen.halve()
+        self.seen.add(ids)
 
     def worth_keeping(self, ids, keep):
         """Which of the new rows ``ids`` (unique, not cached) to keep: LFU admission.
@@ -99,7 +109,8 @@ class TableCache:
         (not in slots ``keep``) only if it was seen more often (TinyLFU), so rows seen once
         are not fetched with their optimizer state just to be evicted.
         """
-        order = np.argsort(-self.seen[ids], kind="stable")
+        seen = self.seen.get(ids)
+        order = np.argsort(-seen, kind="stable")
         free = int((self.ids == -1).sum())
         out = np.zeros(len(ids), bool)
         out[order[:free]] = True
@@ -108,21 +119,21 @@ class TableCache:
             held = np.ones(self.capacity, bool)
             held[self.ids == -1] = False
             held[keep] = False
-            victims = np.sort(self.seen[self.ids[held]])[:len(rest)]
+            victims = np.sort(self.seen.get(self.ids[held]))[:len(rest)]
             n = len(victims)
-            out[rest[:n][self.seen[ids[rest[:n]]] > victims]] = True
+            out[rest[:n][seen[rest[:n]] > victims]] = True
         return out
 
     def evict(self, slots):
         """Forget the rows in ``slots``."""
         slots = slots[slots >= 0]
-        self.slot_of[self.ids[slots]] = -1
+        self.slot_of.clear(self.ids[slots])
         self.ids[slots] = -1
         self.version[slots] = -1
 
     def forget(self, ids):
         """Forget the rows ``ids`` (global) where cached."""
-        self.evict(self.slot_of[ids])
+        self.evict(self.slot_of.get(ids))
 
     def admit(self, ids, keep):
         """Slots for new rows ``ids`` (not cached), evicting the lowest stamps.
@@ -142,7 +153,7 @@ class TableCache:
             free = np.concatenate([free, victims])
         slots = free[:min(len(ids), len(free))]
         self.ids[slots] = ids[:len(slots)]
-        self.slot_of[ids[:len(slots)]] = slots
+        self.slot_of.set(ids[:len(slots)], slots)
         return slots
 
 
@@ -209,13 +220,116 @@ class CachedKVClient(PlacedAsInner, KVClient):
     def barrier(self):
         self.inner.barrier()
 
+    # -- keyed tables: the inner client's, its key management passed through -----------
+
     def store_client(self):
-        """Refused: row-store tables cannot sit behind the trainer cache yet.
+        """This cache: keyed tables sit behind it as dense ones do (their slot map and pull
+        counts hashed, :mod:`distemb.kvstore.cache_keys`).
 
         Raises:
-            KVStoreError: always, naming this placement and the tables it cannot hold.
+            KVStoreError: the wrapped client holds no keyed tables.
         """
-        raise refuse_row_stores(self, "the trainer cache", "cache")
+        self.inner.store_client()
+        return self
+
+    def is_keyed(self, name):
+        return self.inner.is_keyed(name)
+
+    def keyed_names(self):
+        return self.inner.keyed_names()
+
+    def row_dim(self, name):
+        return self.inner.row_dim(name)
+
+    def create_table(self, name, spec):
+        """Make keyed table ``name`` (see the inner client's).
+
+        Raises:
+            KVStoreError: the cache's size is a ``fraction`` of a table's rows and the
+                spec sets no bound on its keys (the table is not made).
+        """
+        self._check_bounded(name, spec.capacity)
+        self.inner.create_table(name, spec)
+
+    def add_table(self, name, store):
+        self._check_bounded(name, store.capacity)
+        self.inner.add_table(name, store)
+
+    def _check_bounded(self, name, capacity):
+        if capacity is None and self.config.fraction is not None:
+            raise KVStoreError(f"cache of {name!r}: 'fraction' is a share of a table's "
+                               "rows, and this table takes any int64 key without bound; "
+                               "give the cache 'rows' or 'bytes', or the table a capacity")
+
+    def dim(self, name):
+        return self.inner.dim(name)
+
+    def storage_dtype(self, name):
+        return self.inner.storage_dtype(name)
+
+    def size(self, name):
+        return self.inner.size(name)
+
+    def capacity(self, name):
+        return self.inner.capacity(name)
+
+    def contains(self, name, keys):
+        return self.inner.contains(name, keys)
+
+    def get(self, name, keys):
+        return self.inner.get(name, keys)
+
+    def export(self, name, columns=None):
+        return self.inner.export(name, columns)
+
+    def flush(self, name):
+        self.inner.flush(name)
+
+    def remove(self, name, keys):
+        removed = self.inner.remove(name, keys)
+        self._forget(name, keys)
+        return removed
+
+    def evict(self, name, target_size, policy=None):
+        evicted = self.inner.evict(name, target_size, policy)
+        self._forget(name, evicted)
+        return evicted
+
+    def import_(self, name, keys, columns):
+        self.inner.import_(name, keys, columns)
+        self._forget(name, keys)
+
+    def _forget(self, name, keys):
+        """Cached copies of ``keys`` are void (the server's versions would tell at the
+        next validation; a bounded-staleness copy must not wait for it)."""
+        cache = self._tables.get(name)
+        if cache is not None:
+            cache.forget(np.asarray(keys, dtype=np.int64))
+
+    def checkpoint_names(self, name, state_names):
+        return self.inner.checkpoint_names(name, state_names)
+
+    def table_state(self, name, state_names):
+        if self.is_keyed(name):
+            return self.inner.table_state(name, state_names)
+        return super().table_state(name, state_names)
+
+    def load_table_state(self, name, state_names, entry):
+        if self.is_keyed(name):
+            self.inner.load_table_state(name, state_names, entry)
+            return self.invalidate(name) if name in self._tables else None
+        return super().load_table_state(name, state_names, entry)
+
+    def checkpoint_entry(self, name, directory, save_id):
+        if self.is_keyed(name):
+            return self.inner.checkpoint_entry(name, directory, save_id)
+        return super().checkpoint_entry(name, directory, save_id)
+
+    def restore_entry(self, name, directory, entry):
+        if self.is_keyed(name):
+            self.inner.restore_entry(name, directory, entry)
+            return self.invalidate(name) if name in self._tables else None
+        return super().restore_entry(name, directory, entry)
 
     def close(self, **kw):
         """Close the wrapped client (keywords go to its ``close``)."""
@@ -240,17 +354,25 @@ class CachedKVClient(PlacedAsInner, KVClient):
         """The cache of ``name``, made on first use; None for tables it does not cache."""
         if name in self._tables and rule is None:
             return self._tables[name]
-        meta = self._meta_of(name)
+        keyed = self.is_keyed(name)
+        if keyed:  # float32 rows on the wire; a half store rounds updates: not cached
+            num_rows, dim = self.inner.capacity(name), self.inner.dim(name)
+            dtype, ndim = self.inner.storage_dtype(name), 2
+        else:
+            meta = self._meta_of(name)
+            num_rows, dim, dtype, ndim = meta.shape[0], meta.shape[-1], meta.dtype, \
+                len(meta.shape)
         cache = None
-        if meta.dtype == "float32" and len(meta.shape) == 2 and state_owner(name) is None:
-            states, row_bytes = {}, 4 * meta.shape[1]
+        if dtype == "float32" and ndim == 2 and state_owner(name) is None:
+            states, row_bytes = {}, 4 * dim
             if rule is not None:
                 for spec in rule_of(rule).states:
-                    shape = spec.shape(meta.shape[1])
+                    shape = spec.shape(dim)
                     states[spec.name] = (shape, np.dtype(spec.dtype))
                     row_bytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
-            cap = self.config.capacity(meta.shape[0], row_bytes)
-            cache = TableCache(meta.shape[0], meta.shape[1], cap, states,
+            self._check_bounded(name, num_rows)
+            cap = self.config.capacity(num_rows or np.iinfo(np.int64).max, row_bytes)
+            cache = TableCache(None if keyed else num_rows, dim, cap, states,
                                None if rule is None else rule_of(rule).name)
         self._tables[name] = cache
         return cache
@@ -270,12 +392,15 @@ class CachedKVClient(PlacedAsInner, KVClient):
         cache = self._table(name)
         if cache is None:
             return self.inner.pull(name, ids)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
+        if self.is_keyed(name):
+            ids = table_keys(ids)  # integers, none of the hash index's reserved keys
+        else:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
         uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
         self._tick += 1
         cache.count(uniq)
-        slots = cache.slot_of[uniq]
+        slots = cache.slot_of.get(uniq)
         cached = slots >= 0
         ask = np.ones(len(uniq), bool)
         if self.config.staleness:
@@ -318,7 +443,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         out[in_cache] = cache.values[slots[in_cache]]
         used = slots[in_cache]
         cache.stamp[used] = self._tick if self.config.policy == "lru" else \
-            cache.seen[uniq[in_cache]]
+            cache.seen.get(uniq[in_cache])
         return out[inverse]
 
     def _count(self, ids, uniq, got, asked, arrays):
@@ -350,7 +475,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
                 cache.forget(np.asarray(ids, dtype=np.int64))
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        slots = cache.slot_of[ids]
+        slots = cache.slot_of.get(ids)
         mine = np.flatnonzero(slots >= 0)
         at = slots[mine]
         if len(at):

@@ -242,7 +242,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         cache = self._tables.get(table)
         if cache is None:
             return
-        slots = cache.map.slot_of[ids]
+        slots = cache.map.slot_of.get(ids)
         slots = np.unique(slots[slots >= 0])
         self._write_back(table, cache, slots)
         cache.map.evict(slots)
@@ -273,7 +273,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         src = cache.values if owner is None else cache.states.get(name.partition("~opt~")[2])
         if src is None:
             return out
-        slots = cache.map.slot_of[_host_ids(ids)]
+        slots = cache.map.slot_of.get(_host_ids(ids))
         at = np.flatnonzero(slots >= 0)
         at = at[cache.dirty[slots[at]]]
         if len(at):
@@ -332,7 +332,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         uniq, inverse = np.unique(ids, return_inverse=True)
         self._tick += 1
         m.count(uniq)
-        slots = m.slot_of[uniq]
+        slots = m.slot_of.get(uniq)
         cached = slots >= 0
         new = np.flatnonzero(~cached)
         st["lookups"] += 1
@@ -349,7 +349,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
             self._admit(name, cache, uniq, new[keep], slots, cached, fetched[keep])
         used = slots[slots >= 0]
         m.stamp[used] = self._tick if self.config.policy == CachePolicy.LRU else \
-            m.seen[uniq[slots >= 0]]
+            m.seen.get(uniq[slots >= 0])
         per_id = slots[inverse]
         gather = torch.from_numpy(np.maximum(per_id, 0)).to(self.cache_device)
         st["h2d_bytes"] += per_id.nbytes
@@ -404,7 +404,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
                 self._forget(name, host_ids)
             self.inner.push_update(name, host_ids, self._host_grads(grads), rule, hyper)
             return
-        slots = cache.map.slot_of[host_ids]
+        slots = cache.map.slot_of.get(host_ids)
         hit = np.flatnonzero(slots >= 0)
         miss = np.flatnonzero(slots < 0)
         if len(hit):

@@ -200,6 +200,11 @@ class KeyedTables:
         """Row length of keyed table ``name``."""
 
     @abstractmethod
+    def storage_dtype(self, name: str) -> str:
+        """The dtype keyed table ``name``'s stores keep rows in (they cross this interface
+        as float32 whatever it is)."""
+
+    @abstractmethod
     def size(self, name: str) -> int:
         """Keys held by keyed table ``name`` (over every shard)."""
 

@@ -225,6 +225,9 @@ class LocalKVClient(KeyedTables, KVClient):
     def dim(self, name):
         return self.store(name).dim
 
+    def storage_dtype(self, name):
+        return self.store(name).dtype
+
     def size(self, name):
         return self.store(name).size()
 

@@ -380,6 +380,8 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
             <distemb.kvstore.server.KVServer.versions>`), or None when ``versions`` is
             False or the consistency is async (no reply).
         """
+        if self.is_keyed(name):
+            return self._keyed_push_update(name, ids, grads, rule, hyper, versions)
         meta = self._meta_of(name)
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()

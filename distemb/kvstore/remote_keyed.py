@@ -45,7 +45,7 @@ from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import (Drop, OptInit, Pull, Push, StoreCreate, StoreExport,
                                         StoreInfo, StoreLoad, StoreRead, StoreRemove,
-                                        StoreSave, Update)
+                                        StoreSave, Update, VersionedPull)
 
 #: Bytes of rows per export or import request (well under any frame limit).
 PAGE_BYTES = 16 << 20
@@ -130,6 +130,9 @@ class RemoteKeyedTables(KeyedTables):
 
     def capacity(self, name):
         return self._spec(name).capacity
+
+    def storage_dtype(self, name):
+        return self._spec(name).dtype
 
     def _info(self, name, evict_to=None, policy=None):
         spec = self._spec(name)
@@ -249,7 +252,9 @@ class RemoteKeyedTables(KeyedTables):
         self._seq[name] = 0
         return self._state_names(name, rule)
 
-    def _keyed_push_update(self, name, ids, grads, rule, hyper):
+    def _keyed_push_update(self, name, ids, grads, rule, hyper, versions=False):
+        """The update of keyed table ``name``; with ``versions`` (and a reply awaited),
+        the rows' versions after it, one per id (for a trainer cache), else None."""
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
         dim = self.dim(name)
@@ -257,10 +262,13 @@ class RemoteKeyedTables(KeyedTables):
         self._seq[name] = seq
         exact = self.consistency == Consistency.SYNC_EXACT
         grads = np.asarray(grads, np.float32)
-        split = self._split(name, table_keys(ids))
+        ids = table_keys(ids)
+        split = self._split(name, ids)
+        wait = self.consistency != Consistency.ASYNC
+        want = versions and wait
         requests = {sid: Update(name=name, rule=impl.name.value, hyper=fields, seq=seq,
-                                exact=exact, parts=[sid], counts=[len(k)], ids=k,
-                                grads=np.ascontiguousarray(grads[pos]))
+                                exact=exact, versions=want, parts=[sid], counts=[len(k)],
+                                ids=k, grads=np.ascontiguousarray(grads[pos]))
                     for sid, (pos, k) in split.items()}
         if exact:
             # every server hears from every trainer each step, so it knows when the
@@ -270,7 +278,47 @@ class RemoteKeyedTables(KeyedTables):
                     name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=True,
                     parts=[sid], counts=[0], ids=np.empty(0, np.int64),
                     grads=np.empty((0, dim), np.float32)))
-        self._call(requests, wait=self.consistency != Consistency.ASYNC)
+        out = np.empty(len(ids), np.int64) if want else None
+
+        def take(sid, frame):
+            if sid not in split:
+                return
+            pos = split[sid][0]
+            if len(frame.arrays) != 1 or frame.arrays[0].shape != pos.shape:
+                raise KVStoreError(f"server {sid}: update reply without the rows' versions")
+            out[pos] = frame.arrays[0]
+
+        self._call(requests, wait=wait, on_reply=take if want else None)
+        return out
+
+    def _keyed_pull_versioned(self, name, keys, have, states):
+        """:meth:`~distemb.kvstore.remote_versions.VersionedPulls.pull_versioned` of a
+        keyed table: each server answers for the keys it owns (inserting absent ones, as
+        a lookup does)."""
+        keys, have = table_keys(keys), np.ascontiguousarray(have, dtype=np.int64)
+        dim = self.dim(name)
+        split = self._split(name, keys)
+        got = {}
+
+        def take(sid, frame):
+            a, pos = frame.arrays, split[sid][0]
+            n = a[0].shape[0] if a else -1
+            if len(a) != 3 + len(states) or a[0].dtype != np.int64 or \
+                    a[1].shape[0] != n or a[2].shape != (n, dim) or n > len(pos) or \
+                    (n and (a[0].min() < 0 or a[0].max() >= len(pos))):
+                raise KVStoreError(f"server {sid}: versioned pull reply of the wrong shape")
+            got[sid] = (pos[a[0]], a[1], a[2], a[3:])
+
+        self._call({sid: VersionedPull(name=name, parts=[sid], counts=[len(k)],
+                                       states=list(states), ids=k, have=have[pos])
+                    for sid, (pos, k) in split.items()}, on_reply=take)
+        parts = [got[sid] for sid in split]
+        if not parts:
+            return (np.empty(0, np.int64), np.empty(0, np.int64),
+                    np.empty((0, dim), np.float32), [])
+        return (np.concatenate([g[0] for g in parts]), np.concatenate([g[1] for g in parts]),
+                np.concatenate([g[2] for g in parts]),
+                [np.concatenate([g[3][i] for g in parts]) for i in range(len(states))])
 
     def _keyed_checkpoint_entry(self, name, directory, save_id):
         """Every server writes its own store of ``name`` (in parallel)."""

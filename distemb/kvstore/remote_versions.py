@@ -36,6 +36,8 @@ class VersionedPulls:
             positions whose ``have`` is not -1, in order]).
         """
         self._check_open()
+        if self.is_keyed(name):
+            return self._keyed_pull_versioned(name, ids, have, states)
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         have = np.ascontiguousarray(have, dtype=np.int64)

@@ -12,8 +12,9 @@ store says where the rows are; the ShardTable owns what the server needs around 
 - a per-row version (write counter), made on first use: what trainer caches validate
   their copies against. A fixed key set keeps it in an array beside the store (its slots
   never move); a store that inserts and evicts keeps it as a hidden column, so a row's
-  version is evicted with the row and a re-inserted key starts again from the table's
-  first version.
+  version is evicted with the row, and a key inserted (or inserted again after its
+  removal) starts above every version the shard has issued: a copy of an evicted row
+  never matches the version of the row that replaced it.
 
 Concurrency: one writer per row (DESIGN.md). Stores that insert on read (a hash store's
 lookup may grow its arrays or evict) take the write lock for lookups too.
@@ -23,10 +24,9 @@ Example:
 
     >>> from distemb.stores import HashStore
     >>> t = ShardTable(HashStore(2))
-    >>> t.versions(np.array([2**40]), first=0).tolist()
-    [0]
+    >>> v = t.versions(np.array([2**40]), first=0)  # the key is inserted, above version 0
     >>> t.push(np.array([2**40]), np.ones((1, 2), np.float32))
-    >>> t.versions(np.array([2**40]), first=None).tolist(), t.pull(np.array([2**40])).tolist()
+    >>> (t.versions(np.array([2**40]), first=None) - v).tolist(), t.pull(np.array([2**40])).tolist()
     ([1], [[1.0, 1.0]])
 """
 import threading
@@ -115,6 +115,7 @@ class ShardTable:
         self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
         self._tracked = False
+        self._high = 0  # >= every version issued (a store that inserts: new rows go above)
 
     @property
     def inserts_on_read(self):
@@ -137,6 +138,9 @@ class ShardTable:
     def write(self):
         """Context manager: the exclusive lock, with every seqlock counter odd meanwhile."""
         with self.lock.write():
+            if self._tracked and not self.store.fixed_keys:
+                self._high += 1  # rows this write inserts start above every version issued
+                self.store.set_fill(VERSION, self._high)
             counters = list(self._counters.values())
             for v in counters:
                 v[0] += 1  # odd: a write is under way
@@ -272,20 +276,27 @@ class ShardTable:
                         self._fixed_versions = np.full(self.store.capacity, first, np.int64)
                     else:
                         self.store.add_column(VERSION, (), "int64", fill=first)
+                    self._high = first
                     self._tracked = True
         if self.inserts_on_read:
             with self.write():
-                return self._version_array()[self._slots(keys)]
+                slots = self._slots(keys)  # first: inserting may grow the version array
+                return self._version_array()[slots]
         return self._version_array()[keys]
 
     def bump(self, keys, by=1):
         """Add ``by`` (an int, or one per key) to the versions of ``keys``; the caller
         holds the write lock. Duplicate keys change once: enough to void a cached copy."""
-        if self._tracked:
-            self._version_array()[self._slots(keys)] += by
+        if self._tracked and len(keys):
+            slots = self._slots(keys)  # first: inserting may grow the version array
+            arr = self._version_array()
+            bumped = arr[slots] + by
+            arr[slots] = bumped
+            self._high = max(self._high, int(bumped.max()))
 
     def bump_all(self):
         """Change every row's version (its optimizer state was reset)."""
         if self._tracked:
             with self.write():
                 self._version_array()[...] += 1
+                self._high += 1

@@ -34,6 +34,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kernels.half import storage_dtype
+from distemb.kvstore.limits import check_fits
 
 MANIFEST = "manifest.json"
 FORMAT = "distemb-checkpoint"
@@ -209,6 +210,10 @@ def _read_blocks(f, path, record, row_shape, dtype, start, step, count):
     checked (start, step, count, block_rows, crc32)."""
     s0, st, n, br, crcs = record
     row_bytes = _row_bytes(row_shape, dtype)
+    # A block is read whole (its CRC covers it): a lying record of a sparse file must
+    # not make the server allocate a block larger than it can hold.
+    check_fits(min(br, n) * row_bytes, f"checkpoint segment {path}: a block of {min(br, n):,} "
+               "rows")
     last = start + (count - 1) * step
     for b, lo in enumerate(range(0, n, br)):
         hi = min(n, lo + br)

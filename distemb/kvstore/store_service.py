@@ -40,7 +40,7 @@ from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.half import storage_dtype
 from distemb.kvstore import snapshot, store_snapshot
 from distemb.kvstore.keyed import init_state_columns
-from distemb.kvstore.limits import check_disk, check_request
+from distemb.kvstore.limits import check_disk, check_fits, check_request
 from distemb.rules import check_table_name, state_owner
 from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
@@ -221,6 +221,14 @@ class StoreTables:
         entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
                                       m.directory)
         store_snapshot.check_entry(entry, m.name, t.spec.dim, m.directory)
+        # Before a block is read: the rows of this server's share of the saved keys (a
+        # hash routes 1/num_servers of them here) and one shard's key arrays must fit,
+        # so a checkpoint far bigger than the machine is refused, not half read.
+        counts = [r["count"] for r in entry.get("shards") or [] if isinstance(r, dict)
+                  and isinstance(r.get("count"), int) and not isinstance(r["count"], bool)]
+        share = 0 if t.store.fixed_keys else -(-sum(counts) // self.num_servers)
+        check_fits(share * sum(_row_bytes(c) for c in t.columns().values()) +
+                   24 * max(counts, default=0), f"load of {sum(counts):,} keys into {m.name!r}")
         with t.write():  # all or nothing: every check passes before a key is removed
             store_snapshot.load_store(m.directory, entry, t.store,
                                       lambda keys: t.router.owns(self.server_id, keys),

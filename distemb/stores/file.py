@@ -37,7 +37,7 @@ LOCK = ".lock"  # flock'ed by the one FileStore that has the directory open; hol
 
 def _writable_dir(path):
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)  # a new directory: this user's only
     except OSError as e:
         raise StoreError(f"path: cannot create directory {path!r} for a FileStore "
                          f"({e.strerror}); expected a writable directory") from None
@@ -186,7 +186,7 @@ class FileStore(DenseStore):
         nbytes = int(np.prod(shape)) * dtype.itemsize
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
         try:
-            fd = os.open(self._file(name), flags, 0o644)
+            fd = os.open(self._file(name), flags, 0o600)  # the rows are this user's only
         except OSError as e:
             raise StoreError(f"path: cannot open {self._file(name)!r} ({e.strerror})") from None
         try:

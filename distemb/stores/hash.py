@@ -170,6 +170,13 @@ class HashStore(RowStore):
         self._cols[name] = np.full((rows,) + row_shape, fill, dtype)
         self._specs[name] = (row_shape, dtype, fill)
 
+    def set_fill(self, name, fill):
+        if name == WEIGHT or name not in self._specs:
+            raise StoreError(f"set_fill: no state column {name!r} (has "
+                             f"{[c for c in self._specs if c != WEIGHT]})")
+        shape, dtype, _ = self._specs[name]
+        self._specs[name] = (shape, dtype, fill)
+
     def drop_column(self, name):
         if name == WEIGHT:
             raise StoreError("column: 'weight' is the rows; it cannot be dropped")

@@ -10,7 +10,9 @@ pages in the next: the same step then ran 1.3-2x slower (benchmarks/README.md,
 bench_step's spread across fresh processes). :func:`back_with_huge_pages` asks again, and
 synchronously: ``MADV_COLLAPSE`` (Linux 6.1+) moves the pages already touched onto huge
 pages (compacting memory if it must), a no-op for the parts already on them. Best effort:
-on other systems, or when the kernel refuses, nothing changes (not an error).
+on other systems, or when the kernel refuses, nothing changes (not an error). Only a
+process's own (anonymous) memory is asked for: the pages of a file (a server's shared
+memory, a memory-mapped file) are other processes' too, and are left as they are.
 
 Example:
     >>> import numpy as np
@@ -19,6 +21,7 @@ Example:
 """
 import ctypes
 import ctypes.util
+import mmap
 import sys
 
 import numpy as np
@@ -41,6 +44,16 @@ def _libc_madvise():
     return _madvise
 
 
+def _file_backed(array):
+    """Whether ``array``'s memory is a mapped file (np.memmap or mmap somewhere below)."""
+    base = array
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)):
+            return True
+        base = getattr(base, "base", None)
+    return False
+
+
 def back_with_huge_pages(array: np.ndarray) -> bool:
     """Ask the kernel to keep ``array``'s memory on 2 MiB pages, now; True if it agreed.
 
@@ -49,7 +62,7 @@ def back_with_huge_pages(array: np.ndarray) -> bool:
     (filled): ``MADV_COLLAPSE`` works on pages that exist.
     """
     if not sys.platform.startswith("linux") or not isinstance(array, np.ndarray) \
-            or array.nbytes < MIN_BYTES:
+            or array.nbytes < MIN_BYTES or _file_backed(array):
         return False
     start = array.ctypes.data
     lo = (start + _HUGE - 1) & ~(_HUGE - 1)

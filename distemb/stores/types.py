@@ -127,6 +127,19 @@ class RowStore(abc.ABC):
         and dtype (a persistent store resuming its optimizer state).
         """
 
+    def set_fill(self, name: str, fill: float) -> None:
+        """Make ``fill`` the value that rows inserted from now on start at in column
+        ``name`` (rows held keep theirs). A store with a fixed key set never inserts, so
+        for it this does nothing; a store that inserts must implement it.
+
+        Raises:
+            StoreError: no such column, or a store that inserts without implementing it.
+        """
+        self.column(name)
+        if not self.fixed_keys:
+            raise StoreError(f"set_fill: {type(self).__name__} inserts keys but cannot set "
+                             "the value new rows start at")
+
     @abc.abstractmethod
     def drop_column(self, name: str) -> None:
         """Remove column ``name`` (no-op when absent; the weight cannot be dropped)."""

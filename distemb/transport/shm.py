@@ -24,8 +24,9 @@ that are gone (killed by SIGKILL, say), as every launch on the machine does firs
 The other direction (co-located writes): a trainer writes the arrays of an update or a
 push into its :class:`RequestSlot` (one file per trainer and server,
 ``distemb-p<pid>-<job>-t<rank>-s<server>-<token>-<generation>``, after the trainer's pid
-so that :func:`remove_orphans` removes a killed trainer's slots too) and sends only a small frame naming the
-file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
+so that :func:`remove_orphans` removes a killed trainer's slots too, as a server whose
+launcher died does at once: :func:`remove_job_orphans`) and sends only a small frame
+naming the file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
 server maps the file (:class:`SlotReader`), reads the arrays in place and applies the
 request, still the only writer of its rows. The trainer reuses the slot only after the
 server's reply, so the server never reads a slot being rewritten. The server trusts a
@@ -359,7 +360,16 @@ class SlotReader:
         self._maps = {}  # slot prefix -> (path, its open fd, mapping)
 
     def arrays(self, path, layout):
-        """Views of the arrays ``layout`` describes in the slot file ``path``.
+        """The arrays ``layout`` describes in the slot file ``path``: views of the float
+        arrays (rows, gradients: read in place), copies of the integer ones.
+
+        Integer arrays are ids, counts and versions: the server checks them, then indexes
+        its shards with them. The trainer can still write its slot after the check; a
+        view would let it swap a checked id for one past the end of a shard between the
+        check and the compiled gather or update (an out-of-bounds read or write). A copy
+        is checked and used as one value; the copy is small (8 bytes per row against a
+        row's 4 * dim). A float changed meanwhile is only a wrong value, which a token
+        holder may send anyway.
 
         Raises:
             TransportError: the path is not a slot of this job, the file is missing, or
@@ -383,7 +393,8 @@ class SlotReader:
             if off + nbytes > mapping.shape[0]:
                 raise TransportError(f"slot array {i}: {nbytes} bytes at offset {off} reach "
                                      f"past the end of {path} ({mapping.shape[0]} bytes)")
-            out.append(np.ndarray(shape, dtype, buffer=mapping, offset=off))
+            view = np.ndarray(shape, dtype, buffer=mapping, offset=off)
+            out.append(np.array(view) if dtype.kind in "iub" else view)
         return out
 
     def _mapping(self, path):
