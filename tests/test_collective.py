@@ -63,6 +63,24 @@ def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
         assert (moved > 0).sum() >= 50, f"table {k}: too few rows trained to mean anything"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_under_torchrun_equals_one_process(tmp_path):
+    """The job started by torchrun itself (its agent hosts the rendezvous store)."""
+    steps = 10
+    with ProcessGroup() as group:  # session: kill_all ends torchrun's children too
+        group.spawn([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                     TRAINER, str(tmp_path), "--steps", str(steps)],
+                    session=True)
+        out = next(iter(group.wait_all(timeout=180).values()))
+    assert "rank 0 of 2: done" in out and "rank 1 of 2: done" in out, out
+    want = job.oracle(steps, 2)
+    for k in job.OPTIMIZERS:
+        with np.load(tmp_path / f"{k}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, want[k], f"table {k} under torchrun")
+
+
 def assert_same(got, want, what):
     assert sorted(got) == sorted(want), what
     for col, arr in want.items():

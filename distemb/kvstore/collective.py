@@ -146,6 +146,8 @@ class CollectiveKVClient(KVClient):
         self._meta = {}
         self._routers = {}
         self._seq = 0  # exchanges so far: equal on every rank while they agree
+        #: Bytes this rank has sent to other ranks (headers, ids, rows, gradients).
+        self.bytes_sent = 0
         try:  # the rendezvous store, to name the ranks that died (see _failure)
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - a private API: without it, ranks go unnamed
@@ -196,6 +198,8 @@ class CollectiveKVClient(KVClient):
     def _a2a(self, what, send, counts_out, counts_in, trailing, dtype):
         """all_to_all_single of ``send`` (rows for each rank, in rank order)."""
         recv = torch.empty((int(sum(counts_in)),) + tuple(trailing), dtype=dtype)
+        row_bytes = send.element_size() * int(np.prod(trailing, dtype=np.int64))
+        self.bytes_sent += (int(sum(counts_out)) - int(counts_out[self.rank])) * row_bytes
         self._guard(what, lambda: dist.all_to_all_single(
             recv, send, list(counts_in), list(counts_out), group=self._group))
         return recv
