@@ -12,8 +12,15 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="transparent huge pages are a Linux feature")
 
 
+#: Arrays of the tests: past glibc's mmap threshold as distemb sets it (32 MiB,
+#: distemb.malloc), so each is a mapping of its own and smaps' per-mapping count is the
+#: array's (a smaller one lives in the heap, whose count holds every other array's too).
+ROWS = (48 << 20) // (64 * 4)
+
+
 def huge_bytes(array):
-    """Bytes of ``array``'s address range that the kernel maps with huge pages."""
+    """Bytes of the mappings holding ``array`` that the kernel maps with huge pages (the
+    array's own, for arrays past the mmap threshold)."""
     lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
     total, overlap = 0, False
     with open("/proc/self/smaps") as f:
@@ -36,7 +43,7 @@ def four_k_pages():
 
 
 def test_a_touched_array_moves_onto_huge_pages_unchanged(four_k_pages):
-    a = np.random.default_rng(0).random((1 << 16, 64), dtype=np.float32)  # 16 MiB
+    a = np.random.default_rng(0).random((ROWS, 64), dtype=np.float32)  # 48 MiB
     before, want = huge_bytes(a), a.copy()
     if not back_with_huge_pages(a):
         pytest.skip("this kernel refused MADV_COLLAPSE (Linux < 6.1, or THP disabled)")
@@ -46,7 +53,8 @@ def test_a_touched_array_moves_onto_huge_pages_unchanged(four_k_pages):
 
 
 def test_dense_store_columns_are_on_huge_pages(four_k_pages):
-    store = DenseStore(1 << 15, 128, init=lambda k: np.ones((len(k), 128), np.float32))
+    rows = ROWS // 2  # 48 MiB columns of 128 floats
+    store = DenseStore(rows, 128, init=lambda k: np.ones((len(k), 128), np.float32))
     store.add_column("state", (128,), "float32", fill=0.5)
     probe = np.ones(MIN_BYTES // 4, np.float32)
     if not back_with_huge_pages(probe):
@@ -54,7 +62,7 @@ def test_dense_store_columns_are_on_huge_pages(four_k_pages):
     for name in ("weight", "state"):
         col = store.column(name)
         assert huge_bytes(col) >= col.nbytes - 2 * (2 << 20), name
-    assert float(store.column("weight").sum()) == (1 << 15) * 128
+    assert float(store.column("weight").sum()) == rows * 128
     assert float(store.column("state")[-1, -1]) == 0.5
 
 
