@@ -196,3 +196,22 @@ def test_row_store_tables_work_or_are_refused_by_name(client, request):
         assert stores.size("rs") == 2
     finally:
         stores.delete_data("rs")
+
+
+@pytest.mark.parametrize("ids", [[3, 7, 19], [19, 3, 7], [7, 3, 7, 19, 3]],
+                         ids=["ascending-unique", "unique-unsorted", "duplicates"])
+def test_coalesce_sums_each_ids_gradient_whatever_the_order(client, ids):
+    """The oracle is torch's coalesce of the sparse gradient. One lookup of ascending
+    unique ids (a fused loss's rows) is already coalesced: it must come back as it is,
+    without the sort, and equal the oracle as the other orders do."""
+    from distemb.backend import pytorch as F
+
+    client.init_data("co", (20, 4), "float32", range_policy(20, client.num_servers))
+    grads = torch.arange(len(ids) * 4, dtype=torch.float32).reshape(-1, 4) - 5
+    flat, _ = client.ids_in("co", torch.tensor(ids), F)
+    got = client.coalesce("co", [flat], [grads], F)
+    want = torch.sparse_coo_tensor(torch.tensor([ids]), grads, (20, 4)).coalesce()
+    np.testing.assert_array_equal(np.asarray(client.to_host(got[0])),
+                                  want.indices()[0].numpy())
+    np.testing.assert_array_equal(np.asarray(client.to_host(got[1])), want.values().numpy())
+    client.delete_data("co")

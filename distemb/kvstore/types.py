@@ -385,6 +385,11 @@ class KVClient(ABC):
                       for g in grads]
         flat = host_ids[0] if len(host_ids) == 1 else np.concatenate(host_ids)
         g = host_grads[0] if len(host_grads) == 1 else np.concatenate(host_grads)
+        if len(host_ids) == 1 and _ascending_unique(flat):
+            # One lookup of ascending unique ids (a fused loss's rows, e.g. skipgram_loss
+            # over torch.unique's ids): each row's gradient is its id's sum already, and
+            # the sort and copy of dedup_sum would give back the same rows.
+            return flat, np.ascontiguousarray(g)
         return kernels.dedup_sum(flat, np.ascontiguousarray(g), num_threads=self.num_threads,
                                  out=self._sum_buffer(name, flat.shape[0], dim))
 
@@ -420,6 +425,11 @@ class KVClient(ABC):
         from distemb.kvstore.device import HostTableOnDevice
 
         return HostTableOnDevice.of(self, device)
+
+
+def _ascending_unique(ids: np.ndarray) -> bool:
+    """Whether ``ids`` are strictly ascending (so unique, in dedup_sum's order)."""
+    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
 
 
 def refuse_row_stores(client: KVClient, placement: str, config_key: str):
