@@ -7,8 +7,9 @@ row-wise Adagrad, Adam with global and per-row steps, FTRL) trains on zipf-distr
 duplicate-heavy batches of B ids; rank r takes the r-th 1/W of every batch, and on every
 fifth step the last rank looks nothing up (it still takes part in the exchanges). Rank 0
 writes each table's rows and optimizer state (``opt.state_dict()``, pulled collectively)
-to OUT_DIR/<table>.npz. ``--die-at S``: the last rank exits abruptly at step S; the
-others must raise KVStoreError naming it (they print it and exit 3). ``--mismatch``: rank 1
+to OUT_DIR/<table>.npz. ``--die-at S``: the last rank (or ``--die-rank R``) exits
+abruptly at step S; the others must raise KVStoreError naming it (they print it and exit
+3). ``--mismatch``: rank 1
 defines a table with another row length; ``--apart``: rank 0 alone reads a row before
 training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` after
 training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
@@ -123,7 +124,8 @@ def main(args):
     ctx = distemb.initialize(backend="pytorch", num_threads=1, mode="collective",
                              timeout_s=args.timeout)
     world, rank = ctx.num_trainers, ctx.rank
-    die_at = args.die_at if rank == world - 1 else None
+    dying = world - 1 if args.die_rank is None else args.die_rank
+    die_at = args.die_at if rank == dying else None
     try:
         if args.mismatch:
             DistEmbedding(NUM, D + (rank == 1), name="mismatched", context=ctx)
@@ -153,6 +155,7 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--die-at", type=int)
+    parser.add_argument("--die-rank", type=int)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--save")

@@ -127,6 +127,17 @@ def test_a_dying_rank_fails_the_others_naming_it(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+def test_a_dying_store_host_fails_the_others_saying_so(tmp_path):
+    """Rank 0 hosts the rendezvous store under a tcp:// init: with it gone no rank can be
+    named through the store, and the error says which rank has likely died."""
+    outs = run_job(tmp_path, 3, "--steps", "10", "--die-at", "4", "--die-rank", "0",
+                   "--timeout", "20", expect=lambda r: 9 if r == 0 else 3, timeout=90)
+    for r in (1, 2):
+        assert "KVStoreError" in outs[r] and "rank 0 under a tcp:// init" in outs[r], outs[r]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("flag,says", [
     ("--mismatch", "table 'mismatched': rank 1 defines it differently from rank 0 (shape"),
     ("--apart", "every rank must make the same distemb calls in the same order")])

@@ -179,7 +179,8 @@ class CollectiveKVClient(KVClient):
         key = f"{self._tag}/failed/{self._seq}"
         try:
             self._store.set(f"{key}/{self.rank}", "1")
-            deadline = time.monotonic() + min(REPORT_GRACE_S, self.timeout_s)
+            grace = min(REPORT_GRACE_S, self.timeout_s)
+            deadline = time.monotonic() + grace
             missing = list(range(self.world_size))
             while missing and time.monotonic() < deadline:
                 missing = [r for r in missing if not self._store.check([f"{key}/{r}"])]
@@ -192,8 +193,8 @@ class CollectiveKVClient(KVClient):
         if not missing:
             return KVStoreError(f"{msg}: every rank is alive, the exchange itself failed: "
                                 f"{error}")
-        return KVStoreError(f"{msg}: rank(s) {missing} did not report within "
-                            f"{self.timeout_s} s (dead or hung); cause: {error}")
+        return KVStoreError(f"{msg}: rank(s) {missing} did not report within {grace} s "
+                            f"of the failure (dead or hung); cause: {error}")
 
     def _a2a(self, what, send, counts_out, counts_in, trailing, dtype):
         """all_to_all_single of ``send`` (rows for each rank, in rank order)."""
