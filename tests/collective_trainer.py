@@ -3,7 +3,8 @@
 Run as one rank of a torch.distributed job (torchrun's environment: RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT): ``python tests/collective_trainer.py OUT_DIR [--steps N]
 [--die-at STEP] [--timeout S]``. One dense table per optimizer distemb has (SGD, Adagrad,
-row-wise Adagrad, Adam with global and per-row steps, FTRL) trains on zipf-distributed,
+row-wise Adagrad, Adam with global and per-row steps, FTRL; and Adagrad again on a
+table sharded by a hash policy) trains on zipf-distributed,
 duplicate-heavy batches of B ids; rank r takes the r-th 1/W of every batch, and on every
 fifth step the last rank looks nothing up (it still takes part in the exchanges). Rank 0
 writes each table's rows and optimizer state (``opt.state_dict()``, pulled collectively)
@@ -34,6 +35,7 @@ from distemb import DistEmbedding
 from distemb.errors import KVStoreError
 from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
                            SparseSGD)
+from distemb.partition import HashPartitionBook, PartitionPolicy
 
 NUM, D, B = 300, 8, 64
 OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05),
@@ -42,6 +44,9 @@ OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05),
               "adam": lambda e: SparseAdam([e], lr=0.01),
               "adam_row": lambda e: SparseAdam([e], lr=0.01, step_mode="per_row"),
               "ftrl": lambda e: SparseFtrl([e], lr=0.1, l1_regularization_strength=0.01)}
+#: Tables sharded by id modulo the partitions (the others: ranges).
+HASHED = ("adagrad_hash",)
+OPTIMIZERS["adagrad_hash"] = OPTIMIZERS["adagrad"]
 
 
 def initial(i):
@@ -66,10 +71,13 @@ def rows_of(step, rank, world):
     return slice(rank * per, (rank + 1) * per)
 
 
-def make_tables(ctx):
+def make_tables(ctx, parts):
+    """Every table, the ``HASHED`` ones by a hash policy of ``parts`` partitions."""
     embs = {}
     for i, k in enumerate(OPTIMIZERS):
-        embs[k] = DistEmbedding(NUM, D, name=f"coll-{k}", context=ctx)
+        policy = None if k not in HASHED else PartitionPolicy(
+            "node", "_N", HashPartitionBook(parts, node_counts={"_N": NUM}))
+        embs[k] = DistEmbedding(NUM, D, name=f"coll-{k}", context=ctx, part_policy=policy)
         embs[k].weight[torch.arange(NUM)] = initial(i)
     return embs, {k: OPTIMIZERS[k](e) for k, e in embs.items()}
 
@@ -106,7 +114,7 @@ def oracle(steps, world, load=None, then=()):
     of ``world`` ranks (after loading checkpoint ``load``, when given), then each
     ``(steps, world)`` of ``then``."""
     ctx = distemb.DistContext.embedded(backend="pytorch", num_threads=1)
-    embs, opts = make_tables(ctx)
+    embs, opts = make_tables(ctx, world)
     if load:
         for k, opt in opts.items():
             opt.load(os.path.join(load, k))
@@ -129,7 +137,7 @@ def main(args):
     try:
         if args.mismatch:
             DistEmbedding(NUM, D + (rank == 1), name="mismatched", context=ctx)
-        embs, opts = make_tables(ctx)
+        embs, opts = make_tables(ctx, world)
         if args.apart and rank == 0:
             embs["sgd"].weight[torch.arange(3)]
         if args.load:
