@@ -176,7 +176,7 @@ def test_every_enum_member_has_a_comment():
 
 def test_callers_parse_their_enum_arguments():
     with pytest.raises(DistEmbError, match=r"^role: must be one of \['embedded', 'trainer', "
-                                           r"'server'\], got 'boss'$"):
+                                           r"'server', 'collective'\], got 'boss'$"):
         DistContext(LocalKVClient(), backend="numpy", role="boss", num_threads=1)
     ctx = DistContext(LocalKVClient(), backend="numpy", role="trainer", num_threads=1)
     assert ctx.role is Role.TRAINER and "role='trainer'" in repr(ctx)
