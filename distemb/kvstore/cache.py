@@ -4,7 +4,7 @@ Graph mini-batches touch a few hot rows most of the time (power-law degrees), so
 trainer keeps a copy of them. The cache is a view of the remote client (storage calls,
 key management and coalescing go to it); it changes how rows of float32 (N, D) tables,
 dense or keyed (any int64 key: the slot map and pull counts are then hashed,
-:mod:`distemb.kvstore.cache_keys`), are pulled and what happens after an update:
+:mod:`distemb.kvstore.table_cache`), are pulled and what happens after an update:
 
 - Each cached row is held with its optimizer state and the *version* its owning server
   gave it (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`: a
@@ -37,7 +37,7 @@ Modes (:class:`~distemb.config.CacheConfig`):
   ``2 (s - 1) lr`` of its owner's (tests/test_cache_cluster.py).
 
 Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
-counts how often each row was pulled lately (halved every :data:`DECAY` pulls) and keeps
+counts how often each row was pulled lately (halved every :data:`~distemb.kvstore.table_cache.DECAY` pulls) and keeps
 a new row only in a free slot or in place of a row seen less often (TinyLFU admission):
 rows it does not keep come without their optimizer state, so a cold row costs what it
 costs without a cache.
@@ -53,7 +53,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
-from distemb.kvstore.cache_keys import ArrayCounts, ArraySlots, HashSlots, SketchCounts
+from distemb.kvstore.table_cache import TableCache
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.types import KVClient, PlacedAsInner
@@ -63,100 +63,6 @@ from distemb.rules import rule_of, state_owner
 #: refetched, with its state, at its next validation. Servers' versions are >= 0, and
 #: -1/-2 mean "not held" in a versioned pull.
 UNKNOWN = -3
-#: Pulls after which the LFU counts of a table halve, so old popularity fades.
-DECAY = 32
-
-
-class TableCache:
-    """The cached rows of one table: values, optimizer state, versions, use stamps.
-
-    Args:
-        num_rows: rows 0..num_rows-1 of a dense table, or None for a keyed table (any
-            int64 key: its slot map and pull counts are hashed,
-            :mod:`distemb.kvstore.cache_keys`).
-        dim: its row width; capacity: cached rows.
-        states: {state name: (row shape, dtype)} of the table's update rule.
-    """
-
-    def __init__(self, num_rows: Optional[int], dim: int, capacity: int, states=None,
-                 rule=None):
-        self.capacity, self.rule = capacity, rule
-        if num_rows is None:
-            self.slot_of, self.seen = HashSlots(), SketchCounts(capacity)
-        else:
-            self.slot_of, self.seen = ArraySlots(num_rows), ArrayCounts(num_rows)
-        self.ids = np.full(capacity, -1, np.int64)          # slot -> global id
-        self.values = np.zeros((capacity, dim), np.float32)
-        self.states = {name: np.zeros((capacity,) + shape, dtype)
-                       for name, (shape, dtype) in (states or {}).items()}
-        self.version = np.full(capacity, -1, np.int64)
-        self.checked = np.zeros(capacity, np.int64)         # step of the last validation
-        self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
-        self.pulls = 0
-        self.step = 0
-
-    def count(self, ids):
-        """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
-        self.pulls += 1
-        if self.pulls % DECAY == 0:
-            self.seen.halve()
-        self.seen.add(ids)
-
-    def worth_keeping(self, ids, keep):
-        """Which of the new rows ``ids`` (unique, not cached) to keep: LFU admission.
-
-        Free slots take the most often seen first; then a new row displaces a cached one
-        (not in slots ``keep``) only if it was seen more often (TinyLFU), so rows seen once
-        are not fetched with their optimizer state just to be evicted.
-        """
-        seen = self.seen.get(ids)
-        order = np.argsort(-seen, kind="stable")
-        free = int((self.ids == -1).sum())
-        out = np.zeros(len(ids), bool)
-        out[order[:free]] = True
-        rest = order[free:]
-        if len(rest):
-            held = np.ones(self.capacity, bool)
-            held[self.ids == -1] = False
-            held[keep] = False
-            victims = np.sort(self.seen.get(self.ids[held]))[:len(rest)]
-            n = len(victims)
-            out[rest[:n][seen[rest[:n]] > victims]] = True
-        return out
-
-    def evict(self, slots):
-        """Forget the rows in ``slots``."""
-        slots = slots[slots >= 0]
-        self.slot_of.clear(self.ids[slots])
-        self.ids[slots] = -1
-        self.version[slots] = -1
-
-    def forget(self, ids):
-        """Forget the rows ``ids`` (global) where cached."""
-        self.evict(self.slot_of.get(ids))
-
-    def admit(self, ids, keep):
-        """Slots for new rows ``ids`` (not cached), evicting the lowest stamps.
-
-        Rows in slots ``keep`` (used by the same request) are not evicted. Returns the
-        slots of the first ``len(slots)`` ids; the others do not fit.
-        """
-        free = np.flatnonzero(self.ids == -1)
-        room = self.capacity - len(keep)
-        need = min(len(ids), room) - len(free)
-        if need > 0:
-            stamps = self.stamp.astype(np.float64)
-            stamps[keep] = np.inf
-            stamps[free] = np.inf
-            victims = np.argpartition(stamps, need - 1)[:need]
-            self.evict(victims)
-            free = np.concatenate([free, victims])
-        slots = free[:min(len(ids), len(free))]
-        self.ids[slots] = ids[:len(slots)]
-        self.slot_of.set(ids[:len(slots)], slots)
-        return slots
-
-
 class CachedKVClient(PlacedAsInner, KVClient):
     """A cache of hot rows in front of a :class:`~distemb.kvstore.remote.RemoteKVClient`.
 
@@ -224,7 +130,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
 
     def store_client(self):
         """This cache: keyed tables sit behind it as dense ones do (their slot map and pull
-        counts hashed, :mod:`distemb.kvstore.cache_keys`).
+        counts hashed, :mod:`distemb.kvstore.table_cache`).
 
         Raises:
             KVStoreError: the wrapped client holds no keyed tables.

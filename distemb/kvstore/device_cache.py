@@ -29,7 +29,7 @@ trainers is refused (``num_trainers``); there, use the trainer cache
 (``cache`` in the cluster config) with ``emb(ids, device="cuda")`` lookups.
 
 Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
-:class:`~distemb.kvstore.cache.TableCache`, on the host; rows and state are torch tensors
+:class:`~distemb.kvstore.table_cache.TableCache`, on the host; rows and state are torch tensors
 on the device, touched by torch indexing and the device's kernels (:mod:`distemb.kernels.
 cuda`, or a CPU stand-in in tests). Tables other than float32 (N, D) pass through (half
 tables too: their owner rounds every update to 16 bits).
@@ -43,7 +43,7 @@ from distemb.config import CacheConfig, check_device_cache
 from distemb.enums import CachePolicy
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
-from distemb.kvstore.cache import TableCache
+from distemb.kvstore.table_cache import TableCache
 from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
 from distemb.rules import rule_of, state_name, state_owner
 

@@ -1,0 +1,223 @@
+"""What a cache keeps of one table: :class:`TableCache`, the cached rows with their
+optimizer state, versions and use stamps, and per key the slot of a cached row and how
+often the key was pulled lately. Two implementations of the per-key parts, by the
+table's key space:
+
+- rows 0..N-1 of a dense table: arrays indexed by the id (:class:`ArraySlots`,
+  :class:`ArrayCounts`), exact and one memory access each;
+- any int64 key of a keyed table (hash or file store): a hash index over the cached keys
+  only (:class:`HashSlots`, bounded by the cache's capacity) and a count-min sketch of
+  the pulls (:class:`SketchCounts`, TinyLFU's frequency estimate: fixed memory whatever
+  the key space, counts never under-estimated except where one batch's keys collide).
+
+Example:
+    >>> import numpy as np
+    >>> s = HashSlots()
+    >>> s.set(np.array([2**40, -5]), np.array([0, 1]))
+    >>> s.get(np.array([-5, 7])).tolist()
+    [1, -1]
+    >>> c = SketchCounts(capacity=4)
+    >>> c.add(np.array([2**40])); c.add(np.array([2**40, 3]))
+    >>> c.get(np.array([2**40, 3, 9])).tolist()
+    [2, 1, 0]
+"""
+from typing import Optional
+
+import numpy as np
+
+from distemb.kernels.hashtable import HashIndex
+from distemb.partition import splitmix64
+
+
+class ArraySlots:
+    """Slot of each cached id of a table of ``num_rows`` rows (-1: not cached)."""
+
+    def __init__(self, num_rows: int):
+        self._slot = np.full(num_rows, -1, np.int64)
+
+    def get(self, ids):
+        return self._slot[ids]
+
+    def set(self, ids, slots):
+        self._slot[ids] = slots
+
+    def clear(self, ids):
+        self._slot[ids] = -1
+
+
+class HashSlots:
+    """Slot of each cached key of any int64 key space (-1: not cached); holds the cached
+    keys only."""
+
+    def __init__(self):
+        self._index = HashIndex()
+        self._slot = np.empty(0, np.int64)  # index slot -> cache slot
+
+    def get(self, keys):
+        found = self._index.find(keys)
+        out = np.full(len(keys), -1, np.int64)
+        held = found >= 0
+        out[held] = self._slot[found[held]]
+        return out
+
+    def set(self, keys, slots):
+        at, _ = self._index.find_or_insert(keys)
+        if self._index.high_water > len(self._slot):
+            grown = np.empty(max(self._index.high_water, 2 * len(self._slot)), np.int64)
+            grown[:len(self._slot)] = self._slot
+            self._slot = grown
+        self._slot[at] = slots
+
+    def clear(self, keys):
+        self._index.remove(keys)
+
+
+class ArrayCounts:
+    """Recent pulls of every id of a table of ``num_rows`` rows."""
+
+    def __init__(self, num_rows: int):
+        self._seen = np.zeros(num_rows, np.int32)
+
+    def add(self, ids):
+        """One more pull of each of ``ids`` (unique)."""
+        self._seen[ids] += 1
+
+    def get(self, ids):
+        return self._seen[ids]
+
+    def halve(self):
+        self._seen >>= 1
+
+
+class SketchCounts:
+    """Recent pulls of any int64 key, estimated by a count-min sketch.
+
+    Args:
+        capacity: rows the cache holds; the sketch has ``DEPTH`` rows of at least 8
+            counters per cached row (and 1,024), so keys competing for the cache rarely
+            share every counter.
+    """
+
+    DEPTH = 4
+    #: Per-row seeds of the sketch's hashes (splitmix64 of key + seed).
+    SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                      0xD6E8FEB86659FD93], np.uint64)
+
+    def __init__(self, capacity: int):
+        width = 1024
+        while width < 8 * capacity:
+            width *= 2
+        self._mask = np.uint64(width - 1)
+        self._table = np.zeros((self.DEPTH, width), np.int32)
+
+    def _cells(self, keys):
+        k = np.asarray(keys, np.int64).view(np.uint64)
+        with np.errstate(over="ignore"):
+            return [(splitmix64(k + seed) & self._mask).astype(np.intp) for seed in self.SEEDS]
+
+    def add(self, keys):
+        """One more pull of each of ``keys`` (unique; keys of one batch sharing a counter
+        add one to it)."""
+        for row, cells in zip(self._table, self._cells(keys)):
+            row[cells] += 1
+
+    def get(self, keys):
+        cells = self._cells(keys)
+        return np.minimum.reduce([row[c] for row, c in zip(self._table, cells)])
+
+    def halve(self):
+        self._table >>= 1
+
+
+#: Pulls after which the LFU counts of a table halve, so old popularity fades.
+DECAY = 32
+
+
+class TableCache:
+    """The cached rows of one table: values, optimizer state, versions, use stamps.
+
+    Args:
+        num_rows: rows 0..num_rows-1 of a dense table, or None for a keyed table (any
+            int64 key: its slot map and pull counts are hashed,
+            :mod:`distemb.kvstore.cache_keys`).
+        dim: its row width; capacity: cached rows.
+        states: {state name: (row shape, dtype)} of the table's update rule.
+    """
+
+    def __init__(self, num_rows: Optional[int], dim: int, capacity: int, states=None,
+                 rule=None):
+        self.capacity, self.rule = capacity, rule
+        if num_rows is None:
+            self.slot_of, self.seen = HashSlots(), SketchCounts(capacity)
+        else:
+            self.slot_of, self.seen = ArraySlots(num_rows), ArrayCounts(num_rows)
+        self.ids = np.full(capacity, -1, np.int64)          # slot -> global id
+        self.values = np.zeros((capacity, dim), np.float32)
+        self.states = {name: np.zeros((capacity,) + shape, dtype)
+                       for name, (shape, dtype) in (states or {}).items()}
+        self.version = np.full(capacity, -1, np.int64)
+        self.checked = np.zeros(capacity, np.int64)         # step of the last validation
+        self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
+        self.pulls = 0
+        self.step = 0
+
+    def count(self, ids):
+        """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
+        self.pulls += 1
+        if self.pulls % DECAY == 0:
+            self.seen.halve()
+        self.seen.add(ids)
+
+    def worth_keeping(self, ids, keep):
+        """Which of the new rows ``ids`` (unique, not cached) to keep: LFU admission.
+
+        Free slots take the most often seen first; then a new row displaces a cached one
+        (not in slots ``keep``) only if it was seen more often (TinyLFU), so rows seen once
+        are not fetched with their optimizer state just to be evicted.
+        """
+        seen = self.seen.get(ids)
+        order = np.argsort(-seen, kind="stable")
+        free = int((self.ids == -1).sum())
+        out = np.zeros(len(ids), bool)
+        out[order[:free]] = True
+        rest = order[free:]
+        if len(rest):
+            held = np.ones(self.capacity, bool)
+            held[self.ids == -1] = False
+            held[keep] = False
+            victims = np.sort(self.seen.get(self.ids[held]))[:len(rest)]
+            n = len(victims)
+            out[rest[:n][seen[rest[:n]] > victims]] = True
+        return out
+
+    def evict(self, slots):
+        """Forget the rows in ``slots``."""
+        slots = slots[slots >= 0]
+        self.slot_of.clear(self.ids[slots])
+        self.ids[slots] = -1
+        self.version[slots] = -1
+
+    def forget(self, ids):
+        """Forget the rows ``ids`` (global) where cached."""
+        self.evict(self.slot_of.get(ids))
+
+    def admit(self, ids, keep):
+        """Slots for new rows ``ids`` (not cached), evicting the lowest stamps.
+
+        Rows in slots ``keep`` (used by the same request) are not evicted. Returns the
+        slots of the first ``len(slots)`` ids; the others do not fit.
+        """
+        free = np.flatnonzero(self.ids == -1)
+        room = self.capacity - len(keep)
+        need = min(len(ids), room) - len(free)
+        if need > 0:
+            stamps = self.stamp.astype(np.float64)
+            stamps[keep] = np.inf
+            stamps[free] = np.inf
+            victims = np.argpartition(stamps, need - 1)[:need]
+            self.evict(victims)
+            free = np.concatenate([free, victims])
+        slots = free[:min(len(ids), len(free))]
+        self.ids[slots] = ids[:len(slots)]
+        self.slot_of.set(ids[:len(slots)], slots)
+        return slots
