@@ -229,7 +229,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         for table in ([state_owner(name) or name] if name is not None else list(self._tables)):
             cache = self._tables.get(table)
             if cache is not None:
-                self._write_back(table, cache, np.flatnonzero(cache.map.ids >= 0))
+                self._write_back(table, cache, np.flatnonzero(cache.map.held))
 
     def _drop(self, table, write_back=True):
         """Forget the cache of ``table`` (after writing its dirty rows back)."""
@@ -369,11 +369,12 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         if not len(new):
             return
         before = cache.map.ids.copy()  # admit() evicts: the victims' ids are needed
+        held = cache.map.held.copy()
         fresh = cache.map.admit(uniq[new], slots[cached])
         k = len(fresh)
         if not k:
             return
-        victims = fresh[before[fresh] >= 0]
+        victims = fresh[held[fresh]]
         self._write_back(name, cache, victims, before[victims])
         at = torch.from_numpy(fresh).to(self.cache_device)
         cache.values[at] = torch.from_numpy(np.ascontiguousarray(rows[:k])).to(self.cache_device)
