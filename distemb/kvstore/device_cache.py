@@ -328,6 +328,8 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
             self._stats["h2d_bytes"] += rows.nbytes
             return torch.from_numpy(np.ascontiguousarray(rows)).to(self.cache_device)
         ids = _host_ids(ids)
+        # the slot map indexes by id: ids outside the table are refused here, named
+        self.inner.data_meta(name).policy.check_ids(ids, f"ids of {name!r}")
         m, st = cache.map, self._stats
         uniq, inverse = np.unique(ids, return_inverse=True)
         self._tick += 1
