@@ -44,7 +44,7 @@ from distemb.enums import CachePolicy
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
 from distemb.kvstore.table_cache import TableCache
-from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
+from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_name, state_owner
 
 
@@ -303,13 +303,9 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         self.flush()
         self.inner.barrier()
 
-    def store_client(self):
-        """Refused: row-store tables cannot sit behind the device cache yet.
-
-        Raises:
-            KVStoreError: always, naming this placement and the tables it cannot hold.
-        """
-        raise refuse_row_stores(self, "the device cache", "device_cache")
+    #: Why keyed tables are refused (:meth:`KVClient.create_table`).
+    keyed_refusal = ("the device cache holds dense tables only; make the table in a context "
+                     "without 'device_cache' (its rows then go to their owner uncached)")
 
     def close(self, **kw):
         """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""
