@@ -16,8 +16,8 @@ training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` a
 training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
 at DIR/<table>, collective (each rank writes and reads its own shards).
 
-Bit-identical by construction (as tests/dynamic_trainer.py): the gradient of a looked-up
-row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
+Bit-identical by construction (as the client suite's job in tests/test_kvclient_suite.py):
+the gradient of a looked-up row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
 magnitude, so every sum of duplicate ids is exact in float32 in any order (each rank's
 partial sums, then the owner's sum of the ranks' sums, equal the one process's sum), and
 each owner runs the same update kernel on the same inputs. The gradient depends on the
