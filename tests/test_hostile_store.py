@@ -15,9 +15,9 @@ from test_hostile import BAD_VALUES, NAMES, Server, _array, ask, closed_after_er
 from distemb.rules import AdagradHyper
 from distemb.stores import key_normal
 from distemb.stores.spec import HashTableSpec
-from distemb.transport.messages import (OptInit, Pull, Push, Service, StoreCreate,
-                                        StoreExport, StoreInfo, StoreLoad, StoreRead,
-                                        StoreRemove, StoreSave, Update)
+from distemb.transport.messages import (Load, OptInit, Pull, Push, Save, Service, StoreCreate,
+                                        StoreExport, StoreInfo, StoreRead, StoreRemove,
+                                        Update)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -36,8 +36,9 @@ def hostile_store_message(rng, tmp):
                      grads=np.ones((3, 4), np.float32)),
         StoreInfo: dict(evict_to=1, policy="lfu"),
         StoreExport: dict(start=0, count=10, columns=[]),
-        StoreSave: dict(directory=str(tmp), save_id="ab12cd34"),
-        StoreLoad: dict(directory=str(tmp)),
+        Save: dict(directory=str(tmp), save_id="ab12cd34", parts=[0], starts=[], steps=[],
+                   columns=[]),
+        Load: dict(directory=str(tmp), parts=[0], starts=[], steps=[], columns=[]),
     }
     cls = list(valid)[rng.integers(len(valid))]
     kw = dict(valid[cls])

@@ -30,9 +30,8 @@ from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, Load,
                                         OptInit, Pull, Push, Save, Service, ShmInfo,
-                                        StoreCreate, StoreExport, StoreInfo, StoreLoad,
-                                        StoreRead, StoreRemove, StoreSave, Update,
-                                        VersionedPull)
+                                        StoreCreate, StoreExport, StoreInfo, StoreRead,
+                                        StoreRemove, Update, VersionedPull)
 from distemb.transport.shm import RequestSlot
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -132,7 +131,12 @@ KINDS = {
            [{"save_id": s} for s in ("../../x", "", "ZZZZZZZZ", "a" * 300, "/etc/x")] +
            [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null")] +
            [{"parts": [1]}, {"steps": [0]}, {"steps": [-1]}, {"starts": [0, 1]},
-            {"parts": [0, 0], "starts": [0, 0], "steps": [1, 1, 1]}]),
+            {"parts": [0, 0], "starts": [0, 0], "steps": [1, 1, 1]},
+            {"columns": ["nope"]}, {"columns": ["weight", "weight"]}, {"columns": "weight"},
+            {"columns": ["~version"]}, {"columns": ["x" * 300]}, {"name": "dyn"},
+            {"starts": [], "steps": []}, {"name": "keep~opt~sum"},
+            {"name": "dyn", "starts": [], "steps": [], "parts": [1]},
+            {"name": "dyn", "starts": [], "steps": [], "columns": ["nope"]}]),
     VersionedPull: (dict(name="keep", parts=[0], counts=[2], ids=ids(0, 9), have=ids(-2, -2),
                          states=["sum"]),
                     rows_mutations(2, "have") +
@@ -171,15 +175,6 @@ KINDS = {
                   [{"start": -1}, {"count": 0}, {"count": -1}, {"columns": ["nope"]},
                    {"columns": ["weight", "x" * 300]}, {"columns": "weight"},
                    {"name": "keep"}]),
-    StoreSave: (dict(name="dyn", directory="<tmp>", save_id="0123abcd"),
-                [{"name": n} for n in BAD_NAMES] +
-                [{"save_id": s} for s in ("../../x", "", "ZZZZZZZZ", "/etc/x")] +
-                [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null")] +
-                [{"name": "keep"}]),
-    StoreLoad: (dict(name="dyn", directory="<ck_dyn:crc_weight>"),
-                [{"name": n} for n in BAD_NAMES] +
-                [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null", "/")]
-                + [{"name": "keep", "directory": "<ck_keep>"}]),
     Load: (dict(name="keep", directory="<ck_keep:crc_last>", parts=[0], starts=[0], steps=[1]),
            [{"name": n} for n in BAD_NAMES] +
            [{"directory": "<ck_keep>", "parts": [1]}, {"directory": "<ck_keep>", "steps": [0]},
@@ -188,7 +183,14 @@ KINDS = {
             {"directory": "<ck_keep>", "parts": [0, 1], "starts": [0, 10], "steps": [1, 1]},
             {"directory": "<ck_keep>", "name": "half"},
             {"directory": "<ck_keep>", "name": "dyn"},
-            {"directory": "<ck_keep>", "starts": [1 << 62]}]),
+            {"directory": "<ck_keep>", "starts": [1 << 62]},
+            {"directory": "<ck_keep>", "columns": ["sum"]},
+            {"directory": "<ck_keep>", "columns": ["nope"]},
+            {"directory": "<ck_keep>", "columns": ["~version"]},
+            {"directory": "<ck_keep>", "starts": [], "steps": []},
+            {"directory": "<ck_dyn>", "name": "dyn", "starts": [], "steps": [],
+             "parts": [1]},
+            {"directory": "<ck_keep>", "name": "dyn", "starts": [], "steps": []}]),
 }
 
 
@@ -210,46 +212,59 @@ def _flip_last_block(directory, seg):
         f.write(bytes([f.read(1)[0] ^ 0x5A]))
 
 
+def _shards(m):
+    return m["tensors"]["keep"]["shards"]
+
+
 def _keep_segments(m):
-    return m["tensors"]["keep"]["segments"]
+    return [r["columns"]["weight"]["segment"] for r in _shards(m)]
 
 
 def _dyn_shard(m):
     return m["tensors"]["dyn"]["shards"][0]
 
 
-def _segs(m):
-    return _keep_segments(m)
+def _seg(m, i):
+    return _shards(m)[i]["columns"]["weight"]["segment"]
+
+
+def _columns(m, **edit):
+    for r in _shards(m):
+        r["columns"]["weight"].update(edit)
 
 
 KEEP_DAMAGE = {
     "crc_last": lambda d, m: _flip_last_block(d, _keep_segments(m)[-1]),
     "crc_first": lambda d, m: _flip_last_block(d, _keep_segments(m)[0]),
-    "half": lambda d, m: _edit_manifest(d, lambda x: _segs(x).pop()),
-    "twice": lambda d, m: _edit_manifest(d, lambda x: _segs(x).append(_segs(x)[0])),
+    "half": lambda d, m: _edit_manifest(d, lambda x: _shards(x).pop()),
+    "twice": lambda d, m: _edit_manifest(d, lambda x: _shards(x).append(_shards(x)[0])),
+    "column_missing": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1]["columns"].pop("weight")),
+    "keys_bogus": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1].update(keys=_seg(x, 1))),
     "block_rows": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(block_rows=1 << 40, crc32=[0])),
-    "crc_count": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(crc32=[0])),
+        d, lambda x: _seg(x, 1).update(block_rows=1 << 40, crc32=[0])),
+    "crc_count": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(crc32=[0])),
     "crc_type": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(crc32=["x"] * len(_segs(x)[1]["crc32"]))),
-    "count": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(count=1 << 40)),
-    "negative": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(start=-5)),
-    "step_bool": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(step=True)),
+        d, lambda x: _seg(x, 1).update(crc32=["x"] * len(_seg(x, 1)["crc32"]))),
+    "count": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(count=1 << 40)),
+    "record_count": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1].update(count=1 << 40)),
+    "negative": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(start=-5)),
+    "step_bool": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(step=True)),
     "traversal": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(file="../../../etc/passwd")),
-    "absolute": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(file="/etc/passwd")),
+        d, lambda x: _seg(x, 1).update(file="../../../etc/passwd")),
+    "absolute": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(file="/etc/passwd")),
     "truncated": lambda d, m: os.truncate(d / _keep_segments(m)[1]["file"], 8),
     "missing": lambda d, m: os.unlink(d / _keep_segments(m)[1]["file"]),
     "fifo": lambda d, m: (os.unlink(d / _keep_segments(m)[1]["file"]),
                           os.mkfifo(d / _keep_segments(m)[1]["file"])),
-    "shape": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(shape=[ROWS, DIM + 1])),
-    "dtype": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["keep"].update(dtype="int64")),
-    "dtype_junk": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(dtype="object")),
+    "shape": lambda d, m: _edit_manifest(d, lambda x: _columns(x, shape=[DIM + 1])),
+    "dtype": lambda d, m: _edit_manifest(d, lambda x: _columns(x, dtype="int64")),
+    "dtype_junk": lambda d, m: _edit_manifest(d, lambda x: _columns(x, dtype="object")),
     "segments_type": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(segments="x")),
-    "record_type": lambda d, m: _edit_manifest(d, lambda x: _segs(x).__setitem__(0, [1])),
+        d, lambda x: x["tensors"]["keep"].update(shards="x")),
+    "record_type": lambda d, m: _edit_manifest(d, lambda x: _shards(x).__setitem__(0, [1])),
     "manifest_junk": lambda d, m: (d / "manifest.json").write_text("{"),
     "manifest_list": lambda d, m: (d / "manifest.json").write_text("[1, 2]"),
     "manifest_gone": lambda d, m: os.unlink(d / "manifest.json"),
@@ -270,15 +285,15 @@ DYN_DAMAGE = {
         d, lambda x: _dyn_shard(x)["columns"]["weight"].update(shape=[DIM + 1])),
     "column_dtype": lambda d, m: _edit_manifest(
         d, lambda x: _dyn_shard(x)["columns"]["weight"].update(dtype="int8")),
-    "column_extra": lambda d, m: _edit_manifest(
+    "column_renamed": lambda d, m: _edit_manifest(
         d, lambda x: _dyn_shard(x)["columns"].update(
-            nope=_dyn_shard(x)["columns"]["sum"])),
+            nope=_dyn_shard(x)["columns"].pop("sum"))),
     "count": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(count=1 << 40)),
     "count_less": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(count=3)),
     "keys_missing": lambda d, m: os.unlink(d / _dyn_shard(m)["keys"]["file"]),
     "state_truncated": lambda d, m: os.truncate(
         d / _dyn_shard(m)["columns"]["sum"]["segment"]["file"], 4),
-    "dim": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"].update(dim=DIM + 1)),
+    "keys_type": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(keys="x")),
     "kind": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"].update(kind="array")),
 }
 
@@ -296,7 +311,7 @@ def damaged_checkpoints(tmp_path, monkeypatch):
     skv.add_table("dyn", HashStore(DIM))
     skv.init_optimizer("dyn", "adagrad", {"initial_accumulator_value": 0.5})
     skv.push("dyn", KEYS, rng.standard_normal((len(KEYS), DIM)).astype(np.float32))
-    checkpoint.save(tmp_path / "ck_dyn", skv, ["dyn"], {})
+    checkpoint.save(tmp_path / "ck_dyn", skv, ["dyn", "dyn~opt~sum"], {})
     out = {"<ck_keep>": str(tmp_path / "ck_keep"), "<ck_dyn>": str(tmp_path / "ck_dyn")}
     for table, damages in (("keep", KEEP_DAMAGE), ("dyn", DYN_DAMAGE)):
         for what, damage in damages.items():
@@ -465,12 +480,11 @@ def messages_of(cls, rng, paths, tmp_path, token):
         if cls is Hello and kw["token"] is None:
             kw["token"] = token
         yield cls(**_resolve(kw, paths, tmp_path))
-    if cls is Load:  # every damaged checkpoint of "keep", as it is
+    if cls is Load:  # every damaged checkpoint of "keep" and of "dyn", as it is
         for key in sorted(k for k in paths if k.startswith("<ck_keep:")):
             yield cls(**dict(base, directory=paths[key]))
-    if cls is StoreLoad:
         for key in sorted(k for k in paths if k.startswith("<ck_dyn:")):
-            yield cls(**dict(base, directory=paths[key]))
+            yield cls(**dict(base, name="dyn", directory=paths[key], starts=[], steps=[]))
 
 
 def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkeypatch):

@@ -156,11 +156,6 @@ class KeyedTables:
 
     # -- optimizer state and checkpoints: state columns travel with their rows ----------
 
-    def checkpoint_names(self, name, state_names):
-        if not self.is_keyed(name):
-            return super().checkpoint_names(name, state_names)
-        return [name]  # the table's entry holds its state columns
-
     def table_state(self, name, state_names):
         """{"keys": keys, state: rows} of every key of a keyed table (its
         ``opt.state_dict()``)."""

@@ -39,13 +39,13 @@ import numpy as np
 from distemb.enums import Consistency, EvictPolicy
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.hashtable import table_keys
+from distemb.kvstore import snapshot
 from distemb.kvstore.keyed import KeyedTables
-from distemb.kvstore.store_snapshot import check_entry, store_entry
 from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
-from distemb.transport.messages import (Drop, OptInit, Pull, Push, StoreCreate, StoreExport,
-                                        StoreInfo, StoreLoad, StoreRead, StoreRemove,
-                                        StoreSave, Update, VersionedPull)
+from distemb.transport.messages import (Drop, Load, OptInit, Pull, Push, Save, StoreCreate,
+                                        StoreExport, StoreInfo, StoreRead, StoreRemove,
+                                        Update, VersionedPull)
 
 #: Bytes of rows per export or import request (well under any frame limit).
 PAGE_BYTES = 16 << 20
@@ -320,16 +320,18 @@ class RemoteKeyedTables(KeyedTables):
                 np.concatenate([g[2] for g in parts]),
                 [np.concatenate([g[3][i] for g in parts]) for i in range(len(states))])
 
-    def _keyed_checkpoint_entry(self, name, directory, save_id):
+    def _keyed_save(self, name, directory, save_id, columns):
         """Every server writes its own store of ``name`` (in parallel)."""
         spec = self._spec(name)
-        replies = self._all(lambda sid: StoreSave(name=name, directory=directory,
-                                                  save_id=save_id), timeout=IO_TIMEOUT_S)
-        return store_entry(spec.dim, spec.dtype,
-                           [replies[sid].fields["record"] for sid in sorted(replies)])
+        replies = self._all(lambda sid: Save(name=name, directory=directory, save_id=save_id,
+                                             parts=[sid], starts=[], steps=[],
+                                             columns=list(columns)), timeout=IO_TIMEOUT_S)
+        rows = getattr(spec, "num_rows", None) if spec.fixed_keys else None
+        return snapshot.new_entry((rows, spec.dim), spec.dtype,
+                                  [rec for sid in sorted(replies)
+                                   for rec in replies[sid].fields["records"]])
 
-    def _keyed_restore_entry(self, name, directory, entry):
+    def _keyed_load(self, name, directory, columns):
         """Every server replaces its keys with the checkpoint's keys it owns now."""
-        check_entry(entry, name, self.dim(name), directory)
-        self._all(lambda sid: StoreLoad(name=name, directory=directory),
-                  timeout=IO_TIMEOUT_S)
+        self._all(lambda sid: Load(name=name, directory=directory, parts=[sid], starts=[],
+                                   steps=[], columns=list(columns)), timeout=IO_TIMEOUT_S)

@@ -465,20 +465,33 @@ class KVService:
         if done and self.on_all_bye:
             self.on_all_bye()
 
-    def _save(self, m, session):
-        segments = []
-        for part, start, step in zip(m.parts, m.starts, m.steps):
+    def _shards(self, m):
+        """(ShardTable, start, step) of each part a Save or Load names: an array table's
+        parts with their key progressions, or a spec'd table's one shard (its router maps
+        keys: no progression)."""
+        self._check_name(m.name)  # a table's state is saved and loaded with it
+        out = []
+        for i, part in enumerate(m.parts):
             self._own(part)
-            segments.append(self.server.save_shard(m.name, part, m.directory, m.save_id,
-                                                   start, step))
-        return Reply(fields={"segments": segments})
+            table = self.server.table(m.name, part)
+            if table.arrays != bool(m.starts):
+                raise KVStoreError(f"{type(m).__name__} of {m.name!r}: key progressions "
+                                   "name the rows of an array table's parts, and only those")
+            out.append((table,) + ((m.starts[i], m.steps[i]) if m.starts else (0, 1)))
+        return out
+
+    def _save(self, m, session):
+        records = [table.save(m.directory, m.save_id, m.name, m.columns or None, start, step)
+                   for table, start, step in self._shards(m)]
+        return Reply(fields={"records": records})
 
     def _load(self, m, session):
-        entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
-                                      m.directory)
-        shards = list(zip(m.parts, m.starts, m.steps))
-        for part, start, step in shards:  # all or nothing: every shard checked first
-            self._own(part)
-            self.server.load_shard(m.name, part, m.directory, entry, start, step, write=False)
-        for part, start, step in shards:
-            self.server.load_shard(m.name, part, m.directory, entry, start, step, check=False)
+        entry = snapshot.table_entry(snapshot.read_manifest(m.directory), m.name,
+                                     m.directory)
+        shards = self._shards(m)
+        for table, start, step in shards:  # all or nothing: every shard checked first
+            table.load(m.directory, entry, m.columns or None, start, step, apply=False,
+                       name=m.name)
+        for table, start, step in shards:
+            table.load(m.directory, entry, m.columns or None, start, step, verify=False,
+                       name=m.name)

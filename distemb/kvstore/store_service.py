@@ -13,7 +13,8 @@ a spec'd table's requests carry its keys, which its ShardTable checks against th
 before the store sees them.
 
 What only keyed tables have lives here: creation from a spec, ``contains``/``get``
-without inserting, removal, size and eviction, export, and their checkpoint segments.
+without inserting, removal, size and eviction, and export (their checkpoints are every
+table's ``Save``/``Load``).
 Every request is decoded and checked by :mod:`distemb.transport.messages` first; any
 failure becomes an error reply.
 
@@ -38,9 +39,8 @@ import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.half import storage_dtype
-from distemb.kvstore import snapshot, store_snapshot
 from distemb.kvstore.keyed import init_state_columns
-from distemb.kvstore.limits import check_disk, check_fits, check_request
+from distemb.kvstore.limits import check_disk, check_request
 from distemb.rules import check_table_name, state_owner
 from distemb.stores.spec import spec_from_fields
 from distemb.stores.types import WEIGHT
@@ -87,8 +87,7 @@ class StoreTables:
         """{service: handler(message, session=None)} of the STORE_* requests."""
         return {Service.STORE_CREATE: self.create, Service.STORE_READ: self.read,
                 Service.STORE_REMOVE: self.remove, Service.STORE_INFO: self.info,
-                Service.STORE_EXPORT: self.export, Service.STORE_SAVE: self.save,
-                Service.STORE_LOAD: self.load}
+                Service.STORE_EXPORT: self.export}
 
     def has(self, name):
         """Whether ``name`` is a spec'd table here (the name of its optimizer state is not:
@@ -207,31 +206,3 @@ class StoreTables:
                     else t.store.column(c)[slots] for c in cols]
             return Reply(fields={"total": int(len(keys)), "columns": cols},
                          arrays=[t.router.to_global(self.server_id, sel)] + rows)
-
-    def save(self, m, session=None):
-        t = self.table(m.name)
-        with t.read():
-            rec = store_snapshot.save_store(
-                m.directory, m.save_id, m.name, self.server_id, t.store,
-                lambda keys: t.router.to_global(self.server_id, keys), t.columns())
-        return Reply(fields={"record": rec})
-
-    def load(self, m, session=None):
-        t = self.table(m.name)
-        entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
-                                      m.directory)
-        store_snapshot.check_entry(entry, m.name, t.spec.dim, m.directory)
-        # Before a block is read: the rows of this server's share of the saved keys (a
-        # hash routes 1/num_servers of them here) and one shard's key arrays must fit,
-        # so a checkpoint far bigger than the machine is refused, not half read.
-        counts = [r["count"] for r in entry.get("shards") or [] if isinstance(r, dict)
-                  and isinstance(r.get("count"), int) and not isinstance(r["count"], bool)]
-        share = 0 if t.store.fixed_keys else -(-sum(counts) // self.num_servers)
-        check_fits(share * sum(_row_bytes(c) for c in t.columns().values()) +
-                   24 * max(counts, default=0), f"load of {sum(counts):,} keys into {m.name!r}")
-        with t.write():  # all or nothing: every check passes before a key is removed
-            store_snapshot.load_store(m.directory, entry, t.store,
-                                      lambda keys: t.router.owns(self.server_id, keys),
-                                      lambda keys: t.router.to_local(self.server_id, keys),
-                                      replace=True)
-        t.bump_all()  # cached copies of every row are void

@@ -40,15 +40,14 @@ class Service(enum.IntEnum):
     IN_SHM = 13
     VERSIONED_PULL = 14
     # Key management of tables made from a spec (dynamic, file-backed), which are read,
-    # written and updated by PULL/PUSH/OPT_INIT/UPDATE like every table. 21, 23 and 25
-    # were the store tables' own opt-init, write and update: retired, never reused.
+    # written, updated, saved and loaded by PULL/PUSH/OPT_INIT/UPDATE/SAVE/LOAD like every
+    # table. 21, 23, 25, 28 and 29 were the store tables' own opt-init, write, update,
+    # save and load: retired, never reused.
     STORE_CREATE = 20
     STORE_READ = 22
     STORE_REMOVE = 24
     STORE_INFO = 26
     STORE_EXPORT = 27
-    STORE_SAVE = 28
-    STORE_LOAD = 29
     REPLY = 100
     ERROR = 101
 
@@ -277,30 +276,41 @@ class InShm(Message):
 
 
 class _ShardsMessage(Message):
-    """Names shards ``parts`` of a tensor with their global ids ``starts[i] + steps[i]*k``."""
+    """Names shards ``parts`` of a table and its ``columns`` (the weight and optimizer
+    states; empty: every column). An array table's part ``i`` holds the keys
+    ``starts[i] + steps[i] * k``; a table made from a spec names no progressions (its
+    router maps keys)."""
+
+    DEFAULTS = {"columns": []}
 
     def check(self):
         what = type(self).__name__
-        if not len(self.parts) == len(self.starts) == len(self.steps) or \
-                any(s < 1 for s in self.steps):
-            raise TransportError(f"{what}: parts, starts and steps must be equal-length, "
-                                 f"steps >= 1")
+        if self.starts or self.steps:
+            if not len(self.parts) == len(self.starts) == len(self.steps) or \
+                    any(s < 1 for s in self.steps):
+                raise TransportError(f"{what}: parts, starts and steps must be "
+                                     f"equal-length, steps >= 1")
+        if len(set(self.columns)) != len(self.columns):
+            raise TransportError(f"{what}.columns: expected distinct names, got "
+                                 f"{self.columns}")
 
 
 class Save(_ShardsMessage):
-    """Write these shards into checkpoint ``directory`` as segments of save ``save_id``."""
+    """Write these shards into checkpoint ``directory`` as records of save ``save_id``
+    (:mod:`distemb.kvstore.snapshot`); the reply's ``records`` are the manifest's."""
 
     SERVICE = Service.SAVE
     FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "starts": int_list,
-              "steps": int_list}
+              "steps": int_list, "columns": text_list}
 
 
 class Load(_ShardsMessage):
-    """Fill these shards from the checkpoint in ``directory`` (its manifest says where)."""
+    """Fill these shards from the checkpoint in ``directory`` (its manifest says where),
+    all or nothing."""
 
     SERVICE = Service.LOAD
     FIELDS = {"directory": abs_path, "parts": int_list, "starts": int_list,
-              "steps": int_list}
+              "steps": int_list, "columns": text_list}
 
 
 class Reply(Message):
@@ -404,23 +414,7 @@ class StoreExport(Message):
                                  f"{self.start}, {self.count}")
 
 
-class StoreSave(Message):
-    """Write this server's store of ``name`` into checkpoint ``directory``."""
-
-    SERVICE = Service.STORE_SAVE
-    FIELDS = {"directory": abs_path, "save_id": text}
-
-
-class StoreLoad(Message):
-    """Replace this server's store contents with the keys it owns in checkpoint
-    ``directory`` (saved by any number of servers)."""
-
-    SERVICE = Service.STORE_LOAD
-    FIELDS = {"directory": abs_path}
-
-
-STORE_REQUESTS = (StoreCreate, StoreRead, StoreRemove, StoreInfo, StoreExport, StoreSave,
-                  StoreLoad)
+STORE_REQUESTS = (StoreCreate, StoreRead, StoreRemove, StoreInfo, StoreExport)
 REQUESTS = {m.SERVICE: m for m in (Hello, Create, Drop, Pull, Push, OptInit, Update,
                                    Barrier, ShmInfo, Bye, Save, Load, VersionedPull)
             + STORE_REQUESTS}
