@@ -184,10 +184,11 @@ def test_checkpoint_round_trip_replaces_the_keys(base, tmp_path):
                    AdagradHyper(clr=0.1, eps=1e-10))
     before = kv.export(name)
     path = str(tmp_path / "ck")
-    checkpoint.save_items(path, [(kv, name)], {"note": "suite"})
+    names = [name, f"{name}~opt~sum"]  # the table and its optimizer state
+    checkpoint.save_items(path, [(kv, n) for n in names], {"note": "suite"})
     kv.remove(name, KEYS[:3])
     kv.pull(name, np.array([42]))  # a key the checkpoint does not have: gone after load
-    checkpoint.restore(path, kv, [name])
+    checkpoint.restore(path, kv, names)
     after = kv.export(name)
     np.testing.assert_array_equal(after[0], before[0])
     for c in before[1]:
@@ -368,10 +369,11 @@ def test_a_file_table_checkpoint_loads_under_another_shard_count(cluster, tmp_pa
                        AdagradHyper(clr=0.1, eps=1e-10))
         want = kv.export(name)
         path = str(tmp_path / "ck")
-        checkpoint.save_items(path, [(kv, name)], {"note": "file"})
+        names = [name, f"{name}~opt~sum"]  # the table and its optimizer state
+        checkpoint.save_items(path, [(kv, n) for n in names], {"note": "file"})
         emb_kv, _ = file_table(local, tmp_path / "embedded", name=name)
         emb_kv.init_optimizer(name, "adagrad", {})
-        checkpoint.restore(path, emb_kv, [name])
+        checkpoint.restore(path, emb_kv, names)
         got = emb_kv.export(name)
         np.testing.assert_array_equal(got[0], want[0])
         for c in want[1]:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from mp_helper import ProcessGroup
-from test_hostile import Server, ask
+from test_hostile import Server, SpecCreate, ask
 
 from distemb import checkpoint
 from distemb.kernels.half import BFLOAT16
@@ -30,8 +30,7 @@ from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, Load,
                                         OptInit, Pull, Push, Save, Service, ShmInfo,
-                                        StoreCreate, StoreExport, StoreInfo, StoreRead,
-                                        StoreRemove, Update, VersionedPull)
+                                        Export, Get, Info, Remove, Update, VersionedPull)
 from distemb.transport.shm import RequestSlot
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -144,7 +143,7 @@ KINDS = {
                                              ["x" * 300], "sum", ["sum"] * 9)] +
                     [{"have": np.zeros(2, np.int32)}, {"have": np.zeros(2)},
                      {"name": "half", "states": ["sum"]}]),
-    StoreCreate: (dict(name="dyn", **HashTableSpec(DIM).fields()),
+    SpecCreate: (dict(name="dyn", **HashTableSpec(DIM).fields()),
                   [{"name": n} for n in ("keep", "dyn~opt~x", "", "x" * 300)] +
                   [{"dim": d} for d in (0, -1, 1 << 40, 1 << 20, DIM + 1)] +
                   [{"capacity": c} for c in (-1, 1 << 62, 1 << 40)] +
@@ -158,19 +157,19 @@ KINDS = {
                    {"name": "new", "capacity": 1 << 40, "preallocate": 1 << 40},
                    {"name": "new", "kind": "dense", "num_rows": 1 << 40},
                    {"name": "new", "dim": 1 << 16, "preallocate": 1 << 30}]),
-    StoreRead: (dict(name="dyn", mode="get", column="weight", ids=KEYS[:2]),
+    Get: (dict(name="dyn", mode="get", column="weight", ids=KEYS[:2]),
                 [{"name": n} for n in BAD_NAMES] +
                 [{"mode": m} for m in ("nope", "", None)] +
                 [{"column": c} for c in ("nope", "~version", "", "x" * 300)] +
                 [{"ids": i} for i in BAD_IDS[5:] + [ids(999), ids(-5)]]),
-    StoreRemove: (dict(name="dyn", ids=ids(1 << 50)),
+    Remove: (dict(name="dyn", ids=ids(1 << 50)),
                   [{"name": n} for n in BAD_NAMES] +
                   [{"ids": i} for i in BAD_IDS[5:]] + [{"name": "keep", "ids": ids(1)}]),
-    StoreInfo: (dict(name="dyn", evict_to=-1, policy=""),
+    Info: (dict(name="dyn", evict_to=-1, policy=""),
                 [{"name": n} for n in BAD_NAMES] +
                 [{"name": "keep"}, {"name": "keep", "evict_to": 0}, {"evict_to": "x"},
                  {"evict_to": 0, "policy": "nope"}, {"evict_to": 1 << 62, "policy": "x"}]),
-    StoreExport: (dict(name="dyn", start=0, count=10, columns=[]),
+    Export: (dict(name="dyn", start=0, count=10, columns=[]),
                   [{"name": n} for n in BAD_NAMES] +
                   [{"start": -1}, {"count": 0}, {"count": -1}, {"columns": ["nope"]},
                    {"columns": ["weight", "x" * 300]}, {"columns": "weight"},
@@ -442,10 +441,10 @@ class Holder:
         for name in ("keep", "keep~opt~sum", "half"):
             rows = self.ok(Pull(name=name, parts=[0], counts=[ROWS], ids=np.arange(ROWS)))
             out[name] = (rows.arrays[0].dtype, rows.arrays[0].tobytes())
-        exp = self.ok(StoreExport(name="dyn", start=0, count=1000, columns=[]))
+        exp = self.ok(Export(name="dyn", start=0, count=1000, columns=[]))
         order = np.argsort(exp.arrays[0])
         out["dyn"] = [exp.fields["columns"]] + [a[order].tobytes() for a in exp.arrays]
-        info = self.ok(StoreInfo(name="dyn"))
+        info = self.ok(Info(name="dyn"))
         out["dyn_info"] = (info.fields["size"], info.fields["columns"])
         vp = self.ok(VersionedPull(name="keep", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                                    have=np.full(ROWS, -2, np.int64), states=["sum"]))
@@ -509,7 +508,7 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         holder.ok(Push(name="half", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                        values=np.arange(ROWS * DIM, dtype=np.uint16).reshape(ROWS, DIM)
                        .view(BFLOAT16)))
-        holder.ok(StoreCreate(name="dyn", **HashTableSpec(DIM).fields()))
+        holder.ok(SpecCreate(name="dyn", **HashTableSpec(DIM).fields()))
         holder.ok(OptInit(name="dyn", rule="adagrad",
                           options={"initial_accumulator_value": 0.25}, parts=[0]))
         holder.ok(Push(name="dyn", parts=[0], counts=[len(KEYS)], ids=KEYS,

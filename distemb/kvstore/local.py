@@ -1,7 +1,7 @@
 """LocalKVClient: the embedded default, a KVClient driving an in-process KVServer."""
 import numpy as np
 
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore import snapshot
@@ -231,37 +231,22 @@ class LocalKVClient(KeyedTables, KVClient):
         return self.store(name).capacity
 
     def remove(self, name, keys):
-        t = self._table(name)
-        with t.write():
-            return t.store.remove(keys_array(keys))
+        return self._table(name).remove(keys_array(keys), name)
 
     def contains(self, name, keys):
-        t = self._table(name)
-        with t.read():
-            return t.store.find(keys_array(keys)) >= 0
+        return self._table(name).contains(keys_array(keys))
 
     def get(self, name, keys):
-        t = self._table(name)
-        with t.read():
-            return t.store.gather(keys_array(keys), insert=False)
+        return self._table(name).get(keys_array(keys), name=name)
 
     def evict(self, name, target_size, policy=None):
-        t = self._table(name)
-        with t.write():
-            return t.store.evict(target_size, policy)
+        return self._table(name).evict(target_size, policy, name)
 
     def export(self, name, columns=None):
-        t = self._table(name)
-        with t.read():
-            keys, cols = t.store.export()
-        cols = {c: a for c, a in cols.items() if c in t.columns()}
-        if columns is not None:
-            missing = [c for c in columns if c not in cols]
-            if missing:
-                raise KVStoreError(f"columns: {missing} not in table {name!r} "
-                                   f"(has {sorted(cols)})")
-            cols = {c: cols[c] for c in columns}
-        return keys, cols
+        try:
+            return self._table(name).export(columns=columns, name=name)
+        except StoreError as e:
+            raise KVStoreError(str(e)) from None
 
     def import_(self, name, keys, columns):
         t = self._table(name)

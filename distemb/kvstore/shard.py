@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from distemb import kernels
-from distemb.errors import KVStoreError, PartitionError
+from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
@@ -250,6 +250,79 @@ class ShardTable:
         with self.write():
             self.store.update(rule, keys, grads, hyper, num_threads)
             self.bump(keys, contributions)
+
+    # -- keys -------------------------------------------------------------------------
+
+    def _fixed(self, what, name):
+        """StoreError for ``what`` (removal, eviction) of a store of fixed keys."""
+        if self.store.fixed_keys:
+            kind = self.spec.kind if self.spec is not None else type(self.store).__name__
+            return StoreError(f"{what}: {name!r} is a {kind} table, which holds fixed keys "
+                              f"0..N-1; only tables of any key (hash tables) {what} keys")
+        return None
+
+    def _column_of(self, column, name):
+        if column not in self.columns():
+            raise StoreError(f"column {column!r} not in {name!r} (has {sorted(self.columns())})")
+
+    def contains(self, keys):
+        """Bool per store key: held or not (nothing inserted, no access counted)."""
+        with self.read():
+            return self.store.find(keys) >= 0
+
+    def get(self, keys, column=WEIGHT, name="the table"):
+        """Rows of ``column`` of held store keys (the weight as float32), nothing inserted
+        or counted.
+
+        Raises:
+            MissingKeyError: a key not held. StoreError: no such column.
+        """
+        self._column_of(column, name)
+        with self.read():
+            return self.store.gather(keys, column, insert=False)
+
+    def remove(self, keys, name="the table"):
+        """Remove store keys with their state; how many were held.
+
+        Raises:
+            StoreError: the store holds fixed keys.
+        """
+        refused = self._fixed("remove", name)
+        if refused:
+            raise refused
+        with self.write():
+            return self.store.remove(keys)
+
+    def evict(self, target_size, policy=None, name="the table"):
+        """Evict keys by ``policy`` (the store's when None) down to ``target_size``;
+        returns the evicted store keys.
+
+        Raises:
+            StoreError: the store holds fixed keys.
+        """
+        refused = self._fixed("evict", name)
+        if refused:
+            raise refused
+        with self.write():
+            return self.store.evict(target_size, policy)
+
+    def export(self, start=0, count=None, columns=None, name="the table"):
+        """Held keys ``start .. start+count-1`` in ascending order (every one from
+        ``start`` when ``count`` is None), as the table's keys, with their rows of
+        ``columns`` (every column when None; the weight as float32).
+
+        Returns:
+            (keys, {column: rows}).
+        """
+        for c in columns or ():
+            self._column_of(c, name)
+        with self.read():
+            cols = list(columns) if columns else list(self.columns())
+            keys = self.store.keys()[start:None if count is None else start + count]
+            slots = self.store.slots(keys) if len(keys) else np.empty(0, np.int64)
+            rows = {c: self.store.decode(self.store.column(c)[slots]) if c == WEIGHT
+                    else self.store.column(c)[slots] for c in cols}
+        return (keys if self.router is None else self.router.to_global(self.part, keys)), rows
 
     # -- versions ---------------------------------------------------------------------
 
