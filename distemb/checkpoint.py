@@ -37,8 +37,9 @@ import numpy as np
 
 from distemb.arrays import check_shape
 from distemb.errors import DistEmbError
-from distemb.kvstore.snapshot import (FORMAT, MANIFEST, SEGMENT_FILE, VERSION, entry_files,
-                                      manifest_path, read_manifest, table_entry)
+from distemb.kvstore.segments import SEGMENT_FILE
+from distemb.kvstore.snapshot import (FORMAT, MANIFEST, VERSION, entry_files, manifest_path,
+                                      read_manifest, table_entry)
 from distemb.rules import state_name, state_owner
 from distemb.stores.types import WEIGHT
 

@@ -10,7 +10,7 @@ import pytest
 
 from distemb import checkpoint
 from distemb.errors import KVStoreError
-from distemb.kvstore import LocalKVClient, snapshot
+from distemb.kvstore import LocalKVClient, segments
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 
@@ -29,7 +29,7 @@ def _damage_last_block(directory, suffix):
 
 
 def test_a_corrupt_last_block_leaves_an_array_table_unchanged(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot, "BLOCK_BYTES", 4 * 16)  # 4 rows of 4 floats a block
+    monkeypatch.setattr(segments, "BLOCK_BYTES", 4 * 16)  # 4 rows of 4 floats a block
     rng = np.random.default_rng(1)
     kv = LocalKVClient()
     kv.init_data("w", (40, 4), "float32", range_policy(40))
@@ -75,7 +75,7 @@ def test_segments_that_miss_rows_or_ask_for_huge_blocks_change_nothing(tmp_path)
 
 @pytest.mark.parametrize("damage", ["weight", "state", "keys"])
 def test_a_refused_load_of_a_keyed_table_keeps_every_key(tmp_path, monkeypatch, damage):
-    monkeypatch.setattr(snapshot, "BLOCK_BYTES", 8 * 4)
+    monkeypatch.setattr(segments, "BLOCK_BYTES", 8 * 4)
     kv = LocalKVClient()
     kv.add_table("t", HashStore(4))
     kv.init_optimizer("t", "adagrad", {"initial_accumulator_value": 0.0})

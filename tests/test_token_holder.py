@@ -24,7 +24,7 @@ from test_hostile import Server, SpecCreate, ask
 
 from distemb import checkpoint
 from distemb.kernels.half import BFLOAT16
-from distemb.kvstore import LocalKVClient, snapshot
+from distemb.kvstore import LocalKVClient, segments
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
@@ -300,7 +300,7 @@ DYN_DAMAGE = {
 def damaged_checkpoints(tmp_path, monkeypatch):
     """{"<ck_keep:damage>": directory, ...}: checkpoints of "keep" and "dyn" (rows other
     than the server's, segments of several small blocks), each damaged one way."""
-    monkeypatch.setattr(snapshot, "BLOCK_BYTES", 2 * DIM * 4)  # 2 rows a block
+    monkeypatch.setattr(segments, "BLOCK_BYTES", 2 * DIM * 4)  # 2 rows a block
     rng = np.random.default_rng(7)
     kv = LocalKVClient()
     kv.init_data("keep", (ROWS, DIM), "float32", range_policy(ROWS, 2))

@@ -42,7 +42,6 @@ import numpy as np
 from distemb.errors import KVStoreError
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kvstore import snapshot
-from distemb.kvstore.keyed import init_state_columns
 from distemb.kvstore.limits import check_disk, check_fits, check_request
 from distemb.rules import check_table_name, rule_of, state_init, state_name, state_owner
 from distemb.stores.spec import spec_from_fields
@@ -202,10 +201,8 @@ class Catalog:
                 raise KVStoreError(f"OptInit of dynamic table {m.name!r}: parts must be "
                                    f"[{self.server_id}], got {m.parts[:8]}")
             with self._lock:
-                with table.write():
-                    states = init_state_columns(table.store, impl.name.value, m.options)
+                states = table.init_states(impl.name.value, m.options)
                 self.server.attach_states(m.name, self.server_id, states)
-                table.bump_all()  # cached copies of the state are void
             return
         with self._lock:
             wanted = []

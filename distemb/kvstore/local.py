@@ -5,7 +5,7 @@ from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore import snapshot
-from distemb.kvstore.keyed import KeyedTables, init_state_columns
+from distemb.kvstore.keyed import KeyedTables
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding)
@@ -116,13 +116,10 @@ class LocalKVClient(KeyedTables, KVClient):
     def init_optimizer(self, name, rule, options):
         """Optimizer state of table ``name``: state arrays sharded like an array table,
         state columns in a keyed table's store (see
-        :func:`~distemb.kvstore.keyed.init_state_columns`)."""
+        :meth:`~distemb.kvstore.shard.ShardTable.init_states`)."""
         if not self.is_keyed(name):
             return super().init_optimizer(name, rule, options)
-        t = self._table(name)
-        with t.write():
-            init_state_columns(t.store, rule, options)
-        t.bump_all()
+        self._table(name).init_states(rule, options)
         return self._state_names(name, rule)
 
     def push_update(self, name, ids, grads, rule, hyper):

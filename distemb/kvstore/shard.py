@@ -39,6 +39,7 @@ from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
+from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 
 #: Hidden column of a store that inserts and evicts: each row's write counter.
@@ -166,6 +167,25 @@ class ShardTable:
         """``{name: (row_shape, dtype)}`` of the store's columns, the hidden ones left out."""
         return {c: s for c, s in self.store.columns().items() if c != VERSION}
 
+    def init_states(self, rule, options):
+        """(Re)create update rule ``rule``'s state columns at their initial values
+        (``options``: the rule's initial-value options) and void every cached copy.
+
+        A new optimizer starts from fresh state, except on a persistent store (a file
+        store reopened to resume), which keeps state columns of the same shape.
+
+        Returns:
+            the state names of the rule, in order.
+        """
+        specs = rule_of(rule).states
+        with self.write():
+            for spec in specs:
+                fill = options.get(spec.init_option, 0) if spec.init_option else 0
+                self.store.add_column(spec.name, spec.shape(self.store.dim), spec.dtype, fill,
+                                      keep=self.store.persistent)
+        self.bump_all()
+        return [s.name for s in specs]
+
     # -- keys of requests -------------------------------------------------------------
 
     def local_keys(self, ids, what):
@@ -253,13 +273,12 @@ class ShardTable:
 
     # -- keys -------------------------------------------------------------------------
 
-    def _fixed(self, what, name):
+    def _refuse_fixed(self, what, name):
         """StoreError for ``what`` (removal, eviction) of a store of fixed keys."""
         if self.store.fixed_keys:
             kind = self.spec.kind if self.spec is not None else type(self.store).__name__
-            return StoreError(f"{what}: {name!r} is a {kind} table, which holds fixed keys "
-                              f"0..N-1; only tables of any key (hash tables) {what} keys")
-        return None
+            raise StoreError(f"{what}: {name!r} is a {kind} table, which holds fixed keys "
+                             f"0..N-1; only tables of any key (hash tables) {what} keys")
 
     def _column_of(self, column, name):
         if column not in self.columns():
@@ -287,9 +306,7 @@ class ShardTable:
         Raises:
             StoreError: the store holds fixed keys.
         """
-        refused = self._fixed("remove", name)
-        if refused:
-            raise refused
+        self._refuse_fixed("remove", name)
         with self.write():
             return self.store.remove(keys)
 
@@ -300,9 +317,7 @@ class ShardTable:
         Raises:
             StoreError: the store holds fixed keys.
         """
-        refused = self._fixed("evict", name)
-        if refused:
-            raise refused
+        self._refuse_fixed("evict", name)
         with self.write():
             return self.store.evict(target_size, policy)
 

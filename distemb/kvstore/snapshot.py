@@ -2,13 +2,13 @@
 
 A checkpoint is a directory. Every shard of every table is one *record*: a segment file
 per column (the weight and each optimizer state), plus one of the shard's keys when its
-keys are not fixed. A segment holds rows in the shard's order, written and read in
-bounded blocks with a CRC-32 per block; the key of row ``k`` of a segment is the keys
-segment's ``k``-th key, or, for a fixed key set, ``start + k * step`` (a range partition
-has step 1, a hash partition step P). Files are written to ``<file>.tmp``, fsynced and
-renamed; names carry the save's id, so a new save never touches the files of the
-previous one. ``manifest.json`` (written last, by :mod:`distemb.checkpoint`) lists each
-table's entry (shape, dtype, records); a checkpoint without it is not a checkpoint.
+keys are not fixed. A segment (:mod:`distemb.kvstore.segments`) holds rows in the
+shard's order, in bounded blocks with a CRC-32 per block; the key of row ``k`` is the
+keys segment's ``k``-th key, or, for a fixed key set, ``start + k * step`` (a range
+partition has step 1, a hash partition step P). Names carry the save's id, so a new
+save never touches the files of the previous one. ``manifest.json`` (written last, by
+:mod:`distemb.checkpoint`) lists each table's entry (shape, dtype, records); a
+checkpoint without it is not a checkpoint.
 
 A record loads into any shard of any table whose rows match: the loading shard says
 which keys it holds (:class:`Target`: a fixed progression of keys, or whatever its
@@ -31,105 +31,27 @@ Example:
     >>> out[:, 0].tolist()
     [2.0, 6.0, 10.0]
 """
-import hashlib
 import json
 import os
-import re
 import stat
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kernels import half
 from distemb.kvstore.limits import check_fits
+from distemb.kvstore.segments import Segment, write_segment
 from distemb.rules import state_name, state_owner
 from distemb.stores.types import WEIGHT
 
 MANIFEST = "manifest.json"
 FORMAT = "distemb-checkpoint"
 VERSION = 3
-BLOCK_BYTES = 64 << 20  # memory a save or load needs per shard, and the unit of a CRC
-MAX_BLOCKS = 256  # past 256 blocks, blocks grow: manifest records and replies stay small
-SAVE_ID = re.compile(r"^[0-9a-f]{8,32}$")
-SEGMENT_FILE = re.compile(r"^[0-9a-f]{8,32}-[0-9a-f]{16}-p[0-9]{1,9}\.bin$")
 MAX_MANIFEST_BYTES = 256 << 20
 #: The segment of a record holding the shard's keys (when they are not fixed).
 KEYS = "keys"
 #: Row dtypes a load converts between (to float32 exactly, to half rounded to nearest-even).
 CONVERTIBLE = ("float32", "bfloat16", "float16")
-
-
-def segment_file(save_id, name, part):
-    """The file name of shard ``part`` of ``name`` in save ``save_id`` (no user text in
-    file names: tensor names may hold any character)."""
-    digest = hashlib.sha1(name.encode("utf-8")).hexdigest()[:16]
-    return f"{save_id}-{digest}-p{part}.bin"
-
-
-def _row_bytes(row_shape, dtype):
-    return int(np.prod(row_shape, dtype=object)) * half.storage_dtype(dtype).itemsize
-
-
-def max_block_rows(rows, row_bytes):
-    """The most rows a save puts in one block of a segment of ``rows`` rows (a manifest
-    asking for more would make a load allocate more than the save ever did)."""
-    return max(1, BLOCK_BYTES // max(1, row_bytes), -(-rows // MAX_BLOCKS))
-
-
-def write_segment(directory, save_id, name, part, start, step, shape, dtype, read_block):
-    """Write one column of one shard as a segment file, block by block; returns its record.
-
-    Args:
-        directory: the checkpoint directory (exists).
-        save_id: this save's id (hex).
-        name, part: the segment's name (table and column) and partition.
-        start, step: row k's key is ``start + k * step`` (for a shard of fixed keys;
-            0 and 1 beside a keys segment).
-        shape, dtype: the segment's shape and dtype.
-        read_block: ``read_block(lo, hi)`` -> rows lo..hi-1 (an array; the caller takes
-            whatever lock keeps them consistent).
-
-    Raises:
-        KVStoreError: a bad save id or directory, or an I/O error (the partial file is
-            removed).
-    """
-    if not isinstance(save_id, str) or not SAVE_ID.match(save_id):
-        raise KVStoreError(f"save_id: expected 8..32 hex digits, got {save_id!r:.40}")
-    if not os.path.isdir(directory):
-        raise KVStoreError(f"checkpoint directory {directory!r} does not exist here")
-    rows, row_bytes = int(shape[0]), _row_bytes(shape[1:], dtype)
-    block_rows = max_block_rows(rows, row_bytes)
-    fname = segment_file(save_id, name, part)
-    final = os.path.join(directory, fname)
-    tmp = final + ".tmp"
-    crcs = []
-    try:
-        # Two stages: block k goes to disk in a thread while block k+1 is copied and
-        # checksummed (both release the GIL), so the CRC costs no time; two blocks in
-        # memory at most.
-        with open(tmp, "wb") as f, ThreadPoolExecutor(1) as disk:
-            pending = None
-            for lo in range(0, rows, block_rows):
-                block = np.ascontiguousarray(read_block(lo, min(rows, lo + block_rows)))
-                view = memoryview(block).cast("B")
-                crcs.append(zlib.crc32(view))
-                if pending is not None:
-                    pending.result()
-                pending = disk.submit(f.write, view)
-            if pending is not None:
-                pending.result()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except OSError as e:
-        raise KVStoreError(f"checkpoint: cannot write {final}: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return {"file": fname, "part": int(part), "start": int(start), "step": int(step),
-            "count": rows, "block_rows": block_rows, "crc32": crcs}
 
 
 def write_shard(directory, save_id, name, part, count, columns, keys=None, start=0, step=1):
@@ -219,84 +141,6 @@ class Target:
 # -- reading --------------------------------------------------------------------------
 
 
-def _int(seg, key, minimum):
-    v = seg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise KVStoreError(f"checkpoint segment {seg.get('file')!r}: {key} must be an integer "
-                           f">= {minimum}, got {v!r:.40}")
-    return v
-
-
-class _Segment:
-    """A segment record checked, with its file open (read in CRC-checked blocks)."""
-
-    def __init__(self, directory, seg, dtype, row_shape, count):
-        if not isinstance(seg, dict) or not isinstance(seg.get("file"), str) or \
-                not SEGMENT_FILE.match(seg["file"]):
-            raise KVStoreError(f"checkpoint: malformed segment record {str(seg)[:80]!r}")
-        self.start, self.step = _int(seg, "start", 0), _int(seg, "step", 1)
-        self.n, self.br = _int(seg, "count", 0), _int(seg, "block_rows", 1)
-        self.crcs, self.dtype, self.row_shape = seg.get("crc32"), dtype, tuple(row_shape)
-        self.path = os.path.join(directory, seg["file"])
-        self.row_bytes = _row_bytes(row_shape, dtype)
-        if self.n != count:
-            raise KVStoreError(f"checkpoint segment {seg['file']}: {self.n} rows, its shard "
-                               f"record says {count}")
-        if self.br > max_block_rows(self.n, self.row_bytes):
-            raise KVStoreError(f"checkpoint segment {seg['file']}: block_rows {self.br} is "
-                               f"more than a save of {self.n} rows makes "
-                               f"({max_block_rows(self.n, self.row_bytes)})")
-        if not isinstance(self.crcs, list) or len(self.crcs) != -(-self.n // self.br):
-            raise KVStoreError(f"checkpoint segment {seg['file']}: expected "
-                               f"{-(-self.n // self.br)} block checksums")
-        try:  # O_NONBLOCK: a FIFO in a segment's place cannot block the server
-            self.f = open(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb")
-        except OSError as e:
-            raise KVStoreError(f"checkpoint: segment {self.path} is missing "
-                               f"({e.strerror})") from None
-        info = os.fstat(self.f.fileno())
-        size = info.st_size if stat.S_ISREG(info.st_mode) else -1
-        if size != self.n * self.row_bytes:
-            self.f.close()
-            raise KVStoreError(f"checkpoint: segment {self.path} has {size} bytes, expected "
-                               f"{self.n * self.row_bytes} ({self.n} rows of "
-                               f"{self.row_bytes} bytes): the saved rows differ from the "
-                               f"live ones, or it is truncated")
-        # A block is read whole (its CRC covers it): a lying record of a sparse file must
-        # not make the server allocate a block larger than it can hold.
-        check_fits(min(self.br, self.n) * self.row_bytes,
-                   f"checkpoint segment {self.path}: a block of {min(self.br, self.n):,} rows")
-
-    def close(self):
-        self.f.close()
-
-    def block(self, b, lo, hi):
-        """Rows lo..hi-1 (block ``b``), CRC-checked."""
-        block = np.empty((hi - lo,) + self.row_shape, dtype=half.storage_dtype(self.dtype))
-        self.f.seek(lo * self.row_bytes)
-        view = memoryview(block).cast("B")
-        if self.f.readinto(view) != len(view) or zlib.crc32(view) != self.crcs[b]:
-            raise KVStoreError(f"checkpoint: block {b} of segment {self.path} is corrupt "
-                               f"(CRC-32 mismatch or short read)")
-        return block
-
-    def blocks(self, keys_of, target):
-        """(places, rows) of every block holding keys of ``target``; ``keys_of(lo, hi)``
-        gives the keys of rows lo..hi-1 (blocks without the target's keys are not read)."""
-        for b, lo in enumerate(range(0, self.n, self.br)):
-            hi = min(self.n, lo + self.br)
-            mask, local = target.select(keys_of(lo, hi))
-            if mask.any():
-                yield local, self.block(b, lo, hi)[mask]
-
-    def read_all(self):
-        """Every row (a keys segment: bounded by the caller's check)."""
-        out = [self.block(b, lo, min(self.n, lo + self.br))
-               for b, lo in enumerate(range(0, self.n, self.br))]
-        return np.concatenate(out) if out else np.empty((0,) + self.row_shape,
-                                                        half.storage_dtype(self.dtype))
-
-
 def _records(entry):
     """The shard records of a (normalised) entry, each checked for its shape."""
     shards = entry.get("shards") if isinstance(entry, dict) else None
@@ -360,7 +204,7 @@ def _pass(directory, records, columns, target, write=None):
         keys = None
         if rec[KEYS] is not None:
             check_fits(8 * n, f"checkpoint: the {n:,} keys of shard record {rec.get('part')}")
-            seg = _Segment(directory, rec[KEYS], "int64", (), n)
+            seg = Segment(directory, rec[KEYS], "int64", (), n)
             try:
                 keys = seg.read_all()
             finally:
@@ -370,7 +214,7 @@ def _pass(directory, records, columns, target, write=None):
             c = rec["columns"].get(col)
             if c is None:
                 continue
-            seg = _Segment(directory, c["segment"], c["dtype"], c["shape"], n)
+            seg = Segment(directory, c["segment"], c["dtype"], c["shape"], n)
             if keys is not None:
                 keys_of = lambda lo, hi: keys[lo:hi]  # noqa: E731
             else:

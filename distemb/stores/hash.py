@@ -284,6 +284,12 @@ class HashTableSpec:
 
     Raises:
         ValueError: a field out of its domain (named, with the value).
+
+    Example:
+        >>> from distemb.stores import key_normal
+        >>> spec = HashTableSpec(4, init=key_normal(4, std=0.1), capacity=10, evict="lfu")
+        >>> HashTableSpec.from_fields(spec.fields()) == spec, spec.make_store(0, 2).capacity
+        (True, 5)
     """
 
     dim: int
