@@ -280,9 +280,10 @@ class ShardTable:
             raise StoreError(f"{what}: {name!r} is a {kind} table, which holds fixed keys "
                              f"0..N-1; only tables of any key (hash tables) {what} keys")
 
-    def _column_of(self, column, name):
-        if column not in self.columns():
-            raise StoreError(f"column {column!r} not in {name!r} (has {sorted(self.columns())})")
+    def _columns_of(self, columns, name):
+        missing = [c for c in columns if c not in self.columns()]
+        if missing:
+            raise StoreError(f"columns: {missing} not in {name!r} (has {sorted(self.columns())})")
 
     def contains(self, keys):
         """Bool per store key: held or not (nothing inserted, no access counted)."""
@@ -296,7 +297,7 @@ class ShardTable:
         Raises:
             MissingKeyError: a key not held. StoreError: no such column.
         """
-        self._column_of(column, name)
+        self._columns_of([column], name)
         with self.read():
             return self.store.gather(keys, column, insert=False)
 
@@ -329,8 +330,7 @@ class ShardTable:
         Returns:
             (keys, {column: rows}).
         """
-        for c in columns or ():
-            self._column_of(c, name)
+        self._columns_of(columns or (), name)
         with self.read():
             cols = list(columns) if columns else list(self.columns())
             keys = self.store.keys()[start:None if count is None else start + count]
@@ -399,17 +399,12 @@ class ShardTable:
         as float32 (what it reads and writes)."""
         have = self.columns()
         names = list(have) if columns is None else list(columns)
-        missing = [c for c in names if c not in have]
-        if missing:
-            raise KVStoreError(f"checkpoint: column(s) {missing} not in the shard (has "
-                               f"{sorted(have)})")
-        out = {}
-        for c in names:
-            shape, dtype = have[c]
-            if not self.arrays and c == WEIGHT:
-                dtype = "float32"
-            out[c] = (tuple(shape), dtype)
-        return out
+        try:
+            self._columns_of(names, "the shard")
+        except StoreError as e:
+            raise KVStoreError(f"checkpoint: {e}") from None
+        return {c: (tuple(have[c][0]), "float32" if c == WEIGHT and not self.arrays
+                    else have[c][1]) for c in names}
 
     def save(self, directory, save_id, name, columns=None, start=0, step=1):
         """Write ``columns`` (None: every one) of this shard of table ``name`` as a
