@@ -150,7 +150,7 @@ def test_a_mixed_checkpoint_is_loaded_all_or_nothing(tmp_path):
     """A damaged state segment of one shard: neither the weight nor any shard changes."""
     shutil.copytree(V2 + "/dense", tmp_path / "ck")
     manifest = json.load(open(tmp_path / "ck" / "manifest.json"))
-    seg = manifest["tensors"]["dense~opt~sum"]["segments"][1]
+    seg = manifest["tensors"]["dense~opt~sum"]["segments"][1]  # a version-2 entry
     with open(tmp_path / "ck" / seg["file"], "r+b") as f:
         f.seek(5)
         f.write(b"\x7f")

@@ -345,8 +345,8 @@ def test_dynamic_tables_are_refused_not_bypassed(twin, make_ctx):
     from distemb import DynamicEmbedding
 
     ctx = make_ctx({"rows": 4})
-    with pytest.raises(KVStoreError, match=r"DeviceCachedKVClient: tables on row stores "
-                                           r"\(DynamicEmbedding.*without 'device_cache'"):
+    with pytest.raises(KVStoreError, match=r"DeviceCachedKVClient: cannot hold table 'dyn' "
+                                           r"on a hash store.*without 'device_cache'"):
         DynamicEmbedding(3, name="dyn", context=ctx)
     emb = DynamicEmbedding(3, name="dyn", context=make_ctx(None))
     opt = SparseAdagrad([emb], lr=0.1)

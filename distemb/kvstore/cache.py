@@ -418,4 +418,4 @@ class CachedKVClient(PlacedAsInner, KVClient):
         caches = self._tables.values() if name is None else [self._tables[name]]
         for cache in caches:
             if cache is not None:
-                cache.evict(np.flatnonzero(cache.ids >= 0))
+                cache.evict(np.flatnonzero(cache.held))

@@ -44,7 +44,7 @@ from distemb.enums import CachePolicy
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
 from distemb.kvstore.table_cache import TableCache
-from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
+from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_name, state_owner
 
 
@@ -229,7 +229,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         for table in ([state_owner(name) or name] if name is not None else list(self._tables)):
             cache = self._tables.get(table)
             if cache is not None:
-                self._write_back(table, cache, np.flatnonzero(cache.map.ids >= 0))
+                self._write_back(table, cache, np.flatnonzero(cache.map.held))
 
     def _drop(self, table, write_back=True):
         """Forget the cache of ``table`` (after writing its dirty rows back)."""
@@ -303,13 +303,9 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         self.flush()
         self.inner.barrier()
 
-    def store_client(self):
-        """Refused: row-store tables cannot sit behind the device cache yet.
-
-        Raises:
-            KVStoreError: always, naming this placement and the tables it cannot hold.
-        """
-        raise refuse_row_stores(self, "the device cache", "device_cache")
+    #: Why keyed tables are refused (:meth:`KVClient.create_table`).
+    keyed_refusal = ("the device cache holds dense tables only; make the table in a context "
+                     "without 'device_cache' (its rows then go to their owner uncached)")
 
     def close(self, **kw):
         """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""
@@ -328,6 +324,8 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
             self._stats["h2d_bytes"] += rows.nbytes
             return torch.from_numpy(np.ascontiguousarray(rows)).to(self.cache_device)
         ids = _host_ids(ids)
+        # the slot map indexes by id: ids outside the table are refused here, named
+        self.inner.data_meta(name).policy.check_ids(ids, f"ids of {name!r}")
         m, st = cache.map, self._stats
         uniq, inverse = np.unique(ids, return_inverse=True)
         self._tick += 1
@@ -369,11 +367,12 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         if not len(new):
             return
         before = cache.map.ids.copy()  # admit() evicts: the victims' ids are needed
+        held = cache.map.held.copy()
         fresh = cache.map.admit(uniq[new], slots[cached])
         k = len(fresh)
         if not k:
             return
-        victims = fresh[before[fresh] >= 0]
+        victims = fresh[held[fresh]]
         self._write_back(name, cache, victims, before[victims])
         at = torch.from_numpy(fresh).to(self.cache_device)
         cache.values[at] = torch.from_numpy(np.ascontiguousarray(rows[:k])).to(self.cache_device)

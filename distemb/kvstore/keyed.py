@@ -14,7 +14,7 @@ process owns the stores) and :class:`~distemb.kvstore.remote.RemoteKVClient` (a 
 per server, :mod:`distemb.kvstore.remote_keyed`). It implements, once for every placement, what a keyed table does
 differently at the client (its ids, values, metadata, optimizer state and its
 ``state_dict``) and leaves array tables to the client's own methods. Both run one shared
-test suite (tests/test_store_client_suite.py).
+test suite (tests/test_kvclient_suite.py and tests/test_keyed_suite.py).
 
 Example:
     >>> import numpy as np

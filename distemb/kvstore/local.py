@@ -92,7 +92,7 @@ class LocalKVClient(KeyedTables, KVClient):
     def pull(self, name, ids):
         if self.is_keyed(name):
             return self._table(name).pull(ids)
-        meta = self._meta_of(name)
+        meta = self._checked(name, ids)
         # rows as float32 for half tables: decoded in the gather (one pass)
         out = np.empty((len(ids),) + meta.shape[1:], dtype=half.row_dtype(meta.dtype))
         if meta.policy.num_partitions == 1:  # local ids are global ids
@@ -106,7 +106,7 @@ class LocalKVClient(KeyedTables, KVClient):
         if self.is_keyed(name):
             self._table(name).push(ids, values)
             return
-        meta = self._meta_of(name)
+        meta = self._checked(name, ids)
         if meta.policy.num_partitions == 1:
             self.server.push(name, 0, ids, values)
             return
@@ -128,12 +128,24 @@ class LocalKVClient(KeyedTables, KVClient):
             self._table(name).update(impl, ids, grads, impl.check_hyper(hyper),
                                      self.num_threads)
             return
-        meta = self._meta_of(name)
+        meta = self._checked(name, ids)
         if meta.policy.num_partitions == 1:
             self.server.update(name, 0, ids, grads, rule, hyper)
             return
         for part, pos, local in meta.policy.split(ids):
             self.server.update(name, part, local, grads[pos], rule, hyper)
+
+    def _checked(self, name, ids):
+        """The DataMeta of array table ``name``, once ``ids`` are checked against its
+        policy (the shards' kernels index without bounds checks; a server checks its
+        requests the same way).
+
+        Raises:
+            PartitionError: an id outside 0..N-1, named.
+        """
+        meta = self._meta_of(name)
+        meta.policy.check_ids(np.asarray(ids), f"ids of {name!r}")
+        return meta
 
     def save_table(self, name, directory, save_id, columns):
         """Each shard writes its own record (a keyed table's one shard, with its keys)."""

@@ -30,7 +30,7 @@ Example:
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,6 +67,25 @@ def check_entry_rows(entry: dict, rows: int, name: str, directory: str) -> None:
     if saved != rows:
         raise KVStoreError(f"{directory}: table {name!r} was saved with {saved:,} rows, the "
                            f"live one has {rows:,}")
+
+
+class TableGradients(NamedTuple):
+    """One table's share of an optimizer step: its traced gradients, not yet summed, and
+    the update to make of them (:meth:`KVClient.apply_gradients`).
+
+    Example:
+        >>> from distemb.rules import SGDHyper
+        >>> g = TableGradients("t", [np.array([1, 1])], [np.ones((2, 4), np.float32)], "sgd",
+        ...                    SGDHyper(lr=0.1))
+        >>> g.name, len(g.ids)
+        ('t', 1)
+    """
+
+    name: str
+    ids: Sequence[GlobalIds]    # one flat id array per traced lookup (none: no gradients)
+    grads: Sequence[Tensor]     # one (N_i, D) gradient per lookup, any device
+    rule: str                   # the update rule (a RuleName or its value)
+    hyper: Hyper                # its hyperparameters, should the table step
 
 
 def check_new_name(meta: Dict[str, DataMeta], name: str) -> None:
@@ -193,6 +212,34 @@ class KVClient(ABC):
             KVStoreError: no table ``name``, no rule ``rule``, or ``hyper`` is not its type.
         """
 
+    def pull_many(self, requests: Sequence[Tuple[str, GlobalIds]]) -> List[Array]:
+        """Rows of several tables at once: ``[pull(name, ids) for name, ids in requests]``.
+
+        Clients that move rows between processes in rounds (collective mode) make it one
+        round for all the tables; the others look them up in turn.
+        """
+        return [self.pull(name, ids) for name, ids in requests]
+
+    def apply_gradients(self, tables: Sequence[TableGradients], F) -> List[bool]:
+        """One optimizer step of several tables: sum each table's traced gradients per id
+        (:meth:`coalesce`) and apply its rule to the sums (:meth:`push_update`).
+
+        The optimizer hands every table of its step at once, so a client that exchanges
+        rows in rounds (collective mode) sends all the tables' sums in one round; the
+        others coalesce and push each table in turn.
+
+        Returns:
+            per table, whether it stepped: it had gradients (here, or on any trainer of a
+            collective job), so the optimizer counts the step.
+        """
+        stepped = []
+        for t in tables:
+            summed = self.coalesce(t.name, t.ids, t.grads, F)
+            if summed is not None:
+                self.push_update(t.name, summed[0], summed[1], t.rule, t.hyper)
+            stepped.append(summed is not None)
+        return stepped
+
     # -- checkpoints and optimizer state (tables on row stores override these) --------
 
     def save_table(self, name: str, directory: str, save_id: str,
@@ -277,16 +324,36 @@ class KVClient(ABC):
                           self.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
 
     def store_client(self) -> "KVClient":
-        """A client for tables on row stores placed where this client places rows
-        (:mod:`distemb.kvstore.keyed`): the embedded client itself, or a hash
-        store per server of this client's cluster.
+        """The client of tables on row stores (:mod:`distemb.kvstore.keyed`): this one;
+        a placement that cannot hold a kind of store refuses it in :meth:`create_table`,
+        naming both."""
+        return self
+
+    #: Why this client holds no tables on row stores (its :meth:`create_table` says it).
+    keyed_refusal = ("it places rows in dense arrays of rows 0..N-1; make the table in a "
+                     "context whose tables live in host memory or on servers")
+
+    def create_table(self, name: str, spec) -> None:
+        """Make keyed table ``name`` from a table spec (:mod:`distemb.stores.spec`).
 
         Raises:
-            KVStoreError: this placement holds no row-store tables (e.g. a GPU client).
+            KVStoreError: always here: this placement holds no tables on row stores (the
+                message names the placement and the spec's store).
         """
-        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
-                           "StoreEmbedding) live in host memory or on the servers; this "
-                           "client places rows elsewhere")
+        raise refuse_store(self, name, f"a {spec.kind} store ({type(spec).__name__})",
+                           self.keyed_refusal)
+
+    def add_table(self, name: str, store) -> None:
+        """Hold the RowStore ``store`` as keyed table ``name``.
+
+        Raises:
+            KVStoreError: always here, as :meth:`create_table`.
+        """
+        raise refuse_store(self, name, f"a {type(store).__name__}", self.keyed_refusal)
+
+    def is_keyed(self, name: str) -> bool:
+        """Whether ``name`` is a table on row stores (none here)."""
+        return False
 
     def row_dim(self, name: str) -> int:
         """Row length of table ``name``."""
@@ -435,19 +502,17 @@ def _ascending_unique(ids: np.ndarray) -> bool:
     return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
 
 
-def refuse_row_stores(client: KVClient, placement: str, config_key: str):
-    """The error of a placement that cannot hold tables on row stores, naming both.
+def refuse_store(client: KVClient, name: str, store: str, why: str) -> KVStoreError:
+    """The error of a placement that cannot hold a table on a kind of store, naming both.
 
     Args:
-        client: the refusing client.
-        placement: what it is, e.g. "the trainer cache".
-        config_key: the context setting that made it, e.g. "cache".
+        client: the refusing client (its type names the placement).
+        name: the table.
+        store: the store, e.g. "a hash store (HashTableSpec)".
+        why: what the placement lacks, and what to do instead.
     """
-    return KVStoreError(f"{type(client).__name__}: tables on row stores (DynamicEmbedding, "
-                        "StoreEmbedding: any int64 key, hash or file stores) cannot be "
-                        f"placed behind {placement}, whose slot map is an array sized to a "
-                        f"dense table's rows; make them in a context without "
-                        f"'{config_key}' (their rows then go to their owner uncached)")
+    return KVStoreError(f"{type(client).__name__}: cannot hold table {name!r} on {store}: "
+                        f"{why}")
 
 
 class PlacedAsInner:

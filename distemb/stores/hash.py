@@ -23,14 +23,16 @@ from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.enums import EvictPolicy, Rounding
 from distemb.errors import MissingKeyError, StoreError
 from distemb.kernels.half import storage_dtype
-from distemb.kernels.hashtable import HashIndex, keys_array
+from distemb.kernels.hashtable import RESERVED_KEYS, HashIndex, keys_array
 from distemb.routers import KeyHashRouter
 from distemb.stores.init import KeyInit, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
 
 log = logging.getLogger("distemb")
 
-FREE = -1  # slot_key of a slot no key holds
+# slot_key of a slot no key holds: a key the index reserves (-1 is a key like any other;
+# as the marker it made key -1 invisible to eviction)
+FREE = RESERVED_KEYS[0]
 
 
 class HashStore(RowStore):
