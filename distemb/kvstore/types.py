@@ -30,7 +30,7 @@ Example:
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,6 +56,25 @@ class DataMeta:
     shape: Shape
     dtype: str
     policy: PartitionPolicy
+
+
+class TableGradients(NamedTuple):
+    """One table's share of an optimizer step: its traced gradients, not yet summed, and
+    the update to make of them (:meth:`KVClient.apply_gradients`).
+
+    Example:
+        >>> from distemb.rules import SGDHyper
+        >>> g = TableGradients("t", [np.array([1, 1])], [np.ones((2, 4), np.float32)], "sgd",
+        ...                    SGDHyper(lr=0.1))
+        >>> g.name, len(g.ids)
+        ('t', 1)
+    """
+
+    name: str
+    ids: Sequence[GlobalIds]    # one flat id array per traced lookup (none: no gradients)
+    grads: Sequence[Tensor]     # one (N_i, D) gradient per lookup, any device
+    rule: str                   # the update rule (a RuleName or its value)
+    hyper: Hyper                # its hyperparameters, should the table step
 
 
 def check_new_name(meta: Dict[str, DataMeta], name: str) -> None:
@@ -181,6 +200,34 @@ class KVClient(ABC):
         Raises:
             KVStoreError: no table ``name``, no rule ``rule``, or ``hyper`` is not its type.
         """
+
+    def pull_many(self, requests: Sequence[Tuple[str, GlobalIds]]) -> List[Array]:
+        """Rows of several tables at once: ``[pull(name, ids) for name, ids in requests]``.
+
+        Clients that move rows between processes in rounds (collective mode) make it one
+        round for all the tables; the others look them up in turn.
+        """
+        return [self.pull(name, ids) for name, ids in requests]
+
+    def apply_gradients(self, tables: Sequence[TableGradients], F) -> List[bool]:
+        """One optimizer step of several tables: sum each table's traced gradients per id
+        (:meth:`coalesce`) and apply its rule to the sums (:meth:`push_update`).
+
+        The optimizer hands every table of its step at once, so a client that exchanges
+        rows in rounds (collective mode) sends all the tables' sums in one round; the
+        others coalesce and push each table in turn.
+
+        Returns:
+            per table, whether it stepped: it had gradients (here, or on any trainer of a
+            collective job), so the optimizer counts the step.
+        """
+        stepped = []
+        for t in tables:
+            summed = self.coalesce(t.name, t.ids, t.grads, F)
+            if summed is not None:
+                self.push_update(t.name, summed[0], summed[1], t.rule, t.hyper)
+            stepped.append(summed is not None)
+        return stepped
 
     def save_tensor(self, name: str, directory: str, save_id: str) -> List[dict]:
         """Write ``name`` into checkpoint ``directory`` as segment files of save
