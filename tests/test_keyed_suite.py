@@ -73,7 +73,17 @@ def test_bad_specs_and_policies_are_refused_with_their_names(client, tmp_path):
         client.evict(t.name, 0, policy="mru")
 
 
-def test_capacity_evicts_with_the_state_and_spares_the_last_lookup(client, tmp_path):
+def test_capacity_evicts_with_the_state_and_spares_the_last_lookup(placement, tmp_path):
+    """A hash table with a capacity evicts on its own; a cache that owns the rows it holds
+    (the device cache) refuses such a table, naming both (it could lose a row only it
+    holds)."""
+    client = placement.client
+    if placement.refuser == "DeviceCachedKVClient":
+        with pytest.raises(KVStoreError, match="DeviceCachedKVClient: cannot hold table .* on "
+                                               "a hash store with a capacity"):
+            hash_table(client, tmp_path, capacity=4, evict="lru")
+        assert not client.keyed_names()
+        return
     t = hash_table(client, tmp_path, capacity=4, evict="lru")
     client.init_optimizer(t.name, "adagrad", {})
     first = t.key_of([0, 1])

@@ -92,6 +92,9 @@ class LocalKVClient(KeyedTables, KVClient):
     def pull(self, name, ids):
         if self.is_keyed(name):
             return self._table(name).pull(ids)
+        state = self.state_of(name)
+        if state is not None:  # a keyed table's state: held keys only
+            return self._table(state[0]).pull(keys_array(ids), state[1])
         meta = self._checked(name, ids)
         # rows as float32 for half tables: decoded in the gather (one pass)
         out = np.empty((len(ids),) + meta.shape[1:], dtype=half.row_dtype(meta.dtype))
@@ -105,6 +108,10 @@ class LocalKVClient(KeyedTables, KVClient):
     def push(self, name, ids, values):
         if self.is_keyed(name):
             self._table(name).push(ids, values)
+            return
+        state = self.state_of(name)
+        if state is not None:
+            self._table(state[0]).push(keys_array(ids), np.asarray(values, state[3]), state[1])
             return
         meta = self._checked(name, ids)
         if meta.policy.num_partitions == 1:

@@ -284,7 +284,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
 
     def pull(self, name, ids):
         self._check_open()
-        if self.is_keyed(name):
+        if self.is_keyed(name) or self.state_of(name):
             return self._keyed_pull(name, ids)
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -334,7 +334,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         return shard.read(lambda a: a[local])
 
     def push(self, name, ids, values):
-        if self.is_keyed(name):
+        if self.is_keyed(name) or self.state_of(name):
             return self._keyed_push(name, ids, values)
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)

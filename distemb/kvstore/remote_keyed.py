@@ -227,11 +227,20 @@ class RemoteKeyedTables(KeyedTables):
     # -- the client's storage methods, for a keyed table --------------------------------
 
     def _keyed_pull(self, name, ids):
-        dim = self.dim(name)
-        return self._gather_keyed(name, ids, lambda sid, k: Pull(
-            name=name, parts=[sid], counts=[len(k)], ids=k), (dim,), np.float32)
+        """Rows of keyed table ``name``, or of a keyed table's state by its name (held
+        keys only): each server answers for its keys."""
+        state = self.state_of(name)
+        table, shape, dtype = (name, (self.dim(name),), np.float32) if state is None else \
+            (state[0], state[2], state[3])
+        return self._gather_keyed(table, ids, lambda sid, k: Pull(
+            name=name, parts=[sid], counts=[len(k)], ids=k), shape, dtype)
 
     def _keyed_push(self, name, ids, values):
+        state = self.state_of(name)
+        if state is not None:
+            self._write(state[0], table_keys(ids), np.asarray(values, state[3]).reshape(
+                (len(ids),) + state[2]), state[1])
+            return
         self._write(name, table_keys(ids), np.asarray(values, np.float32).reshape(
             len(ids), self.dim(name)), WEIGHT)
 
