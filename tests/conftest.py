@@ -78,7 +78,7 @@ def holds(placement, kind):
     where it does not, it refuses them naming both (the capability table of
     docs/stores.md)."""
     base = placement.split("+")[-1]
-    return kind.startswith("dense") or not base.startswith("device")
+    return kind.startswith("dense") or not base.startswith("device_table")
 
 
 #: The client type that refuses what a placement does not hold, by placement base.
@@ -158,8 +158,8 @@ class TwoTrainers:
 
     COLLECTIVE = ("init_data", "create_table", "init_optimizer", "barrier")
     EITHER = ("push", "remove", "contains", "get", "evict", "size", "export", "import_",
-              "flush", "table_state", "load_table_state", "checkpoint_entry",
-              "restore_entry", "save_tensor", "load_tensor", "capacity")
+              "flush", "table_state", "load_table_state", "save_table", "load_table",
+              "capacity")
 
     def __init__(self, trainers):
         self.trainers = list(trainers)
@@ -280,6 +280,11 @@ class Placement:
     @property
     def num_trainers(self):
         return len(self.trainers)
+
+    def cache_stats(self):
+        """The first trainer's cache counters (``stats()``), or None without a cache."""
+        kv = self.trainers[0]
+        return kv.stats() if isinstance(kv, (CachedKVClient, DeviceCachedKVClient)) else None
 
     def run(self, job):
         """``job(ctx, rank, num_trainers)`` on every trainer (one thread each); the

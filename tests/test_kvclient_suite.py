@@ -223,7 +223,11 @@ def test_job_equals_the_embedded_table_bit_for_bit(placement, table_kind, opt_na
     names = placement.run(dyadic_job(t, opt_name, 10, device=placement.device))[0]
     want = oracle(t, opt_name, 10, str(tmp_path_factory.getbasetemp()))
     assert np.abs(want[0] - t.initial()).max() > 0.05, "the oracle did not train"
+    stats = placement.cache_stats()
     assert_same_table(placement.client, t, names, want, f"{placement.name} {table_kind}")
+    if stats is not None and t.dtype == "float32":  # a cache served rows and updated them
+        assert stats.get("hit_rows", 0) > 0, stats
+        assert stats.get("device_updated_rows", 1) > 0, stats
 
 
 @pytest.mark.multiprocess

@@ -65,7 +65,8 @@ from distemb.kvstore.collective_keyed import CollectiveKeyedTables
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.server import KVServer
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
+                                   check_rounding)
 from distemb.routers import PolicyRouter
 
 
@@ -180,6 +181,9 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
         as float32), a state's own, a keyed table's float32."""
         if self.is_keyed(name):
             return np.dtype(np.float32), (self.dim(name),), np.dtype(np.float32)
+        state = self.state_of(name)
+        if state is not None:  # a keyed table's state column
+            return np.dtype(state[3]), tuple(state[2]), np.dtype(state[3])
         meta = self._meta_of(name)
         return (half.storage_dtype(meta.dtype), tuple(meta.shape[1:]),
                 np.dtype(half.row_dtype(meta.dtype)))
@@ -193,18 +197,32 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
             PartitionError: an id outside a fixed key space.
             TypeError, ValueError: keys of a keyed table that are not int64 keys.
         """
-        if name not in self._routers:
-            self._meta_of(name)  # the error naming an unknown table
-        if self.is_keyed(name):
+        table = self._table_of(name)
+        if self.is_keyed(table):
             ids = table_keys(ids, f"keys of {name!r}")
         ids = np.ascontiguousarray(ids, np.int64)
-        owners = self._routers[name].part_of(ids)
+        owners = self._routers[table].part_of(ids)
         return Routed(owners % self.world_size if self.world_size > 1 else owners * 0,
                       ids, self.world_size)
+
+    def _table_of(self, name):
+        """The table whose router routes ``name``: itself, or the keyed table whose
+        optimizer state it is.
+
+        Raises:
+            KVStoreError: no such table or state.
+        """
+        if name in self._routers:
+            return name
+        state = self.state_of(name)
+        if state is None:
+            self._meta_of(name)  # the error naming an unknown table
+        return state[0]
 
     def _at_owner(self, name, ids):
         """Global ids of ``name`` received by their owner (this rank) as
         ``[(part, positions or None for all, local ids)]`` of the parts held here."""
+        name = self._table_of(name)
         router = self._routers[name]
         if router.num_parts == self.world_size or self.is_keyed(name):
             return [(self.rank, None, router.to_local(self.rank, ids))]
@@ -427,37 +445,43 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
     #: ``opt.save``/``opt.load`` run on every rank (checkpoint.save_items' ``writer``).
     all_ranks_checkpoint = True
 
-    def save_tensor(self, name, directory, save_id):
-        """Collective: every rank writes its partitions of ``name`` as segments of rank
-        0's save ``save_id``; every rank gets the records of all (partition order)."""
-        meta = self._meta_of(name)
+    def save_table(self, name, directory, save_id, columns):
+        """Collective: every rank writes its shards of ``name`` (its partitions of a dense
+        table, its store of a keyed one, keys global) as records of rank 0's save
+        ``save_id``; every rank gets the entry with the records of all (partition order)."""
         what = f"save of {name!r}"
         save_id = self._x.gather_objects(what, save_id)[0]
-        recs = [self.server.save_shard(name, part, directory, save_id,
-                                       *meta.policy.id_progression(part)[:2])
-                for part in self._parts_here(name)]
-        return sorted((r for rs in self._x.gather_objects(what, recs) for r in rs),
+        if self.is_keyed(name):
+            spec, t = self._spec(name), self._shard(name)
+            recs = [t.save(directory, save_id, name, columns)]
+            shape = (self._routers[name].num_keys, spec.dim)  # None for any int64 key
+            dtype, policy = spec.dtype, None
+        else:
+            meta = self._meta_of(name)
+            recs = [self.server.table(name, part).save(directory, save_id, name, columns,
+                                                       *meta.policy.id_progression(part)[:2])
+                    for part in self._parts_here(name)]
+            shape, dtype, policy = meta.shape, meta.dtype, meta.policy
+        recs = sorted((r for rs in self._x.gather_objects(what, recs) for r in rs),
                       key=lambda r: r["part"])
+        return snapshot.new_entry(shape, dtype, recs, policy)
 
-    def load_tensor(self, name, directory):
-        """Every rank fills its partitions of ``name`` from the checkpoint's segments
-        (saved under any partitioning: by W ranks, servers or one process), reading only
-        the blocks that hold its rows."""
+    def load_table(self, name, directory, entry, columns):
+        """Every rank fills its shards of ``name`` from the checkpoint's records (saved
+        under any partitioning: by W ranks, servers or one process), reading only the
+        blocks that hold its rows; a keyed table's store then holds the saved keys its
+        router gives this rank."""
+        if self.is_keyed(name):
+            self._shard(name).load(directory, entry, columns, name=name)
+            return
         meta = self._meta_of(name)
-        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
-        for part in self._parts_here(name):
-            start, step, _ = meta.policy.id_progression(part)
-            self.server.load_shard(name, part, directory, entry, start, step)
-
-    def checkpoint_entry(self, name, directory, save_id):
-        if self.is_keyed(name):
-            return self._keyed_checkpoint_entry(name, directory, save_id)
-        return super().checkpoint_entry(name, directory, save_id)
-
-    def restore_entry(self, name, directory, entry):
-        if self.is_keyed(name):
-            return self._keyed_restore_entry(name, directory, entry)
-        return super().restore_entry(name, directory, entry)
+        check_entry_rows(entry, meta.shape[0], name, directory)
+        shards = [(self.server.table(name, part), *meta.policy.id_progression(part)[:2])
+                  for part in self._parts_here(name)]
+        for table, start, step in shards:
+            table.load(directory, entry, columns, start, step, apply=False, name=name)
+        for table, start, step in shards:
+            table.load(directory, entry, columns, start, step, verify=False, name=name)
 
     def barrier(self):
         self._x.barrier()

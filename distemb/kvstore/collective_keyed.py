@@ -26,9 +26,11 @@ same order):
   LRU/LFU order (as each server does), and gets every rank's evicted keys;
 - ``export``: every rank gets the whole table (keys ascending); ``import_``: each rank's
   keys go to their owners;
-- checkpoints: every rank writes its own store as one shard of the table's entry, in the
-  format of the servers and the embedded store (loads into any number of ranks or
-  servers, and back).
+- checkpoints (the client's ``save_table``/``load_table``): every rank writes its own
+  store as one record of the table's entry, keys global, in the format of the servers
+  and the embedded store (loads into any number of ranks or servers, and back);
+- a keyed table's optimizer state is read and written by its KVStore name (``pull`` and
+  ``push`` of held keys, routed as the table's keys), as on the other placements.
 
 Example (inside a collective job)::
 
@@ -42,8 +44,7 @@ import numpy as np
 from distemb.errors import KVStoreError, MissingKeyError, StoreError
 from distemb.kernels.hashtable import keys_array, table_keys
 from distemb.kvstore.exchange import KEYS, Payload
-from distemb.kvstore.keyed import KeyedTables, init_state_columns
-from distemb.kvstore.store_snapshot import check_entry, load_store, save_store, store_entry
+from distemb.kvstore.keyed import KeyedTables
 from distemb.kvstore.types import DataMeta
 from distemb.stores.init import KeyInit
 from distemb.stores.types import WEIGHT
@@ -122,7 +123,7 @@ class CollectiveKeyedTables(KeyedTables):
         if name in self._meta:
             raise KVStoreError(f"name {name!r} already exists in the KVStore")
         store = spec.make_store(self.rank, self.world_size)
-        self.server.add_table(name, self.rank, store, spec)
+        self.server.add_table(name, self.rank, store, spec, spec.router(self.world_size))
         self._specs[name] = spec
         self._routers[name] = spec.router(self.world_size)
 
@@ -148,11 +149,8 @@ class CollectiveKeyedTables(KeyedTables):
 
     def _keyed_init_optimizer(self, name, rule, options):
         """Fresh state columns in this rank's store (every rank makes the same call)."""
-        t = self._shard(name)
-        with t.write():
-            states = init_state_columns(t.store, rule, options)
+        states = self._shard(name).init_states(rule, options)
         self.server.attach_states(name, self.rank, states)
-        t.bump_all()
         return self._state_names(name, rule)
 
     # -- keys -----------------------------------------------------------------------------
@@ -293,26 +291,3 @@ class CollectiveKeyedTables(KeyedTables):
         t = self._shard(name)
         with t.read():
             t.store.flush()
-
-    # -- checkpoints: every rank writes and reads its own store ----------------------------
-
-    def _keyed_checkpoint_entry(self, name, directory, save_id):
-        spec, t = self._spec(name), self._shard(name)
-        save_id = self._x.gather_objects(f"save of {name!r}", save_id)[0]
-        router = self._routers[name]
-        with t.read():
-            rec = save_store(directory, save_id, name, self.rank, t.store,
-                             lambda keys: router.to_global(self.rank, keys), t.columns())
-        return store_entry(spec.dim, spec.dtype,
-                           self._x.gather_objects(f"save of {name!r}", rec))
-
-    def _keyed_restore_entry(self, name, directory, entry):
-        """This rank's store gets the checkpoint's keys it owns now (saved by any number
-        of ranks, servers or one process)."""
-        t = self._shard(name)
-        check_entry(entry, name, self.dim(name), directory)
-        router = self._routers[name]
-        with t.write():  # all or nothing: every check passes before a key is removed
-            load_store(directory, entry, t.store, lambda keys: router.owns(self.rank, keys),
-                       lambda keys: router.to_local(self.rank, keys), replace=True)
-        t.bump_all()
