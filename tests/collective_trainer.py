@@ -14,7 +14,10 @@ abruptly at step S; the others must raise KVStoreError naming it (they print it 
 defines a table with another row length; ``--apart``: rank 0 alone reads a row before
 training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` after
 training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
-at DIR/<table>, collective (each rank writes and reads its own shards).
+at DIR/<table>, collective (each rank writes and reads its own shards). ``--servers``:
+the same job as a trainer of a distemb-launch job (sync_exact), for checkpoints that
+cross modes; ``--every-step``: the grouped model looks every table up on every step.
+``--keys``: key management of the dynamic table after training (OUT_DIR/keys<rank>.npz).
 
 Bit-identical by construction (as the client suite's job in tests/test_kvclient_suite.py):
 the gradient of a looked-up row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
@@ -116,8 +119,10 @@ def initial_rows(seed, n, d):
                             .astype(np.float32))
 
 
-def group_lookups(embs, step, ranks, world):
-    """The grouped lookup of ``ranks``' share of step ``step``: [(table key, ids)]."""
+def group_lookups(embs, step, ranks, world, skip_rare=True):
+    """The grouped lookup of ``ranks``' share of step ``step``: [(table key, ids)];
+    ``skip_rare=False``: "grare" on every step (a server-mode job counts a step for every
+    table in every step: its trainers cannot know that none had gradients)."""
     ids, _ = batch(step)
     sl = [rows_of(step, r, world) for r in ranks]
     mine = torch.cat([ids[s] for s in sl])
@@ -126,16 +131,16 @@ def group_lookups(embs, step, ranks, world):
     if step % 3 == 1:  # every rank makes the call; only rank 0 has ids
         out.append(("grare", torch.cat([ids[s] if r == 0 else ids[:0]
                                         for r, s in zip(ranks, sl)]) % 50))
-    elif step % 3 == 2:
+    elif step % 3 == 2 or not skip_rare:
         out.append(("grare", (mine * 5) % 50))
     return out
 
 
-def train_group(embs, opt, step, ranks, world):
+def train_group(embs, opt, step, ranks, world, skip_rare=True):
     _, c = batch(step)
     sl = [rows_of(step, r, world) for r in ranks]
     cs = torch.cat([c[s] for s in sl])
-    lookups = group_lookups(embs, step, ranks, world)
+    lookups = group_lookups(embs, step, ranks, world, skip_rare)
     opt.zero_grad()
     got = distemb.grouped_lookup([(embs[k], ids) for k, ids in lookups])
     loss = 0
@@ -146,7 +151,8 @@ def train_group(embs, opt, step, ranks, world):
     opt.step()
 
 
-def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None):
+def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None,
+          skip_rare=True):
     """Steps ``start``.. ``start + steps - 1``; ``ranks``: the ranks whose batch rows this
     process looks up (all of them: the oracle); ``group``: the grouped model, trained in
     each step too."""
@@ -164,7 +170,7 @@ def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None):
             (rows * up).sum().backward()
             opts[k].step()
         if group is not None:
-            train_group(*group, step, ranks, world)
+            train_group(*group, step, ranks, world, skip_rare)
 
 
 def snapshot(embs, opts, group=None):
@@ -233,7 +239,7 @@ def all_optimizers(opts, group):
     return dict(opts, group=group[1])
 
 
-def oracle(steps, world, load=None, then=(), keys=False):
+def oracle(steps, world, load=None, then=(), keys=False, skip_rare=True):
     """The same job in one embedded process on the concatenated batches: ``steps`` steps
     of ``world`` ranks (after loading checkpoint ``load``, when given), then each
     ``(steps, world)`` of ``then``; with ``keys``, also {rank: key_ops results}."""
@@ -245,7 +251,7 @@ def oracle(steps, world, load=None, then=(), keys=False):
             opt.load(os.path.join(load, k))
     start = 0
     for n, w in ((steps, world),) + tuple(then):
-        train(embs, opts, n, range(w), w, start=start, group=group)
+        train(embs, opts, n, range(w), w, start=start, group=group, skip_rare=skip_rare)
         start += n
     out = snapshot(embs, opts, group)
     if keys:
@@ -256,8 +262,11 @@ def oracle(steps, world, load=None, then=(), keys=False):
 
 def main(args):
     torch.set_num_threads(1)
-    ctx = distemb.initialize(backend="pytorch", num_threads=1, mode="collective",
-                             timeout_s=args.timeout)
+    if args.servers:  # a trainer of a distemb-launch job (sync_exact)
+        ctx = distemb.initialize(backend="pytorch", num_threads=1)
+    else:
+        ctx = distemb.initialize(backend="pytorch", num_threads=1, mode="collective",
+                                 timeout_s=args.timeout)
     world, rank = ctx.num_trainers, ctx.rank
     dying = world - 1 if args.die_rank is None else args.die_rank
     die_at = args.die_at if rank == dying else None
@@ -271,9 +280,10 @@ def main(args):
         if args.load:
             for k, opt in all_optimizers(opts, group).items():
                 opt.load(os.path.join(args.load, k))
-        calls = ctx.client.exchanges
-        train(embs, opts, args.steps, [rank], world, die_at, args.start, group)
-        calls = ctx.client.exchanges - calls
+        calls = getattr(ctx.client, "exchanges", 0)
+        train(embs, opts, args.steps, [rank], world, die_at, args.start, group,
+              not args.every_step)
+        calls = getattr(ctx.client, "exchanges", 0) - calls
         if args.save:
             for k, opt in all_optimizers(opts, group).items():
                 opt.save(os.path.join(args.save, k))
@@ -307,5 +317,7 @@ if __name__ == "__main__":
     parser.add_argument("--mismatch", action="store_true")
     parser.add_argument("--apart", action="store_true")
     parser.add_argument("--keys", action="store_true")
+    parser.add_argument("--servers", action="store_true")
+    parser.add_argument("--every-step", action="store_true")
     main(parser.parse_args())
     sys.exit(0)

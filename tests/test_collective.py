@@ -132,6 +132,40 @@ def test_checkpoint_of_two_ranks_loads_embedded_and_into_three_ranks(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_checkpoints_cross_from_collective_to_servers_and_back(tmp_path):
+    """2 ranks save; a distemb-launch job (2 servers x 2 trainers, sync_exact) loads it,
+    trains and saves; 3 ranks load that and train: every table (dense, bfloat16, keyed,
+    2W+1 hash partitions) and its optimizer state equal the uninterrupted job, bit for
+    bit, after each leg."""
+    ck1, ck2 = tmp_path / "ck1", tmp_path / "ck2"
+    legs = [tmp_path / name for name in ("a", "b", "c")]
+    for leg in legs:
+        leg.mkdir()
+    run_job(legs[0], 2, "--steps", "6", "--save", str(ck1), "--every-step")
+    ip = tmp_path / "ip.txt"
+    ip.write_text(f"127.0.0.1 {free_port()}\n")
+    with ProcessGroup() as group:
+        group.spawn([sys.executable, "-m", "distemb.launch", "--ip-config", str(ip),
+                     "--num-servers", "2", "--num-trainers", "2", "--consistency",
+                     "sync_exact", "--config-out", str(tmp_path / "cluster.json"),
+                     "--timeout", "60", "--", sys.executable, TRAINER, str(legs[1]),
+                     "--servers", "--load", str(ck1), "--start", "6", "--steps", "5",
+                     "--save", str(ck2), "--every-step"])
+        out = next(iter(group.wait_all(timeout=200).values()))
+    assert "rank 1 of 2: done" in out, out[-3000:]
+    want = job.oracle(6, 2, then=[(5, 2)], skip_rare=False)
+    for k in want:
+        with np.load(legs[1] / f"{k}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, want[k], f"table {k} on servers")
+    run_job(legs[2], 3, "--load", str(ck2), "--start", "11", "--steps", "4", "--every-step")
+    want = job.oracle(6, 2, then=[(5, 2), (4, 3)], skip_rare=False)
+    for k in want:
+        with np.load(legs[2] / f"{k}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, want[k], f"table {k} back on 3 ranks")
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_dying_rank_fails_the_others_naming_it(tmp_path):
     start = time.monotonic()
