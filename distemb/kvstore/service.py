@@ -44,7 +44,7 @@ from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example
 from distemb.kvstore.store_service import StoreTables
 from distemb.rules import check_table_name, rule_of, state_init, state_name
 from distemb.schema import default_of
-from distemb.transport.base import FLAG_NO_REPLY, MAX_MESSAGE_BYTES, Session
+from distemb.transport.base import FLAG_NO_REPLY, MAX_FDS, MAX_MESSAGE_BYTES, Session
 from distemb.transport.messages import Error, InShm, Reply, Service, decode_request
 from distemb.transport.shm import SlotReader
 
@@ -70,7 +70,8 @@ class KVService:
         num_trainers: trainers that must say BYE (and join barriers and exact steps).
         timeout_s: how long a sync_exact step or a barrier waits for the other trainers.
         arena: a :class:`~distemb.transport.shm.ShmArena` to allocate shards in shared
-            memory, or None for private memory.
+            memory (and take co-located trainers' requests from their slots), or None
+            for private memory.
         on_all_bye: called once every trainer has said BYE.
         token: the job's secret; a Hello without it is refused (None: no check).
         max_request_bytes: the most memory one request other than a Create or OptInit
@@ -90,8 +91,6 @@ class KVService:
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye, self.token = arena, on_all_bye, token
         self.max_request_bytes = max_request_bytes
-        # Co-located trainers hand updates and pushes over in their request slots.
-        self.slots = SlotReader(arena.job, arena.directory) if arena else None
         self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
         self._cond = threading.Condition()  # barriers and byes
         self.exact_steps = ExactSteps(num_trainers, timeout_s)  # sync_exact buffers
@@ -122,7 +121,7 @@ class KVService:
                 if session.rank is None and not session.trusted:
                     raise RefusedError("IN_SHM before Hello: a connection must first say "
                                        "Hello with its rank and the job's token")
-                frame = self._from_slot(frame)
+                frame = self._from_slot(frame, session)
             msg = decode_request(frame)
             if msg.SERVICE != Service.HELLO and session.rank is None and not session.trusted:
                 raise RefusedError(f"{msg.SERVICE.name} before Hello: a connection must "
@@ -143,17 +142,28 @@ class KVService:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _from_slot(self, frame):
+    def _from_slot(self, frame, session):
         """The request an InShm frame wraps, its arrays viewed in the trainer's slot.
 
+        A frame carrying a descriptor hands over a new slot (checked, then mapped, in
+        place of the connection's last one); one without uses the connection's slot.
         The views are read while the trainer waits for the reply (it reuses the slot
         only after it), so the request is applied as if its arrays had come in the frame.
         """
-        if self.slots is None:
+        if self.arena is None:
             raise KVStoreError("request in shared memory, but this server has shared "
                                "memory off")
         msg = InShm.decode(frame)
-        return msg.inner(self.slots.arrays(msg.path, msg.layout))
+        if len(frame.fds) > 1:
+            raise TransportError(f"InShm: {len(frame.fds)} descriptors, expected at most "
+                                 f"one (a new request slot)")
+        if frame.fds:
+            session.close()  # the previous slot: its mapping goes with its last view
+            session.slot = SlotReader(frame.fds.pop(), msg.size)
+        elif session.slot is None:
+            raise TransportError("InShm: this connection has handed over no request slot "
+                                 "(its first InShm frame must carry the slot's descriptor)")
+        return msg.inner(session.slot.arrays(msg.size, msg.layout))
 
     def _own(self, part):
         if part % self.num_servers != self.server_id:
@@ -232,7 +242,7 @@ class KVService:
         fit; on any failure, free what this call made (shm files included) and re-raise."""
         nbytes = sum(int(np.prod(shape, dtype=object)) * storage_dtype(dt).itemsize
                      for _, _, shape, dt, *_ in wanted)
-        check_fits(nbytes, what, self.arena.directory if self.arena else None)
+        check_fits(nbytes, what)  # shared or not, a shard is this machine's memory
         made = []
         try:
             for name, part, shape, dtype, fill, owner, *seed in wanted:
@@ -449,13 +459,30 @@ class KVService:
                                    f"arrived within {self.timeout_s} s")
 
     def _shm_info(self, m, session):
-        paths, shapes, dtypes = [], [], []
-        for part in m.parts:
-            arr = self.server.shard(m.name, part)
-            paths.append(self.arena.path_of(arr) if self.arena else None)
-            shapes.append(list(arr.shape))
-            dtypes.append(dtype_name(arr))
-        return Reply(fields={"paths": paths, "shapes": shapes, "dtypes": dtypes})
+        """Read-only descriptors of the memory files of shards ``m.parts`` of ``m.name``
+        (``segments`` says which parts have one, in order; the rest are private)."""
+        if not (session.passes_fds or session.trusted):
+            raise KVStoreError(f"ShmInfo: shared memory is handed over on a server's local "
+                               f"socket only, not to {session.peer}")
+        if len(m.parts) > MAX_FDS:
+            raise KVStoreError(f"ShmInfo: at most {MAX_FDS} parts a request, got "
+                               f"{len(m.parts)}")
+        fds, has, shapes, dtypes = [], [], [], []
+        try:
+            with self._lock:  # a table dropped meanwhile never hands out a closed file
+                for part in m.parts:
+                    arr = self.server.shard(m.name, part)
+                    fd = self.arena.dup_segment(arr) if self.arena else None
+                    if fd is not None:
+                        fds.append(fd)
+                    has.append(fd is not None)
+                    shapes.append(list(arr.shape))
+                    dtypes.append(dtype_name(arr))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return Reply(fields={"segments": has, "shapes": shapes, "dtypes": dtypes}, fds=fds)
 
     def _bye(self, m, session):
         self._rank(m, session)
