@@ -81,6 +81,13 @@ class Server:
         return out
 
 
+def SpecCreate(name, flags=0, **fields):
+    """The Create of table ``name`` from a spec's fields (``spec.fields()``, each one a
+    keyword: fuzzers replace them one by one)."""
+    return Create(name=name, flags=flags, dtype="", row_shape=[], parts=[], part_rows=[],
+                  spec=fields)
+
+
 def ask(conn, msg):
     """Send ``msg``; the server's answer frame, or None when it hung up."""
     try:

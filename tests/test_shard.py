@@ -180,21 +180,22 @@ def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
 
 def test_reserved_state_names_and_non_finite_initial_state_are_refused():
     """Issue 18: '~opt~' names optimizer state, so no table may be created with it (on
-    the wire, by StoreCreate, or by the API); an OptInit with a NaN or infinite initial
+    the wire, by SpecCreate, or by the API); an OptInit with a NaN or infinite initial
     value is refused before any state is made."""
     import math
 
     import distemb
     from distemb.kvstore.service import KVService
     from distemb.stores.spec import HashTableSpec
-    from distemb.transport.messages import Create, OptInit, Service, StoreCreate
+    from distemb.transport.messages import Create, OptInit, Service
+    from test_hostile import SpecCreate
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
 
     def ask(msg):
         return svc.handle(msg.encode())
     for msg in (Create(name="a~opt~b", dtype="float32", row_shape=[4], parts=[0],
                        part_rows=[5]),
-                StoreCreate(name="d~opt~sum", **HashTableSpec(4).fields())):
+                SpecCreate(name="d~opt~sum", **HashTableSpec(4).fields())):
         r = ask(msg)
         assert r.service == Service.ERROR and "reserved" in r.fields["message"], r.fields
     assert not svc.server.parts_of("a~opt~b") and not svc.server.parts_of("d~opt~sum")

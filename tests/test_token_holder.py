@@ -30,20 +30,18 @@ import numpy as np
 import pytest
 
 from mp_helper import ProcessGroup
-from test_hostile import Server, ask
+from test_hostile import Server, SpecCreate, ask
 from test_shm_writes import HOSTILE_FDS, hostile_fd, sealed
 
 from distemb import checkpoint
 from distemb.kernels.half import BFLOAT16
-from distemb.kvstore import LocalKVClient, snapshot
+from distemb.kvstore import LocalKVClient, segments
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load,
                                         OptInit, Pull, Push, Save, Service, ShmInfo,
-                                        StoreCreate, StoreExport, StoreInfo, StoreLoad,
-                                        StoreRead, StoreRemove, StoreSave, Update,
-                                        VersionedPull)
+                                        Export, Get, Info, Remove, Update, VersionedPull)
 from distemb.transport.base import MAX_FDS, Frame, close_fds
 from distemb.transport.shm import RequestSlot
 
@@ -143,7 +141,12 @@ KINDS = {
            [{"save_id": s} for s in ("../../x", "", "ZZZZZZZZ", "a" * 300, "/etc/x")] +
            [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null")] +
            [{"parts": [1]}, {"steps": [0]}, {"steps": [-1]}, {"starts": [0, 1]},
-            {"parts": [0, 0], "starts": [0, 0], "steps": [1, 1, 1]}]),
+            {"parts": [0, 0], "starts": [0, 0], "steps": [1, 1, 1]},
+            {"columns": ["nope"]}, {"columns": ["weight", "weight"]}, {"columns": "weight"},
+            {"columns": ["~version"]}, {"columns": ["x" * 300]}, {"name": "dyn"},
+            {"starts": [], "steps": []}, {"name": "keep~opt~sum"},
+            {"name": "dyn", "starts": [], "steps": [], "parts": [1]},
+            {"name": "dyn", "starts": [], "steps": [], "columns": ["nope"]}]),
     VersionedPull: (dict(name="keep", parts=[0], counts=[2], ids=ids(0, 9), have=ids(-2, -2),
                          states=["sum"]),
                     rows_mutations(2, "have") +
@@ -151,7 +154,7 @@ KINDS = {
                                              ["x" * 300], "sum", ["sum"] * 9)] +
                     [{"have": np.zeros(2, np.int32)}, {"have": np.zeros(2)},
                      {"name": "half", "states": ["sum"]}]),
-    StoreCreate: (dict(name="dyn", **HashTableSpec(DIM).fields()),
+    SpecCreate: (dict(name="dyn", **HashTableSpec(DIM).fields()),
                   [{"name": n} for n in ("keep", "dyn~opt~x", "", "x" * 300)] +
                   [{"dim": d} for d in (0, -1, 1 << 40, 1 << 20, DIM + 1)] +
                   [{"capacity": c} for c in (-1, 1 << 62, 1 << 40)] +
@@ -165,32 +168,23 @@ KINDS = {
                    {"name": "new", "capacity": 1 << 40, "preallocate": 1 << 40},
                    {"name": "new", "kind": "dense", "num_rows": 1 << 40},
                    {"name": "new", "dim": 1 << 16, "preallocate": 1 << 30}]),
-    StoreRead: (dict(name="dyn", mode="get", column="weight", ids=KEYS[:2]),
+    Get: (dict(name="dyn", mode="get", column="weight", ids=KEYS[:2]),
                 [{"name": n} for n in BAD_NAMES] +
                 [{"mode": m} for m in ("nope", "", None)] +
                 [{"column": c} for c in ("nope", "~version", "", "x" * 300)] +
                 [{"ids": i} for i in BAD_IDS[5:] + [ids(999), ids(-5)]]),
-    StoreRemove: (dict(name="dyn", ids=ids(1 << 50)),
+    Remove: (dict(name="dyn", ids=ids(1 << 50)),
                   [{"name": n} for n in BAD_NAMES] +
                   [{"ids": i} for i in BAD_IDS[5:]] + [{"name": "keep", "ids": ids(1)}]),
-    StoreInfo: (dict(name="dyn", evict_to=-1, policy=""),
+    Info: (dict(name="dyn", evict_to=-1, policy=""),
                 [{"name": n} for n in BAD_NAMES] +
                 [{"name": "keep"}, {"name": "keep", "evict_to": 0}, {"evict_to": "x"},
                  {"evict_to": 0, "policy": "nope"}, {"evict_to": 1 << 62, "policy": "x"}]),
-    StoreExport: (dict(name="dyn", start=0, count=10, columns=[]),
+    Export: (dict(name="dyn", start=0, count=10, columns=[]),
                   [{"name": n} for n in BAD_NAMES] +
                   [{"start": -1}, {"count": 0}, {"count": -1}, {"columns": ["nope"]},
                    {"columns": ["weight", "x" * 300]}, {"columns": "weight"},
                    {"name": "keep"}]),
-    StoreSave: (dict(name="dyn", directory="<tmp>", save_id="0123abcd"),
-                [{"name": n} for n in BAD_NAMES] +
-                [{"save_id": s} for s in ("../../x", "", "ZZZZZZZZ", "/etc/x")] +
-                [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null")] +
-                [{"name": "keep"}]),
-    StoreLoad: (dict(name="dyn", directory="<ck_dyn:crc_weight>"),
-                [{"name": n} for n in BAD_NAMES] +
-                [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null", "/")]
-                + [{"name": "keep", "directory": "<ck_keep>"}]),
     Load: (dict(name="keep", directory="<ck_keep:crc_last>", parts=[0], starts=[0], steps=[1]),
            [{"name": n} for n in BAD_NAMES] +
            [{"directory": "<ck_keep>", "parts": [1]}, {"directory": "<ck_keep>", "steps": [0]},
@@ -199,7 +193,14 @@ KINDS = {
             {"directory": "<ck_keep>", "parts": [0, 1], "starts": [0, 10], "steps": [1, 1]},
             {"directory": "<ck_keep>", "name": "half"},
             {"directory": "<ck_keep>", "name": "dyn"},
-            {"directory": "<ck_keep>", "starts": [1 << 62]}]),
+            {"directory": "<ck_keep>", "starts": [1 << 62]},
+            {"directory": "<ck_keep>", "columns": ["sum"]},
+            {"directory": "<ck_keep>", "columns": ["nope"]},
+            {"directory": "<ck_keep>", "columns": ["~version"]},
+            {"directory": "<ck_keep>", "starts": [], "steps": []},
+            {"directory": "<ck_dyn>", "name": "dyn", "starts": [], "steps": [],
+             "parts": [1]},
+            {"directory": "<ck_keep>", "name": "dyn", "starts": [], "steps": []}]),
 }
 
 
@@ -221,46 +222,59 @@ def _flip_last_block(directory, seg):
         f.write(bytes([f.read(1)[0] ^ 0x5A]))
 
 
+def _shards(m):
+    return m["tensors"]["keep"]["shards"]
+
+
 def _keep_segments(m):
-    return m["tensors"]["keep"]["segments"]
+    return [r["columns"]["weight"]["segment"] for r in _shards(m)]
 
 
 def _dyn_shard(m):
     return m["tensors"]["dyn"]["shards"][0]
 
 
-def _segs(m):
-    return _keep_segments(m)
+def _seg(m, i):
+    return _shards(m)[i]["columns"]["weight"]["segment"]
+
+
+def _columns(m, **edit):
+    for r in _shards(m):
+        r["columns"]["weight"].update(edit)
 
 
 KEEP_DAMAGE = {
     "crc_last": lambda d, m: _flip_last_block(d, _keep_segments(m)[-1]),
     "crc_first": lambda d, m: _flip_last_block(d, _keep_segments(m)[0]),
-    "half": lambda d, m: _edit_manifest(d, lambda x: _segs(x).pop()),
-    "twice": lambda d, m: _edit_manifest(d, lambda x: _segs(x).append(_segs(x)[0])),
+    "half": lambda d, m: _edit_manifest(d, lambda x: _shards(x).pop()),
+    "twice": lambda d, m: _edit_manifest(d, lambda x: _shards(x).append(_shards(x)[0])),
+    "column_missing": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1]["columns"].pop("weight")),
+    "keys_bogus": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1].update(keys=_seg(x, 1))),
     "block_rows": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(block_rows=1 << 40, crc32=[0])),
-    "crc_count": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(crc32=[0])),
+        d, lambda x: _seg(x, 1).update(block_rows=1 << 40, crc32=[0])),
+    "crc_count": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(crc32=[0])),
     "crc_type": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(crc32=["x"] * len(_segs(x)[1]["crc32"]))),
-    "count": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(count=1 << 40)),
-    "negative": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(start=-5)),
-    "step_bool": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(step=True)),
+        d, lambda x: _seg(x, 1).update(crc32=["x"] * len(_seg(x, 1)["crc32"]))),
+    "count": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(count=1 << 40)),
+    "record_count": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1].update(count=1 << 40)),
+    "negative": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(start=-5)),
+    "step_bool": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(step=True)),
     "traversal": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(file="../../../etc/passwd")),
-    "absolute": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(file="/etc/passwd")),
+        d, lambda x: _seg(x, 1).update(file="../../../etc/passwd")),
+    "absolute": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(file="/etc/passwd")),
     "truncated": lambda d, m: os.truncate(d / _keep_segments(m)[1]["file"], 8),
     "missing": lambda d, m: os.unlink(d / _keep_segments(m)[1]["file"]),
     "fifo": lambda d, m: (os.unlink(d / _keep_segments(m)[1]["file"]),
                           os.mkfifo(d / _keep_segments(m)[1]["file"])),
-    "shape": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(shape=[ROWS, DIM + 1])),
-    "dtype": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["keep"].update(dtype="int64")),
-    "dtype_junk": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(dtype="object")),
+    "shape": lambda d, m: _edit_manifest(d, lambda x: _columns(x, shape=[DIM + 1])),
+    "dtype": lambda d, m: _edit_manifest(d, lambda x: _columns(x, dtype="int64")),
+    "dtype_junk": lambda d, m: _edit_manifest(d, lambda x: _columns(x, dtype="object")),
     "segments_type": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(segments="x")),
-    "record_type": lambda d, m: _edit_manifest(d, lambda x: _segs(x).__setitem__(0, [1])),
+        d, lambda x: x["tensors"]["keep"].update(shards="x")),
+    "record_type": lambda d, m: _edit_manifest(d, lambda x: _shards(x).__setitem__(0, [1])),
     "manifest_junk": lambda d, m: (d / "manifest.json").write_text("{"),
     "manifest_list": lambda d, m: (d / "manifest.json").write_text("[1, 2]"),
     "manifest_gone": lambda d, m: os.unlink(d / "manifest.json"),
@@ -281,15 +295,15 @@ DYN_DAMAGE = {
         d, lambda x: _dyn_shard(x)["columns"]["weight"].update(shape=[DIM + 1])),
     "column_dtype": lambda d, m: _edit_manifest(
         d, lambda x: _dyn_shard(x)["columns"]["weight"].update(dtype="int8")),
-    "column_extra": lambda d, m: _edit_manifest(
+    "column_renamed": lambda d, m: _edit_manifest(
         d, lambda x: _dyn_shard(x)["columns"].update(
-            nope=_dyn_shard(x)["columns"]["sum"])),
+            nope=_dyn_shard(x)["columns"].pop("sum"))),
     "count": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(count=1 << 40)),
     "count_less": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(count=3)),
     "keys_missing": lambda d, m: os.unlink(d / _dyn_shard(m)["keys"]["file"]),
     "state_truncated": lambda d, m: os.truncate(
         d / _dyn_shard(m)["columns"]["sum"]["segment"]["file"], 4),
-    "dim": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"].update(dim=DIM + 1)),
+    "keys_type": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(keys="x")),
     "kind": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"].update(kind="array")),
 }
 
@@ -297,7 +311,7 @@ DYN_DAMAGE = {
 def damaged_checkpoints(tmp_path, monkeypatch):
     """{"<ck_keep:damage>": directory, ...}: checkpoints of "keep" and "dyn" (rows other
     than the server's, segments of several small blocks), each damaged one way."""
-    monkeypatch.setattr(snapshot, "BLOCK_BYTES", 2 * DIM * 4)  # 2 rows a block
+    monkeypatch.setattr(segments, "BLOCK_BYTES", 2 * DIM * 4)  # 2 rows a block
     rng = np.random.default_rng(7)
     kv = LocalKVClient()
     kv.init_data("keep", (ROWS, DIM), "float32", range_policy(ROWS, 2))
@@ -307,7 +321,7 @@ def damaged_checkpoints(tmp_path, monkeypatch):
     skv.add_table("dyn", HashStore(DIM))
     skv.init_optimizer("dyn", "adagrad", {"initial_accumulator_value": 0.5})
     skv.push("dyn", KEYS, rng.standard_normal((len(KEYS), DIM)).astype(np.float32))
-    checkpoint.save(tmp_path / "ck_dyn", skv, ["dyn"], {})
+    checkpoint.save(tmp_path / "ck_dyn", skv, ["dyn", "dyn~opt~sum"], {})
     out = {"<ck_keep>": str(tmp_path / "ck_keep"), "<ck_dyn>": str(tmp_path / "ck_dyn")}
     for table, damages in (("keep", KEEP_DAMAGE), ("dyn", DYN_DAMAGE)):
         for what, damage in damages.items():
@@ -437,10 +451,10 @@ class Holder:
         for name in ("keep", "keep~opt~sum", "half"):
             rows = self.ok(Pull(name=name, parts=[0], counts=[ROWS], ids=np.arange(ROWS)))
             out[name] = (rows.arrays[0].dtype, rows.arrays[0].tobytes())
-        exp = self.ok(StoreExport(name="dyn", start=0, count=1000, columns=[]))
+        exp = self.ok(Export(name="dyn", start=0, count=1000, columns=[]))
         order = np.argsort(exp.arrays[0])
         out["dyn"] = [exp.fields["columns"]] + [a[order].tobytes() for a in exp.arrays]
-        info = self.ok(StoreInfo(name="dyn"))
+        info = self.ok(Info(name="dyn"))
         out["dyn_info"] = (info.fields["size"], info.fields["columns"])
         vp = self.ok(VersionedPull(name="keep", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                                    have=np.full(ROWS, -2, np.int64), states=["sum"]))
@@ -484,12 +498,11 @@ def messages_of(cls, rng, paths, tmp_path, token):
         if cls is Hello and kw["token"] is None:
             kw["token"] = token
         yield cls(**_resolve(kw, paths, tmp_path))
-    if cls is Load:  # every damaged checkpoint of "keep", as it is
+    if cls is Load:  # every damaged checkpoint of "keep" and of "dyn", as it is
         for key in sorted(k for k in paths if k.startswith("<ck_keep:")):
             yield cls(**dict(base, directory=paths[key]))
-    if cls is StoreLoad:
         for key in sorted(k for k in paths if k.startswith("<ck_dyn:")):
-            yield cls(**dict(base, directory=paths[key]))
+            yield cls(**dict(base, name="dyn", directory=paths[key], starts=[], steps=[]))
 
 
 def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkeypatch):
@@ -514,7 +527,7 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         holder.ok(Push(name="half", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                        values=np.arange(ROWS * DIM, dtype=np.uint16).reshape(ROWS, DIM)
                        .view(BFLOAT16)))
-        holder.ok(StoreCreate(name="dyn", **HashTableSpec(DIM).fields()))
+        holder.ok(SpecCreate(name="dyn", **HashTableSpec(DIM).fields()))
         holder.ok(OptInit(name="dyn", rule="adagrad",
                           options={"initial_accumulator_value": 0.25}, parts=[0]))
         holder.ok(Push(name="dyn", parts=[0], counts=[len(KEYS)], ids=KEYS,

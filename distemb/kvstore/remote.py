@@ -30,7 +30,9 @@ from distemb.kernels import half
 from distemb.enums import Consistency
 from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
                             TransportError)
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore import snapshot
+from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
+                                   check_rounding)
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.remote_versions import VersionedPulls
 from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables
@@ -288,7 +290,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
 
     def pull(self, name, ids):
         self._check_open()
-        if self.is_keyed(name):
+        if self.is_keyed(name) or self.state_of(name):
             return self._keyed_pull(name, ids)
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -338,7 +340,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         return shard.read(lambda a: a[local])
 
     def push(self, name, ids, values):
-        if self.is_keyed(name):
+        if self.is_keyed(name) or self.state_of(name):
             return self._keyed_push(name, ids, values)
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
@@ -433,26 +435,25 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
                                 steps=[p[1] for p in prog], **fields)
         return requests
 
-    def checkpoint_entry(self, name, directory, save_id):
-        if self.is_keyed(name):
-            return self._keyed_checkpoint_entry(name, directory, save_id)
-        return super().checkpoint_entry(name, directory, save_id)
-
-    def restore_entry(self, name, directory, entry):
-        if self.is_keyed(name):
-            return self._keyed_restore_entry(name, directory, entry)
-        return super().restore_entry(name, directory, entry)
-
-    def save_tensor(self, name, directory, save_id):
+    def save_table(self, name, directory, save_id, columns):
         """Every server writes its own shards of ``name``, all at once (in parallel)."""
+        if self.is_keyed(name):
+            return self._keyed_save(name, directory, save_id, columns)
+        meta = self._meta_of(name)
         replies = self._call(self._shard_requests(Save, name, directory=directory,
-                                                  save_id=save_id), timeout=IO_TIMEOUT_S)
-        return [seg for sid in sorted(replies) for seg in replies[sid].fields["segments"]]
+                                                  save_id=save_id, columns=list(columns)),
+                             timeout=IO_TIMEOUT_S)
+        return snapshot.new_entry(meta.shape, meta.dtype, [
+            rec for sid in sorted(replies) for rec in replies[sid].fields["records"]],
+            meta.policy)
 
-    def load_tensor(self, name, directory):
-        """Every server reads, from the checkpoint's segments, the rows it owns."""
-        self._call(self._shard_requests(Load, name, directory=directory),
-                   timeout=IO_TIMEOUT_S)
+    def load_table(self, name, directory, entry, columns):
+        """Every server reads, from the checkpoint's records, the rows it owns."""
+        if self.is_keyed(name):
+            return self._keyed_load(name, directory, columns)
+        check_entry_rows(entry, self._meta_of(name).shape[0], name, directory)
+        self._call(self._shard_requests(Load, name, directory=directory,
+                                        columns=list(columns)), timeout=IO_TIMEOUT_S)
 
     def coalesce(self, name, ids, grads, F):
         """As the host clients; in sync_exact mode an empty step still pushes (nothing).

@@ -151,7 +151,9 @@ class TableCache:
             self.slot_of, self.seen = HashSlots(), SketchCounts(capacity)
         else:
             self.slot_of, self.seen = ArraySlots(num_rows), ArrayCounts(num_rows)
-        self.ids = np.full(capacity, -1, np.int64)          # slot -> global id
+        self.ids = np.zeros(capacity, np.int64)             # slot -> global id
+        # slot -> holds a row; not ``ids == -1``: -1 is a key of a keyed table like any
+        self.held = np.zeros(capacity, bool)
         self.values = np.zeros((capacity, dim), np.float32)
         self.states = {name: np.zeros((capacity,) + shape, dtype)
                        for name, (shape, dtype) in (states or {}).items()}
@@ -177,13 +179,12 @@ class TableCache:
         """
         seen = self.seen.get(ids)
         order = np.argsort(-seen, kind="stable")
-        free = int((self.ids == -1).sum())
+        free = int((~self.held).sum())
         out = np.zeros(len(ids), bool)
         out[order[:free]] = True
         rest = order[free:]
         if len(rest):
-            held = np.ones(self.capacity, bool)
-            held[self.ids == -1] = False
+            held = self.held.copy()
             held[keep] = False
             victims = np.sort(self.seen.get(self.ids[held]))[:len(rest)]
             n = len(victims)
@@ -193,8 +194,9 @@ class TableCache:
     def evict(self, slots):
         """Forget the rows in ``slots``."""
         slots = slots[slots >= 0]
+        slots = slots[self.held[slots]]
         self.slot_of.clear(self.ids[slots])
-        self.ids[slots] = -1
+        self.held[slots] = False
         self.version[slots] = -1
 
     def forget(self, ids):
@@ -207,7 +209,7 @@ class TableCache:
         Rows in slots ``keep`` (used by the same request) are not evicted. Returns the
         slots of the first ``len(slots)`` ids; the others do not fit.
         """
-        free = np.flatnonzero(self.ids == -1)
+        free = np.flatnonzero(~self.held)
         room = self.capacity - len(keep)
         need = min(len(ids), room) - len(free)
         if need > 0:
@@ -219,5 +221,6 @@ class TableCache:
             free = np.concatenate([free, victims])
         slots = free[:min(len(ids), len(free))]
         self.ids[slots] = ids[:len(slots)]
+        self.held[slots] = True
         self.slot_of.set(ids[:len(slots)], slots)
         return slots
