@@ -3,24 +3,35 @@
 A fuzzer that has said a valid Hello (it holds the job token, as any trainer or any bug
 in one does) sends every request kind with hostile fields: wrong dtypes and ranks,
 negative and huge ids, huge shapes and counts, NaN and infinite hyperparameters and
-initial values, bad and reserved names, mismatched lengths, request slots that are
-links, FIFOs, directories, files truncated after the server mapped them or another
-job's, and loads of damaged checkpoints (a corrupt late block, half or double coverage,
-missing, truncated or renamed segments, lying manifests). Every message is built to be
-invalid, so the oracle is exact: each must be answered with an error, the server process
-must stay up, and every row and optimizer state of the tables it attacks must be the
-same, bit for bit, afterwards (checked after each kind). The seed is fixed."""
+initial values, bad and reserved names, mismatched lengths, request slots handed over as
+descriptors that are not sealed memory files of their declared size (files of a disk or
+of /dev/shm, unsealed or half-sealed memfds, directories, pipes, sockets, devices,
+O_PATH and write-only descriptors, too many descriptors in a frame, descriptors on
+frames that take none), hostile layouts in a real slot, the old protocol's slot paths,
+and loads of damaged checkpoints (a corrupt late block, half or double coverage, missing,
+truncated or renamed segments, lying manifests). Every message is built to be invalid,
+so the oracle is exact: each must be answered with an error, the server process must
+stay up, every row and optimizer state of the tables it attacks must be the same, bit
+for bit, afterwards (checked after each kind), and the server must hold no descriptor
+more than before. The seed is fixed.
+
+A second test races truncations of a slot against the server's reads of it, through the
+old protocol's named files and through descriptors: the server must answer every
+request and stay up (it died of SIGBUS)."""
 import json
 import math
 import os
 import shutil
-import uuid
+import signal
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from mp_helper import ProcessGroup
 from test_hostile import Server, SpecCreate, ask
+from test_shm_writes import HOSTILE_FDS, hostile_fd, sealed
 
 from distemb import checkpoint
 from distemb.kernels.half import BFLOAT16
@@ -28,13 +39,13 @@ from distemb.kvstore import LocalKVClient, segments
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
-from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, Load,
+from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load,
                                         OptInit, Pull, Push, Save, Service, ShmInfo,
                                         Export, Get, Info, Remove, Update, VersionedPull)
+from distemb.transport.base import MAX_FDS, Frame, close_fds
 from distemb.transport.shm import RequestSlot
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-SHM = "/dev/shm"
 ROWS, DIM = 10, 4
 KEYS = np.array([3, -7, 2 ** 40, 11, 12, 13, 14, 15], np.int64)  # the keyed table's keys
 PER_KIND = 40  # messages per request kind (damaged checkpoints and slots: each one more)
@@ -321,71 +332,63 @@ def damaged_checkpoints(tmp_path, monkeypatch):
     return out
 
 
-# --- request slots -------------------------------------------------------------------
+# --- request slots ------------------------------------------------------------------
 
 
-class Slots:
-    """Files named as request slots of the server's job (and of another job), each made
-    hostile: a link to a file outside /dev/shm, a FIFO, a directory, a file of another
-    job, and a real slot truncated after the server mapped it."""
-
-    def __init__(self, job, tmp_path):
-        self.job, self.made = job, []
-        self.slot = RequestSlot(job, 1, 0)
-        self.made.append(self.slot)
-        outside = tmp_path / "outside.bin"
-        outside.write_bytes(np.arange(1 << 16, dtype=np.int64).tobytes())
-        self.link = self._name()
-        os.symlink(outside, self.link)
-        self.fifo = self._name()
-        os.mkfifo(self.fifo)
-        self.dir = self._name()
-        os.mkdir(self.dir)
-        other = RequestSlot(f"x{job}", 1, 0)
-        self.made.append(other)
-        self.other, _ = other.write([np.zeros(4096, np.uint8)])
-        self.plain_outside = str(tmp_path / os.path.basename(self._name()))
-        with open(self.plain_outside, "wb") as f:
-            f.write(bytes(1 << 16))
-
-    def _name(self):
-        return f"{SHM}/distemb-p{os.getpid()}-{self.job}-t1-s0-{uuid.uuid4().hex[:12]}-0"
-
-    def close(self):
-        for s in self.made:
-            s.close()
-        for p in (self.link, self.fifo):
-            if os.path.lexists(p):
-                os.unlink(p)
-        if os.path.isdir(self.dir):
-            os.rmdir(self.dir)
-
-
-def in_shm_messages(slots, rng):
-    """InShm requests through hostile slot files; each names a Push or Update that
-    would be valid if its arrays were read, so only the slot checks refuse it."""
+def in_shm(size, layout, fds=(), service=Service.PUSH, name="keep", fields=None, **extra):
+    """An InShm frame (built by hand: hostile fields too) carrying descriptors ``fds``."""
     push = Push(name="keep", parts=[0], counts=[2], ids=ids(0, 9), values=grads(2))
+    body = {"service": int(service), "fields": push.encode().fields if fields is None
+            else fields, "size": size, "layout": layout, **extra}
+    return Frame(int(Service.IN_SHM), name, body, [], 0, list(fds))
+
+
+def in_shm_messages(job, tmp_path):
+    """InShm frames through hostile descriptors and layouts; each wraps a request that
+    would be valid if its arrays were read, so only the slot checks refuse it (or an
+    invalid request in a valid slot)."""
     layout = [[4, [2], 0], [1, [2, DIM], 64]]  # int64 ids, float32 values (dtype codes)
-    for path in (slots.link, slots.fifo, slots.dir, slots.other, slots.plain_outside,
-                 "relative", f"{SHM}/../tmp/x", slots.link + "/x"):
-        yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                    path=path, layout=layout)
-    # A real slot holding a bad id: mapped by the server (and refused by the id check);
-    # then truncated to nothing, and named again with arrays past the new end (SIGBUS
-    # if the server trusted its old mapping).
-    path, lay = slots.slot.write([ids(0, ROWS + 1), grads(2)])
-    yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                path=path, layout=lay)
-    for size in (4096, 4096, 0):  # smaller than mapped; the same, remapped; empty
-        os.truncate(path, size)
-        yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                    path=path, layout=[[4, [2], 8192], [1, [2, DIM], 8192 + 64]])
-    # Hostile layouts and wrapped requests in a valid slot of the same trainer.
-    fresh = RequestSlot(slots.job, 1, 0)
-    slots.made.append(fresh)
-    path, lay = fresh.write([ids(0, ROWS), grads(2)])  # any request it wraps is refused
+    yield in_shm(1 << 20, layout)  # no slot handed over on this connection yet
+    # The old protocol: a path to open, no descriptor (nothing is ever opened by name).
+    for path in (f"/dev/shm/distemb-p{os.getpid()}-{job}-t1-s0-0123456789ab-0",
+                 "/etc/passwd", "relative"):
+        yield in_shm(1 << 20, layout, path=path)
+        body = in_shm(1 << 20, layout, path=path)
+        del body.fields["size"]
+        yield body
+    # Every kind of descriptor that is not a sealed memory file of its declared size.
+    for kind in sorted(HOSTILE_FDS):
+        fd, size = hostile_fd(kind, str(tmp_path))
+        yield in_shm(max(size, 1), layout, [fd])
+    size = 1 << 16
+    yield in_shm(size, layout, [sealed(size), sealed(size)])  # two slots in one frame
+    yield in_shm(size, layout, [sealed(size) for _ in range(MAX_FDS + 1)])  # truncated
+    # Descriptors on frames that take none: closed unused (the leak check sees them).
+    bad_push = Push(name="nope", parts=[0], counts=[2], ids=ids(0, 9), values=grads(2))
+    yield Frame(**{**vars(bad_push.encode()), "fds": [sealed(size)]})
+    yield Frame(**{**vars(Hello(rank=0, token="0" * 32).encode()), "fds": [sealed(size)]})
+    # A real sealed slot holding a bad id: mapped, then refused by the id check; its
+    # trainer cannot shrink or grow it (the SIGBUS race of old cannot be set up).
+    slot = RequestSlot(job, 1, 0)
+    lay = slot.write([ids(0, ROWS + 1), grads(2)])
+    fd = slot.take_fd()
+    rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    for n in (0, 4096, 2 * slot.size):
+        with pytest.raises(PermissionError):
+            os.ftruncate(rw, n)
+    os.close(rw)
+
+    def with_slot(*args, **kw):  # a copy of the slot's descriptor for each frame
+        return in_shm(*args, **kw, fds=[os.dup(fd)])
+    yield with_slot(slot.size, lay)
+    yield in_shm(slot.size, lay)  # the same, from the slot this connection handed over
+    yield in_shm(slot.size + 64, lay)  # a size that is not the slot's
+    yield with_slot(slot.size + 64, lay)
+    yield with_slot(slot.size - 64, lay)
+    # Hostile layouts and wrapped requests in the valid slot.
     upd = Update(name="keep", rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10}, seq=1,
                  exact=False, parts=[0], counts=[2], ids=ids(0, 9), grads=grads(2))
+    lay = slot.write([ids(0, ROWS), grads(2)])  # any request it wraps is refused
     bad_layouts = [[[4, [2], 1 << 62], lay[1]], [[4, [1 << 40], 0], lay[1]],
                    [[4, [-1], 0], lay[1]], [[99, [2], 0], lay[1]], [lay[0], [1, [2, DIM], 3]],
                    [lay[0]], "x", [[4, [2], 0]] * 9, [[4, [2, 2, 2, 2, 2], 0], lay[1]],
@@ -393,23 +396,24 @@ def in_shm_messages(slots, rng):
                    [[4, [2], 0], [2, [2, DIM], 64]], [[5, [2], 0], lay[1]],
                    [[4, [2], 0], [1, [2, 1 << 40, 1 << 40], 64]]]
     for bad in bad_layouts:
-        yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                    path=path, layout=bad)
+        yield with_slot(slot.size, bad)
     for fields in ({"parts": [0], "counts": [3]}, {"parts": [1], "counts": [2]},
                    {"parts": "x"}, {}, dict(upd.encode().fields, hyper={"clr": NAN,
                                                                           "eps": 1e-10})):
         for svc in (Service.PUSH, Service.UPDATE):
-            yield InShm(name="keep", service=int(svc), fields=fields, path=path, layout=lay)
+            yield with_slot(slot.size, lay, service=svc, fields=fields)
     for svc in (Service.PULL, Service.CREATE, Service.IN_SHM, 999):
-        yield InShm(name="keep", service=int(svc), fields=push.encode().fields, path=path,
-                    layout=lay)
-    path, lay = fresh.write([ids(0, 99), grads(2)])  # a bad id read from the slot
-    yield InShm(name="keep", service=int(Service.UPDATE), fields=upd.encode().fields,
-                path=path, layout=lay)
-    yield InShm(name="keep~opt~sum", service=int(Service.PUSH), fields=push.encode().fields,
-                path=path, layout=lay)
-    yield InShm(name="dyn", service=int(Service.PUSH), fields=push.encode().fields,
-                path=path, layout=[lay[0], [1, [2, DIM + 1], 64]])
+        yield with_slot(slot.size, lay, service=svc)
+    lay = slot.write([ids(0, 99), grads(2)])  # a bad id read from the slot
+    yield with_slot(slot.size, lay, service=Service.UPDATE, fields=upd.encode().fields)
+    yield with_slot(slot.size, lay, name="keep~opt~sum")
+    yield with_slot(slot.size, [lay[0], [1, [2, DIM + 1], 64]], name="dyn")
+    os.close(fd)
+    slot.close()
+
+
+def open_fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 # --- the test ------------------------------------------------------------------------
@@ -419,14 +423,20 @@ class Holder:
     """A connection of a token holder (Hello as rank 1), remade when the server hangs up."""
 
     def __init__(self, srv):
-        self.srv, self.conn = srv, srv.connect(hello_rank=1)
+        self.srv, self.conn = srv, srv.connect(hello_rank=1, local=True)
 
     def ask(self, msg):
-        frame = ask(self.conn, msg)
+        """The answer to ``msg`` (a message, or a frame whose descriptors are closed here
+        once sent: the server has its own)."""
+        try:
+            frame = ask(self.conn, msg)
+        finally:
+            if isinstance(msg, Frame):
+                close_fds(msg)
         if frame is None or (frame.service == Service.ERROR and frame.fields.get("kind") in
                              ("TransportError", "RefusedError")):
             self.conn.close()
-            self.conn = self.srv.connect(hello_rank=1)
+            self.conn = self.srv.connect(hello_rank=1, local=True)
         return frame
 
     def ok(self, msg):
@@ -455,6 +465,15 @@ class Holder:
 def short(msg):
     """A message, for an assertion's text (fields cut to 80 characters)."""
     return f"{type(msg).__name__}({ {k: str(v)[:80] for k, v in vars(msg).items()} })"
+
+
+def settled(pid, want, timeout=10.0):
+    """The number of descriptors of ``pid`` once it is ``want`` (connections the fuzzer
+    left are closed by their threads a moment later), or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while open_fds(pid) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return open_fds(pid)
 
 
 def _resolve(kw, paths, tmp_path):
@@ -514,25 +533,27 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         holder.ok(Push(name="dyn", parts=[0], counts=[len(KEYS)], ids=KEYS,
                        values=rng.standard_normal((len(KEYS), DIM)).astype(np.float32)))
         before = holder.state()
-        slots = Slots(srv.cfg.job_id, tmp_path)
+        fds = open_fds(srv.proc.pid)
         sent, errors = {}, {}
-        try:
-            kinds = [(cls.__name__, messages_of(cls, rng, paths, tmp_path, srv.cfg.job_token))
-                     for cls in KINDS] + [("InShm", in_shm_messages(slots, rng))]
-            for kind, msgs in kinds:
-                for msg in msgs:
-                    frame = holder.ask(msg)
-                    sent[kind] = sent.get(kind, 0) + 1
-                    assert srv.proc.poll() is None, f"server died on {short(msg)}"
-                    assert frame is not None, f"no answer to {short(msg)}"
-                    assert frame.service == Service.ERROR, \
-                        f"accepted: {short(msg)} -> {str(frame.fields)[:200]}"
-                    errors[kind] = errors.get(kind, 0) + 1
-                after = holder.state()
-                assert after == before, \
-                    f"refused {kind}s changed {[k for k in before if after[k] != before[k]]}"
-        finally:
-            slots.close()
+        kinds = [(cls.__name__, messages_of(cls, rng, paths, tmp_path, srv.cfg.job_token))
+                 for cls in KINDS] + [("InShm", in_shm_messages(srv.cfg.job_id, tmp_path))]
+        for kind, msgs in kinds:
+            for msg in msgs:
+                frame = holder.ask(msg)
+                sent[kind] = sent.get(kind, 0) + 1
+                assert srv.proc.poll() is None, f"server died on {short(msg)}"
+                assert frame is not None, f"no answer to {short(msg)}"
+                assert frame.service == Service.ERROR, \
+                    f"accepted: {short(msg)} -> {str(frame.fields)[:200]}"
+                errors[kind] = errors.get(kind, 0) + 1
+            after = holder.state()
+            assert after == before, \
+                f"refused {kind}s changed {[k for k in before if after[k] != before[k]]}"
+        # Every descriptor a frame brought was closed (the holder's one connection, its
+        # slot and the tables' files are what the server holds, as before).
+        holder.conn.close()
+        holder.conn = srv.connect(hello_rank=1, local=True)
+        assert settled(srv.proc.pid, fds) == fds, (fds, os.listdir(f"/proc/{srv.proc.pid}/fd"))
         print(f"token-holder fuzz: {sum(sent.values())} messages, {sum(errors.values())} "
               f"errors; per kind {sent}")
         assert sent == errors and len(sent) == len(KINDS) + 1
@@ -541,4 +562,108 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         srv.real.push("w", np.array([1]), np.ones((1, 2), np.float32))
         assert srv.real.pull("w", np.array([1])).tolist() == [[1.0, 1.0]]
         holder.conn.close()
+        srv.finish(group)
+
+
+# --- the truncation race -------------------------------------------------------------
+
+#: Shrinks a file (a path, or /proc/<pid>/fd/<n>) to nothing and regrows it, as fast as
+#: it can until SIGTERM, then prints how many shrinks the kernel allowed and refused.
+TRUNCATOR = """
+import os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+size, done = int(sys.argv[2]), [0, 0]
+signal.signal(signal.SIGTERM, lambda *_: (print(*done, flush=True), os._exit(0)))
+print("GO", flush=True)
+while True:
+    try:
+        os.ftruncate(fd, 0)
+        done[0] += 1
+        os.ftruncate(fd, size)
+    except PermissionError:
+        done[1] += 1
+"""
+RACE_IDS = 1 << 17  # 1 MiB of ids: the server reads them for a while
+RACE_REQUESTS = 300
+
+
+def race(group, srv, conn_of, target, frame_of):
+    """Send RACE_REQUESTS InShm pushes (``frame_of()`` each) while a truncator works on
+    ``target``; every answer must be an error and the server must live.
+
+    Returns:
+        (shrinks allowed, shrinks refused).
+    """
+    size = 16 * RACE_IDS
+    trunc = group.spawn([sys.executable, "-c", TRUNCATOR, target, str(size)], expect=None)
+    assert trunc.stdout.readline().strip() == "GO"
+    conn = conn_of()
+    try:
+        for i in range(RACE_REQUESTS):
+            frame = frame_of()
+            reply = ask(conn, frame)
+            close_fds(frame)
+            assert srv.proc.poll() is None, \
+                f"the server died (signal {-srv.proc.returncode}) at request {i}"
+            assert reply is not None and reply.service == Service.ERROR, (i, reply)
+            if reply.fields.get("kind") in ("TransportError", "RefusedError"):
+                conn.close()  # it hung up on the malformed frame
+                conn = conn_of()
+    finally:
+        conn.close()
+        trunc.send_signal(signal.SIGTERM)
+        counts = trunc.stdout.readline().split()
+        trunc.wait(10)
+    return tuple(int(c) for c in counts)
+
+
+def test_a_token_holder_racing_truncations_of_its_slot_cannot_crash_the_server(tmp_path):
+    """A co-located token holder shrinks and regrows its request slot in a tight loop
+    while it sends pushes through it (1 MiB of ids whose last is out of range: each is
+    read in full, then refused). Through the old protocol's named file in /dev/shm the
+    server read a slot truncated between its size check and its read, and died of
+    SIGBUS. Named files are refused now; an unsealed or /dev/shm descriptor is refused
+    before it is mapped; a sealed one cannot be truncated at all. The server answers every
+    request with an error and its rows stay as they were."""
+    ids_ = np.arange(RACE_IDS, dtype=np.int64)
+    ids_[-1] = ROWS  # out of range: refused after the ids were read
+    data = ids_.tobytes()
+    push = {"parts": [0], "counts": [RACE_IDS]}
+    layout = [[4, [RACE_IDS], 0], [1, [RACE_IDS, DIM], len(data)]]
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group, shared_memory=True, timeout_s=2.0)
+        srv.init_data("keep", ROWS, DIM)
+        srv.real.push("keep", np.arange(ROWS), np.full((ROWS, DIM), 3.0, np.float32))
+        before = srv.real.pull("keep", np.arange(ROWS)).tobytes()
+        counts = {}
+        # The old protocol: a file named as a slot of this job, named in the frame.
+        path = f"/dev/shm/distemb-p{os.getpid()}-{srv.cfg.job_id}-t1-s0-0123456789ab-0"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, 16 * RACE_IDS)
+            os.pwrite(fd, data, 0)
+            counts["named file"] = race(
+                group, srv, lambda: srv.connect(hello_rank=1), path,
+                lambda: Frame(int(Service.IN_SHM), "keep", {
+                    "service": int(Service.PUSH), "fields": push, "path": path,
+                    "layout": layout}))
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        # Descriptors on the local socket: one of /dev/shm, an unsealed and a sealed memfd.
+        for kind in ("/dev/shm file", "unsealed memfd", "sealed memfd"):
+            fd = sealed(16 * RACE_IDS) if kind == "sealed memfd" else \
+                hostile_fd(kind, str(tmp_path))[0]
+            if kind != "sealed memfd":
+                os.ftruncate(fd, 16 * RACE_IDS)
+            os.pwrite(fd, data, 0)
+            counts[kind] = race(
+                group, srv, lambda: srv.connect(hello_rank=1, local=True),
+                f"/proc/{os.getpid()}/fd/{fd}",
+                lambda: in_shm(16 * RACE_IDS, layout, [os.dup(fd)], fields=push))
+            os.close(fd)
+        print(f"truncation race, {RACE_REQUESTS} requests each: (shrinks allowed, refused) "
+              f"{counts}")
+        assert counts["sealed memfd"][0] == 0 and counts["sealed memfd"][1] > 0, counts
+        assert srv.real.pull("keep", np.arange(ROWS)).tobytes() == before
         srv.finish(group)

@@ -45,7 +45,7 @@ from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_disk, check_fits, check_request
 from distemb.rules import check_table_name, rule_of, state_init, state_name, state_owner
 from distemb.stores.spec import spec_from_fields
-from distemb.transport.base import MAX_MESSAGE_BYTES
+from distemb.transport.base import MAX_FDS, MAX_MESSAGE_BYTES
 from distemb.transport.messages import Reply, Service
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8",
@@ -119,10 +119,10 @@ class Catalog:
 
     def _allocate_all(self, wanted, what):
         """Allocate ``[(name, part, shape, dtype, fill, owner)]`` after checking they all
-        fit; on any failure, free what this call made (shm files included) and re-raise."""
+        fit; on any failure, free what this call made (shared memory included) and re-raise."""
         nbytes = sum(int(np.prod(shape, dtype=object)) * storage_dtype(dt).itemsize
                      for _, _, shape, dt, *_ in wanted)
-        check_fits(nbytes, what, self.arena.directory if self.arena else None)
+        check_fits(nbytes, what)  # shared or not, a shard is this machine's memory
         made = []
         try:
             for name, part, shape, dtype, fill, owner, *seed in wanted:
@@ -185,7 +185,7 @@ class Catalog:
 
     def drop(self, m, session):
         self.check_name(m.name, table=False)  # a client drops each state it lists
-        with self._lock:  # the table's optimizer state goes with it (its shm files too)
+        with self._lock:  # the table's optimizer state goes with it (its shared memory too)
             for name, part in self.server.shards_of(m.name):
                 self._forget(name, part)
 
@@ -224,13 +224,30 @@ class Catalog:
             self._allocate_all(wanted, f"optimizer state of {m.name!r}")
 
     def shm_info(self, m, session):
-        paths, shapes, dtypes = [], [], []
-        for part in m.parts:
-            arr = self.server.shard(m.name, part)
-            paths.append(self.arena.path_of(arr) if self.arena else None)
-            shapes.append(list(arr.shape))
-            dtypes.append(dtype_name(arr))
-        return Reply(fields={"paths": paths, "shapes": shapes, "dtypes": dtypes})
+        """Read-only descriptors of the memory files of shards ``m.parts`` of ``m.name``
+        (``segments`` says which parts have one, in order; the rest are private)."""
+        if not (session.passes_fds or session.trusted):
+            raise KVStoreError(f"ShmInfo: shared memory is handed over on a server's local "
+                               f"socket only, not to {session.peer}")
+        if len(m.parts) > MAX_FDS:
+            raise KVStoreError(f"ShmInfo: at most {MAX_FDS} parts a request, got "
+                               f"{len(m.parts)}")
+        fds, has, shapes, dtypes = [], [], [], []
+        try:
+            with self._lock:  # a table dropped meanwhile never hands out a closed file
+                for part in m.parts:
+                    arr = self.server.shard(m.name, part)
+                    fd = self.arena.dup_segment(arr) if self.arena else None
+                    if fd is not None:
+                        fds.append(fd)
+                    has.append(fd is not None)
+                    shapes.append(list(arr.shape))
+                    dtypes.append(dtype_name(arr))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return Reply(fields={"segments": has, "shapes": shapes, "dtypes": dtypes}, fds=fds)
 
     def _shards(self, m):
         """(ShardTable, start, step) of each part a Save or Load names: an array table's

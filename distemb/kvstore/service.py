@@ -61,7 +61,8 @@ class KVService:
         num_trainers: trainers that must say BYE (and join barriers and exact steps).
         timeout_s: how long a sync_exact step or a barrier waits for the other trainers.
         arena: a :class:`~distemb.transport.shm.ShmArena` to allocate shards in shared
-            memory, or None for private memory.
+            memory (and take co-located trainers' requests from their slots), or None
+            for private memory.
         on_all_bye: called once every trainer has said BYE.
         token: the job's secret; a Hello without it is refused (None: no check).
         max_request_bytes: the most memory one request other than a Create or OptInit
@@ -81,8 +82,6 @@ class KVService:
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye, self.token = arena, on_all_bye, token
         self.max_request_bytes = max_request_bytes
-        # Co-located trainers hand updates and pushes over in their request slots.
-        self.slots = SlotReader(arena.job, arena.directory) if arena else None
         self._cond = threading.Condition()  # barriers and byes
         self.exact_steps = ExactSteps(num_trainers, timeout_s)  # sync_exact buffers
         self._barrier_gen, self._barrier_count = 0, 0
@@ -109,7 +108,7 @@ class KVService:
                 if session.rank is None and not session.trusted:
                     raise RefusedError("IN_SHM before Hello: a connection must first say "
                                        "Hello with its rank and the job's token")
-                frame = self._from_slot(frame)
+                frame = self._from_slot(frame, session)
             msg = decode_request(frame)
             if msg.SERVICE != Service.HELLO and session.rank is None and not session.trusted:
                 raise RefusedError(f"{msg.SERVICE.name} before Hello: a connection must "
@@ -130,17 +129,28 @@ class KVService:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _from_slot(self, frame):
+    def _from_slot(self, frame, session):
         """The request an InShm frame wraps, its arrays viewed in the trainer's slot.
 
+        A frame carrying a descriptor hands over a new slot (checked, then mapped, in
+        place of the connection's last one); one without uses the connection's slot.
         The views are read while the trainer waits for the reply (it reuses the slot
         only after it), so the request is applied as if its arrays had come in the frame.
         """
-        if self.slots is None:
+        if self.arena is None:
             raise KVStoreError("request in shared memory, but this server has shared "
                                "memory off")
         msg = InShm.decode(frame)
-        return msg.inner(self.slots.arrays(msg.path, msg.layout))
+        if len(frame.fds) > 1:
+            raise TransportError(f"InShm: {len(frame.fds)} descriptors, expected at most "
+                                 f"one (a new request slot)")
+        if frame.fds:
+            session.close()  # the previous slot: its mapping goes with its last view
+            session.slot = SlotReader(frame.fds.pop(), msg.size)
+        elif session.slot is None:
+            raise TransportError("InShm: this connection has handed over no request slot "
+                                 "(its first InShm frame must carry the slot's descriptor)")
+        return msg.inner(session.slot.arrays(msg.size, msg.layout))
 
     def _rank(self, m, session):
         """Check that ``m.rank`` is this connection's rank (and a trainer's at all)."""

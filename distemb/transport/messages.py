@@ -304,14 +304,18 @@ class InShm(Message):
     """A request whose arrays lie in the sender's shared-memory request slot.
 
     ``service`` and ``fields`` are those of the wrapped request (Update or Push),
-    ``path`` the slot file and ``layout`` one ``[dtype code, shape, offset]`` per array
-    (:mod:`distemb.transport.shm`). The server rebuilds the request with the arrays
-    viewed in place and decodes it as if it had come with them (:func:`decode_request`).
+    ``size`` the slot's size in bytes and ``layout`` one ``[dtype code, shape, offset]``
+    per array (:mod:`distemb.transport.shm`). The frame that first uses a slot carries
+    its descriptor (a sealed memory file of exactly ``size`` bytes); later frames use the
+    slot their connection handed over last. The server rebuilds the request with the
+    arrays viewed in place and decodes it as if it had come with them
+    (:func:`decode_request`).
     """
 
     SERVICE = Service.IN_SHM
     FIELDS = {"service": lambda v: v in (Service.UPDATE, Service.PUSH),
-              "fields": lambda v: isinstance(v, dict), "path": text,
+              "fields": lambda v: isinstance(v, dict),
+              "size": lambda v: int_value(v) and v > 0,
               "layout": lambda v: isinstance(v, list)}
 
     def inner(self, arrays):
@@ -358,19 +362,22 @@ class Load(_ShardsMessage):
 
 
 class Reply(Message):
-    """Success: ``fields`` (any JSON object) and any arrays."""
+    """Success: ``fields`` (any JSON object), any arrays, and the file descriptors it
+    hands over (a ShmInfo reply on a local socket: the shards' memory files)."""
 
     SERVICE = Service.REPLY
 
-    def __init__(self, name="", flags=0, fields=None, arrays=()):
+    def __init__(self, name="", flags=0, fields=None, arrays=(), fds=()):
         self.name, self.flags = name, flags
-        self.fields, self.arrays = dict(fields or {}), list(arrays)
+        self.fields, self.arrays, self.fds = dict(fields or {}), list(arrays), list(fds)
 
     def encode(self):
-        return Frame(int(self.SERVICE), self.name, self.fields, self.arrays, self.flags)
+        return Frame(int(self.SERVICE), self.name, self.fields, self.arrays, self.flags,
+                     list(self.fds))
 
     @classmethod
     def decode(cls, frame):
+        """The reply of ``frame`` (its descriptors stay the frame's)."""
         if frame.service != cls.SERVICE:
             raise TransportError(f"Reply: service {frame.service}, expected {cls.SERVICE}")
         return cls(frame.name, frame.flags, frame.fields, frame.arrays)
