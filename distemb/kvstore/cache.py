@@ -53,7 +53,8 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
-from distemb.kvstore.table_cache import TableCache
+from distemb.enums import Consistency
+from distemb.kvstore.table_cache import TableCache, unique_inverse
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.types import KVClient, PlacedAsInner
@@ -97,7 +98,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         self._tables: Dict[str, Optional[TableCache]] = {}
         self._tick = 0
         self._stats = dict(pulls=0, rows=0, unique_rows=0, hit_rows=0, fetched_rows=0,
-                           bytes_pulled=0, bytes_sent=0, evicted_replicas=0)
+                           bytes_pulled=0, bytes_sent=0, evicted_replicas=0, summed_rows=0)
 
     # -- pass-through storage -----------------------------------------------------------
 
@@ -250,7 +251,11 @@ class CachedKVClient(PlacedAsInner, KVClient):
         """Counters since construction: rows asked, rows served without data, bytes.
 
         ``bytes_pulled`` counts every array of the pull replies (rows, states, versions,
-        positions); ``bytes_sent`` the ids and versions of the pull requests.
+        positions); ``bytes_sent`` the ids and versions of the pull requests;
+        ``evicted_replicas`` the cached copies found void after an update (another
+        writer's gradient reached them outside what the owner answered for);
+        ``summed_rows`` the held rows kept current with the owner's summed gradient
+        (sync_exact: other trainers wrote them in the same step).
         """
         return dict(self._stats)
 
@@ -303,7 +308,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         else:
             ids = np.ascontiguousarray(ids, dtype=np.int64)
             self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
-        uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        uniq, inverse = unique_inverse(ids)
         self._tick += 1
         cache.count(uniq)
         slots = cache.slot_of.get(uniq)
@@ -315,8 +320,11 @@ class CachedKVClient(PlacedAsInner, KVClient):
         have = np.full(len(uniq), -1, np.int64)
         have[cached] = cache.version[slots[cached]]
         new = np.flatnonzero(~cached)
-        keep_new = np.ones(len(new), bool) if self.config.policy == "lru" else \
-            cache.worth_keeping(uniq[new], slots[cached])
+        victims = None
+        if self.config.policy == "lru":
+            keep_new = np.ones(len(new), bool)
+        else:
+            keep_new, victims = cache.worth_keeping(uniq[new], slots[cached])
         have[new[keep_new]] = -2
         asked = np.flatnonzero(ask)
         if len(asked):
@@ -337,7 +345,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
                     [st[sub] for st in states])
         admit = ~refresh & with_state
         if admit.any():
-            fresh = cache.admit(uniq[got[admit]], slots[cached])
+            fresh = cache.admit(uniq[got[admit]], slots[cached], victims)
             k = len(fresh)
             sub = admit[with_state]
             self._store(cache, fresh, vers[admit][:k], rows[admit][:k],
@@ -347,9 +355,8 @@ class CachedKVClient(PlacedAsInner, KVClient):
         out[got[passing]] = rows[passing]
         in_cache = slots >= 0
         out[in_cache] = cache.values[slots[in_cache]]
-        used = slots[in_cache]
-        cache.stamp[used] = self._tick if self.config.policy == "lru" else \
-            cache.seen.get(uniq[in_cache])
+        if self.config.policy == "lru":
+            cache.stamp[slots[in_cache]] = self._tick
         return out[inverse]
 
     def _count(self, ids, uniq, got, asked, arrays):
@@ -372,7 +379,15 @@ class CachedKVClient(PlacedAsInner, KVClient):
         cache.checked[slots] = cache.step
 
     def push_update(self, name, ids, grads, rule, hyper):
-        """Send the update to the owner; apply it to cached copies the owner confirms."""
+        """Send the update to the owner; keep the cached copies equal to the owner's rows.
+
+        In sync_exact the update names the rows held (with their versions) and the owner
+        answers, for those, which copies are void and the summed gradients of those other
+        trainers' gradients reached too: every held copy gets the step's own update (its
+        own gradient, or the owner's sum), so rows written by several trainers at once
+        stay cached. Otherwise the owner answers the rows' versions and a copy someone
+        else's gradient reached is dropped (or, with staleness, kept until revalidated).
+        """
         cache = self._tables.get(name)
         impl = rule_of(rule)
         if cache is None or cache.rule != impl.name:
@@ -384,11 +399,17 @@ class CachedKVClient(PlacedAsInner, KVClient):
         slots = cache.slot_of.get(ids)
         mine = np.flatnonzero(slots >= 0)
         at = slots[mine]
+        checked = impl.check_hyper(hyper)
+        if self.consistency == Consistency.SYNC_EXACT:
+            have = np.full(len(ids), -1, np.int64)
+            have[mine] = cache.version[at]
+            held = self.inner.push_update_versions(name, ids, grads, rule, hyper, have=have)
+            cache.step += 1
+            return self._apply_held(cache, impl, checked, slots, mine, grads, held)
         if len(at):
             # The same rule and kernels as the owner: bit-identical per row.
             impl.apply(kernels, cache.values, cache.states, at,
-                       np.ascontiguousarray(grads[mine]), impl.check_hyper(hyper),
-                       self.num_threads)
+                       np.ascontiguousarray(grads[mine]), checked, self.num_threads)
         versions = self.inner.push_update_versions(name, ids, grads, rule, hyper)
         cache.step += 1
         if not len(at):
@@ -399,12 +420,36 @@ class CachedKVClient(PlacedAsInner, KVClient):
             return
         ok = versions[mine] == cache.version[at] + 1
         cache.version[at[ok]] = versions[mine][ok]
-        others = at[~ok]  # someone else's gradient reached these rows
-        self._stats["evicted_replicas"] += len(others)
+        self._void(cache, at[~ok])  # someone else's gradient reached these rows
+
+    def _apply_held(self, cache, impl, hyper, slots, mine, grads, held):
+        """Apply one exact step to the held copies ``slots[mine]`` (see push_update)."""
+        if not len(mine):
+            return
+        step = np.ascontiguousarray(grads[mine])
+        where = np.full(len(slots), -1, np.int64)  # update position -> row of ``step``
+        where[mine] = np.arange(len(mine))
+        step[where[held.summed]] = held.sums
+        self._stats["summed_rows"] += len(held.summed)
+        keep = np.ones(len(mine), bool)
+        if len(held.drop) and not self.config.staleness:
+            keep[where[held.drop]] = False
+        at = slots[mine]
+        # The same rule and kernels as the owner, on the same gradient: bit-identical.
+        impl.apply(kernels, cache.values, cache.states, at[keep] if len(held.drop) else at,
+                   step[keep] if len(held.drop) else step, hyper, self.num_threads)
+        cache.version[at] += 1
+        cache.version[slots[held.summed]] = held.versions
+        self._void(cache, slots[held.drop])
+
+    def _void(self, cache, slots):
+        """Copies in ``slots`` lack another writer's update: dropped, or (bounded
+        staleness) used until their next validation refetches them."""
+        self._stats["evicted_replicas"] += len(slots)
         if self.config.staleness:
-            cache.version[others] = UNKNOWN  # used until its next validation refetches it
+            cache.version[slots] = UNKNOWN
         else:
-            cache.evict(others)
+            cache.evict(slots)
 
     def invalidate(self, name=None):
         """Forget every cached row (of table ``name``, or of all tables).

@@ -244,10 +244,15 @@ class ShardTable:
 
     def update(self, rule, keys, grads, hyper, num_threads=1, contributions=1):
         """Apply update ``rule`` to unique ``keys`` (inserted first when absent) and add
-        ``contributions`` (an int, or one per key) to their versions."""
+        ``contributions`` (an int, or one per key) to their versions.
+
+        Returns:
+            the keys' versions before the update, read under the same lock (None while
+            rows have no versions).
+        """
         with self.write():
             self.store.update(rule, keys, grads, hyper, num_threads)
-            self.bump(keys, contributions)
+            return self.bump(keys, contributions)
 
     # -- versions ---------------------------------------------------------------------
 
@@ -286,13 +291,19 @@ class ShardTable:
 
     def bump(self, keys, by=1):
         """Add ``by`` (an int, or one per key) to the versions of ``keys``; the caller
-        holds the write lock. Duplicate keys change once: enough to void a cached copy."""
-        if self._tracked and len(keys):
-            slots = self._slots(keys)  # first: inserting may grow the version array
-            arr = self._version_array()
-            bumped = arr[slots] + by
-            arr[slots] = bumped
-            self._high = max(self._high, int(bumped.max()))
+        holds the write lock. Duplicate keys change once: enough to void a cached copy.
+        Returns the versions before (None while rows have no versions)."""
+        if not self._tracked:
+            return None
+        if not len(keys):
+            return np.empty(0, np.int64)
+        slots = self._slots(keys)  # first: inserting may grow the version array
+        arr = self._version_array()
+        before = arr[slots]
+        bumped = before + by
+        arr[slots] = bumped
+        self._high = max(self._high, int(bumped.max()))
+        return before
 
     def bump_all(self):
         """Change every row's version (its optimizer state was reset)."""

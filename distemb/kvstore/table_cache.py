@@ -29,6 +29,23 @@ from distemb.kernels.hashtable import HashIndex
 from distemb.partition import splitmix64
 
 
+def unique_inverse(keys):
+    """``(unique keys in order of first appearance, inverse)``: ``uniq[inverse] == keys``.
+
+    A pull's ids made unique by a hash index (one pass, about 4x faster than
+    ``np.unique(return_inverse=True)``'s sort on a 13,000-id batch).
+
+    Example:
+        >>> u, inv = unique_inverse(np.array([7, 3, 7, 9]))
+        >>> u.tolist(), inv.tolist()
+        ([7, 3, 9], [0, 1, 0, 2])
+    """
+    at, _ = HashIndex(capacity=len(keys)).find_or_insert(keys)
+    uniq = np.empty(int(at.max()) + 1 if len(at) else 0, np.int64)
+    uniq[at] = keys
+    return uniq, at
+
+
 class ArraySlots:
     """Slot of each cached id of a table of ``num_rows`` rows (-1: not cached)."""
 
@@ -131,6 +148,10 @@ class SketchCounts:
 
 #: Pulls after which the LFU counts of a table halve, so old popularity fades.
 DECAY = 32
+#: LFU admits a row only once it was pulled this many times lately.
+ADMIT_MIN = 2
+#: Cached rows LFU samples per competing new row to find the ones it may displace.
+SAMPLE = 4
 
 
 class TableCache:
@@ -160,6 +181,8 @@ class TableCache:
         self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
         self.pulls = 0
         self.step = 0
+        self.held = 0                                        # slots in use
+        self._rng = np.random.default_rng(0)                 # LFU's victim samples
 
     def count(self, ids):
         """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
@@ -171,28 +194,41 @@ class TableCache:
     def worth_keeping(self, ids, keep):
         """Which of the new rows ``ids`` (unique, not cached) to keep: LFU admission.
 
-        Free slots take the most often seen first; then a new row displaces a cached one
-        (not in slots ``keep``) only if it was seen more often (TinyLFU), so rows seen once
-        are not fetched with their optimizer state just to be evicted.
+        Only rows pulled at least :data:`ADMIT_MIN` times lately compete (a row seen once
+        is not fetched with its optimizer state). Free slots take the most often seen
+        first; then a new row displaces a cached one (not in slots ``keep``) only if it
+        was seen more often (TinyLFU): each is paired with the least often seen of a
+        random sample of :data:`SAMPLE` cached rows per competitor, so the cost follows
+        the competitors, not the capacity.
+
+        Returns:
+            (bool mask over ``ids``, the slots of the cached rows to evict for them, one
+            per kept row beyond the free slots).
         """
         seen = self.seen.get(ids)
-        order = np.argsort(-seen, kind="stable")
-        free = int((self.ids == -1).sum())
         out = np.zeros(len(ids), bool)
+        order = np.flatnonzero(seen >= ADMIT_MIN)
+        order = order[np.argsort(-seen[order], kind="stable")]
+        free = self.capacity - self.held
         out[order[:free]] = True
         rest = order[free:]
-        if len(rest):
-            held = np.ones(self.capacity, bool)
-            held[self.ids == -1] = False
-            held[keep] = False
-            victims = np.sort(self.seen.get(self.ids[held]))[:len(rest)]
-            n = len(victims)
-            out[rest[:n][seen[rest[:n]] > victims]] = True
-        return out
+        if not len(rest) or not self.held:
+            return out, np.empty(0, np.int64)
+        sample = np.unique(self._rng.integers(0, self.capacity, SAMPLE * len(rest)))
+        busy = np.zeros(self.capacity, bool)
+        busy[keep] = True
+        sample = sample[(self.ids[sample] >= 0) & ~busy[sample]]
+        sample = sample[np.argsort(self.seen.get(self.ids[sample]), kind="stable")]
+        n = min(len(rest), len(sample))
+        win = seen[rest[:n]] > self.seen.get(self.ids[sample[:n]])
+        out[rest[:n][win]] = True
+        return out, sample[:n][win]
 
     def evict(self, slots):
-        """Forget the rows in ``slots``."""
+        """Forget the rows in ``slots`` (unique; negative ones and empty slots skipped)."""
         slots = slots[slots >= 0]
+        slots = slots[self.ids[slots] >= 0]
+        self.held -= len(slots)
         self.slot_of.clear(self.ids[slots])
         self.ids[slots] = -1
         self.version[slots] = -1
@@ -201,12 +237,15 @@ class TableCache:
         """Forget the rows ``ids`` (global) where cached."""
         self.evict(self.slot_of.get(ids))
 
-    def admit(self, ids, keep):
-        """Slots for new rows ``ids`` (not cached), evicting the lowest stamps.
+    def admit(self, ids, keep, victims=None):
+        """Slots for new rows ``ids`` (not cached): free slots, then ``victims`` (LFU's,
+        from :meth:`worth_keeping`) or else the lowest stamps.
 
         Rows in slots ``keep`` (used by the same request) are not evicted. Returns the
         slots of the first ``len(slots)`` ids; the others do not fit.
         """
+        if victims is not None:
+            self.evict(victims)
         free = np.flatnonzero(self.ids == -1)
         room = self.capacity - len(keep)
         need = min(len(ids), room) - len(free)
@@ -219,5 +258,6 @@ class TableCache:
             free = np.concatenate([free, victims])
         slots = free[:min(len(ids), len(free))]
         self.ids[slots] = ids[:len(slots)]
+        self.held += len(slots)
         self.slot_of.set(ids[:len(slots)], slots)
         return slots
