@@ -46,8 +46,11 @@ Usage::
         [--policies lru,lfu] [--links loopback,1gbit,10gbit]
 """
 import argparse
+import cProfile
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -69,6 +72,7 @@ from distemb.kvstore.remote import RemoteKVClient  # noqa: E402
 from distemb.partition import range_policy  # noqa: E402
 from distemb.transport import tcp  # noqa: E402
 from distemb.transport.base import Connection  # noqa: E402
+from distemb.transport.messages import Service  # noqa: E402
 import netns  # noqa: E402
 from id_streams import SIZES, draw_streams, exact_bound, static_hit_rates  # noqa: E402
 
@@ -76,33 +80,64 @@ from id_streams import SIZES, draw_streams, exact_bound, static_hit_rates  # noq
 # -- one trainer ----------------------------------------------------------------------------
 
 class Counting(Connection):
-    """A TCP connection that counts the array bytes it sends and receives."""
+    """A TCP connection that counts the bytes its socket sent and received (the kernel's
+    own counts: ``TCP_INFO``'s ``tcpi_bytes_acked`` and ``tcpi_bytes_received``, frame
+    headers included), and, for the byte account, the array bytes of each kind of
+    request and of its reply (``account``: {(service name, array index, "sent" or
+    "received"): bytes}; replies arrive in request order on a connection)."""
 
     def __init__(self, conn):
-        self.conn, self.peer, self.sent, self.received = conn, conn.peer, 0, 0
+        self.conn, self.peer = conn, conn.peer
+        self.account, self._asked = {}, []
+
+    def _tcp_info(self):
+        info = self.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        acked, received = struct.unpack_from("QQ", info, TCP_INFO_BYTES)
+        return acked, received
+
+    @property
+    def sent(self):
+        return self._tcp_info()[0]
+
+    @property
+    def received(self):
+        return self._tcp_info()[1]
+
+    def _add(self, service, frame, way):
+        for i, a in enumerate(frame.arrays):
+            key = (service, i, way)
+            self.account[key] = self.account.get(key, 0) + a.nbytes
 
     def send(self, frame):
-        self.sent += sum(a.nbytes for a in frame.arrays)
+        service = Service(frame.service).name
+        self._asked.append(service)
+        self._add(service, frame, "sent")
         self.conn.send(frame)
 
     def recv(self, timeout=None):
         frame = self.conn.recv(timeout)
-        self.received += sum(a.nbytes for a in frame.arrays)
+        self._add(self._asked.pop(0) if self._asked else "?", frame, "received")
         return frame
 
     def close(self):
         self.conn.close()
 
 
+#: Offset of ``tcpi_bytes_acked`` (then ``tcpi_bytes_received``) in Linux's struct tcp_info.
+TCP_INFO_BYTES = 120
+
+
 def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
-              zero_init=False):
+              zero_init=False, profile=None):
     """Train on ``stream`` as trainer ``rank``; per-step numbers after ``warmup`` steps.
 
     ``client`` is this trainer's RemoteKVClient on the counting connections ``conns``;
     with ``cache``, a CachedKVClient in front of it (a view: the connections are shared).
     The tables are fresh (named ``label``) and deleted at the end. ``zero_init``: tables
     made zero by the servers (nothing sent) and a loss that moves them from zero.
+    ``profile``: a path to write cProfile's statistics of the timed steps to.
     """
+    prof = cProfile.Profile() if profile else None
     kv = client if cache is None else CachedKVClient(client, cache)
     ctx = DistContext(kv, backend="pytorch", num_threads=1)
     init = None if zero_init else (lambda s, d: torch.full(s, 0.01, dtype=d))
@@ -118,6 +153,9 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
             start = time.perf_counter()
             sent0, recv0 = sum(c.sent for c in conns), sum(c.received for c in conns)
             stats0 = kv.stats() if cache is not None else None
+            account0 = [dict(c.account) for c in conns]
+            if prof is not None:
+                prof.enable()
         opt.zero_grad()
         loss = sum(((tables[name](torch.from_numpy(ids)) - shift) ** 2).sum()
                    for name, ids in step.items())
@@ -125,10 +163,18 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
         opt.step()
     client.barrier()
     seconds = time.perf_counter() - start
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(profile)
     n = len(stream) - warmup
+    account = {}
+    for c, a0 in zip(conns, account0):
+        for key, v in c.account.items():
+            name = "/".join(map(str, key))
+            account[name] = account.get(name, 0) + (v - a0.get(key, 0)) / n
     out = dict(steps_per_s=n / seconds,
                received_per_step=(sum(c.received for c in conns) - recv0) / n,
-               sent_per_step=(sum(c.sent for c in conns) - sent0) / n)
+               sent_per_step=(sum(c.sent for c in conns) - sent0) / n, account=account)
     if cache is not None:
         st = {k: v - stats0[k] for k, v in kv.stats().items()}
         out["hit_rate"] = st["hit_rows"] / max(1, st["unique_rows"])
@@ -154,7 +200,9 @@ def trainer_main(args):
     for i, (label, cache) in enumerate(spec["schedule"]):
         out.append(run_steps(client, conns, args.rank, stream, spec["num_rows"], spec["dim"],
                              None if cache is None else parse_cache_config(cache),
-                             spec["warmup"], f"{spec['label']}-{i}", spec["zero_init"]))
+                             spec["warmup"], f"{spec['label']}-{i}", spec["zero_init"],
+                             profile=os.path.join(spec["profile"], f"rank{args.rank}-run{i}"
+                                                  ".prof") if spec.get("profile") else None))
     client.close(goodbye=True)
     with open(os.path.join(spec["out"], f"rank{args.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -167,20 +215,20 @@ def env():
                 OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 
-def cluster(hosts):
+def cluster(hosts, consistency="sync"):
     return {"job_id": uuid.uuid4().hex[:8], "num_trainers": hosts.num_trainers,
             "trainer_machines": hosts.trainer_machines(), "shared_memory": False,
-            "timeout_s": 120.0, "servers": hosts.servers()}
+            "timeout_s": 120.0, "servers": hosts.servers(), "consistency": consistency}
 
 
 def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label, rate=None,
-            zero_init=False):
+            zero_init=False, profile=None, consistency="sync"):
     """Servers and one trainer process per stream, running every cache of ``schedule``
     (a list of CacheConfig or None) in turn; per run, the trainers' results. ``rate``:
     every process on a host of its own linked at ``rate`` bits/s; None: loopback."""
     with netns.JobHosts(num_servers, len(streams), rate) as hosts, \
             tempfile.TemporaryDirectory() as out:
-        raw = cluster(hosts)
+        raw = cluster(hosts, consistency)
         cfg_path = os.path.join(out, "cluster.json")
         json.dump(raw, open(cfg_path, "w"))
         paths = []
@@ -192,11 +240,14 @@ def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label, rate=N
         spec = dict(cluster=raw, streams=paths, num_rows=num_rows, dim=dim, warmup=warmup,
                     schedule=[[str(i), None if c is None else c.to_dict()]
                               for i, c in enumerate(schedule)], out=out, label=label,
-                    zero_init=zero_init)
+                    zero_init=zero_init, profile=profile)
         json.dump(spec, open(os.path.join(out, "spec.json"), "w"))
+        prof = (lambda s: [os.path.join(ROOT, "benchmarks", "thread_profile.py"),
+                           os.path.join(profile, f"server{s}.prof")]) if profile else (
+            lambda s: [])
         servers = [subprocess.Popen(hosts.server(s, [
-            sys.executable, "-m", "distemb.server", "--config", cfg_path, "--server-id",
-            str(s)]), env=env()) for s in range(num_servers)]
+            sys.executable, *prof(s), "-m", "distemb.server", "--config", cfg_path,
+            "--server-id", str(s)]), env=env()) for s in range(num_servers)]
         trainers = [subprocess.Popen(hosts.trainer(r, [
             sys.executable, os.path.abspath(__file__), "--trainer",
             os.path.join(out, "spec.json"), "--rank", str(r)]), env=env())
@@ -271,6 +322,13 @@ def main():
                    help="part 2's links, comma-separated: 'loopback', 'veth' and/or rates "
                    "('1gbit')")
     p.add_argument("--rounds", type=int, default=3, help="rounds in turns (medians)")
+    p.add_argument("--consistency", default="sync", choices=["sync", "sync_exact"],
+                   help="part 2's consistency: sync (updates applied on arrival) or "
+                   "sync_exact (each step's updates summed at the owner)")
+    p.add_argument("--profile", help="a folder for cProfile statistics of every trainer's "
+                   "timed steps (rank<r>-run<i>.prof, i: the run in the schedule)")
+    p.add_argument("--account", action="store_true", help="print the byte account: the "
+                   "array bytes of each request kind and its reply, per step and trainer")
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -326,11 +384,15 @@ def main():
                 t0 = time.perf_counter()
                 runs = run_job(per, servers, num_rows, args.dim, schedule * args.rounds,
                                args.warmup, f"{sname}{servers}", rate,
-                               zero_init=(sname == "zipf10m"))
-                job = f"{sname}, {servers}s x {len(per)}t, {netns.link_name(rate)}"
+                               zero_init=(sname == "zipf10m"), profile=args.profile,
+                               consistency=args.consistency)
+                job = f"{sname}, {servers}s x {len(per)}t, {netns.link_name(rate)}" + (
+                    f", {args.consistency}" if args.consistency != "sync" else "")
                 print(f"  {job}: {len(runs)} runs in {time.perf_counter() - t0:.0f} s, load "
                       f"average {os.getloadavg()[0]:.1f}", flush=True)
                 rows += summarize(job, runs, configs, len(schedule), args.rounds)
+                if args.account:
+                    print_account(job, runs, [("no cache", None)] + configs)
     print(f"\nD={args.dim}, {args.steps} timed steps per trainer, one thread per process, "
           f"{os.cpu_count()} cores, medians of {args.rounds} rounds, every cached run between "
           f"two uncached ones (vs no cache: against their mean); load average now "
@@ -346,6 +408,21 @@ def main():
     for job, name, rate, ratio, recv, saved, sent, hit in rows:
         print(f"| {job} | {name} | {rate:.1f} | {ratio:.2f}x | {recv / 1e6:.2f} MB | "
               f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% |")
+
+
+def print_account(job, runs, configs):
+    """Array bytes per step and trainer by request kind and array, first round; and the
+    socket's bytes (frame headers included) beside them."""
+    print(f"\nbyte account, {job}: bytes per step per trainer (first round; array i of "
+          "each request and of its reply)")
+    for c, (name, _) in enumerate(configs):
+        run = runs[2 * c - 1 if c else 0]
+        keys = sorted({k for r in run for k in r["account"]})
+        parts = {k: float(np.mean([r["account"].get(k, 0) for r in run])) for k in keys}
+        shown = "; ".join(f"{k} {v / 1e3:.1f} kB" for k, v in parts.items() if v >= 50)
+        print(f"  {name}: socket sent {np.mean([r['sent_per_step'] for r in run]) / 1e3:.1f} "
+              f"kB, received {np.mean([r['received_per_step'] for r in run]) / 1e3:.1f} kB; "
+              f"{shown}")
 
 
 def summarize(job, runs, configs, k, rounds):
