@@ -378,6 +378,9 @@ def main():
         if 2 in args.jobs:
             bounds[sname + " (exact, 2 trainers)"] = [
                 exact_bound(per_rank[1:3], num_rows, args.warmup, f) for f in args.fractions]
+            bounds[sname + " (sync_exact with summed rows, 2 trainers)"] = [
+                exact_bound(per_rank[1:3], num_rows, args.warmup, f, summed=True)
+                for f in args.fractions]
         for rate in links:
             for servers in args.jobs:
                 per = per_rank[:1] if servers == 1 else per_rank[1:3]

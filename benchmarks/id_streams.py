@@ -85,13 +85,16 @@ def static_hit_rates(streams, num_rows, warmup, sizes=SIZES):
     return out
 
 
-def exact_bound(streams, num_rows, warmup, fraction):
+def exact_bound(streams, num_rows, warmup, fraction, summed=False):
     """The hit rate of trainer 0 (``streams[0]``) with a clairvoyant static cache of the
     ``fraction`` most frequent rows in EXACT mode while the other trainers train too.
 
     Its copy of a row is current only if no other trainer updated the row since trainer 0
     last read it (a step's updates all land before the next step: synchronous training;
     trainer 0's own updates are applied to its copy). Rows it never read count as current.
+    ``summed``: sync_exact with the owner's summed gradient sent back for held rows
+    trainer 0 updated too, so another trainer's update in the step of trainer 0's last
+    read keeps the copy current; only one in a later step voids it.
     """
     order = np.argsort(-np.bincount(np.concatenate(
         [np.unique(np.concatenate(list(s.values()))) for s in streams[0]]),
@@ -105,7 +108,8 @@ def exact_bound(streams, num_rows, warmup, fraction):
         for t, step in enumerate(streams[0]):
             ids = np.unique(step[table])
             if t >= warmup:
-                rates.append(float(np.mean(top[ids] & (theirs[ids] < mine[ids]))))
+                current = theirs[ids] <= mine[ids] if summed else theirs[ids] < mine[ids]
+                rates.append(float(np.mean(top[ids] & current)))
             mine[ids] = t
             for other in streams[1:]:
                 theirs[other[t][table]] = t
