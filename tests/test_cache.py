@@ -96,8 +96,10 @@ def test_lfu_admits_rows_seen_more_often_and_fetches_no_state_for_others(pair):
         cached.pull("w", np.array([0, 1]))  # hot
     bytes0 = cached.stats()["bytes_pulled"]
     cached.pull("w", np.array([10, 11, 12]))  # cold, seen once: passed through
-    row_only = 3 * (D * 4 + 8 + 8)  # rows, versions, positions: no Adagrad state
+    row_only = 3 * D * 4  # nothing held or kept: a plain pull, no state, no versions
     assert cached.stats()["bytes_pulled"] - bytes0 == row_only
+    cached.pull("w", np.array([0, 13]))  # one held: versioned; 13 passes, without state
+    assert cached.stats()["bytes_pulled"] - bytes0 == row_only + D * 4 + 8 + 8
     hits = cached.stats()["hit_rows"]
     cached.pull("w", np.array([0, 1]))
     assert cached.stats()["hit_rows"] == hits + 2  # the hot rows stayed

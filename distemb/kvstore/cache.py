@@ -326,6 +326,12 @@ class CachedKVClient(PlacedAsInner, KVClient):
         else:
             keep_new, victims = cache.worth_keeping(uniq[new], slots[cached])
         have[new[keep_new]] = -2
+        if not cached.any() and not keep_new.any():
+            # Nothing held or to keep (a cache that cannot help these ids): a plain pull
+            # of each row once, no versions either way.
+            rows = self.inner.pull(name, uniq)
+            self._count(ids, uniq, np.arange(len(uniq)), [], [rows], sent=8 * len(uniq))
+            return rows[inverse]
         asked = np.flatnonzero(ask)
         if len(asked):
             pos, vers, rows, states = self.inner.pull_versioned(name, uniq[asked], have[asked],
@@ -359,15 +365,15 @@ class CachedKVClient(PlacedAsInner, KVClient):
             cache.stamp[slots[in_cache]] = self._tick
         return out[inverse]
 
-    def _count(self, ids, uniq, got, asked, arrays):
+    def _count(self, ids, uniq, got, asked, arrays, sent=None):
         st = self._stats
         st["pulls"] += 1
         st["rows"] += len(ids)
         st["unique_rows"] += len(uniq)
         st["fetched_rows"] += len(got)
         st["hit_rows"] += len(uniq) - len(got)
-        st["bytes_sent"] += 16 * len(asked)
-        st["bytes_pulled"] += sum(a.nbytes for a in arrays) if len(asked) else 0
+        st["bytes_sent"] += 16 * len(asked) if sent is None else sent
+        st["bytes_pulled"] += sum(a.nbytes for a in arrays) if len(got) else 0
 
     def _store(self, cache, slots, versions, rows, states):
         if not len(slots):
@@ -398,6 +404,10 @@ class CachedKVClient(PlacedAsInner, KVClient):
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         slots = cache.slot_of.get(ids)
         mine = np.flatnonzero(slots >= 0)
+        if not len(mine):  # no copy to keep current: a plain update
+            self.inner.push_update(name, ids, grads, rule, hyper)
+            cache.step += 1
+            return
         at = slots[mine]
         checked = impl.check_hyper(hyper)
         if self.consistency == Consistency.SYNC_EXACT:
@@ -412,8 +422,6 @@ class CachedKVClient(PlacedAsInner, KVClient):
                        np.ascontiguousarray(grads[mine]), checked, self.num_threads)
         versions = self.inner.push_update_versions(name, ids, grads, rule, hyper)
         cache.step += 1
-        if not len(at):
-            return
         if versions is None:  # async: no answer; the next validation tells
             cache.version[at] = np.where(cache.version[at] >= 0, cache.version[at] + 1,
                                          UNKNOWN)
@@ -424,8 +432,6 @@ class CachedKVClient(PlacedAsInner, KVClient):
 
     def _apply_held(self, cache, impl, hyper, slots, mine, grads, held):
         """Apply one exact step to the held copies ``slots[mine]`` (see push_update)."""
-        if not len(mine):
-            return
         step = np.ascontiguousarray(grads[mine])
         where = np.full(len(slots), -1, np.int64)  # update position -> row of ``step``
         where[mine] = np.arange(len(mine))
