@@ -21,8 +21,11 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
    first size with bounded staleness ``s``. One set of server and trainer processes per
    job runs every configuration on fresh tables, each cached run between two uncached
    runs, for ``--rounds`` rounds; steps/s ratios are against the mean of the two
-   neighbours (medians over rounds). Bytes are the array payloads each trainer received
-   (pull replies, update replies) and sent, per step, counted on its sockets.
+   neighbours (medians over rounds). Bytes are what each trainer's sockets received and
+   sent per step, as the kernel counts them (``TCP_INFO``: frames with their headers);
+   ``--account`` breaks them down by request kind and array. CPU per step: a trainer
+   process's own (mean of the trainers), and all servers' together (from /proc), which a
+   loaded machine inflates less than wall time.
 
 Also printed: the hit rate of a clairvoyant static cache of the most frequent rows of
 the stream (an upper bound for any policy that keeps a fixed share of rows).
@@ -32,7 +35,8 @@ per step from a Zipf(1.05) distribution truncated to a ``--zipf-rows`` table (10
 rank k drawn with probability proportional to k^-1.05, ranks scattered over the table by
 a fixed permutation). Its tables are created zero on the servers (no rows cross the wire
 at creation, and untouched rows cost no memory) and the loss is ``((rows - 0.5) ** 2)``
-so that every step updates them.
+so that every step updates them. ``uniform10m``: the same table and batch size, ids
+drawn uniformly (no skew: what a cache costs when it cannot help).
 
 ``--links loopback,1gbit``: part 2 once per link; with a rate, every server and trainer
 runs on a host of its own whose link is shaped to it (``benchmarks/netns.py``, needs
@@ -42,7 +46,8 @@ Usage::
 
     PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fractions 0.1,0.4]
         [--staleness 5] [--plot out/bench_cache_hit_rate.png]
-        [--streams sage,deepwalk,zipf,zipf10m] [--jobs 1,2] [--rounds 3] [--skip-hit-rate]
+        [--streams sage,deepwalk,zipf,zipf10m,uniform10m] [--jobs 1,2] [--rounds 3]
+        [--skip-hit-rate] [--consistency sync_exact] [--account] [--profile DIR]
         [--policies lru,lfu] [--links loopback,1gbit,10gbit]
 """
 import argparse
@@ -127,17 +132,27 @@ class Counting(Connection):
 TCP_INFO_BYTES = 120
 
 
+def server_cpu_s(pids):
+    """CPU seconds the server processes ``pids`` used so far (all their threads)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
-              zero_init=False, profile=None):
+              zero_init=False, profile=None, server_pids=()):
     """Train on ``stream`` as trainer ``rank``; per-step numbers after ``warmup`` steps.
 
     ``client`` is this trainer's RemoteKVClient on the counting connections ``conns``;
     with ``cache``, a CachedKVClient in front of it (a view: the connections are shared).
     The tables are fresh (named ``label``) and deleted at the end. ``zero_init``: tables
     made zero by the servers (nothing sent) and a loss that moves them from zero.
-    ``profile``: a path to write cProfile's statistics of the timed steps to.
+    ``profile``: a path to write cProfile's statistics (CPU time) of the timed steps to.
     """
-    prof = cProfile.Profile() if profile else None
+    prof = cProfile.Profile(time.process_time) if profile else None
     kv = client if cache is None else CachedKVClient(client, cache)
     ctx = DistContext(kv, backend="pytorch", num_threads=1)
     init = None if zero_init else (lambda s, d: torch.full(s, 0.01, dtype=d))
@@ -154,6 +169,7 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
             sent0, recv0 = sum(c.sent for c in conns), sum(c.received for c in conns)
             stats0 = kv.stats() if cache is not None else None
             account0 = [dict(c.account) for c in conns]
+            cpu0, server0 = time.process_time(), server_cpu_s(server_pids)
             if prof is not None:
                 prof.enable()
         opt.zero_grad()
@@ -163,6 +179,8 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
         opt.step()
     client.barrier()
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu0
+    server_cpu = server_cpu_s(server_pids) - server0
     if prof is not None:
         prof.disable()
         prof.dump_stats(profile)
@@ -174,7 +192,8 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
             account[name] = account.get(name, 0) + (v - a0.get(key, 0)) / n
     out = dict(steps_per_s=n / seconds,
                received_per_step=(sum(c.received for c in conns) - recv0) / n,
-               sent_per_step=(sum(c.sent for c in conns) - sent0) / n, account=account)
+               sent_per_step=(sum(c.sent for c in conns) - sent0) / n, account=account,
+               cpu_ms_per_step=1e3 * cpu / n, server_cpu_ms_per_step=1e3 * server_cpu / n)
     if cache is not None:
         st = {k: v - stats0[k] for k, v in kv.stats().items()}
         out["hit_rate"] = st["hit_rows"] / max(1, st["unique_rows"])
@@ -194,6 +213,9 @@ def trainer_main(args):
     torch.set_num_threads(1)
     conns = [Counting(tcp.connect(s.host, s.port, cfg.timeout_s)) for s in cfg.servers]
     client = RemoteKVClient(cfg, args.rank, connections=conns, num_threads=1)
+    with open(os.path.join(spec["out"], "servers.json")) as f:
+        # Rank 0 times the servers' CPU (both trainers step in lockstep through a run).
+        server_pids = json.load(f) if args.rank == 0 else []
     out = []
     # The runs of the schedule one after the other, in these processes and on the same
     # connections: neighbours in time see the same load.
@@ -202,7 +224,8 @@ def trainer_main(args):
                              None if cache is None else parse_cache_config(cache),
                              spec["warmup"], f"{spec['label']}-{i}", spec["zero_init"],
                              profile=os.path.join(spec["profile"], f"rank{args.rank}-run{i}"
-                                                  ".prof") if spec.get("profile") else None))
+                                                  ".prof") if spec.get("profile") else None,
+                             server_pids=server_pids))
     client.close(goodbye=True)
     with open(os.path.join(spec["out"], f"rank{args.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -248,6 +271,8 @@ def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label, rate=N
         servers = [subprocess.Popen(hosts.server(s, [
             sys.executable, *prof(s), "-m", "distemb.server", "--config", cfg_path,
             "--server-id", str(s)]), env=env()) for s in range(num_servers)]
+        with open(os.path.join(out, "servers.json"), "w") as f:  # for server_cpu_s
+            json.dump([p.pid for p in servers], f)
         trainers = [subprocess.Popen(hosts.trainer(r, [
             sys.executable, os.path.abspath(__file__), "--trainer",
             os.path.join(out, "spec.json"), "--rank", str(r)]), env=env())
@@ -314,7 +339,8 @@ def main():
     p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
     p.add_argument("--skip-hit-rate", action="store_true")
     p.add_argument("--streams", default="sage,deepwalk,zipf",
-                   help="id streams of part 2: sage, deepwalk, zipf (WordNet), zipf10m")
+                   help="id streams of part 2: sage, deepwalk, zipf (WordNet), zipf10m, "
+                   "uniform10m")
     p.add_argument("--dim", type=int, default=128, help="part 2's row width")
     p.add_argument("--zipf-rows", type=int, default=10_000_000, help="zipf10m's table rows")
     p.add_argument("--zipf-batch", type=int, default=13_000, help="zipf10m's ids per step")
@@ -387,7 +413,7 @@ def main():
                 t0 = time.perf_counter()
                 runs = run_job(per, servers, num_rows, args.dim, schedule * args.rounds,
                                args.warmup, f"{sname}{servers}", rate,
-                               zero_init=(sname == "zipf10m"), profile=args.profile,
+                               zero_init=sname.endswith("10m"), profile=args.profile,
                                consistency=args.consistency)
                 job = f"{sname}, {servers}s x {len(per)}t, {netns.link_name(rate)}" + (
                     f", {args.consistency}" if args.consistency != "sync" else "")
@@ -406,11 +432,13 @@ def main():
                                                      for f, h in zip(args.fractions, v))
                                 for k, v in bounds.items()) + "\n")
     print("| ids, job, link | cache | steps/s per trainer | vs no cache | bytes received "
-          "per step | fewer bytes | bytes sent per step | hit rate |")
-    print("|---|---|---|---|---|---|---|---|")
-    for job, name, rate, ratio, recv, saved, sent, hit in rows:
+          "per step | fewer bytes | bytes sent per step | hit rate | CPU ms per step: trainer, "
+          "servers |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for job, name, rate, ratio, recv, saved, sent, hit, cpu, scpu in rows:
         print(f"| {job} | {name} | {rate:.1f} | {ratio:.2f}x | {recv / 1e6:.2f} MB | "
-              f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% |")
+              f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% | {cpu:.1f}, "
+              f"{scpu:.1f} |")
 
 
 def print_account(job, runs, configs):
@@ -433,11 +461,15 @@ def summarize(job, runs, configs, k, rounds):
     res = [dict(rate=float(np.mean([r["steps_per_s"] for r in run])),
                 recv=float(np.mean([r["received_per_step"] for r in run])),
                 sent=float(np.mean([r["sent_per_step"] for r in run])),
-                hit=float(np.mean([r.get("hit_rate", 0.0) for r in run]))) for run in runs]
+                hit=float(np.mean([r.get("hit_rate", 0.0) for r in run])),
+                cpu=float(np.mean([r["cpu_ms_per_step"] for r in run])),
+                scpu=float(np.sum([r["server_cpu_ms_per_step"] for r in run]))) for run in runs]
     base = [res[r * k + j] for r in range(rounds) for j in range(0, k, 2)]
     none = (job, "no cache", float(np.median([b["rate"] for b in base])), 1.0,
             float(np.median([b["recv"] for b in base])), 0.0,
-            float(np.median([b["sent"] for b in base])), 0.0)
+            float(np.median([b["sent"] for b in base])), 0.0,
+            float(np.median([b["cpu"] for b in base])),
+            float(np.median([b["scpu"] for b in base])))
     rows = [none]
     for c, (name, _) in enumerate(configs):
         at = [r * k + 2 * c + 1 for r in range(rounds)]
@@ -449,7 +481,8 @@ def summarize(job, runs, configs, k, rounds):
             return float(np.median([r[key] for r in mine]))
 
         rows.append((job, name, med("rate"), float(np.median(ratio)), med("recv"),
-                     1 - med("recv") / none[4], med("sent"), med("hit")))
+                     1 - med("recv") / none[4], med("sent"), med("hit"), med("cpu"),
+                     med("scpu")))
     return rows
 
 

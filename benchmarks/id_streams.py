@@ -134,10 +134,15 @@ def draw_streams(names, steps, args):
     if "zipf10m" in names:
         out["zipf10m"] = args.zipf_rows, zipf_table_stream(args.zipf_rows, steps, [0, 0, 1],
                                                            args.zipf_batch)
+    if "uniform10m" in names:  # no skew: ids a cache cannot help with
+        out["uniform10m"] = args.zipf_rows, [
+            [{"nodes": np.random.default_rng(300 + rank).integers(
+                0, args.zipf_rows, args.zipf_batch)} for _ in range(steps)]
+            for rank in (0, 0, 1)]
     unknown = set(names) - set(out)
     if unknown:
         raise SystemExit(f"--streams: unknown {sorted(unknown)}; expected some of "
-                         "sage, deepwalk, zipf, zipf10m")
+                         "sage, deepwalk, zipf, zipf10m, uniform10m")
     def ids(stream, unique):
         return np.mean([len(np.unique(a) if unique else a) for a in (
             np.concatenate(list(step.values())) for step in stream)])
