@@ -14,19 +14,23 @@ dense or keyed (any int64 key: the slot map and pull counts are then hashed,
   cost 16 bytes each instead of a row.
 - ``push_update`` still sends the update to the owner (one writer per row: the server's
   copy is the reference), and also applies it to the cached copy with the same rule and
-  kernels. The server answers with the rows' versions after the update: a cached copy is
-  kept current only if its version moved by exactly one (nobody else's gradient reached
-  the row meanwhile, in sync_exact nobody else's in the same sum); otherwise it is
-  dropped. The per-row maths does not depend on which other rows are updated, so the
-  copy is bit-identical to the server's.
+  kernels. In sync_exact the update names the held rows with their versions, and the
+  owner answers, after summing the step, the summed gradient of each held row other
+  trainers' gradients reached too (applied to the copy instead of the cache's own) and
+  which copies were written outside the step (dropped): rows every trainer writes every
+  step stay cached. Otherwise the server answers the rows' versions after the update: a
+  copy is kept only if its version moved by exactly one (nobody else's gradient reached
+  the row meanwhile). The per-row maths does not depend on which other rows are
+  updated, so the copy is bit-identical to the server's.
 
 Modes (:class:`~distemb.config.CacheConfig`):
 
 - *exact* (``staleness=0``, the default): every pull validates every cached row, so
   results are identical to no cache in every consistency mode (tested bit for bit with
   2 servers x 2 trainers). Savings come from rows no one else changed since this
-  trainer last saw them: all of them with one trainer, the ones only it touches with
-  several.
+  trainer last saw them (all of them with one trainer; with several in sync_exact, also
+  those the others changed only in steps where this trainer changed them too) and from
+  sending each of a batch's rows once.
 - *bounded staleness* ``s`` (HET's relaxation): a cached row validated less than ``s``
   steps ago is used without asking its server, so it may lack up to ``s - 1`` steps of
   other trainers' updates (this trainer's own updates are in it). Updates are still
