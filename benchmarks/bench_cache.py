@@ -101,6 +101,12 @@ class Counting(Connection):
         return acked, received
 
     @property
+    def retransmits(self):
+        """Segments this socket retransmitted (``tcpi_total_retrans``)."""
+        info = self.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        return struct.unpack_from("I", info, TCP_INFO_RETRANS)[0]
+
+    @property
     def sent(self):
         return self._tcp_info()[0]
 
@@ -128,8 +134,9 @@ class Counting(Connection):
         self.conn.close()
 
 
-#: Offset of ``tcpi_bytes_acked`` (then ``tcpi_bytes_received``) in Linux's struct tcp_info.
-TCP_INFO_BYTES = 120
+#: Offsets of ``tcpi_bytes_acked`` (then ``tcpi_bytes_received``) and of
+#: ``tcpi_total_retrans`` in Linux's struct tcp_info.
+TCP_INFO_BYTES, TCP_INFO_RETRANS = 120, 100
 
 
 def server_cpu_s(pids):
@@ -170,6 +177,7 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
             stats0 = kv.stats() if cache is not None else None
             account0 = [dict(c.account) for c in conns]
             cpu0, server0 = time.process_time(), server_cpu_s(server_pids)
+            retrans0 = sum(c.retransmits for c in conns)
             if prof is not None:
                 prof.enable()
         opt.zero_grad()
@@ -193,7 +201,8 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
     out = dict(steps_per_s=n / seconds,
                received_per_step=(sum(c.received for c in conns) - recv0) / n,
                sent_per_step=(sum(c.sent for c in conns) - sent0) / n, account=account,
-               cpu_ms_per_step=1e3 * cpu / n, server_cpu_ms_per_step=1e3 * server_cpu / n)
+               cpu_ms_per_step=1e3 * cpu / n, server_cpu_ms_per_step=1e3 * server_cpu / n,
+               retransmits=sum(c.retransmits for c in conns) - retrans0)
     if cache is not None:
         st = {k: v - stats0[k] for k, v in kv.stats().items()}
         out["hit_rate"] = st["hit_rows"] / max(1, st["unique_rows"])
@@ -419,6 +428,10 @@ def main():
                     f", {args.consistency}" if args.consistency != "sync" else "")
                 print(f"  {job}: {len(runs)} runs in {time.perf_counter() - t0:.0f} s, load "
                       f"average {os.getloadavg()[0]:.1f}", flush=True)
+                each = [f"{run[0]['steps_per_s']:.1f} ({sum(r['retransmits'] for r in run)})"
+                        for run in runs]
+                print("  steps/s of each run in order (trainer 0), with the trainers' TCP "
+                      "retransmits: " + "; ".join(each), flush=True)
                 rows += summarize(job, runs, configs, len(schedule), args.rounds)
                 if args.account:
                     print_account(job, runs, [("no cache", None)] + configs)
