@@ -53,6 +53,12 @@ def zipf_table_stream(num_rows, steps, ranks, size, a=1.05, seed=0):
     return out
 
 
+def uniform_stream(num_rows, steps, rank, size, seed=0):
+    """Per step, {table: ids}: ``size`` ids drawn uniformly from ``num_rows``."""
+    rng = np.random.default_rng(seed + 300 + rank)
+    return [{"nodes": rng.integers(0, num_rows, size)} for _ in range(steps)]
+
+
 def deepwalk_stream(graph, steps, rank, seed=0):
     """Per step, {table: ids}: a skip-gram batch's centres and contexts + negatives."""
     from graph_examples.walks import SkipGramBatches
@@ -135,10 +141,9 @@ def draw_streams(names, steps, args):
         out["zipf10m"] = args.zipf_rows, zipf_table_stream(args.zipf_rows, steps, [0, 0, 1],
                                                            args.zipf_batch)
     if "uniform10m" in names:  # no skew: ids a cache cannot help with
-        out["uniform10m"] = args.zipf_rows, [
-            [{"nodes": np.random.default_rng(300 + rank).integers(
-                0, args.zipf_rows, args.zipf_batch)} for _ in range(steps)]
-            for rank in (0, 0, 1)]
+        out["uniform10m"] = args.zipf_rows, [uniform_stream(args.zipf_rows, steps, rank,
+                                                            args.zipf_batch)
+                                             for rank in (0, 0, 1)]
     unknown = set(names) - set(out)
     if unknown:
         raise SystemExit(f"--streams: unknown {sorted(unknown)}; expected some of "

@@ -11,7 +11,7 @@ import json
 import os
 import warnings
 import zipfile
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -178,9 +178,14 @@ class DistEmbedding:
         Raises:
             CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
         """
-        F = self._F
         client = self.kvstore.view_on(device)  # the reason a device is unusable, before a copy
         ids, rows = self._tensor.lookup(idx, client)
+        return self._record(ids, rows, client)
+
+    def _record(self, ids: GlobalIds, rows: Tensor, client: KVClient) -> Tensor:
+        """``rows``, traced (with ``ids`` and the client that placed them) while autograd
+        records."""
+        F = self._F
         if F.is_recording():
             n = len(self._trace)
             if n >= self._trace_limit:
@@ -190,7 +195,7 @@ class DistEmbedding:
                     "inference in torch.no_grad() (raise trace_limit if this is intended)")
             if n == self._trace_limit // 2:
                 warnings.warn(f"DistEmbedding {self.name!r}: {n} lookups recorded since the "
-                              "last step()/zero_grad()", ResourceWarning, stacklevel=2)
+                              "last step()/zero_grad()", ResourceWarning, stacklevel=3)
             rows = F.attach_grad(rows)
             self._trace.append(Lookup(ids, rows, client))
         return rows
@@ -208,24 +213,33 @@ class DistEmbedding:
         """
         self._trace = [e for e in self._trace if self._F.grad(e.rows) is None]
 
-    def coalesced_gradients(self) -> Optional[Tuple[KVClient, UniqueIds, Rows]]:
-        """Take the traced gradients, summed per id by the client that placed the rows.
+    def take_gradients(self) -> Tuple[KVClient, List[GlobalIds], List[Tensor]]:
+        """Take the traced gradients whose backward has run, not yet summed.
 
-        Consumes the lookups whose backward has run; those still waiting for their
-        backward stay traced and contribute nothing now.
+        Lookups whose backward has not run stay traced (torch semantics: a gradient that
+        arrives after step() is applied by the next one); the trace stays bounded.
+
+        Returns:
+            ``(client, ids, grads)``: the view of the first such lookup (all lookups of a
+            step sum together there, whatever their device; the table's own client when
+            there are none), and one flat id array and one gradient per lookup (empty
+            lists when there is nothing to apply).
+        """
+        done = [(e, g) for e in self._trace for g in (self._F.grad(e.rows),) if g is not None]
+        self._trace = [e for e in self._trace if self._F.grad(e.rows) is None]
+        client = done[0][0].client if done else self.kvstore
+        return client, [e.ids for e, _ in done], [g for _, g in done]
+
+    def coalesced_gradients(self) -> Optional[Tuple[KVClient, UniqueIds, Rows]]:
+        """Take the traced gradients (:meth:`take_gradients`), summed per id by the client
+        that placed the rows.
 
         Returns:
             ``(client, unique ids, summed gradients)`` for ``client.push_update``, or None
-            when there is nothing to push. The client is the view of the first traced
-            lookup (all lookups of a step sum together there, whatever their device).
+            when there is nothing to push.
         """
-        done = [(e, g) for e in self._trace for g in (self._F.grad(e.rows),) if g is not None]
-        # Lookups whose backward has not run stay traced (torch semantics: a gradient
-        # that arrives after step() is applied by the next one); the trace stays bounded.
-        self._trace = [e for e in self._trace if self._F.grad(e.rows) is None]
-        client = done[0][0].client if done else self.kvstore
-        summed = client.coalesce(self.name, [e.ids for e, _ in done], [g for _, g in done],
-                                 self._F)
+        client, ids, grads = self.take_gradients()
+        summed = client.coalesce(self.name, ids, grads, self._F)
         return None if summed is None else (client,) + tuple(summed)
 
     @property
@@ -414,6 +428,54 @@ class DistEmbedding:
         return (f"{type(self).__name__}(name={self.name!r}, num_embeddings="
                 f"{self.num_embeddings}, embedding_dim={self.embedding_dim}, "
                 f"dtype={self._tensor.dtype})")
+
+
+def grouped_lookup(lookups: Sequence[Tuple[DistEmbedding, Tensor]],
+                   device: Any = None) -> List[Tensor]:
+    """Rows of several tables in one call: ``[emb(ids, device) for emb, ids in lookups]``.
+
+    Each lookup is traced in its table as ``emb(ids)`` traces it, but the ids of every
+    table go to their client together (:meth:`~distemb.kvstore.KVClient.pull_many`): in
+    collective mode that is one exchange for all the tables instead of one per table (as
+    torchrec's EmbeddingCollection looks up every feature of a KeyedJaggedTensor at
+    once); elsewhere the tables are looked up in turn. A table may appear several times.
+    In collective mode, every rank makes the same grouped calls with the same tables.
+
+    Args:
+        lookups: ``(table, ids)`` pairs (ids of any shape, as ``emb(ids)`` takes).
+        device: where the rows go (as ``emb(ids, device=...)``).
+
+    Returns:
+        the rows of each lookup, in order.
+
+    Example:
+        >>> import torch
+        >>> a = DistEmbedding(10, 4, name="doc-group-a")
+        >>> b = DistEmbedding(20, 2, name="doc-group-b")
+        >>> ra, rb = grouped_lookup([(a, torch.tensor([1, 9])), (b, torch.tensor([[3]]))])
+        >>> ra.shape, rb.shape, len(a.trace), len(b.trace)
+        (torch.Size([2, 4]), torch.Size([1, 1, 2]), 1, 1)
+    """
+    prepared = []
+    for i, (emb, ids) in enumerate(lookups):
+        if not isinstance(emb, DistEmbedding):
+            raise TypeError(f"lookups[{i}]: expected a (DistEmbedding, ids) pair, got "
+                            f"{type(emb).__name__}")
+        client = emb.kvstore.view_on(device)
+        prepared.append((emb, client) + tuple(emb.weight.lookup_ids(ids, client)))
+    by_client = {}
+    for i, (_, client, _, _) in enumerate(prepared):
+        by_client.setdefault(id(client), (client, []))[1].append(i)
+    rows: List[Any] = [None] * len(prepared)
+    for client, which in by_client.values():
+        got = client.pull_many([(prepared[i][0].name, prepared[i][2]) for i in which])
+        for i, r in zip(which, got):
+            rows[i] = r
+    out = []
+    for (emb, client, flat, shape), r in zip(prepared, rows):
+        F = emb._F
+        out.append(emb._record(flat, F.reshape(client.rows_out(r, F), shape), client))
+    return out
 
 
 def _store_tensor(num_embeddings, dim, name, init_func, part_policy, context, device,

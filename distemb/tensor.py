@@ -193,9 +193,17 @@ class DistTensor(NamedRows):
             PartitionError: an id is out of range.
         """
         client = client or self._client
-        flat, shape = client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
+        flat, shape = self.lookup_ids(ids, client)
         rows = client.rows_out(client.pull(self._name, flat), self._ctx.F)
-        return flat, self._ctx.F.reshape(rows, tuple(shape) + self._shape[1:])
+        return flat, self._ctx.F.reshape(rows, shape)
+
+    def lookup_ids(self, ids: Tensor, client: Optional[KVClient] = None
+                   ) -> Tuple[GlobalIds, Shape]:
+        """The first half of :meth:`lookup`: the validated flat ids, and the shape of the
+        rows they will give (a grouped lookup pulls several tables' ids at once)."""
+        client = client or self._client
+        flat, shape = client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
+        return flat, tuple(shape) + self._shape[1:]
 
     def _rows_of(self, ids):
         """A ``slice`` means the ids of the rows it selects (``t[0:n // 2]``, as DGL)."""
@@ -357,10 +365,15 @@ class StoreTensor(NamedRows):
             client: the client (or a view of it) placing the rows; the table's by default.
         """
         client = client or self._client
-        F = self._ctx.F
-        flat, shape = client.ids_in(self._name, ids, F)
-        rows = client.rows_out(client.pull(self._name, flat), F)
-        return flat, F.reshape(rows, tuple(shape) + (self._dim,))
+        flat, shape = self.lookup_ids(ids, client)
+        rows = client.rows_out(client.pull(self._name, flat), self._ctx.F)
+        return flat, self._ctx.F.reshape(rows, shape)
+
+    def lookup_ids(self, ids, client=None):
+        """The flat int64 keys and the shape of their rows (as DistTensor's)."""
+        client = client or self._client
+        flat, shape = client.ids_in(self._name, ids, self._ctx.F)
+        return flat, tuple(shape) + (self._dim,)
 
     def __getitem__(self, idx):
         return self.lookup(idx)[1]

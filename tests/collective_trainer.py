@@ -16,14 +16,15 @@ training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` a
 training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
 at DIR/<table>, collective (each rank writes and reads its own shards).
 
-Bit-identical by construction (as tests/dynamic_trainer.py): the gradient of a looked-up
-row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
+Bit-identical by construction (as the client suite's job in tests/test_kvclient_suite.py):
+the gradient of a looked-up row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
 magnitude, so every sum of duplicate ids is exact in float32 in any order (each rank's
 partial sums, then the owner's sum of the ranks' sums, equal the one process's sum), and
 each owner runs the same update kernel on the same inputs. The gradient depends on the
 rows looked up, so a wrong row from any owner changes the result.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -82,9 +83,62 @@ def make_tables(ctx, parts):
     return embs, {k: OPTIMIZERS[k](e) for k, e in embs.items()}
 
 
-def train(embs, opts, steps, ranks, world, die_at=None, start=0):
+#: Tables of the grouped model: (key, rows, dim, dtype). One SparseAdam (global step)
+#: steps all of them with one exchange; every step looks them up with one grouped lookup
+#: (table "gnode" twice: source and context ids). Odd row widths exercise the payload's
+#: padding; "grare" is looked up by no rank on steps 3k (so Adam's step count must not
+#: advance) and with ids on rank 0 alone on 3k + 1 (the others look up no ids).
+GROUP = (("gnode", 200, 5, "float32"), ("gctx", 120, 3, "bfloat16"),
+         ("grare", 50, 7, "float32"))
+
+
+def make_group(ctx):
+    """The grouped model's tables (keyed as in GROUP) and its one optimizer."""
+    embs = {}
+    for i, (k, n, d, dtype) in enumerate(GROUP):
+        embs[k] = DistEmbedding(n, d, name=f"coll-{k}", context=ctx, dtype=dtype)
+        embs[k].weight[torch.arange(n)] = initial_rows(100 + i, n, d)
+    return embs, SparseAdam(list(embs.values()), lr=0.01)
+
+
+def initial_rows(seed, n, d):
+    return torch.from_numpy(np.random.default_rng(seed).normal(0, 0.5, (n, d))
+                            .astype(np.float32))
+
+
+def group_lookups(embs, step, ranks, world):
+    """The grouped lookup of ``ranks``' share of step ``step``: [(table key, ids)]."""
+    ids, _ = batch(step)
+    sl = [rows_of(step, r, world) for r in ranks]
+    mine = torch.cat([ids[s] for s in sl])
+    out = [("gnode", mine % 200), ("gctx", (mine * 7) % 120), ("gnode", (mine * 3 + 1) % 200)]
+    if step % 3 == 1:  # every rank makes the call; only rank 0 has ids
+        out.append(("grare", torch.cat([ids[s] if r == 0 else ids[:0]
+                                        for r, s in zip(ranks, sl)]) % 50))
+    elif step % 3 == 2:
+        out.append(("grare", (mine * 5) % 50))
+    return out
+
+
+def train_group(embs, opt, step, ranks, world):
+    _, c = batch(step)
+    sl = [rows_of(step, r, world) for r in ranks]
+    cs = torch.cat([c[s] for s in sl])
+    lookups = group_lookups(embs, step, ranks, world)
+    opt.zero_grad()
+    got = distemb.grouped_lookup([(embs[k], ids) for k, ids in lookups])
+    loss = 0
+    for (k, ids), rows in zip(lookups, got):
+        up = cs[:len(ids), :rows.shape[1]] + torch.round(rows.detach() * 8) / 8
+        loss = loss + (rows * up).sum()
+    loss.backward()
+    opt.step()
+
+
+def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None):
     """Steps ``start``.. ``start + steps - 1``; ``ranks``: the ranks whose batch rows this
-    process looks up (all of them: the oracle)."""
+    process looks up (all of them: the oracle); ``group``: the grouped model, trained in
+    each step too."""
     for step in range(start, start + steps):
         if die_at == step:
             os._exit(9)
@@ -98,15 +152,29 @@ def train(embs, opts, steps, ranks, world, die_at=None, start=0):
             up = cs + torch.round(rows.detach() * 8) / 8  # dyadic: see the docstring
             (rows * up).sum().backward()
             opts[k].step()
+        if group is not None:
+            train_group(*group, step, ranks, world)
 
 
-def snapshot(embs, opts):
+def snapshot(embs, opts, group=None):
     out = {}
     for k, emb in embs.items():
         state = opts[k].state_dict()["state"][emb.name]
         out[k] = {"weight": emb.weight[torch.arange(NUM)].numpy()}
         out[k].update({s: v.numpy() for s, v in state.items() if s != "step"})
+    if group is not None:
+        gembs, gopt = group
+        state = gopt.state_dict()["state"]
+        for k, emb in gembs.items():
+            out[k] = {"weight": emb.weight[torch.arange(emb.num_embeddings)].numpy(),
+                      "step": np.array(state[emb.name]["step"])}
+            out[k].update({s: v.numpy() for s, v in state[emb.name].items() if s != "step"})
     return out
+
+
+def all_optimizers(opts, group):
+    """{checkpoint directory name: optimizer} of the job."""
+    return dict(opts, group=group[1])
 
 
 def oracle(steps, world, load=None, then=()):
@@ -115,14 +183,15 @@ def oracle(steps, world, load=None, then=()):
     ``(steps, world)`` of ``then``."""
     ctx = distemb.DistContext.embedded(backend="pytorch", num_threads=1)
     embs, opts = make_tables(ctx, world)
+    group = make_group(ctx)
     if load:
-        for k, opt in opts.items():
+        for k, opt in all_optimizers(opts, group).items():
             opt.load(os.path.join(load, k))
     start = 0
     for n, w in ((steps, world),) + tuple(then):
-        train(embs, opts, n, range(w), w, start=start)
+        train(embs, opts, n, range(w), w, start=start, group=group)
         start += n
-    out = snapshot(embs, opts)
+    out = snapshot(embs, opts, group)
     ctx.close()
     return out
 
@@ -138,22 +207,27 @@ def main(args):
         if args.mismatch:
             DistEmbedding(NUM, D + (rank == 1), name="mismatched", context=ctx)
         embs, opts = make_tables(ctx, world)
+        group = make_group(ctx)
         if args.apart and rank == 0:
             embs["sgd"].weight[torch.arange(3)]
         if args.load:
-            for k, opt in opts.items():
+            for k, opt in all_optimizers(opts, group).items():
                 opt.load(os.path.join(args.load, k))
-        train(embs, opts, args.steps, [rank], world, die_at, args.start)
+        calls = ctx.client.exchanges
+        train(embs, opts, args.steps, [rank], world, die_at, args.start, group)
+        calls = ctx.client.exchanges - calls
         if args.save:
-            for k, opt in opts.items():
+            for k, opt in all_optimizers(opts, group).items():
                 opt.save(os.path.join(args.save, k))
     except KVStoreError as e:
         print(f"rank {rank}: KVStoreError: {e}", flush=True)
         os._exit(3)
-    out = snapshot(embs, opts)
+    out = snapshot(embs, opts, group)
     if rank == 0:
         for k, arrays in out.items():
             np.savez(os.path.join(args.out, f"{k}.npz"), **arrays)
+        with open(os.path.join(args.out, "exchanges.json"), "w") as f:
+            json.dump({"steps": args.steps, "calls": calls, "tables": len(embs)}, f)
     print(f"rank {rank} of {world}: done", flush=True)
     distemb.shutdown()
 

@@ -1,31 +1,46 @@
 """Shared fixtures.
 
 ``ctx`` gives every test its own embedded context (no shared tables); ``zipf_ids`` makes
-duplicate-heavy ids. ``client`` runs each test of tests/test_kvclient_suite.py on every
-KVClient: the embedded LocalKVClient, a RemoteKVClient over TCP to two server
-processes, with and without shared memory, each of the trainer caches of ``CACHES`` in
-front of a RemoteKVClient, a DeviceKVClient on the CPU running the
-CUDA twin (tests/cpu_cuda_twin.py), seen through numpy by ``HostView``, and a device cache
-(on the CPU, with the twin) in front of a LocalKVClient and of a RemoteKVClient, pulling
-through its lookups. The server clusters live for the module
-(spawning is the slow part); each test gets a fresh client and drops its tables afterwards.
+duplicate-heavy ids. ``placement`` (and ``client``, its KVClient) runs each test of the
+client suite (tests/test_kvclient_suite.py, tests/test_keyed_suite.py) on every
+placement of :data:`PLACEMENTS`:
+
+- ``embedded``: the LocalKVClient;
+- ``shm1x1``: a RemoteKVClient co-located with one server (shared-memory reads and
+  request slots);
+- ``tcp2x2``: two trainers of a two-server ``sync_exact`` job over TCP, seen as one
+  client by :class:`TwoTrainers` (collective calls on both at once, every pull from both
+  and compared, updates split between them);
+- ``tcp2x2+cache_exact``: the same, each trainer behind an exact LRU trainer cache of 4
+  rows (it evicts a lot); ``shm1x1+cache_stale``: a bounded-staleness LFU cache;
+- ``device_cache``: a device cache (4 rows) in front of a LocalKVClient, pulling through
+  its device lookups, on the CPU through the CUDA kernels' stand-in
+  (tests/cpu_cuda_twin.py); ``shm1x1+device_cache``: the same in front of the co-located
+  client; ``device_table``: a DeviceKVClient (GPU tables) on the CPU stand-in;
+- with a GPU, the device placements again on the real kernels (``*_cuda``).
+
+Model-level tests run a job on a placement with :meth:`Placement.run` (one thread per
+trainer). The server clusters live for the module (spawning is the slow part); each test
+gets fresh clients and drops its tables afterwards.
 
 With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
-trainer of an ``mpirun`` job) the one client kind is a RemoteKVClient over MPI to the
+trainer of an ``mpirun`` job) the one placement is a RemoteKVClient over MPI to the
 job's servers, read from ``$DISTEMB_CONFIG``.
 """
 import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from cpu_cuda_twin import CpuCudaTwin
+from cpu_cuda_twin import CpuCudaHalfTwin, CpuCudaTwin
 from mp_helper import ProcessGroup, cluster_dict, write_json
 
 from distemb.config import load_cluster_config, parse_cache_config, parse_cluster_config
-from distemb.kvstore import KVClient, LocalKVClient
+from distemb.context import DistContext
+from distemb.kvstore import LocalKVClient
 from distemb.kvstore.cache import CachedKVClient
 from distemb.kvstore.device import DeviceKVClient
 from distemb.kvstore.device_cache import DeviceCachedKVClient
@@ -36,23 +51,42 @@ from distemb.kvstore.remote import RemoteKVClient
 collect_ignore = ["dgl_upstream"]
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
-#: Trainer caches in front of the remote clients: "<cluster kind>+<cache name>".
-CACHES = {"lru_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # evicts a lot
-          "lfu_exact": parse_cache_config({"policy": "lfu", "fraction": 0.5}),
-          "lru_stale3": parse_cache_config({"policy": "lru", "bytes": 4096, "staleness": 3})}
+#: Trainer caches of the suite's placements.
+CACHES = {"cache_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # evicts a lot
+          "cache_stale": parse_cache_config({"policy": "lfu", "rows": 4, "staleness": 3})}
 #: With a GPU, the same suite also runs on the real device placements ("_cuda" kinds).
 HAS_GPU = cuda.cuda_available()
-CLIENT_KINDS = ["mpi"] if MPI_SUITE else (
-    ["local", "tcp", "tcp_shm", "device_twin", "device_cache_twin", "tcp+lru_exact",
-     "tcp_shm+lfu_exact", "tcp+lru_stale3", "tcp_shm+device_cache_twin"]
-    + (["device_cuda", "device_cache_cuda", "tcp_shm+device_cache_cuda"] if HAS_GPU else []))
+PLACEMENTS = ["mpi"] if MPI_SUITE else (
+    ["embedded", "shm1x1", "tcp2x2", "tcp2x2+cache_exact", "shm1x1+cache_stale",
+     "device_cache", "shm1x1+device_cache", "device_table"]
+    + (["device_cache_cuda", "shm1x1+device_cache_cuda", "device_table_cuda"]
+       if HAS_GPU else []))
+#: Server clusters by kind: (servers, trainers, extra config fields).
+CLUSTERS = {"tcp": (2, 1, {}), "tcp_shm": (2, 1, {"shared_memory": True}),
+            "shm1x1": (1, 1, {"shared_memory": True}),
+            "tcp2x2": (2, 2, {"consistency": "sync_exact"}), "tcp3x1": (3, 1, {}),
+            "tcp_async": (2, 1, {"consistency": "async"})}
 
 
-class HostView(KVClient):
-    """A device client behind the numpy interface: arrays cross through from/to_host."""
+def holds(placement, kind):
+    """Whether placement ``placement`` holds tables of kind ``kind`` (tests/suite_tables.py);
+    where it does not, it refuses them naming both (the capability table of
+    docs/stores.md)."""
+    base = placement.split("+")[-1]
+    return kind.startswith("dense") or not base.startswith("device_table")
+
+
+#: The client type that refuses what a placement does not hold, by placement base.
+REFUSERS = {"device_table": "DeviceKVClient", "device_cache": "DeviceCachedKVClient"}
+
+
+class HostView:
+    """A device client behind the numpy interface: arrays cross through from/to_host;
+    everything else is the client's own."""
 
     def __init__(self, inner):
         self.inner = inner
+        self.num_servers = inner.num_servers
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
@@ -79,12 +113,15 @@ class HostView(KVClient):
         self.inner.push_update(name, self.inner.from_host(ids), self.inner.from_host(grads),
                                rule, hyper)
 
-    def close(self):
-        self.inner.close()
+    def __getattr__(self, attr):  # everything else (key management, checkpoints): inner's
+        return getattr(self.inner, attr)
+
+    def close(self, **kw):
+        self.inner.close(**kw)
 
 
 class CacheLookups(HostView):
-    """A device cache in front of a LocalKVClient, whose pulls are its device lookups
+    """A device cache in front of a host client, whose pulls are its device lookups
     (misses admitted, 4 rows: it evicts a lot) and whose updates arrive as device
     tensors, as from ``emb(ids, device=...)``. On the CPU it runs the CUDA twin; with
     ``device="cuda"`` the real kernels on a GPU."""
@@ -104,15 +141,92 @@ class CacheLookups(HostView):
             name, torch.from_numpy(np.ascontiguousarray(ids)).to(self.device),
             torch.from_numpy(np.ascontiguousarray(grads)).to(self.device), rule, hyper)
 
+
+class TwoTrainers:
+    """The two trainers of a two-server ``sync_exact`` job as one KVClient.
+
+    Collective calls (creation, optimizer state, barriers) run on both trainers at once;
+    every pull is read by both and must agree (both trainers see one table); each update
+    is split between them (the servers sum a step's contributions, so the halves equal
+    the whole); other writes and key management go to each trainer in turn.
+    """
+
+    COLLECTIVE = ("init_data", "create_table", "init_optimizer", "barrier")
+    EITHER = ("push", "remove", "contains", "get", "evict", "size", "export", "import_",
+              "flush", "table_state", "load_table_state", "save_table", "load_table",
+              "capacity")
+
+    def __init__(self, trainers):
+        self.trainers = list(trainers)
+        self.num_servers, self.num_threads = self.trainers[0].num_servers, 1
+        self._pool = ThreadPoolExecutor(len(self.trainers))
+        self._turn = 0
+
+    def on_all(self, method, *args):
+        """``method(*args)`` of every trainer at once; the first trainer's result."""
+        futures = [self._pool.submit(getattr(t, method), *args) for t in self.trainers]
+        return [f.result(timeout=60) for f in futures][0]
+
+    def _next(self):
+        self._turn = (self._turn + 1) % len(self.trainers)
+        return self.trainers[self._turn]
+
+    def __getattr__(self, attr):
+        if attr in self.COLLECTIVE:
+            return lambda *args: self.on_all(attr, *args)
+        if attr in self.EITHER:
+            return getattr(self._next(), attr)
+        return getattr(self.trainers[0], attr)
+
+    def init_data(self, *args):
+        self.on_all("init_data", *args)
+
+    def init_optimizer(self, *args):
+        return self.on_all("init_optimizer", *args)
+
+    def data_meta(self, name):
+        return self.trainers[0].data_meta(name)
+
+    def names(self):
+        return self.trainers[0].names()
+
+    def store_client(self):
+        for t in self.trainers:
+            t.store_client()
+        return self
+
+    def delete_data(self, name):
+        for t in self.trainers:
+            t.delete_data(name)
+
+    def pull(self, name, ids):
+        rows = [t.pull(name, ids) for t in self.trainers]
+        for other in rows[1:]:
+            np.testing.assert_array_equal(other, rows[0], err_msg="the trainers disagree")
+        return rows[0]
+
+    def push(self, name, ids, values):
+        self._next().push(name, ids, values)
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        half = len(ids) // 2
+        parts = [(ids[:half], grads[:half]), (ids[half:], grads[half:])]
+        futures = [self._pool.submit(t.push_update, name, i, g, rule, hyper)
+                   for t, (i, g) in zip(self.trainers, parts)]
+        for f in futures:
+            f.result(timeout=60)
+
     def close(self, **kw):
-        self.inner.close(**kw)
+        for t in self.trainers:
+            t.close(**kw)
+        self._pool.shutdown()
 
 
 class Cluster:
     """Servers of one test module and the config that names them."""
 
-    def __init__(self, tmp_path, num_servers, **fields):
-        self.raw = cluster_dict(num_servers, **fields)
+    def __init__(self, tmp_path, num_servers, num_trainers=1, **fields):
+        self.raw = cluster_dict(num_servers, num_trainers, **fields)
         self.path = write_json(tmp_path / "cluster.json", self.raw)
         self.cfg = parse_cluster_config(self.raw)
         self.group = ProcessGroup()
@@ -122,9 +236,10 @@ class Cluster:
         return RemoteKVClient(self.cfg, rank)
 
     def stop(self, timeout=20):
-        """Say goodbye as the only trainer; assert every server exits 0."""
+        """Say goodbye as every trainer; assert every server exits 0."""
         try:
-            self.client().close(goodbye=True)
+            for rank in range(self.cfg.num_trainers):
+                self.client(rank).close(goodbye=True)
             self.group.wait_all(timeout)
         finally:
             self.group.__exit__(None, None, None)
@@ -136,8 +251,9 @@ def clusters(tmp_path_factory):
 
     def get(kind):
         if kind not in made:
-            made[kind] = Cluster(tmp_path_factory.mktemp(kind), 2,
-                                 shared_memory=kind == "tcp_shm", timeout_s=20.0)
+            servers, trainers, fields = CLUSTERS[kind]
+            made[kind] = Cluster(tmp_path_factory.mktemp(kind), servers, trainers,
+                                 timeout_s=20.0, **{"shared_memory": False, **fields})
         return made[kind]
 
     yield get
@@ -145,35 +261,114 @@ def clusters(tmp_path_factory):
         cluster.stop()
 
 
-@pytest.fixture(params=CLIENT_KINDS)
-def client(request, clusters):
-    """A KVClient of each kind; remote ones talk to two server processes."""
-    if request.param in ("local", "device_twin", "device_cache_twin", "device_cuda",
-                         "device_cache_cuda"):
-        kv = {"local": LocalKVClient,
-              "device_twin": lambda: HostView(DeviceKVClient("cpu", ops=CpuCudaTwin())),
-              "device_cache_twin": CacheLookups,
-              "device_cuda": lambda: HostView(DeviceKVClient("cuda")),
-              "device_cache_cuda": lambda: CacheLookups(device="cuda")}[request.param]()
-        yield kv
-        kv.close()
-        return
-    if request.param == "mpi":
-        kv = RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
-                            int(os.environ["DISTEMB_RANK"]))
+class Placement:
+    """Where the suite's tables live: ``client``, the KVClient of the tests, and
+    ``trainers``, the clients of the job's trainers (one DistContext each in
+    :meth:`run`); ``device``: where model tests look rows up (None: the host)."""
+
+    def __init__(self, name, client, trainers=None, device=None):
+        self.name, self.client, self.device = name, client, device
+        self.trainers = trainers or [client]
+        base = name.split("+")[-1].replace("_cuda", "")
+        self.refuser = REFUSERS.get(base)
+
+    @property
+    def num_trainers(self):
+        return len(self.trainers)
+
+    def cache_stats(self):
+        """The first trainer's cache counters (``stats()``), or None without a cache."""
+        kv = self.trainers[0]
+        return kv.stats() if isinstance(kv, (CachedKVClient, DeviceCachedKVClient)) else None
+
+    def run(self, job):
+        """``job(ctx, rank, num_trainers)`` on every trainer (one thread each); the
+        results in rank order."""
+        def one(rank, kv):
+            role = "trainer" if isinstance(kv, (RemoteKVClient, CachedKVClient)) else \
+                "embedded"
+            ctx = DistContext(kv, backend="pytorch", role=role, rank=rank,
+                              num_trainers=len(self.trainers), num_threads=1)
+            return job(ctx, rank, len(self.trainers))
+        if len(self.trainers) == 1:
+            return [one(0, self.trainers[0])]
+        with ThreadPoolExecutor(len(self.trainers)) as pool:
+            futures = [pool.submit(one, r, kv) for r, kv in enumerate(self.trainers)]
+            return [f.result(timeout=120) for f in futures]
+
+
+def make_placement(name, clusters):
+    """The :class:`Placement` called ``name`` (see :data:`PLACEMENTS`)."""
+    if name == "mpi":
+        return Placement(name, RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
+                                              int(os.environ["DISTEMB_RANK"])))
+    base, _, wrap = name.partition("+")
+    gpu = name.endswith("_cuda")
+    dev = "cuda" if gpu else "cpu"
+    if base in ("embedded", "device_cache", "device_cache_cuda"):
+        inner = LocalKVClient()
+    elif base in ("device_table", "device_table_cuda"):
+        table = DeviceKVClient("cuda") if gpu else DeviceKVClient(
+            "cpu", ops=CpuCudaTwin(), half_ops=CpuCudaHalfTwin)
+        return Placement(name, HostView(table), [table], device=dev)
     else:
-        kind, _, cache = request.param.partition("+")
-        kv = clusters(kind).client()
-        if cache == "device_cache_twin":
-            kv = CacheLookups(kv)
-        elif cache == "device_cache_cuda":
-            kv = CacheLookups(kv, device="cuda")
-        elif cache:
-            kv = CachedKVClient(kv, CACHES[cache])
-    yield kv
-    for name in kv.names():
-        kv.delete_data(name)
-    kv.close(goodbye=False)
+        cluster = clusters(base)
+        inner = [cluster.client(rank) for rank in range(cluster.cfg.num_trainers)]
+    if base.startswith("device_cache"):
+        wrap = base
+    if wrap.startswith("device_cache"):
+        kv = CacheLookups(inner[0] if isinstance(inner, list) else inner, device=dev)
+        return Placement(name, kv, [kv.inner], device=dev)
+    inner = inner if isinstance(inner, list) else [inner]
+    if wrap:
+        inner = [CachedKVClient(kv, CACHES[wrap]) for kv in inner]
+    client = inner[0] if len(inner) == 1 else TwoTrainers(inner)
+    return Placement(name, client, inner)
+
+
+def pytest_generate_tests(metafunc):
+    """``placement`` runs on every placement; with ``table_kind``, on every (placement,
+    table kind) pair the placement holds; marked ``holding(kind, ...)``, on every
+    placement that holds those kinds."""
+    if "placement" not in metafunc.fixturenames:
+        if "table_kind" in metafunc.fixturenames:
+            from suite_tables import TABLE_KINDS
+            metafunc.parametrize("table_kind", TABLE_KINDS)
+        return
+    holding = metafunc.definition.get_closest_marker("holding")
+    if holding is not None:  # the placements that hold every kind the marker names
+        where = [p for p in PLACEMENTS if all(holds(p, k) for k in holding.args)]
+        metafunc.parametrize("placement", where, indirect=True)
+    elif "table_kind" in metafunc.fixturenames:
+        from suite_tables import TABLE_KINDS
+        pairs = [(p, k) for p in PLACEMENTS for k in TABLE_KINDS if holds(p, k)]
+        metafunc.parametrize(["placement", "table_kind"], pairs, indirect=["placement"],
+                             ids=[f"{p}-{k}" for p, k in pairs])
+    else:
+        metafunc.parametrize("placement", PLACEMENTS, indirect=True)
+
+
+@pytest.fixture
+def placement(request, clusters):
+    """A placement of each kind; remote ones talk to module-scoped server processes."""
+    where = make_placement(request.param, clusters)
+    yield where
+    kv = where.client
+    try:
+        for name in kv.names():
+            if "~opt~" not in name:
+                kv.delete_data(name)
+    finally:
+        if request.param.split("+")[0] in CLUSTERS or request.param == "mpi":
+            kv.close(goodbye=False)  # the module's servers serve the next test
+        else:
+            kv.close()
+
+
+@pytest.fixture
+def client(placement):
+    """The KVClient of each placement (see ``placement``)."""
+    return placement.client
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -186,10 +381,10 @@ def mpi_goodbye():
 
 
 def pytest_collection_modifyitems(items):
-    """Remote variants of the suite spawn processes: mark them multiprocess."""
+    """Remote placements of the suite spawn processes: mark them multiprocess."""
     for item in items:
-        if "client" in getattr(item, "fixturenames", ()) and \
-                any(k in item.nodeid for k in ("[tcp", "-tcp")):
+        if "placement" in getattr(item, "fixturenames", ()) and \
+                any(k in item.nodeid for k in ("tcp", "shm1x1", "mpi")):
             item.add_marker(pytest.mark.multiprocess)
 
 

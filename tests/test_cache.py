@@ -155,3 +155,17 @@ def test_a_cluster_config_with_a_cache_gives_trainers_a_cached_client(clusters, 
         assert ctx.client.config.policy == CachePolicy.LFU and ctx.client.config.rows == 5
     finally:
         ctx.client.close(goodbye=False)  # the module's servers serve the other tests
+
+
+def test_a_cached_key_of_minus_one_is_not_a_free_slot():
+    """-1 is a key of a keyed table like any other: the slot holding it is not free (it
+    was, when free slots were those with id -1, so key -1's row was overwritten)."""
+    from distemb.kvstore.table_cache import TableCache
+
+    cache = TableCache(None, 2, 2)
+    slots = cache.admit(np.array([-1, 5], np.int64), np.empty(0, np.int64))
+    cache.values[slots] = [[1.0, 1.0], [2.0, 2.0]]
+    cache.stamp[slots] = [2, 1]  # key 5 is the least recently used
+    fresh = cache.admit(np.array([7], np.int64), np.empty(0, np.int64))
+    assert fresh.tolist() == [slots[1]], "key 7 took the slot of key -1"
+    assert cache.slot_of.get(np.array([-1, 5, 7])).tolist() == [slots[0], -1, slots[1]]

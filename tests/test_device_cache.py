@@ -339,20 +339,31 @@ def test_initialize_and_cluster_config_give_the_cache(twin, clusters, tmp_path, 
         trainer.client.close(goodbye=False)
 
 
-def test_dynamic_tables_are_refused_not_bypassed(twin, make_ctx):
-    """A placement that cannot hold row-store tables refuses them, naming both (it used
-    to pass them through uncached, silently); a context without the cache takes them."""
+def test_dynamic_tables_are_cached_and_evicting_ones_refused(twin, make_ctx):
+    """A dynamic table behind the device cache trains there (its rows owned by the cache,
+    hashed slot map) and equals the table without the cache, keys far past the key count
+    included; one with a capacity, whose store evicts on its own, is refused naming both
+    (it used to be passed through uncached, silently, then refused whole)."""
     from distemb import DynamicEmbedding
 
-    ctx = make_ctx({"rows": 4})
-    with pytest.raises(KVStoreError, match=r"DeviceCachedKVClient: tables on row stores "
-                                           r"\(DynamicEmbedding.*without 'device_cache'"):
-        DynamicEmbedding(3, name="dyn", context=ctx)
-    emb = DynamicEmbedding(3, name="dyn", context=make_ctx(None))
-    opt = SparseAdagrad([emb], lr=0.1)
-    emb(torch.tensor([10**12, 7, 7])).sum().backward()
-    opt.step()
-    assert emb.export()["keys"].tolist() == [7, 10**12]
+    keys = torch.tensor([10 ** 12, 7, 7, -(2 ** 40), 2 ** 63 - 1, 7])
+    out = []
+    for cache in ({"rows": 2}, None):
+        ctx = make_ctx(cache)
+        emb = DynamicEmbedding(3, name="dyn", context=ctx)
+        opt = SparseAdagrad([emb], lr=0.1)
+        for step in range(3):
+            (emb(keys, device="cuda") * (step + torch.arange(6.0)[:, None])).sum().backward()
+            opt.step()
+        out.append(emb.export())
+        if cache is not None:
+            assert ctx.client.stats()["device_updated_rows"] > 0
+            with pytest.raises(KVStoreError, match=r"DeviceCachedKVClient: cannot hold table "
+                                                   r"'capped' on a hash store with a capacity"):
+                DynamicEmbedding(3, name="capped", capacity=10, context=ctx)
+    assert out[0]["keys"].tolist() == [-(2 ** 40), 7, 10 ** 12, 2 ** 63 - 1]
+    for col in out[1]:
+        np.testing.assert_array_equal(out[0][col], out[1][col])
 
 
 def test_half_tables_pass_through(twin, make_ctx):

@@ -100,3 +100,14 @@ def test_bad_arguments(native):
         s.evict(-1)
     with pytest.raises(ValueError, match="policy: must be one of"):
         s.evict(0, policy="random")
+
+
+def test_key_minus_one_is_evicted_like_any_key(native):
+    """-1 is a valid key: it used to mark a free slot, so key -1 was never evicted (and a
+    table went over its capacity holding it)."""
+    s = HashStore(2, capacity=2, native=native)
+    s.lookup(np.array([-1, 0]))
+    for k in range(10, 15):
+        s.lookup(np.array([k]))
+    assert s.size() == 2 and sorted(s.keys().tolist()) == [13, 14]
+    assert s.evict(0).tolist() and s.size() == 0

@@ -1,5 +1,5 @@
-"""The MPI transport under mpirun: the KVClient suite, and 2 servers x 2 trainers in
-sync_exact mode against the single-process oracle."""
+"""The MPI transport under mpirun: the client suite (every table kind), and 2 servers x 2
+trainers in sync_exact mode against the single-process oracle."""
 import os
 import shutil
 import sys
@@ -28,12 +28,13 @@ ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": 1, "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": 1}
 def test_kvclient_suite_over_mpi(tmp_path):
     ip = tmp_path / "ip.txt"
     ip.write_text("127.0.0.1\n")
-    suite = os.path.join(os.path.dirname(__file__), "test_kvclient_suite.py")
+    suite = [os.path.join(os.path.dirname(__file__), f) for f in
+             ("test_kvclient_suite.py", "test_keyed_suite.py")]
     with ProcessGroup() as group:
         group.spawn([sys.executable, "-m", "distemb.launch", "--ip-config", str(ip),
                      "--launcher", "mpirun", "--num-servers", "2", "--num-trainers", "1",
                      "--config-out", str(tmp_path / "c.json"), "--", sys.executable, "-m",
-                     "pytest", suite, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"],
+                     "pytest", *suite, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"],
                     env=child_env(DISTEMB_TEST_CLIENT="mpi", **ROOT_OK))
         out = next(iter(group.wait_all(100).values()))
     assert " passed" in out and "failed" not in out and "error" not in out.lower(), out

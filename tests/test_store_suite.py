@@ -6,17 +6,21 @@ the key each store uses for oracle row i: row i itself for the dense stores, an
 arbitrary int64 (negative and huge ones included) for the hash store, so the same
 oracle checks that keys, not slots, address rows. The whole suite runs again under
 ``DISTEMB_NO_EXT=1`` on the kernels' numpy twins.
+
+What every kind of table does through a client (rows round-trip with the last duplicate
+winning, every update rule against torch.optim, on every placement) is the client suite's
+(tests/test_kvclient_suite.py, over the same stores); this suite keeps what only the
+RowStore interface has: columns, initialisers per key, export/import into a fresh store,
+sizes, and its own errors.
 """
 import os
 
 import numpy as np
 import pytest
-import torch
 
 from distemb import kernels
 from distemb.kernels import half
 from distemb.errors import MissingKeyError, StoreError
-from distemb.rules import AdagradHyper, AdamHyper, SGDHyper, rule_of
 from distemb.stores import DenseStore, FileStore, HashStore, RowStore, key_normal
 
 KINDS = ["dense", "hash", "hash_twin", "file", "dense_bf16", "hash_bf16", "file_fp16"]
@@ -87,16 +91,6 @@ def test_initial_rows_come_from_init_per_key(store):
     np.testing.assert_array_equal(s.gather(store.key_of(rows)), store.rounded(init(rows)))
 
 
-def test_scatter_gather_round_trip_last_duplicate_wins(store):
-    s = store.make(20, 4)
-    keys = store.key_of([3, 19, 3, 0])
-    vals = np.arange(16, dtype=np.float32).reshape(4, 4)
-    s.scatter(keys, vals)
-    got = s.gather(store.key_of([0, 3, 19]))
-    np.testing.assert_array_equal(got, vals[[3, 2, 1]])
-    assert s.gather(store.key_of([5])).tolist() == [[0.0] * 4]
-
-
 def test_columns_add_fill_keep_and_drop(store):
     s = store.make(8, 2)
     s.add_column("sum", (2,), "float32", fill=0.5)
@@ -114,44 +108,6 @@ def test_columns_add_fill_keep_and_drop(store):
         s.column("sum")
     with pytest.raises(StoreError, match="weight"):
         s.drop_column("weight")
-
-
-RULE_CASES = {
-    "sgd": (SGDHyper(lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
-    "adagrad": (AdagradHyper(clr=0.1, eps=1e-10), lambda p: torch.optim.Adagrad(p, lr=0.1)),
-    "adam": (None, lambda p: torch.optim.SparseAdam(p, lr=0.01)),
-}
-
-
-@pytest.mark.parametrize("case", sorted(RULE_CASES))
-def test_update_rules_match_torch_optim(store, case):
-    """The rule on a store's columns, addressed by keys, against torch.optim."""
-    rows_n, dim, steps = 60, 6, 12
-    hyper, make_torch = RULE_CASES[case]
-    rule = rule_of(case)
-    init = key_normal(dim, seed=5)
-    s = store.make(rows_n, dim, init=init)
-    for spec in rule.states:
-        s.add_column(spec.name, spec.shape(dim), spec.dtype)
-    ref = torch.nn.Embedding(rows_n, dim, sparse=True)
-    ref.weight.data.copy_(torch.from_numpy(store.rounded(init(np.arange(rows_n)))))
-    opt = make_torch([ref.weight])
-    rng = np.random.default_rng(0)
-    for step in range(1, steps + 1):
-        ids = torch.from_numpy(rng.zipf(1.3, 80) % rows_n)
-        up = torch.from_numpy(rng.standard_normal((80, dim)).astype(np.float32))
-        opt.zero_grad()
-        (ref(ids) * up).sum().backward()
-        grad = ref.weight.grad.coalesce()
-        opt.step()
-        h = hyper or AdamHyper(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, step=step)
-        uniq = grad.indices()[0].numpy()
-        s.update(rule, store.key_of(uniq), np.ascontiguousarray(grad.values().numpy()), h)
-    got = torch.from_numpy(s.gather(store.key_of(np.arange(rows_n))))
-    want = ref.weight.detach()
-    rtol = HALF_RTOL.get(store.dtype, 1e-5)
-    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()))
-    assert (got - torch.from_numpy(init(np.arange(rows_n)))).abs().max() > 1e-3
 
 
 def test_export_import_round_trip_into_a_fresh_store(store):

@@ -109,3 +109,37 @@ def test_initialize_after_implicit_context_names_the_cause():
         assert distemb.current_context() is ctx
     finally:
         distemb.shutdown()
+
+
+def test_grouped_lookup_equals_lookups_table_by_table(ctx):
+    """grouped_lookup traces each lookup in its table as emb(ids) does, so one optimizer
+    step after it equals the step after separate lookups (a table may appear twice)."""
+    from distemb import grouped_lookup
+    from distemb.dynamic import DynamicEmbedding
+    from distemb.optim import SparseAdagrad
+
+    def model(grouped):
+        init = lambda s, d: torch.arange(int(np.prod(s)), dtype=d).reshape(s) / 7  # noqa: E731
+        a = DistEmbedding(10, 4, name=f"ga{grouped}", context=ctx, init_func=init)
+        b = DistEmbedding(6, 2, name=f"gb{grouped}", context=ctx, init_func=init,
+                          dtype=torch.bfloat16)
+        k = DynamicEmbedding(3, name=f"gk{grouped}", context=ctx)
+        opt = SparseAdagrad([a, b, k], lr=0.5)
+        pairs = [(a, torch.tensor([[1, 9], [9, 9]])), (b, torch.tensor([5, 0])),
+                 (a, torch.tensor([2])), (k, torch.tensor([2**40, -3]))]
+        rows = grouped_lookup(pairs) if grouped else [e(i) for e, i in pairs]
+        sum((r * (j + 1)).sum() for j, r in enumerate(rows)).backward()
+        opt.step()
+        return rows, [len(e.trace) for e in (a, b, k)], [
+            a.weight[torch.arange(10)], b.weight[torch.arange(6)],
+            k.weight[torch.tensor([2**40, -3])]]
+
+    rows_g, traces_g, after_g = model(True)
+    rows_s, _, after_s = model(False)
+    assert [r.shape for r in rows_g] == [(2, 2, 4), (2, 2), (1, 4), (2, 3)]
+    assert all(torch.equal(x, y) for x, y in zip(rows_g, rows_s))
+    assert traces_g == [0, 0, 0]  # step() consumed every traced lookup
+    assert all(torch.equal(x, y) for x, y in zip(after_g, after_s))
+    assert not torch.equal(after_g[0], torch.arange(40).reshape(10, 4) / 7)  # it trained
+    with pytest.raises(TypeError, match=r"lookups\[0\]: expected a \(DistEmbedding, ids\)"):
+        grouped_lookup([(torch.zeros(2), torch.tensor([1]))])

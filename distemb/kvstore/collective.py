@@ -6,7 +6,7 @@ made) holds partition ``r`` of every table in its own in-process
 per table), and the ranks exchange rows over their own gloo group with
 ``all_to_all_single``, as torchrec and SOK do:
 
-- ``pull``: a header (operation, table, sequence number, count of ids for each owner) is
+- ``pull``: a header (operation, tables, sequence number, bytes for each owner) is
   exchanged first, then the ids go to their owners, each owner gathers its rows, and the
   rows come back;
 - ``push`` and ``push_update``: the header, then ids and rows together in one exchange.
@@ -14,9 +14,15 @@ per table), and the ranks exchange rows over their own gloo group with
   sums the contributions of all ranks per id (in rank order) and applies the fused update
   once. Every step is therefore the step of one process on the concatenated batch.
 
+**Grouped calls**: ``pull_many`` (:func:`~distemb.embedding.grouped_lookup`) and
+``apply_gradients`` (an optimizer's ``step()``, every table of it) move every table of
+the call in those same rounds (:mod:`distemb.kvstore.exchange`): a step of T tables is
+five all-to-alls, not 5 T.
+
 Every storage call is collective: every rank makes the same calls on the same tables in
-the same order (an empty ``push_update`` included: ``coalesce`` gives empty arrays when a
-rank has no gradients). The header catches ranks that went apart (a clear error on every
+the same order (a rank without gradients still takes part in the step: it sends nothing
+for the table, and a flag saying so; the table steps when any rank had gradients for it).
+The header catches ranks that went apart (a clear error on every
 rank, not rows of another table). A rank that dies or stops answering makes the others
 raise :class:`~distemb.errors.KVStoreError` within the group's timeout, naming the ranks
 that did not report after the failure (through the job's rendezvous store).
@@ -43,28 +49,21 @@ Example:
 """
 import datetime
 import os
-import time
 import uuid
-import zlib
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from distemb import kernels
 from distemb.errors import DistEmbError, KVStoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
+from distemb.kvstore.exchange import PULL, PUSH, UPDATE, Exchange, Payload, padded
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.server import KVServer
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
+                                   check_rounding)
 from distemb.routers import PolicyRouter
-
-#: Operation codes of the exchange header.
-PULL, PUSH, UPDATE = 1, 2, 3
-OP_NAMES = {PULL: "pull", PUSH: "push", UPDATE: "push_update"}
-#: Longest wait, after a failed exchange, for the other ranks to report in.
-REPORT_GRACE_S = 5.0
 
 
 def join_process_group(timeout_s=60.0):
@@ -89,27 +88,33 @@ def join_process_group(timeout_s=60.0):
     return True
 
 
-def _crc(name):
-    return zlib.crc32(name.encode("utf-8"))
+class Routed:
+    """The ids of one table of a call, grouped by owning rank.
 
+    Attributes:
+        counts: (W,) int64 ids for each rank.
+        pos: positions in the caller's ids, in rank order.
+        local: the ids as their owner's store keys, in rank order.
+        bounds: (W + 1,) offsets of each rank's ids in ``pos`` and ``local``.
+    """
 
-def _pack(ids, rows):
-    """(n,) int64 ids and (n, ...) rows as one (n, 8 + row bytes) uint8 array."""
-    n = len(ids)
-    rows = np.ascontiguousarray(rows)
-    width = rows.dtype.itemsize * int(np.prod(rows.shape[1:], dtype=np.int64))
-    out = np.empty((n, 8 + width), np.uint8)
-    out[:, :8] = np.ascontiguousarray(ids, np.int64).view(np.uint8).reshape(n, 8)
-    out[:, 8:] = rows.view(np.uint8).reshape(n, width)
-    return out
+    def __init__(self, router, ids, world_size):
+        split = router.split(np.ascontiguousarray(ids, np.int64))
+        self.counts = np.zeros(world_size, np.int64)
+        pos, local = [], []
+        for part in sorted(split):
+            p, keys = split[part]
+            self.counts[part] = len(p)
+            pos.append(p)
+            local.append(router.to_local(part, keys))
+        empty = np.empty(0, np.int64)
+        self.pos = np.concatenate(pos) if pos else empty
+        self.local = np.concatenate(local) if local else empty
+        self.bounds = np.concatenate([[0], np.cumsum(self.counts)])
 
-
-def _unpack(buf, dtype, trailing):
-    """The (ids, rows) of a :func:`_pack` array."""
-    n = buf.shape[0]
-    ids = np.ascontiguousarray(buf[:, :8]).view(np.int64).reshape(n)
-    rows = np.ascontiguousarray(buf[:, 8:]).view(dtype).reshape((n,) + tuple(trailing))
-    return ids, rows
+    def of(self, rank, array):
+        """The rows of ``array`` (in rank order) that go to ``rank``."""
+        return array[self.bounds[rank]:self.bounds[rank + 1]]
 
 
 class CollectiveKVClient(KVClient):
@@ -138,120 +143,84 @@ class CollectiveKVClient(KVClient):
         self._own_group = own_group
         self._group = dist.new_group(ranks=ranks, backend="gloo",
                                      timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.rank = dist.get_rank(self._group)
-        self.world_size = dist.get_world_size(self._group)
+        try:  # the rendezvous store, to name the ranks that died (Exchange.failure)
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - a private API: without it, ranks go unnamed
+            store = None
+        self._x = Exchange(self._group, self.timeout_s, store)
+        self.rank, self.world_size = self._x.rank, self._x.world_size
         self.num_servers = self.world_size  # tables default to one range per rank
         self.server = KVServer(server_id=self.rank, num_threads=num_threads)
         self.num_threads = self.server.num_threads
         self._meta = {}
         self._routers = {}
-        self._seq = 0  # exchanges so far: equal on every rank while they agree
-        #: Bytes this rank has sent to other ranks (headers, ids, rows, gradients).
-        self.bytes_sent = 0
-        try:  # the rendezvous store, to name the ranks that died (see _failure)
-            self._store = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - a private API: without it, ranks go unnamed
-            self._store = None
-        tags = self._gather_objects("initialize", uuid.uuid4().hex)
-        self._tag = f"distemb-collective/{tags[0]}"
+        tags = self._x.gather_objects("initialize", uuid.uuid4().hex)
+        self._x.tag = f"distemb-collective/{tags[0]}"
 
-    # -- the exchanges -------------------------------------------------------------------
+    @property
+    def exchanges(self):
+        """Calls that exchanged so far (each a header round and one or two payload rounds:
+        a lookup of any number of tables is one, a step of any number of tables one)."""
+        return self._x.seq
 
-    def _gather_objects(self, what, obj):
-        out = [None] * self.world_size
-        self._guard(what, lambda: dist.all_gather_object(out, obj, group=self._group))
-        return out
+    @property
+    def bytes_sent(self):
+        """Bytes this rank has sent to other ranks (headers, ids, rows, gradients)."""
+        return self._x.bytes_sent
 
-    def _guard(self, what, fn):
-        """Run collective ``fn``; a failure of the group becomes a KVStoreError naming
-        the ranks that did not report."""
-        try:
-            return fn()
-        except (RuntimeError, ValueError) as e:  # DistBackendError is a RuntimeError
-            raise self._failure(what, e) from e
+    # -- the rounds of a call --------------------------------------------------------------
 
-    def _failure(self, what, error):
-        """The error of a failed exchange: every rank still alive writes its key in the
-        job's store; those missing after a short wait are named."""
-        msg = f"collective {what} failed on rank {self.rank} of {self.world_size}"
-        if self._store is None:
-            return KVStoreError(f"{msg}: {error}")
-        key = f"{self._tag}/failed/{self._seq}"
-        try:
-            self._store.set(f"{key}/{self.rank}", "1")
-            grace = min(REPORT_GRACE_S, self.timeout_s)
-            deadline = time.monotonic() + grace
-            missing = list(range(self.world_size))
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not self._store.check([f"{key}/{r}"])]
-                if missing:
-                    time.sleep(0.05)
-        except Exception as e:  # noqa: BLE001 - the store's own host may be the dead one
-            return KVStoreError(f"{msg}: {error}; the job's rendezvous store is unreachable "
-                                f"too ({e}): the rank or launcher hosting it (rank 0 under "
-                                "a tcp:// init) has likely died")
-        if not missing:
-            return KVStoreError(f"{msg}: every rank is alive, the exchange itself failed: "
-                                f"{error}")
-        return KVStoreError(f"{msg}: rank(s) {missing} did not report within {grace} s "
-                            f"of the failure (dead or hung); cause: {error}")
+    def _wire(self, name):
+        """(dtype, row shape) of ``name``'s rows between ranks: a dense table's storage
+        dtype (half rows travel in 16 bits), a state's own."""
+        return self.server.row_dtype(name, self.rank), self._meta_of(name).shape[1:]
 
-    def _a2a(self, what, send, counts_out, counts_in, trailing, dtype):
-        """all_to_all_single of ``send`` (rows for each rank, in rank order)."""
-        recv = torch.empty((int(sum(counts_in)),) + tuple(trailing), dtype=dtype)
-        row_bytes = send.element_size() * int(np.prod(trailing, dtype=np.int64))
-        self.bytes_sent += (int(sum(counts_out)) - int(counts_out[self.rank])) * row_bytes
-        self._guard(what, lambda: dist.all_to_all_single(
-            recv, send, list(counts_in), list(counts_out), group=self._group))
-        return recv
+    def _routed(self, name, ids):
+        self._meta_of(name)  # the error naming an unknown table
+        return Routed(self._routers[name], ids, self.world_size)
 
-    def _header(self, op, name, counts):
-        """Exchange (op, table, sequence, count) with every rank; the counts each rank
-        sends here. Every rank raises if any is in another operation."""
-        self._seq += 1
-        what = f"{OP_NAMES[op]} of {name!r}"
-        mine = np.array([op, _crc(name), self._seq], np.int64)
-        send = np.empty((self.world_size, 4), np.int64)
-        send[:, :3] = mine
-        send[:, 3] = counts
-        recv = self._a2a(what, torch.from_numpy(send), [1] * self.world_size,
-                         [1] * self.world_size, (4,), torch.int64).numpy()
-        apart = [r for r in range(self.world_size) if not np.array_equal(recv[r, :3], mine)]
-        if apart:
-            r = apart[0]
-            op_r = OP_NAMES.get(int(recv[r, 0]), f"operation {int(recv[r, 0])}")
-            raise KVStoreError(
-                f"collective {what}: rank {r} is in {op_r} of another or the same table "
-                f"(exchange {int(recv[r, 2])}, this rank's {self._seq}): every rank must "
-                "make the same distemb calls in the same order (e.g. state_dict() or a "
-                "lookup on one rank only)")
-        return recv[:, 3], what
+    def _send(self, op, names, routes, columns, flags=None):
+        """One round: to each rank, the counts of ids of every table (and ``flags``, one
+        int64 per table, when given), each table's ids, then each table's rows of every
+        column of ``columns`` (a list of arrays per table, in the caller's id order; the
+        same number, dtypes and row shapes on every rank).
 
-    def _route(self, name, ids):
-        """(counts per owner, positions in rank order, local ids in rank order)."""
-        split = self._routers[name].split(np.ascontiguousarray(ids, np.int64))
-        counts = np.zeros(self.world_size, np.int64)
-        pos, local = [], []
-        for part in sorted(split):
-            p, keys = split[part]
-            counts[part] = len(p)
-            pos.append(p)
-            local.append(self._routers[name].to_local(part, keys))
-        empty = np.empty(0, np.int64)
-        return (counts, np.concatenate(pos) if pos else empty,
-                np.concatenate(local) if local else empty)
-
-    def _send_rows(self, op, name, ids, rows):
-        """Header, then ids and rows to their owners: (local ids, rows) received here,
-        in rank order."""
-        meta = self._meta_of(name)
-        counts, pos, local = self._route(name, ids)
-        counts_in, what = self._header(op, name, counts)
-        rows = np.asarray(rows)
-        packed = _pack(local, rows[pos] if len(pos) else rows[:0])
-        recv = self._a2a(what, torch.from_numpy(packed), counts, counts_in,
-                         packed.shape[1:], torch.uint8).numpy()
-        return _unpack(recv, rows.dtype, meta.shape[1:])
+        Returns:
+            per table ``(local ids received in rank order, [each column's rows received],
+            ids from each rank)``, and the (tables, W) flags each rank sent (zeros without
+            ``flags``).
+        """
+        w, n = self.world_size, len(names)
+        payload = Payload(w)
+        for d in range(w):
+            payload.add(d, np.array([r.counts[d] for r in routes], np.int64))
+            if flags is not None:
+                payload.add(d, np.asarray(flags, np.int64))
+            for r in routes:
+                payload.add(d, r.of(d, r.local))
+        taken = [[c[r.pos] for c in cols] for r, cols in zip(routes, columns)]
+        for d in range(w):
+            for r, cols in zip(routes, taken):
+                for c in cols:
+                    payload.add(d, r.of(d, c))
+        got = self._x.round(op, names, payload)
+        counts = np.empty((n, w), np.int64)
+        sent = np.zeros((n, w), np.int64)
+        ids = [[] for _ in range(n)]
+        for src in range(w):
+            counts[:, src] = got.take(src, np.int64, (n,))
+            if flags is not None:
+                sent[:, src] = got.take(src, np.int64, (n,))
+            for t in range(n):
+                ids[t].append(got.take(src, np.int64, (counts[t, src],)))
+        rows = [[[] for _ in cols] for cols in taken]
+        for src in range(w):
+            for t, cols in enumerate(taken):
+                for j, c in enumerate(cols):
+                    rows[t][j].append(got.take(src, c.dtype, (counts[t, src],) + c.shape[1:]))
+        out = [(np.concatenate(ids[t]), [np.concatenate(c) for c in rows[t]], counts[t])
+               for t in range(n)]
+        return out, sent
 
     # -- storage -------------------------------------------------------------------------
 
@@ -268,7 +237,7 @@ class CollectiveKVClient(KVClient):
                "policy": policy.policy_str, "partitions": policy.num_partitions,
                "ranges": [policy.id_progression(p) for p in range(policy.num_partitions)],
                "rounding_seed": rounding_seed, "exists": name in self._meta}
-        sigs = self._gather_objects(f"creation of {name!r}", sig)
+        sigs = self._x.gather_objects(f"creation of {name!r}", sig)
         for r, other in enumerate(sigs):
             if other != sigs[0]:
                 diff = sorted(k for k in sig if other.get(k) != sigs[0].get(k))
@@ -294,69 +263,107 @@ class CollectiveKVClient(KVClient):
         self.server.drop(name)
 
     def pull(self, name, ids):
-        meta = self._meta_of(name)
-        counts, pos, local = self._route(name, ids)
-        counts_in, what = self._header(PULL, name, counts)
-        asked = self._a2a(what, torch.from_numpy(local), counts, counts_in, (),
-                          torch.int64).numpy()
-        rows = self.server.pull(name, self.rank, asked)
-        rows_dtype = np.dtype(half.row_dtype(meta.dtype))
-        got = self._a2a(what, torch.from_numpy(np.ascontiguousarray(rows, rows_dtype)),
-                        counts_in, counts, meta.shape[1:], torch.from_numpy(
-                            np.empty(0, rows_dtype)).dtype).numpy()
-        out = np.empty((len(ids),) + meta.shape[1:], rows_dtype)
-        out[pos] = got
+        return self.pull_many([(name, ids)])[0]
+
+    def pull_many(self, requests):
+        """Rows of every ``(table, ids)`` of ``requests``, in three rounds for all of them:
+        a header, the ids to their owners, the rows back (each owner gathers its rows of
+        every table between the last two)."""
+        names = [n for n, _ in requests]
+        routes = [self._routed(n, ids) for n, ids in requests]
+        got, _ = self._send(PULL, names, routes, [[] for _ in names])
+        payload = Payload(self.world_size)
+        wires = [self._wire(n) for n in names]
+        answers = [self.server.pull(n, self.rank, local) for n, (local, _, _) in
+                   zip(names, got)]
+        for src in range(self.world_size):
+            for (_, _, counts), rows in zip(got, answers):
+                lo = int(counts[:src].sum())
+                payload.add(src, rows[lo:lo + counts[src]])
+        sizes = [sum(padded(int(r.counts[d]) * dt.itemsize * int(np.prod(shape, dtype=np.int64)))
+                     for r, (dt, shape) in zip(routes, wires))
+                 for d in range(self.world_size)]
+        back = self._x.reply(PULL, names, payload, sizes)
+        out = []
+        for r, (dt, shape) in zip(routes, wires):
+            rows = np.empty((int(r.counts.sum()),) + tuple(shape), dt)
+            parts = [back.take(d, dt, (int(r.counts[d]),) + tuple(shape))
+                     for d in range(self.world_size)]
+            if len(r.pos):
+                rows[r.pos] = np.concatenate(parts)
+            out.append(half.as_rows(rows))
         return out
 
     def push(self, name, ids, values):
         """Collective write; for an id written by several ranks the highest rank's wins."""
-        local, rows = self._send_rows(PUSH, name, ids, values)
+        meta = self._meta_of(name)
+        values = np.asarray(values, half.row_dtype(meta.dtype))
+        shape = meta.shape[1:]
+        (local, (rows,), _), = self._send(PUSH, [name], [self._routed(name, ids)],
+                                          [[values.reshape((len(ids),) + tuple(shape))]])[0]
         self.server.push(name, self.rank, local, rows)
 
     def push_update(self, name, ids, grads, rule, hyper):
-        """Collective update: each owner sums every rank's gradients per id, then applies
-        ``rule`` once (``hyper`` of the owner's own call: ranks must agree)."""
-        local, rows = self._send_rows(UPDATE, name, ids,
-                                      np.ascontiguousarray(grads, np.float32))
-        if not len(local):
-            return
-        uniq, summed = kernels.dedup_sum(local, rows, num_threads=self.num_threads)
-        self.server.update(name, self.rank, uniq, summed, rule, hyper)
+        """Collective update of one table (:meth:`apply_gradients` does every table of a
+        step in one round)."""
+        self._update([name], [(ids, grads)], [rule], [hyper])
 
-    def coalesce(self, name, ids, grads, F):
-        """As the host clients, but a rank without gradients still takes part in the step
-        (empty arrays, never None): the owners wait for every rank's exchange."""
-        summed = super().coalesce(name, ids, grads, F)
-        if summed is None:
-            return np.empty(0, np.int64), np.empty((0, self.row_dim(name)), np.float32)
-        return summed
+    def apply_gradients(self, tables, F):
+        """Every table of a step in one round: each rank sums its own duplicates
+        (:meth:`coalesce`), sends the sums to their owners with one flag per table (it had
+        gradients); each owner sums every rank's contributions per id in rank order and
+        applies the rule once. A table steps when any rank had gradients for it, as one
+        process stepping on the concatenated batch would."""
+        sums = [self.coalesce(t.name, t.ids, t.grads, F) for t in tables]
+        return self._update([t.name for t in tables], sums, [t.rule for t in tables],
+                            [t.hyper for t in tables])
+
+    def _update(self, names, sums, rules, hypers):
+        """The round of :meth:`apply_gradients`: ``sums`` per table (unique ids, summed
+        rows) or None (no gradients here). Returns per table whether any rank had some."""
+        cols, routes = [], []
+        for name, summed in zip(names, sums):
+            if summed is None:
+                summed = np.empty(0, np.int64), np.empty((0, self.row_dim(name)), np.float32)
+            routes.append(self._routed(name, summed[0]))
+            cols.append([np.ascontiguousarray(summed[1], np.float32)])
+        got, flags = self._send(UPDATE, names, routes, cols,
+                                flags=[s is not None for s in sums])
+        for name, (local, (rows,), _), rule, hyper in zip(names, got, rules, hypers):
+            if len(local):
+                uniq, summed = kernels.dedup_sum(local, rows, num_threads=self.num_threads)
+                self.server.update(name, self.rank, uniq, summed, rule, hyper)
+        return [bool(f.any()) for f in flags]
 
     # -- checkpoints: every rank writes and reads its own shard --------------------------
 
     #: ``opt.save``/``opt.load`` run on every rank (checkpoint.save_items' ``writer``).
     all_ranks_checkpoint = True
 
-    def save_tensor(self, name, directory, save_id):
-        """Collective: every rank writes its shard of ``name`` as a segment of rank 0's
-        save ``save_id``; every rank gets the records of all (rank order)."""
+    def save_table(self, name, directory, save_id, columns):
+        """Collective: every rank writes its shard of ``name`` as a record of rank 0's
+        save ``save_id``; every rank gets the entry with the records of all (rank order)."""
         meta = self._meta_of(name)
         what = f"save of {name!r}"
-        save_id = self._gather_objects(what, save_id)[0]
+        save_id = self._x.gather_objects(what, save_id)[0]
         start, step, _ = meta.policy.id_progression(self.rank)
-        rec = self.server.save_shard(name, self.rank, directory, save_id, start, step)
-        return self._gather_objects(what, rec)
+        rec = self.server.table(name, self.rank).save(directory, save_id, name, columns,
+                                                      start, step)
+        return snapshot.new_entry(meta.shape, meta.dtype, self._x.gather_objects(what, rec),
+                                  meta.policy)
 
-    def load_tensor(self, name, directory):
-        """Every rank fills its shard of ``name`` from the checkpoint's segments (saved
+    def load_table(self, name, directory, entry, columns):
+        """Every rank fills its shard of ``name`` from the checkpoint's records (saved
         under any partitioning: by W ranks, servers or one process), reading only the
         blocks that hold its rows."""
         meta = self._meta_of(name)
-        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
+        check_entry_rows(entry, meta.shape[0], name, directory)
         start, step, _ = meta.policy.id_progression(self.rank)
-        self.server.load_shard(name, self.rank, directory, entry, start, step)
+        self.server.table(name, self.rank).load(directory, entry, columns, start, step,
+                                                name=name)
 
     def barrier(self):
-        self._guard("barrier", lambda: dist.barrier(group=self._group))
+        self._x.barrier()
 
     def close(self):
         """Drop this rank's shards and this client's group (and the default group when

@@ -12,8 +12,8 @@ not cached go back to the owner.
 
 Ownership: while a row is cached, the cache is its one writer (DESIGN.md, Concurrency):
 its device copy, dirty or not, is the current one, and the owner's copy is stale until
-the row is written back: when it is evicted, and on ``save_tensor``, ``barrier``,
-``init_optimizer``, ``load_tensor`` and ``close`` (whole tables). Everything that reads
+the row is written back: when it is evicted, and on ``save_table``, ``barrier``,
+``init_optimizer``, ``load_table`` and ``close`` (whole tables). Everything that reads
 or writes through this client sees the current rows: ``pull`` (``emb.weight[ids]``, host
 lookups, ``state_dict``) overlays the dirty cached rows, ``push`` (``emb.weight[ids] =
 v``, ``load_state_dict``) writes cached rows back and forgets them before writing.
@@ -31,7 +31,11 @@ trainers is refused (``num_trainers``); there, use the trainer cache
 Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
 :class:`~distemb.kvstore.table_cache.TableCache`, on the host; rows and state are torch tensors
 on the device, touched by torch indexing and the device's kernels (:mod:`distemb.kernels.
-cuda`, or a CPU stand-in in tests). Tables other than float32 (N, D) pass through (half
+cuda`, or a CPU stand-in in tests). Keyed tables (hash, file: any int64 key) are cached
+as dense ones, with a hashed slot map; their key management and whole-table moves settle
+the cached copies first, and a hash table with a capacity (its store evicts on its own,
+and could drop a row only the cache holds) is refused, naming both
+(:mod:`distemb.kvstore.cached_keys`). Other tables than float32 rows pass through (half
 tables too: their owner rounds every update to 16 bits).
 """
 from typing import Dict, Optional
@@ -42,9 +46,11 @@ import torch
 from distemb.config import CacheConfig, check_device_cache
 from distemb.enums import CachePolicy
 from distemb.kernels import cuda
+from distemb.kernels.hashtable import table_keys
 from distemb.kvstore import device as device_kv
+from distemb.kvstore.cached_keys import CachedKeys
 from distemb.kvstore.table_cache import TableCache
-from distemb.kvstore.types import KVClient, PlacedAsInner, refuse_row_stores
+from distemb.kvstore.types import KVClient, PlacedAsInner
 from distemb.rules import rule_of, state_name, state_owner
 
 
@@ -74,13 +80,19 @@ class DeviceRows:
         self.dirty = np.zeros(capacity, bool)
 
 
+def _slots(cache: DeviceRows, keys) -> np.ndarray:
+    """Cache slots of ``keys`` held (every held slot when None), unique."""
+    slots = np.flatnonzero(cache.map.held) if keys is None else cache.map.slot_of.get(keys)
+    return np.unique(slots[slots >= 0])
+
+
 def _host_ids(ids) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         return ids.cpu().numpy().astype(np.int64, copy=False)
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-class DeviceCachedKVClient(PlacedAsInner, KVClient):
+class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
     """A device cache of hot rows and optimizer state in front of a host client.
 
     The client of host tables (``DistContext.embedded(device_cache=...)`` or a cluster
@@ -131,6 +143,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         self.inner, self.config = inner, config
         self.num_servers, self.num_threads = inner.num_servers, inner.num_threads
         self._tables: Dict[str, Optional[DeviceRows]] = {}
+        self._init_cached_keys()
         self._tick = 0
         self._stats = dict(lookups=0, rows=0, unique_rows=0, hit_rows=0, miss_rows=0,
                            admitted_rows=0, written_back_rows=0, device_updated_rows=0,
@@ -180,9 +193,12 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
     # -- the cache -----------------------------------------------------------------------
 
     def _cacheable(self, name) -> bool:
+        if state_owner(name) is not None:
+            return False
+        if self.inner.is_keyed(name):  # rows cross as float32; a half store rounds them
+            return self.inner.storage_dtype(name) == "float32"
         meta = self.inner.data_meta(name)
-        return meta is not None and meta.dtype == "float32" and len(meta.shape) == 2 \
-            and state_owner(name) is None
+        return meta is not None and meta.dtype == "float32" and len(meta.shape) == 2
 
     def _table(self, name) -> Optional[DeviceRows]:
         """The cache of ``name``, made on first use; None for tensors it does not cache."""
@@ -191,13 +207,18 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         return self._tables[name]
 
     def _new_rows(self, name, rule):
-        meta = self.inner.data_meta(name)
-        dim, row_bytes = meta.shape[1], 4 * meta.shape[1]
+        if self.inner.is_keyed(name):  # any int64 key: a hashed slot map
+            num_rows, dim, bound = None, self.inner.dim(name), self.key_bound(name)
+        else:
+            meta = self.inner.data_meta(name)
+            num_rows, dim = meta.shape[0], meta.shape[1]
+            bound = num_rows
+        row_bytes = 4 * dim
         for spec in (rule_of(rule).states if rule is not None else ()):
             row_bytes += int(np.prod(spec.shape(dim), dtype=np.int64)) * \
                 np.dtype(spec.dtype).itemsize
-        cap = self.config.capacity(meta.shape[0], row_bytes)
-        return DeviceRows(meta.shape[0], dim, cap, self.cache_device, rule)
+        cap = self.config.capacity(bound, row_bytes)
+        return DeviceRows(num_rows, dim, cap, self.cache_device, rule)
 
     def _write_back(self, name, cache: DeviceRows, slots: np.ndarray,
                     ids: Optional[np.ndarray] = None) -> None:
@@ -222,30 +243,34 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
 
     def flush(self, name: Optional[str] = None) -> None:
         """Write every dirty cached row (and its state) back to the owner; keep them cached.
+        A keyed table's store then makes its writes durable (a file store).
 
         Args:
             name: the table (or one of its state tensors); every table when None.
         """
         for table in ([state_owner(name) or name] if name is not None else list(self._tables)):
-            cache = self._tables.get(table)
-            if cache is not None:
-                self._write_back(table, cache, np.flatnonzero(cache.map.ids >= 0))
+            self._write_back_copies(table)
+        if name is not None and self.inner.is_keyed(name):
+            self.inner.flush(name)
+
+    def _write_back_copies(self, name, keys=None):
+        cache = self._tables.get(name)
+        if cache is not None:
+            self._write_back(name, cache, _slots(cache, keys))
+
+    def _forget_copies(self, name, keys, write_back):
+        cache = self._tables.get(name)
+        if cache is not None:
+            slots = _slots(cache, keys)
+            if write_back:
+                self._write_back(name, cache, slots)
+            cache.map.evict(slots)
 
     def _drop(self, table, write_back=True):
         """Forget the cache of ``table`` (after writing its dirty rows back)."""
         if write_back:
             self.flush(table)
         self._tables.pop(table, None)
-
-    def _forget(self, table, ids):
-        """Write back and forget the cached rows ``ids`` of ``table``."""
-        cache = self._tables.get(table)
-        if cache is None:
-            return
-        slots = cache.map.slot_of.get(ids)
-        slots = np.unique(slots[slots >= 0])
-        self._write_back(table, cache, slots)
-        cache.map.evict(slots)
 
     def delete_data(self, name):
         owner = state_owner(name)
@@ -287,29 +312,21 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
 
     def push(self, name, ids, values):
         """Write rows: cached copies of them are written back and forgotten first."""
-        self._forget(state_owner(name) or name, _host_ids(ids))
+        self._forget_copies(state_owner(name) or name, _host_ids(ids), write_back=True)
         self.inner.push(name, ids, values)
 
-    def save_tensor(self, name, directory, save_id):
+    def save_table(self, name, directory, save_id, columns):
         self.flush(name)
-        return self.inner.save_tensor(name, directory, save_id)
+        return self.inner.save_table(name, directory, save_id, columns)
 
-    def load_tensor(self, name, directory):
-        self._drop(state_owner(name) or name)
-        self.inner.load_tensor(name, directory)
+    def load_table(self, name, directory, entry, columns):
+        self._drop(name)
+        self.inner.load_table(name, directory, entry, columns)
 
     def barrier(self):
         """Write dirty rows back, so what others read after the barrier is current."""
         self.flush()
         self.inner.barrier()
-
-    def store_client(self):
-        """Refused: row-store tables cannot sit behind the device cache yet.
-
-        Raises:
-            KVStoreError: always, naming this placement and the tables it cannot hold.
-        """
-        raise refuse_row_stores(self, "the device cache", "device_cache")
 
     def close(self, **kw):
         """Write every dirty row back, then close the wrapped client (``kw`` go to it)."""
@@ -327,7 +344,11 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
             rows = self.pull(name, ids)  # a state tensor's dirty rows are in the cache
             self._stats["h2d_bytes"] += rows.nbytes
             return torch.from_numpy(np.ascontiguousarray(rows)).to(self.cache_device)
-        ids = _host_ids(ids)
+        if self.inner.is_keyed(name):  # integer keys, none the slot map reserves
+            ids = table_keys(_host_ids(ids) if isinstance(ids, torch.Tensor) else ids, "ids")
+        else:  # the slot map indexes by id: ids outside the table are refused, named
+            ids = _host_ids(ids)
+            self.inner.data_meta(name).policy.check_ids(ids, f"ids of {name!r}")
         m, st = cache.map, self._stats
         uniq, inverse = np.unique(ids, return_inverse=True)
         self._tick += 1
@@ -369,11 +390,12 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
         if not len(new):
             return
         before = cache.map.ids.copy()  # admit() evicts: the victims' ids are needed
+        held = cache.map.held.copy()
         fresh = cache.map.admit(uniq[new], slots[cached])
         k = len(fresh)
         if not k:
             return
-        victims = fresh[before[fresh] >= 0]
+        victims = fresh[held[fresh]]
         self._write_back(name, cache, victims, before[victims])
         at = torch.from_numpy(fresh).to(self.cache_device)
         cache.values[at] = torch.from_numpy(np.ascontiguousarray(rows[:k])).to(self.cache_device)
@@ -401,7 +423,7 @@ class DeviceCachedKVClient(PlacedAsInner, KVClient):
                 # copied first: a remote client may have summed into its request slot,
                 # which the write-back's requests reuse
                 grads = np.array(self._host_grads(grads))
-                self._forget(name, host_ids)
+                self._forget_copies(name, host_ids, write_back=True)
             self.inner.push_update(name, host_ids, self._host_grads(grads), rule, hyper)
             return
         slots = cache.map.slot_of.get(host_ids)

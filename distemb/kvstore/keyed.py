@@ -14,7 +14,7 @@ process owns the stores) and :class:`~distemb.kvstore.remote.RemoteKVClient` (a 
 per server, :mod:`distemb.kvstore.remote_keyed`). It implements, once for every placement, what a keyed table does
 differently at the client (its ids, values, metadata, optimizer state and its
 ``state_dict``) and leaves array tables to the client's own methods. Both run one shared
-test suite (tests/test_store_client_suite.py).
+test suite (tests/test_kvclient_suite.py and tests/test_keyed_suite.py).
 
 Example:
     >>> import numpy as np
@@ -39,23 +39,6 @@ from distemb.rules import rule_of, state_name
 Keys = np.ndarray
 
 
-def init_state_columns(store, rule, options):
-    """(Re)create ``rule``'s state columns in ``store``, at their initial values.
-
-    A new optimizer starts from fresh state, except on a persistent store (a file store
-    reopened to resume), which keeps state columns of the same shape.
-
-    Returns:
-        the state names of the rule, in order.
-    """
-    specs = rule_of(rule).states
-    for spec in specs:
-        fill = options.get(spec.init_option, 0) if spec.init_option else 0
-        store.add_column(spec.name, spec.shape(store.dim), spec.dtype, fill,
-                         keep=store.persistent)
-    return [s.name for s in specs]
-
-
 class KeyedTables:
     """Mixin of a KVClient holding keyed tables; see the module docstring.
 
@@ -67,6 +50,7 @@ class KeyedTables:
 
     def _init_keyed(self):
         self._states = {}  # KVStore name of a keyed table's optimizer state -> its table
+        self._state_rows = {}  # that name -> (row shape, dtype) of the state
         self._specs = {}  # name -> the spec of a keyed table made by create_table
 
     @abstractmethod
@@ -103,15 +87,27 @@ class KeyedTables:
 
     def _state_names(self, name, rule):
         names = {}
-        for sname in (s.name for s in rule_of(rule).states):
-            names[sname] = state_name(name, sname)
-            self._states[names[sname]] = name
+        for spec in rule_of(rule).states:
+            names[spec.name] = state_name(name, spec.name)
+            self._states[names[spec.name]] = name
+            self._state_rows[names[spec.name]] = (spec.shape(self.dim(name)), spec.dtype)
         return names
+
+    def state_of(self, name: str) -> Optional[Tuple[str, str, tuple, str]]:
+        """(table, column, row shape, dtype) when ``name`` is the KVStore name of a keyed
+        table's optimizer state, else None. Such a state is read and written by its name
+        (``pull``/``push`` of held keys, as an array table's state), e.g. by a cache
+        writing back the rows it owns."""
+        table = self._states.get(name)
+        if table is None:
+            return None
+        return (table, name[len(state_name(table, "")):]) + self._state_rows[name]
 
     def _forget(self, name):
         """Forget keyed table ``name``'s spec and state names (it was deleted)."""
         self._specs.pop(name, None)
         self._states = {s: t for s, t in self._states.items() if t != name}
+        self._state_rows = {s: r for s, r in self._state_rows.items() if s in self._states}
 
     # -- KVClient, for keyed tables; array tables go on to the client's own -------------
 
@@ -155,11 +151,6 @@ class KeyedTables:
         return arr.reshape(want)
 
     # -- optimizer state and checkpoints: state columns travel with their rows ----------
-
-    def checkpoint_names(self, name, state_names):
-        if not self.is_keyed(name):
-            return super().checkpoint_names(name, state_names)
-        return [name]  # the table's entry holds its state columns
 
     def table_state(self, name, state_names):
         """{"keys": keys, state: rows} of every key of a keyed table (its

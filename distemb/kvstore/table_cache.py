@@ -175,7 +175,9 @@ class TableCache:
             self.slot_of, self.seen = HashSlots(), SketchCounts(capacity)
         else:
             self.slot_of, self.seen = ArraySlots(num_rows, capacity), ArrayCounts(num_rows)
-        self.ids = np.full(capacity, -1, np.int64)          # slot -> global id
+        self.ids = np.zeros(capacity, np.int64)             # slot -> global id
+        # slot -> holds a row; not ``ids == -1``: -1 is a key of a keyed table like any
+        self.held = np.zeros(capacity, bool)
         self.values = np.zeros((capacity, dim), np.float32)
         self.states = {name: np.zeros((capacity,) + shape, dtype)
                        for name, (shape, dtype) in (states or {}).items()}
@@ -184,8 +186,8 @@ class TableCache:
         self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
         self.pulls = 0
         self.step = 0
-        self.held = 0                                        # slots in use
-        self._rng = np.random.default_rng(0)                 # LFU's victim samples
+        self.used = 0                                       # slots held
+        self._rng = np.random.default_rng(0)                # LFU's victim samples
 
     def count(self, ids):
         """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
@@ -212,15 +214,15 @@ class TableCache:
         out = np.zeros(len(ids), bool)
         order = np.flatnonzero(seen >= ADMIT_MIN)
         order = order[np.argsort(-seen[order], kind="stable")]
-        free = self.capacity - self.held
+        free = self.capacity - self.used
         out[order[:free]] = True
         rest = order[free:]
-        if not len(rest) or not self.held:
+        if not len(rest) or not self.used:
             return out, np.empty(0, np.int64)
         sample = np.unique(self._rng.integers(0, self.capacity, SAMPLE * len(rest)))
-        busy = np.zeros(self.capacity, bool)
+        busy = ~self.held
         busy[keep] = True
-        sample = sample[(self.ids[sample] >= 0) & ~busy[sample]]
+        sample = sample[~busy[sample]]
         sample = sample[np.argsort(self.seen.get(self.ids[sample]), kind="stable")]
         n = min(len(rest), len(sample))
         win = seen[rest[:n]] > self.seen.get(self.ids[sample[:n]])
@@ -230,10 +232,10 @@ class TableCache:
     def evict(self, slots):
         """Forget the rows in ``slots`` (unique; negative ones and empty slots skipped)."""
         slots = slots[slots >= 0]
-        slots = slots[self.ids[slots] >= 0]
-        self.held -= len(slots)
+        slots = slots[self.held[slots]]
         self.slot_of.clear(self.ids[slots])
-        self.ids[slots] = -1
+        self.held[slots] = False
+        self.used -= len(slots)
         self.version[slots] = -1
 
     def forget(self, ids):
@@ -249,7 +251,7 @@ class TableCache:
         """
         if victims is not None:
             self.evict(victims)
-        free = np.flatnonzero(self.ids == -1)
+        free = np.flatnonzero(~self.held)
         room = self.capacity - len(keep)
         need = min(len(ids), room) - len(free)
         if need > 0:
@@ -261,6 +263,7 @@ class TableCache:
             free = np.concatenate([free, victims])
         slots = free[:min(len(ids), len(free))]
         self.ids[slots] = ids[:len(slots)]
-        self.held += len(slots)
+        self.held[slots] = True
+        self.used += len(slots)
         self.slot_of.set(ids[:len(slots)], slots)
         return slots

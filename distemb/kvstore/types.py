@@ -30,7 +30,7 @@ Example:
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper, rule_of, state_init, state_name
+from distemb.stores.types import WEIGHT
 
 #: Rows per request when optimizer state is read or written whole (as checkpoints do).
 STATE_CHUNK_ROWS = 1 << 20
@@ -56,6 +57,35 @@ class DataMeta:
     shape: Shape
     dtype: str
     policy: PartitionPolicy
+
+
+def check_entry_rows(entry: dict, rows: int, name: str, directory: str) -> None:
+    """KVStoreError unless checkpoint ``entry`` holds ``rows`` rows in all: a table of
+    fixed rows loads a checkpoint of exactly its keys (a dense table's or a keyed one's
+    whose keys are 0..rows-1), never one it would leave some keys of unloaded."""
+    saved = snapshot.entry_rows(entry)
+    if saved != rows:
+        raise KVStoreError(f"{directory}: table {name!r} was saved with {saved:,} rows, the "
+                           f"live one has {rows:,}")
+
+
+class TableGradients(NamedTuple):
+    """One table's share of an optimizer step: its traced gradients, not yet summed, and
+    the update to make of them (:meth:`KVClient.apply_gradients`).
+
+    Example:
+        >>> from distemb.rules import SGDHyper
+        >>> g = TableGradients("t", [np.array([1, 1])], [np.ones((2, 4), np.float32)], "sgd",
+        ...                    SGDHyper(lr=0.1))
+        >>> g.name, len(g.ids)
+        ('t', 1)
+    """
+
+    name: str
+    ids: Sequence[GlobalIds]    # one flat id array per traced lookup (none: no gradients)
+    grads: Sequence[Tensor]     # one (N_i, D) gradient per lookup, any device
+    rule: str                   # the update rule (a RuleName or its value)
+    hyper: Hyper                # its hyperparameters, should the table step
 
 
 def check_new_name(meta: Dict[str, DataMeta], name: str) -> None:
@@ -182,66 +212,86 @@ class KVClient(ABC):
             KVStoreError: no table ``name``, no rule ``rule``, or ``hyper`` is not its type.
         """
 
-    def save_tensor(self, name: str, directory: str, save_id: str) -> List[dict]:
-        """Write ``name`` into checkpoint ``directory`` as segment files of save
-        ``save_id`` (:mod:`distemb.kvstore.snapshot`); the manifest is the caller's.
+    def pull_many(self, requests: Sequence[Tuple[str, GlobalIds]]) -> List[Array]:
+        """Rows of several tables at once: ``[pull(name, ids) for name, ids in requests]``.
 
-        The default pulls the rows in blocks into one segment; clients that own their
-        shards (embedded, servers) write one segment per shard, where the shard is.
+        Clients that move rows between processes in rounds (collective mode) make it one
+        round for all the tables; the others look them up in turn.
+        """
+        return [self.pull(name, ids) for name, ids in requests]
+
+    def apply_gradients(self, tables: Sequence[TableGradients], F) -> List[bool]:
+        """One optimizer step of several tables: sum each table's traced gradients per id
+        (:meth:`coalesce`) and apply its rule to the sums (:meth:`push_update`).
+
+        The optimizer hands every table of its step at once, so a client that exchanges
+        rows in rounds (collective mode) sends all the tables' sums in one round; the
+        others coalesce and push each table in turn.
 
         Returns:
-            the segment records (list of dicts) for the manifest.
+            per table, whether it stepped: it had gradients (here, or on any trainer of a
+            collective job), so the optimizer counts the step.
         """
-        meta = self._meta_of(name)
-
-        def read_block(lo, hi):
-            rows = self.to_host(self.pull(name, self.from_host(np.arange(lo, hi,
-                                                                         dtype=np.int64))))
-            return half.encode(rows, meta.dtype) if half.is_half(meta.dtype) else rows
-        return [snapshot.write_segment(directory, save_id, name, 0, 0, 1, meta.shape,
-                                       meta.dtype, read_block)]
-
-    def load_tensor(self, name: str, directory: str) -> None:
-        """Fill ``name`` from checkpoint ``directory`` (saved under any partitioning);
-        only the segment blocks holding this client's rows are read.
-
-        Raises:
-            KVStoreError: no such tensor in the checkpoint, other rows or dtype, or a
-                corrupt segment.
-        """
-        meta = self._meta_of(name)
-        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
-
-        def write_rows(ids, rows):
-            self.push(name, self.from_host(ids),
-                      self.from_host(np.ascontiguousarray(half.as_rows(rows))))
-        snapshot.read_segments(directory, entry["segments"], meta.dtype, meta.shape[1:], 0,
-                               1, meta.shape[0], write_rows)
+        stepped = []
+        for t in tables:
+            summed = self.coalesce(t.name, t.ids, t.grads, F)
+            if summed is not None:
+                self.push_update(t.name, summed[0], summed[1], t.rule, t.hyper)
+            stepped.append(summed is not None)
+        return stepped
 
     # -- checkpoints and optimizer state (tables on row stores override these) --------
 
-    def checkpoint_names(self, name: str, state_names: List[str]) -> List[str]:
-        """The tensors a checkpoint of table ``name`` with optimizer states
-        ``state_names`` (KVStore names) holds: the table and each state tensor."""
-        return [name] + list(state_names)
+    def save_table(self, name: str, directory: str, save_id: str,
+                   columns: Sequence[str]) -> dict:
+        """Write ``columns`` of table ``name`` (``"weight"`` and optimizer states by their
+        short names) into checkpoint ``directory`` as records of save ``save_id``
+        (:mod:`distemb.kvstore.snapshot`); the manifest is the caller's.
 
-    def checkpoint_entry(self, name: str, directory: str, save_id: str) -> dict:
-        """Write tensor ``name`` into checkpoint ``directory``; its manifest entry."""
-        dm = self._meta_of(name)
-        return {"shape": list(dm.shape), "dtype": dm.dtype,
-                "policy": {"name": dm.policy.policy_str,
-                           "num_partitions": dm.policy.num_partitions},
-                "segments": self.save_tensor(name, directory, save_id)}
+        The default pulls the rows in blocks into one record; clients that own their
+        shards (embedded, servers, collective ranks) write one record per shard, where
+        the shard is.
 
-    def restore_entry(self, name: str, directory: str, entry: dict) -> None:
-        """Fill tensor ``name`` from its manifest ``entry`` in checkpoint ``directory``.
+        Returns:
+            the table's manifest entry.
+        """
+        meta = self._meta_of(name)
+        cols = {}
+        for col in columns:
+            kvname, cmeta = self._column(name, col)
+
+            def read_block(lo, hi, kvname=kvname, dtype=cmeta.dtype):
+                rows = self.to_host(self.pull(kvname, self.from_host(
+                    np.arange(lo, hi, dtype=np.int64))))
+                return half.encode(rows, dtype) if half.is_half(dtype) else rows
+            cols[col] = (cmeta.shape[1:], cmeta.dtype, read_block)
+        record = snapshot.write_shard(directory, save_id, name, 0, meta.shape[0], cols)
+        return snapshot.new_entry(meta.shape, meta.dtype, [record], meta.policy)
+
+    def load_table(self, name: str, directory: str, entry: dict,
+                   columns: Sequence[str]) -> None:
+        """Fill ``columns`` of table ``name`` from its checkpoint ``entry`` (saved by any
+        number of shards, under any partitioning or router), all or nothing.
 
         Raises:
-            KVStoreError: the saved shape differs from the live one, or a corrupt segment.
+            KVStoreError: a column not saved or saved with other rows, a corrupt or
+                missing segment, or rows not covered exactly once.
         """
-        check_shape(f"{directory}: tensor {name!r}", entry.get("shape", ()),
-                    self._meta_of(name).shape, KVStoreError)
-        self.load_tensor(name, directory)
+        meta = self._meta_of(name)
+        check_entry_rows(entry, meta.shape[0], name, directory)
+        cols = {col: self._column(name, col) for col in columns}
+
+        def write(col, ids, rows):
+            self.push(cols[col][0], self.from_host(ids),
+                      self.from_host(np.ascontiguousarray(half.as_rows(rows))))
+        snapshot.load_shard(directory, entry,
+                            {c: (m.shape[1:], m.dtype) for c, (_, m) in cols.items()},
+                            snapshot.Target.fixed(0, 1, meta.shape[0]), write)
+
+    def _column(self, name: str, column: str) -> Tuple[str, DataMeta]:
+        """(KVStore name, DataMeta) of column ``column`` of table ``name``."""
+        kvname = name if column == WEIGHT else state_name(name, column)
+        return kvname, self._meta_of(kvname)
 
     def table_state(self, name: str, state_names: Dict[str, str]) -> Dict[str, np.ndarray]:
         """{state: every row of it} of table ``name`` (for ``opt.state_dict()``)."""
@@ -274,16 +324,36 @@ class KVClient(ABC):
                           self.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
 
     def store_client(self) -> "KVClient":
-        """A client for tables on row stores placed where this client places rows
-        (:mod:`distemb.kvstore.keyed`): the embedded client itself, or a hash
-        store per server of this client's cluster.
+        """The client of tables on row stores (:mod:`distemb.kvstore.keyed`): this one;
+        a placement that cannot hold a kind of store refuses it in :meth:`create_table`,
+        naming both."""
+        return self
+
+    #: Why this client holds no tables on row stores (its :meth:`create_table` says it).
+    keyed_refusal = ("it places rows in dense arrays of rows 0..N-1; make the table in a "
+                     "context whose tables live in host memory or on servers")
+
+    def create_table(self, name: str, spec) -> None:
+        """Make keyed table ``name`` from a table spec (:mod:`distemb.stores.spec`).
 
         Raises:
-            KVStoreError: this placement holds no row-store tables (e.g. a GPU client).
+            KVStoreError: always here: this placement holds no tables on row stores (the
+                message names the placement and the spec's store).
         """
-        raise KVStoreError(f"{type(self).__name__}: tables on row stores (DynamicEmbedding, "
-                           "StoreEmbedding) live in host memory or on the servers; this "
-                           "client places rows elsewhere")
+        raise refuse_store(self, name, f"a {spec.kind} store ({type(spec).__name__})",
+                           self.keyed_refusal)
+
+    def add_table(self, name: str, store) -> None:
+        """Hold the RowStore ``store`` as keyed table ``name``.
+
+        Raises:
+            KVStoreError: always here, as :meth:`create_table`.
+        """
+        raise refuse_store(self, name, f"a {type(store).__name__}", self.keyed_refusal)
+
+    def is_keyed(self, name: str) -> bool:
+        """Whether ``name`` is a table on row stores (none here)."""
+        return False
 
     def row_dim(self, name: str) -> int:
         """Row length of table ``name``."""
@@ -432,19 +502,17 @@ def _ascending_unique(ids: np.ndarray) -> bool:
     return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
 
 
-def refuse_row_stores(client: KVClient, placement: str, config_key: str):
-    """The error of a placement that cannot hold tables on row stores, naming both.
+def refuse_store(client: KVClient, name: str, store: str, why: str) -> KVStoreError:
+    """The error of a placement that cannot hold a table on a kind of store, naming both.
 
     Args:
-        client: the refusing client.
-        placement: what it is, e.g. "the trainer cache".
-        config_key: the context setting that made it, e.g. "cache".
+        client: the refusing client (its type names the placement).
+        name: the table.
+        store: the store, e.g. "a hash store (HashTableSpec)".
+        why: what the placement lacks, and what to do instead.
     """
-    return KVStoreError(f"{type(client).__name__}: tables on row stores (DynamicEmbedding, "
-                        "StoreEmbedding: any int64 key, hash or file stores) cannot be "
-                        f"placed behind {placement}, whose slot map is an array sized to a "
-                        f"dense table's rows; make them in a context without "
-                        f"'{config_key}' (their rows then go to their owner uncached)")
+    return KVStoreError(f"{type(client).__name__}: cannot hold table {name!r} on {store}: "
+                        f"{why}")
 
 
 class PlacedAsInner:

@@ -38,6 +38,7 @@ from torch.optim import optimizer as torch_optimizer
 from distemb import checkpoint
 from distemb.embedding import DistEmbedding
 from distemb.errors import DistEmbError
+from distemb.kvstore.types import TableGradients
 from distemb.rules import Hyper, RuleName
 from distemb.tensor import DistTensor
 
@@ -187,14 +188,18 @@ class SparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
+        # Every table's gradients go to its client in one call per client: a collective
+        # client sends all of them in one exchange; the others push table by table.
+        by_client = {}
         for emb in self._embs:
-            update = emb.coalesced_gradients()  # (client, unique ids, summed) or None
-            if update is None:
-                continue
-            client, ids, summed = update
-            self._steps[emb.name] += 1
-            client.push_update(emb.name, ids, summed, self.rule,
-                               self.hyper(group, self._steps[emb.name]))
+            client, ids, grads = emb.take_gradients()
+            hyper = self.hyper(group, self._steps[emb.name] + 1)  # should it step
+            entry = by_client.setdefault(id(client), (client, emb.weight.context.F, [], []))
+            entry[2].append(TableGradients(emb.name, ids, grads, self.rule, hyper))
+            entry[3].append(emb.name)
+        for client, F, tables, names in by_client.values():
+            for name, stepped in zip(names, client.apply_gradients(tables, F)):
+                self._steps[name] += bool(stepped)
         return loss
 
     def _state_names(self, emb):
@@ -254,9 +259,9 @@ class SparseOptimizer(torch.optim.Optimizer):
         client.barrier()
         if writer or client.all_ranks_checkpoint:  # collective: each rank its own shards
             items = []
-            for emb in self._embs:  # a store table's state is saved with its rows
-                items += [(emb.kvstore, n) for n in emb.kvstore.checkpoint_names(
-                    emb.name, list(self._state_names(emb).values()))]
+            for emb in self._embs:  # a table and its states: one entry, a column each
+                items += [(emb.kvstore, n) for n in
+                          [emb.name] + list(self._state_names(emb).values())]
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
             checkpoint.save_items(path, items,
                                   {"optimizer": type(self).__name__, "rule": self.rule,
@@ -283,9 +288,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         client.barrier()
         for emb in self._embs:
             if writer or client.all_ranks_checkpoint:
-                names = emb.kvstore.checkpoint_names(
-                    emb.name, list(self._state_names(emb).values()))
-                checkpoint.restore(path, emb.kvstore, names)
+                checkpoint.restore(path, emb.kvstore,
+                                   [emb.name] + list(self._state_names(emb).values()))
             self._steps[emb.name] = int(meta["steps"][emb.name])
         self._load_groups(meta["param_groups"])
         client.barrier()
