@@ -79,7 +79,8 @@ from distemb.transport import tcp  # noqa: E402
 from distemb.transport.base import Connection  # noqa: E402
 from distemb.transport.messages import Service  # noqa: E402
 import netns  # noqa: E402
-from id_streams import SIZES, draw_streams, exact_bound, static_hit_rates  # noqa: E402
+from id_streams import (SIZES, byte_bounds, draw_streams, exact_bound,  # noqa: E402
+                        static_hit_rates)
 
 
 # -- one trainer ----------------------------------------------------------------------------
@@ -416,6 +417,14 @@ def main():
             bounds[sname + " (sync_exact with summed rows, 2 trainers)"] = [
                 exact_bound(per_rank[1:3], num_rows, args.warmup, f, summed=True)
                 for f in args.fractions]
+            if args.account:
+                rows_b = byte_bounds(per_rank[1:3], num_rows, args.warmup,
+                                     args.fractions[0], 4 * args.dim)
+                print(f"row bytes trainer 0 must receive per step, {sname}, 2 trainers, "
+                      f"sync_exact, a clairvoyant cache of {args.fractions[0]:.0%} "
+                      "(id_streams.byte_bounds): " + "; ".join(
+                          f"{k} {v / 1e6:.3f} MB ({1 - v / rows_b['no cache']:.0%} fewer)"
+                          for k, v in rows_b.items()), flush=True)
         for rate in links:
             for servers in args.jobs:
                 per = per_rank[:1] if servers == 1 else per_rank[1:3]

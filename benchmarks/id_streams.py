@@ -122,6 +122,52 @@ def exact_bound(streams, num_rows, warmup, fraction, summed=False):
     return float(np.mean(rates))
 
 
+def byte_bounds(streams, num_rows, warmup, fraction, row_bytes):
+    """Row bytes a step of trainer 0 (``streams[0]``) must receive, per design, with the
+    other trainers (``streams[1:]``) writing too (sync_exact) and a clairvoyant static
+    cache of the ``fraction`` most frequent rows holding rows and optimizer state
+    (``row_bytes`` each: rows, and a state of a row's size). Positions, versions and
+    headers are left out.
+
+    Returns:
+        {design: mean bytes per step}: ``no cache`` (every id's row, duplicates
+        included), ``each row once`` (no cache), ``summed rows`` (this cache: the summed
+        gradient of held rows the others wrote in the same step, a stale held row
+        refetched with its state, the rest of the rows not held), ``owner pushes``
+        (every other trainer's write of a held row sent to the holder), ``no state
+        refetch`` (a stale held row refetched without its state: a bound, not a design).
+    """
+    order = np.argsort(-np.bincount(np.concatenate(
+        [np.unique(np.concatenate(list(s.values()))) for s in streams[0]]),
+        minlength=num_rows), kind="stable")
+    top = np.zeros(num_rows, bool)
+    top[order[:int(fraction * num_rows)]] = True
+    out = {k: [] for k in ("no cache", "each row once", "summed rows", "owner pushes",
+                           "no state refetch")}
+    for table in streams[0][0]:
+        mine = np.full(num_rows, -1, np.int64)        # step trainer 0 last read the row
+        theirs = np.full(num_rows, -2, np.int64)      # step another trainer last wrote it
+        theirs_only = np.full(num_rows, -2, np.int64)  # ... in a step trainer 0 did not
+        for t, step in enumerate(streams[0]):
+            ids = np.unique(step[table])
+            other = np.unique(np.concatenate([o[t][table] for o in streams[1:]]))
+            held = top[ids]
+            if t >= warmup:
+                stale = held & (theirs_only[ids] > mine[ids])
+                changed = held & (theirs[ids] >= mine[ids])  # incl. in my last read's step
+                co_held = int(top[np.intersect1d(ids, other)].sum())
+                cold = int((~held).sum())
+                out["no cache"].append(len(step[table]) * row_bytes)
+                out["each row once"].append(len(ids) * row_bytes)
+                out["summed rows"].append((cold + 2 * int(stale.sum()) + co_held) * row_bytes)
+                out["owner pushes"].append((cold + int(top[other].sum())) * row_bytes)
+                out["no state refetch"].append((cold + int(changed.sum())) * row_bytes)
+            mine[ids] = t
+            theirs[other] = t
+            theirs_only[np.setdiff1d(other, ids)] = t
+    return {k: float(np.mean(v)) for k, v in out.items()}
+
+
 def draw_streams(names, steps, args):
     """{stream: (num_rows, [the 1x1 trainer's stream, the 2x2 trainers' streams])}."""
     out, t0 = {}, time.perf_counter()
