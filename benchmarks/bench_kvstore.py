@@ -4,7 +4,8 @@ One step: look up B random rows of a (N, D) DistEmbedding, backward a trivial lo
 SparseAdagrad.step(). Configurations, all measured in this run:
 
 - ``in-process`` (baseline): the embedded store, no servers.
-- ``1s x 1t shm``: one server and one trainer on this machine; pulls read /dev/shm.
+- ``1s x 1t shm``: one server and one trainer on this machine; pulls read the server's
+  shared memory, updates go through the trainer's request slot.
 - ``1s x 1t tcp``: the same with shared memory off.
 - ``2s x 2t tcp``: two servers and two trainers, shared memory off (every row over TCP);
   steps/s is per trainer, and rows/s counts both trainers.

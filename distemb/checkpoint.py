@@ -1,18 +1,20 @@
 """Checkpoints that scale out: every shard written where it lives, a manifest last.
 
-A checkpoint is a directory (see :mod:`distemb.kvstore.snapshot` for its files): one
-segment file per shard of every tensor, written by the process holding that shard (each
-server writes its own, in parallel, streaming in bounded blocks; the embedded store
-writes the same format), then ``manifest.json``: tensors, shapes, dtypes, partition
-policies, the optimizer's metadata and steps, and a CRC-32 per block. Every file is
+A checkpoint is a directory (see :mod:`distemb.kvstore.snapshot` for its format, one
+for every kind of table): one record per shard of every table, a segment file per
+column (weight and optimizer states) plus one of its keys when they are not fixed,
+written by the process holding that shard (each server writes its own, in parallel,
+streaming in bounded blocks; the embedded store and collective ranks write the same
+format), then ``manifest.json``: tables, shapes, dtypes, partition policies, the
+optimizer's metadata and steps, and a CRC-32 per block. Every file is
 written to a temporary name, fsynced and renamed, and the manifest goes last, so a save
 that dies halfway leaves the previous checkpoint in the directory whole and loadable;
 the files of the previous save are removed only once the new manifest is in place.
 
-Rows are stored by global id, so a checkpoint loads into any number of servers and any
-partition policy: each loading shard reads only the blocks that hold its ids.
-
-A single ``.npz`` file (this module's format before version 2) still loads.
+Rows are stored by key, so a checkpoint loads into any number of servers, any partition
+policy or router, and any kind of table with the same rows: each loading shard reads
+only the blocks that hold its keys. Version-2 checkpoints and a single ``.npz`` file
+(this module's format before version 2) still load.
 
 Example:
     >>> import numpy as np, tempfile, os
@@ -35,8 +37,11 @@ import numpy as np
 
 from distemb.arrays import check_shape
 from distemb.errors import DistEmbError
-from distemb.kvstore.snapshot import (FORMAT, MANIFEST, SEGMENT_FILE, VERSION, manifest_path,
-                                      read_manifest)
+from distemb.kvstore.segments import SEGMENT_FILE
+from distemb.kvstore.snapshot import (FORMAT, MANIFEST, VERSION, entry_files, manifest_path,
+                                      read_manifest, table_entry)
+from distemb.rules import state_name, state_owner
+from distemb.stores.types import WEIGHT
 
 CHUNK_ROWS = 1 << 20
 
@@ -77,10 +82,29 @@ def save(path, client, names, meta):
     save_items(path, [(client, name) for name in names], meta)
 
 
+def table_columns(items):
+    """``{table: (client, [column, ...])}`` of ``(client, name)`` items: a table's name
+    is its weight, ``<table>~opt~<state>`` its optimizer state ``<state>``."""
+    tables = {}
+    for client, name in items:
+        owner = state_owner(name)
+        table = owner or name
+        column = name[len(state_name(table, "")):] if owner else WEIGHT
+        held, columns = tables.setdefault(table, (client, []))
+        if held is not client:
+            raise DistEmbError(f"checkpoint: table {table!r} and its optimizer state must "
+                               "come from one client")
+        if column not in columns:
+            columns.append(column)
+    return tables
+
+
 def save_items(path, items, meta, writer=True):
     """Write tensors ``items`` (``(client, name)`` pairs) and ``meta`` as checkpoint
-    directory ``path``; each client writes its own (a dynamic table's entry holds its
-    keys and every column, optimizer state included).
+    directory ``path``; each client writes its own shards, where they live.
+
+    A table and its optimizer states (``<table>~opt~<state>`` items) make one entry: a
+    record per shard with a segment per column (and its keys, for a keyed table).
 
     One writer: call it from one process (the optimizer's collective ``save`` does, after
     a barrier); the servers write their shards in parallel. Not safe against a second
@@ -89,8 +113,8 @@ def save_items(path, items, meta, writer=True):
     Args:
         path: the checkpoint directory (made if missing; an earlier checkpoint there is
             replaced only once this one is complete).
-        items: ``(client, name)``: a tensor and the
-            :class:`~distemb.kvstore.KVClient` holding it.
+        items: ``(client, name)``: a tensor (a table, or a table's optimizer state) and
+            the :class:`~distemb.kvstore.KVClient` holding it.
         meta: JSON-able metadata stored in the manifest (optimizer, steps, ...).
         writer: False on the other ranks of a collective client (its
             ``all_ranks_checkpoint``): they write their shards of every item, in the same
@@ -107,10 +131,10 @@ def save_items(path, items, meta, writer=True):
     os.makedirs(path, exist_ok=True)
     save_id = uuid.uuid4().hex
     tensors = {}
-    for client, name in items:
-        if client.data_meta(name) is None:
-            raise DistEmbError(f"save: no tensor {name!r} in the KVStore")
-        tensors[name] = client.checkpoint_entry(name, path, save_id)
+    for table, (client, columns) in table_columns(items).items():
+        if client.data_meta(table) is None:
+            raise DistEmbError(f"save: no table {table!r} in the KVStore")
+        tensors[table] = client.save_table(table, path, save_id, columns)
     if not writer:
         return
     manifest = dict(meta, format=FORMAT, version=VERSION, save_id=save_id,
@@ -131,7 +155,7 @@ def save_items(path, items, meta, writer=True):
 
 def _remove_unreferenced(path, manifest):
     """Delete segment files the manifest does not list (earlier saves, dead saves)."""
-    keep = {seg["file"] for t in manifest["tensors"].values() for seg in t["segments"]}
+    keep = {f for entry in manifest["tensors"].values() for f in entry_files(entry)}
     for name in os.listdir(path):
         base = name[:-4] if name.endswith(".tmp") else name
         if SEGMENT_FILE.match(base) and name not in keep:
@@ -160,24 +184,23 @@ def read_meta(path):
 
 
 def restore(path, client, names):
-    """Load the saved rows of ``names`` into ``client`` (any partitioning). Returns the
+    """Load the saved rows of ``names`` (tables, and optimizer states as
+    ``<table>~opt~<state>``) into ``client``, under any partitioning. Returns the
     checkpoint's metadata.
 
     Raises:
-        DistEmbError: no such tensor, another shape, or a corrupt or missing segment.
+        DistEmbError: no such table or column, other rows, or a corrupt or missing
+            segment.
     """
     meta = read_meta(path)
     if not os.path.isdir(path):
         return _restore_npz(path, client, names, meta)
     path = os.path.abspath(path)
-    for name in names:
-        entry = meta["tensors"].get(name)
-        if entry is None:
-            raise DistEmbError(f"{path}: has no tensor {name!r} (has "
-                               f"{sorted(meta['tensors'])[:10]})")
-        if client.data_meta(name) is None:
-            raise DistEmbError(f"{path}: tensor {name!r} is not in the live store")
-        client.restore_entry(name, path, entry)
+    for table, (_, columns) in table_columns([(client, n) for n in names]).items():
+        entry = table_entry(meta, table, path)
+        if client.data_meta(table) is None:
+            raise DistEmbError(f"{path}: table {table!r} is not in the live store")
+        client.load_table(table, path, entry, columns)
     return meta
 
 

@@ -239,7 +239,8 @@ class ClusterConfig(Schema):
         (True, 'sync')
     """
 
-    job_id: str = option(help="names the job's shared-memory files", validator=non_empty)
+    job_id: str = option(help="names the job (and its shared-memory files in /proc/<pid>/maps)",
+                         validator=non_empty)
     servers: Tuple[ServerEntry, ...] = option(
         help="server i owns partitions p with p % len(servers) == i", validator=non_empty)
     num_trainers: int = option(help="trainer processes in the job (> 0)",
@@ -251,8 +252,8 @@ class ClusterConfig(Schema):
         Consistency.SYNC, help="'sync' (step waits for every server), 'sync_exact' "
         "(trainers' pushes of one step summed, applied once) or 'async' (no wait)")
     shared_memory: bool = option(
-        True, help="trainers pull from co-located servers' shards through /dev/shm and "
-        "hand them updates and pushes there")
+        True, help="trainers reach a server on their machine over its local socket, pull "
+        "from its shards in shared memory and hand it updates and pushes there")
     timeout_s: float = option(60.0, help="seconds before a silent server is an error",
                               validator=positive)
     max_message_bytes: int = option(

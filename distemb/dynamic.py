@@ -39,8 +39,8 @@ class StoreEmbedding(DistEmbedding):
     Use it for a file-backed table (``FileStore``: larger than RAM, persistent) or any
     store; :class:`DynamicEmbedding` is the hash-keyed one. Ids are the store's keys.
     A store object lives in this process (embedded only); a spec
-    (:class:`~distemb.stores.spec.FileTableSpec`, :class:`~distemb.stores.spec.
-    HashTableSpec`) also runs on a cluster's servers, each making its own shard's store
+    (:class:`~distemb.stores.file.FileTableSpec`,
+    :class:`~distemb.stores.hash.HashTableSpec`) also runs on a cluster's servers, each making its own shard's store
     (a file table's shards hold ranges of its keys, under ``path/part-<p>-of-<S>``).
 
     Args:

@@ -16,8 +16,8 @@ the config path must be on a shared file system) and ``mpirun`` (ranks < S*machi
 servers, the rest trainers). ``--dry-run`` prints the exact commands. If a process fails,
 or on Ctrl-C, every child is stopped by PID. If the launcher itself dies, even by SIGKILL,
 the kernel stops its local children (Linux parent-death signal), servers also notice they
-were orphaned (and remove the request slots of the trainers that died with it), and each
-remote process's guard reads end-of-file on its ssh session and stops it. Every
+were orphaned, and each remote process's guard reads end-of-file on its ssh session and
+stops it. Shared memory is memory files that die with the processes (no /dev/shm files). Every
 line a child writes is prefixed with its role and rank (``[server0]: ``, ``[trainer1]: ``).
 The config carries a fresh job token: a process outside the job cannot join it.
 
@@ -45,7 +45,6 @@ from distemb.enums import Choice, Consistency, Role, Transport
 from distemb.errors import ConfigError, DistEmbError
 from distemb.partition import load_policies
 from distemb.schema import default_of, help_of
-from distemb.transport.shm import SHM_DIR, remove_orphans
 
 DEFAULT_PORT = 30050
 STOP_GRACE_S = 5.0
@@ -257,9 +256,9 @@ def _relay(stream, prefix, out, lock):
 class Supervisor:
     """Children of the launcher: started, watched, and stopped by PID.
 
-    Children started with ``local=True`` die with the launcher: servers get SIGTERM (they
-    remove their shared memory), trainers SIGKILL (they hold nothing to clean up, and a
-    user's SIGTERM handler must not keep them alive). Their output is relayed line by line
+    Children started with ``local=True`` die with the launcher: servers get SIGTERM (file
+    tables flush), trainers SIGKILL (they hold nothing to clean up, and a user's SIGTERM
+    handler must not keep them alive). Their output is relayed line by line
     with a ``[role rank]: `` prefix once :meth:`relay_output` starts the readers (after
     the last fork: a fork while other threads run is unsafe).
     """
@@ -420,8 +419,6 @@ def run(args):
         for argv in commands or []:
             print(shlex.join(argv))
         return 0
-    if launcher == Launcher.LOCAL:
-        remove_orphans()  # shared memory of earlier jobs' servers that were SIGKILLed
     sup = Supervisor()
     try:
         if commands and launcher == Launcher.MPIRUN:
@@ -440,19 +437,6 @@ def run(args):
         return 130
     finally:
         sup.drain_output()
-        if launcher == Launcher.LOCAL:
-            remove_shm_files(cfg.job_id)
-
-
-def remove_shm_files(job_id):
-    """Remove shared-memory files a killed server or trainer of job ``job_id`` left."""
-    tags = (f"-{job_id}-s", f"-{job_id}-t")  # servers' shards, trainers' request slots
-    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else ():
-        if name.startswith("distemb-") and any(tag in name for tag in tags):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass  # its server removed it meanwhile
 
 
 def _interrupt(signum, frame):

@@ -4,16 +4,17 @@ Holds the shards of the partitions it owns (p % num_servers == N) with the numpy
 only (this module and everything it imports never import torch), serves the protocol of
 :mod:`distemb.transport.messages` over the configured transport, and exits 0 once every
 trainer has said goodbye, on SIGTERM/SIGINT/SIGHUP, or when its parent process (the
-launcher) is gone. Shared-memory shard files are removed on every exit Python can catch
-(atexit, the signal handlers); those of a SIGKILLed server are removed by the next launch.
+launcher) is gone. With shared memory on it also listens on its local socket, where the
+trainers of its machine connect; its shards are memory files that vanish with the last
+process mapping them, so nothing of the job outlives its processes, however they die.
 
 Example (normally started by ``distemb-launch``)::
 
     python -m distemb.server --config cluster.json --server-id 0
 """
 import argparse
-import atexit
 import os
+import resource
 import signal
 import sys
 import threading
@@ -24,17 +25,18 @@ from distemb.errors import DistEmbError
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.service import KVService
 from distemb.transport import tcp
-from distemb.transport.shm import ShmArena, remove_job_orphans
+from distemb.transport.connections import local_address
+from distemb.transport.shm import ShmArena
 
 PARENT_POLL_S = 0.5
-#: How long a server whose launcher died waits for the job's trainers to die (killed by
-#: the kernel with the launcher) to remove their request slots.
-ORPHAN_WAIT_S = 5.0
 
 
 def build_service(cfg, server_id, stop):
     """The KVService of server ``server_id`` of ``cfg``; ``stop`` is set on the last BYE."""
-    arena = ShmArena(cfg.job_id, server_id) if cfg.shared_memory else None
+    # Shared memory reaches trainers over the local socket of the TCP transport (under
+    # MPI, co-located ranks exchange frames through MPI's own shared memory).
+    arena = ShmArena(cfg.job_id, server_id) if cfg.shared_memory and \
+        cfg.transport == Transport.TCP else None
     return KVService(KVServer(server_id, default_num_threads()), server_id, len(cfg.servers),
                      cfg.num_trainers, cfg.timeout_s, arena, stop.set, token=cfg.job_token,
                      max_request_bytes=cfg.max_message_bytes)
@@ -66,27 +68,28 @@ def run(cfg, server_id):
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    parent = os.getppid()
-    watch_parent(stop, parent)
+    watch_parent(stop, os.getppid())
+    # A descriptor per shared-memory shard: allow as many as the hard limit does.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard != resource.RLIM_INFINITY:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     service = build_service(cfg, server_id, stop)
-    if service.arena:
-        atexit.register(service.arena.close)  # exits that skip the finally below
     try:
         if cfg.transport == Transport.MPI:
             from distemb.transport import mpi  # mpi4py is an optional extra
             mpi.serve(service.handle, stop)
         else:
             entry = cfg.servers[server_id]
-            listener = tcp.listen(entry.host, entry.port)
-            tcp.serve(listener, service.handle, stop, cfg.max_message_bytes,
+            # The local socket first: a server that answers on TCP answers there too.
+            listeners = [tcp.listen_local(local_address(cfg, server_id))] \
+                if service.arena else []
+            listeners.append(tcp.listen(entry.host, entry.port))
+            tcp.serve(listeners, service.handle, stop, cfg.max_message_bytes,
                       timeout=cfg.timeout_s, idle_timeout=cfg.idle_timeout_s)
     finally:
         service.server.close()  # file-backed tables flush and unlock their directories
         if service.arena:
             service.arena.close()
-            # The request slots of the job's trainers that died: when the launcher died,
-            # the kernel is killing them right now (SIGKILL leaves their files behind).
-            remove_job_orphans(cfg.job_id, ORPHAN_WAIT_S if os.getppid() != parent else 0.0)
 
 
 def main(argv=None):

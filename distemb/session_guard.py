@@ -4,9 +4,8 @@ With ``--launcher ssh`` every remote process runs under this guard, whose stdin 
 ssh session's: the launcher keeps a pipe to each ``ssh`` open and never writes it, so
 when the launcher dies (even by SIGKILL), or ssh or its connection does, the remote
 side reads end-of-file. The guard then stops CMD's whole process group (SIGTERM, and
-SIGKILL after :data:`GRACE_S` s) and removes the shared-memory files CMD's processes
-left (a trainer's request slots, named after its pid), so nothing of the job stays on
-the remote machine. SIGTERM, SIGINT and SIGHUP to the guard are passed on to CMD; CMD's
+SIGKILL after :data:`GRACE_S` s), so nothing of the job stays on the remote machine
+(its shared memory is memory files, freed with the last process that maps them). SIGTERM, SIGINT and SIGHUP to the guard are passed on to CMD; CMD's
 own stdin is /dev/null; the guard exits with CMD's exit code (128 + N after signal N).
 
 Example::
@@ -18,8 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-
-from distemb.transport.shm import remove_orphans
 
 GRACE_S = 5.0
 
@@ -58,7 +55,6 @@ def main(argv=None):
         signal.signal(sig, lambda signum, _: _stop(child, signum))
     threading.Thread(target=_watch_stdin, args=(child,), daemon=True).start()
     code = child.wait()
-    remove_orphans()  # CMD's files (it is gone now), and any other dead process's
     return code if code >= 0 else 128 - code
 
 

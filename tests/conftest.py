@@ -153,8 +153,8 @@ class TwoTrainers:
 
     COLLECTIVE = ("init_data", "create_table", "init_optimizer", "barrier")
     EITHER = ("push", "remove", "contains", "get", "evict", "size", "export", "import_",
-              "flush", "table_state", "load_table_state", "checkpoint_entry",
-              "restore_entry", "save_tensor", "load_tensor", "capacity")
+              "flush", "table_state", "load_table_state", "save_table", "load_table",
+              "capacity")
 
     def __init__(self, trainers):
         self.trainers = list(trainers)

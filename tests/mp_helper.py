@@ -78,6 +78,29 @@ def cluster_dict(num_servers, num_trainers=1, **fields):
     return raw
 
 
+def memory_files(pid, job):
+    """Names of the memory files (sealed memfd segments) of job ``job`` that process
+    ``pid`` holds, by a descriptor or a mapping; empty once the process is gone."""
+    tag, names = f"/memfd:distemb-{job}-", set()
+    try:
+        for n in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                names.add(os.readlink(f"/proc/{pid}/fd/{n}"))
+            except OSError:
+                pass  # closed meanwhile (or the listing's own descriptor)
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            names.update(line.split(None, 5)[-1].strip() for line in f)
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return sorted(n.split(" (deleted)")[0][len("/memfd:"):] for n in names
+                  if n.startswith(tag))
+
+
+def shm_files(job):
+    """Files of job ``job`` in /dev/shm (distemb makes none: its segments are memfds)."""
+    return sorted(n for n in os.listdir("/dev/shm") if job in n)
+
+
 def write_json(path, raw):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(raw, f)

@@ -50,7 +50,12 @@ def test_embedded_round_trip_and_reshard_to_hash_partitions(tmp_path):
     fill(src, "w~opt~row_step", steps, range_policy(1000, 2), "int64")
     checkpoint.save(tmp_path / "ck", src, ["w", "w~opt~row_step"], {"steps": {"w": 3}})
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
-    assert [len(t["segments"]) for t in manifest["tensors"].values()] == [2, 2]
+    # one entry per table: a record per shard, a segment per column (weight and state)
+    assert list(manifest["tensors"]) == ["w"] and manifest["version"] == 3
+    shards = manifest["tensors"]["w"]["shards"]
+    assert [s["part"] for s in shards] == [0, 1] and [s["count"] for s in shards] == [500, 500]
+    assert all(sorted(s["columns"]) == ["row_step", "weight"] and s["keys"] is None
+               for s in shards)
     assert manifest["steps"] == {"w": 3} and manifest["tensors"]["w"]["dtype"] == "float32"
     dst = LocalKVClient()
     dst.init_data("w", (1000, 8), "float32", hash_policy(1000, 3))
@@ -84,15 +89,24 @@ def test_corrupt_truncated_or_mismatched_checkpoints_are_refused(tmp_path):
         f.seek(17)
         f.write(b"\xff")
     with pytest.raises(KVStoreError, match="block 0 of segment .* is corrupt"):
-        kv.load_tensor("w", str(tmp_path / "ck"))
+        checkpoint.restore(tmp_path / "ck", kv, ["w"])
     other = LocalKVClient()
     other.init_data("w", (100, 5), "float32", range_policy(100))
-    with pytest.raises(DistEmbError, match=r"has shape \(100, 4\), expected "
-                                           r"\(100, 5\)"):
+    with pytest.raises(DistEmbError, match=r"column 'weight' was saved as rows \(4,\) "
+                                           r"float32, the live one has rows \(5,\)"):
         checkpoint.restore(tmp_path / "ck", other, ["w"])
+    fewer = LocalKVClient()
+    fewer.init_data("w", (99, 4), "float32", range_policy(99))
+    with pytest.raises(DistEmbError, match="saved with 100 rows, the live one has 99"):
+        checkpoint.restore(tmp_path / "ck", fewer, ["w"])
+    stateful = LocalKVClient()
+    stateful.init_data("w", (100, 4), "float32", range_policy(100))
+    stateful.init_data("w~opt~sum", (100, 4), "float32", range_policy(100))
+    with pytest.raises(DistEmbError, match="column 'sum' was not saved"):
+        checkpoint.restore(tmp_path / "ck", stateful, ["w", "w~opt~sum"])
     os.truncate(tmp_path / "ck" / seg, 8)
     with pytest.raises(KVStoreError, match="has 8 bytes, expected 800"):
-        kv.load_tensor("w", str(tmp_path / "ck"))
+        checkpoint.restore(tmp_path / "ck", kv, ["w"])
     os.remove(tmp_path / "ck" / "manifest.json")  # a save that never finished
     with pytest.raises(DistEmbError, match="not a distemb checkpoint"):
         checkpoint.read_meta(tmp_path / "ck")
@@ -105,14 +119,14 @@ def test_reshard_two_servers_to_three_servers_and_to_embedded(tmp_path):
         two = cluster(tmp_path, group, 2, "two")
         fill(two, "w", a, range_policy(5000, 2))
         checkpoint.save(tmp_path / "ck", two, ["w"], {"note": 1})
-        segs = checkpoint.read_meta(tmp_path / "ck")["tensors"]["w"]["segments"]
-        assert sorted(s["part"] for s in segs) == [0, 1]  # one per shard, by its server
+        shards = checkpoint.read_meta(tmp_path / "ck")["tensors"]["w"]["shards"]
+        assert sorted(s["part"] for s in shards) == [0, 1]  # one per shard, by its server
         three = cluster(tmp_path, group, 3, "three")
         three.init_data("w", (5000, 16), "float32", range_policy(5000, 3))
         three.init_data("h", (5000, 16), "float32", hash_policy(5000, 6))
         checkpoint.restore(tmp_path / "ck", three, ["w"])
         np.testing.assert_array_equal(three.pull("w", np.arange(5000)), a)
-        with pytest.raises(DistEmbError, match="has no tensor 'h'"):
+        with pytest.raises(DistEmbError, match="has no table 'h'"):
             checkpoint.restore(tmp_path / "ck", three, ["h"])
         for kv in (two, three):
             kv.close()

@@ -106,10 +106,11 @@ def test_checkpoint_of_two_ranks_loads_embedded_and_into_three_ranks(tmp_path):
     run_job(first, 2, "--steps", "8", "--save", str(ck))
     with open(ck / "adam" / "manifest.json", encoding="utf-8") as f:
         tensors = json.load(f)["tensors"]
-    for name in ("coll-adam", "coll-adam~opt~exp_avg"):  # one segment per rank, each file there
-        segs = tensors[name]["segments"]
-        assert sorted(s["part"] for s in segs) == [0, 1], name
-        assert all(os.path.isfile(ck / "adam" / s["file"]) for s in segs), name
+    shards = tensors["coll-adam"]["shards"]  # one record per rank, each file there
+    assert sorted(s["part"] for s in shards) == [0, 1]
+    for col in ("weight", "exp_avg"):
+        segs = [s["columns"][col]["segment"] for s in shards]
+        assert all(os.path.isfile(ck / "adam" / s["file"]) for s in segs), col
     # W ranks -> one process: the embedded job after the same 8 steps
     assert_embedded = job.oracle(0, 1, load=str(ck))
     after8 = job.oracle(8, 2)

@@ -4,7 +4,6 @@ with the message classes (so they reach validation) plus 140 of raw garbage. The
 must answer each with an error (or a reply), keep serving the real trainers, and exit
 only when they say goodbye."""
 import io
-import os
 import re
 import socket
 import struct
@@ -15,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from mp_helper import ProcessGroup, cluster_dict, write_json
+from mp_helper import ProcessGroup, cluster_dict, memory_files, shm_files, write_json
 
 from distemb.config import parse_cluster_config
 from distemb.errors import TransportError
@@ -23,12 +22,13 @@ from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
 from distemb.transport.base import HEADER, MAGIC, VERSION, encode_head, parse_descriptors, \
     parse_header
+from distemb.transport import tcp
+from distemb.transport.connections import local_address
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, OptInit, Pull,
                                         Push, Service, ShmInfo, Update)
 from distemb.transport.tcp import TcpConnection
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-SHM = "/dev/shm"
 
 
 class Server:
@@ -49,10 +49,16 @@ class Server:
         self.real.init_data(name, (rows, dim), "float32", range_policy(rows))
         t.join(30)
 
-    def connect(self, hello_rank=1, token=None):
+    def connect(self, hello_rank=1, token=None, local=False):
+        """A connection (over TCP, or the server's local socket), after a Hello."""
         entry = self.cfg.servers[0]
-        conn = TcpConnection(socket.create_connection((entry.host, entry.port), timeout=10),
-                             timeout=10, peer="fuzzer")
+        if local:
+            conn = tcp.connect(entry.host, entry.port, 10, peer="fuzzer",
+                               local=local_address(self.cfg, 0))
+            assert conn.passes_fds, "the server's local socket is not reachable"
+        else:
+            conn = TcpConnection(socket.create_connection((entry.host, entry.port),
+                                                          timeout=10), timeout=10, peer="fuzzer")
         if hello_rank is not None:
             conn.send(Hello(rank=hello_rank, token=self.cfg.job_token if token is None
                             else token).encode())
@@ -60,7 +66,9 @@ class Server:
         return conn
 
     def shm_files(self):
-        return sorted(n for n in os.listdir(SHM) if f"-{self.cfg.job_id}-" in n)
+        """The job's shared memory: the server's memory files, and any file of the job in
+        /dev/shm (there should be none)."""
+        return memory_files(self.proc.pid, self.cfg.job_id) + shm_files(self.cfg.job_id)
 
     def finish(self, group):
         """Both real trainers say goodbye; the server must exit 0 with no traceback."""
@@ -71,6 +79,13 @@ class Server:
         assert "Traceback" not in out and "Exception in thread" not in out, out
         assert self.shm_files() == []
         return out
+
+
+def SpecCreate(name, flags=0, **fields):
+    """The Create of table ``name`` from a spec's fields (``spec.fields()``, each one a
+    keyword: fuzzers replace them one by one)."""
+    return Create(name=name, flags=flags, dtype="", row_shape=[], parts=[], part_rows=[],
+                  spec=fields)
 
 
 def ask(conn, msg):

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from mp_helper import ProcessGroup
-from test_hostile import BAD_VALUES, NAMES, Server, _array, ask, closed_after_error
+from test_hostile import (BAD_VALUES, NAMES, Server, SpecCreate, _array, ask,
+                          closed_after_error)
 
 from distemb.rules import AdagradHyper
 from distemb.stores import key_normal
 from distemb.stores.spec import HashTableSpec
-from distemb.transport.messages import (OptInit, Pull, Push, Service, StoreCreate,
-                                        StoreExport, StoreInfo, StoreLoad, StoreRead,
-                                        StoreRemove, StoreSave, Update)
+from distemb.transport.messages import (Export, Get, Info, Load, OptInit, Pull, Push,
+                                        Remove, Save, Service, Update)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -25,19 +25,20 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 def hostile_store_message(rng, tmp):
     keys = np.array([3, -7, 2 ** 40], np.int64)
     valid = {
-        StoreCreate: dict(HashTableSpec(4, init=key_normal(4)).fields()),
+        SpecCreate: dict(HashTableSpec(4, init=key_normal(4)).fields()),
         OptInit: dict(rule="adagrad", options={"initial_accumulator_value": 0.0}, parts=[0]),
         Pull: dict(parts=[0], counts=[3], ids=keys),
-        StoreRead: dict(mode="get", column="weight", ids=keys),
+        Get: dict(mode="get", column="weight", ids=keys),
         Push: dict(parts=[0], counts=[3], ids=keys, values=np.ones((3, 4), np.float32)),
-        StoreRemove: dict(ids=keys),
+        Remove: dict(ids=keys),
         Update: dict(rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10}, seq=1,
                      exact=False, parts=[0], counts=[3], ids=keys,
                      grads=np.ones((3, 4), np.float32)),
-        StoreInfo: dict(evict_to=1, policy="lfu"),
-        StoreExport: dict(start=0, count=10, columns=[]),
-        StoreSave: dict(directory=str(tmp), save_id="ab12cd34"),
-        StoreLoad: dict(directory=str(tmp)),
+        Info: dict(evict_to=1, policy="lfu"),
+        Export: dict(start=0, count=10, columns=[]),
+        Save: dict(directory=str(tmp), save_id="ab12cd34", parts=[0], starts=[], steps=[],
+                   columns=[]),
+        Load: dict(directory=str(tmp), parts=[0], starts=[], steps=[], columns=[]),
     }
     cls = list(valid)[rng.integers(len(valid))]
     kw = dict(valid[cls])
@@ -45,7 +46,7 @@ def hostile_store_message(rng, tmp):
         if rng.random() < 0.4:
             kw[key] = _array(rng) if isinstance(kw[key], np.ndarray) else \
                 BAD_VALUES[rng.integers(len(BAD_VALUES))]
-    if cls is StoreCreate and rng.random() < 0.3:
+    if cls is SpecCreate and rng.random() < 0.3:
         kw["dim"] = [0, -1, 1 << 40, 1 << 20, 5][rng.integers(5)]
     if cls is Update and kw.get("exact") is True:
         kw["exact"] = "yes"  # a legitimate exact step would wait for the other trainer

@@ -142,10 +142,11 @@ def test_a_checkpoint_load_replaces_the_keys(client, tmp_path):
                        AdagradHyper(clr=0.1, eps=1e-10))
     before = client.export(t.name)
     path = str(tmp_path / "ck")
-    checkpoint.save_items(path, [(client, t.name)], {"note": "suite"})
+    names = [t.name, f"{t.name}~opt~sum"]  # the table and its optimizer state
+    checkpoint.save_items(path, [(client, n) for n in names], {"note": "suite"})
     client.remove(t.name, keys[:3])
     client.pull(t.name, np.array([42]))  # a key the checkpoint does not have: gone after
-    checkpoint.restore(path, client, [t.name])
+    checkpoint.restore(path, client, names)
     after = client.export(t.name)
     np.testing.assert_array_equal(after[0], before[0])
     for c in before[1]:

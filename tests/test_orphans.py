@@ -1,5 +1,6 @@
-"""No orphans: a launcher killed by SIGKILL takes its servers and trainers with it, their
-shared memory goes too, and the next launch removes segments of servers that are gone."""
+"""No orphans: a launcher killed by SIGKILL takes its servers and trainers with it, and
+nothing of the job is left when its processes die however they die: its shared memory is
+sealed memory files (no /dev/shm file), freed with the last process that maps them."""
 import json
 import os
 import queue
@@ -11,13 +12,17 @@ import time
 
 import pytest
 
-from mp_helper import ProcessGroup, child_env, free_port
+import numpy as np
+
+from mp_helper import (ProcessGroup, child_env, cluster_dict, free_port, memory_files,
+                       shm_files, write_json)
 from ssh_helper import ssh_wrapper, start_sshd
 
-from distemb.transport.shm import remove_orphans
+from distemb.config import parse_cluster_config
+from distemb.kvstore.remote import RemoteKVClient
+from distemb.partition import range_policy
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-SHM = "/dev/shm"
 TRAINER = """
 import os, time, numpy as np, distemb
 from distemb.partition import range_policy
@@ -44,11 +49,13 @@ def lines_of(stream):
     return q
 
 
-def kill_launcher_and_check(group, tmp_path, extra=(), env=None):
-    """Start a 2 servers x 2 trainers job with distemb-launch (``extra`` arguments), wait
-    until both trainers pushed (through their request slots), SIGKILL the launcher, and
-    check that every server and trainer (by the PIDs they printed) and every file of the
-    job in /dev/shm is gone within 10 s."""
+def start_job(group, tmp_path, extra=(), env=None):
+    """Start a 2 servers x 2 trainers job with distemb-launch (``extra`` arguments) and
+    wait until both trainers pushed (through their request slots).
+
+    Returns:
+        (the launcher, the job id, {pid: "server"|"trainer"} of its four processes).
+    """
     ip = tmp_path / "ip.txt"
     ip.write_text(f"127.0.0.1 {free_port()}\n")
     cfg_path = tmp_path / "cluster.json"
@@ -64,31 +71,46 @@ def kill_launcher_and_check(group, tmp_path, extra=(), env=None):
             prefix, _, rest = line.partition(": READY ")
             ready[prefix] = [int(w) for w in rest.split()]
     assert sorted(ready) == ["[trainer0]", "[trainer1]"]  # lines carry role and rank
-    pids = {pid for pl in ready.values() for pid in pl}
-    assert len(pids) == 4  # two trainers, two servers
+    roles = {pids[0]: "trainer" for pids in ready.values()}
+    roles.update({pid: "server" for pids in ready.values() for pid in pids[1:]})
+    assert len(roles) == 4  # two trainers, two servers
     job = json.loads(cfg_path.read_text())["job_id"]
+    # The job's shared memory is memory files: each server holds its shards, each
+    # trainer maps them and a request slot per server; /dev/shm has nothing of it (issue
+    # 18: named files there stayed behind when their processes were SIGKILLed).
+    for pid, role in roles.items():
+        mine = memory_files(pid, job)
+        assert any("-s" in m and "-t" not in m for m in mine), (role, mine)  # shards
+        if role == "trainer":
+            assert len({m.rsplit("-", 1)[0] for m in mine if "-t" in m}) == 2, mine
+    assert shm_files(job) == [], shm_files(job)
+    return launcher, job, roles
 
-    def left():
-        return [n for n in os.listdir(SHM) if f"-{job}-" in n]
-    mine = left()
-    assert any(f"-{job}-s" in n for n in mine), f"the servers made no segments: {mine}"
-    # Each trainer's push went through a request slot per server (issue 18: these four
-    # files stayed after the launcher's SIGKILL).
-    assert len([n for n in mine if f"-{job}-t" in n]) == 4, mine
-    launcher.kill()
+
+def wait_gone(group, pids, job, what):
+    """Wait up to 30 s until every pid and every file of ``job`` is gone; kill what is
+    left (the test started it); assert it took less than 10 s."""
     start = time.monotonic()
-    while (not all(gone(p) for p in pids) or left()) and time.monotonic() - start < 30:
+    while (not all(gone(p) for p in pids) or shm_files(job)) and \
+            time.monotonic() - start < 30:
         time.sleep(0.02)
     elapsed = time.monotonic() - start
-    files = left()
+    files = shm_files(job)
     running = [p for p in pids if not gone(p)]
     for p in running:  # ours (the test started their launcher): do not leak them
         os.kill(p, signal.SIGKILL)
-    print(f"{' '.join(extra) or 'local'}: {elapsed:.2f} s after SIGKILL of the launcher, "
-          f"{len(running)} of its 4 children running and {len(files)} of the job's "
-          f"{len(mine)} files in {SHM} left")
-    assert not running, f"still running {elapsed:.1f} s after the launcher died: {running}"
+    print(f"{what}: {elapsed:.2f} s after the SIGKILL, {len(running)} of the job's "
+          f"{len(pids)} processes running and {len(files)} of its files in /dev/shm")
+    assert not running, f"still running {elapsed:.1f} s after the SIGKILL: {running}"
     assert elapsed < 10 and files == [], (elapsed, files)
+
+
+def kill_launcher_and_check(group, tmp_path, extra=(), env=None):
+    """SIGKILL the launcher of a running 2x2 job: every server and trainer (by the PIDs
+    they printed) is gone within 10 s, and nothing of the job is in /dev/shm."""
+    launcher, job, roles = start_job(group, tmp_path, extra, env)
+    launcher.kill()
+    wait_gone(group, list(roles), job, f"{' '.join(extra) or 'local'} launcher")
 
 
 def test_sigkill_of_the_launcher_stops_every_child_within_10_s(tmp_path):
@@ -108,40 +130,48 @@ def test_sigkill_of_an_ssh_launcher_stops_the_remote_processes_within_10_s(tmp_p
                                 child_env(PATH=bindir + os.pathsep + os.environ["PATH"]))
 
 
-def test_launch_removes_segments_of_servers_that_are_gone(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # a pid that no longer runs (reaped)
-    stale = os.path.join(SHM, f"distemb-p{dead.pid}-testjob{free_port()}-s0-0")
-    live = os.path.join(SHM, f"distemb-p{os.getpid()}-testjob{free_port()}-s0-0")
-    for path in (stale, live):
-        with open(path, "wb") as f:
-            f.write(b"x")
-    try:
-        removed = remove_orphans(SHM)
-        assert stale in removed and not os.path.exists(stale)
-        assert os.path.exists(live), "a segment of a live server must stay"
-    finally:
-        for path in (stale, live):
-            if os.path.exists(path):
-                os.unlink(path)
+def test_sigkill_of_every_process_of_a_job_at_once_leaves_nothing(tmp_path):
+    """The launcher, both servers and both trainers SIGKILLed at the same moment: no
+    process gets to clean anything up, and nothing of the job is left (named files in
+    /dev/shm used to stay until another job's launch removed them)."""
+    with ProcessGroup() as group:
+        launcher, job, roles = start_job(group, tmp_path)
+        for pid in [launcher.pid, *roles]:
+            os.kill(pid, signal.SIGKILL)
+        wait_gone(group, list(roles), job, "every process")
 
 
-def test_the_request_slots_of_a_killed_trainer_are_orphans_too(tmp_path):
-    """A trainer killed with SIGKILL leaves its request slots in /dev/shm; they carry its
-    pid, so the next launch's cleanup removes them (they used to stay for good)."""
-    job = f"testjob{free_port()}"
-    code = ("import os, numpy as np; from distemb.transport.shm import RequestSlot; "
-            f"s = RequestSlot({job!r}, 0, 0, {SHM!r}); path, _ = s.write([np.arange(4)]); "
-            "print(path, flush=True); os._exit(0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True)
-    path = out.stdout.strip()
-    try:
-        assert os.path.exists(path) and os.path.basename(path).startswith("distemb-p")
-        assert path in remove_orphans(SHM) and not os.path.exists(path)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+def test_a_killed_trainers_slot_is_released_by_its_server(tmp_path):
+    """A trainer killed by SIGKILL cannot say goodbye: the server drops its mapping of
+    the trainer's request slot when the connection ends, so the slot's memory goes."""
+    raw = cluster_dict(1, shared_memory=True, timeout_s=20.0)
+    code = ("import json, os, sys, time, numpy as np\n"
+            "from distemb.config import parse_cluster_config\n"
+            "from distemb.kvstore.remote import RemoteKVClient\n"
+            "from distemb.partition import range_policy\n"
+            "kv = RemoteKVClient(parse_cluster_config(json.load(open(sys.argv[1]))), 0)\n"
+            "kv.init_data('t', (10, 2), 'float32', range_policy(10))\n"
+            "kv.push('t', np.arange(10), np.ones((10, 2), np.float32))\n"
+            "print('READY', flush=True)\ntime.sleep(300)\n")
+    with ProcessGroup() as group:
+        path = write_json(tmp_path / "c.json", raw)
+        server = group.spawn_servers(path, 1)[0]
+        trainer = group.spawn([sys.executable, "-c", code, path], expect=None)
+        assert trainer.stdout.readline().strip() == "READY"
+        slot = f"distemb-{raw['job_id']}-t0-s0-0"
+        assert slot in memory_files(server.pid, raw["job_id"])  # the server maps it
+        trainer.kill()
+        start = time.monotonic()
+        while slot in memory_files(server.pid, raw["job_id"]) and \
+                time.monotonic() - start < 10:
+            time.sleep(0.02)
+        assert slot not in memory_files(server.pid, raw["job_id"])
+        # the server serves on: the table, in its own memory file, is intact
+        kv = RemoteKVClient(parse_cluster_config(raw), 0)
+        kv.init_data("t", (10, 2), "float32", range_policy(10))
+        assert (kv.pull("t", np.arange(10)) == 1).all()
+        kv.close()
+        assert group.wait_all(30)[server.pid] is not None
 
 
 def test_the_session_guard_stops_its_command_when_stdin_closes_and_passes_its_exit_code():
@@ -191,4 +221,4 @@ def test_a_job_launched_over_ssh_runs_to_completion_under_its_guards(tmp_path):
         out, _ = launcher.communicate(timeout=90)  # (the sshd runs on)
     assert launcher.returncode == 0 and out.count("ROWS 20.0") == 2, out
     job = json.loads((tmp_path / "c.json").read_text())["job_id"]
-    assert [n for n in os.listdir(SHM) if f"-{job}-" in n] == []
+    assert shm_files(job) == []

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 
 from mp_helper import ProcessGroup
-from test_hostile import Server, ask, closed
+from test_hostile import Server, SpecCreate, ask, closed
 
 from distemb.kvstore.limits import check_request
 from distemb.stores.spec import FileTableSpec, HashTableSpec
 from distemb.transport.base import HEADER, MAGIC, VERSION
-from distemb.transport.messages import (Create, Hello, Load, Pull, Push, Service, StoreCreate,
-                                        StoreExport, StoreInfo, StoreLoad, StoreRead,
-                                        VersionedPull)
+from distemb.transport.messages import (Create, Export, Get, Hello, Info, Load, Pull, Push,
+                                        Service, VersionedPull)
 from distemb.transport.tcp import MAX_HELLO_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -64,22 +63,22 @@ def test_requests_over_the_limit_are_refused_before_the_server_allocates(tmp_pat
                                         states=[]))
         assert fresh.service == Service.REPLY and fresh.arrays[2].shape == (0, WIDE)
         # A lookup in a dynamic table would insert 1.25 MiB of rows: refused, none inserted.
-        assert ask(conn, StoreCreate(name="dyn", **HashTableSpec(WIDE).fields())
+        assert ask(conn, SpecCreate(name="dyn", **HashTableSpec(WIDE).fields())
                    ).service == Service.REPLY
         assert refused(ask(conn, Pull(name="dyn", parts=[0], counts=[5], ids=ids)))
-        assert ask(conn, StoreInfo(name="dyn")).fields["size"] == 0
+        assert ask(conn, Info(name="dyn")).fields["size"] == 0
         for k in range(5):  # 5 keys, pushed one at a time (each frame under the limit)
             ask(conn, Push(name="dyn", parts=[0], counts=[1], ids=ids[k:k + 1],
                            values=np.full((1, WIDE), k, np.float32)))
-        assert ask(conn, StoreInfo(name="dyn")).fields["size"] == 5
-        assert refused(ask(conn, StoreRead(name="dyn", mode="get", column="weight", ids=ids)))
-        assert refused(ask(conn, StoreExport(name="dyn", start=0, count=10, columns=[])))
-        part = ask(conn, StoreExport(name="dyn", start=2, count=10, columns=[]))
+        assert ask(conn, Info(name="dyn")).fields["size"] == 5
+        assert refused(ask(conn, Get(name="dyn", mode="get", column="weight", ids=ids)))
+        assert refused(ask(conn, Export(name="dyn", start=0, count=10, columns=[])))
+        part = ask(conn, Export(name="dyn", start=2, count=10, columns=[]))
         assert part.service == Service.REPLY and part.arrays[1].shape == (3, WIDE)
         assert part.arrays[1][:, 0].tolist() == [2.0, 3.0, 4.0]
         # A file table whose shard the disk cannot hold, preallocated: refused up front.
         spec = FileTableSpec(str(tmp_path / "ft"), 1 << 40, 4)
-        frame = ask(conn, StoreCreate(name="ft", **spec.fields()))
+        frame = ask(conn, SpecCreate(name="ft", **spec.fields()))
         assert refused(frame, "bytes on disk"), frame.fields
         assert not (tmp_path / "ft").exists()
         # A header claiming 2**40 ids: refused by the frame limit, the connection closed.
@@ -134,11 +133,12 @@ def test_a_keyed_checkpoint_bigger_than_the_machine_is_refused_before_it_is_read
     with ProcessGroup() as group:
         srv = Server(tmp_path, group)
         conn = srv.connect()
-        assert ask(conn, StoreCreate(name="dyn", **HashTableSpec(4).fields())
+        assert ask(conn, SpecCreate(name="dyn", **HashTableSpec(4).fields())
                    ).service == Service.REPLY
-        frame = ask(conn, StoreLoad(name="dyn", directory=str(tmp_path / "ck")))
+        frame = ask(conn, Load(name="dyn", directory=str(tmp_path / "ck"), parts=[0], starts=[],
+                               steps=[]))
         assert refused(frame, "load of 137,438,953,472 keys into 'dyn': needs"), frame.fields
-        assert ask(conn, StoreInfo(name="dyn")).fields["size"] == 0
+        assert ask(conn, Info(name="dyn")).fields["size"] == 0
         srv.finish(group)
 
 
@@ -156,9 +156,11 @@ def test_a_segment_whose_blocks_exceed_the_machine_is_refused_before_one_is_read
     shutil.copytree(tmp_path / "ck", ck)
     try:
         manifest = json.loads(open(f"{ck}/manifest.json", encoding="utf-8").read())
-        (seg,) = manifest["tensors"]["w"]["segments"]
+        (rec,) = manifest["tensors"]["w"]["shards"]
+        seg = rec["columns"]["weight"]["segment"]
         n = 1 << 46
         seg.update(count=n, block_rows=n // 256, crc32=[0] * 256)
+        rec["count"] = n
         os.truncate(f"{ck}/{seg['file']}", n * 16)
         with open(f"{ck}/manifest.json", "w", encoding="utf-8") as f:
             json.dump(manifest, f)

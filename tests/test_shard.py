@@ -1,11 +1,13 @@
 """ShardTable, the one shard type: its lock, seqlock counters and row versions, over every
 store kind, and KVServer's shards as ShardTables (state arrays as columns of their table)."""
+import gc
 import os
 import threading
 import time
 
 import numpy as np
 import pytest
+from mp_helper import memory_files
 
 from distemb.errors import KVStoreError
 from distemb.kvstore.server import KVServer
@@ -178,21 +180,22 @@ def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
 
 def test_reserved_state_names_and_non_finite_initial_state_are_refused():
     """Issue 18: '~opt~' names optimizer state, so no table may be created with it (on
-    the wire, by StoreCreate, or by the API); an OptInit with a NaN or infinite initial
+    the wire, by SpecCreate, or by the API); an OptInit with a NaN or infinite initial
     value is refused before any state is made."""
     import math
 
     import distemb
     from distemb.kvstore.service import KVService
     from distemb.stores.spec import HashTableSpec
-    from distemb.transport.messages import Create, OptInit, Service, StoreCreate
+    from distemb.transport.messages import Create, OptInit, Service
+    from test_hostile import SpecCreate
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
 
     def ask(msg):
         return svc.handle(msg.encode())
     for msg in (Create(name="a~opt~b", dtype="float32", row_shape=[4], parts=[0],
                        part_rows=[5]),
-                StoreCreate(name="d~opt~sum", **HashTableSpec(4).fields())):
+                SpecCreate(name="d~opt~sum", **HashTableSpec(4).fields())):
         r = ask(msg)
         assert r.service == Service.ERROR and "reserved" in r.fields["message"], r.fields
     assert not svc.server.parts_of("a~opt~b") and not svc.server.parts_of("d~opt~sum")
@@ -216,7 +219,6 @@ def test_reserved_state_names_and_non_finite_initial_state_are_refused():
 def test_dropping_a_table_frees_its_arrays_and_its_optimizer_states():
     """A table's state shards are columns of its store: dropping the table must let go of
     every array (a server kept a deleted table's weight alive through its states)."""
-    import gc
     import weakref
     srv = KVServer()
     w, s = np.zeros((1000, 8), np.float32), np.zeros((1000, 8), np.float32)
@@ -233,14 +235,14 @@ def test_dropping_a_table_frees_its_arrays_and_its_optimizer_states():
     assert srv.has("U", 0)
 
 
-def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop(tmp_path):
+def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop():
     """The server's arena knows its arrays by identity: the shard a ShardTable holds must
-    be the arena's own array, or co-located trainers get no shm path (and read over
-    sockets) and a dropped table's file is never unlinked (its memory stays)."""
+    be the arena's own array, or co-located trainers get no segment (and read over
+    sockets) and a dropped table's memory file is never released (its memory stays)."""
     from distemb.kvstore.service import KVService
     from distemb.transport.messages import Create, Drop, OptInit, Service, ShmInfo
     from distemb.transport.shm import ShmArena
-    arena = ShmArena("idjob", 0, str(tmp_path))
+    arena = ShmArena("idjob", 0)
     svc = KVService(KVServer(), 0, 1, 1, arena=arena)
 
     def ask(msg):
@@ -249,12 +251,15 @@ def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop(tmp_path):
         return reply
     ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0], part_rows=[50]))
     ask(OptInit(name="T", rule="adagrad", options={}, parts=[0]))
-    paths = [ask(ShmInfo(name=n, parts=[0])).fields["paths"][0]
-             for n in ("T", state_name("T", "sum"))]
-    assert all(p and os.path.exists(p) for p in paths), paths
+    for n in ("T", state_name("T", "sum")):
+        reply = ask(ShmInfo(name=n, parts=[0]))
+        assert reply.fields["segments"] == [True] and len(reply.fds) == 1, reply.fields
+        os.close(reply.fds[0])
+    assert memory_files(os.getpid(), "idjob") == ["distemb-idjob-s0-0",
+                                                     "distemb-idjob-s0-1"]
     ask(Drop(name="T"))
-    assert not any(os.path.exists(p) for p in paths)
-    assert os.listdir(tmp_path) == []
+    gc.collect()  # the last views of the shards go: their mappings with them
+    assert memory_files(os.getpid(), "idjob") == []
     arena.close()
 
 

@@ -1,13 +1,22 @@
 """Co-located writes through shared memory: request slots, their reader, and the client path.
 
 A trainer on the machine of the owning server writes an update's (or a push's) arrays into
-its request slot in /dev/shm and sends a small InShm frame; the server views them in place
-and applies the request. The oracle is the reference update rule (and plain TCP).
+its request slot, a sealed memory file whose descriptor its first InShm frame carries over
+the server's local socket; the server maps it, views the arrays in place and applies the
+request. The oracle is the reference update rule (and plain TCP). Descriptors that are
+not sealed memory files of the declared size are refused before they are mapped.
 """
+import fcntl
+import mmap
 import os
+import socket
+import subprocess
+import tempfile
 
 import numpy as np
 import pytest
+
+from mp_helper import memory_files, shm_files
 
 from distemb.errors import TransportError
 from distemb.kernels import reference
@@ -17,25 +26,32 @@ from distemb.kvstore.service import KVService
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.stores.spec import HashTableSpec
-from distemb.transport import tcp
-from distemb.transport.base import Connection
+from distemb.transport.base import Connection, Session
+from distemb.transport.connections import local_address, open_connections
 from distemb.transport.messages import InShm, Push, Service
-from distemb.transport.shm import RequestSlot, ShmArena, SlotReader, create_private
+from distemb.transport.shm import SEALS, RequestSlot, ShmArena, SlotReader, attach
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def slot_dir(tmp_path):
-    return str(tmp_path)
+def sealed(size, seals=SEALS, flags=os.MFD_ALLOW_SEALING):
+    """A memory file of ``size`` bytes with ``seals`` (a read-write descriptor)."""
+    fd = os.memfd_create("test-slot", flags)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
 
 
-def test_slot_round_trip_then_growth_remaps(slot_dir):
-    slot, reader = RequestSlot("job", 3, 1, slot_dir), SlotReader("job", slot_dir)
+def test_slot_round_trip_then_growth_hands_over_a_new_file():
+    slot = RequestSlot("job", 3, 1)
     ids = np.array([5, 1, 9], np.int64)
     rows = np.arange(12, dtype=np.float32).reshape(3, 4)
-    path, layout = slot.write([ids, rows])
-    got = reader.arrays(path, layout)
+    layout = slot.write([ids, rows])
+    fd = slot.take_fd()
+    assert fd is not None and slot.take_fd() is None  # handed over once
+    reader = SlotReader(fd, slot.size)
+    got = reader.arrays(slot.size, layout)
     np.testing.assert_array_equal(got[0], ids)
     np.testing.assert_array_equal(got[1], rows)
     # ids are copied out of the slot (checked and used as one value: the trainer cannot
@@ -45,62 +61,180 @@ def test_slot_round_trip_then_growth_remaps(slot_dir):
     assert got[0].tolist() == [5, 1, 9]
     slot._map[layout[1][2]:layout[1][2] + 4] = np.frombuffer(np.float32(7).tobytes(), np.uint8)
     assert got[1][0, 0] == 7  # the float rows are read in place (no copy)
+    first = slot.size
     big = np.ones((1 << 18, 8), np.float32)  # 8 MiB: past the first file's size
-    path2, layout2 = slot.write([ids, big])
-    assert path2 != path and not os.path.exists(path)  # old generation unlinked
-    got = reader.arrays(path2, layout2)
-    np.testing.assert_array_equal(got[1], big)
+    layout2 = slot.write([ids, big])
+    assert slot.size > first
+    with pytest.raises(TransportError, match="the frame says"):
+        reader.arrays(slot.size, layout2)  # the server has not been given the new file
+    reader = SlotReader(slot.take_fd(), slot.size)
+    np.testing.assert_array_equal(reader.arrays(slot.size, layout2)[1], big)
     slot.close()
-    assert not os.path.exists(path2)
+    reader.close()
 
 
-@pytest.mark.parametrize("path,layout,match", [
-    ("/etc/passwd", [[4, [1], 0]], "not a request slot"),
-    ("{dir}/distemb-p1-otherjob-t0-s0-0123456789ab-0", [[4, [1], 0]], "not a request slot"),
-    ("{dir}/distemb-job-t0-s0-0123456789ab-0", [[4, [1], 0]], "not a request slot"),
-    ("{slot}", [[99, [1], 0]], "invalid descriptor"),
-    ("{slot}", [[4, [1], 8]], "invalid descriptor"),        # not aligned
-    ("{slot}", [[4, [-1], 0]], "invalid descriptor"),
-    ("{slot}", [[4, [1 << 40], 0]], "past the end"),
-    ("{slot}", "nope", "expected a list"),
+@pytest.mark.parametrize("layout,match", [
+    ([[99, [1], 0]], "invalid descriptor"),
+    ([[4, [1], 8]], "invalid descriptor"),        # not aligned
+    ([[4, [-1], 0]], "invalid descriptor"),
+    ([[4, [1 << 40], 0]], "past the end"),
+    ([[4, [1 << 40, 1 << 40, 1 << 40], 0]], "past the end"),  # no int64 overflow
+    ("nope", "expected a list"),
 ])
-def test_slot_reader_rejects_hostile_paths_and_layouts(slot_dir, path, layout, match):
-    slot, reader = RequestSlot("job", 0, 0, slot_dir), SlotReader("job", slot_dir)
-    real, _ = slot.write([np.arange(4)])
+def test_slot_reader_rejects_hostile_layouts(layout, match):
+    slot = RequestSlot("job", 0, 0)
+    slot.write([np.arange(4)])
+    reader = SlotReader(slot.take_fd(), slot.size)
     with pytest.raises(TransportError, match=match):
-        reader.arrays(path.format(dir=slot_dir, slot=real), layout)
+        reader.arrays(slot.size, layout)
+    with pytest.raises(TransportError, match="the frame says"):
+        reader.arrays(slot.size + 64, [[4, [1], 0]])
     slot.close()
+
+
+def hostile_fd(kind, tmp):
+    """(descriptor, size to declare) of each kind of hostile descriptor."""
+    size = 1 << 16
+    if kind == "disk file":
+        fd = os.open(os.path.join(tmp, "f"), os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+    elif kind == "/dev/shm file":
+        fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="test-harden-")
+        os.unlink(path)
+        os.ftruncate(fd, size)
+    elif kind == "unsealed memfd":
+        fd = sealed(size, 0)
+    elif kind == "memfd that cannot be sealed":
+        fd = sealed(size, 0, flags=0)
+    elif kind == "memfd sealed against shrinking only":
+        fd = sealed(size, fcntl.F_SEAL_SHRINK)
+    elif kind == "memfd that can still be unsealed":
+        fd = sealed(size, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    elif kind == "sealed memfd, declared larger":
+        fd, size = sealed(size), size + 64
+    elif kind == "sealed memfd, declared smaller":
+        fd, size = sealed(size), size - 64
+    elif kind == "empty sealed memfd":
+        fd, size = sealed(0), 0
+    elif kind == "huge-page memfd":
+        fd = os.memfd_create("test-huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size := 2 << 20)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    elif kind == "O_PATH of a sealed memfd":
+        inner = sealed(size)
+        fd = os.open(f"/proc/self/fd/{inner}", os.O_PATH)
+        os.close(inner)
+    elif kind == "write-only sealed memfd":
+        inner = sealed(size)
+        fd = os.open(f"/proc/self/fd/{inner}", os.O_WRONLY)
+        os.close(inner)
+    elif kind == "directory":
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    elif kind == "pipe":
+        fd, w = os.pipe()
+        os.close(w)
+    elif kind == "socket":
+        a, b = socket.socketpair()
+        fd = a.detach()
+        b.close()
+    elif kind == "/dev/zero":
+        fd = os.open("/dev/zero", os.O_RDONLY)
+    elif kind == "eventfd":
+        fd = os.eventfd(0)
+    return fd, size
+
+
+HOSTILE_FDS = {
+    "disk file": "cannot be sealed|seals 0x1$", "/dev/shm file": "seals 0x1$",
+    "unsealed memfd": "seals 0x0$", "memfd that cannot be sealed": "seals 0x1$",
+    "memfd sealed against shrinking only": "seals 0x2$",
+    "memfd that can still be unsealed": "seals 0x6$",
+    "sealed memfd, declared larger": "has 65536 bytes, the peer declared 65600",
+    "sealed memfd, declared smaller": "has 65536 bytes, the peer declared 65472",
+    "empty sealed memfd": "expected 1..", "huge-page memfd": "pages of 2097152 bytes",
+    "O_PATH of a sealed memfd": "cannot be sealed", "write-only sealed memfd": "cannot map",
+    "directory": "got a directory", "pipe": "got a pipe", "socket": "got a socket",
+    "/dev/zero": "got a character device", "eventfd": "got an anonymous or special file",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_FDS))
+def test_a_descriptor_that_is_not_a_sealed_slot_of_its_size_is_refused(tmp_path, kind):
+    """Only a memory file sealed against shrinking, growing and unsealing, of exactly the
+    declared size, is mapped: nothing else can shrink under the server (no SIGBUS) or
+    block it; the descriptor is closed either way."""
+    fd, size = hostile_fd(kind, str(tmp_path))
+    with pytest.raises(TransportError, match=HOSTILE_FDS[kind]):
+        SlotReader(fd, size)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the reader
+    if kind.startswith("sealed memfd"):  # the shard side checks the same way
+        with pytest.raises(TransportError, match="has 65536 bytes"):
+            attach(sealed(1 << 16), (2, (size - 64) // 8), "float32")
+
+
+def test_a_sealed_slot_cannot_shrink_or_grow_under_the_server():
+    """The truncation race of issue 18 cannot happen: the trainer's own descriptor may
+    not shrink or grow the file once it is sealed (the kernel says EPERM)."""
+    slot = RequestSlot("job", 0, 0)
+    layout = slot.write([np.arange(1 << 15, dtype=np.int64)])
+    ro = slot.take_fd()
+    rw = os.open(f"/proc/self/fd/{ro}", os.O_RDWR)  # as a hostile trainer would
+    reader = SlotReader(ro, slot.size)
+    for size in (0, 4096, slot.size + 4096):
+        with pytest.raises(PermissionError):
+            os.ftruncate(rw, size)
+    with pytest.raises(PermissionError):
+        fcntl.fcntl(rw, fcntl.F_ADD_SEALS, 0)  # nor remove or change the seals (F_SEAL_SEAL)
+    assert os.fstat(rw).st_size == slot.size
+    assert reader.arrays(slot.size, layout)[0][-1] == (1 << 15) - 1
+    os.close(rw)
+    slot.close()
+    reader.close()
 
 
 def test_server_without_shared_memory_rejects_in_shm_requests():
     svc = KVService(KVServer(), 0, 1, 1)
     frame = InShm(name="w", service=int(Service.PUSH), fields={"parts": [0], "counts": [1]},
-                  path="/dev/shm/x", layout=[]).encode()
+                  size=4096, layout=[]).encode()
     reply = svc.handle(frame)
     assert reply.service == Service.ERROR and "shared memory off" in reply.fields["message"]
 
 
-def test_server_applies_a_push_from_a_slot(tmp_path):
-    arena = ShmArena("jobx", 0, str(tmp_path))
+def test_server_applies_pushes_from_a_slot_handed_over_once():
+    arena = ShmArena("jobx", 0)
     svc = KVService(KVServer(), 0, 1, 1, arena=arena)
     svc.server.create("w", 0, np.zeros((4, 2), np.float32))
-    slot = RequestSlot("jobx", 0, 0, str(tmp_path))
-    msg = Push(name="w", parts=[0], counts=[2], ids=np.array([3, 1]),
-               values=np.array([[1, 2], [3, 4]], np.float32)).encode()
-    path, layout = slot.write(msg.arrays)
-    reply = svc.handle(InShm(name="w", service=msg.service, fields=msg.fields, path=path,
-                             layout=layout).encode())
-    assert reply.service == Service.REPLY
-    assert svc.server.shard("w", 0).tolist() == [[0, 0], [3, 4], [0, 0], [1, 2]]
+    slot, session = RequestSlot("jobx", 0, 0), Session(peer="test", trusted=True)
+
+    def push(ids, values, hand_over=True):
+        msg = Push(name="w", parts=[0], counts=[len(ids)], ids=np.array(ids),
+                   values=np.array(values, np.float32)).encode()
+        layout = slot.write(msg.arrays)
+        frame = InShm(name="w", service=msg.service, fields=msg.fields, size=slot.size,
+                      layout=layout).encode()
+        fd = slot.take_fd()
+        if fd is not None:
+            frame.fds.append(fd) if hand_over else os.close(fd)
+        return svc.handle(frame, session)
+    assert push([3, 1], [[1, 2], [3, 4]], hand_over=False).service == Service.ERROR
+    assert session.slot is None  # no slot on this connection yet: nothing read
+    slot, session = RequestSlot("jobx", 0, 0), Session(peer="test", trusted=True)
+    assert push([3, 1], [[1, 2], [3, 4]]).service == Service.REPLY
+    assert push([0], [[5, 6]]).service == Service.REPLY  # the same slot, no descriptor
+    assert svc.server.shard("w", 0).tolist() == [[5, 6], [3, 4], [0, 0], [1, 2]]
+    session.close()
     slot.close()
     arena.close()
 
 
 class Recording(Connection):
-    """A real TCP connection that also records the service and payload of each frame sent."""
+    """A real connection that also records the service, payload and descriptors of each
+    frame sent."""
 
     def __init__(self, conn):
         self.conn, self.peer, self.sent = conn, conn.peer, []
+        self.passes_fds = conn.passes_fds
 
     def send(self, frame):
         self.sent.append((frame.service, sum(a.nbytes for a in frame.arrays)))
@@ -114,7 +248,9 @@ class Recording(Connection):
 
 
 def connect(cfg):
-    return [Recording(tcp.connect(s.host, s.port, cfg.timeout_s)) for s in cfg.servers]
+    conns = [Recording(c) for c in open_connections(cfg, rank=0)]
+    assert all(c.passes_fds for c in conns), [c.peer for c in conns]  # local sockets
+    return conns
 
 
 def fence(kv):
@@ -127,8 +263,16 @@ def fence(kv):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("consistency", ["sync", "async"])
 def test_colocated_updates_travel_in_shared_memory(clusters, consistency):
-    """sync: updates and pushes go as InShm frames with no payload; async: in the frame."""
+    """sync: updates and pushes go as InShm frames with no payload; async: in the frame.
+    Nothing of the job is in /dev/shm, even with a link planted where the old named
+    files went: no path is ever opened."""
     cluster = clusters("tcp_shm")
+    job = cluster.cfg.job_id
+    planted = tempfile.NamedTemporaryFile(prefix="test-harden-target-")
+    planted.write(b"someone else's")
+    planted.flush()
+    link = f"/dev/shm/distemb-p{os.getpid()}-{job}-t0-s0-0123456789ab-0"
+    os.symlink(planted.name, link)
     conns = connect(cluster.cfg)
     kv = RemoteKVClient(cluster.cfg, 0, connections=conns, consistency=consistency)
     try:
@@ -160,7 +304,15 @@ def test_colocated_updates_travel_in_shared_memory(clusters, consistency):
                        SGDHyper(lr=1.0))
         fence(kv)
         assert (kv.pull("w", np.array([4])) == 6.0).all()
+        # the rows were read from the servers' memory files, mapped here read-only
+        mapped = memory_files(os.getpid(), job)
+        assert any("-s0-" in m for m in mapped) and any("-s1-" in m for m in mapped), mapped
+        assert [f for f in shm_files(job) if f != os.path.basename(link)] == []
+        with open(planted.name, "rb") as f:
+            assert f.read() == b"someone else's"
     finally:
+        os.unlink(link)
+        planted.close()
         for name in kv.names():
             kv.delete_data(name)
         kv.close(goodbye=False)
@@ -201,54 +353,37 @@ def test_colocated_dynamic_table_writes_travel_in_shared_memory(clusters):
         kv.close(goodbye=False)
 
 
-def test_shared_memory_files_are_private_to_their_user(slot_dir):
-    """Shards and request slots are mode 0600: another local user cannot read a table."""
-    arena = ShmArena("jobp", 0, slot_dir)
+def test_a_shard_handed_to_a_trainer_cannot_be_written_by_it():
+    """The descriptor a trainer gets for a shard is read-only: it cannot be mapped
+    writable nor written, so only the server writes its rows."""
+    arena = ShmArena("jobw", 0)
     arr = arena.allocate((10, 4), "float32")
-    slot = RequestSlot("jobp", 0, 0, slot_dir)
-    path, _ = slot.write([np.arange(3)])
-    for p in (arena.path_of(arr), path):
-        assert os.stat(p).st_mode & 0o777 == 0o600, (p, oct(os.stat(p).st_mode))
-    slot.close()
+    fd = arena.dup_segment(arr)
+    with pytest.raises(PermissionError):
+        mmap.mmap(fd, 64 + arr.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(OSError):
+        os.pwrite(fd, b"x", 64)
+    shard = attach(fd, (10, 4), "float32")
+    arr[3] = 5
+    assert shard.array[3].tolist() == [5.0] * 4 and not shard.array.flags.writeable
     arena.close()
 
 
-def test_a_file_already_in_a_shared_memory_files_place_is_never_opened(slot_dir):
-    planted = os.path.join(slot_dir, "target")
-    with open(planted, "w") as f:
-        f.write("someone else's")
-    os.symlink(planted, os.path.join(slot_dir, "distemb-pX-j-s0-0"))
-    with pytest.raises(FileExistsError):
-        create_private(os.path.join(slot_dir, "distemb-pX-j-s0-0"))
-    assert open(planted).read() == "someone else's"
-
-
-def test_slot_reader_refuses_links_fifos_and_a_file_truncated_after_mapping(slot_dir):
-    """Issue 18's token-holder attacks on a server's slot reader: each is a TransportError
-    (an error reply), never a SIGBUS, a blocked thread or a read of another file."""
-    reader = SlotReader("jobq", slot_dir)
-    slot = RequestSlot("jobq", 0, 0, slot_dir)
-    path, layout = slot.write([np.arange(8, dtype=np.int64)])
-    assert reader.arrays(path, layout)[0].tolist() == list(range(8))
-    # truncated after the server mapped it, then named again with an array further in
-    os.truncate(path, 0)
-    far = [[layout[0][0], [8], 8192]]
-    with pytest.raises(TransportError, match="shrank"):
-        reader.arrays(path, far)
-    with pytest.raises(TransportError, match="not a non-empty regular file"):
-        reader.arrays(path, far)  # and re-opened: empty now
-    prefix = os.path.basename(path).rsplit("-", 1)[0]
-    secret = os.path.join(slot_dir, "secret")
-    np.arange(2048, dtype=np.int64).tofile(secret)
-    link = os.path.join(slot_dir, f"{prefix}-7")
-    os.symlink(secret, link)
-    with pytest.raises(TransportError, match="cannot open"):
-        reader.arrays(link, layout)
-    fifo = os.path.join(slot_dir, f"{prefix}-8")
-    os.mkfifo(fifo)
-    with pytest.raises(TransportError, match="not a non-empty regular file"):
-        reader.arrays(fifo, layout)  # returns at once: nobody writes the FIFO
-    path2, layout2 = RequestSlot("jobq", 1, 0, slot_dir).write([np.arange(3)])
-    assert reader.arrays(path2, layout2)[0].tolist() == [0, 1, 2]
-    reader.close()
-    slot.close()
+@pytest.mark.multiprocess
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as user nobody")
+def test_another_user_cannot_connect_to_a_servers_local_socket(clusters):
+    """A process of another user that found the local socket's address (it is visible
+    in /proc/net/unix once bound) is refused before it can say anything."""
+    cluster = clusters("tcp_shm")
+    address = local_address(cluster.cfg, 0)
+    code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.settimeout(10); "
+            "s.connect('\\0' + sys.argv[1][1:]); data = b''\n"
+            "while True:\n    b = s.recv(65536)\n    if not b: break\n    data += b\n"
+            "print('REFUSED' if b'uid' in data else data)")
+    assert address.startswith("\0")  # abstract: passed on without its NUL
+    out = subprocess.run(["/usr/bin/python3", "-c", code, "@" + address[1:]], user=65534,
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "REFUSED", (out.stdout, out.stderr)
+    kv = cluster.client()  # the job's own trainer still gets in
+    assert kv.server_info[0]["shared_memory"]
+    kv.close(goodbye=False)

@@ -3,40 +3,49 @@
 A fuzzer that has said a valid Hello (it holds the job token, as any trainer or any bug
 in one does) sends every request kind with hostile fields: wrong dtypes and ranks,
 negative and huge ids, huge shapes and counts, NaN and infinite hyperparameters and
-initial values, bad and reserved names, mismatched lengths, request slots that are
-links, FIFOs, directories, files truncated after the server mapped them or another
-job's, and loads of damaged checkpoints (a corrupt late block, half or double coverage,
-missing, truncated or renamed segments, lying manifests). Every message is built to be
-invalid, so the oracle is exact: each must be answered with an error, the server process
-must stay up, and every row and optimizer state of the tables it attacks must be the
-same, bit for bit, afterwards (checked after each kind). The seed is fixed."""
+initial values, bad and reserved names, mismatched lengths, request slots handed over as
+descriptors that are not sealed memory files of their declared size (files of a disk or
+of /dev/shm, unsealed or half-sealed memfds, directories, pipes, sockets, devices,
+O_PATH and write-only descriptors, too many descriptors in a frame, descriptors on
+frames that take none), hostile layouts in a real slot, the old protocol's slot paths,
+and loads of damaged checkpoints (a corrupt late block, half or double coverage, missing,
+truncated or renamed segments, lying manifests). Every message is built to be invalid,
+so the oracle is exact: each must be answered with an error, the server process must
+stay up, every row and optimizer state of the tables it attacks must be the same, bit
+for bit, afterwards (checked after each kind), and the server must hold no descriptor
+more than before. The seed is fixed.
+
+A second test races truncations of a slot against the server's reads of it, through the
+old protocol's named files and through descriptors: the server must answer every
+request and stay up (it died of SIGBUS)."""
 import json
 import math
 import os
 import shutil
-import uuid
+import signal
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from mp_helper import ProcessGroup
-from test_hostile import Server, ask
+from test_hostile import Server, SpecCreate, ask
+from test_shm_writes import HOSTILE_FDS, hostile_fd, sealed
 
 from distemb import checkpoint
 from distemb.kernels.half import BFLOAT16
-from distemb.kvstore import LocalKVClient, snapshot
+from distemb.kvstore import LocalKVClient, segments
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
-from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, Load,
+from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load,
                                         OptInit, Pull, Push, Save, Service, ShmInfo,
-                                        StoreCreate, StoreExport, StoreInfo, StoreLoad,
-                                        StoreRead, StoreRemove, StoreSave, Update,
-                                        VersionedPull)
+                                        Export, Get, Info, Remove, Update, VersionedPull)
+from distemb.transport.base import MAX_FDS, Frame, close_fds
 from distemb.transport.shm import RequestSlot
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-SHM = "/dev/shm"
 ROWS, DIM = 10, 4
 KEYS = np.array([3, -7, 2 ** 40, 11, 12, 13, 14, 15], np.int64)  # the keyed table's keys
 PER_KIND = 40  # messages per request kind (damaged checkpoints and slots: each one more)
@@ -132,7 +141,12 @@ KINDS = {
            [{"save_id": s} for s in ("../../x", "", "ZZZZZZZZ", "a" * 300, "/etc/x")] +
            [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null")] +
            [{"parts": [1]}, {"steps": [0]}, {"steps": [-1]}, {"starts": [0, 1]},
-            {"parts": [0, 0], "starts": [0, 0], "steps": [1, 1, 1]}]),
+            {"parts": [0, 0], "starts": [0, 0], "steps": [1, 1, 1]},
+            {"columns": ["nope"]}, {"columns": ["weight", "weight"]}, {"columns": "weight"},
+            {"columns": ["~version"]}, {"columns": ["x" * 300]}, {"name": "dyn"},
+            {"starts": [], "steps": []}, {"name": "keep~opt~sum"},
+            {"name": "dyn", "starts": [], "steps": [], "parts": [1]},
+            {"name": "dyn", "starts": [], "steps": [], "columns": ["nope"]}]),
     VersionedPull: (dict(name="keep", parts=[0], counts=[2], ids=ids(0, 9), have=ids(-2, -2),
                          states=["sum"]),
                     rows_mutations(2, "have") +
@@ -140,7 +154,7 @@ KINDS = {
                                              ["x" * 300], "sum", ["sum"] * 9)] +
                     [{"have": np.zeros(2, np.int32)}, {"have": np.zeros(2)},
                      {"name": "half", "states": ["sum"]}]),
-    StoreCreate: (dict(name="dyn", **HashTableSpec(DIM).fields()),
+    SpecCreate: (dict(name="dyn", **HashTableSpec(DIM).fields()),
                   [{"name": n} for n in ("keep", "dyn~opt~x", "", "x" * 300)] +
                   [{"dim": d} for d in (0, -1, 1 << 40, 1 << 20, DIM + 1)] +
                   [{"capacity": c} for c in (-1, 1 << 62, 1 << 40)] +
@@ -154,32 +168,23 @@ KINDS = {
                    {"name": "new", "capacity": 1 << 40, "preallocate": 1 << 40},
                    {"name": "new", "kind": "dense", "num_rows": 1 << 40},
                    {"name": "new", "dim": 1 << 16, "preallocate": 1 << 30}]),
-    StoreRead: (dict(name="dyn", mode="get", column="weight", ids=KEYS[:2]),
+    Get: (dict(name="dyn", mode="get", column="weight", ids=KEYS[:2]),
                 [{"name": n} for n in BAD_NAMES] +
                 [{"mode": m} for m in ("nope", "", None)] +
                 [{"column": c} for c in ("nope", "~version", "", "x" * 300)] +
                 [{"ids": i} for i in BAD_IDS[5:] + [ids(999), ids(-5)]]),
-    StoreRemove: (dict(name="dyn", ids=ids(1 << 50)),
+    Remove: (dict(name="dyn", ids=ids(1 << 50)),
                   [{"name": n} for n in BAD_NAMES] +
                   [{"ids": i} for i in BAD_IDS[5:]] + [{"name": "keep", "ids": ids(1)}]),
-    StoreInfo: (dict(name="dyn", evict_to=-1, policy=""),
+    Info: (dict(name="dyn", evict_to=-1, policy=""),
                 [{"name": n} for n in BAD_NAMES] +
                 [{"name": "keep"}, {"name": "keep", "evict_to": 0}, {"evict_to": "x"},
                  {"evict_to": 0, "policy": "nope"}, {"evict_to": 1 << 62, "policy": "x"}]),
-    StoreExport: (dict(name="dyn", start=0, count=10, columns=[]),
+    Export: (dict(name="dyn", start=0, count=10, columns=[]),
                   [{"name": n} for n in BAD_NAMES] +
                   [{"start": -1}, {"count": 0}, {"count": -1}, {"columns": ["nope"]},
                    {"columns": ["weight", "x" * 300]}, {"columns": "weight"},
                    {"name": "keep"}]),
-    StoreSave: (dict(name="dyn", directory="<tmp>", save_id="0123abcd"),
-                [{"name": n} for n in BAD_NAMES] +
-                [{"save_id": s} for s in ("../../x", "", "ZZZZZZZZ", "/etc/x")] +
-                [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null")] +
-                [{"name": "keep"}]),
-    StoreLoad: (dict(name="dyn", directory="<ck_dyn:crc_weight>"),
-                [{"name": n} for n in BAD_NAMES] +
-                [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null", "/")]
-                + [{"name": "keep", "directory": "<ck_keep>"}]),
     Load: (dict(name="keep", directory="<ck_keep:crc_last>", parts=[0], starts=[0], steps=[1]),
            [{"name": n} for n in BAD_NAMES] +
            [{"directory": "<ck_keep>", "parts": [1]}, {"directory": "<ck_keep>", "steps": [0]},
@@ -188,7 +193,14 @@ KINDS = {
             {"directory": "<ck_keep>", "parts": [0, 1], "starts": [0, 10], "steps": [1, 1]},
             {"directory": "<ck_keep>", "name": "half"},
             {"directory": "<ck_keep>", "name": "dyn"},
-            {"directory": "<ck_keep>", "starts": [1 << 62]}]),
+            {"directory": "<ck_keep>", "starts": [1 << 62]},
+            {"directory": "<ck_keep>", "columns": ["sum"]},
+            {"directory": "<ck_keep>", "columns": ["nope"]},
+            {"directory": "<ck_keep>", "columns": ["~version"]},
+            {"directory": "<ck_keep>", "starts": [], "steps": []},
+            {"directory": "<ck_dyn>", "name": "dyn", "starts": [], "steps": [],
+             "parts": [1]},
+            {"directory": "<ck_keep>", "name": "dyn", "starts": [], "steps": []}]),
 }
 
 
@@ -210,46 +222,59 @@ def _flip_last_block(directory, seg):
         f.write(bytes([f.read(1)[0] ^ 0x5A]))
 
 
+def _shards(m):
+    return m["tensors"]["keep"]["shards"]
+
+
 def _keep_segments(m):
-    return m["tensors"]["keep"]["segments"]
+    return [r["columns"]["weight"]["segment"] for r in _shards(m)]
 
 
 def _dyn_shard(m):
     return m["tensors"]["dyn"]["shards"][0]
 
 
-def _segs(m):
-    return _keep_segments(m)
+def _seg(m, i):
+    return _shards(m)[i]["columns"]["weight"]["segment"]
+
+
+def _columns(m, **edit):
+    for r in _shards(m):
+        r["columns"]["weight"].update(edit)
 
 
 KEEP_DAMAGE = {
     "crc_last": lambda d, m: _flip_last_block(d, _keep_segments(m)[-1]),
     "crc_first": lambda d, m: _flip_last_block(d, _keep_segments(m)[0]),
-    "half": lambda d, m: _edit_manifest(d, lambda x: _segs(x).pop()),
-    "twice": lambda d, m: _edit_manifest(d, lambda x: _segs(x).append(_segs(x)[0])),
+    "half": lambda d, m: _edit_manifest(d, lambda x: _shards(x).pop()),
+    "twice": lambda d, m: _edit_manifest(d, lambda x: _shards(x).append(_shards(x)[0])),
+    "column_missing": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1]["columns"].pop("weight")),
+    "keys_bogus": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1].update(keys=_seg(x, 1))),
     "block_rows": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(block_rows=1 << 40, crc32=[0])),
-    "crc_count": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(crc32=[0])),
+        d, lambda x: _seg(x, 1).update(block_rows=1 << 40, crc32=[0])),
+    "crc_count": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(crc32=[0])),
     "crc_type": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(crc32=["x"] * len(_segs(x)[1]["crc32"]))),
-    "count": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(count=1 << 40)),
-    "negative": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(start=-5)),
-    "step_bool": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(step=True)),
+        d, lambda x: _seg(x, 1).update(crc32=["x"] * len(_seg(x, 1)["crc32"]))),
+    "count": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(count=1 << 40)),
+    "record_count": lambda d, m: _edit_manifest(
+        d, lambda x: _shards(x)[1].update(count=1 << 40)),
+    "negative": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(start=-5)),
+    "step_bool": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(step=True)),
     "traversal": lambda d, m: _edit_manifest(
-        d, lambda x: _segs(x)[1].update(file="../../../etc/passwd")),
-    "absolute": lambda d, m: _edit_manifest(d, lambda x: _segs(x)[1].update(file="/etc/passwd")),
+        d, lambda x: _seg(x, 1).update(file="../../../etc/passwd")),
+    "absolute": lambda d, m: _edit_manifest(d, lambda x: _seg(x, 1).update(file="/etc/passwd")),
     "truncated": lambda d, m: os.truncate(d / _keep_segments(m)[1]["file"], 8),
     "missing": lambda d, m: os.unlink(d / _keep_segments(m)[1]["file"]),
     "fifo": lambda d, m: (os.unlink(d / _keep_segments(m)[1]["file"]),
                           os.mkfifo(d / _keep_segments(m)[1]["file"])),
-    "shape": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(shape=[ROWS, DIM + 1])),
-    "dtype": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["keep"].update(dtype="int64")),
-    "dtype_junk": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(dtype="object")),
+    "shape": lambda d, m: _edit_manifest(d, lambda x: _columns(x, shape=[DIM + 1])),
+    "dtype": lambda d, m: _edit_manifest(d, lambda x: _columns(x, dtype="int64")),
+    "dtype_junk": lambda d, m: _edit_manifest(d, lambda x: _columns(x, dtype="object")),
     "segments_type": lambda d, m: _edit_manifest(
-        d, lambda x: x["tensors"]["keep"].update(segments="x")),
-    "record_type": lambda d, m: _edit_manifest(d, lambda x: _segs(x).__setitem__(0, [1])),
+        d, lambda x: x["tensors"]["keep"].update(shards="x")),
+    "record_type": lambda d, m: _edit_manifest(d, lambda x: _shards(x).__setitem__(0, [1])),
     "manifest_junk": lambda d, m: (d / "manifest.json").write_text("{"),
     "manifest_list": lambda d, m: (d / "manifest.json").write_text("[1, 2]"),
     "manifest_gone": lambda d, m: os.unlink(d / "manifest.json"),
@@ -270,15 +295,15 @@ DYN_DAMAGE = {
         d, lambda x: _dyn_shard(x)["columns"]["weight"].update(shape=[DIM + 1])),
     "column_dtype": lambda d, m: _edit_manifest(
         d, lambda x: _dyn_shard(x)["columns"]["weight"].update(dtype="int8")),
-    "column_extra": lambda d, m: _edit_manifest(
+    "column_renamed": lambda d, m: _edit_manifest(
         d, lambda x: _dyn_shard(x)["columns"].update(
-            nope=_dyn_shard(x)["columns"]["sum"])),
+            nope=_dyn_shard(x)["columns"].pop("sum"))),
     "count": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(count=1 << 40)),
     "count_less": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(count=3)),
     "keys_missing": lambda d, m: os.unlink(d / _dyn_shard(m)["keys"]["file"]),
     "state_truncated": lambda d, m: os.truncate(
         d / _dyn_shard(m)["columns"]["sum"]["segment"]["file"], 4),
-    "dim": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"].update(dim=DIM + 1)),
+    "keys_type": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(keys="x")),
     "kind": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"].update(kind="array")),
 }
 
@@ -286,7 +311,7 @@ DYN_DAMAGE = {
 def damaged_checkpoints(tmp_path, monkeypatch):
     """{"<ck_keep:damage>": directory, ...}: checkpoints of "keep" and "dyn" (rows other
     than the server's, segments of several small blocks), each damaged one way."""
-    monkeypatch.setattr(snapshot, "BLOCK_BYTES", 2 * DIM * 4)  # 2 rows a block
+    monkeypatch.setattr(segments, "BLOCK_BYTES", 2 * DIM * 4)  # 2 rows a block
     rng = np.random.default_rng(7)
     kv = LocalKVClient()
     kv.init_data("keep", (ROWS, DIM), "float32", range_policy(ROWS, 2))
@@ -296,7 +321,7 @@ def damaged_checkpoints(tmp_path, monkeypatch):
     skv.add_table("dyn", HashStore(DIM))
     skv.init_optimizer("dyn", "adagrad", {"initial_accumulator_value": 0.5})
     skv.push("dyn", KEYS, rng.standard_normal((len(KEYS), DIM)).astype(np.float32))
-    checkpoint.save(tmp_path / "ck_dyn", skv, ["dyn"], {})
+    checkpoint.save(tmp_path / "ck_dyn", skv, ["dyn", "dyn~opt~sum"], {})
     out = {"<ck_keep>": str(tmp_path / "ck_keep"), "<ck_dyn>": str(tmp_path / "ck_dyn")}
     for table, damages in (("keep", KEEP_DAMAGE), ("dyn", DYN_DAMAGE)):
         for what, damage in damages.items():
@@ -307,71 +332,63 @@ def damaged_checkpoints(tmp_path, monkeypatch):
     return out
 
 
-# --- request slots -------------------------------------------------------------------
+# --- request slots ------------------------------------------------------------------
 
 
-class Slots:
-    """Files named as request slots of the server's job (and of another job), each made
-    hostile: a link to a file outside /dev/shm, a FIFO, a directory, a file of another
-    job, and a real slot truncated after the server mapped it."""
-
-    def __init__(self, job, tmp_path):
-        self.job, self.made = job, []
-        self.slot = RequestSlot(job, 1, 0)
-        self.made.append(self.slot)
-        outside = tmp_path / "outside.bin"
-        outside.write_bytes(np.arange(1 << 16, dtype=np.int64).tobytes())
-        self.link = self._name()
-        os.symlink(outside, self.link)
-        self.fifo = self._name()
-        os.mkfifo(self.fifo)
-        self.dir = self._name()
-        os.mkdir(self.dir)
-        other = RequestSlot(f"x{job}", 1, 0)
-        self.made.append(other)
-        self.other, _ = other.write([np.zeros(4096, np.uint8)])
-        self.plain_outside = str(tmp_path / os.path.basename(self._name()))
-        with open(self.plain_outside, "wb") as f:
-            f.write(bytes(1 << 16))
-
-    def _name(self):
-        return f"{SHM}/distemb-p{os.getpid()}-{self.job}-t1-s0-{uuid.uuid4().hex[:12]}-0"
-
-    def close(self):
-        for s in self.made:
-            s.close()
-        for p in (self.link, self.fifo):
-            if os.path.lexists(p):
-                os.unlink(p)
-        if os.path.isdir(self.dir):
-            os.rmdir(self.dir)
-
-
-def in_shm_messages(slots, rng):
-    """InShm requests through hostile slot files; each names a Push or Update that
-    would be valid if its arrays were read, so only the slot checks refuse it."""
+def in_shm(size, layout, fds=(), service=Service.PUSH, name="keep", fields=None, **extra):
+    """An InShm frame (built by hand: hostile fields too) carrying descriptors ``fds``."""
     push = Push(name="keep", parts=[0], counts=[2], ids=ids(0, 9), values=grads(2))
+    body = {"service": int(service), "fields": push.encode().fields if fields is None
+            else fields, "size": size, "layout": layout, **extra}
+    return Frame(int(Service.IN_SHM), name, body, [], 0, list(fds))
+
+
+def in_shm_messages(job, tmp_path):
+    """InShm frames through hostile descriptors and layouts; each wraps a request that
+    would be valid if its arrays were read, so only the slot checks refuse it (or an
+    invalid request in a valid slot)."""
     layout = [[4, [2], 0], [1, [2, DIM], 64]]  # int64 ids, float32 values (dtype codes)
-    for path in (slots.link, slots.fifo, slots.dir, slots.other, slots.plain_outside,
-                 "relative", f"{SHM}/../tmp/x", slots.link + "/x"):
-        yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                    path=path, layout=layout)
-    # A real slot holding a bad id: mapped by the server (and refused by the id check);
-    # then truncated to nothing, and named again with arrays past the new end (SIGBUS
-    # if the server trusted its old mapping).
-    path, lay = slots.slot.write([ids(0, ROWS + 1), grads(2)])
-    yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                path=path, layout=lay)
-    for size in (4096, 4096, 0):  # smaller than mapped; the same, remapped; empty
-        os.truncate(path, size)
-        yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                    path=path, layout=[[4, [2], 8192], [1, [2, DIM], 8192 + 64]])
-    # Hostile layouts and wrapped requests in a valid slot of the same trainer.
-    fresh = RequestSlot(slots.job, 1, 0)
-    slots.made.append(fresh)
-    path, lay = fresh.write([ids(0, ROWS), grads(2)])  # any request it wraps is refused
+    yield in_shm(1 << 20, layout)  # no slot handed over on this connection yet
+    # The old protocol: a path to open, no descriptor (nothing is ever opened by name).
+    for path in (f"/dev/shm/distemb-p{os.getpid()}-{job}-t1-s0-0123456789ab-0",
+                 "/etc/passwd", "relative"):
+        yield in_shm(1 << 20, layout, path=path)
+        body = in_shm(1 << 20, layout, path=path)
+        del body.fields["size"]
+        yield body
+    # Every kind of descriptor that is not a sealed memory file of its declared size.
+    for kind in sorted(HOSTILE_FDS):
+        fd, size = hostile_fd(kind, str(tmp_path))
+        yield in_shm(max(size, 1), layout, [fd])
+    size = 1 << 16
+    yield in_shm(size, layout, [sealed(size), sealed(size)])  # two slots in one frame
+    yield in_shm(size, layout, [sealed(size) for _ in range(MAX_FDS + 1)])  # truncated
+    # Descriptors on frames that take none: closed unused (the leak check sees them).
+    bad_push = Push(name="nope", parts=[0], counts=[2], ids=ids(0, 9), values=grads(2))
+    yield Frame(**{**vars(bad_push.encode()), "fds": [sealed(size)]})
+    yield Frame(**{**vars(Hello(rank=0, token="0" * 32).encode()), "fds": [sealed(size)]})
+    # A real sealed slot holding a bad id: mapped, then refused by the id check; its
+    # trainer cannot shrink or grow it (the SIGBUS race of old cannot be set up).
+    slot = RequestSlot(job, 1, 0)
+    lay = slot.write([ids(0, ROWS + 1), grads(2)])
+    fd = slot.take_fd()
+    rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    for n in (0, 4096, 2 * slot.size):
+        with pytest.raises(PermissionError):
+            os.ftruncate(rw, n)
+    os.close(rw)
+
+    def with_slot(*args, **kw):  # a copy of the slot's descriptor for each frame
+        return in_shm(*args, **kw, fds=[os.dup(fd)])
+    yield with_slot(slot.size, lay)
+    yield in_shm(slot.size, lay)  # the same, from the slot this connection handed over
+    yield in_shm(slot.size + 64, lay)  # a size that is not the slot's
+    yield with_slot(slot.size + 64, lay)
+    yield with_slot(slot.size - 64, lay)
+    # Hostile layouts and wrapped requests in the valid slot.
     upd = Update(name="keep", rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10}, seq=1,
                  exact=False, parts=[0], counts=[2], ids=ids(0, 9), grads=grads(2))
+    lay = slot.write([ids(0, ROWS), grads(2)])  # any request it wraps is refused
     bad_layouts = [[[4, [2], 1 << 62], lay[1]], [[4, [1 << 40], 0], lay[1]],
                    [[4, [-1], 0], lay[1]], [[99, [2], 0], lay[1]], [lay[0], [1, [2, DIM], 3]],
                    [lay[0]], "x", [[4, [2], 0]] * 9, [[4, [2, 2, 2, 2, 2], 0], lay[1]],
@@ -379,23 +396,24 @@ def in_shm_messages(slots, rng):
                    [[4, [2], 0], [2, [2, DIM], 64]], [[5, [2], 0], lay[1]],
                    [[4, [2], 0], [1, [2, 1 << 40, 1 << 40], 64]]]
     for bad in bad_layouts:
-        yield InShm(name="keep", service=int(Service.PUSH), fields=push.encode().fields,
-                    path=path, layout=bad)
+        yield with_slot(slot.size, bad)
     for fields in ({"parts": [0], "counts": [3]}, {"parts": [1], "counts": [2]},
                    {"parts": "x"}, {}, dict(upd.encode().fields, hyper={"clr": NAN,
                                                                           "eps": 1e-10})):
         for svc in (Service.PUSH, Service.UPDATE):
-            yield InShm(name="keep", service=int(svc), fields=fields, path=path, layout=lay)
+            yield with_slot(slot.size, lay, service=svc, fields=fields)
     for svc in (Service.PULL, Service.CREATE, Service.IN_SHM, 999):
-        yield InShm(name="keep", service=int(svc), fields=push.encode().fields, path=path,
-                    layout=lay)
-    path, lay = fresh.write([ids(0, 99), grads(2)])  # a bad id read from the slot
-    yield InShm(name="keep", service=int(Service.UPDATE), fields=upd.encode().fields,
-                path=path, layout=lay)
-    yield InShm(name="keep~opt~sum", service=int(Service.PUSH), fields=push.encode().fields,
-                path=path, layout=lay)
-    yield InShm(name="dyn", service=int(Service.PUSH), fields=push.encode().fields,
-                path=path, layout=[lay[0], [1, [2, DIM + 1], 64]])
+        yield with_slot(slot.size, lay, service=svc)
+    lay = slot.write([ids(0, 99), grads(2)])  # a bad id read from the slot
+    yield with_slot(slot.size, lay, service=Service.UPDATE, fields=upd.encode().fields)
+    yield with_slot(slot.size, lay, name="keep~opt~sum")
+    yield with_slot(slot.size, [lay[0], [1, [2, DIM + 1], 64]], name="dyn")
+    os.close(fd)
+    slot.close()
+
+
+def open_fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 # --- the test ------------------------------------------------------------------------
@@ -405,14 +423,20 @@ class Holder:
     """A connection of a token holder (Hello as rank 1), remade when the server hangs up."""
 
     def __init__(self, srv):
-        self.srv, self.conn = srv, srv.connect(hello_rank=1)
+        self.srv, self.conn = srv, srv.connect(hello_rank=1, local=True)
 
     def ask(self, msg):
-        frame = ask(self.conn, msg)
+        """The answer to ``msg`` (a message, or a frame whose descriptors are closed here
+        once sent: the server has its own)."""
+        try:
+            frame = ask(self.conn, msg)
+        finally:
+            if isinstance(msg, Frame):
+                close_fds(msg)
         if frame is None or (frame.service == Service.ERROR and frame.fields.get("kind") in
                              ("TransportError", "RefusedError")):
             self.conn.close()
-            self.conn = self.srv.connect(hello_rank=1)
+            self.conn = self.srv.connect(hello_rank=1, local=True)
         return frame
 
     def ok(self, msg):
@@ -427,10 +451,10 @@ class Holder:
         for name in ("keep", "keep~opt~sum", "half"):
             rows = self.ok(Pull(name=name, parts=[0], counts=[ROWS], ids=np.arange(ROWS)))
             out[name] = (rows.arrays[0].dtype, rows.arrays[0].tobytes())
-        exp = self.ok(StoreExport(name="dyn", start=0, count=1000, columns=[]))
+        exp = self.ok(Export(name="dyn", start=0, count=1000, columns=[]))
         order = np.argsort(exp.arrays[0])
         out["dyn"] = [exp.fields["columns"]] + [a[order].tobytes() for a in exp.arrays]
-        info = self.ok(StoreInfo(name="dyn"))
+        info = self.ok(Info(name="dyn"))
         out["dyn_info"] = (info.fields["size"], info.fields["columns"])
         vp = self.ok(VersionedPull(name="keep", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                                    have=np.full(ROWS, -2, np.int64), states=["sum"]))
@@ -441,6 +465,15 @@ class Holder:
 def short(msg):
     """A message, for an assertion's text (fields cut to 80 characters)."""
     return f"{type(msg).__name__}({ {k: str(v)[:80] for k, v in vars(msg).items()} })"
+
+
+def settled(pid, want, timeout=10.0):
+    """The number of descriptors of ``pid`` once it is ``want`` (connections the fuzzer
+    left are closed by their threads a moment later), or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while open_fds(pid) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return open_fds(pid)
 
 
 def _resolve(kw, paths, tmp_path):
@@ -465,12 +498,11 @@ def messages_of(cls, rng, paths, tmp_path, token):
         if cls is Hello and kw["token"] is None:
             kw["token"] = token
         yield cls(**_resolve(kw, paths, tmp_path))
-    if cls is Load:  # every damaged checkpoint of "keep", as it is
+    if cls is Load:  # every damaged checkpoint of "keep" and of "dyn", as it is
         for key in sorted(k for k in paths if k.startswith("<ck_keep:")):
             yield cls(**dict(base, directory=paths[key]))
-    if cls is StoreLoad:
         for key in sorted(k for k in paths if k.startswith("<ck_dyn:")):
-            yield cls(**dict(base, directory=paths[key]))
+            yield cls(**dict(base, name="dyn", directory=paths[key], starts=[], steps=[]))
 
 
 def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkeypatch):
@@ -495,31 +527,33 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         holder.ok(Push(name="half", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                        values=np.arange(ROWS * DIM, dtype=np.uint16).reshape(ROWS, DIM)
                        .view(BFLOAT16)))
-        holder.ok(StoreCreate(name="dyn", **HashTableSpec(DIM).fields()))
+        holder.ok(SpecCreate(name="dyn", **HashTableSpec(DIM).fields()))
         holder.ok(OptInit(name="dyn", rule="adagrad",
                           options={"initial_accumulator_value": 0.25}, parts=[0]))
         holder.ok(Push(name="dyn", parts=[0], counts=[len(KEYS)], ids=KEYS,
                        values=rng.standard_normal((len(KEYS), DIM)).astype(np.float32)))
         before = holder.state()
-        slots = Slots(srv.cfg.job_id, tmp_path)
+        fds = open_fds(srv.proc.pid)
         sent, errors = {}, {}
-        try:
-            kinds = [(cls.__name__, messages_of(cls, rng, paths, tmp_path, srv.cfg.job_token))
-                     for cls in KINDS] + [("InShm", in_shm_messages(slots, rng))]
-            for kind, msgs in kinds:
-                for msg in msgs:
-                    frame = holder.ask(msg)
-                    sent[kind] = sent.get(kind, 0) + 1
-                    assert srv.proc.poll() is None, f"server died on {short(msg)}"
-                    assert frame is not None, f"no answer to {short(msg)}"
-                    assert frame.service == Service.ERROR, \
-                        f"accepted: {short(msg)} -> {str(frame.fields)[:200]}"
-                    errors[kind] = errors.get(kind, 0) + 1
-                after = holder.state()
-                assert after == before, \
-                    f"refused {kind}s changed {[k for k in before if after[k] != before[k]]}"
-        finally:
-            slots.close()
+        kinds = [(cls.__name__, messages_of(cls, rng, paths, tmp_path, srv.cfg.job_token))
+                 for cls in KINDS] + [("InShm", in_shm_messages(srv.cfg.job_id, tmp_path))]
+        for kind, msgs in kinds:
+            for msg in msgs:
+                frame = holder.ask(msg)
+                sent[kind] = sent.get(kind, 0) + 1
+                assert srv.proc.poll() is None, f"server died on {short(msg)}"
+                assert frame is not None, f"no answer to {short(msg)}"
+                assert frame.service == Service.ERROR, \
+                    f"accepted: {short(msg)} -> {str(frame.fields)[:200]}"
+                errors[kind] = errors.get(kind, 0) + 1
+            after = holder.state()
+            assert after == before, \
+                f"refused {kind}s changed {[k for k in before if after[k] != before[k]]}"
+        # Every descriptor a frame brought was closed (the holder's one connection, its
+        # slot and the tables' files are what the server holds, as before).
+        holder.conn.close()
+        holder.conn = srv.connect(hello_rank=1, local=True)
+        assert settled(srv.proc.pid, fds) == fds, (fds, os.listdir(f"/proc/{srv.proc.pid}/fd"))
         print(f"token-holder fuzz: {sum(sent.values())} messages, {sum(errors.values())} "
               f"errors; per kind {sent}")
         assert sent == errors and len(sent) == len(KINDS) + 1
@@ -528,4 +562,108 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         srv.real.push("w", np.array([1]), np.ones((1, 2), np.float32))
         assert srv.real.pull("w", np.array([1])).tolist() == [[1.0, 1.0]]
         holder.conn.close()
+        srv.finish(group)
+
+
+# --- the truncation race -------------------------------------------------------------
+
+#: Shrinks a file (a path, or /proc/<pid>/fd/<n>) to nothing and regrows it, as fast as
+#: it can until SIGTERM, then prints how many shrinks the kernel allowed and refused.
+TRUNCATOR = """
+import os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+size, done = int(sys.argv[2]), [0, 0]
+signal.signal(signal.SIGTERM, lambda *_: (print(*done, flush=True), os._exit(0)))
+print("GO", flush=True)
+while True:
+    try:
+        os.ftruncate(fd, 0)
+        done[0] += 1
+        os.ftruncate(fd, size)
+    except PermissionError:
+        done[1] += 1
+"""
+RACE_IDS = 1 << 17  # 1 MiB of ids: the server reads them for a while
+RACE_REQUESTS = 300
+
+
+def race(group, srv, conn_of, target, frame_of):
+    """Send RACE_REQUESTS InShm pushes (``frame_of()`` each) while a truncator works on
+    ``target``; every answer must be an error and the server must live.
+
+    Returns:
+        (shrinks allowed, shrinks refused).
+    """
+    size = 16 * RACE_IDS
+    trunc = group.spawn([sys.executable, "-c", TRUNCATOR, target, str(size)], expect=None)
+    assert trunc.stdout.readline().strip() == "GO"
+    conn = conn_of()
+    try:
+        for i in range(RACE_REQUESTS):
+            frame = frame_of()
+            reply = ask(conn, frame)
+            close_fds(frame)
+            assert srv.proc.poll() is None, \
+                f"the server died (signal {-srv.proc.returncode}) at request {i}"
+            assert reply is not None and reply.service == Service.ERROR, (i, reply)
+            if reply.fields.get("kind") in ("TransportError", "RefusedError"):
+                conn.close()  # it hung up on the malformed frame
+                conn = conn_of()
+    finally:
+        conn.close()
+        trunc.send_signal(signal.SIGTERM)
+        counts = trunc.stdout.readline().split()
+        trunc.wait(10)
+    return tuple(int(c) for c in counts)
+
+
+def test_a_token_holder_racing_truncations_of_its_slot_cannot_crash_the_server(tmp_path):
+    """A co-located token holder shrinks and regrows its request slot in a tight loop
+    while it sends pushes through it (1 MiB of ids whose last is out of range: each is
+    read in full, then refused). Through the old protocol's named file in /dev/shm the
+    server read a slot truncated between its size check and its read, and died of
+    SIGBUS. Named files are refused now; an unsealed or /dev/shm descriptor is refused
+    before it is mapped; a sealed one cannot be truncated at all. The server answers every
+    request with an error and its rows stay as they were."""
+    ids_ = np.arange(RACE_IDS, dtype=np.int64)
+    ids_[-1] = ROWS  # out of range: refused after the ids were read
+    data = ids_.tobytes()
+    push = {"parts": [0], "counts": [RACE_IDS]}
+    layout = [[4, [RACE_IDS], 0], [1, [RACE_IDS, DIM], len(data)]]
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group, shared_memory=True, timeout_s=2.0)
+        srv.init_data("keep", ROWS, DIM)
+        srv.real.push("keep", np.arange(ROWS), np.full((ROWS, DIM), 3.0, np.float32))
+        before = srv.real.pull("keep", np.arange(ROWS)).tobytes()
+        counts = {}
+        # The old protocol: a file named as a slot of this job, named in the frame.
+        path = f"/dev/shm/distemb-p{os.getpid()}-{srv.cfg.job_id}-t1-s0-0123456789ab-0"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, 16 * RACE_IDS)
+            os.pwrite(fd, data, 0)
+            counts["named file"] = race(
+                group, srv, lambda: srv.connect(hello_rank=1), path,
+                lambda: Frame(int(Service.IN_SHM), "keep", {
+                    "service": int(Service.PUSH), "fields": push, "path": path,
+                    "layout": layout}))
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        # Descriptors on the local socket: one of /dev/shm, an unsealed and a sealed memfd.
+        for kind in ("/dev/shm file", "unsealed memfd", "sealed memfd"):
+            fd = sealed(16 * RACE_IDS) if kind == "sealed memfd" else \
+                hostile_fd(kind, str(tmp_path))[0]
+            if kind != "sealed memfd":
+                os.ftruncate(fd, 16 * RACE_IDS)
+            os.pwrite(fd, data, 0)
+            counts[kind] = race(
+                group, srv, lambda: srv.connect(hello_rank=1, local=True),
+                f"/proc/{os.getpid()}/fd/{fd}",
+                lambda: in_shm(16 * RACE_IDS, layout, [os.dup(fd)], fields=push))
+            os.close(fd)
+        print(f"truncation race, {RACE_REQUESTS} requests each: (shrinks allowed, refused) "
+              f"{counts}")
+        assert counts["sealed memfd"][0] == 0 and counts["sealed memfd"][1] > 0, counts
+        assert srv.real.pull("keep", np.arange(ROWS)).tobytes() == before
         srv.finish(group)

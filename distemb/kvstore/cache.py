@@ -212,9 +212,6 @@ class CachedKVClient(PlacedAsInner, KVClient):
         if cache is not None:
             cache.forget(np.asarray(keys, dtype=np.int64))
 
-    def checkpoint_names(self, name, state_names):
-        return self.inner.checkpoint_names(name, state_names)
-
     def table_state(self, name, state_names):
         if self.is_keyed(name):
             return self.inner.table_state(name, state_names)
@@ -226,16 +223,15 @@ class CachedKVClient(PlacedAsInner, KVClient):
             return self.invalidate(name) if name in self._tables else None
         return super().load_table_state(name, state_names, entry)
 
-    def checkpoint_entry(self, name, directory, save_id):
-        if self.is_keyed(name):
-            return self.inner.checkpoint_entry(name, directory, save_id)
-        return super().checkpoint_entry(name, directory, save_id)
+    def save_table(self, name, directory, save_id, columns):
+        """The owners write their shards: every update was written through to them."""
+        return self.inner.save_table(name, directory, save_id, columns)
 
-    def restore_entry(self, name, directory, entry):
-        if self.is_keyed(name):
-            self.inner.restore_entry(name, directory, entry)
-            return self.invalidate(name) if name in self._tables else None
-        return super().restore_entry(name, directory, entry)
+    def load_table(self, name, directory, entry, columns):
+        """The owners load; every cached copy of the table is void."""
+        self.inner.load_table(name, directory, entry, columns)
+        if name in self._tables:
+            self.invalidate(name)
 
     def close(self, **kw):
         """Close the wrapped client (keywords go to its ``close``)."""

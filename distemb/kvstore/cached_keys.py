@@ -127,9 +127,6 @@ class CachedKeys:
         self._forget_copies(name, np.asarray(keys, np.int64), write_back=True)
         self.inner.import_(name, keys, columns)
 
-    def checkpoint_names(self, name: str, state_names):
-        return self.inner.checkpoint_names(name, state_names)
-
     def table_state(self, name: str, state_names):
         if self.is_keyed(name):
             self._write_back_copies(name)
@@ -142,17 +139,17 @@ class CachedKeys:
             return self.inner.load_table_state(name, state_names, entry)
         return super().load_table_state(name, state_names, entry)
 
-    def checkpoint_entry(self, name: str, directory: str, save_id: str) -> dict:
+    def save_table(self, name: str, directory: str, save_id: str, columns) -> dict:
         if self.is_keyed(name):
             self._write_back_copies(name)
-            return self.inner.checkpoint_entry(name, directory, save_id)
-        return super().checkpoint_entry(name, directory, save_id)
+            return self.inner.save_table(name, directory, save_id, columns)
+        return super().save_table(name, directory, save_id, columns)
 
-    def restore_entry(self, name: str, directory: str, entry: dict) -> None:
+    def load_table(self, name: str, directory: str, entry: dict, columns) -> None:
         if self.is_keyed(name):
             self._forget_copies(name, None, write_back=True)
-            return self.inner.restore_entry(name, directory, entry)
-        return super().restore_entry(name, directory, entry)
+            return self.inner.load_table(name, directory, entry, columns)
+        return super().load_table(name, directory, entry, columns)
 
     def create_table(self, name: str, spec) -> None:
         """Make keyed table ``name`` in the wrapped client.

@@ -61,7 +61,8 @@ from distemb.kvstore import snapshot
 from distemb.kvstore.exchange import PULL, PUSH, UPDATE, Exchange, Payload, padded
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.server import KVServer
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
+                                   check_rounding)
 from distemb.routers import PolicyRouter
 
 
@@ -339,24 +340,27 @@ class CollectiveKVClient(KVClient):
     #: ``opt.save``/``opt.load`` run on every rank (checkpoint.save_items' ``writer``).
     all_ranks_checkpoint = True
 
-    def save_tensor(self, name, directory, save_id):
-        """Collective: every rank writes its shard of ``name`` as a segment of rank 0's
-        save ``save_id``; every rank gets the records of all (rank order)."""
+    def save_table(self, name, directory, save_id, columns):
+        """Collective: every rank writes its shard of ``name`` as a record of rank 0's
+        save ``save_id``; every rank gets the entry with the records of all (rank order)."""
         meta = self._meta_of(name)
         what = f"save of {name!r}"
         save_id = self._x.gather_objects(what, save_id)[0]
         start, step, _ = meta.policy.id_progression(self.rank)
-        rec = self.server.save_shard(name, self.rank, directory, save_id, start, step)
-        return self._x.gather_objects(what, rec)
+        rec = self.server.table(name, self.rank).save(directory, save_id, name, columns,
+                                                      start, step)
+        return snapshot.new_entry(meta.shape, meta.dtype, self._x.gather_objects(what, rec),
+                                  meta.policy)
 
-    def load_tensor(self, name, directory):
-        """Every rank fills its shard of ``name`` from the checkpoint's segments (saved
+    def load_table(self, name, directory, entry, columns):
+        """Every rank fills its shard of ``name`` from the checkpoint's records (saved
         under any partitioning: by W ranks, servers or one process), reading only the
         blocks that hold its rows."""
         meta = self._meta_of(name)
-        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
+        check_entry_rows(entry, meta.shape[0], name, directory)
         start, step, _ = meta.policy.id_progression(self.rank)
-        self.server.load_shard(name, self.rank, directory, entry, start, step)
+        self.server.table(name, self.rank).load(directory, entry, columns, start, step,
+                                                name=name)
 
     def barrier(self):
         self._x.barrier()

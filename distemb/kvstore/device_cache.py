@@ -12,8 +12,8 @@ not cached go back to the owner.
 
 Ownership: while a row is cached, the cache is its one writer (DESIGN.md, Concurrency):
 its device copy, dirty or not, is the current one, and the owner's copy is stale until
-the row is written back: when it is evicted, and on ``save_tensor``, ``barrier``,
-``init_optimizer``, ``load_tensor`` and ``close`` (whole tables). Everything that reads
+the row is written back: when it is evicted, and on ``save_table``, ``barrier``,
+``init_optimizer``, ``load_table`` and ``close`` (whole tables). Everything that reads
 or writes through this client sees the current rows: ``pull`` (``emb.weight[ids]``, host
 lookups, ``state_dict``) overlays the dirty cached rows, ``push`` (``emb.weight[ids] =
 v``, ``load_state_dict``) writes cached rows back and forgets them before writing.
@@ -315,13 +315,13 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         self._forget_copies(state_owner(name) or name, _host_ids(ids), write_back=True)
         self.inner.push(name, ids, values)
 
-    def save_tensor(self, name, directory, save_id):
+    def save_table(self, name, directory, save_id, columns):
         self.flush(name)
-        return self.inner.save_tensor(name, directory, save_id)
+        return self.inner.save_table(name, directory, save_id, columns)
 
-    def load_tensor(self, name, directory):
-        self._drop(state_owner(name) or name)
-        self.inner.load_tensor(name, directory)
+    def load_table(self, name, directory, entry, columns):
+        self._drop(name)
+        self.inner.load_table(name, directory, entry, columns)
 
     def barrier(self):
         """Write dirty rows back, so what others read after the barrier is current."""

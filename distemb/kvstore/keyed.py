@@ -39,23 +39,6 @@ from distemb.rules import rule_of, state_name
 Keys = np.ndarray
 
 
-def init_state_columns(store, rule, options):
-    """(Re)create ``rule``'s state columns in ``store``, at their initial values.
-
-    A new optimizer starts from fresh state, except on a persistent store (a file store
-    reopened to resume), which keeps state columns of the same shape.
-
-    Returns:
-        the state names of the rule, in order.
-    """
-    specs = rule_of(rule).states
-    for spec in specs:
-        fill = options.get(spec.init_option, 0) if spec.init_option else 0
-        store.add_column(spec.name, spec.shape(store.dim), spec.dtype, fill,
-                         keep=store.persistent)
-    return [s.name for s in specs]
-
-
 class KeyedTables:
     """Mixin of a KVClient holding keyed tables; see the module docstring.
 
@@ -168,11 +151,6 @@ class KeyedTables:
         return arr.reshape(want)
 
     # -- optimizer state and checkpoints: state columns travel with their rows ----------
-
-    def checkpoint_names(self, name, state_names):
-        if not self.is_keyed(name):
-            return super().checkpoint_names(name, state_names)
-        return [name]  # the table's entry holds its state columns
 
     def table_state(self, name, state_names):
         """{"keys": keys, state: rows} of every key of a keyed table (its

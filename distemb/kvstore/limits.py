@@ -1,10 +1,11 @@
-"""What a server may allocate: the memory and shared-memory space left on this machine,
-and what any one request may make it allocate.
+"""What a server may allocate: the memory left on this machine, and what any one request
+may make it allocate.
 
 A table a server cannot hold is refused when it is created, with the numbers, instead of
-being accepted and failing later (an untouched ``np.zeros`` or a sparse /dev/shm file
-costs nothing until its pages are written: the server would die of the OOM killer or
-SIGBUS mid-training).
+being accepted and failing later (an untouched ``np.zeros`` costs nothing until its pages
+are written: the server would die of the OOM killer mid-training). Shards in shared
+memory are memory files (:mod:`distemb.transport.shm`): the same memory, and their
+pages are reserved when they are made.
 
 Every other request is bounded by :func:`check_request`: the memory it would make the
 server allocate (a reply's rows, keys a lookup inserts) must be at most the job's
@@ -40,28 +41,23 @@ def available_memory():
 
 
 def free_space(directory):
-    """Bytes free in the file system of ``directory`` (e.g. /dev/shm, a tmpfs)."""
+    """Bytes free in the file system of ``directory``."""
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
 
 
-def check_fits(nbytes, what, shm_dir=None):
-    """Raise unless ``nbytes`` more fit in memory (and in ``shm_dir`` when given).
+def check_fits(nbytes, what):
+    """Raise unless ``nbytes`` more fit in memory.
 
     Args:
         nbytes: bytes about to be allocated (Python int: never overflows).
         what: what they are for, for the message.
-        shm_dir: the shared-memory directory the bytes go to, or None for private memory.
 
     Raises:
         KVStoreError: naming the bytes asked for and the bytes available.
     """
     room = int(available_memory() * HEADROOM)
     where = "memory (90% of MemAvailable)"
-    if shm_dir is not None:
-        shm = int(free_space(shm_dir) * HEADROOM)
-        if shm < room:
-            room, where = shm, f"{shm_dir} (90% of its free space)"
     if nbytes > room:
         raise KVStoreError(f"{what}: needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB), but "
                            f"this server has {room:,} bytes ({room / 2**30:.2f} GiB) left in "

@@ -1,13 +1,14 @@
 """LocalKVClient: the embedded default, a KVClient driving an in-process KVServer."""
 import numpy as np
 
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore import snapshot, store_snapshot
-from distemb.kvstore.keyed import KeyedTables, init_state_columns
+from distemb.kvstore import snapshot
+from distemb.kvstore.keyed import KeyedTables
 from distemb.kvstore.server import KVServer
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
+                                   check_rounding)
 from distemb.rules import rule_of
 
 
@@ -122,13 +123,10 @@ class LocalKVClient(KeyedTables, KVClient):
     def init_optimizer(self, name, rule, options):
         """Optimizer state of table ``name``: state arrays sharded like an array table,
         state columns in a keyed table's store (see
-        :func:`~distemb.kvstore.keyed.init_state_columns`)."""
+        :meth:`~distemb.kvstore.shard.ShardTable.init_states`)."""
         if not self.is_keyed(name):
             return super().init_optimizer(name, rule, options)
-        t = self._table(name)
-        with t.write():
-            init_state_columns(t.store, rule, options)
-        t.bump_all()
+        self._table(name).init_states(rule, options)
         return self._state_names(name, rule)
 
     def push_update(self, name, ids, grads, rule, hyper):
@@ -156,39 +154,34 @@ class LocalKVClient(KeyedTables, KVClient):
         meta.policy.check_ids(np.asarray(ids), f"ids of {name!r}")
         return meta
 
-    def save_tensor(self, name, directory, save_id):
+    def save_table(self, name, directory, save_id, columns):
+        """Each shard writes its own record (a keyed table's one shard, with its keys)."""
+        if self.is_keyed(name):
+            t = self._table(name)
+            rows = t.store.size() if t.store.fixed_keys else None
+            return snapshot.new_entry((rows, t.store.dim), t.store.dtype,
+                                      [t.save(directory, save_id, name, columns)])
         meta = self._meta_of(name)
-        return [self.server.save_shard(name, part, directory, save_id,
-                                       *meta.policy.id_progression(part)[:2])
-                for part in range(meta.policy.num_partitions)]
+        return snapshot.new_entry(meta.shape, meta.dtype, [
+            self.server.table(name, part).save(directory, save_id, name, columns,
+                                               *meta.policy.id_progression(part)[:2])
+            for part in range(meta.policy.num_partitions)], meta.policy)
 
-    def load_tensor(self, name, directory):
+    def load_table(self, name, directory, entry, columns):
+        """Each shard reads the saved keys it holds; every shard is checked before any is
+        written. A keyed table's keys are replaced by the checkpoint's (saved by any
+        number of shards)."""
+        if self.is_keyed(name):
+            self._table(name).load(directory, entry, columns, name=name)
+            return
         meta = self._meta_of(name)
-        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
-        for part in range(meta.policy.num_partitions):
-            start, step, _ = meta.policy.id_progression(part)
-            self.server.load_shard(name, part, directory, entry, start, step)
-
-    def checkpoint_entry(self, name, directory, save_id):
-        if not self.is_keyed(name):
-            return super().checkpoint_entry(name, directory, save_id)
-        t = self._table(name)
-        with t.read():
-            rec = store_snapshot.save_store(directory, save_id, name, 0, t.store,
-                                            columns=t.columns())
-        return store_snapshot.store_entry(t.store.dim, t.store.dtype, [rec])
-
-    def restore_entry(self, name, directory, entry):
-        """Fill table ``name`` from its checkpoint entry; a keyed table's keys are
-        replaced by the checkpoint's (saved by any number of servers)."""
-        if not self.is_keyed(name):
-            return super().restore_entry(name, directory, entry)
-        t = self._table(name)
-        store_snapshot.check_entry(entry, name, t.store.dim, directory)
-        with t.write():  # all or nothing: every check passes before a key is removed
-            store_snapshot.load_store(directory, entry, t.store,
-                                      lambda keys: np.ones(len(keys), bool), replace=True)
-        t.bump_all()
+        check_entry_rows(entry, meta.shape[0], name, directory)
+        shards = [(self.server.table(name, part), *meta.policy.id_progression(part)[:2])
+                  for part in range(meta.policy.num_partitions)]
+        for table, start, step in shards:
+            table.load(directory, entry, columns, start, step, apply=False, name=name)
+        for table, start, step in shards:
+            table.load(directory, entry, columns, start, step, verify=False, name=name)
 
     def store_client(self):
         """This client: it holds keyed tables itself."""
@@ -254,37 +247,22 @@ class LocalKVClient(KeyedTables, KVClient):
         return self.store(name).capacity
 
     def remove(self, name, keys):
-        t = self._table(name)
-        with t.write():
-            return t.store.remove(keys_array(keys))
+        return self._table(name).remove(keys_array(keys), name)
 
     def contains(self, name, keys):
-        t = self._table(name)
-        with t.read():
-            return t.store.find(keys_array(keys)) >= 0
+        return self._table(name).contains(keys_array(keys))
 
     def get(self, name, keys):
-        t = self._table(name)
-        with t.read():
-            return t.store.gather(keys_array(keys), insert=False)
+        return self._table(name).get(keys_array(keys), name=name)
 
     def evict(self, name, target_size, policy=None):
-        t = self._table(name)
-        with t.write():
-            return t.store.evict(target_size, policy)
+        return self._table(name).evict(target_size, policy, name)
 
     def export(self, name, columns=None):
-        t = self._table(name)
-        with t.read():
-            keys, cols = t.store.export()
-        cols = {c: a for c, a in cols.items() if c in t.columns()}
-        if columns is not None:
-            missing = [c for c in columns if c not in cols]
-            if missing:
-                raise KVStoreError(f"columns: {missing} not in table {name!r} "
-                                   f"(has {sorted(cols)})")
-            cols = {c: cols[c] for c in columns}
-        return keys, cols
+        try:
+            return self._table(name).export(columns=columns, name=name)
+        except StoreError as e:
+            raise KVStoreError(str(e)) from None
 
     def import_(self, name, keys, columns):
         t = self._table(name)

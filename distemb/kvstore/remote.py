@@ -3,11 +3,13 @@
 Partition ``p`` of every table belongs to server ``p % num_servers``. Each request is
 split by owning server and sent to all of them before any reply is read, so servers work
 concurrently; an update costs one round trip per server per step (the optimizer has
-already deduplicated and coalesced the rows). With shared memory on, rows of shards whose
-server runs on this trainer's machine are gathered straight from /dev/shm (no round
-trip); writes still go to the owning server, the only writer of its rows, but their
-arrays travel through this trainer's request slot in /dev/shm
-(:class:`~distemb.transport.shm.RequestSlot`): the frame on the socket only names them.
+already deduplicated and coalesced the rows). With shared memory on, a server on this
+trainer's machine is spoken to over its local (Unix-domain) socket, which hands over
+shared memory as file descriptors (:mod:`distemb.transport.shm`): rows of its shards are
+gathered straight from their memory files (no round trip); writes still go to the owning
+server, the only writer of its rows, but their arrays travel through this trainer's
+request slot (:class:`~distemb.transport.shm.RequestSlot`): the frame on the socket
+only says where they lie.
 
 ``init_data`` and ``init_optimizer`` are collective, as in DGL: every trainer calls them
 in the same order (DistEmbedding/optimizer construction does), the first creator's
@@ -25,20 +27,22 @@ import numpy as np
 
 from distemb import kernels
 from distemb.kernels import half
-from distemb.enums import Consistency, Transport
+from distemb.enums import Consistency
 from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
                             TransportError)
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore import snapshot
+from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
+                                   check_rounding)
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.remote_versions import VersionedPulls
 from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables
 from distemb.rules import rule_of, state_name
-from distemb.transport import tcp
-from distemb.transport.base import FLAG_NO_REPLY
+from distemb.transport.connections import open_connections
+from distemb.transport.base import FLAG_NO_REPLY, MAX_FDS, close_fds
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, Load,
                                         OptInit, Pull, Push, Reply, Save, Service, ShmInfo,
                                         Update)
-from distemb.transport.shm import RequestSlot, attach
+from distemb.transport.shm import RequestSlot, attach_all
 
 INIT_CHUNK_BYTES = 64 << 20
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).
@@ -64,21 +68,6 @@ def _take(rows, positions):
     return rows[positions]
 
 
-def open_connections(cfg):
-    """One connection per server of ``cfg``, over its transport.
-
-    Raises:
-        ServerUnavailableError: a TCP server cannot be reached within ``cfg.timeout_s``.
-    """
-    if cfg.transport == Transport.MPI:
-        # mpi4py is an optional extra, and importing it initialises MPI: only under mpirun.
-        from distemb.transport import mpi
-        return mpi.connect_all(len(cfg.servers), cfg.timeout_s, cfg.max_message_bytes)
-    return [tcp.connect(s.host, s.port, cfg.timeout_s, cfg.max_message_bytes,
-                        peer=f"server {i} ({s.host}:{s.port})")
-            for i, s in enumerate(cfg.servers)]
-
-
 class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
     """KVClient over a cluster of KVStore servers.
 
@@ -92,7 +81,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         consistency: a :class:`~distemb.enums.Consistency` or its value (default:
             ``cfg.consistency``); all trainers of a job must use the same.
         connections: one :class:`~distemb.transport.base.Connection` per server (default:
-            :func:`open_connections`).
+            :func:`~distemb.transport.connections.open_connections`).
         num_threads: OpenMP threads of shared-memory gathers.
 
     Raises:
@@ -106,7 +95,8 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         self.num_servers = len(cfg.servers)
         self.consistency = Consistency.parse(consistency or cfg.consistency, "consistency",
                                              KVStoreError)
-        self._conns = list(connections) if connections is not None else open_connections(cfg)
+        self._conns = list(connections) if connections is not None else \
+            open_connections(cfg, rank)
         self._meta, self._shm, self._seq, self._slots = {}, {}, {}, {}
         self._closed = False
         self._init_remote_keyed()
@@ -118,10 +108,10 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
                 raise KVStoreError(f"server {sid}: answers as server {info.get('server_id')} "
                                    f"of {info.get('num_servers')}, the config lists "
                                    f"{self.num_servers} servers")
-        machine = cfg.trainer_machines[rank]
-        self._local = {sid for sid, s in enumerate(cfg.servers) if cfg.shared_memory
-                       and s.machine == machine and self.server_info[sid].get("shared_memory")}
-        # Updates and pushes to a co-located server hand their arrays over in /dev/shm.
+        # Servers on this machine's local sockets hand over (and take) shared memory.
+        self._local = {sid for sid, conn in enumerate(self._conns) if conn.passes_fds and
+                       self.server_info[sid].get("shared_memory")}
+        # Updates and pushes to them hand their arrays over in a request slot.
         self._slots = {sid: RequestSlot(cfg.job_id, rank, sid) for sid in self._local}
 
     # -- plumbing -----------------------------------------------------------------------
@@ -154,7 +144,11 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         for sid, msg in requests.items():
             if not wait:
                 msg.flags |= FLAG_NO_REPLY
-            self._conns[sid].send(self._frame_for(sid, msg, wait))
+            frame = self._frame_for(sid, msg, wait)
+            try:
+                self._conns[sid].send(frame)
+            finally:
+                close_fds(frame)  # a new request slot's descriptor: the server has its own
         if while_waiting is not None:
             while_waiting()
         if not wait:
@@ -169,10 +163,12 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
             else:
                 try:
                     if on_reply is not None:
-                        on_reply(sid, frame)
+                        on_reply(sid, frame)  # it takes the descriptors it keeps
                     replies[sid] = Reply.decode(frame)
                 except KVStoreError as e:
                     failed.append((type(e).__name__, str(e)))
+                finally:
+                    close_fds(frame)
         if failed:
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
@@ -183,7 +179,8 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         return self
 
     def _frame_for(self, sid, msg, wait):
-        """The frame of ``msg``; an update or push to a co-located server goes via /dev/shm.
+        """The frame of ``msg``; an update or push to a co-located server goes through
+        its request slot (the frame carries the slot's descriptor when it is new).
 
         Only when the reply is awaited: the slot is reused by the next request, so the
         server must be done with it first (asynchronous updates travel in the frame).
@@ -192,9 +189,13 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         slot = self._slots.get(sid) if wait else None
         if slot is None or frame.service not in (Service.UPDATE, Service.PUSH):
             return frame
-        path, layout = slot.write(frame.arrays)
-        return InShm(name=frame.name, flags=frame.flags, service=frame.service,
-                     fields=frame.fields, path=path, layout=layout).encode()
+        layout = slot.write(frame.arrays)
+        out = InShm(name=frame.name, flags=frame.flags, service=frame.service,
+                    fields=frame.fields, size=slot.size, layout=layout).encode()
+        fd = slot.take_fd()
+        if fd is not None:
+            out.fds.append(fd)
+        return out
 
     def _check_open(self):
         if self._closed:
@@ -259,16 +260,23 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
                                   values=chunk)})
 
     def _map_shm(self, name, by):
+        """Map the shards of ``name`` that servers on this machine hold in shared memory."""
         local = {sid: parts for sid, parts in by.items() if sid in self._local}
-        if not local:
-            return
-        for sid, reply in self._call({sid: ShmInfo(name=name, parts=parts)
-                                      for sid, parts in local.items()}).items():
-            f = reply.fields
-            for part, path, shp, dt in zip(local[sid], f["paths"], f["shapes"], f["dtypes"]):
-                if path:
-                    self._shm[(name, part)] = attach(path, tuple(shp),
-                                                     half.storage_dtype(dt))
+        for at in range(0, max(map(len, local.values()), default=0), MAX_FDS):
+            asked = {sid: p[at:at + MAX_FDS] for sid, p in local.items() if p[at:at + MAX_FDS]}
+            fds = {}
+
+            def take(sid, frame):
+                fds[sid] = frame.fds[:]
+                frame.fds.clear()
+            replies = self._call({sid: ShmInfo(name=name, parts=parts)
+                                  for sid, parts in asked.items()}, on_reply=take)
+            for sid, reply in replies.items():
+                f = reply.fields
+                shards = attach_all(fds[sid], f["segments"], f["shapes"],
+                                    [half.storage_dtype(dt) for dt in f["dtypes"]])
+                self._shm.update({(name, part): shard for part, shard in zip(asked[sid], shards)
+                                  if shard is not None})
 
     def delete_data(self, name):
         if self.is_keyed(name):
@@ -427,26 +435,25 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
                                 steps=[p[1] for p in prog], **fields)
         return requests
 
-    def checkpoint_entry(self, name, directory, save_id):
-        if self.is_keyed(name):
-            return self._keyed_checkpoint_entry(name, directory, save_id)
-        return super().checkpoint_entry(name, directory, save_id)
-
-    def restore_entry(self, name, directory, entry):
-        if self.is_keyed(name):
-            return self._keyed_restore_entry(name, directory, entry)
-        return super().restore_entry(name, directory, entry)
-
-    def save_tensor(self, name, directory, save_id):
+    def save_table(self, name, directory, save_id, columns):
         """Every server writes its own shards of ``name``, all at once (in parallel)."""
+        if self.is_keyed(name):
+            return self._keyed_save(name, directory, save_id, columns)
+        meta = self._meta_of(name)
         replies = self._call(self._shard_requests(Save, name, directory=directory,
-                                                  save_id=save_id), timeout=IO_TIMEOUT_S)
-        return [seg for sid in sorted(replies) for seg in replies[sid].fields["segments"]]
+                                                  save_id=save_id, columns=list(columns)),
+                             timeout=IO_TIMEOUT_S)
+        return snapshot.new_entry(meta.shape, meta.dtype, [
+            rec for sid in sorted(replies) for rec in replies[sid].fields["records"]],
+            meta.policy)
 
-    def load_tensor(self, name, directory):
-        """Every server reads, from the checkpoint's segments, the rows it owns."""
-        self._call(self._shard_requests(Load, name, directory=directory),
-                   timeout=IO_TIMEOUT_S)
+    def load_table(self, name, directory, entry, columns):
+        """Every server reads, from the checkpoint's records, the rows it owns."""
+        if self.is_keyed(name):
+            return self._keyed_load(name, directory, columns)
+        check_entry_rows(entry, self._meta_of(name).shape[0], name, directory)
+        self._call(self._shard_requests(Load, name, directory=directory,
+                                        columns=list(columns)), timeout=IO_TIMEOUT_S)
 
     def coalesce(self, name, ids, grads, F):
         """As the host clients; in sync_exact mode an empty step still pushes (nothing).

@@ -4,13 +4,13 @@ A mixin of :class:`~distemb.kvstore.remote.RemoteKVClient` (it uses that client'
 connections, rank, barrier and consistency), beside its array tables in one namespace;
 :mod:`distemb.kvstore.keyed` has what keyed tables do differently at every client.
 
-Each server holds one store per table (:mod:`distemb.kvstore.store_service`), made there
+Each server holds one store per table (:mod:`distemb.kvstore.catalog`), made there
 from the table's spec, with the keys the table's router (:mod:`distemb.routers`) gives
-it: a dynamic table (:class:`~distemb.stores.spec.HashTableSpec`) has a hash store per
+it: a dynamic table (:class:`~distemb.stores.hash.HashTableSpec`) has a hash store per
 server holding the keys ``k`` for which ``key_partition(k, num_servers)`` names it
 (:func:`~distemb.partition.key_partition`: splitmix64 of the key, modulo the server
 count), so any key lands on the same server whichever trainer sends it; a file-backed
-table (:class:`~distemb.stores.spec.FileTableSpec`) has a FileStore per server holding
+table (:class:`~distemb.stores.file.FileTableSpec`) has a FileStore per server holding
 a range of its keys 0..N-1. A lookup of a dynamic table is a find-or-insert on the
 owning server, which makes a new key's row with the table's initialiser, rebuilt there
 from its spec (``key_normal``/``key_uniform``): the row a key gets does not depend on
@@ -39,13 +39,12 @@ import numpy as np
 from distemb.enums import Consistency, EvictPolicy
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.hashtable import table_keys
+from distemb.kvstore import snapshot
 from distemb.kvstore.keyed import KeyedTables
-from distemb.kvstore.store_snapshot import check_entry, store_entry
 from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
-from distemb.transport.messages import (Drop, OptInit, Pull, Push, StoreCreate, StoreExport,
-                                        StoreInfo, StoreLoad, StoreRead, StoreRemove,
-                                        StoreSave, Update, VersionedPull)
+from distemb.transport.messages import (Create, Drop, Export, Get, Info, Load, OptInit, Pull,
+                                        Push, Remove, Save, Update, VersionedPull)
 
 #: Bytes of rows per export or import request (well under any frame limit).
 PAGE_BYTES = 16 << 20
@@ -113,8 +112,7 @@ class RemoteKeyedTables(KeyedTables):
         """
         if self._exists(name, spec):
             return
-        fields = spec.fields()
-        self._all(lambda sid: StoreCreate(name=name, **fields))
+        self._all(lambda sid: Create.of_spec(name, spec))
         self._specs[name] = spec
         self._routers[name] = spec.router(self.num_servers)
         self.barrier()
@@ -144,26 +142,24 @@ class RemoteKeyedTables(KeyedTables):
             share = [evict_to // self.num_servers + (sid < evict_to % self.num_servers)
                      for sid in range(self.num_servers)]
         pol = "" if policy is None else EvictPolicy.parse(policy, "policy", ValueError).value
-        return spec, self._all(lambda sid: StoreInfo(name=name, evict_to=share[sid],
-                                                     policy=pol))
+        return spec, self._all(lambda sid: Info(name=name, evict_to=share[sid], policy=pol))
 
     def size(self, name):
         return int(sum(r.fields["size"] for r in self._info(name)[1].values()))
 
     def remove(self, name, keys):
         split = self._split(name, table_keys(keys))
-        replies = self._call({sid: StoreRemove(name=name, ids=k)
-                                    for sid, (_, k) in split.items()})
+        replies = self._call({sid: Remove(name=name, ids=k) for sid, (_, k) in split.items()})
         return int(sum(r.fields["removed"] for r in replies.values()))
 
     def contains(self, name, keys):
         self._spec(name)
-        return self._gather_keyed(name, keys, lambda sid, k: StoreRead(
+        return self._gather_keyed(name, keys, lambda sid, k: Get(
             name=name, mode="contains", column=WEIGHT, ids=k), (), np.bool_)
 
     def get(self, name, keys):
         dim = self.dim(name)
-        return self._gather_keyed(name, keys, lambda sid, k: StoreRead(
+        return self._gather_keyed(name, keys, lambda sid, k: Get(
             name=name, mode="get", column=WEIGHT, ids=k), (dim,), np.float32)
 
     def evict(self, name, target_size, policy=None):
@@ -180,8 +176,8 @@ class RemoteKeyedTables(KeyedTables):
             start = 0
             while True:
                 page = max(1, PAGE_BYTES // (8 + 16 * spec.dim))  # weight + 3 states at most
-                r = self._call({sid: StoreExport(name=name, start=start, count=page,
-                                                       columns=cols or [])})[sid]
+                r = self._call({sid: Export(name=name, start=start, count=page,
+                                            columns=cols or [])})[sid]
                 names = r.fields["columns"]
                 if len(r.arrays) != 1 + len(names):
                     raise KVStoreError(f"server {sid}: export reply of the wrong shape")
@@ -329,16 +325,18 @@ class RemoteKeyedTables(KeyedTables):
                 np.concatenate([g[2] for g in parts]),
                 [np.concatenate([g[3][i] for g in parts]) for i in range(len(states))])
 
-    def _keyed_checkpoint_entry(self, name, directory, save_id):
+    def _keyed_save(self, name, directory, save_id, columns):
         """Every server writes its own store of ``name`` (in parallel)."""
         spec = self._spec(name)
-        replies = self._all(lambda sid: StoreSave(name=name, directory=directory,
-                                                  save_id=save_id), timeout=IO_TIMEOUT_S)
-        return store_entry(spec.dim, spec.dtype,
-                           [replies[sid].fields["record"] for sid in sorted(replies)])
+        replies = self._all(lambda sid: Save(name=name, directory=directory, save_id=save_id,
+                                             parts=[sid], starts=[], steps=[],
+                                             columns=list(columns)), timeout=IO_TIMEOUT_S)
+        rows = getattr(spec, "num_rows", None) if spec.fixed_keys else None
+        return snapshot.new_entry((rows, spec.dim), spec.dtype,
+                                  [rec for sid in sorted(replies)
+                                   for rec in replies[sid].fields["records"]])
 
-    def _keyed_restore_entry(self, name, directory, entry):
+    def _keyed_load(self, name, directory, columns):
         """Every server replaces its keys with the checkpoint's keys it owns now."""
-        check_entry(entry, name, self.dim(name), directory)
-        self._all(lambda sid: StoreLoad(name=name, directory=directory),
-                  timeout=IO_TIMEOUT_S)
+        self._all(lambda sid: Load(name=name, directory=directory, parts=[sid], starts=[],
+                                   steps=[], columns=list(columns)), timeout=IO_TIMEOUT_S)

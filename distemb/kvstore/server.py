@@ -28,15 +28,10 @@ import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
-from distemb.kvstore import snapshot
 from distemb.kvstore.shard import VERSION_EPOCH, ShardTable
 from distemb.rules import Hyper, rule_of, state_name, state_owner
 from distemb.stores.dense import DenseStore
 from distemb.stores.types import WEIGHT
-
-#: Row dtypes a checkpoint converts between on load.
-CONVERTIBLE = ("float32", "bfloat16", "float16")
-
 
 class KVServer:
     """Holds shards ``(name, part) -> array`` and applies requests to them.
@@ -98,7 +93,7 @@ class KVServer:
                 else:
                     store = DenseStore.from_array(array, "stochastic",
                                                   half.shard_seed(rounding_seed, part))
-                table, column = ShardTable(store, arrays=True), WEIGHT
+                table, column = ShardTable(store, part=part, arrays=True), WEIGHT
                 self._tables[key] = table
             self._shards[key] = (table, column)
             if version is not None:
@@ -259,48 +254,3 @@ class KVServer:
             if s.name not in have:
                 self.shard(state_name(name, s.name), part)  # the error naming it
         table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)
-
-    def save_shard(self, name, part, directory, save_id, start, step):
-        """Write shard ``part`` of ``name`` as a checkpoint segment (see
-        :mod:`distemb.kvstore.snapshot`); each block is copied under the shard's read
-        lock. Returns the segment's manifest record."""
-        table, column = self._entry(name, part)
-        arr = table.store.column(column)
-
-        def read_block(lo, hi):
-            with table.read():
-                return arr[lo:hi].copy()
-        return snapshot.write_segment(directory, save_id, name, part, start, step,
-                                      arr.shape, half.dtype_name(arr), read_block)
-
-    def load_shard(self, name, part, directory, entry, start, step, check=True, write=True):
-        """Fill shard ``part`` of ``name`` (global ids ``start + step * k``) from the
-        segments of manifest record ``entry``, reading only the blocks it needs.
-
-        ``check=False`` skips the checks (every CRC, coverage) a call with
-        ``write=False`` already made: a load of several shards checks them all first."""
-        table, column = self._entry(name, part)
-        arr = table.store.column(column)
-        saved, live = entry.get("dtype"), half.dtype_name(arr)
-        # float32, bfloat16 and float16 rows convert into each other on load (to float32
-        # exactly, to half rounded to nearest-even); any other difference is an error.
-        convert = saved != live and {saved, live} <= set(CONVERTIBLE)
-        if (saved != live and not convert) or \
-                list(entry.get("shape", [])[1:]) != list(arr.shape[1:]):
-            raise KVStoreError(f"checkpoint: tensor {name!r} was saved as "
-                               f"{entry.get('shape')} {saved}, the live one has "
-                               f"rows {arr.shape[1:]} {live}")
-
-        def write_rows(local, rows):
-            if convert:
-                rows = half.decode(rows) if half.is_half(saved) else rows
-                rows = half.encode(rows, live) if half.is_half(live) else rows
-            with table.write():
-                arr[local] = rows
-                table.bump(local)  # cached copies of these rows are void
-        where = (directory, entry["segments"], half.storage_dtype(saved), arr.shape[1:], start,
-                 step, arr.shape[0])
-        if check:
-            snapshot.check_segments(*where)
-        if write:
-            snapshot.write_checked(*where, write_rows)

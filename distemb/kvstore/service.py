@@ -25,36 +25,27 @@ Example:
 """
 import hmac
 import logging
-import math
 import os
 import sys
 import threading
-import time
 
 import numpy as np
 
 from distemb import kernels
 from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, TransportError
-from distemb.kernels.half import dtype_name, storage_dtype
-from distemb.kvstore import snapshot
+from distemb.kernels.half import dtype_name
+from distemb.kvstore.catalog import WEIGHT_DTYPES, Catalog
 from distemb.kvstore.exact import ExactSteps
-from distemb.kvstore.limits import check_fits, check_request
+from distemb.kvstore.limits import check_request
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
-from distemb.kvstore.store_service import StoreTables
-from distemb.rules import check_table_name, rule_of, state_init, state_name
+from distemb.rules import rule_of, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, MAX_MESSAGE_BYTES, Session
 from distemb.transport.messages import Error, InShm, Reply, Service, decode_request
 from distemb.transport.shm import SlotReader
 
 log = logging.getLogger("distemb")
-DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8",
-          "bool")
-#: Dtypes of tables an optimizer updates (half rows: float32 state and maths).
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
-MAX_ROWS = 1 << 40
-MAX_TABLE_NAME = 256
 
 
 class RefusedError(KVStoreError):
@@ -70,7 +61,8 @@ class KVService:
         num_trainers: trainers that must say BYE (and join barriers and exact steps).
         timeout_s: how long a sync_exact step or a barrier waits for the other trainers.
         arena: a :class:`~distemb.transport.shm.ShmArena` to allocate shards in shared
-            memory, or None for private memory.
+            memory (and take co-located trainers' requests from their slots), or None
+            for private memory.
         on_all_bye: called once every trainer has said BYE.
         token: the job's secret; a Hello without it is refused (None: no check).
         max_request_bytes: the most memory one request other than a Create or OptInit
@@ -90,23 +82,17 @@ class KVService:
         self.num_trainers, self.timeout_s = num_trainers, timeout_s
         self.arena, self.on_all_bye, self.token = arena, on_all_bye, token
         self.max_request_bytes = max_request_bytes
-        # Co-located trainers hand updates and pushes over in their request slots.
-        self.slots = SlotReader(arena.job, arena.directory) if arena else None
-        self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
         self._cond = threading.Condition()  # barriers and byes
         self.exact_steps = ExactSteps(num_trainers, timeout_s)  # sync_exact buffers
         self._barrier_gen, self._barrier_count = 0, 0
         self._byes = set()
-        self._handlers = {Service.HELLO: self._hello, Service.CREATE: self._create,
-                          Service.DROP: self._drop, Service.PULL: self._pull,
-                          Service.PUSH: self._push, Service.OPT_INIT: self._opt_init,
-                          Service.UPDATE: self._update, Service.BARRIER: self._barrier,
-                          Service.SHM_INFO: self._shm_info, Service.BYE: self._bye,
-                          Service.SAVE: self._save, Service.LOAD: self._load,
-                          Service.VERSIONED_PULL: self._versioned_pull}
-        # Tables made from a spec (dynamic, file-backed): their key management.
-        self.stores = StoreTables(server, server_id, num_servers, max_request_bytes)
-        self._handlers.update(self.stores.handlers())
+        # The tables themselves: creation, optimizer state, checkpoints, keys.
+        self.catalog = Catalog(server, server_id, num_servers, arena, max_request_bytes)
+        self._handlers = {Service.HELLO: self._hello, Service.PULL: self._pull,
+                          Service.PUSH: self._push, Service.UPDATE: self._update,
+                          Service.BARRIER: self._barrier, Service.BYE: self._bye,
+                          Service.VERSIONED_PULL: self._versioned_pull,
+                          **self.catalog.handlers()}
 
     def handle(self, frame, session=None):
         """The reply frame to request ``frame`` (an Error frame when it fails).
@@ -122,7 +108,7 @@ class KVService:
                 if session.rank is None and not session.trusted:
                     raise RefusedError("IN_SHM before Hello: a connection must first say "
                                        "Hello with its rank and the job's token")
-                frame = self._from_slot(frame)
+                frame = self._from_slot(frame, session)
             msg = decode_request(frame)
             if msg.SERVICE != Service.HELLO and session.rank is None and not session.trusted:
                 raise RefusedError(f"{msg.SERVICE.name} before Hello: a connection must "
@@ -143,23 +129,28 @@ class KVService:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _from_slot(self, frame):
+    def _from_slot(self, frame, session):
         """The request an InShm frame wraps, its arrays viewed in the trainer's slot.
 
+        A frame carrying a descriptor hands over a new slot (checked, then mapped, in
+        place of the connection's last one); one without uses the connection's slot.
         The views are read while the trainer waits for the reply (it reuses the slot
         only after it), so the request is applied as if its arrays had come in the frame.
         """
-        if self.slots is None:
+        if self.arena is None:
             raise KVStoreError("request in shared memory, but this server has shared "
                                "memory off")
         msg = InShm.decode(frame)
-        return msg.inner(self.slots.arrays(msg.path, msg.layout))
-
-    def _own(self, part):
-        if part % self.num_servers != self.server_id:
-            raise KVStoreError(f"partition {part} belongs to server {part % self.num_servers}"
-                               f", not server {self.server_id} (the partition config does "
-                               f"not match the {self.num_servers} servers)")
+        if len(frame.fds) > 1:
+            raise TransportError(f"InShm: {len(frame.fds)} descriptors, expected at most "
+                                 f"one (a new request slot)")
+        if frame.fds:
+            session.close()  # the previous slot: its mapping goes with its last view
+            session.slot = SlotReader(frame.fds.pop(), msg.size)
+        elif session.slot is None:
+            raise TransportError("InShm: this connection has handed over no request slot "
+                                 "(its first InShm frame must carry the slot's descriptor)")
+        return msg.inner(session.slot.arrays(msg.size, msg.layout))
 
     def _rank(self, m, session):
         """Check that ``m.rank`` is this connection's rank (and a trainer's at all)."""
@@ -168,20 +159,6 @@ class KVService:
         if not session.trusted and m.rank != session.rank:
             raise RefusedError(f"rank {m.rank}: this connection said Hello as rank "
                                f"{session.rank}; it may only speak for that rank")
-
-    @staticmethod
-    def _check_name(name, table=True):
-        """KVStoreError unless ``name`` is a name at all, and (``table``) not the name of
-        optimizer state."""
-        if not name or len(name) > MAX_TABLE_NAME or not name.isprintable():
-            raise KVStoreError(f"table name: expected 1..{MAX_TABLE_NAME} printable "
-                               f"characters, got {name[:64]!r}")
-        if not table:
-            return
-        try:  # optimizer state is made by OptInit, never by a Create
-            check_table_name(name)
-        except ValueError as e:
-            raise KVStoreError(str(e)) from None
 
     def _rows(self, m):
         """(part, store keys, slice) per part of a rows message: an array table's local
@@ -200,15 +177,6 @@ class KVService:
         shape = self.server.shard(name, part).shape[1:]
         return self.server.row_dtype(name, part).itemsize * int(np.prod(shape, dtype=object))
 
-    def _new_array(self, shape, dtype):
-        return self.arena.allocate(shape, dtype) if self.arena else np.zeros(shape, dtype)
-
-    def _forget(self, name, part):
-        if self.server.has(name, part):
-            if self.arena:
-                self.arena.release(self.server.shard(name, part))
-            self.server.drop_shard(name, part)
-
     # -- handlers -----------------------------------------------------------------------
 
     def _hello(self, m, session):
@@ -226,76 +194,6 @@ class KVService:
         return Reply(fields={"server_id": self.server_id, "num_servers": self.num_servers,
                              "pid": os.getpid(), "torch_imported": "torch" in sys.modules,
                              "shared_memory": self.arena is not None})
-
-    def _allocate_all(self, wanted, what):
-        """Allocate ``[(name, part, shape, dtype, fill, owner)]`` after checking they all
-        fit; on any failure, free what this call made (shm files included) and re-raise."""
-        nbytes = sum(int(np.prod(shape, dtype=object)) * storage_dtype(dt).itemsize
-                     for _, _, shape, dt, *_ in wanted)
-        check_fits(nbytes, what, self.arena.directory if self.arena else None)
-        made = []
-        try:
-            for name, part, shape, dtype, fill, owner, *seed in wanted:
-                arr = self._new_array(shape, storage_dtype(dtype))
-                made.append((name, part, arr))
-                if fill is not None:
-                    arr[...] = fill
-                self.server.create(name, part, arr, owner=owner,
-                                   version=self.arena.version_of(arr) if self.arena else None,
-                                   rounding_seed=seed[0] if seed else None)
-        except BaseException:
-            for name, part, arr in made:
-                if self.server.has(name, part) and self.server.shard(name, part) is arr:
-                    self.server.drop_shard(name, part)
-                if self.arena:
-                    self.arena.release(arr)
-            raise
-
-    def _create(self, m, session):
-        self._check_name(m.name)
-        if self.stores.has(m.name):
-            raise KVStoreError(f"name {m.name!r} is a dynamic table on server "
-                               f"{self.server_id}, not an array table")
-        if m.dtype not in DTYPES:
-            raise KVStoreError(f"dtype: expected one of {list(DTYPES)}, got {m.dtype!r}")
-        if any(d < 1 for d in m.row_shape):
-            raise KVStoreError(f"row_shape: expected dimensions >= 1, got {m.row_shape}")
-        seed = None if m.rounding_seed < 0 else m.rounding_seed
-        if seed is not None and m.dtype != "bfloat16":
-            raise KVStoreError(f"rounding_seed: stochastic rounding is for bfloat16 rows, "
-                               f"got dtype {m.dtype!r}")
-        existed, wanted = [], []
-        with self._lock:
-            others = self.server.parts_of(m.name)
-            for part, rows in zip(m.parts, m.part_rows):
-                self._own(part)
-                shape = (rows,) + tuple(m.row_shape)
-                if int(np.prod(shape, dtype=object)) > MAX_ROWS:  # Python ints: no overflow
-                    raise KVStoreError(f"shard {part} of {m.name!r}: shape {shape} has more "
-                                       f"than {MAX_ROWS} elements")
-                if self.server.has(m.name, part):
-                    have = self.server.shard(m.name, part)
-                    if have.shape != shape or dtype_name(have) != m.dtype:
-                        raise KVStoreError(f"shard {part} of {m.name!r} exists with shape "
-                                           f"{have.shape} {have.dtype}, asked for {shape} "
-                                           f"{m.dtype}")
-                    existed.append(part)
-                else:
-                    if others:  # every shard of a table has the same row shape and dtype
-                        have = self.server.shard(m.name, others[0])
-                        if have.shape[1:] != shape[1:] or dtype_name(have) != m.dtype:
-                            raise KVStoreError(
-                                f"shard {part} of {m.name!r}: rows {shape[1:]} {m.dtype}, but "
-                                f"shard {others[0]} has rows {have.shape[1:]} {have.dtype}")
-                    wanted.append((m.name, part, shape, m.dtype, None, None, seed))
-            self._allocate_all(wanted, f"table {m.name!r} ({len(wanted)} new shard(s))")
-        return Reply(fields={"existed": existed})
-
-    def _drop(self, m, session):
-        self._check_name(m.name, table=False)  # a client drops each state it lists
-        with self._lock:  # the table's optimizer state goes with it (its shm files too)
-            for name, part in self.server.shards_of(m.name):
-                self._forget(name, part)
 
     def _pull(self, m, session):
         rows = self._rows(m)
@@ -325,38 +223,6 @@ class KVService:
                                    f"rows of shape {shard.shape[1:]}, got "
                                    f"{dtype_name(m.values)} {m.values.shape[1:]}")
             self.server.push(m.name, part, ids, m.values[sl])
-
-    def _opt_init(self, m, session):
-        self._check_name(m.name)  # optimizer state has no optimizer of its own
-        impl = rule_of(m.rule)
-        bad = {k: v for k, v in m.options.items() if not math.isfinite(v)}
-        if bad:  # an initial state of NaN or inf would poison every row it touches
-            raise KVStoreError(f"OptInit.options: expected finite numbers, got {bad}")
-        if self.stores.has(m.name):  # its store makes its state columns (and may keep them)
-            if list(m.parts) != [self.server_id]:  # a spec'd table's one shard is the server's
-                raise KVStoreError(f"OptInit of dynamic table {m.name!r}: parts must be "
-                                   f"[{self.server_id}], got {m.parts[:8]}")
-            with self._lock:
-                self.stores.init_states(m.name, impl.name.value, m.options)
-            return
-        with self._lock:
-            wanted = []
-            for part in m.parts:
-                self._own(part)
-                weight = self.server.shard(m.name, part)
-                if dtype_name(weight) not in WEIGHT_DTYPES or weight.ndim != 2:
-                    raise KVStoreError(f"optimizer of {m.name!r}: needs a 2-d table of "
-                                       f"{'/'.join(WEIGHT_DTYPES)}, it is {weight.ndim}-d "
-                                       f"{dtype_name(weight)}")
-                for spec in impl.states:
-                    shape = (weight.shape[0],) + spec.shape(weight.shape[1])
-                    wanted.append((state_name(m.name, spec.name), part, shape, spec.dtype,
-                                   state_init(spec, (1,) * len(shape), m.options), m.name))
-            for part in m.parts:  # every part checked: cached copies of the state are void
-                self.server.bump_all(m.name, part)
-            for sname, part, *_ in wanted:  # a fresh optimizer starts from fresh state
-                self._forget(sname, part)
-            self._allocate_all(wanted, f"optimizer state of {m.name!r}")
 
     def _update(self, m, session):
         if m.grads.dtype != np.float32 or m.grads.ndim != 2:
@@ -448,15 +314,6 @@ class KVService:
                 raise KVStoreError(f"barrier: not every one of {self.num_trainers} trainers "
                                    f"arrived within {self.timeout_s} s")
 
-    def _shm_info(self, m, session):
-        paths, shapes, dtypes = [], [], []
-        for part in m.parts:
-            arr = self.server.shard(m.name, part)
-            paths.append(self.arena.path_of(arr) if self.arena else None)
-            shapes.append(list(arr.shape))
-            dtypes.append(dtype_name(arr))
-        return Reply(fields={"paths": paths, "shapes": shapes, "dtypes": dtypes})
-
     def _bye(self, m, session):
         self._rank(m, session)
         with self._cond:
@@ -465,20 +322,3 @@ class KVService:
         if done and self.on_all_bye:
             self.on_all_bye()
 
-    def _save(self, m, session):
-        segments = []
-        for part, start, step in zip(m.parts, m.starts, m.steps):
-            self._own(part)
-            segments.append(self.server.save_shard(m.name, part, m.directory, m.save_id,
-                                                   start, step))
-        return Reply(fields={"segments": segments})
-
-    def _load(self, m, session):
-        entry = snapshot.tensor_entry(snapshot.read_manifest(m.directory), m.name,
-                                      m.directory)
-        shards = list(zip(m.parts, m.starts, m.steps))
-        for part, start, step in shards:  # all or nothing: every shard checked first
-            self._own(part)
-            self.server.load_shard(m.name, part, m.directory, entry, start, step, write=False)
-        for part, start, step in shards:
-            self.server.load_shard(m.name, part, m.directory, entry, start, step, check=False)

@@ -35,8 +35,11 @@ from contextlib import contextmanager
 import numpy as np
 
 from distemb import kernels
-from distemb.errors import KVStoreError, PartitionError
+from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kernels import half
+from distemb.kvstore import snapshot
+from distemb.kvstore.limits import check_fits
+from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 
 #: Hidden column of a store that inserts and evicts: each row's write counter.
@@ -164,6 +167,25 @@ class ShardTable:
         """``{name: (row_shape, dtype)}`` of the store's columns, the hidden ones left out."""
         return {c: s for c, s in self.store.columns().items() if c != VERSION}
 
+    def init_states(self, rule, options):
+        """(Re)create update rule ``rule``'s state columns at their initial values
+        (``options``: the rule's initial-value options) and void every cached copy.
+
+        A new optimizer starts from fresh state, except on a persistent store (a file
+        store reopened to resume), which keeps state columns of the same shape.
+
+        Returns:
+            the state names of the rule, in order.
+        """
+        specs = rule_of(rule).states
+        with self.write():
+            for spec in specs:
+                fill = options.get(spec.init_option, 0) if spec.init_option else 0
+                self.store.add_column(spec.name, spec.shape(self.store.dim), spec.dtype, fill,
+                                      keep=self.store.persistent)
+        self.bump_all()
+        return [s.name for s in specs]
+
     # -- keys of requests -------------------------------------------------------------
 
     def local_keys(self, ids, what):
@@ -249,6 +271,74 @@ class ShardTable:
             self.store.update(rule, keys, grads, hyper, num_threads)
             self.bump(keys, contributions)
 
+    # -- keys -------------------------------------------------------------------------
+
+    def _refuse_fixed(self, what, name):
+        """StoreError for ``what`` (removal, eviction) of a store of fixed keys."""
+        if self.store.fixed_keys:
+            kind = self.spec.kind if self.spec is not None else type(self.store).__name__
+            raise StoreError(f"{what}: {name!r} is a {kind} table, which holds fixed keys "
+                             f"0..N-1; only tables of any key (hash tables) {what} keys")
+
+    def _columns_of(self, columns, name):
+        missing = [c for c in columns if c not in self.columns()]
+        if missing:
+            raise StoreError(f"columns: {missing} not in {name!r} (has {sorted(self.columns())})")
+
+    def contains(self, keys):
+        """Bool per store key: held or not (nothing inserted, no access counted)."""
+        with self.read():
+            return self.store.find(keys) >= 0
+
+    def get(self, keys, column=WEIGHT, name="the table"):
+        """Rows of ``column`` of held store keys (the weight as float32), nothing inserted
+        or counted.
+
+        Raises:
+            MissingKeyError: a key not held. StoreError: no such column.
+        """
+        self._columns_of([column], name)
+        with self.read():
+            return self.store.gather(keys, column, insert=False)
+
+    def remove(self, keys, name="the table"):
+        """Remove store keys with their state; how many were held.
+
+        Raises:
+            StoreError: the store holds fixed keys.
+        """
+        self._refuse_fixed("remove", name)
+        with self.write():
+            return self.store.remove(keys)
+
+    def evict(self, target_size, policy=None, name="the table"):
+        """Evict keys by ``policy`` (the store's when None) down to ``target_size``;
+        returns the evicted store keys.
+
+        Raises:
+            StoreError: the store holds fixed keys.
+        """
+        self._refuse_fixed("evict", name)
+        with self.write():
+            return self.store.evict(target_size, policy)
+
+    def export(self, start=0, count=None, columns=None, name="the table"):
+        """Held keys ``start .. start+count-1`` in ascending order (every one from
+        ``start`` when ``count`` is None), as the table's keys, with their rows of
+        ``columns`` (every column when None; the weight as float32).
+
+        Returns:
+            (keys, {column: rows}).
+        """
+        self._columns_of(columns or (), name)
+        with self.read():
+            cols = list(columns) if columns else list(self.columns())
+            keys = self.store.keys()[start:None if count is None else start + count]
+            slots = self.store.slots(keys) if len(keys) else np.empty(0, np.int64)
+            rows = {c: self.store.decode(self.store.column(c)[slots]) if c == WEIGHT
+                    else self.store.column(c)[slots] for c in cols}
+        return (keys if self.router is None else self.router.to_global(self.part, keys)), rows
+
     # -- versions ---------------------------------------------------------------------
 
     @property
@@ -300,3 +390,107 @@ class ShardTable:
             with self.write():
                 self._version_array()[...] += 1
                 self._high += 1
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def _saved_columns(self, columns):
+        """``{column: (row_shape, dtype)}`` of ``columns`` (None: every one) as a
+        checkpoint holds them: an array table's in their storage dtype, a store's weight
+        as float32 (what it reads and writes)."""
+        have = self.columns()
+        names = list(have) if columns is None else list(columns)
+        try:
+            self._columns_of(names, "the shard")
+        except StoreError as e:
+            raise KVStoreError(f"checkpoint: {e}") from None
+        return {c: (tuple(have[c][0]), "float32" if c == WEIGHT and not self.arrays
+                    else have[c][1]) for c in names}
+
+    def save(self, directory, save_id, name, columns=None, start=0, step=1):
+        """Write ``columns`` (None: every one) of this shard of table ``name`` as a
+        checkpoint record (:func:`~distemb.kvstore.snapshot.write_shard`).
+
+        An array table's row ``k`` is the table's key ``start + k * step`` (its policy's
+        progression); each block is copied under the read lock, so a save runs beside
+        training and each block is consistent. A store's keys are saved with its rows
+        (as the table's keys, by the router), the whole shard under the read lock.
+        """
+        cols = self._saved_columns(columns)
+        if self.arrays:
+            def reader(col):
+                arr = self.store.column(col)
+
+                def read(lo, hi):
+                    with self.read():
+                        return arr[lo:hi].copy()
+                return read
+            return snapshot.write_shard(
+                directory, save_id, name, self.part, self.store.capacity,
+                {c: (shape, dtype, reader(c)) for c, (shape, dtype) in cols.items()},
+                start=start, step=step)
+        with self.read():  # a store's slots move as it inserts: still for the whole save
+            keys = self.store.keys()
+            slots = self.store.slots(keys) if len(keys) else np.empty(0, np.int64)
+            saved = keys if self.router is None else self.router.to_global(self.part, keys)
+
+            def reader(col):
+                arr = self.store.column(col)
+                if col == WEIGHT:
+                    return lambda lo, hi: self.store.decode(arr[slots[lo:hi]])
+                return lambda lo, hi: arr[slots[lo:hi]]
+            return snapshot.write_shard(
+                directory, save_id, name, self.part, len(keys),
+                {c: (shape, dtype, reader(c)) for c, (shape, dtype) in cols.items()},
+                keys=lambda lo, hi: saved[lo:hi])
+
+    def load(self, directory, entry, columns=None, start=0, step=1, verify=True, apply=True,
+             name="the shard"):
+        """Fill ``columns`` (None: every one) of this shard from a table's checkpoint
+        entry (:func:`~distemb.kvstore.snapshot.table_entry`), all or nothing.
+
+        An array table's rows are keys ``start + k * step`` and must be covered exactly
+        once. A store takes the saved keys its router gives this shard (all of them
+        without a router); one that inserts holds the checkpoint's keys only afterwards.
+        Every version changes (cached copies of the rows are void). ``verify`` and
+        ``apply`` split the load into its checking and writing passes (a load of several
+        shards checks them all first: :func:`~distemb.kvstore.snapshot.load_shard`).
+        ``name`` names the table in errors.
+
+        Raises:
+            KVStoreError: see :func:`~distemb.kvstore.snapshot.load_shard`; a load that
+                would not fit in memory.
+        """
+        cols = self._saved_columns(columns)
+        if self.arrays:
+            def write(col, local, rows):
+                with self.write():
+                    self.store.column(col)[local] = rows
+                    self.bump(local)
+            snapshot.load_shard(directory, entry, cols,
+                                snapshot.Target.fixed(start, step, self.store.capacity), write,
+                                verify=verify, apply=apply)
+            return
+        if self.router is None:
+            target = snapshot.Target.owned(lambda k: np.ones(len(k), bool))
+        else:
+            target = snapshot.Target.owned(lambda k: self.router.owns(self.part, k),
+                                           lambda k: self.router.to_local(self.part, k))
+        if verify and not self.store.fixed_keys:
+            # Before a block is read: this shard's share of the saved keys (a hash routes
+            # 1/parts of them here) must fit, so a checkpoint far bigger than the machine
+            # is refused, not half read.
+            parts = self.router.num_parts if self.router is not None else 1
+            share = -(-snapshot.entry_rows(entry) // parts)
+            check_fits(share * (8 + sum(4 * int(np.prod(s, dtype=object))
+                                        for s, _ in cols.values())),
+                       f"load of {snapshot.entry_rows(entry):,} keys into {name!r}")
+        if not apply:
+            snapshot.load_shard(directory, entry, cols, target, None, apply=False)
+            return
+        with self.write():  # all or nothing: every check passes before a key is removed
+            snapshot.load_shard(
+                directory, entry, cols, target,
+                lambda col, keys, rows: self.store.scatter(keys, rows, col),
+                replace=None if self.store.fixed_keys else
+                lambda: self.store.remove(self.store.keys()), verify=verify)
+        self.bump_all()

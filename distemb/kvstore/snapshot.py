@@ -1,234 +1,281 @@
-"""Checkpoint segments: a shard's rows in one file, by global id, written and read in
-bounded blocks. The same code runs in server processes (each writes its own shards, in
-parallel with the others) and in the embedded store.
+"""Checkpoints on disk: one format for every table, written and read where its shards live.
 
-A checkpoint is a directory. Each shard of each tensor is one *segment* file, its rows in
-local-id order, whose local id ``k`` is global id ``start + k * step`` (a range
-partition has step 1, a hash partition step P), so a segment loads into any partitioning:
-a loading shard reads, from each segment, only the blocks holding its own global ids.
-Files are written to ``<file>.tmp``, fsynced and renamed; names carry the save's id, so
-a new save never touches the files of the previous one. ``manifest.json`` (written last,
-by :mod:`distemb.checkpoint`) lists the tensors and their segments with one CRC-32 per
-block; a checkpoint without it is not a checkpoint.
+A checkpoint is a directory. Every shard of every table is one *record*: a segment file
+per column (the weight and each optimizer state), plus one of the shard's keys when its
+keys are not fixed. A segment (:mod:`distemb.kvstore.segments`) holds rows in the
+shard's order, in bounded blocks with a CRC-32 per block; the key of row ``k`` is the
+keys segment's ``k``-th key, or, for a fixed key set, ``start + k * step`` (a range
+partition has step 1, a hash partition step P). Names carry the save's id, so a new
+save never touches the files of the previous one. ``manifest.json`` (written last, by
+:mod:`distemb.checkpoint`) lists each table's entry (shape, dtype, records); a
+checkpoint without it is not a checkpoint.
+
+A record loads into any shard of any table whose rows match: the loading shard says
+which keys it holds (:class:`Target`: a fixed progression of keys, or whatever its
+router owns), and reads from each record only the blocks holding some of them. So a
+checkpoint written by W shards loads into W' shards of any partition policy or router,
+a dense table's into a hash table and a hash table's into a dense one (which must then
+be covered exactly once). Checkpoints of version 2 (one entry per tensor, optimizer
+state as tensors ``<table>~opt~<state>``, or a dynamic table's entry of kind "store")
+load as they are: :func:`table_entry` reads them as this format.
 
 Example:
     >>> import numpy as np, tempfile
     >>> d = tempfile.mkdtemp()
     >>> a = np.arange(12, dtype=np.float32).reshape(6, 2)
-    >>> seg = write_segment(d, "ab12cd34", "w", 0, 0, 1, a.shape, "float32",
-    ...                     lambda lo, hi: a[lo:hi])
+    >>> rec = write_shard(d, "ab12cd34", "w", 0, 6,
+    ...                   {"weight": ((2,), "float32", lambda lo, hi: a[lo:hi])})
     >>> out = np.zeros((3, 2), np.float32)   # a shard holding global ids 1, 3, 5
-    >>> read_segments(d, [seg], "float32", (2,), 1, 2, 3, lambda j, rows: out.__setitem__(j, rows))
+    >>> load_shard(d, {"shards": [rec]}, {"weight": ((2,), "float32")},
+    ...            Target.fixed(1, 2, 3), lambda col, j, rows: out.__setitem__(j, rows))
     >>> out[:, 0].tolist()
     [2.0, 6.0, 10.0]
 """
-import hashlib
 import json
 import os
-import re
 import stat
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from distemb.errors import KVStoreError
-from distemb.kernels.half import storage_dtype
+from distemb.kernels import half
 from distemb.kvstore.limits import check_fits
+from distemb.kvstore.segments import Segment, write_segment
+from distemb.rules import state_name, state_owner
+from distemb.stores.types import WEIGHT
 
 MANIFEST = "manifest.json"
 FORMAT = "distemb-checkpoint"
-VERSION = 2
-BLOCK_BYTES = 64 << 20  # memory a save or load needs per shard, and the unit of a CRC
-MAX_BLOCKS = 256  # past 256 blocks, blocks grow: manifest records and replies stay small
-SAVE_ID = re.compile(r"^[0-9a-f]{8,32}$")
-SEGMENT_FILE = re.compile(r"^[0-9a-f]{8,32}-[0-9a-f]{16}-p[0-9]{1,9}\.bin$")
+VERSION = 3
 MAX_MANIFEST_BYTES = 256 << 20
+#: The segment of a record holding the shard's keys (when they are not fixed).
+KEYS = "keys"
+#: Row dtypes a load converts between (to float32 exactly, to half rounded to nearest-even).
+CONVERTIBLE = ("float32", "bfloat16", "float16")
 
 
-def segment_file(save_id, name, part):
-    """The file name of shard ``part`` of ``name`` in save ``save_id`` (no user text in
-    file names: tensor names may hold any character)."""
-    digest = hashlib.sha1(name.encode("utf-8")).hexdigest()[:16]
-    return f"{save_id}-{digest}-p{part}.bin"
-
-
-def _row_bytes(row_shape, dtype):
-    return int(np.prod(row_shape, dtype=object)) * storage_dtype(dtype).itemsize
-
-
-def write_segment(directory, save_id, name, part, start, step, shape, dtype, read_block):
-    """Write one shard as a segment file, block by block; returns its manifest record.
+def write_shard(directory, save_id, name, part, count, columns, keys=None, start=0, step=1):
+    """Write one shard of table ``name`` as a record: a segment per column, and one of
+    its keys when they are not fixed.
 
     Args:
-        directory: the checkpoint directory (exists).
-        save_id: this save's id (hex).
-        name, part: the tensor and partition.
-        start, step: local id k is global id ``start + k * step``.
-        shape, dtype: the shard's shape and dtype.
-        read_block: ``read_block(lo, hi)`` -> rows lo..hi-1 (an array; the caller takes
-            whatever lock keeps them consistent).
+        count: the shard's rows.
+        columns: ``{column: (row_shape, dtype, read_block)}`` (see :func:`write_segment`).
+        keys: ``read_block(lo, hi)`` of the shard's int64 keys in row order, or None when
+            row ``k``'s key is ``start + k * step``.
 
-    Raises:
-        KVStoreError: a bad save id or directory, or an I/O error (the partial file is
-            removed).
+    Returns:
+        the record: ``{"part", "count", "keys": segment or None, "columns": {column:
+        {"shape", "dtype", "segment"}}}``.
     """
-    if not isinstance(save_id, str) or not SAVE_ID.match(save_id):
-        raise KVStoreError(f"save_id: expected 8..32 hex digits, got {save_id!r:.40}")
-    if not os.path.isdir(directory):
-        raise KVStoreError(f"checkpoint directory {directory!r} does not exist here")
-    rows, row_bytes = int(shape[0]), _row_bytes(shape[1:], dtype)
-    block_rows = max_block_rows(rows, row_bytes)
-    fname = segment_file(save_id, name, part)
-    final = os.path.join(directory, fname)
-    tmp = final + ".tmp"
-    crcs = []
-    try:
-        # Two stages: block k goes to disk in a thread while block k+1 is copied and
-        # checksummed (both release the GIL), so the CRC costs no time; two blocks in
-        # memory at most.
-        with open(tmp, "wb") as f, ThreadPoolExecutor(1) as disk:
-            pending = None
-            for lo in range(0, rows, block_rows):
-                block = np.ascontiguousarray(read_block(lo, min(rows, lo + block_rows)))
-                view = memoryview(block).cast("B")
-                crcs.append(zlib.crc32(view))
-                if pending is not None:
-                    pending.result()
-                pending = disk.submit(f.write, view)
-            if pending is not None:
-                pending.result()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except OSError as e:
-        raise KVStoreError(f"checkpoint: cannot write {final}: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return {"file": fname, "part": int(part), "start": int(start), "step": int(step),
-            "count": rows, "block_rows": block_rows, "crc32": crcs}
+    s0, st = (0, 1) if keys is not None else (start, step)
+    record = {"part": int(part), "count": int(count), KEYS: None, "columns": {}}
+    if keys is not None:
+        record[KEYS] = write_segment(directory, save_id, f"{name}\x00{KEYS}", part, 0, 1,
+                                     (count,), "int64", keys)
+    for col, (shape, dtype, read) in columns.items():
+        seg = write_segment(directory, save_id, f"{name}\x00{col}", part, s0, st,
+                            (count,) + tuple(shape), dtype, read)
+        record["columns"][col] = {"shape": list(shape), "dtype": dtype, "segment": seg}
+    return record
 
 
-def _int(seg, key, minimum):
-    v = seg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise KVStoreError(f"checkpoint segment {seg.get('file')!r}: {key} must be an integer "
-                           f">= {minimum}, got {v!r:.40}")
-    return v
+def new_entry(shape, dtype, records, policy=None):
+    """The manifest entry of a table: ``shape`` (rows first, None for any key), the
+    weight's ``dtype``, its shards' ``records`` and, for a dense table, its policy."""
+    entry = {"kind": "table", "shape": list(shape), "dtype": dtype, "shards": list(records)}
+    if policy is not None:
+        entry["policy"] = {"name": policy.policy_str, "num_partitions": policy.num_partitions}
+    return entry
 
 
-def read_segments(directory, segments, dtype, row_shape, start, step, count, write_rows):
-    """Load the rows of global ids ``start + step * arange(count)`` from ``segments``.
+def entry_files(entry):
+    """The segment files an entry (of this format) refers to."""
+    out = []
+    for rec in entry.get("shards") or ():
+        if isinstance(rec, dict):
+            segs = [rec.get(KEYS)] + [c.get("segment") for c in
+                                      (rec.get("columns") or {}).values() if isinstance(c, dict)]
+            out += [s["file"] for s in segs if isinstance(s, dict) and "file" in s]
+    return out
 
-    All or nothing: every block holding some of those ids is read and checked against
-    its CRC-32, and the ids must be covered exactly once, before ``write_rows`` sees the
-    first row (the blocks are then read a second time to write them), so a refused load
-    leaves the shard as it was.
+
+# -- which saved keys a loading shard holds --------------------------------------------
+
+
+class Target:
+    """The keys a loading shard holds and where each goes.
+
+    ``select(keys) -> (mask, local)``: which of the saved ``keys`` are the shard's, and
+    their places in it (row numbers of a fixed key set, the store's keys otherwise).
+    A shard of fixed keys must be covered exactly once by the checkpoint.
+
+    Example:
+        >>> mask, local = Target.fixed(10, 2, 3).select(np.array([10, 11, 14, 16]))
+        >>> mask.tolist(), local.tolist()
+        ([True, False, True, False], [0, 2])
+    """
+
+    def __init__(self, select, count=None):
+        self.select, self.count = select, count
+
+    @classmethod
+    def fixed(cls, start, step, count):
+        """The keys ``start + step * k`` for k < ``count``, row k of the shard."""
+        def select(keys):
+            rel = keys - start
+            mask = (rel >= 0) & (rel % step == 0) & (rel // step < count)
+            return mask, rel[mask] // step
+        return cls(select, count)
+
+    @classmethod
+    def owned(cls, owns, to_local=None):
+        """Keys where ``owns(keys)`` is True, as ``to_local(keys)`` (or themselves)."""
+        def select(keys):
+            mask = np.asarray(owns(keys), dtype=bool)
+            mine = keys[mask]
+            return mask, (to_local(mine) if to_local is not None and len(mine) else mine)
+        return cls(select)
+
+
+# -- reading --------------------------------------------------------------------------
+
+
+def _records(entry):
+    """The shard records of a (normalised) entry, each checked for its shape."""
+    shards = entry.get("shards") if isinstance(entry, dict) else None
+    if not isinstance(shards, list):
+        raise KVStoreError("checkpoint: the table's entry lists no shards")
+    for i, rec in enumerate(shards):
+        ok = isinstance(rec, dict) and isinstance(rec.get("count"), int) and \
+            not isinstance(rec["count"], bool) and rec["count"] >= 0 and \
+            (rec.get(KEYS) is None or isinstance(rec.get(KEYS), dict)) and \
+            isinstance(rec.get("columns"), dict) and all(
+                isinstance(c, dict) and isinstance(c.get("shape"), list) and
+                all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
+                    for d in c["shape"]) and
+                isinstance(c.get("dtype"), str) and isinstance(c.get("segment"), dict)
+                for c in rec["columns"].values())
+        if not ok:
+            raise KVStoreError(f"checkpoint: shard record {i} is malformed "
+                               f"({str(rec)[:80]!r})")
+    return shards
+
+
+def _check_columns(records, columns):
+    """KVStoreError unless every column asked for was saved with the live rows."""
+    saved = {}
+    for rec in records:
+        for col, c in rec["columns"].items():
+            saved.setdefault(col, c)
+    for col, (shape, dtype) in columns.items():
+        c = saved.get(col)
+        if c is None:
+            raise KVStoreError(f"checkpoint: column {col!r} was not saved (saved: "
+                               f"{sorted(saved)}; create the optimizer the checkpoint was "
+                               "saved with, or load the weight alone)")
+        if tuple(c["shape"]) != tuple(shape) or \
+                (c["dtype"] != dtype and not {c["dtype"], dtype} <= set(CONVERTIBLE)):
+            raise KVStoreError(f"checkpoint: column {col!r} was saved as rows "
+                               f"{tuple(c['shape'])} {c['dtype']}, the live one has rows "
+                               f"{tuple(shape)} {dtype}")
+
+
+def _convert(rows, saved, live):
+    """Rows saved as dtype ``saved`` as dtype ``live`` (both in CONVERTIBLE)."""
+    if saved == live:
+        return rows
+    rows = half.decode(rows) if half.is_half(saved) else rows
+    return half.encode(rows, live) if half.is_half(live) else rows
+
+
+def _pass(directory, records, columns, target, write=None):
+    """One pass over what ``target`` holds of ``records``' columns: every block it needs
+    read and CRC-checked, each handed to ``write(column, places, rows)`` when given.
+
+    Returns:
+        for a checking pass (no ``write``) of a target of fixed keys, how many times
+        each of its keys was covered; else None.
+    """
+    covered = np.zeros(target.count, np.int64) \
+        if target.count is not None and write is None else None
+    for rec in records:
+        n = rec["count"]
+        keys = None
+        if rec[KEYS] is not None:
+            check_fits(8 * n, f"checkpoint: the {n:,} keys of shard record {rec.get('part')}")
+            seg = Segment(directory, rec[KEYS], "int64", (), n)
+            try:
+                keys = seg.read_all()
+            finally:
+                seg.close()
+        # the weight first: into a store that inserts, it makes the keys the states fill
+        for col in sorted(columns, key=lambda c: c != WEIGHT):
+            c = rec["columns"].get(col)
+            if c is None:
+                continue
+            seg = Segment(directory, c["segment"], c["dtype"], c["shape"], n)
+            if keys is not None:
+                keys_of = lambda lo, hi: keys[lo:hi]  # noqa: E731
+            else:
+                keys_of = lambda lo, hi, s=seg: \
+                    s.start + np.arange(lo, hi, dtype=np.int64) * s.step  # noqa: E731
+            try:
+                for local, rows in seg.blocks(keys_of, target):
+                    if write is None:
+                        if covered is not None:
+                            np.add.at(covered, local, 1)
+                    else:
+                        write(col, local, _convert(rows, c["dtype"], columns[col][1]))
+            finally:
+                seg.close()
+    return covered
+
+
+def load_shard(directory, entry, columns, target, write, replace=None, verify=True,
+               apply=True):
+    """Fill one loading shard from a table's checkpoint entry, all or nothing.
+
+    Every record, every segment and every block the shard needs is read and checked
+    (CRC-32, sizes, and for a shard of fixed keys that each key is covered exactly once,
+    for every column) before ``write`` sees the first row; the blocks are then read a
+    second time to write them, so a refused load leaves the shard as it was.
 
     Args:
         directory: the checkpoint directory.
-        segments: the tensor's segment records from the manifest.
-        dtype, row_shape: the live tensor's (must match the saved one).
-        start, step, count: the global ids of the shard being filled.
-        write_rows: ``write_rows(local ids, rows)`` stores rows into the shard.
+        entry: the table's entry (:func:`table_entry`).
+        columns: ``{column: (row_shape, dtype)}`` to load, as the live shard holds them
+            (rows are converted between float32, bfloat16 and float16).
+        target: the shard's keys (:class:`Target`).
+        write: ``write(column, places, rows)`` stores rows (the weight's first).
+        replace: called once every check passed, before the first write (a store that
+            keys its rows removes its keys there, to hold the checkpoint's only).
+        verify, apply: run the checking pass, the writing pass (a load of several shards
+            checks them all before it writes any: ``apply=False`` on each, then
+            ``verify=False``; the writing pass checks each block's CRC again anyway).
 
     Raises:
-        KVStoreError: a missing, short or corrupt file (CRC mismatch), a malformed
-            record, or ids the segments do not cover exactly once.
+        KVStoreError: a malformed entry, a column not saved or saved with other rows, a
+            missing, short or corrupt segment, or keys of a fixed shard not covered
+            exactly once.
     """
-    check_segments(directory, segments, dtype, row_shape, start, step, count)
-    write_checked(directory, segments, dtype, row_shape, start, step, count, write_rows)
+    records = _records(entry)
+    _check_columns(records, columns)
+    for col in columns if verify else ():
+        covered = _pass(directory, records, {col: columns[col]}, target)
+        if covered is not None and (covered != 1).any():
+            bad = int(np.flatnonzero(covered != 1)[0])
+            raise KVStoreError(f"checkpoint: column {col!r} covers row {bad} of the "
+                               f"{target.count} asked for {int(covered[bad])} times (every "
+                               f"row must be saved exactly once)")
+    if not apply:
+        return
+    if replace is not None:
+        replace()
+    _pass(directory, records, columns, target, write)
 
 
-def check_segments(directory, segments, dtype, row_shape, start, step, count):
-    """What :func:`read_segments` checks before it writes anything (every needed block's
-    CRC-32, the records, exact coverage), without writing.
-
-    Raises:
-        KVStoreError: as :func:`read_segments`.
-    """
-    covered = sum(len(local) for local, _ in
-                  _blocks(directory, segments, dtype, row_shape, start, step, count))
-    if covered != count:
-        raise KVStoreError(f"checkpoint: the segments hold {covered} of the {count} rows "
-                           f"asked for (global ids {start}, {start + step}, ...): they do not "
-                           f"cover the tensor exactly once")
-
-
-def write_checked(directory, segments, dtype, row_shape, start, step, count, write_rows):
-    """:func:`read_segments`'s writing pass, for segments :func:`check_segments` passed
-    (each block's CRC-32 is checked again as it is read)."""
-    for local, rows in _blocks(directory, segments, dtype, row_shape, start, step, count):
-        write_rows(local, rows)
-
-
-def max_block_rows(rows, row_bytes):
-    """The most rows a save puts in one block of a segment of ``rows`` rows (a manifest
-    asking for more would make a load allocate more than the save ever did)."""
-    return max(1, BLOCK_BYTES // max(1, row_bytes), -(-rows // MAX_BLOCKS))
-
-
-def _blocks(directory, segments, dtype, row_shape, start, step, count):
-    """(local ids, rows) of every CRC-checked block holding some of the shard's ids."""
-    row_bytes = _row_bytes(row_shape, dtype)
-    for seg in segments:
-        if not isinstance(seg, dict) or not isinstance(seg.get("file"), str) or \
-                not SEGMENT_FILE.match(seg["file"]):
-            raise KVStoreError(f"checkpoint: malformed segment record {str(seg)[:80]!r}")
-        s0, st, n = _int(seg, "start", 0), _int(seg, "step", 1), _int(seg, "count", 0)
-        br, crcs = _int(seg, "block_rows", 1), seg.get("crc32")
-        if br > max_block_rows(n, row_bytes):
-            raise KVStoreError(f"checkpoint segment {seg['file']}: block_rows {br} is more "
-                               f"than a save of {n} rows makes "
-                               f"({max_block_rows(n, row_bytes)})")
-        if not isinstance(crcs, list) or len(crcs) != -(-n // br):
-            raise KVStoreError(f"checkpoint segment {seg['file']}: expected {-(-n // br)} "
-                               f"block checksums")
-        path = os.path.join(directory, seg["file"])
-        try:  # O_NONBLOCK: a FIFO in a segment's place cannot block the server
-            f = open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
-        except OSError as e:
-            raise KVStoreError(f"checkpoint: segment {path} is missing ({e.strerror})") from None
-        with f:
-            info = os.fstat(f.fileno())
-            size = info.st_size if stat.S_ISREG(info.st_mode) else -1
-            if size != n * row_bytes:
-                raise KVStoreError(f"checkpoint: segment {path} has {size} bytes, expected "
-                                   f"{n * row_bytes} ({n} rows of {row_bytes} bytes): the "
-                                   f"saved tensor's rows differ from the live one's, or it is "
-                                   f"truncated")
-            if not count or not n:
-                continue
-            yield from _read_blocks(f, path, (s0, st, n, br, crcs), row_shape, dtype, start,
-                                    step, count)
-
-
-def _read_blocks(f, path, record, row_shape, dtype, start, step, count):
-    """(local ids, rows) of the CRC-checked blocks of open segment ``f`` holding ids of
-    the shard (global ids ``start + step * k``, k < count); ``record`` is the segment's
-    checked (start, step, count, block_rows, crc32)."""
-    s0, st, n, br, crcs = record
-    row_bytes = _row_bytes(row_shape, dtype)
-    # A block is read whole (its CRC covers it): a lying record of a sparse file must
-    # not make the server allocate a block larger than it can hold.
-    check_fits(min(br, n) * row_bytes, f"checkpoint segment {path}: a block of {min(br, n):,} "
-               "rows")
-    last = start + (count - 1) * step
-    for b, lo in enumerate(range(0, n, br)):
-        hi = min(n, lo + br)
-        if s0 + (hi - 1) * st < start or s0 + lo * st > last:
-            continue  # none of this block's ids are ours: not read
-        block = np.empty((hi - lo,) + tuple(row_shape), dtype=storage_dtype(dtype))
-        f.seek(lo * row_bytes)
-        view = memoryview(block).cast("B")
-        if f.readinto(view) != len(view) or zlib.crc32(view) != crcs[b]:
-            raise KVStoreError(f"checkpoint: block {b} of segment {path} is corrupt "
-                               f"(CRC-32 mismatch or short read)")
-        rel = s0 + np.arange(lo, hi, dtype=np.int64) * st - start
-        mine = (rel >= 0) & (rel % step == 0) & (rel // step < count)
-        if mine.any():
-            yield rel[mine] // step, block[mine]
+# -- the manifest -------------------------------------------------------------------
 
 
 def manifest_path(directory):
@@ -262,14 +309,52 @@ def read_manifest(directory):
     return manifest
 
 
-def tensor_entry(manifest, name, directory):
-    """The manifest record of tensor ``name``.
+def table_entry(manifest, name, directory):
+    """The entry of table ``name``, in this format whatever the checkpoint's version.
+
+    A version-2 dense table was one entry per tensor, its optimizer states the entries
+    ``<name>~opt~<state>``: they become the columns of one record per saved shard. A
+    version-2 dynamic table (kind "store") already was records with keys.
 
     Raises:
-        KVStoreError: the checkpoint has no such tensor.
+        KVStoreError: the checkpoint has no such table (nor state of it).
     """
-    entry = manifest["tensors"].get(name)
-    if not isinstance(entry, dict) or not isinstance(entry.get("segments"), list):
-        raise KVStoreError(f"{directory}: has no tensor {name!r} (has "
-                           f"{sorted(manifest['tensors'])[:10]})")
-    return entry
+    tensors = manifest["tensors"]
+    entry = tensors.get(name)
+    if isinstance(entry, dict) and entry.get("kind") in ("table", "store"):
+        if entry.get("kind") == "store":  # version 2's dynamic table: any key, dim columns
+            return {"kind": "table", "shape": [None, entry.get("dim")],
+                    "dtype": entry.get("dtype"), "shards": entry.get("shards")}
+        return entry
+    records = {}
+
+    def add(column, old):
+        shape, dtype, segs = old.get("shape"), old.get("dtype"), old.get("segments")
+        if not isinstance(shape, list) or not shape or not isinstance(dtype, str) or \
+                not isinstance(segs, list):
+            raise KVStoreError(f"{directory}: the entry of {name!r} ({column}) is malformed")
+        for seg in segs:
+            if not isinstance(seg, dict):
+                raise KVStoreError(f"checkpoint: malformed segment record {str(seg)[:80]!r}")
+            key = tuple(str(seg.get(k)) for k in ("part", "start", "step", "count"))
+            rec = records.setdefault(key, {"part": seg.get("part"), "count": seg.get("count"),
+                                           KEYS: None, "columns": {}})
+            rec["columns"][column] = {"shape": shape[1:], "dtype": dtype, "segment": seg}
+    if isinstance(entry, dict):
+        add(WEIGHT, entry)
+    prefix = state_name(name, "")
+    for tname, old in tensors.items():
+        if state_owner(tname) == name and isinstance(old, dict):
+            add(tname[len(prefix):], old)
+    if not records:
+        raise KVStoreError(f"{directory}: has no table {name!r} (has "
+                           f"{sorted(tensors)[:10]})")
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    return {"kind": "table", "shape": shape, "dtype": (entry or {}).get("dtype"),
+            "shards": list(records.values())}
+
+
+def entry_rows(entry):
+    """The rows a table entry holds in all (for memory checks before a load)."""
+    return sum(r["count"] for r in entry.get("shards") or () if isinstance(r, dict) and
+               isinstance(r.get("count"), int) and not isinstance(r["count"], bool))

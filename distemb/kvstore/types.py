@@ -41,6 +41,7 @@ from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper, rule_of, state_init, state_name
+from distemb.stores.types import WEIGHT
 
 #: Rows per request when optimizer state is read or written whole (as checkpoints do).
 STATE_CHUNK_ROWS = 1 << 20
@@ -56,6 +57,16 @@ class DataMeta:
     shape: Shape
     dtype: str
     policy: PartitionPolicy
+
+
+def check_entry_rows(entry: dict, rows: int, name: str, directory: str) -> None:
+    """KVStoreError unless checkpoint ``entry`` holds ``rows`` rows in all: a table of
+    fixed rows loads a checkpoint of exactly its keys (a dense table's or a keyed one's
+    whose keys are 0..rows-1), never one it would leave some keys of unloaded."""
+    saved = snapshot.entry_rows(entry)
+    if saved != rows:
+        raise KVStoreError(f"{directory}: table {name!r} was saved with {saved:,} rows, the "
+                           f"live one has {rows:,}")
 
 
 class TableGradients(NamedTuple):
@@ -229,66 +240,58 @@ class KVClient(ABC):
             stepped.append(summed is not None)
         return stepped
 
-    def save_tensor(self, name: str, directory: str, save_id: str) -> List[dict]:
-        """Write ``name`` into checkpoint ``directory`` as segment files of save
-        ``save_id`` (:mod:`distemb.kvstore.snapshot`); the manifest is the caller's.
-
-        The default pulls the rows in blocks into one segment; clients that own their
-        shards (embedded, servers) write one segment per shard, where the shard is.
-
-        Returns:
-            the segment records (list of dicts) for the manifest.
-        """
-        meta = self._meta_of(name)
-
-        def read_block(lo, hi):
-            rows = self.to_host(self.pull(name, self.from_host(np.arange(lo, hi,
-                                                                         dtype=np.int64))))
-            return half.encode(rows, meta.dtype) if half.is_half(meta.dtype) else rows
-        return [snapshot.write_segment(directory, save_id, name, 0, 0, 1, meta.shape,
-                                       meta.dtype, read_block)]
-
-    def load_tensor(self, name: str, directory: str) -> None:
-        """Fill ``name`` from checkpoint ``directory`` (saved under any partitioning);
-        only the segment blocks holding this client's rows are read.
-
-        Raises:
-            KVStoreError: no such tensor in the checkpoint, other rows or dtype, or a
-                corrupt segment.
-        """
-        meta = self._meta_of(name)
-        entry = snapshot.tensor_entry(snapshot.read_manifest(directory), name, directory)
-
-        def write_rows(ids, rows):
-            self.push(name, self.from_host(ids),
-                      self.from_host(np.ascontiguousarray(half.as_rows(rows))))
-        snapshot.read_segments(directory, entry["segments"], meta.dtype, meta.shape[1:], 0,
-                               1, meta.shape[0], write_rows)
-
     # -- checkpoints and optimizer state (tables on row stores override these) --------
 
-    def checkpoint_names(self, name: str, state_names: List[str]) -> List[str]:
-        """The tensors a checkpoint of table ``name`` with optimizer states
-        ``state_names`` (KVStore names) holds: the table and each state tensor."""
-        return [name] + list(state_names)
+    def save_table(self, name: str, directory: str, save_id: str,
+                   columns: Sequence[str]) -> dict:
+        """Write ``columns`` of table ``name`` (``"weight"`` and optimizer states by their
+        short names) into checkpoint ``directory`` as records of save ``save_id``
+        (:mod:`distemb.kvstore.snapshot`); the manifest is the caller's.
 
-    def checkpoint_entry(self, name: str, directory: str, save_id: str) -> dict:
-        """Write tensor ``name`` into checkpoint ``directory``; its manifest entry."""
-        dm = self._meta_of(name)
-        return {"shape": list(dm.shape), "dtype": dm.dtype,
-                "policy": {"name": dm.policy.policy_str,
-                           "num_partitions": dm.policy.num_partitions},
-                "segments": self.save_tensor(name, directory, save_id)}
+        The default pulls the rows in blocks into one record; clients that own their
+        shards (embedded, servers, collective ranks) write one record per shard, where
+        the shard is.
 
-    def restore_entry(self, name: str, directory: str, entry: dict) -> None:
-        """Fill tensor ``name`` from its manifest ``entry`` in checkpoint ``directory``.
+        Returns:
+            the table's manifest entry.
+        """
+        meta = self._meta_of(name)
+        cols = {}
+        for col in columns:
+            kvname, cmeta = self._column(name, col)
+
+            def read_block(lo, hi, kvname=kvname, dtype=cmeta.dtype):
+                rows = self.to_host(self.pull(kvname, self.from_host(
+                    np.arange(lo, hi, dtype=np.int64))))
+                return half.encode(rows, dtype) if half.is_half(dtype) else rows
+            cols[col] = (cmeta.shape[1:], cmeta.dtype, read_block)
+        record = snapshot.write_shard(directory, save_id, name, 0, meta.shape[0], cols)
+        return snapshot.new_entry(meta.shape, meta.dtype, [record], meta.policy)
+
+    def load_table(self, name: str, directory: str, entry: dict,
+                   columns: Sequence[str]) -> None:
+        """Fill ``columns`` of table ``name`` from its checkpoint ``entry`` (saved by any
+        number of shards, under any partitioning or router), all or nothing.
 
         Raises:
-            KVStoreError: the saved shape differs from the live one, or a corrupt segment.
+            KVStoreError: a column not saved or saved with other rows, a corrupt or
+                missing segment, or rows not covered exactly once.
         """
-        check_shape(f"{directory}: tensor {name!r}", entry.get("shape", ()),
-                    self._meta_of(name).shape, KVStoreError)
-        self.load_tensor(name, directory)
+        meta = self._meta_of(name)
+        check_entry_rows(entry, meta.shape[0], name, directory)
+        cols = {col: self._column(name, col) for col in columns}
+
+        def write(col, ids, rows):
+            self.push(cols[col][0], self.from_host(ids),
+                      self.from_host(np.ascontiguousarray(half.as_rows(rows))))
+        snapshot.load_shard(directory, entry,
+                            {c: (m.shape[1:], m.dtype) for c, (_, m) in cols.items()},
+                            snapshot.Target.fixed(0, 1, meta.shape[0]), write)
+
+    def _column(self, name: str, column: str) -> Tuple[str, DataMeta]:
+        """(KVStore name, DataMeta) of column ``column`` of table ``name``."""
+        kvname = name if column == WEIGHT else state_name(name, column)
+        return kvname, self._meta_of(kvname)
 
     def table_state(self, name: str, state_names: Dict[str, str]) -> Dict[str, np.ndarray]:
         """{state: every row of it} of table ``name`` (for ``opt.state_dict()``)."""

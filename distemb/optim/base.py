@@ -259,9 +259,9 @@ class SparseOptimizer(torch.optim.Optimizer):
         client.barrier()
         if writer or client.all_ranks_checkpoint:  # collective: each rank its own shards
             items = []
-            for emb in self._embs:  # a store table's state is saved with its rows
-                items += [(emb.kvstore, n) for n in emb.kvstore.checkpoint_names(
-                    emb.name, list(self._state_names(emb).values()))]
+            for emb in self._embs:  # a table and its states: one entry, a column each
+                items += [(emb.kvstore, n) for n in
+                          [emb.name] + list(self._state_names(emb).values())]
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
             checkpoint.save_items(path, items,
                                   {"optimizer": type(self).__name__, "rule": self.rule,
@@ -288,9 +288,8 @@ class SparseOptimizer(torch.optim.Optimizer):
         client.barrier()
         for emb in self._embs:
             if writer or client.all_ranks_checkpoint:
-                names = emb.kvstore.checkpoint_names(
-                    emb.name, list(self._state_names(emb).values()))
-                checkpoint.restore(path, emb.kvstore, names)
+                checkpoint.restore(path, emb.kvstore,
+                                   [emb.name] + list(self._state_names(emb).values()))
             self._steps[emb.name] = int(meta["steps"][emb.name])
         self._load_groups(meta["param_groups"])
         client.barrier()

@@ -22,12 +22,18 @@ import fcntl
 import json
 import mmap
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
+from distemb.arrays import KEYED_INIT, check_init_func
+from distemb.enums import Rounding
 from distemb.errors import StoreError
 from distemb.kernels.half import storage_dtype
 from distemb.stores.dense import DenseStore, fill_rows
+from distemb.routers import PolicyRouter
+from distemb.stores.init import KeyInit, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, check_dim, check_float_dtype
 
 FORMAT = "distemb-file-store"
@@ -273,3 +279,125 @@ def _free_bytes(path):
         return st.f_bavail * st.f_frsize
     except OSError:
         return "unknown"
+
+
+class _Offset:
+    """A key initialiser seen from one shard: its local key k is global key start + k."""
+
+    def __init__(self, init, start):
+        self.init, self.start = init, start
+
+    def __call__(self, keys):
+        return self.init(keys + self.start)
+
+
+@dataclass(frozen=True)
+class FileTableSpec:
+    """A table of keys 0..N-1 on memory-mapped files, one FileStore per shard.
+
+    Shard ``p`` of ``S`` is the FileStore at ``path/part-<p>-of-<S>`` (made, or reopened
+    with its rows and optimizer state), holding its range of the keys
+    (:meth:`router`); on a server, ``path`` names a directory on the server's machine.
+
+    Args:
+        path: the table's directory (absolute in a cluster: servers resolve it).
+        num_rows: keys 0..num_rows-1.
+        dim: row length.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        init: a key initialiser (None: zeros; in a cluster a ``key_normal`` /
+            ``key_uniform``, which servers rebuild).
+        rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 rows).
+        preallocate: reserve the files' blocks when made (a full disk fails then, not
+            mid-training).
+
+    Raises:
+        ValueError: a field out of its domain (named, with the value).
+
+    Example:
+        >>> import tempfile
+        >>> spec = FileTableSpec(tempfile.mkdtemp(), num_rows=10, dim=2, preallocate=False)
+        >>> store = spec.make_store(1, 2)
+        >>> store.num_rows, os.path.basename(store.path)
+        (5, 'part-1-of-2')
+        >>> store.close()
+    """
+
+    path: str
+    num_rows: int
+    dim: int
+    dtype: str = "float32"
+    init: Optional[object] = None
+    rounding: str = "nearest"
+    preallocate: bool = True
+
+    kind = "file"
+    fixed_keys = True
+    persistent = True
+    capacity = None
+
+    def __post_init__(self):
+        set_ = object.__setattr__  # frozen: normalise once, here
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ValueError(f"path: expected a directory path, got {self.path!r}")
+        set_(self, "path", os.fspath(self.path))
+        set_(self, "num_rows", check_dim(self.num_rows, "num_rows"))
+        set_(self, "dim", check_dim(self.dim, "embedding_dim"))
+        set_(self, "dtype", check_float_dtype(self.dtype))
+        set_(self, "rounding", Rounding.parse(self.rounding, "rounding", ValueError).value)
+        set_(self, "preallocate", bool(self.preallocate))
+        check_init_func(self.init, KEYED_INIT)
+        if isinstance(self.init, KeyInit) and self.init.dim != self.dim:
+            raise ValueError(f"init_func: makes rows of dim {self.init.dim}, the table's "
+                             f"dim is {self.dim}")
+
+    def differences(self, other) -> str:
+        """What differs from ``other`` apart from the initialiser ("" when none)."""
+        if not isinstance(other, FileTableSpec):
+            return f"kind {self.kind!r}, got kind {getattr(other, 'kind', other)!r}"
+        out = []
+        for field in ("path", "num_rows", "dim", "dtype", "rounding"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                out.append(f"{field} {mine!r}, got {field} {theirs!r}")
+        return "; ".join(out)
+
+    def router(self, num_parts):
+        """Keys in ``num_parts`` near-equal ranges (:class:`~distemb.routers.PolicyRouter`)."""
+        return PolicyRouter.ranges(self.num_rows, num_parts)
+
+    def make_store(self, part=0, num_parts=1):
+        """The FileStore of shard ``part`` of ``num_parts`` (made or reopened).
+
+        Raises:
+            StoreError: the directory is not writable, the disk is full, or it holds a
+                store of another shape.
+        """
+        router = self.router(num_parts)
+        start = int(router.to_global(part, [0])[0]) if router.part_size(part) else 0
+        init = None if self.init is None else _Offset(self.init, start)
+        return FileStore(os.path.join(self.path, f"part-{part}-of-{num_parts}"),
+                         num_rows=router.part_size(part), dim=self.dim, dtype=self.dtype,
+                         init=init, rounding=self.rounding, preallocate=self.preallocate)
+
+    def fields(self):
+        """The spec as JSON-able fields for a server (TypeError for a plain function)."""
+        kind, params = init_fields(self.init, self.dim)
+        return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
+                "init_args": params, "capacity": 0, "evict": "lru", "low_water": 1.0,
+                "rounding": self.rounding, "num_rows": self.num_rows, "path": self.path,
+                "preallocate": int(self.preallocate)}
+
+    @classmethod
+    def from_fields(cls, f):
+        """The spec :meth:`fields` described.
+
+        Raises:
+            ValueError: a missing or invalid field, or a relative path.
+        """
+        try:
+            if not os.path.isabs(f["path"]):
+                raise ValueError(f"path: a server needs an absolute path, got {f['path']!r}")
+            return cls(f["path"], f["num_rows"], f["dim"], f["dtype"], init_of_fields(f),
+                       f["rounding"], bool(f["preallocate"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"table spec: missing or invalid field ({e})") from None

@@ -14,13 +14,18 @@ demand; with a ``capacity``, a lookup that grows the store past it evicts down t
 never evicting the keys of that lookup.
 """
 import logging
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from distemb.enums import EvictPolicy
+from distemb.arrays import KEYED_INIT, check_init_func
+from distemb.enums import EvictPolicy, Rounding
 from distemb.errors import MissingKeyError, StoreError
 from distemb.kernels.half import storage_dtype
 from distemb.kernels.hashtable import RESERVED_KEYS, HashIndex, keys_array
+from distemb.routers import KeyHashRouter
+from distemb.stores.init import KeyInit, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
 
 log = logging.getLogger("distemb")
@@ -262,3 +267,110 @@ class HashStore(RowStore):
 
     def close(self):
         self._cols = {}
+
+
+@dataclass(frozen=True)
+class HashTableSpec:
+    """How to make a dynamic table's hash store(s); validated on construction.
+
+    Args:
+        dim: row length.
+        dtype: row storage: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        init: the per-key initialiser (None: zeros). Any callable embedded; only a
+            :class:`~distemb.stores.init.KeyInit` (``key_normal``/``key_uniform``) can be
+            sent to servers (:meth:`fields` refuses anything else).
+        capacity: keys the whole table holds at most (None: unbounded).
+        evict: ``"lru"`` or ``"lfu"``.
+        low_water: fraction of the capacity an automatic eviction goes down to.
+        rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 rows).
+
+    Raises:
+        ValueError: a field out of its domain (named, with the value).
+
+    Example:
+        >>> from distemb.stores import key_normal
+        >>> spec = HashTableSpec(4, init=key_normal(4, std=0.1), capacity=10, evict="lfu")
+        >>> HashTableSpec.from_fields(spec.fields()) == spec, spec.make_store(0, 2).capacity
+        (True, 5)
+    """
+
+    dim: int
+    dtype: str = "float32"
+    init: Optional[object] = None
+    capacity: Optional[int] = None
+    evict: str = "lru"
+    low_water: float = 1.0
+    rounding: str = "nearest"
+
+    def differences(self, other: "HashTableSpec") -> str:
+        """What differs between this spec and ``other`` apart from the initialiser
+        (``"dim 2, got dim 3"``), or "" when a table made from one can serve the other."""
+        if not isinstance(other, HashTableSpec):
+            return f"kind {self.kind!r}, got kind {getattr(other, 'kind', other)!r}"
+        out = []
+        for field in ("dim", "dtype", "capacity", "evict", "low_water", "rounding"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                out.append(f"{field} {mine!r}, got {field} {theirs!r}")
+        return "; ".join(out)
+
+    def __post_init__(self):
+        set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "dim", check_dim(self.dim, "embedding_dim"))
+        set_(self, "dtype", check_float_dtype(self.dtype))
+        if self.capacity is not None:
+            set_(self, "capacity", check_dim(self.capacity, "capacity"))
+        set_(self, "evict", EvictPolicy.parse(self.evict, "evict", ValueError).value)
+        set_(self, "rounding", Rounding.parse(self.rounding, "rounding", ValueError).value)
+        lw = self.low_water
+        if isinstance(lw, bool) or not isinstance(lw, (int, float)) or not 0.0 < lw <= 1.0:
+            raise ValueError(f"low_water: expected a float in (0, 1], got {lw!r}")
+        set_(self, "low_water", float(lw))
+        check_init_func(self.init, KEYED_INIT)
+        if isinstance(self.init, KeyInit) and self.init.dim != self.dim:
+            raise ValueError(f"init_func: makes rows of dim {self.init.dim}, the table's "
+                             f"dim is {self.dim}")
+
+    kind = "hash"
+    fixed_keys = False
+    persistent = False
+
+    def router(self, num_parts):
+        """Keys by their hash (:class:`~distemb.routers.KeyHashRouter`)."""
+        return KeyHashRouter(num_parts)
+
+    def shard_capacity(self, num_shards):
+        """Keys one of ``num_shards`` shards holds at most (None: unbounded)."""
+        return None if self.capacity is None else -(-self.capacity // num_shards)
+
+    def make_store(self, part=0, num_parts=1):
+        """A fresh :class:`HashStore` for shard ``part`` of ``num_parts``."""
+        return HashStore(self.dim, dtype=self.dtype, init=self.init,
+                         capacity=self.shard_capacity(num_parts), evict=self.evict,
+                         low_water=self.low_water, rounding=self.rounding)
+
+    def fields(self):
+        """The spec as JSON-able fields for a server.
+
+        Raises:
+            TypeError: ``init`` is a plain function: servers cannot run it; use
+                :func:`~distemb.stores.key_normal` or ``key_uniform``.
+        """
+        kind, params = init_fields(self.init, self.dim)
+        return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
+                "init_args": params, "capacity": self.capacity or 0, "evict": self.evict,
+                "low_water": self.low_water, "rounding": self.rounding, "num_rows": 0,
+                "path": "", "preallocate": 0}
+
+    @classmethod
+    def from_fields(cls, f):
+        """The spec :meth:`fields` described (zeros init as None).
+
+        Raises:
+            ValueError: a missing or invalid field.
+        """
+        try:
+            return cls(f["dim"], f["dtype"], init_of_fields(f), f["capacity"] or None, f["evict"],
+                       f["low_water"], f["rounding"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"table spec: missing or invalid field ({e})") from None

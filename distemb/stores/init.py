@@ -180,3 +180,22 @@ def init_from_spec(kind, params):
         return cls(**params)
     except TypeError as e:
         raise ValueError(f"init parameters of {kind!r}: {e} (got {sorted(params)})") from None
+
+
+def init_fields(init, dim):
+    """(kind, params) of a key initialiser (None: zeros) a server can rebuild, for a
+    table spec's fields; TypeError for anything else (a Python function)."""
+    init = init if init is not None else KeyZeros(dim)
+    if not isinstance(init, KeyInit):
+        raise TypeError(
+            f"init_func: a table on a cluster's servers needs an initialiser its servers "
+            f"can rebuild: distemb.stores.key_normal(dim, std, seed) or key_uniform(dim, "
+            f"low, high, seed) (or None for zeros), got {init!r}; a Python function "
+            f"cannot be sent to the servers")
+    return init.spec()
+
+
+def init_of_fields(fields):
+    """The initialiser a table spec's fields describe (None for zeros)."""
+    init = init_from_spec(fields["init"], dict(fields["init_args"]))
+    return None if isinstance(init, KeyZeros) else init

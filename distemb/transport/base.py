@@ -10,6 +10,11 @@ A frame is a service id, a name, a small JSON object of scalar fields and up to
     fields   fields_len bytes of JSON (an object of scalars and lists; never pickle)
     payload  the arrays' raw C-order bytes, one after another (payload_len in all)
 
+On a Unix-domain socket a frame may also carry up to :data:`MAX_FDS` open file
+descriptors (``SCM_RIGHTS`` on its first bytes): the shared-memory segments of
+:mod:`distemb.transport.shm`. They are the frame's ``fds``; whoever holds a received
+frame owns them and closes those it does not keep (:func:`close_fds`).
+
 Receivers validate the header and descriptors before allocating anything
 (:func:`parse_header`, :func:`parse_descriptors`) and then read each payload straight into
 a preallocated numpy array, so tensor bytes are never copied through Python objects.
@@ -23,6 +28,7 @@ Example:
     (3, 1, 24)
 """
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -41,6 +47,8 @@ MAX_FIELDS = 1 << 16
 MAX_MESSAGE_BYTES = 1 << 30
 MAX_DIM = 1 << 40  # any one dimension; a zero-size array may not smuggle in a huge one
 FLAG_NO_REPLY = 1  # the sender will not read a reply (asynchronous update)
+#: Most file descriptors one frame may carry; a frame with more is malformed.
+MAX_FDS = 64
 
 DTYPE_CODES = {1: np.dtype("float32"), 2: np.dtype("float64"), 3: np.dtype("float16"),
                4: np.dtype("int64"), 5: np.dtype("int32"), 6: np.dtype("int8"),
@@ -51,13 +59,24 @@ CODE_OF = {dt: code for code, dt in DTYPE_CODES.items()}
 
 @dataclass
 class Frame:
-    """One message as it travels: service id, flags, name, JSON fields and arrays."""
+    """One message as it travels: service id, flags, name, JSON fields and arrays, and
+    the file descriptors it carries (Unix-domain sockets only)."""
 
     service: int
     name: str = ""
     fields: dict = field(default_factory=dict)
     arrays: list = field(default_factory=list)
     flags: int = 0
+    fds: list = field(default_factory=list)
+
+
+def close_fds(frame):
+    """Close the descriptors ``frame`` still carries (those nobody took)."""
+    while frame.fds:
+        try:
+            os.close(frame.fds.pop())
+        except OSError:
+            pass  # closed already: nothing to release
 
 
 @dataclass(frozen=True)
@@ -182,12 +201,24 @@ class Session:
     ``rank`` is fixed by the peer's Hello (None before it); a handler sets ``closing``
     when the connection must be closed after the reply (a decode error, a failed
     handshake); ``trusted`` marks in-process callers, which need no Hello.
+    ``passes_fds``: the connection carries file descriptors (a Unix-domain socket of
+    this machine, whose peer runs as this user); ``slot`` is the peer's request slot
+    once it handed one over (:class:`~distemb.transport.shm.SlotReader`), released by
+    :meth:`close` when the connection ends.
     """
 
     peer: str = "peer"
     rank: object = None
     closing: bool = False
     trusted: bool = False
+    passes_fds: bool = False
+    slot: object = None
+
+    def close(self):
+        """Release what the connection held (the peer's request slot)."""
+        if self.slot is not None:
+            self.slot.close()
+            self.slot = None
 
 
 class Connection:
@@ -198,6 +229,8 @@ class Connection:
     """
 
     peer = ""
+    #: Frames may carry file descriptors (a Unix-domain socket on this machine).
+    passes_fds = False
 
     def send(self, frame):
         """Send ``frame``; raise :class:`~distemb.errors.TransportError` subclasses."""

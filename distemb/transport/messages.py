@@ -39,16 +39,15 @@ class Service(enum.IntEnum):
     LOAD = 12
     IN_SHM = 13
     VERSIONED_PULL = 14
-    # Key management of tables made from a spec (dynamic, file-backed), which are read,
-    # written and updated by PULL/PUSH/OPT_INIT/UPDATE like every table. 21, 23 and 25
-    # were the store tables' own opt-init, write and update: retired, never reused.
-    STORE_CREATE = 20
-    STORE_READ = 22
-    STORE_REMOVE = 24
-    STORE_INFO = 26
-    STORE_EXPORT = 27
-    STORE_SAVE = 28
-    STORE_LOAD = 29
+    # Keys of a table made from a spec, addressed by the table's keys (any int64 for a
+    # hash table); its rows are read, written, updated, saved and loaded by the requests
+    # above, like every table's.
+    GET = 15
+    REMOVE = 16
+    INFO = 17
+    EXPORT = 18
+    # 20..29 were the store tables' own family (STORE_CREATE .. STORE_LOAD), merged into
+    # the requests above: retired, never reused.
     REPLY = 100
     ERROR = 101
 
@@ -166,22 +165,66 @@ class Hello(Message):
     FIELDS = {"rank": int_value, "token": text}
 
 
+def real(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+
+
+def choice(*allowed):
+    return lambda v: isinstance(v, str) and v in allowed
+
+
+#: The fields of a table spec (:data:`~distemb.stores.spec.SPECS`) as a Create carries
+#: them, each with its type's checker; what each may hold is the spec's to check.
+SPEC_FIELDS = {"kind": text, "dim": int_value, "dtype": text, "init": text,
+               "init_args": scalar_dict, "capacity": int_value, "evict": text,
+               "low_water": real, "rounding": text, "num_rows": int_value, "path": text,
+               "preallocate": int_value}
+
+
+def spec_fields(v):
+    return v == {} or (isinstance(v, dict) and set(v) == set(SPEC_FIELDS) and
+                       all(SPEC_FIELDS[k](x) for k, x in v.items()))
+
+
 class Create(Message):
-    """``rounding_seed``: >= 0 rounds a bfloat16 table's updates stochastically from that
-    seed; -1 (absent) rounds to nearest-even."""
+    """Make a table's shards on this server, one of two ways:
+
+    - an array table (no ``spec``): shards ``parts`` of ``part_rows`` rows of
+      ``row_shape`` and ``dtype``, allocated by the server (in shared memory when it has
+      it) and routed by the trainers' partition policy; ``rounding_seed`` >= 0 rounds a
+      bfloat16 table's updates stochastically from that seed (-1: nearest-even);
+    - a table made from a spec (``spec``: the fields of a spec of
+      :data:`~distemb.stores.spec.SPECS`, its ``kind`` picking which): this server's
+      store, made here, holding the keys the spec's router gives it; the array fields
+      are then empty.
+
+    An existing table must match what is asked.
+    """
 
     SERVICE = Service.CREATE
     FIELDS = {"dtype": text, "row_shape": int_list, "parts": int_list, "part_rows": int_list,
-              "rounding_seed": int_value}
-    DEFAULTS = {"rounding_seed": -1}
+              "rounding_seed": int_value, "spec": spec_fields}
+    DEFAULTS = {"rounding_seed": -1, "spec": {}}
 
     def check(self):
+        if self.spec:
+            if self.dtype or self.row_shape or self.parts or self.part_rows or \
+                    self.rounding_seed != -1:
+                raise TransportError("Create: a table made from a spec has no dtype, "
+                                     "row_shape, parts, part_rows or rounding_seed of its own")
+            return
         if len(self.parts) != len(self.part_rows) or len(self.row_shape) > 3:
             raise TransportError("Create: parts and part_rows must be equal-length, "
                                  "row_shape at most 3 dims")
         if self.rounding_seed < -1:
             raise TransportError(f"Create.rounding_seed: expected -1 or a seed >= 0, got "
                                  f"{self.rounding_seed}")
+
+    @classmethod
+    def of_spec(cls, name, spec):
+        """The Create of table ``name`` made from ``spec`` (its :meth:`fields`)."""
+        return cls(name=name, dtype="", row_shape=[], parts=[], part_rows=[],
+                   spec=spec.fields())
 
 
 class Drop(Message):
@@ -261,14 +304,18 @@ class InShm(Message):
     """A request whose arrays lie in the sender's shared-memory request slot.
 
     ``service`` and ``fields`` are those of the wrapped request (Update or Push),
-    ``path`` the slot file and ``layout`` one ``[dtype code, shape, offset]`` per array
-    (:mod:`distemb.transport.shm`). The server rebuilds the request with the arrays
-    viewed in place and decodes it as if it had come with them (:func:`decode_request`).
+    ``size`` the slot's size in bytes and ``layout`` one ``[dtype code, shape, offset]``
+    per array (:mod:`distemb.transport.shm`). The frame that first uses a slot carries
+    its descriptor (a sealed memory file of exactly ``size`` bytes); later frames use the
+    slot their connection handed over last. The server rebuilds the request with the
+    arrays viewed in place and decodes it as if it had come with them
+    (:func:`decode_request`).
     """
 
     SERVICE = Service.IN_SHM
     FIELDS = {"service": lambda v: v in (Service.UPDATE, Service.PUSH),
-              "fields": lambda v: isinstance(v, dict), "path": text,
+              "fields": lambda v: isinstance(v, dict),
+              "size": lambda v: int_value(v) and v > 0,
               "layout": lambda v: isinstance(v, list)}
 
     def inner(self, arrays):
@@ -277,46 +324,60 @@ class InShm(Message):
 
 
 class _ShardsMessage(Message):
-    """Names shards ``parts`` of a tensor with their global ids ``starts[i] + steps[i]*k``."""
+    """Names shards ``parts`` of a table and its ``columns`` (the weight and optimizer
+    states; empty: every column). An array table's part ``i`` holds the keys
+    ``starts[i] + steps[i] * k``; a table made from a spec names no progressions (its
+    router maps keys)."""
+
+    DEFAULTS = {"columns": []}
 
     def check(self):
         what = type(self).__name__
-        if not len(self.parts) == len(self.starts) == len(self.steps) or \
-                any(s < 1 for s in self.steps):
-            raise TransportError(f"{what}: parts, starts and steps must be equal-length, "
-                                 f"steps >= 1")
+        if self.starts or self.steps:
+            if not len(self.parts) == len(self.starts) == len(self.steps) or \
+                    any(s < 1 for s in self.steps):
+                raise TransportError(f"{what}: parts, starts and steps must be "
+                                     f"equal-length, steps >= 1")
+        if len(set(self.columns)) != len(self.columns):
+            raise TransportError(f"{what}.columns: expected distinct names, got "
+                                 f"{self.columns}")
 
 
 class Save(_ShardsMessage):
-    """Write these shards into checkpoint ``directory`` as segments of save ``save_id``."""
+    """Write these shards into checkpoint ``directory`` as records of save ``save_id``
+    (:mod:`distemb.kvstore.snapshot`); the reply's ``records`` are the manifest's."""
 
     SERVICE = Service.SAVE
     FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "starts": int_list,
-              "steps": int_list}
+              "steps": int_list, "columns": text_list}
 
 
 class Load(_ShardsMessage):
-    """Fill these shards from the checkpoint in ``directory`` (its manifest says where)."""
+    """Fill these shards from the checkpoint in ``directory`` (its manifest says where),
+    all or nothing."""
 
     SERVICE = Service.LOAD
     FIELDS = {"directory": abs_path, "parts": int_list, "starts": int_list,
-              "steps": int_list}
+              "steps": int_list, "columns": text_list}
 
 
 class Reply(Message):
-    """Success: ``fields`` (any JSON object) and any arrays."""
+    """Success: ``fields`` (any JSON object), any arrays, and the file descriptors it
+    hands over (a ShmInfo reply on a local socket: the shards' memory files)."""
 
     SERVICE = Service.REPLY
 
-    def __init__(self, name="", flags=0, fields=None, arrays=()):
+    def __init__(self, name="", flags=0, fields=None, arrays=(), fds=()):
         self.name, self.flags = name, flags
-        self.fields, self.arrays = dict(fields or {}), list(arrays)
+        self.fields, self.arrays, self.fds = dict(fields or {}), list(arrays), list(fds)
 
     def encode(self):
-        return Frame(int(self.SERVICE), self.name, self.fields, self.arrays, self.flags)
+        return Frame(int(self.SERVICE), self.name, self.fields, self.arrays, self.flags,
+                     list(self.fds))
 
     @classmethod
     def decode(cls, frame):
+        """The reply of ``frame`` (its descriptors stay the frame's)."""
         if frame.service != cls.SERVICE:
             raise TransportError(f"Reply: service {frame.service}, expected {cls.SERVICE}")
         return cls(frame.name, frame.flags, frame.fields, frame.arrays)
@@ -329,101 +390,59 @@ class Error(Message):
     FIELDS = {"kind": text, "message": lambda v: isinstance(v, str)}
 
 
-def real(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
-
-
-def choice(*allowed):
-    return lambda v: isinstance(v, str) and v in allowed
-
-
 class KeysMessage(Message):
-    """A request on a dynamic table's keys: ``ids`` (any int64 keys, 1-d); every other
-    array has one row per key."""
+    """A request on the keys of a table made from a spec: ``ids`` are the table's keys
+    (any int64 for a hash table, 1-d), which the table's router must give this server."""
+
+    ARRAYS = ("ids",)
 
     def check(self):
         what = type(self).__name__
         if self.ids.dtype != ID_DTYPE or self.ids.ndim != 1:
             raise TransportError(f"{what}.ids: expected 1-d int64 keys, got {self.ids.dtype} "
                                  f"{self.ids.ndim}-d")
-        for a in self.ARRAYS[1:]:
-            v = getattr(self, a)
-            if v.ndim < 1 or v.shape[0] != self.ids.shape[0]:
-                raise TransportError(f"{what}.{a}: expected {self.ids.shape[0]} rows, got "
-                                     f"shape {v.shape}")
 
 
-class StoreCreate(Message):
-    """Make this server's store of table ``name`` (the fields of a spec of
-    :data:`~distemb.stores.spec.SPECS`: its ``kind`` picks which); an existing one must
-    match."""
-
-    SERVICE = Service.STORE_CREATE
-    FIELDS = {"kind": text, "dim": int_value, "dtype": text, "init": text,
-              "init_args": scalar_dict, "capacity": int_value, "evict": text,
-              "low_water": real, "rounding": text, "num_rows": int_value, "path": text,
-              "preallocate": int_value}
-
-
-class StoreRead(KeysMessage):
+class Get(KeysMessage):
     """Rows of ``column`` for keys without inserting or counting them: ``get`` fails on
     an absent key, ``contains`` answers a bool per key (a lookup, which inserts, is a
     :class:`Pull`)."""
 
-    SERVICE = Service.STORE_READ
+    SERVICE = Service.GET
     FIELDS = {"mode": choice("get", "contains"), "column": text}
-    ARRAYS = ("ids",)
 
 
-class StoreRemove(KeysMessage):
+class Remove(KeysMessage):
     """Remove keys and their state; the reply's ``removed`` counts those present."""
 
-    SERVICE = Service.STORE_REMOVE
-    ARRAYS = ("ids",)
+    SERVICE = Service.REMOVE
 
 
-class StoreInfo(Message):
-    """Size, capacity and columns of this server's store of ``name``; first, with
+class Info(Message):
+    """Size, capacity and columns of this server's shard of table ``name``; first, with
     ``evict_to`` >= 0, evict (by ``policy``, or the table's when empty) down to it."""
 
-    SERVICE = Service.STORE_INFO
+    SERVICE = Service.INFO
     FIELDS = {"evict_to": int_value, "policy": text}
     DEFAULTS = {"evict_to": -1, "policy": ""}
 
 
-class StoreExport(Message):
-    """Keys ``start .. start+count-1`` (in ascending key order) of this server's store,
+class Export(Message):
+    """Keys ``start .. start+count-1`` (in ascending key order) of this server's shard,
     with their rows of ``columns`` (every column when empty)."""
 
-    SERVICE = Service.STORE_EXPORT
+    SERVICE = Service.EXPORT
     FIELDS = {"start": int_value, "count": int_value, "columns": text_list}
 
     def check(self):
         if self.start < 0 or self.count < 1:
-            raise TransportError(f"StoreExport: expected start >= 0 and count >= 1, got "
+            raise TransportError(f"Export: expected start >= 0 and count >= 1, got "
                                  f"{self.start}, {self.count}")
 
 
-class StoreSave(Message):
-    """Write this server's store of ``name`` into checkpoint ``directory``."""
-
-    SERVICE = Service.STORE_SAVE
-    FIELDS = {"directory": abs_path, "save_id": text}
-
-
-class StoreLoad(Message):
-    """Replace this server's store contents with the keys it owns in checkpoint
-    ``directory`` (saved by any number of servers)."""
-
-    SERVICE = Service.STORE_LOAD
-    FIELDS = {"directory": abs_path}
-
-
-STORE_REQUESTS = (StoreCreate, StoreRead, StoreRemove, StoreInfo, StoreExport, StoreSave,
-                  StoreLoad)
 REQUESTS = {m.SERVICE: m for m in (Hello, Create, Drop, Pull, Push, OptInit, Update,
-                                   Barrier, ShmInfo, Bye, Save, Load, VersionedPull)
-            + STORE_REQUESTS}
+                                   Barrier, ShmInfo, Bye, Save, Load, VersionedPull, Get,
+                                   Remove, Info, Export)}
 
 
 def decode_request(frame):

@@ -1,11 +1,24 @@
-"""Shared-memory shards: arrays in /dev/shm files, mapped by a server and its neighbours.
+"""Shared memory between a server and the trainers on its machine: sealed memory files
+handed over as file descriptors.
 
-A server on a machine allocates every shard it owns as a file under /dev/shm and maps
-it read-write; a trainer on the same machine maps the same file read-only and gathers
-rows from it directly (a pull with no round trip). Only the server writes (DESIGN.md,
-Concurrency: one writer per row), so trainers never modify the mapping.
+Nothing is named. Every segment is an anonymous memory file (``memfd_create``) whose size
+is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before any other process sees
+it, and it reaches the peer as a file descriptor carried by a frame on the Unix-domain
+socket between the two processes (``SCM_RIGHTS``, :mod:`distemb.transport.tcp`), which
+only a process of the same user may connect. So there is no path a peer could point
+elsewhere, no file mode to get wrong, no size that can change under a reader (a
+truncation, which made a reader die of SIGBUS, is refused by the kernel), and nothing to
+clean up: a segment's memory is freed when the last process holding it (a descriptor or
+a mapping) exits, however it exits. /dev/shm is not used.
 
-No torn rows: a file starts with a 64-byte header whose first 8 bytes are a version
+Shards (server to trainer): a server allocates every shard it owns in a segment
+(:class:`ShmArena`) and maps it read-write; asked (``ShmInfo``), it hands a co-located
+trainer a read-only descriptor of it, which the trainer maps read-only (:func:`attach`)
+and gathers rows from directly (a pull with no round trip). Only the server writes
+(DESIGN.md, Concurrency: one writer per row); a read-only descriptor cannot be mapped
+writable.
+
+No torn rows: a segment starts with a 64-byte header whose first 8 bytes are a version
 counter (a seqlock). The server makes it odd before it writes the shard and even after
 (:class:`~distemb.kvstore.server.KVServer` does, under the shard's lock); a reader
 copies its rows between two reads of the counter and keeps the copy only if both were
@@ -13,45 +26,38 @@ the same even value, else tries again, and after :data:`READ_TRIES` tries asks t
 (whose lock it then waits for). On x86-64 stores are seen in order and loads are not
 reordered with loads, which is all this needs.
 
-Every file is created by its owner with mode 0600 (``O_CREAT|O_EXCL|O_NOFOLLOW``: never
-through a link, never one that already exists), so another user on the machine can
-neither read a table nor plant a file a server would map. Files are named
-``distemb-p<pid>-<job>-s<server>-<n>`` after the owning server's pid;
-the server unlinks them on every exit it can catch (a mapped file stays readable by
-trainers that still hold it), and :func:`remove_orphans` removes the files of servers
-that are gone (killed by SIGKILL, say), as every launch on the machine does first.
-
-The other direction (co-located writes): a trainer writes the arrays of an update or a
-push into its :class:`RequestSlot` (one file per trainer and server,
-``distemb-p<pid>-<job>-t<rank>-s<server>-<token>-<generation>``, after the trainer's pid
-so that :func:`remove_orphans` removes a killed trainer's slots too, as a server whose
-launcher died does at once: :func:`remove_job_orphans`) and sends only a small frame
-naming the file and the arrays' places in it (:class:`~distemb.transport.messages.InShm`); the
-server maps the file (:class:`SlotReader`), reads the arrays in place and applies the
+Request slots (trainer to server): a trainer writes the arrays of an update or a push
+into its :class:`RequestSlot` (one per connection to a co-located server) and sends a
+small frame giving their places in it (:class:`~distemb.transport.messages.InShm`); the
+first frame that uses a new slot carries its descriptor. The server maps it
+(:class:`SlotReader`, one per connection), reads the arrays in place and applies the
 request, still the only writer of its rows. The trainer reuses the slot only after the
-server's reply, so the server never reads a slot being rewritten. The server trusts a
-slot file no more than the frame that names it: it opens it without following links
-(``O_NOFOLLOW|O_NONBLOCK``: a FIFO cannot block it), maps it only if it is a regular
-file of this user, and checks its size again (``fstat`` of the file it mapped) before
-every use, so a file truncated after it was mapped is refused, not read past its end.
+server's reply, so the server never reads a slot being rewritten.
+
+Whoever receives a descriptor trusts it no more than the frame: :func:`check_segment`
+refuses anything but a memory file of this user, of normal pages, sealed against
+shrinking, growing and unsealing, of exactly the size the peer declared, before it is
+mapped. Integer arrays read from a slot are copied out before the server checks them
+(the trainer can still write the slot's contents, never its size).
 
 Example:
     >>> arena = ShmArena("doc", 0)
     >>> a = arena.allocate((2, 3), "float32")
-    >>> b = attach(arena.path_of(a), (2, 3), "float32")
+    >>> b = attach(arena.dup_segment(a), (2, 3), "float32")
     >>> a[1] = 7; float(b.array[1, 0])
     7.0
     >>> b.read(lambda rows: rows[1].tolist())
     [7.0, 7.0, 7.0]
     >>> arena.close()
 """
+import errno
+import fcntl
 import itertools
-import logging
+import mmap
 import os
-import re
 import stat
+import threading
 import time
-import uuid
 
 import numpy as np
 
@@ -60,80 +66,169 @@ from distemb.transport.base import CODE_OF, DTYPE_CODES, MAX_ARRAYS, MAX_NDIM
 
 #: Array offsets in a request slot are multiples of this (cache-line aligned rows).
 SLOT_ALIGN = 64
-
-SHM_DIR = "/dev/shm"
 HEADER_BYTES = 64  # the version counter, then padding to a cache line
 READ_TRIES = 64
-_OWNED = re.compile(r"^distemb-p(\d+)-")
-log = logging.getLogger("distemb")
+#: The seals every segment carries before it leaves its maker: its size is fixed for good.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: The largest request slot a server maps (address space only: a slot's pages are the
+#: trainer's).
+MAX_SLOT_BYTES = 1 << 40
+MIN_SLOT_BYTES = 1 << 20
+_MFD_NOEXEC_SEAL = getattr(os, "MFD_NOEXEC_SEAL", 0x0008)  # Linux 6.3+: never executable
 
 
-def create_private(path):
-    """A new file ``path`` opened read-write, mode 0600: refused if anything (a file, a
-    link, a FIFO) is already there, so nobody else's file is ever written or mapped."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    return os.fdopen(fd, "w+b")
+def _memfd(name):
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    try:
+        return os.memfd_create(name, flags | _MFD_NOEXEC_SEAL)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # an older kernel without MFD_NOEXEC_SEAL
+            raise
+        return os.memfd_create(name, flags)
+
+
+def new_segment(name, size, reserve):
+    """A new memory file of ``size`` bytes, sealed (:data:`SEALS`); its read-write
+    descriptor.
+
+    Args:
+        name: shown in /proc/<pid>/fd and /proc/<pid>/maps (``/memfd:<name>``).
+        reserve: allocate its pages now (a shard: a server that cannot hold it fails
+            here, not mid-training).
+
+    Raises:
+        TransportError: the kernel refused (no memory, no memfd support).
+    """
+    try:
+        fd = _memfd(name)
+    except OSError as e:
+        raise TransportError(f"shared memory: cannot create a memory file: {e}") from None
+    try:
+        os.ftruncate(fd, size)
+        if reserve and size:
+            os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except OSError as e:
+        os.close(fd)
+        raise TransportError(f"shared memory: cannot allocate {size:,} bytes: {e}") from None
+    return fd
+
+
+def readonly(fd):
+    """A read-only descriptor of the memory file ``fd`` (it cannot be mapped writable)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _kind(mode):
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a pipe or FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "an anonymous or special file"
+
+
+def check_segment(fd, size, what):
+    """Refuse ``fd`` unless it is a segment as this module makes them: a memory file of
+    this user, of normal pages, sealed (:data:`SEALS`), of exactly ``size`` bytes.
+
+    A descriptor that passes cannot change size while it is mapped, so a read within
+    ``size`` bytes never faults (no SIGBUS).
+
+    Raises:
+        TransportError: naming ``what``, what the descriptor is, and what was expected.
+    """
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise TransportError(f"{what}: descriptor {fd} cannot be inspected: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TransportError(f"{what}: expected a sealed memory file, got {_kind(st.st_mode)}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:  # a file of a disk or of /dev/shm: it cannot be sealed at all
+        raise TransportError(f"{what}: expected a sealed memory file (memfd_create), got a "
+                             f"file that cannot be sealed ({e.strerror})") from None
+    if seals & SEALS != SEALS:
+        raise TransportError(f"{what}: expected a memory file sealed against shrinking, "
+                             f"growing and unsealing (seals {SEALS:#x}), got seals "
+                             f"{seals:#x}")
+    if st.st_uid != os.getuid():
+        raise TransportError(f"{what}: the memory file belongs to uid {st.st_uid}, not to "
+                             f"this user ({os.getuid()})")
+    if st.st_blksize != mmap.PAGESIZE:  # hugetlbfs: a fault may still fail
+        raise TransportError(f"{what}: expected a memory file of {mmap.PAGESIZE}-byte pages, "
+                             f"got pages of {st.st_blksize} bytes")
+    if st.st_size != size:
+        raise TransportError(f"{what}: the memory file has {st.st_size} bytes, the peer "
+                             f"declared {size}")
+
+
+def _map(fd, size, writable):
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
 
 
 class ShmArena:
-    """Allocates a server's shard arrays as shared-memory files and removes them.
+    """Allocates a server's shard arrays in sealed memory files and hands them out.
 
     Args:
-        job: job id shared by the processes of one cluster (part of every file name).
-        server_id: the owning server.
-        directory: where files go (default /dev/shm).
+        job: the job id; server_id: the owning server (both name the memory files, for
+            /proc/<pid>/maps).
     """
 
-    def __init__(self, job, server_id, directory=SHM_DIR):
-        if not os.path.isdir(directory):
-            raise TransportError(f"shared memory: {directory} does not exist")
-        self.job, self.directory = job, directory
-        self.prefix = os.path.join(directory, f"distemb-p{os.getpid()}-{job}-s{server_id}-")
+    def __init__(self, job, server_id):
+        self.job, self.name = job, f"distemb-{job}-s{server_id}"
         self._ids = itertools.count()
-        self._files = {}  # id(array) -> (path, version counter, array)
+        self._lock = threading.Lock()  # a descriptor is never duplicated while closed
+        self._segments = {}  # id(array) -> (read-only descriptor, version counter, array)
 
     def allocate(self, shape, dtype):
-        """A zero-filled array of ``shape``/``dtype`` backed by a new shm file."""
-        path = f"{self.prefix}{next(self._ids)}"
-        size = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+        """A zero-filled array of ``shape``/``dtype`` in a new memory file.
+
+        Raises:
+            TransportError: the memory cannot be allocated.
+        """
+        nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+        fd = new_segment(f"{self.name}-{next(self._ids)}", HEADER_BYTES + nbytes, True)
         try:
-            with create_private(path) as f:
-                # Reserve the pages now: a sparse file would fail later with SIGBUS, in
-                # the middle of training, when /dev/shm fills up.
-                os.posix_fallocate(f.fileno(), 0, HEADER_BYTES + size)
-                version = np.memmap(f, dtype=np.int64, mode="r+", shape=(1,))
-                arr = np.memmap(f, dtype=dtype, mode="r+", shape=tuple(shape),
-                                offset=HEADER_BYTES) if size else np.zeros(shape, dtype)
-        except BaseException as e:
-            if os.path.exists(path):
-                os.unlink(path)
-            if isinstance(e, OSError):
-                raise TransportError(f"shared memory: cannot allocate {size:,} bytes in "
-                                     f"{path}: {e}") from None
-            raise
-        self._files[id(arr)] = (path, version, arr)
+            mem = _map(fd, HEADER_BYTES + nbytes, writable=True)
+            ro = readonly(fd)
+        except OSError as e:
+            raise TransportError(f"shared memory: cannot map {nbytes:,} bytes: {e}") from None
+        finally:
+            os.close(fd)
+        version = np.ndarray((1,), np.int64, buffer=mem)
+        arr = np.ndarray(tuple(shape), dtype, buffer=mem, offset=HEADER_BYTES) if nbytes \
+            else np.zeros(shape, dtype)
+        with self._lock:
+            self._segments[id(arr)] = (ro, version, arr)
         return arr
 
-    def path_of(self, arr):
-        """The file behind ``arr`` (None when it is not from this arena)."""
-        return self._files.get(id(arr), (None,))[0]
+    def dup_segment(self, arr):
+        """A new read-only descriptor of the memory file behind ``arr`` (the caller
+        closes it), or None when ``arr`` is not from this arena."""
+        with self._lock:
+            have = self._segments.get(id(arr))
+            return None if have is None else os.dup(have[0])
 
     def version_of(self, arr):
-        """The version counter of ``arr``'s file (a 1-element int64 array), or None."""
-        return self._files.get(id(arr), (None, None))[1]
+        """The version counter of ``arr``'s segment (a 1-element int64 array), or None."""
+        return self._segments.get(id(arr), (None, None))[1]
 
     def release(self, arr):
-        """Unlink the file behind ``arr`` (mappings stay valid until dropped)."""
-        path = self._files.pop(id(arr), (None,))[0]
-        if path and os.path.exists(path):
-            os.unlink(path)
+        """Forget ``arr``: its memory goes once nobody maps it any more."""
+        with self._lock:
+            have = self._segments.pop(id(arr), None)
+            if have is not None:
+                os.close(have[0])
 
     def close(self):
-        """Unlink every file this arena made."""
-        for path, _, _ in self._files.values():
-            if os.path.exists(path):
-                os.unlink(path)
-        self._files.clear()
+        """Release every segment."""
+        with self._lock:
+            for ro, _, _ in self._segments.values():
+                os.close(ro)
+            self._segments.clear()
 
 
 class ShmShard:
@@ -163,84 +258,55 @@ class ShmShard:
         return None
 
 
-def remove_orphans(directory=SHM_DIR, job=None):
-    """Unlink the shard files and request slots whose owning process (a server, a
-    trainer) no longer exists (or is a zombie).
-
-    Args:
-        job: only the files of this job id (None: of every job).
-
-    Returns:
-        the paths removed.
-    """
-    removed = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else ():
-        match = _OWNED.match(name)
-        if not match or (job is not None and not name.startswith(
-                f"{match.group(0)}{job}-")) or _alive(int(match.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
-        except OSError:
-            pass  # another launch removed it first, or it is not ours to remove
-    if removed:
-        log.info("removed %d shared-memory file(s) of dead servers", len(removed))
-    return removed
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, another user's
-    try:  # a zombie (killed, not yet reaped by its new parent) holds nothing any more
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-def remove_job_orphans(job, wait_s, directory=SHM_DIR):
-    """Unlink the files of job ``job`` whose owners are gone, waiting up to ``wait_s`` s
-    for the owners of the rest to go too (a server whose launcher died: the kernel is
-    killing the job's trainers at the same moment, and their request slots must not stay).
-
-    Returns:
-        the names of the job's files still there (their owners outlived the wait).
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        remove_orphans(directory, job)
-        left = [n for n in os.listdir(directory) if _OWNED.match(n) and f"-{job}-" in n]
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.05)
-
-
-def attach(path, shape, dtype):
-    """Map a shard file read-only.
+def attach(fd, shape, dtype):
+    """Map a shard's segment read-only, after :func:`check_segment`; ``fd`` is closed
+    (the mapping stays valid).
 
     Returns:
         a :class:`ShmShard`.
 
     Raises:
-        TransportError: the file is missing or smaller than ``shape`` needs.
+        TransportError: ``fd`` is not a sealed memory file of exactly the shard's size.
     """
     need = HEADER_BYTES + int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
     try:
-        size = os.path.getsize(path)
+        check_segment(fd, need, "shard segment")
+        mem = _map(fd, need, writable=False)
     except OSError as e:
-        raise TransportError(f"shared memory: cannot open {path}: {e}") from None
-    if size < need:
-        raise TransportError(f"shared memory: {path} has {size} bytes, shard needs {need}")
-    version = np.memmap(path, dtype=np.int64, mode="r", shape=(1,))
+        raise TransportError(f"shard segment: cannot map {need} bytes: {e}") from None
+    finally:
+        os.close(fd)
+    version = np.ndarray((1,), np.int64, buffer=mem)
     if need == HEADER_BYTES:
         return ShmShard(np.zeros(shape, dtype), version)
-    return ShmShard(np.memmap(path, dtype=dtype, mode="r", shape=tuple(shape),
-                              offset=HEADER_BYTES), version)
+    return ShmShard(np.ndarray(tuple(shape), dtype, buffer=mem, offset=HEADER_BYTES), version)
+
+
+def attach_all(fds, segments, shapes, dtypes):
+    """:func:`attach` the segments a ShmInfo reply handed over; every descriptor is closed.
+
+    Args:
+        fds: the reply's descriptors, one per true entry of ``segments``, in order.
+        segments, shapes, dtypes: per part asked for, whether it has a segment, its shape
+            and dtype.
+
+    Returns:
+        a :class:`ShmShard` per part (None for a part without a segment).
+
+    Raises:
+        TransportError: the descriptors do not match ``segments``, or one is refused.
+    """
+    fds = list(fds)
+    try:
+        if not isinstance(segments, list) or len(fds) != sum(map(bool, segments)) or \
+                not len(segments) == len(shapes) == len(dtypes):
+            raise TransportError(f"ShmInfo reply: {len(fds)} descriptors for segments "
+                                 f"{str(segments)[:80]}")
+        return [attach(fds.pop(0), tuple(shape), dtype) if has else None
+                for has, shape, dtype in zip(segments, shapes, dtypes)]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _aligned(n):
@@ -250,37 +316,34 @@ def _aligned(n):
 class RequestSlot:
     """A trainer's shared-memory buffer for the arrays of its requests to one server.
 
-    The file grows (a new generation, the old one unlinked) when a request needs more
-    room; it is reused for every request, so the caller must not write it again before
-    the server answered the previous one.
+    A new, larger memory file replaces it when a request needs more room; it is reused
+    for every request, so the caller must not write it again before the server answered
+    the previous one.
 
     Args:
-        job: the job id; rank: this trainer; server_id: the co-located server.
-        directory: where the file lives (default /dev/shm).
+        job: the job id; rank: this trainer; server_id: the co-located server (they name
+            the memory file, for /proc/<pid>/maps).
 
     Example:
         >>> slot = RequestSlot("doc", 0, 0)
-        >>> path, layout = slot.write([np.arange(3)])
-        >>> reader = SlotReader("doc", os.path.dirname(path))
-        >>> reader.arrays(path, layout)[0].tolist()
+        >>> layout = slot.write([np.arange(3)])
+        >>> reader = SlotReader(slot.take_fd(), slot.size)
+        >>> reader.arrays(slot.size, layout)[0].tolist()
         [0, 1, 2]
         >>> slot.close(); reader.close()
     """
 
-    def __init__(self, job, rank, server_id, directory=SHM_DIR):
-        # A token per slot: a later client of the same rank never reuses a file name a
-        # server still has mapped.
-        self._prefix = os.path.join(directory, f"distemb-p{os.getpid()}-{job}-t{rank}-"
-                                               f"s{server_id}-{uuid.uuid4().hex[:12]}-")
+    def __init__(self, job, rank, server_id):
+        self._name = f"distemb-{job}-t{rank}-s{server_id}"
         self._gen = itertools.count()
-        self.path, self._map = None, None
+        self._map, self._fd, self.size = None, None, 0
 
     def write(self, arrays):
         """Copy ``arrays`` into the slot; an array already in it (see :meth:`view`) stays.
 
         Returns:
-            (path, layout): the file, and ``[dtype code, shape, offset]`` per array, as
-            :meth:`SlotReader.arrays` takes them.
+            the layout: ``[dtype code, shape, offset]`` per array, as
+            :meth:`SlotReader.arrays` takes them (with :attr:`size`).
         """
         placed = [self._offset_of(a) for a in arrays]
         start = max([off + a.nbytes for a, off in zip(arrays, placed) if off is not None],
@@ -298,8 +361,7 @@ class RequestSlot:
             if off is None and a.nbytes:
                 view = np.ndarray(a.shape, a.dtype, buffer=self._map, offset=at)
                 np.copyto(view, a, casting="no")
-        return self.path, [[CODE_OF[a.dtype], list(a.shape), at]
-                           for a, at in zip(arrays, offsets)]
+        return [[CODE_OF[a.dtype], list(a.shape), at] for a, at in zip(arrays, offsets)]
 
     def _write_moved(self, arrays):
         copies = [np.array(a) for a in arrays]
@@ -317,51 +379,70 @@ class RequestSlot:
             self._grow(nbytes)
         return np.ndarray(shape, dtype, buffer=self._map, offset=0)
 
+    def take_fd(self):
+        """The read-only descriptor of the current memory file if the server has not
+        been given it yet (the caller sends it, then closes it), else None."""
+        fd, self._fd = self._fd, None
+        return fd
+
     def _offset_of(self, a):
         """The offset of ``a`` in the current mapping, or None when it is not wholly in it."""
         if self._map is None or not a.flags.c_contiguous or not a.nbytes:
             return None
-        base = self._map.ctypes.data
-        off = a.ctypes.data - base
+        off = a.ctypes.data - self._map.ctypes.data
         if 0 <= off and off + a.nbytes <= self._map.shape[0] and off % SLOT_ALIGN == 0:
             return off
         return None
 
     def _grow(self, size):
-        size = max(size, 1 << 20, 0 if self._map is None else 2 * self._map.shape[0])
-        old = self.path
-        self.path = f"{self._prefix}{next(self._gen)}"
-        with create_private(self.path) as f:
-            f.truncate(size)
-            self._map = np.memmap(f, dtype=np.uint8, mode="r+", shape=(size,))
-        if old and os.path.exists(old):
-            os.unlink(old)  # the server's mapping of it stays valid until it remaps
+        size = max(size, MIN_SLOT_BYTES, 0 if self._map is None else 2 * self._map.shape[0])
+        fd = new_segment(f"{self._name}-{next(self._gen)}", size, False)
+        try:
+            mem = _map(fd, size, writable=True)
+            ro = readonly(fd)
+        except OSError as e:
+            raise TransportError(f"request slot: cannot map {size:,} bytes: {e}") from None
+        finally:
+            os.close(fd)
+        self.close()  # the server keeps its mapping of the old one until it gets this one
+        self._map, self._fd, self.size = np.ndarray((size,), np.uint8, buffer=mem), ro, size
 
     def close(self):
-        """Unlink the file (mappings stay valid until dropped)."""
-        if self.path and os.path.exists(self.path):
-            os.unlink(self.path)
-        self.path, self._map = None, None
+        """Drop this process's hold on the slot (its memory goes with the last mapping)."""
+        if self._fd is not None:
+            os.close(self._fd)
+        self._map, self._fd, self.size = None, None, 0
 
 
 class SlotReader:
-    """A server's mappings of its co-located trainers' request slots.
-
-    Only files named like a :class:`RequestSlot` of job ``job`` in ``directory`` are
-    opened; one mapping per trainer is kept (a newer generation replaces the older).
+    """A server's read-only mapping of the request slot one connection's peer handed over.
 
     Args:
-        job: the job id; directory: where slots live (default /dev/shm).
+        fd: the slot's descriptor, as received; it is closed here, mapped or refused.
+        size: the slot's size as the peer declared it.
+
+    Raises:
+        TransportError: ``fd`` is not a sealed memory file of ``size`` bytes (1 byte to
+            :data:`MAX_SLOT_BYTES`).
     """
 
-    def __init__(self, job, directory=SHM_DIR):
-        self._name = re.compile(rf"(distemb-p\d+-{re.escape(job)}-t\d+-s\d+-)[0-9a-f]{{12}}-\d+")
-        self.directory = directory
-        self._maps = {}  # slot prefix -> (path, its open fd, mapping)
+    def __init__(self, fd, size):
+        try:
+            if not 0 < size <= MAX_SLOT_BYTES:
+                raise TransportError(f"request slot: expected 1..{MAX_SLOT_BYTES} bytes, "
+                                     f"got {size}")
+            check_segment(fd, size, "request slot")
+            self._map = np.ndarray((size,), np.uint8, buffer=_map(fd, size, writable=False))
+        except OSError as e:
+            raise TransportError(f"request slot: cannot map {size} bytes: {e}") from None
+        finally:
+            os.close(fd)
+        self.size = size
 
-    def arrays(self, path, layout):
-        """The arrays ``layout`` describes in the slot file ``path``: views of the float
-        arrays (rows, gradients: read in place), copies of the integer ones.
+    def arrays(self, size, layout):
+        """The arrays ``layout`` describes in the slot (whose size the frame repeats):
+        views of the float arrays (rows, gradients: read in place), copies of the integer
+        ones.
 
         Integer arrays are ids, counts and versions: the server checks them, then indexes
         its shards with them. The trainer can still write its slot after the check; a
@@ -372,10 +453,12 @@ class SlotReader:
         holder may send anyway.
 
         Raises:
-            TransportError: the path is not a slot of this job, the file is missing, or
-                a descriptor is invalid or reaches past the end of the file.
+            TransportError: ``size`` is not the slot's, or a descriptor is invalid or
+                reaches past the end of the slot.
         """
-        mapping = self._mapping(path)
+        if self._map is None or size != self.size:
+            raise TransportError(f"request slot: the frame says {size} bytes, the slot this "
+                                 f"connection handed over has {self.size}")
         if not isinstance(layout, list) or len(layout) > MAX_ARRAYS:
             raise TransportError(f"slot layout: expected a list of at most {MAX_ARRAYS} "
                                  f"arrays, got {str(layout)[:60]}")
@@ -388,54 +471,15 @@ class SlotReader:
             if not ok:
                 raise TransportError(f"slot array {i}: invalid descriptor {str(desc)[:60]}")
             dtype, shape, off = DTYPE_CODES[desc[0]], tuple(desc[1]), desc[2]
-            nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64)) if shape else \
+            nbytes = dtype.itemsize * int(np.prod(shape, dtype=object)) if shape else \
                 dtype.itemsize
-            if off + nbytes > mapping.shape[0]:
+            if off + nbytes > self.size:
                 raise TransportError(f"slot array {i}: {nbytes} bytes at offset {off} reach "
-                                     f"past the end of {path} ({mapping.shape[0]} bytes)")
-            view = np.ndarray(shape, dtype, buffer=mapping, offset=off)
+                                     f"past the end of the slot ({self.size} bytes)")
+            view = np.ndarray(shape, dtype, buffer=self._map, offset=off)
             out.append(np.array(view) if dtype.kind in "iub" else view)
         return out
 
-    def _mapping(self, path):
-        match = self._name.fullmatch(os.path.basename(str(path)))
-        if match is None or os.path.dirname(str(path)) != self.directory:
-            raise TransportError(f"slot path: {str(path)[:80]!r} is not a request slot of "
-                                 f"this job in {self.directory}")
-        have = self._maps.get(match.group(1))
-        if have is not None and have[0] == path:
-            _, fd, mapping = have
-            if os.fstat(fd).st_size < mapping.shape[0]:  # truncated since it was mapped
-                self._forget(match.group(1))
-                raise TransportError(f"slot path: {path} shrank below the "
-                                     f"{mapping.shape[0]} bytes mapped")
-            return mapping
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            raise TransportError(f"slot path: cannot open {path}: {e}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or not st.st_size:
-                raise TransportError(f"slot path: {path} is not a non-empty regular file "
-                                     "of this user")
-            with os.fdopen(os.dup(fd), "rb") as f:
-                mapping = np.memmap(f, dtype=np.uint8, mode="r", shape=(st.st_size,))
-        except (OSError, ValueError, TransportError) as e:
-            os.close(fd)
-            if isinstance(e, TransportError):
-                raise
-            raise TransportError(f"slot path: cannot map {path}: {e}") from None
-        self._forget(match.group(1))
-        self._maps[match.group(1)] = (path, fd, mapping)
-        return mapping
-
-    def _forget(self, prefix):
-        have = self._maps.pop(prefix, None)
-        if have is not None:
-            os.close(have[1])
-
     def close(self):
-        """Drop every mapping."""
-        for prefix in list(self._maps):
-            self._forget(prefix)
+        """Drop the mapping (arrays still viewing it keep it until they go)."""
+        self._map = None
