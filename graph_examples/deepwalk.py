@@ -5,16 +5,19 @@ context table, minimises -log s(u.v) - sum log s(-u.n), and lets a sparse Adam u
 only those rows. `--backend torch` runs the same model on torch.nn.Embedding(sparse=True)
 with torch.optim.SparseAdam, the baseline distemb is measured against.
 
-Under ``distemb-launch`` (``$DISTEMB_CONFIG`` set) the tables live on the job's servers
-and trainer r of T trains on batches r, r + T, ... of the same seeded stream (every
-trainer draws the whole stream and keeps its share; see shard()); after a barrier, rank
-0 reads the node table from the servers (past any trainer cache) and evaluates it.
+Under ``distemb-launch`` (``$DISTEMB_CONFIG`` set) the tables live on the job's servers;
+under ``torchrun`` they are sharded across the ranks (collective mode, no servers). Either
+way trainer r of T trains on batches r, r + T, ... of the same seeded stream (every
+trainer draws the whole stream and keeps its share; see shard()); after a barrier, every
+trainer reads the node table (past any trainer cache) and rank 0 evaluates it. In
+collective mode a step of T ranks is the step of one process on the T batches together.
 
 Example:
     python graph_examples/deepwalk.py --dataset karate --epochs 5 --out out/karate
     python graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet
     distemb-launch --ip-config ip.txt --num-servers 2 --num-trainers 2 --cache-fraction 0.1 \
         -- python graph_examples/deepwalk.py --dataset wordnet --out out/dw-2x2
+    torchrun --nproc-per-node 2 graph_examples/deepwalk.py --dataset wordnet --out out/dw-c2
 """
 import argparse
 import ast
@@ -340,13 +343,12 @@ def export(tables, rank: int, num_trainers: int):
         return tables.export()
     client = distemb.current_context().client
     client.barrier()
-    emb = None
-    if rank == 0:
-        if hasattr(client, "invalidate"):  # a trainer cache (distemb.kvstore.cache)
-            client.invalidate()
-        emb = tables.export()
-    client.barrier()  # the servers stay up until rank 0 has read the table
-    return emb
+    if hasattr(client, "invalidate"):  # a trainer cache (distemb.kvstore.cache)
+        client.invalidate()
+    # every trainer reads: in collective mode a read takes every rank
+    emb = tables.export()
+    client.barrier()  # the servers stay up until every trainer has read the table
+    return emb if rank == 0 else None
 
 
 def format_table(rows) -> str:
@@ -360,15 +362,28 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if os.environ.get("DISTEMB_CONFIG"):  # a trainer of a distemb-launch job
+    mode = job_mode()
+    if mode is not None:  # a trainer of a distemb-launch job, or a rank under torchrun
         if args.backend != "distemb":
-            raise SystemExit("--backend torch: a distemb-launch job trains distemb tables")
-        ctx = distemb.initialize()
+            raise SystemExit("--backend torch: a job of several trainers trains distemb "
+                             "tables")
+        ctx = distemb.initialize(mode=mode or None)
         try:
             return run(args, ctx.rank, ctx.num_trainers)
         finally:
             distemb.shutdown()
     return run(args)
+
+
+def job_mode():
+    """How this process joins a job: "" as a trainer of a distemb-launch job
+    (``$DISTEMB_CONFIG``), "collective" as a rank under torchrun (``$TORCHELASTIC_RUN_ID``:
+    no servers, every rank holds a shard of every table), None alone (embedded)."""
+    if os.environ.get("DISTEMB_CONFIG"):
+        return ""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "collective"
+    return None
 
 
 def run(args, rank: int = 0, num_trainers: int = 1) -> dict:

@@ -8,12 +8,15 @@ torch's optimizer of the same rule (the baseline of ``benchmarks/bench_graphsage
 the same seed gives the same initial rows, batches and dropout on either backend (the
 batches only with one DGL thread: its parallel neighbour sampling is not repeatable).
 
-Runs unchanged embedded (the default) and under ``distemb-launch`` with several trainers:
-each trainer then takes its share of the training nodes and the dense layers are wrapped
-in DistributedDataParallel (gloo) using the MASTER_ADDR/RANK/WORLD_SIZE the launcher sets.
+Runs unchanged embedded (the default), under ``distemb-launch`` with several trainers,
+and under ``torchrun`` (collective mode: each rank holds a shard of the table, no
+servers): each trainer then takes its share of the training nodes and the dense layers
+are wrapped in DistributedDataParallel (gloo) using the MASTER_ADDR/RANK/WORLD_SIZE the
+launcher sets.
 
 Example:
     python graph_examples/graphsage.py --dataset wordnet --epochs 3 --out out/graphsage-wordnet
+    torchrun --nproc-per-node 2 graph_examples/graphsage.py --dataset wordnet --out out/gs-c2
 """
 import argparse
 import json
@@ -36,7 +39,7 @@ from tqdm import tqdm  # noqa: E402
 import distemb  # noqa: E402
 from distemb.integrations.dgl import dgl, lookup  # noqa: E402
 from graph_examples.datasets import load_dataset  # noqa: E402
-from graph_examples.deepwalk import _data_option, format_table  # noqa: E402
+from graph_examples.deepwalk import _data_option, format_table, job_mode  # noqa: E402
 from graph_examples.plots import save_training_plot  # noqa: E402
 
 OPTIMIZERS = {"adam": distemb.SparseAdam, "adagrad": distemb.SparseAdagrad,
@@ -186,7 +189,8 @@ class Learner:
         self.model = SAGE(args.dim, args.hidden, ds.num_classes, len(args.fanouts))
         self.dense = self.model
         if ctx.num_trainers > 1:
-            torch.distributed.init_process_group("gloo")
+            if not torch.distributed.is_initialized():  # collective mode made it already
+                torch.distributed.init_process_group("gloo")
             self.dense = torch.nn.parallel.DistributedDataParallel(self.model)
         self.dense_opt = torch.optim.Adam(self.dense.parameters(), lr=args.lr)
 
@@ -263,7 +267,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
         dgl.utils.set_num_threads(args.threads)  # DGL's sampler has its own OpenMP threads
-    ctx = distemb.initialize()
+    ctx = distemb.initialize(mode=job_mode() or None)
     try:
         ds = load_dataset(args.dataset, **dict(args.data_opt))
         if ds.num_classes < 2:
@@ -281,10 +285,10 @@ def main(argv=None):
                        nodes_per_second=round(result["seen"] / result["seconds"]),
                        final_loss=round(float(np.mean(result["losses"][-20:])), 4),
                        val_accuracy=round(val_acc, 4), test_accuracy=round(test_acc, 4))
+        with torch.no_grad():  # every trainer reads: in collective mode reads take all
+            table = torch.cat([emb(torch.arange(s, min(s + 65536, ds.graph.num_nodes())))
+                               for s in range(0, ds.graph.num_nodes(), 65536)])
         if ctx.rank == 0:
-            with torch.no_grad():
-                table = torch.cat([emb(torch.arange(s, min(s + 65536, ds.graph.num_nodes())))
-                                   for s in range(0, ds.graph.num_nodes(), 65536)])
             np.save(out / "embeddings.npy", table.numpy())
             np.save(out / "node_ids.npy", ds.node_ids)
             (out / "metrics.json").write_text(json.dumps(dict(metrics, args=vars(args)),

@@ -42,6 +42,10 @@ class SkipGramTables(Protocol):
         """Return the node table as a float32 (N, dim) array."""
 
 
+#: Rows per write of the node table's initial rows.
+INIT_CHUNK = 1 << 16
+
+
 def _node_init(dim: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
 
@@ -117,9 +121,18 @@ class DistembTables:
 
     def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0,
                  name: Optional[str] = None, device: str = "cpu", optimizer: str = "adam"):
-        self._node = distemb.DistEmbedding(num_nodes, dim,
-                                           name=name and f"{name}-node",
-                                           init_func=_node_init(dim, seed), device=device)
+        self._node = distemb.DistEmbedding(num_nodes, dim, name=name and f"{name}-node",
+                                           device=device)
+        # The initial rows of the whole table, written in (a shard's init_func would
+        # draw the rows of every shard from the start of the seed's stream): the rows of
+        # the torch backend, whatever the number of shards, servers or ranks. Every
+        # trainer of a job writes the same rows, then waits for the others, so none
+        # trains before every write has landed.
+        init = _node_init(dim, seed)((num_nodes, dim))
+        for lo in range(0, num_nodes, INIT_CHUNK):
+            ids = torch.arange(lo, min(lo + INIT_CHUNK, num_nodes))
+            self._node.weight[ids] = init[lo:lo + INIT_CHUNK]
+        self._node.kvstore.barrier()
         self._context = distemb.DistEmbedding(
             num_nodes, dim, name=name and f"{name}-context",
             init_func=lambda shape, dtype: torch.zeros(shape, dtype=dtype), device=device)

@@ -14,7 +14,10 @@ abruptly at step S; the others must raise KVStoreError naming it (they print it 
 defines a table with another row length; ``--apart``: rank 0 alone reads a row before
 training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` after
 training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
-at DIR/<table>, collective (each rank writes and reads its own shards).
+at DIR/<table>, collective (each rank writes and reads its own shards). ``--servers``:
+the same job as a trainer of a distemb-launch job (sync_exact), for checkpoints that
+cross modes; ``--every-step``: the grouped model looks every table up on every step.
+``--keys``: key management of the dynamic table after training (OUT_DIR/keys<rank>.npz).
 
 Bit-identical by construction (as the client suite's job in tests/test_kvclient_suite.py):
 the gradient of a looked-up row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
@@ -33,10 +36,12 @@ import torch
 
 import distemb
 from distemb import DistEmbedding
-from distemb.errors import KVStoreError
+from distemb.dynamic import DynamicEmbedding
+from distemb.errors import KVStoreError, MissingKeyError
 from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
                            SparseSGD)
 from distemb.partition import HashPartitionBook, PartitionPolicy
+from distemb.stores import key_normal
 
 NUM, D, B = 300, 8, 64
 OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05),
@@ -45,7 +50,8 @@ OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05),
               "adam": lambda e: SparseAdam([e], lr=0.01),
               "adam_row": lambda e: SparseAdam([e], lr=0.01, step_mode="per_row"),
               "ftrl": lambda e: SparseFtrl([e], lr=0.1, l1_regularization_strength=0.01)}
-#: Tables sharded by id modulo the partitions (the others: ranges).
+#: Tables sharded by id modulo 2 W + 1 partitions (rank r holds those p % W == r; the
+#: others: one range per rank).
 HASHED = ("adagrad_hash",)
 OPTIMIZERS["adagrad_hash"] = OPTIMIZERS["adagrad"]
 
@@ -77,7 +83,7 @@ def make_tables(ctx, parts):
     embs = {}
     for i, k in enumerate(OPTIMIZERS):
         policy = None if k not in HASHED else PartitionPolicy(
-            "node", "_N", HashPartitionBook(parts, node_counts={"_N": NUM}))
+            "node", "_N", HashPartitionBook(2 * parts + 1, node_counts={"_N": NUM}))
         embs[k] = DistEmbedding(NUM, D, name=f"coll-{k}", context=ctx, part_policy=policy)
         embs[k].weight[torch.arange(NUM)] = initial(i)
     return embs, {k: OPTIMIZERS[k](e) for k, e in embs.items()}
@@ -88,14 +94,21 @@ def make_tables(ctx, parts):
 #: (table "gnode" twice: source and context ids). Odd row widths exercise the payload's
 #: padding; "grare" is looked up by no rank on steps 3k (so Adam's step count must not
 #: advance) and with ids on rank 0 alone on 3k + 1 (the others look up no ids).
+#: "gdyn" is a DynamicEmbedding: raw int64 keys (KEY_SCALE apart, spread over the int64
+#: range), each rank holding the keys the key hash sends it, rows made on first lookup.
 GROUP = (("gnode", 200, 5, "float32"), ("gctx", 120, 3, "bfloat16"),
-         ("grare", 50, 7, "float32"))
+         ("grare", 50, 7, "float32"), ("gdyn", None, 4, "float32"))
+KEY_SCALE, KEY_BASE = 3_000_000_000_019, -2 ** 62
 
 
 def make_group(ctx):
     """The grouped model's tables (keyed as in GROUP) and its one optimizer."""
     embs = {}
     for i, (k, n, d, dtype) in enumerate(GROUP):
+        if n is None:
+            embs[k] = DynamicEmbedding(d, name=f"coll-{k}", context=ctx,
+                                       init_func=key_normal(d, std=0.5, seed=i))
+            continue
         embs[k] = DistEmbedding(n, d, name=f"coll-{k}", context=ctx, dtype=dtype)
         embs[k].weight[torch.arange(n)] = initial_rows(100 + i, n, d)
     return embs, SparseAdam(list(embs.values()), lr=0.01)
@@ -106,25 +119,28 @@ def initial_rows(seed, n, d):
                             .astype(np.float32))
 
 
-def group_lookups(embs, step, ranks, world):
-    """The grouped lookup of ``ranks``' share of step ``step``: [(table key, ids)]."""
+def group_lookups(embs, step, ranks, world, skip_rare=True):
+    """The grouped lookup of ``ranks``' share of step ``step``: [(table key, ids)];
+    ``skip_rare=False``: "grare" on every step (a server-mode job counts a step for every
+    table in every step: its trainers cannot know that none had gradients)."""
     ids, _ = batch(step)
     sl = [rows_of(step, r, world) for r in ranks]
     mine = torch.cat([ids[s] for s in sl])
-    out = [("gnode", mine % 200), ("gctx", (mine * 7) % 120), ("gnode", (mine * 3 + 1) % 200)]
+    out = [("gnode", mine % 200), ("gctx", (mine * 7) % 120), ("gnode", (mine * 3 + 1) % 200),
+           ("gdyn", mine * KEY_SCALE + KEY_BASE)]
     if step % 3 == 1:  # every rank makes the call; only rank 0 has ids
         out.append(("grare", torch.cat([ids[s] if r == 0 else ids[:0]
                                         for r, s in zip(ranks, sl)]) % 50))
-    elif step % 3 == 2:
+    elif step % 3 == 2 or not skip_rare:
         out.append(("grare", (mine * 5) % 50))
     return out
 
 
-def train_group(embs, opt, step, ranks, world):
+def train_group(embs, opt, step, ranks, world, skip_rare=True):
     _, c = batch(step)
     sl = [rows_of(step, r, world) for r in ranks]
     cs = torch.cat([c[s] for s in sl])
-    lookups = group_lookups(embs, step, ranks, world)
+    lookups = group_lookups(embs, step, ranks, world, skip_rare)
     opt.zero_grad()
     got = distemb.grouped_lookup([(embs[k], ids) for k, ids in lookups])
     loss = 0
@@ -135,7 +151,8 @@ def train_group(embs, opt, step, ranks, world):
     opt.step()
 
 
-def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None):
+def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None,
+          skip_rare=True):
     """Steps ``start``.. ``start + steps - 1``; ``ranks``: the ranks whose batch rows this
     process looks up (all of them: the oracle); ``group``: the grouped model, trained in
     each step too."""
@@ -153,7 +170,7 @@ def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None):
             (rows * up).sum().backward()
             opts[k].step()
         if group is not None:
-            train_group(*group, step, ranks, world)
+            train_group(*group, step, ranks, world, skip_rare)
 
 
 def snapshot(embs, opts, group=None):
@@ -166,10 +183,55 @@ def snapshot(embs, opts, group=None):
         gembs, gopt = group
         state = gopt.state_dict()["state"]
         for k, emb in gembs.items():
+            if isinstance(emb, DynamicEmbedding):  # keys held, rows and state columns
+                out[k] = dict(emb.export(), step=np.array(state[emb.name]["step"]))
+                continue
             out[k] = {"weight": emb.weight[torch.arange(emb.num_embeddings)].numpy(),
                       "step": np.array(state[emb.name]["step"])}
             out[k].update({s: v.numpy() for s, v in state[emb.name].items() if s != "step"})
     return out
+
+
+def key_ops(emb, ranks, world):
+    """Key management of the trained DynamicEmbedding ``emb``, as ranks ``ranks`` of
+    ``world`` make it (every rank in turn: the oracle); {name: array} per rank.
+
+    Every rank asks ``contains``/``get`` of the same probe (held and absent keys), removes
+    a set of its own that overlaps the next rank's (a key counts for the first remover),
+    then every rank reads ``size()`` and ``export()``.
+    """
+    held = np.sort(emb.export()["keys"])
+    probe = np.concatenate([held[::7], [12345, -1]]).astype(np.int64)
+    out = {r: {} for r in ranks}
+    for r in ranks:
+        out[r]["contains"] = emb.contains(probe)
+        out[r]["get"] = emb.get(held[::5]).numpy()
+        try:
+            emb.get(probe)
+            out[r]["missing"] = np.array(False)
+        except MissingKeyError:
+            out[r]["missing"] = np.array(True)
+    for r in ranks:
+        gone = held[r * 3:r * 3 + 6 * world:2 + r]  # overlaps the next rank's
+        out[r]["removed"] = np.array(emb.remove(np.concatenate([gone, [777]])))
+    size = emb.size()
+    after = emb.export()
+    for r in ranks:
+        out[r]["size"] = np.array(size)
+        out[r].update({f"export_{c}": v for c, v in after.items()})
+    return out
+
+
+def evict_check(emb):
+    """evict() to half the keys: every rank's store evicts down to its share by its own
+    order, so the keys differ from one process's; asserted as properties here."""
+    before = emb.export()["keys"]
+    target = len(before) // 2
+    evicted = emb.evict(target)
+    after = emb.export()["keys"]
+    assert emb.size() == target == len(after), (emb.size(), target, len(after))
+    assert not emb.contains(evicted).any()
+    assert np.array_equal(np.sort(np.concatenate([evicted, after])), before)
 
 
 def all_optimizers(opts, group):
@@ -177,10 +239,10 @@ def all_optimizers(opts, group):
     return dict(opts, group=group[1])
 
 
-def oracle(steps, world, load=None, then=()):
+def oracle(steps, world, load=None, then=(), keys=False, skip_rare=True):
     """The same job in one embedded process on the concatenated batches: ``steps`` steps
     of ``world`` ranks (after loading checkpoint ``load``, when given), then each
-    ``(steps, world)`` of ``then``."""
+    ``(steps, world)`` of ``then``; with ``keys``, also {rank: key_ops results}."""
     ctx = distemb.DistContext.embedded(backend="pytorch", num_threads=1)
     embs, opts = make_tables(ctx, world)
     group = make_group(ctx)
@@ -189,17 +251,22 @@ def oracle(steps, world, load=None, then=()):
             opt.load(os.path.join(load, k))
     start = 0
     for n, w in ((steps, world),) + tuple(then):
-        train(embs, opts, n, range(w), w, start=start, group=group)
+        train(embs, opts, n, range(w), w, start=start, group=group, skip_rare=skip_rare)
         start += n
     out = snapshot(embs, opts, group)
+    if keys:
+        out = out, key_ops(group[0]["gdyn"], range(world), world)
     ctx.close()
     return out
 
 
 def main(args):
     torch.set_num_threads(1)
-    ctx = distemb.initialize(backend="pytorch", num_threads=1, mode="collective",
-                             timeout_s=args.timeout)
+    if args.servers:  # a trainer of a distemb-launch job (sync_exact)
+        ctx = distemb.initialize(backend="pytorch", num_threads=1)
+    else:
+        ctx = distemb.initialize(backend="pytorch", num_threads=1, mode="collective",
+                                 timeout_s=args.timeout)
     world, rank = ctx.num_trainers, ctx.rank
     dying = world - 1 if args.die_rank is None else args.die_rank
     die_at = args.die_at if rank == dying else None
@@ -213,9 +280,10 @@ def main(args):
         if args.load:
             for k, opt in all_optimizers(opts, group).items():
                 opt.load(os.path.join(args.load, k))
-        calls = ctx.client.exchanges
-        train(embs, opts, args.steps, [rank], world, die_at, args.start, group)
-        calls = ctx.client.exchanges - calls
+        calls = getattr(ctx.client, "exchanges", 0)
+        train(embs, opts, args.steps, [rank], world, die_at, args.start, group,
+              not args.every_step)
+        calls = getattr(ctx.client, "exchanges", 0) - calls
         if args.save:
             for k, opt in all_optimizers(opts, group).items():
                 opt.save(os.path.join(args.save, k))
@@ -228,6 +296,10 @@ def main(args):
             np.savez(os.path.join(args.out, f"{k}.npz"), **arrays)
         with open(os.path.join(args.out, "exchanges.json"), "w") as f:
             json.dump({"steps": args.steps, "calls": calls, "tables": len(embs)}, f)
+    if args.keys:
+        got = key_ops(group[0]["gdyn"], [rank], world)[rank]
+        np.savez(os.path.join(args.out, f"keys{rank}.npz"), **got)
+        evict_check(group[0]["gdyn"])
     print(f"rank {rank} of {world}: done", flush=True)
     distemb.shutdown()
 
@@ -244,5 +316,8 @@ if __name__ == "__main__":
     parser.add_argument("--load")
     parser.add_argument("--mismatch", action="store_true")
     parser.add_argument("--apart", action="store_true")
+    parser.add_argument("--keys", action="store_true")
+    parser.add_argument("--servers", action="store_true")
+    parser.add_argument("--every-step", action="store_true")
     main(parser.parse_args())
     sys.exit(0)

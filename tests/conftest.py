@@ -17,6 +17,8 @@ placement of :data:`PLACEMENTS`:
   its device lookups, on the CPU through the CUDA kernels' stand-in
   (tests/cpu_cuda_twin.py); ``shm1x1+device_cache``: the same in front of the co-located
   client; ``device_table``: a DeviceKVClient (GPU tables) on the CPU stand-in;
+- ``collective1``: a CollectiveKVClient, a collective job of one rank in this process
+  (gloo, file:// rendezvous; tests/test_collective.py runs 2 to 4 ranks);
 - with a GPU, the device placements again on the real kernels (``*_cuda``).
 
 Model-level tests run a job on a placement with :meth:`Placement.run` (one thread per
@@ -29,11 +31,13 @@ job's servers, read from ``$DISTEMB_CONFIG``.
 """
 import contextlib
 import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from cpu_cuda_twin import CpuCudaHalfTwin, CpuCudaTwin
 from mp_helper import ProcessGroup, cluster_dict, write_json
@@ -42,6 +46,7 @@ from distemb.config import load_cluster_config, parse_cache_config, parse_cluste
 from distemb.context import DistContext
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.collective import CollectiveKVClient
 from distemb.kvstore.device import DeviceKVClient
 from distemb.kvstore.device_cache import DeviceCachedKVClient
 from distemb.kernels import cuda
@@ -58,7 +63,7 @@ CACHES = {"cache_exact": parse_cache_config({"policy": "lru", "rows": 4}),  # ev
 HAS_GPU = cuda.cuda_available()
 PLACEMENTS = ["mpi"] if MPI_SUITE else (
     ["embedded", "shm1x1", "tcp2x2", "tcp2x2+cache_exact", "shm1x1+cache_stale",
-     "device_cache", "shm1x1+device_cache", "device_table"]
+     "device_cache", "shm1x1+device_cache", "device_table", "collective1"]
     + (["device_cache_cuda", "shm1x1+device_cache_cuda", "device_table_cuda"]
        if HAS_GPU else []))
 #: Server clusters by kind: (servers, trainers, extra config fields).
@@ -272,10 +277,6 @@ class Placement:
         base = name.split("+")[-1].replace("_cuda", "")
         self.refuser = REFUSERS.get(base)
 
-    @property
-    def num_trainers(self):
-        return len(self.trainers)
-
     def cache_stats(self):
         """The first trainer's cache counters (``stats()``), or None without a cache."""
         kv = self.trainers[0]
@@ -307,6 +308,10 @@ def make_placement(name, clusters):
     dev = "cuda" if gpu else "cpu"
     if base in ("embedded", "device_cache", "device_cache_cuda"):
         inner = LocalKVClient()
+    elif base == "collective1":  # a collective job of one rank, in this process
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rdv",
+                                rank=0, world_size=1)
+        return Placement(name, CollectiveKVClient(timeout_s=60, own_group=True))
     elif base in ("device_table", "device_table_cuda"):
         table = DeviceKVClient("cuda") if gpu else DeviceKVClient(
             "cpu", ops=CpuCudaTwin(), half_ops=CpuCudaHalfTwin)

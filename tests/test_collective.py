@@ -22,10 +22,10 @@ import torch.distributed as dist
 import collective_trainer as job
 import distemb
 from distemb import DistEmbedding
-from distemb.dynamic import DynamicEmbedding
+from distemb.dynamic import StoreEmbedding
 from distemb.errors import DistEmbError, KVStoreError
 from distemb.optim import SparseSGD
-from distemb.partition import range_policy
+from distemb.stores import HashStore
 from mp_helper import ProcessGroup, child_env, free_port
 
 TRAINER = os.path.join(os.path.dirname(__file__), "collective_trainer.py")
@@ -49,9 +49,9 @@ def run_job(tmp_path, world, *extra, expect=0, timeout=150):
 @pytest.mark.parametrize("world", [2, 4])
 def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
     steps = 15
-    outs = run_job(tmp_path, world, "--steps", str(steps))
+    outs = run_job(tmp_path, world, "--steps", str(steps), "--keys")
     assert all(f"rank {r} of {world}: done" in outs[r] for r in range(world))
-    want = job.oracle(steps, world)
+    want, keys = job.oracle(steps, world, keys=True)
     for k in want:
         with np.load(tmp_path / f"{k}.npz") as z:
             got = {c: z[c] for c in z.files}
@@ -70,6 +70,13 @@ def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
     with open(tmp_path / "exchanges.json", encoding="utf-8") as f:
         calls = json.load(f)
     assert calls["calls"] == steps * (2 * len(job.OPTIMIZERS) + 2), calls
+    # a dynamic table's keys: each rank holds those the key hash sends it (above, its
+    # rows and state equal one process's); key management answers as one process would
+    assert len(want["gdyn"]["keys"]) > 40
+    for r in range(world):
+        with np.load(tmp_path / f"keys{r}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, keys[r], f"key management on rank {r}")
+    assert all(keys[r]["missing"] and keys[r]["removed"] > 0 for r in range(world))
 
 
 @pytest.mark.multiprocess
@@ -122,6 +129,40 @@ def test_checkpoint_of_two_ranks_loads_embedded_and_into_three_ranks(tmp_path):
     for k in want:
         with np.load(second / f"{k}.npz") as z:
             assert_same({c: z[c] for c in z.files}, want[k], f"table {k} resumed on 3 ranks")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_checkpoints_cross_from_collective_to_servers_and_back(tmp_path):
+    """2 ranks save; a distemb-launch job (2 servers x 2 trainers, sync_exact) loads it,
+    trains and saves; 3 ranks load that and train: every table (dense, bfloat16, keyed,
+    2W+1 hash partitions) and its optimizer state equal the uninterrupted job, bit for
+    bit, after each leg."""
+    ck1, ck2 = tmp_path / "ck1", tmp_path / "ck2"
+    legs = [tmp_path / name for name in ("a", "b", "c")]
+    for leg in legs:
+        leg.mkdir()
+    run_job(legs[0], 2, "--steps", "6", "--save", str(ck1), "--every-step")
+    ip = tmp_path / "ip.txt"
+    ip.write_text(f"127.0.0.1 {free_port()}\n")
+    with ProcessGroup() as group:
+        group.spawn([sys.executable, "-m", "distemb.launch", "--ip-config", str(ip),
+                     "--num-servers", "2", "--num-trainers", "2", "--consistency",
+                     "sync_exact", "--config-out", str(tmp_path / "cluster.json"),
+                     "--timeout", "60", "--", sys.executable, TRAINER, str(legs[1]),
+                     "--servers", "--load", str(ck1), "--start", "6", "--steps", "5",
+                     "--save", str(ck2), "--every-step"])
+        out = next(iter(group.wait_all(timeout=200).values()))
+    assert "rank 1 of 2: done" in out, out[-3000:]
+    want = job.oracle(6, 2, then=[(5, 2)], skip_rare=False)
+    for k in want:
+        with np.load(legs[1] / f"{k}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, want[k], f"table {k} on servers")
+    run_job(legs[2], 3, "--load", str(ck2), "--start", "11", "--steps", "4", "--every-step")
+    want = job.oracle(6, 2, then=[(5, 2), (4, 3)], skip_rare=False)
+    for k in want:
+        with np.load(legs[2] / f"{k}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, want[k], f"table {k} back on 3 ranks")
 
 
 @pytest.mark.multiprocess
@@ -185,12 +226,11 @@ def test_world_of_one_pulls_pushes_and_trains_as_embedded(ctx):
 
 def test_not_yet_in_collective_mode_is_refused(ctx):
     emb = DistEmbedding(10, 3, name="refused", context=ctx)
-    with pytest.raises(KVStoreError, match="row store .* not available in collective"):
-        DynamicEmbedding(4, name="dyn", context=ctx)
+    with pytest.raises(KVStoreError, match="a store object lives in one process, and this "
+                                           "is one rank of a collective job"):
+        StoreEmbedding(HashStore(4), name="given", context=ctx)
     with pytest.raises(KVStoreError, match="onto 'cuda' is not available in collective"):
         emb(torch.tensor([1]), device="cuda")
-    with pytest.raises(KVStoreError, match="needs one per rank"):
-        ctx.client.init_data("three", (9, 2), "float32", range_policy(9, 3))
 
 
 def test_initialize_collective_refuses_what_it_cannot_do(monkeypatch):

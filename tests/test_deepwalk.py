@@ -279,3 +279,42 @@ def test_deepwalk_under_distemb_launch_equals_summed_batches_in_one_process(tmp_
     p = parse_args(args)
     assert not np.allclose(got, _node_init(p.dim, p.seed)((34, p.dim)).numpy())
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_deepwalk_under_torchrun_equals_summed_batches_in_one_process(tmp_path):
+    """2 ranks under torchrun (collective mode, no servers): rank r takes batch r of every
+    pair of consecutive batches, and each owner applies the pair's summed gradients once,
+    so the job equals one process stepping on each pair's summed loss (the oracle of the
+    distemb-launch test above)."""
+    import os
+    import subprocess
+    import sys
+
+    from mp_helper import ProcessGroup, child_env, free_port
+
+    args = FAST[:-1] + ["--epochs", "1"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    with ProcessGroup() as group:  # a session: kill_all ends torchrun's children too
+        group.spawn([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                     "graph_examples/deepwalk.py", *args, "--quiet", "--threads", "1",
+                     "--out", str(tmp_path / "job")], session=True)
+        out = next(iter(group.wait_all(timeout=240).values()))
+    metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
+    assert metrics["trainers"] == 2 and "trainer 1:" in out, out[-3000:]
+
+    code = (f"import sys; sys.path[:0] = [{root!r}, {here!r}]; import test_deepwalk as t; "
+            f"print(t.summed_pairs_oracle({args!r}, {str(tmp_path / 'oracle.npy')!r}))")
+    oracle = subprocess.run([sys.executable, "-c", code], cwd=root,
+                            env=child_env(PYTHONPATH=os.pathsep.join([root, here])),
+                            capture_output=True, text=True, timeout=80)
+    assert oracle.returncode == 0, oracle.stderr[-3000:]
+    steps = int(oracle.stdout.split()[-1])
+    assert metrics["steps"] == steps > 3
+    got, want = np.load(tmp_path / "job" / "embeddings.npy"), np.load(tmp_path / "oracle.npy")
+    p = parse_args(args)
+    assert not np.allclose(got, _node_init(p.dim, p.seed)((34, p.dim)).numpy())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -323,3 +323,31 @@ def test_patch_runner_runs_a_script_patched_and_unpatch_restores(tmp_path):
     assert lines[-2] == ("distemb.dgl.tables distemb.dgl.tables distemb.optim.optimizers "
                          "['a', '--b'] True"), out
     assert lines[-1] == "dgl.distributed.nn.pytorch.sparse_emb False", out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_dgl_script_runs_under_torchrun_with_one_changed_line(tmp_path):
+    """tests/dgl_collective_script.py: DGL's API through ``import distemb.dgl as dist``
+    and ``dist.initialize(mode="collective")``, 2 ranks under torchrun, equals the same
+    script in one process looking up both ranks' shares, bit for bit."""
+    import subprocess
+
+    from mp_helper import child_env
+
+    script = os.path.join(os.path.dirname(__file__), "dgl_collective_script.py")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "alone").mkdir()
+    with ProcessGroup() as group:  # a session: kill_all ends torchrun's children too
+        group.spawn([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                     script, str(tmp_path / "job")], session=True)
+        group.wait_all(timeout=200)
+    alone = subprocess.run([sys.executable, script, str(tmp_path / "alone"), "--alone", "2"],
+                           env=child_env(), capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
+    with np.load(tmp_path / "job" / "tables.npz") as got, \
+            np.load(tmp_path / "alone" / "tables.npz") as want:
+        for name in ("node", "edge"):
+            assert np.array_equal(got[name], want[name]), name
+            assert (np.abs(want[name] - 0.25).max(axis=1) > 0).sum() > 20, name  # trained

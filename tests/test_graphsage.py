@@ -113,3 +113,30 @@ def test_graphsage_runs_unchanged_under_distemb_launch(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["trainers"] == 2 and metrics["test_accuracy"] > 0.6, (metrics, output)
     assert output.count("test accuracy") == 2, output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_graphsage_runs_unchanged_under_torchrun(tmp_path):
+    """2 ranks under torchrun (collective mode): each rank holds half of the table, the
+    dense layers in DDP on the group distemb made; both train and evaluate."""
+    import os
+    import sys
+
+    from mp_helper import ProcessGroup, free_port
+
+    out = tmp_path / "sage"
+    script = os.path.join(os.path.dirname(graphsage.__file__), "graphsage.py")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script,
+            "--dataset", "sbm", "--data-opt", "num_nodes=2001", "--data-opt", "num_classes=4",
+            "--dim", "16", "--hidden", "16", "--fanouts", "5,5", "--batch-size", "128",
+            "--epochs", "3", "--emb-lr", "0.05", "--lr", "0.01", "--quiet", "--threads", "1",
+            "--out", str(out)]
+    with ProcessGroup() as group:  # a session: kill_all ends torchrun's children too
+        group.spawn(argv, expect=0, session=True)
+        output = next(iter(group.wait_all(timeout=230).values()))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["trainers"] == 2 and metrics["steps"] == 3 * -(-600 // 128), (metrics, output)
+    assert metrics["test_accuracy"] > 0.6, (metrics, output)
+    assert output.count("test accuracy") == 2, output

@@ -24,6 +24,7 @@ Example:
     >>> dist.optim.SparseAdam is __import__("distemb").SparseAdam
     True
 """
+from distemb import context as _context
 from distemb.dgl import job, optim
 from distemb.dgl.patch import dgl_own, is_patched, patch, unpatch
 from distemb.dgl.tables import (DistEmbedding, DistTensor, EdgePartitionPolicy,
@@ -36,7 +37,7 @@ __all__ = ["DistEmbedding", "DistTensor", "PartitionPolicy", "NodePartitionPolic
            "dgl_policy_for", "patch", "unpatch", "is_patched", "job"]
 
 
-def initialize(ip_config=None, **kwargs):
+def initialize(ip_config=None, mode=None, **kwargs):
     """DGL's ``initialize(ip_config, ...)``, then distemb's context for this process.
 
     DGL's own ``dgl.distributed.initialize`` runs first (a server-role process of DGL's
@@ -44,9 +45,21 @@ def initialize(ip_config=None, **kwargs):
     :func:`distemb.dgl.job.join_trainer`: embedded tables in DGL's standalone mode, the
     job's distemb servers in distributed mode (``$DISTEMB_JOB_TOKEN`` required).
 
+    ``mode="collective"`` (a distemb extension: the one line a DGL-style script changes
+    to run under ``torchrun``): no servers, DGL's or distemb's; this process is one rank
+    of the torch.distributed job and holds a shard of every table
+    (:func:`distemb.initialize` with ``mode="collective"``; ``timeout_s`` is its one
+    keyword). DGL's ``DistGraph`` needs DGL's servers, so it is not available then.
+
     Returns:
         the :class:`~distemb.context.DistContext`.
+
+    Raises:
+        DistEmbError: ``mode`` is neither None nor ``"collective"``, or the collective
+            job cannot start (see :func:`distemb.initialize`).
     """
+    if mode is not None:
+        return _context.initialize(mode=mode, **kwargs)
     dgl_own(_dgl.distributed, "initialize")(ip_config, **kwargs)
     return job.join_trainer(ip_config)
 

@@ -1,10 +1,12 @@
 """CollectiveKVClient: tables sharded across the ranks of a torch.distributed job.
 
 No servers: rank ``r`` of a ``W``-process job (torchrun, mpirun, or a group the user
-made) holds partition ``r`` of every table in its own in-process
-:class:`~distemb.kvstore.server.KVServer` (one :class:`~distemb.kvstore.shard.ShardTable`
-per table), and the ranks exchange rows over their own gloo group with
-``all_to_all_single``, as torchrec and SOK do:
+made) holds, in its own in-process :class:`~distemb.kvstore.server.KVServer` (one
+:class:`~distemb.kvstore.shard.ShardTable` per shard), the partitions ``p`` of every dense
+table with ``p % W == r`` (the default policy has one range per rank; any partition policy
+works, as with servers) and a store of every keyed table holding the keys its router
+sends to ``r`` (:mod:`~distemb.kvstore.collective_keyed`). The ranks exchange rows over
+their own gloo group with ``all_to_all_single``, as torchrec and SOK do:
 
 - ``pull``: a header (operation, tables, sequence number, bytes for each owner) is
   exchanged first, then the ids go to their owners, each owner gathers its rows, and the
@@ -27,11 +29,11 @@ rank, not rows of another table). A rank that dies or stops answering makes the 
 raise :class:`~distemb.errors.KVStoreError` within the group's timeout, naming the ranks
 that did not report after the failure (through the job's rendezvous store).
 
-Not in this mode yet (each is a KVStoreError, never a silent bypass): tables on row
-stores (DynamicEmbedding, StoreEmbedding), lookups onto a GPU (``emb(ids, device=...)``)
-and caches. Checkpoints (``opt.save``/``opt.load``) are collective: each rank writes and
-reads its own shard, in the format of every other placement (a checkpoint of W ranks
-loads into W' ranks, servers or one process, and back).
+Not in this mode yet (each is a KVStoreError, never a silent bypass): a table on a store
+object the user made (one process's; pass a spec), lookups onto a GPU
+(``emb(ids, device=...)``) and caches. Checkpoints (``opt.save``/``opt.load``) are
+collective: each rank writes and reads its own shards, in the format of every other
+placement (a checkpoint of W ranks loads into W' ranks, servers or one process, and back).
 
 This module imports torch: server processes never import it.
 
@@ -59,6 +61,8 @@ from distemb.errors import DistEmbError, KVStoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
 from distemb.kvstore.exchange import PULL, PUSH, UPDATE, Exchange, Payload, padded
+from distemb.kvstore.collective_keyed import CollectiveKeyedTables
+from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
@@ -91,25 +95,25 @@ def join_process_group(timeout_s=60.0):
 class Routed:
     """The ids of one table of a call, grouped by owning rank.
 
+    Args:
+        owners: (N,) int64 rank owning each id.
+        ids: (N,) int64 global ids.
+        world_size: the number of ranks.
+
     Attributes:
         counts: (W,) int64 ids for each rank.
         pos: positions in the caller's ids, in rank order.
-        local: the ids as their owner's store keys, in rank order.
-        bounds: (W + 1,) offsets of each rank's ids in ``pos`` and ``local``.
+        ids: the ids, in rank order.
+        bounds: (W + 1,) offsets of each rank's ids in ``pos`` and ``ids``.
     """
 
-    def __init__(self, router, ids, world_size):
-        split = router.split(np.ascontiguousarray(ids, np.int64))
-        self.counts = np.zeros(world_size, np.int64)
-        pos, local = [], []
-        for part in sorted(split):
-            p, keys = split[part]
-            self.counts[part] = len(p)
-            pos.append(p)
-            local.append(router.to_local(part, keys))
-        empty = np.empty(0, np.int64)
-        self.pos = np.concatenate(pos) if pos else empty
-        self.local = np.concatenate(local) if local else empty
+    def __init__(self, owners, ids, world_size):
+        self.counts = np.bincount(owners, minlength=world_size).astype(np.int64)
+        if world_size == 1:
+            self.pos = np.arange(len(ids))
+        else:
+            self.pos = np.argsort(owners, kind="stable")
+        self.ids = ids[self.pos]
         self.bounds = np.concatenate([[0], np.cumsum(self.counts)])
 
     def of(self, rank, array):
@@ -117,7 +121,7 @@ class Routed:
         return array[self.bounds[rank]:self.bounds[rank + 1]]
 
 
-class CollectiveKVClient(KVClient):
+class CollectiveKVClient(CollectiveKeyedTables, KVClient):
     """Every rank of a torch.distributed job holds one shard of every table.
 
     Args:
@@ -153,7 +157,8 @@ class CollectiveKVClient(KVClient):
         self.server = KVServer(server_id=self.rank, num_threads=num_threads)
         self.num_threads = self.server.num_threads
         self._meta = {}
-        self._routers = {}
+        self._routers = {}  # every table's, dense (a policy's) and keyed (its spec's)
+        self._init_collective_keyed()
         tags = self._x.gather_objects("initialize", uuid.uuid4().hex)
         self._x.tag = f"distemb-collective/{tags[0]}"
 
@@ -170,16 +175,131 @@ class CollectiveKVClient(KVClient):
 
     # -- the rounds of a call --------------------------------------------------------------
 
-    def _wire(self, name):
-        """(dtype, row shape) of ``name``'s rows between ranks: a dense table's storage
-        dtype (half rows travel in 16 bits), a state's own."""
-        return self.server.row_dtype(name, self.rank), self._meta_of(name).shape[1:]
+    def _rows_of(self, name):
+        """(dtype of ``name``'s rows between ranks, row shape, dtype callers read and write
+        them in): a dense table's storage dtype (half rows travel in 16 bits and are read
+        as float32), a state's own, a keyed table's float32."""
+        if self.is_keyed(name):
+            return np.dtype(np.float32), (self.dim(name),), np.dtype(np.float32)
+        state = self.state_of(name)
+        if state is not None:  # a keyed table's state column
+            return np.dtype(state[3]), tuple(state[2]), np.dtype(state[3])
+        meta = self._meta_of(name)
+        return (half.storage_dtype(meta.dtype), tuple(meta.shape[1:]),
+                np.dtype(half.row_dtype(meta.dtype)))
 
     def _routed(self, name, ids):
-        self._meta_of(name)  # the error naming an unknown table
-        return Routed(self._routers[name], ids, self.world_size)
+        """``ids`` (global) of table ``name`` grouped by owning rank: partition ``p`` of a
+        dense table lives on rank ``p % W``, a keyed table's keys on the rank its router
+        names.
 
-    def _send(self, op, names, routes, columns, flags=None):
+        Raises:
+            PartitionError: an id outside a fixed key space.
+            TypeError, ValueError: keys of a keyed table that are not int64 keys.
+        """
+        table = self._table_of(name)
+        if self.is_keyed(table):
+            ids = table_keys(ids, f"keys of {name!r}")
+        ids = np.ascontiguousarray(ids, np.int64)
+        owners = self._routers[table].part_of(ids)
+        return Routed(owners % self.world_size if self.world_size > 1 else owners * 0,
+                      ids, self.world_size)
+
+    def _table_of(self, name):
+        """The table whose router routes ``name``: itself, or the keyed table whose
+        optimizer state it is.
+
+        Raises:
+            KVStoreError: no such table or state.
+        """
+        if name in self._routers:
+            return name
+        state = self.state_of(name)
+        if state is None:
+            self._meta_of(name)  # the error naming an unknown table
+        return state[0]
+
+    def _at_owner(self, name, ids):
+        """Global ids of ``name`` received by their owner (this rank) as
+        ``[(part, positions or None for all, local ids)]`` of the parts held here."""
+        name = self._table_of(name)
+        router = self._routers[name]
+        if router.num_parts == self.world_size or self.is_keyed(name):
+            return [(self.rank, None, router.to_local(self.rank, ids))]
+        return [(part, pos, router.to_local(part, keys))
+                for part, (pos, keys) in sorted(router.split(ids).items())]
+
+    def _parts_here(self, name):
+        """The partitions of dense table ``name`` this rank holds (``p % W == rank``)."""
+        return [p for p in range(self._meta_of(name).policy.num_partitions)
+                if p % self.world_size == self.rank]
+
+    def _pull_here(self, name, ids):
+        """This rank's rows of global ``ids`` of ``name`` (the owner's answer to a pull)."""
+        where = self._at_owner(name, ids)
+        if len(where) == 1 and where[0][1] is None:
+            return self.server.pull(name, where[0][0], where[0][2])
+        dtype, shape, _ = self._rows_of(name)
+        out = np.empty((len(ids),) + shape, dtype)
+        for part, pos, local in where:
+            out[pos] = self.server.pull(name, part, local)
+        return out
+
+    def _agree(self, what, name, sig):
+        """Collective: every rank's ``sig`` (a dict) of table ``name`` must equal rank 0's.
+
+        Raises:
+            KVStoreError: on every rank, naming the first rank that differs and how.
+        """
+        sigs = self._x.gather_objects(f"{what} of {name!r}", sig)
+        for r, other in enumerate(sigs):
+            if other != sigs[0]:
+                diff = sorted(k for k in sig if other.get(k) != sigs[0].get(k))
+                raise KVStoreError(f"table {name!r}: rank {r} defines it differently from "
+                                   f"rank 0 ({', '.join(diff)}: {[other[k] for k in diff]} "
+                                   f"vs {[sigs[0][k] for k in diff]}); every rank must create "
+                                   "the same tables in the same order")
+
+    def _ask(self, op, names, ids, answer, reply, label=None):
+        """A call that sends each table's ids to their owners and brings one answer row
+        per id back: three rounds for all the tables (header, ids, answers).
+
+        Args:
+            names, ids: the tables and each one's ids (global).
+            answer: ``answer(t, local ids from every rank in rank order)`` -> the owner's
+                answer rows for them, in order.
+            reply: ``reply(t)`` -> (dtype, row shape) of table ``t``'s answers.
+
+            label: what the header names (default: ``names``).
+
+        Returns:
+            per table, the answers in the order of its ids.
+        """
+        label = names if label is None else label
+        routes = [self._routed(n, i) for n, i in zip(names, ids)]
+        got, _ = self._send(op, names, routes, [[] for _ in names], label=label)
+        shapes = [reply(t) for t in range(len(names))]
+        payload = Payload(self.world_size)
+        answers = [answer(t, local) for t, (local, _, _) in enumerate(got)]
+        for src in range(self.world_size):
+            for (_, _, counts), rows in zip(got, answers):
+                lo = int(counts[:src].sum())
+                payload.add(src, rows[lo:lo + counts[src]])
+        sizes = [sum(padded(int(r.counts[d]) * np.dtype(dt).itemsize *
+                            int(np.prod(shape, dtype=np.int64)))
+                     for r, (dt, shape) in zip(routes, shapes))
+                 for d in range(self.world_size)]
+        back = self._x.reply(op, label, payload, sizes)
+        out = []
+        for r, (dt, shape) in zip(routes, shapes):
+            rows = np.empty((int(r.counts.sum()),) + tuple(shape), dt)
+            if len(r.pos):
+                rows[r.pos] = np.concatenate([back.take(d, dt, (int(r.counts[d]),) + shape)
+                                              for d in range(self.world_size)])
+            out.append(rows)
+        return out
+
+    def _send(self, op, names, routes, columns, flags=None, label=None):
         """One round: to each rank, the counts of ids of every table (and ``flags``, one
         int64 per table, when given), each table's ids, then each table's rows of every
         column of ``columns`` (a list of arrays per table, in the caller's id order; the
@@ -197,13 +317,13 @@ class CollectiveKVClient(KVClient):
             if flags is not None:
                 payload.add(d, np.asarray(flags, np.int64))
             for r in routes:
-                payload.add(d, r.of(d, r.local))
+                payload.add(d, r.of(d, r.ids))
         taken = [[c[r.pos] for c in cols] for r, cols in zip(routes, columns)]
         for d in range(w):
             for r, cols in zip(routes, taken):
                 for c in cols:
                     payload.add(d, r.of(d, c))
-        got = self._x.round(op, names, payload)
+        got = self._x.round(op, names if label is None else label, payload)
         counts = np.empty((n, w), np.int64)
         sent = np.zeros((n, w), np.int64)
         ids = [[] for _ in range(n)]
@@ -225,39 +345,33 @@ class CollectiveKVClient(KVClient):
     # -- storage -------------------------------------------------------------------------
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
-        """Collective: every rank makes table ``name`` and keeps its own partition.
+        """Collective: every rank makes table ``name`` and keeps its partitions (``p`` with
+        ``p % W == rank``, as servers hold them: one each for the default policy).
 
         Raises:
             KVStoreError: the ranks define ``name`` differently (every rank raises, naming
-                the first that differs), the policy does not have one partition per
-                rank, or ``name`` exists.
+                the first that differs), or ``name`` exists.
         """
         check_rounding(dtype, rounding_seed)
-        sig = {"name": name, "shape": tuple(int(s) for s in shape), "dtype": str(dtype),
-               "policy": policy.policy_str, "partitions": policy.num_partitions,
-               "ranges": [policy.id_progression(p) for p in range(policy.num_partitions)],
-               "rounding_seed": rounding_seed, "exists": name in self._meta}
-        sigs = self._x.gather_objects(f"creation of {name!r}", sig)
-        for r, other in enumerate(sigs):
-            if other != sigs[0]:
-                diff = sorted(k for k in sig if other.get(k) != sigs[0].get(k))
-                raise KVStoreError(f"table {name!r}: rank {r} defines it differently from "
-                                   f"rank 0 ({', '.join(diff)}: {[other[k] for k in diff]} "
-                                   f"vs {[sigs[0][k] for k in diff]}); every rank must create "
-                                   "the same tables in the same order")
+        self._agree("creation", name, {
+            "shape": tuple(int(s) for s in shape), "dtype": str(dtype),
+            "policy": policy.policy_str, "partitions": policy.num_partitions,
+            "ranges": [policy.id_progression(p) for p in range(policy.num_partitions)],
+            "rounding_seed": rounding_seed, "exists": name in self.names()})
+        if self.is_keyed(name):
+            raise KVStoreError(f"name {name!r} already exists in the KVStore")
         check_new_name(self._meta, name)
-        if policy.num_partitions != self.world_size:
-            raise KVStoreError(f"table {name!r}: its policy {policy.policy_str} has "
-                               f"{policy.num_partitions} partitions; a collective job of "
-                               f"{self.world_size} ranks needs one per rank")
-        sshape = (policy.get_part_size(self.rank),) + tuple(shape[1:])
-        self.server.create(name, self.rank, init_shard(init_func, sshape, dtype, name),
-                           rounding_seed=rounding_seed)
         self._meta[name] = DataMeta(tuple(shape), dtype, policy)
+        for part in self._parts_here(name):
+            sshape = (policy.get_part_size(part),) + tuple(shape[1:])
+            self.server.create(name, part, init_shard(init_func, sshape, dtype, name),
+                               rounding_seed=rounding_seed)
         self._routers[name] = PolicyRouter(policy)
 
     def delete_data(self, name):
         """Drop this rank's shard of ``name`` (local: every rank drops its own)."""
+        if self.is_keyed(name):
+            return self._keyed_delete(name)
         self._meta.pop(name, None)
         self._routers.pop(name, None)
         self.server.drop(name)
@@ -265,43 +379,32 @@ class CollectiveKVClient(KVClient):
     def pull(self, name, ids):
         return self.pull_many([(name, ids)])[0]
 
+    def init_optimizer(self, name, rule, options):
+        """Optimizer state of table ``name``: state tensors sharded like a dense table
+        (collective creation), state columns in each rank's store of a keyed table."""
+        if self.is_keyed(name):
+            return self._keyed_init_optimizer(name, rule, options)
+        return super().init_optimizer(name, rule, options)
+
     def pull_many(self, requests):
         """Rows of every ``(table, ids)`` of ``requests``, in three rounds for all of them:
         a header, the ids to their owners, the rows back (each owner gathers its rows of
-        every table between the last two)."""
+        every table between the last two; a keyed table's lookup inserts absent keys)."""
         names = [n for n, _ in requests]
-        routes = [self._routed(n, ids) for n, ids in requests]
-        got, _ = self._send(PULL, names, routes, [[] for _ in names])
-        payload = Payload(self.world_size)
-        wires = [self._wire(n) for n in names]
-        answers = [self.server.pull(n, self.rank, local) for n, (local, _, _) in
-                   zip(names, got)]
-        for src in range(self.world_size):
-            for (_, _, counts), rows in zip(got, answers):
-                lo = int(counts[:src].sum())
-                payload.add(src, rows[lo:lo + counts[src]])
-        sizes = [sum(padded(int(r.counts[d]) * dt.itemsize * int(np.prod(shape, dtype=np.int64)))
-                     for r, (dt, shape) in zip(routes, wires))
-                 for d in range(self.world_size)]
-        back = self._x.reply(PULL, names, payload, sizes)
-        out = []
-        for r, (dt, shape) in zip(routes, wires):
-            rows = np.empty((int(r.counts.sum()),) + tuple(shape), dt)
-            parts = [back.take(d, dt, (int(r.counts[d]),) + tuple(shape))
-                     for d in range(self.world_size)]
-            if len(r.pos):
-                rows[r.pos] = np.concatenate(parts)
-            out.append(half.as_rows(rows))
-        return out
+        specs = [self._rows_of(n) for n in names]
+        got = self._ask(PULL, names, [i for _, i in requests],
+                        lambda t, ids: self._pull_here(names[t], ids),
+                        lambda t: specs[t][:2])
+        return [half.as_rows(rows) for rows in got]
 
     def push(self, name, ids, values):
         """Collective write; for an id written by several ranks the highest rank's wins."""
-        meta = self._meta_of(name)
-        values = np.asarray(values, half.row_dtype(meta.dtype))
-        shape = meta.shape[1:]
-        (local, (rows,), _), = self._send(PUSH, [name], [self._routed(name, ids)],
+        _, shape, dtype = self._rows_of(name)
+        values = np.asarray(values, dtype)
+        (got, (rows,), _), = self._send(PUSH, [name], [self._routed(name, ids)],
                                           [[values.reshape((len(ids),) + tuple(shape))]])[0]
-        self.server.push(name, self.rank, local, rows)
+        for part, pos, local in self._at_owner(name, got):
+            self.server.push(name, part, local, rows if pos is None else rows[pos])
 
     def push_update(self, name, ids, grads, rule, hyper):
         """Collective update of one table (:meth:`apply_gradients` does every table of a
@@ -329,10 +432,12 @@ class CollectiveKVClient(KVClient):
             cols.append([np.ascontiguousarray(summed[1], np.float32)])
         got, flags = self._send(UPDATE, names, routes, cols,
                                 flags=[s is not None for s in sums])
-        for name, (local, (rows,), _), rule, hyper in zip(names, got, rules, hypers):
-            if len(local):
-                uniq, summed = kernels.dedup_sum(local, rows, num_threads=self.num_threads)
-                self.server.update(name, self.rank, uniq, summed, rule, hyper)
+        for name, (ids, (rows,), _), rule, hyper in zip(names, got, rules, hypers):
+            if len(ids):
+                uniq, summed = kernels.dedup_sum(ids, rows, num_threads=self.num_threads)
+                for part, pos, local in self._at_owner(name, uniq):
+                    self.server.update(name, part, local, summed if pos is None else
+                                       summed[pos], rule, hyper)
         return [bool(f.any()) for f in flags]
 
     # -- checkpoints: every rank writes and reads its own shard --------------------------
@@ -341,26 +446,42 @@ class CollectiveKVClient(KVClient):
     all_ranks_checkpoint = True
 
     def save_table(self, name, directory, save_id, columns):
-        """Collective: every rank writes its shard of ``name`` as a record of rank 0's
-        save ``save_id``; every rank gets the entry with the records of all (rank order)."""
-        meta = self._meta_of(name)
+        """Collective: every rank writes its shards of ``name`` (its partitions of a dense
+        table, its store of a keyed one, keys global) as records of rank 0's save
+        ``save_id``; every rank gets the entry with the records of all (partition order)."""
         what = f"save of {name!r}"
         save_id = self._x.gather_objects(what, save_id)[0]
-        start, step, _ = meta.policy.id_progression(self.rank)
-        rec = self.server.table(name, self.rank).save(directory, save_id, name, columns,
-                                                      start, step)
-        return snapshot.new_entry(meta.shape, meta.dtype, self._x.gather_objects(what, rec),
-                                  meta.policy)
+        if self.is_keyed(name):
+            spec, t = self._spec(name), self._shard(name)
+            recs = [t.save(directory, save_id, name, columns)]
+            shape = (self._routers[name].num_keys, spec.dim)  # None for any int64 key
+            dtype, policy = spec.dtype, None
+        else:
+            meta = self._meta_of(name)
+            recs = [self.server.table(name, part).save(directory, save_id, name, columns,
+                                                       *meta.policy.id_progression(part)[:2])
+                    for part in self._parts_here(name)]
+            shape, dtype, policy = meta.shape, meta.dtype, meta.policy
+        recs = sorted((r for rs in self._x.gather_objects(what, recs) for r in rs),
+                      key=lambda r: r["part"])
+        return snapshot.new_entry(shape, dtype, recs, policy)
 
     def load_table(self, name, directory, entry, columns):
-        """Every rank fills its shard of ``name`` from the checkpoint's records (saved
+        """Every rank fills its shards of ``name`` from the checkpoint's records (saved
         under any partitioning: by W ranks, servers or one process), reading only the
-        blocks that hold its rows."""
+        blocks that hold its rows; a keyed table's store then holds the saved keys its
+        router gives this rank."""
+        if self.is_keyed(name):
+            self._shard(name).load(directory, entry, columns, name=name)
+            return
         meta = self._meta_of(name)
         check_entry_rows(entry, meta.shape[0], name, directory)
-        start, step, _ = meta.policy.id_progression(self.rank)
-        self.server.table(name, self.rank).load(directory, entry, columns, start, step,
-                                                name=name)
+        shards = [(self.server.table(name, part), *meta.policy.id_progression(part)[:2])
+                  for part in self._parts_here(name)]
+        for table, start, step in shards:
+            table.load(directory, entry, columns, start, step, apply=False, name=name)
+        for table, start, step in shards:
+            table.load(directory, entry, columns, start, step, verify=False, name=name)
 
     def barrier(self):
         self._x.barrier()
@@ -370,7 +491,7 @@ class CollectiveKVClient(KVClient):
         distemb made it; a group the user made stays theirs). Not collective: a rank may
         close while others have failed. Without it, gloo's threads may abort the process
         at exit ("terminate called without an active exception")."""
-        for name in list(self._meta):
+        for name in list(self._meta) + self.keyed_names():
             self.delete_data(name)
         self.server.close()
         if self._group is not None and dist.is_initialized():
@@ -387,7 +508,8 @@ class CollectiveKVClient(KVClient):
                             "(distemb-launch) for it")
 
     def store_client(self):
-        raise self._refuse("a table on a row store (DynamicEmbedding, StoreEmbedding)")
+        """This client: it holds keyed tables itself (:mod:`~distemb.kvstore.collective_keyed`)."""
+        return self
 
     def view_on(self, device):
         if device is None or str(device) == "cpu":
