@@ -202,3 +202,24 @@ def test_lfu_displaces_a_colder_cached_row_and_keeps_a_hotter_one():
     fresh = cache.admit(np.array([7]), np.empty(0, np.int64), victims)
     assert fresh.tolist() == [slots[1]]
     assert cache.slot_of.get(np.array([1, 2, 7])).tolist() == [slots[0], -1, slots[1]]
+
+
+def test_a_cache_that_serves_nothing_empties_itself_and_pulls_plainly(pair):
+    """Every row pulled twice and never again: LFU keeps each at its second pull and no
+    copy is ever used. After a window of DECAY pulls the cache empties itself and keeps
+    nothing for IDLE pulls: its pulls are plain ones (rows only), still exact."""
+    from distemb.kvstore.table_cache import DECAY, IDLE
+
+    cached, other = pair(CacheConfig(policy="lfu", rows=8))
+    for k in range(DECAY):
+        ids = np.array([(k // 2) % N, (k // 2 + 20) % N])
+        np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+        step(other, ids)  # another writer: copies would be stale anyway
+    assert cached.stats()["hit_rows"] == 0
+    bytes0 = cached.stats()["bytes_pulled"]
+    for ids in ([16, 17], [18, 19], [36, 37]):  # new rows, each pulled twice: LFU would
+        ids = np.array(ids)                      # keep them at the second pull
+        np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+        np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+    assert cached.stats()["bytes_pulled"] - bytes0 == 6 * 2 * D * 4  # rows only
+    assert IDLE > 6

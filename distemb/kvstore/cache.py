@@ -42,9 +42,11 @@ Modes (:class:`~distemb.config.CacheConfig`):
 
 Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
 counts how often each row was pulled lately (halved every :data:`~distemb.kvstore.table_cache.DECAY` pulls) and keeps
-a new row only in a free slot or in place of a row seen less often (TinyLFU admission):
-rows it does not keep come without their optimizer state, so a cold row costs what it
-costs without a cache.
+a new row pulled twice lately in a free slot or in place of a row seen less often
+(TinyLFU admission): rows it does not keep come without their optimizer state, so a
+cold row costs what it costs without a cache. A cache whose copies served under 2% of
+the rows asked over a window empties itself and keeps nothing for a while (its pulls
+and updates are plain ones: ids it cannot help cost little more than no cache).
 Capacity per table: rows, bytes (row plus optimizer state) or a fraction of the table.
 
 Example (servers started by ``distemb-launch``)::
@@ -321,7 +323,9 @@ class CachedKVClient(PlacedAsInner, KVClient):
         have[cached] = cache.version[slots[cached]]
         new = np.flatnonzero(~cached)
         victims = None
-        if self.config.policy == "lru":
+        if cache.idle:  # it could not help these ids lately (TableCache.served)
+            keep_new = np.zeros(len(new), bool)
+        elif self.config.policy == "lru":
             keep_new = np.ones(len(new), bool)
         else:
             keep_new, victims = cache.worth_keeping(uniq[new], slots[cached])
@@ -331,6 +335,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
             # of each row once, no versions either way.
             rows = self.inner.pull(name, uniq)
             self._count(ids, uniq, np.arange(len(uniq)), [], [rows], sent=8 * len(uniq))
+            cache.served(0, len(uniq))
             return rows[inverse]
         asked = np.flatnonzero(ask)
         if len(asked):
@@ -363,6 +368,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         out[in_cache] = cache.values[slots[in_cache]]
         if self.config.policy == "lru":
             cache.stamp[slots[in_cache]] = self._tick
+        cache.served(len(uniq) - len(got), len(uniq))
         return out[inverse]
 
     def _count(self, ids, uniq, got, asked, arrays, sent=None):

@@ -153,6 +153,12 @@ class SketchCounts:
 DECAY = 32
 #: LFU admits a row only once it was pulled this many times lately.
 ADMIT_MIN = 2
+#: A trainer cache whose copies served fewer than this share of the rows asked over the
+#: last :data:`DECAY` pulls, while it held rows, cannot help these ids: it empties itself
+#: and keeps nothing for :data:`IDLE` pulls (its pulls and updates are plain ones), then
+#: tries again.
+MIN_HITS = 0.02
+IDLE = 4 * DECAY
 #: Cached rows LFU samples per competing new row to find the ones it may displace.
 SAMPLE = 4
 
@@ -187,6 +193,8 @@ class TableCache:
         self.pulls = 0
         self.step = 0
         self.used = 0                                       # slots held
+        self.hits = self.asked = 0   # rows served by copies / asked, this DECAY window
+        self.idle_until = 0          # no row is kept before this many pulls
         self._rng = np.random.default_rng(0)                # LFU's victim samples
 
     def count(self, ids):
@@ -195,6 +203,25 @@ class TableCache:
         if self.pulls % DECAY == 0:
             self.seen.halve()
         self.seen.add(ids)
+
+    def served(self, hits, asked):
+        """Record a pull of ``asked`` unique rows, ``hits`` of them served by copies; at
+        the end of each :data:`DECAY` window, a cache that held rows and served fewer than
+        :data:`MIN_HITS` of the rows asked empties itself and goes idle for :data:`IDLE`
+        pulls (the trainer cache only: it holds no row that is not also on its owner)."""
+        self.hits += hits
+        self.asked += asked
+        if self.pulls % DECAY:
+            return
+        if self.used and self.hits < MIN_HITS * self.asked:
+            self.evict(np.flatnonzero(self.held))
+            self.idle_until = self.pulls + IDLE
+        self.hits = self.asked = 0
+
+    @property
+    def idle(self):
+        """Whether the cache keeps no row now (see :meth:`served`)."""
+        return self.pulls < self.idle_until
 
     def worth_keeping(self, ids, keep):
         """Which of the new rows ``ids`` (unique, not cached) to keep: LFU admission.
