@@ -21,7 +21,7 @@ Example (servers started by ``distemb-launch``)::
     client.init_data("emb", (1000, 16), "float32", range_policy(1000, client.num_servers))
     rows = client.pull("emb", np.arange(10))
 """
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import List, NamedTuple
 
 import numpy as np
 

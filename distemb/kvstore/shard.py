@@ -29,7 +29,6 @@ Example:
     >>> (t.versions(np.array([2**40]), first=None) - v).tolist(), t.pull(np.array([2**40])).tolist()
     ([1], [[1.0, 1.0]])
 """
-import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -39,6 +38,7 @@ from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
+from distemb.kvstore.rwlock import RWLock
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 
@@ -47,43 +47,6 @@ VERSION = "~version"
 #: Distance between the first versions of two version arrays of one holder, so a table
 #: dropped and made again never repeats a version a trainer's cache holds.
 VERSION_EPOCH = 1 << 40
-
-
-class RWLock:
-    """Many readers or one writer; waiting writers go first (updates never starve)."""
-
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._readers, self._writer, self._waiting = 0, False, 0
-
-    @contextmanager
-    def read(self):
-        with self._cond:
-            while self._writer or self._waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def write(self):
-        with self._cond:
-            self._waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 class ShardTable:
