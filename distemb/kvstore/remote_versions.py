@@ -24,6 +24,11 @@ class HeldRows(NamedTuple):
     their ``versions`` after the step and the step's ``sums`` (the summed gradients the
     owner applied). Every other held row had the cache's own gradient alone (its version
     moved by 1).
+
+    Example:
+        >>> e = np.empty(0, np.int64)
+        >>> HeldRows(e, np.array([3]), np.array([7]), np.ones((1, 2), np.float32)).summed
+        array([3])
     """
 
     drop: np.ndarray
@@ -38,6 +43,14 @@ class HeldReplies:
     Args:
         positions: {server id: positions, in the update's ids, of the ids sent to it}.
         dim: the row width.
+
+    Example:
+        >>> from distemb.transport.base import Frame
+        >>> held = HeldReplies({0: np.array([4, 9])}, dim=2)
+        >>> held.take(0, Frame(100, "", {}, [np.array([0]), np.array([1]), np.array([8]),
+        ...                                  np.ones((1, 2), np.float32)], 0))
+        >>> r = held.result(); r.drop.tolist(), r.summed.tolist(), r.versions.tolist()
+        ([4], [9], [8])
     """
 
     def __init__(self, positions, dim):
