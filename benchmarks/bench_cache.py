@@ -21,8 +21,11 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
    first size with bounded staleness ``s``. One set of server and trainer processes per
    job runs every configuration on fresh tables, each cached run between two uncached
    runs, for ``--rounds`` rounds; steps/s ratios are against the mean of the two
-   neighbours (medians over rounds). Bytes are the array payloads each trainer received
-   (pull replies, update replies) and sent, per step, counted on its sockets.
+   neighbours (medians over rounds). Bytes are what each trainer's sockets received and
+   sent per step, as the kernel counts them (``TCP_INFO``: frames with their headers);
+   ``--account`` breaks them down by request kind and array. CPU per step: a trainer
+   process's own (mean of the trainers), and all servers' together (from /proc), which a
+   loaded machine inflates less than wall time.
 
 Also printed: the hit rate of a clairvoyant static cache of the most frequent rows of
 the stream (an upper bound for any policy that keeps a fixed share of rows).
@@ -32,7 +35,8 @@ per step from a Zipf(1.05) distribution truncated to a ``--zipf-rows`` table (10
 rank k drawn with probability proportional to k^-1.05, ranks scattered over the table by
 a fixed permutation). Its tables are created zero on the servers (no rows cross the wire
 at creation, and untouched rows cost no memory) and the loss is ``((rows - 0.5) ** 2)``
-so that every step updates them.
+so that every step updates them. ``uniform10m``: the same table and batch size, ids
+drawn uniformly (no skew: what a cache costs when it cannot help).
 
 ``--links loopback,1gbit``: part 2 once per link; with a rate, every server and trainer
 runs on a host of its own whose link is shaped to it (``benchmarks/netns.py``, needs
@@ -42,12 +46,16 @@ Usage::
 
     PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fractions 0.1,0.4]
         [--staleness 5] [--plot out/bench_cache_hit_rate.png]
-        [--streams sage,deepwalk,zipf,zipf10m] [--jobs 1,2] [--rounds 3] [--skip-hit-rate]
+        [--streams sage,deepwalk,zipf,zipf10m,uniform10m] [--jobs 1,2] [--rounds 3]
+        [--skip-hit-rate] [--consistency sync_exact] [--account] [--profile DIR]
         [--policies lru,lfu] [--links loopback,1gbit,10gbit]
 """
 import argparse
+import cProfile
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -69,40 +77,90 @@ from distemb.kvstore.remote import RemoteKVClient  # noqa: E402
 from distemb.partition import range_policy  # noqa: E402
 from distemb.transport import tcp  # noqa: E402
 from distemb.transport.base import Connection  # noqa: E402
+from distemb.transport.messages import Service  # noqa: E402
 import netns  # noqa: E402
-from id_streams import SIZES, draw_streams, exact_bound, static_hit_rates  # noqa: E402
+from id_streams import (SIZES, byte_bounds, draw_streams, exact_bound,  # noqa: E402
+                        static_hit_rates)
 
 
 # -- one trainer ----------------------------------------------------------------------------
 
 class Counting(Connection):
-    """A TCP connection that counts the array bytes it sends and receives."""
+    """A TCP connection that counts the bytes its socket sent and received (the kernel's
+    own counts: ``TCP_INFO``'s ``tcpi_bytes_acked`` and ``tcpi_bytes_received``, frame
+    headers included), and, for the byte account, the array bytes of each kind of
+    request and of its reply (``account``: {(service name, array index, "sent" or
+    "received"): bytes}; replies arrive in request order on a connection)."""
 
     def __init__(self, conn):
-        self.conn, self.peer, self.sent, self.received = conn, conn.peer, 0, 0
+        self.conn, self.peer = conn, conn.peer
+        self.account, self._asked = {}, []
+
+    def _tcp_info(self):
+        info = self.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        acked, received = struct.unpack_from("QQ", info, TCP_INFO_BYTES)
+        return acked, received
+
+    @property
+    def retransmits(self):
+        """Segments this socket retransmitted (``tcpi_total_retrans``)."""
+        info = self.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        return struct.unpack_from("I", info, TCP_INFO_RETRANS)[0]
+
+    @property
+    def sent(self):
+        return self._tcp_info()[0]
+
+    @property
+    def received(self):
+        return self._tcp_info()[1]
+
+    def _add(self, service, frame, way):
+        for i, a in enumerate(frame.arrays):
+            key = (service, i, way)
+            self.account[key] = self.account.get(key, 0) + a.nbytes
 
     def send(self, frame):
-        self.sent += sum(a.nbytes for a in frame.arrays)
+        service = Service(frame.service).name
+        self._asked.append(service)
+        self._add(service, frame, "sent")
         self.conn.send(frame)
 
     def recv(self, timeout=None):
         frame = self.conn.recv(timeout)
-        self.received += sum(a.nbytes for a in frame.arrays)
+        self._add(self._asked.pop(0) if self._asked else "?", frame, "received")
         return frame
 
     def close(self):
         self.conn.close()
 
 
+#: Offsets of ``tcpi_bytes_acked`` (then ``tcpi_bytes_received``) and of
+#: ``tcpi_total_retrans`` in Linux's struct tcp_info.
+TCP_INFO_BYTES, TCP_INFO_RETRANS = 120, 100
+
+
+def server_cpu_s(pids):
+    """CPU seconds the server processes ``pids`` used so far (all their threads)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
-              zero_init=False):
+              zero_init=False, profile=None, server_pids=()):
     """Train on ``stream`` as trainer ``rank``; per-step numbers after ``warmup`` steps.
 
     ``client`` is this trainer's RemoteKVClient on the counting connections ``conns``;
     with ``cache``, a CachedKVClient in front of it (a view: the connections are shared).
     The tables are fresh (named ``label``) and deleted at the end. ``zero_init``: tables
     made zero by the servers (nothing sent) and a loss that moves them from zero.
+    ``profile``: a path to write cProfile's statistics (CPU time) of the timed steps to.
     """
+    prof = cProfile.Profile(time.process_time) if profile else None
     kv = client if cache is None else CachedKVClient(client, cache)
     ctx = DistContext(kv, backend="pytorch", num_threads=1)
     init = None if zero_init else (lambda s, d: torch.full(s, 0.01, dtype=d))
@@ -118,6 +176,11 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
             start = time.perf_counter()
             sent0, recv0 = sum(c.sent for c in conns), sum(c.received for c in conns)
             stats0 = kv.stats() if cache is not None else None
+            account0 = [dict(c.account) for c in conns]
+            cpu0, server0 = time.process_time(), server_cpu_s(server_pids)
+            retrans0 = sum(c.retransmits for c in conns)
+            if prof is not None:
+                prof.enable()
         opt.zero_grad()
         loss = sum(((tables[name](torch.from_numpy(ids)) - shift) ** 2).sum()
                    for name, ids in step.items())
@@ -125,10 +188,22 @@ def run_steps(client, conns, rank, stream, num_rows, dim, cache, warmup, label,
         opt.step()
     client.barrier()
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu0
+    server_cpu = server_cpu_s(server_pids) - server0
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(profile)
     n = len(stream) - warmup
+    account = {}
+    for c, a0 in zip(conns, account0):
+        for key, v in c.account.items():
+            name = "/".join(map(str, key))
+            account[name] = account.get(name, 0) + (v - a0.get(key, 0)) / n
     out = dict(steps_per_s=n / seconds,
                received_per_step=(sum(c.received for c in conns) - recv0) / n,
-               sent_per_step=(sum(c.sent for c in conns) - sent0) / n)
+               sent_per_step=(sum(c.sent for c in conns) - sent0) / n, account=account,
+               cpu_ms_per_step=1e3 * cpu / n, server_cpu_ms_per_step=1e3 * server_cpu / n,
+               retransmits=sum(c.retransmits for c in conns) - retrans0)
     if cache is not None:
         st = {k: v - stats0[k] for k, v in kv.stats().items()}
         out["hit_rate"] = st["hit_rows"] / max(1, st["unique_rows"])
@@ -148,13 +223,19 @@ def trainer_main(args):
     torch.set_num_threads(1)
     conns = [Counting(tcp.connect(s.host, s.port, cfg.timeout_s)) for s in cfg.servers]
     client = RemoteKVClient(cfg, args.rank, connections=conns, num_threads=1)
+    with open(os.path.join(spec["out"], "servers.json")) as f:
+        # Rank 0 times the servers' CPU (both trainers step in lockstep through a run).
+        server_pids = json.load(f) if args.rank == 0 else []
     out = []
     # The runs of the schedule one after the other, in these processes and on the same
     # connections: neighbours in time see the same load.
     for i, (label, cache) in enumerate(spec["schedule"]):
         out.append(run_steps(client, conns, args.rank, stream, spec["num_rows"], spec["dim"],
                              None if cache is None else parse_cache_config(cache),
-                             spec["warmup"], f"{spec['label']}-{i}", spec["zero_init"]))
+                             spec["warmup"], f"{spec['label']}-{i}", spec["zero_init"],
+                             profile=os.path.join(spec["profile"], f"rank{args.rank}-run{i}"
+                                                  ".prof") if spec.get("profile") else None,
+                             server_pids=server_pids))
     client.close(goodbye=True)
     with open(os.path.join(spec["out"], f"rank{args.rank}.json"), "w") as f:
         json.dump(out, f)
@@ -167,20 +248,20 @@ def env():
                 OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 
-def cluster(hosts):
+def cluster(hosts, consistency="sync"):
     return {"job_id": uuid.uuid4().hex[:8], "num_trainers": hosts.num_trainers,
             "trainer_machines": hosts.trainer_machines(), "shared_memory": False,
-            "timeout_s": 120.0, "servers": hosts.servers()}
+            "timeout_s": 120.0, "servers": hosts.servers(), "consistency": consistency}
 
 
 def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label, rate=None,
-            zero_init=False):
+            zero_init=False, profile=None, consistency="sync"):
     """Servers and one trainer process per stream, running every cache of ``schedule``
     (a list of CacheConfig or None) in turn; per run, the trainers' results. ``rate``:
     every process on a host of its own linked at ``rate`` bits/s; None: loopback."""
     with netns.JobHosts(num_servers, len(streams), rate) as hosts, \
             tempfile.TemporaryDirectory() as out:
-        raw = cluster(hosts)
+        raw = cluster(hosts, consistency)
         cfg_path = os.path.join(out, "cluster.json")
         json.dump(raw, open(cfg_path, "w"))
         paths = []
@@ -192,11 +273,16 @@ def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label, rate=N
         spec = dict(cluster=raw, streams=paths, num_rows=num_rows, dim=dim, warmup=warmup,
                     schedule=[[str(i), None if c is None else c.to_dict()]
                               for i, c in enumerate(schedule)], out=out, label=label,
-                    zero_init=zero_init)
+                    zero_init=zero_init, profile=profile)
         json.dump(spec, open(os.path.join(out, "spec.json"), "w"))
+        prof = (lambda s: [os.path.join(ROOT, "benchmarks", "thread_profile.py"),
+                           os.path.join(profile, f"server{s}.prof")]) if profile else (
+            lambda s: [])
         servers = [subprocess.Popen(hosts.server(s, [
-            sys.executable, "-m", "distemb.server", "--config", cfg_path, "--server-id",
-            str(s)]), env=env()) for s in range(num_servers)]
+            sys.executable, *prof(s), "-m", "distemb.server", "--config", cfg_path,
+            "--server-id", str(s)]), env=env()) for s in range(num_servers)]
+        with open(os.path.join(out, "servers.json"), "w") as f:  # for server_cpu_s
+            json.dump([p.pid for p in servers], f)
         trainers = [subprocess.Popen(hosts.trainer(r, [
             sys.executable, os.path.abspath(__file__), "--trainer",
             os.path.join(out, "spec.json"), "--rank", str(r)]), env=env())
@@ -263,7 +349,8 @@ def main():
     p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
     p.add_argument("--skip-hit-rate", action="store_true")
     p.add_argument("--streams", default="sage,deepwalk,zipf",
-                   help="id streams of part 2: sage, deepwalk, zipf (WordNet), zipf10m")
+                   help="id streams of part 2: sage, deepwalk, zipf (WordNet), zipf10m, "
+                   "uniform10m")
     p.add_argument("--dim", type=int, default=128, help="part 2's row width")
     p.add_argument("--zipf-rows", type=int, default=10_000_000, help="zipf10m's table rows")
     p.add_argument("--zipf-batch", type=int, default=13_000, help="zipf10m's ids per step")
@@ -271,6 +358,13 @@ def main():
                    help="part 2's links, comma-separated: 'loopback', 'veth' and/or rates "
                    "('1gbit')")
     p.add_argument("--rounds", type=int, default=3, help="rounds in turns (medians)")
+    p.add_argument("--consistency", default="sync", choices=["sync", "sync_exact"],
+                   help="part 2's consistency: sync (updates applied on arrival) or "
+                   "sync_exact (each step's updates summed at the owner)")
+    p.add_argument("--profile", help="a folder for cProfile statistics of every trainer's "
+                   "timed steps (rank<r>-run<i>.prof, i: the run in the schedule)")
+    p.add_argument("--account", action="store_true", help="print the byte account: the "
+                   "array bytes of each request kind and its reply, per step and trainer")
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -320,17 +414,36 @@ def main():
         if 2 in args.jobs:
             bounds[sname + " (exact, 2 trainers)"] = [
                 exact_bound(per_rank[1:3], num_rows, args.warmup, f) for f in args.fractions]
+            bounds[sname + " (sync_exact with summed rows, 2 trainers)"] = [
+                exact_bound(per_rank[1:3], num_rows, args.warmup, f, summed=True)
+                for f in args.fractions]
+            if args.account:
+                rows_b = byte_bounds(per_rank[1:3], num_rows, args.warmup,
+                                     args.fractions[0], 4 * args.dim)
+                print(f"row bytes trainer 0 must receive per step, {sname}, 2 trainers, "
+                      f"sync_exact, a clairvoyant cache of {args.fractions[0]:.0%} "
+                      "(id_streams.byte_bounds): " + "; ".join(
+                          f"{k} {v / 1e6:.3f} MB ({1 - v / rows_b['no cache']:.0%} fewer)"
+                          for k, v in rows_b.items()), flush=True)
         for rate in links:
             for servers in args.jobs:
                 per = per_rank[:1] if servers == 1 else per_rank[1:3]
                 t0 = time.perf_counter()
                 runs = run_job(per, servers, num_rows, args.dim, schedule * args.rounds,
                                args.warmup, f"{sname}{servers}", rate,
-                               zero_init=(sname == "zipf10m"))
-                job = f"{sname}, {servers}s x {len(per)}t, {netns.link_name(rate)}"
+                               zero_init=sname.endswith("10m"), profile=args.profile,
+                               consistency=args.consistency)
+                job = f"{sname}, {servers}s x {len(per)}t, {netns.link_name(rate)}" + (
+                    f", {args.consistency}" if args.consistency != "sync" else "")
                 print(f"  {job}: {len(runs)} runs in {time.perf_counter() - t0:.0f} s, load "
                       f"average {os.getloadavg()[0]:.1f}", flush=True)
+                each = [f"{run[0]['steps_per_s']:.1f} ({sum(r['retransmits'] for r in run)})"
+                        for run in runs]
+                print("  steps/s of each run in order (trainer 0), with the trainers' TCP "
+                      "retransmits: " + "; ".join(each), flush=True)
                 rows += summarize(job, runs, configs, len(schedule), args.rounds)
+                if args.account:
+                    print_account(job, runs, [("no cache", None)] + configs)
     print(f"\nD={args.dim}, {args.steps} timed steps per trainer, one thread per process, "
           f"{os.cpu_count()} cores, medians of {args.rounds} rounds, every cached run between "
           f"two uncached ones (vs no cache: against their mean); load average now "
@@ -341,11 +454,28 @@ def main():
                                                      for f, h in zip(args.fractions, v))
                                 for k, v in bounds.items()) + "\n")
     print("| ids, job, link | cache | steps/s per trainer | vs no cache | bytes received "
-          "per step | fewer bytes | bytes sent per step | hit rate |")
-    print("|---|---|---|---|---|---|---|---|")
-    for job, name, rate, ratio, recv, saved, sent, hit in rows:
+          "per step | fewer bytes | bytes sent per step | hit rate | CPU ms per step: trainer, "
+          "servers |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for job, name, rate, ratio, recv, saved, sent, hit, cpu, scpu in rows:
         print(f"| {job} | {name} | {rate:.1f} | {ratio:.2f}x | {recv / 1e6:.2f} MB | "
-              f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% |")
+              f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% | {cpu:.1f}, "
+              f"{scpu:.1f} |")
+
+
+def print_account(job, runs, configs):
+    """Array bytes per step and trainer by request kind and array, first round; and the
+    socket's bytes (frame headers included) beside them."""
+    print(f"\nbyte account, {job}: bytes per step per trainer (first round; array i of "
+          "each request and of its reply)")
+    for c, (name, _) in enumerate(configs):
+        run = runs[2 * c - 1 if c else 0]
+        keys = sorted({k for r in run for k in r["account"]})
+        parts = {k: float(np.mean([r["account"].get(k, 0) for r in run])) for k in keys}
+        shown = "; ".join(f"{k} {v / 1e3:.1f} kB" for k, v in parts.items() if v >= 50)
+        print(f"  {name}: socket sent {np.mean([r['sent_per_step'] for r in run]) / 1e3:.1f} "
+              f"kB, received {np.mean([r['received_per_step'] for r in run]) / 1e3:.1f} kB; "
+              f"{shown}")
 
 
 def summarize(job, runs, configs, k, rounds):
@@ -353,11 +483,15 @@ def summarize(job, runs, configs, k, rounds):
     res = [dict(rate=float(np.mean([r["steps_per_s"] for r in run])),
                 recv=float(np.mean([r["received_per_step"] for r in run])),
                 sent=float(np.mean([r["sent_per_step"] for r in run])),
-                hit=float(np.mean([r.get("hit_rate", 0.0) for r in run]))) for run in runs]
+                hit=float(np.mean([r.get("hit_rate", 0.0) for r in run])),
+                cpu=float(np.mean([r["cpu_ms_per_step"] for r in run])),
+                scpu=float(np.sum([r["server_cpu_ms_per_step"] for r in run]))) for run in runs]
     base = [res[r * k + j] for r in range(rounds) for j in range(0, k, 2)]
     none = (job, "no cache", float(np.median([b["rate"] for b in base])), 1.0,
             float(np.median([b["recv"] for b in base])), 0.0,
-            float(np.median([b["sent"] for b in base])), 0.0)
+            float(np.median([b["sent"] for b in base])), 0.0,
+            float(np.median([b["cpu"] for b in base])),
+            float(np.median([b["scpu"] for b in base])))
     rows = [none]
     for c, (name, _) in enumerate(configs):
         at = [r * k + 2 * c + 1 for r in range(rounds)]
@@ -369,7 +503,8 @@ def summarize(job, runs, configs, k, rounds):
             return float(np.median([r[key] for r in mine]))
 
         rows.append((job, name, med("rate"), float(np.median(ratio)), med("recv"),
-                     1 - med("recv") / none[4], med("sent"), med("hit")))
+                     1 - med("recv") / none[4], med("sent"), med("hit"), med("cpu"),
+                     med("scpu")))
     return rows
 
 

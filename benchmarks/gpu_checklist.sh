@@ -25,7 +25,8 @@ if [ "$what" != bench ]; then
     tests/test_cuda_half.py tests/test_device_cache.py tests/test_cuda_emulated.py \
     tests/test_cuda_half_emulated.py tests/test_kernel_contract.py tests/test_dynamic_embedding.py \
     2>&1 | tee "$log/tests_gpu.log" | tail -25 || status=1
-  python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/test_kvclient_suite.py -k cuda \
+  python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/test_kvclient_suite.py \
+    tests/test_keyed_suite.py -k cuda \
     2>&1 | tee "$log/tests_client_suite.log" | tail -8 || status=1
 fi
 if [ "$what" != tests ]; then

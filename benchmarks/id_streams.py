@@ -53,6 +53,12 @@ def zipf_table_stream(num_rows, steps, ranks, size, a=1.05, seed=0):
     return out
 
 
+def uniform_stream(num_rows, steps, rank, size, seed=0):
+    """Per step, {table: ids}: ``size`` ids drawn uniformly from ``num_rows``."""
+    rng = np.random.default_rng(seed + 300 + rank)
+    return [{"nodes": rng.integers(0, num_rows, size)} for _ in range(steps)]
+
+
 def deepwalk_stream(graph, steps, rank, seed=0):
     """Per step, {table: ids}: a skip-gram batch's centres and contexts + negatives."""
     from graph_examples.walks import SkipGramBatches
@@ -85,13 +91,16 @@ def static_hit_rates(streams, num_rows, warmup, sizes=SIZES):
     return out
 
 
-def exact_bound(streams, num_rows, warmup, fraction):
+def exact_bound(streams, num_rows, warmup, fraction, summed=False):
     """The hit rate of trainer 0 (``streams[0]``) with a clairvoyant static cache of the
     ``fraction`` most frequent rows in EXACT mode while the other trainers train too.
 
     Its copy of a row is current only if no other trainer updated the row since trainer 0
     last read it (a step's updates all land before the next step: synchronous training;
     trainer 0's own updates are applied to its copy). Rows it never read count as current.
+    ``summed``: sync_exact with the owner's summed gradient sent back for held rows
+    trainer 0 updated too, so another trainer's update in the step of trainer 0's last
+    read keeps the copy current; only one in a later step voids it.
     """
     order = np.argsort(-np.bincount(np.concatenate(
         [np.unique(np.concatenate(list(s.values()))) for s in streams[0]]),
@@ -105,11 +114,58 @@ def exact_bound(streams, num_rows, warmup, fraction):
         for t, step in enumerate(streams[0]):
             ids = np.unique(step[table])
             if t >= warmup:
-                rates.append(float(np.mean(top[ids] & (theirs[ids] < mine[ids]))))
+                current = theirs[ids] <= mine[ids] if summed else theirs[ids] < mine[ids]
+                rates.append(float(np.mean(top[ids] & current)))
             mine[ids] = t
             for other in streams[1:]:
                 theirs[other[t][table]] = t
     return float(np.mean(rates))
+
+
+def byte_bounds(streams, num_rows, warmup, fraction, row_bytes):
+    """Row bytes a step of trainer 0 (``streams[0]``) must receive, per design, with the
+    other trainers (``streams[1:]``) writing too (sync_exact) and a clairvoyant static
+    cache of the ``fraction`` most frequent rows holding rows and optimizer state
+    (``row_bytes`` each: rows, and a state of a row's size). Positions, versions and
+    headers are left out.
+
+    Returns:
+        {design: mean bytes per step}: ``no cache`` (every id's row, duplicates
+        included), ``each row once`` (no cache), ``summed rows`` (this cache: the summed
+        gradient of held rows the others wrote in the same step, a stale held row
+        refetched with its state, the rest of the rows not held), ``owner pushes``
+        (every other trainer's write of a held row sent to the holder), ``no state
+        refetch`` (a stale held row refetched without its state: a bound, not a design).
+    """
+    order = np.argsort(-np.bincount(np.concatenate(
+        [np.unique(np.concatenate(list(s.values()))) for s in streams[0]]),
+        minlength=num_rows), kind="stable")
+    top = np.zeros(num_rows, bool)
+    top[order[:int(fraction * num_rows)]] = True
+    out = {k: [] for k in ("no cache", "each row once", "summed rows", "owner pushes",
+                           "no state refetch")}
+    for table in streams[0][0]:
+        mine = np.full(num_rows, -1, np.int64)        # step trainer 0 last read the row
+        theirs = np.full(num_rows, -2, np.int64)      # step another trainer last wrote it
+        theirs_only = np.full(num_rows, -2, np.int64)  # ... in a step trainer 0 did not
+        for t, step in enumerate(streams[0]):
+            ids = np.unique(step[table])
+            other = np.unique(np.concatenate([o[t][table] for o in streams[1:]]))
+            held = top[ids]
+            if t >= warmup:
+                stale = held & (theirs_only[ids] > mine[ids])
+                changed = held & (theirs[ids] >= mine[ids])  # incl. in my last read's step
+                co_held = int(top[np.intersect1d(ids, other)].sum())
+                cold = int((~held).sum())
+                out["no cache"].append(len(step[table]) * row_bytes)
+                out["each row once"].append(len(ids) * row_bytes)
+                out["summed rows"].append((cold + 2 * int(stale.sum()) + co_held) * row_bytes)
+                out["owner pushes"].append((cold + int(top[other].sum())) * row_bytes)
+                out["no state refetch"].append((cold + int(changed.sum())) * row_bytes)
+            mine[ids] = t
+            theirs[other] = t
+            theirs_only[np.setdiff1d(other, ids)] = t
+    return {k: float(np.mean(v)) for k, v in out.items()}
 
 
 def draw_streams(names, steps, args):
@@ -130,10 +186,14 @@ def draw_streams(names, steps, args):
     if "zipf10m" in names:
         out["zipf10m"] = args.zipf_rows, zipf_table_stream(args.zipf_rows, steps, [0, 0, 1],
                                                            args.zipf_batch)
+    if "uniform10m" in names:  # no skew: ids a cache cannot help with
+        out["uniform10m"] = args.zipf_rows, [uniform_stream(args.zipf_rows, steps, rank,
+                                                            args.zipf_batch)
+                                             for rank in (0, 0, 1)]
     unknown = set(names) - set(out)
     if unknown:
         raise SystemExit(f"--streams: unknown {sorted(unknown)}; expected some of "
-                         "sage, deepwalk, zipf, zipf10m")
+                         "sage, deepwalk, zipf, zipf10m, uniform10m")
     def ids(stream, unique):
         return np.mean([len(np.unique(a) if unique else a) for a in (
             np.concatenate(list(step.values())) for step in stream)])

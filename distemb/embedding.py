@@ -483,8 +483,10 @@ def _store_tensor(num_embeddings, dim, name, init_func, part_policy, context, de
     """The StoreTensor of a table on row stores, made (or attached) in the context's
     store client; see :class:`DistEmbedding` for the arguments."""
     if part_policy is not None:
+        kind = "hash" if storage is None else getattr(storage, "kind", type(storage).__name__)
         raise ValueError(f"part_policy: a table on row stores is routed by its storage "
-                         f"(keys by hash, or by range for a file table), got {part_policy!r}")
+                         f"(keys by hash, or by range for a file table): a {kind} store "
+                         f"takes no partition policy, got {part_policy!r}")
     if device is not None and str(device) != "cpu":
         raise ValueError(f"device: a table on row stores lives in host memory or on the "
                          f"servers; look its rows up onto a GPU with emb(ids, device=...), "

@@ -73,7 +73,17 @@ def make_table(name, ctx, dynamic):
                                  part_policy=range_policy(N, ctx.num_servers))
 
 
-def train(out, steps, disjoint, side=False, twins=False, dynamic=False):
+def mid_step_push(ctx, table, step, ids, per):
+    """``--push-every K``: on every K-th step, after every trainer looked its rows up and
+    before any updates them, rank 1 writes 3 of rank 0's rows (a write outside the summed
+    step: a copy rank 0 caches is then void, and its update must say so)."""
+    ctx.client.barrier()
+    if ctx.rank == 1:
+        table.weight[ids[:3]] = torch.full((3, D), 0.25 + step / 100)
+    ctx.client.barrier()
+
+
+def train(out, steps, disjoint, side=False, twins=False, dynamic=False, push_every=0):
     ctx = distemb.initialize(backend="pytorch", num_threads=1)
     torch.set_num_threads(1)
     rank, T = ctx.rank, ctx.num_trainers
@@ -97,7 +107,10 @@ def train(out, steps, disjoint, side=False, twins=False, dynamic=False):
         ids = key(ids)
         sl = slice(rank * per, (rank + 1) * per)
         opt.zero_grad()
+        pushing = push_every and step % push_every == push_every - 1
         loss = loss_of(emb(ids[sl]), targets[sl])
+        if pushing:
+            mid_step_push(ctx, emb, step, ids, per)
         extra = side_ids(step, ids, per) if side and rank == 0 else None
         if extra is not None:
             loss = loss + loss_of(tables[1](extra), targets[:per])
@@ -109,6 +122,8 @@ def train(out, steps, disjoint, side=False, twins=False, dynamic=False):
             if k == "stale":  # how far its rows are from the servers' rows, right now
                 fresh = ctx.client.pull("emb-stale", ids[sl].numpy())
                 stale_dev = max(stale_dev, float(np.abs(rows.detach().numpy() - fresh).max()))
+            if pushing:
+                mid_step_push(ctx, t, step, ids, per)
             loss_of(rows, targets[sl]).backward()
             twin_opts[k].step()
         if ctx.client.consistency == "sync":
@@ -175,6 +190,9 @@ if __name__ == "__main__":
                         help="also train copies of 'emb' behind the caches of TWINS")
     parser.add_argument("--dynamic", action="store_true",
                         help="the tables are DynamicEmbeddings keyed by dynamic_keys(id)")
+    parser.add_argument("--push-every", type=int, default=0,
+                        help="every K-th step rank 1 writes 3 of rank 0's rows mid-step")
     args = parser.parse_args()
-    train(args.out, args.steps, args.disjoint, args.side, args.twins, args.dynamic)
+    train(args.out, args.steps, args.disjoint, args.side, args.twins, args.dynamic,
+          args.push_every)
     sys.exit(0)

@@ -277,10 +277,6 @@ class Placement:
         base = name.split("+")[-1].replace("_cuda", "")
         self.refuser = REFUSERS.get(base)
 
-    @property
-    def num_trainers(self):
-        return len(self.trainers)
-
     def cache_stats(self):
         """The first trainer's cache counters (``stats()``), or None without a cache."""
         kv = self.trainers[0]

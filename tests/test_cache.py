@@ -96,8 +96,10 @@ def test_lfu_admits_rows_seen_more_often_and_fetches_no_state_for_others(pair):
         cached.pull("w", np.array([0, 1]))  # hot
     bytes0 = cached.stats()["bytes_pulled"]
     cached.pull("w", np.array([10, 11, 12]))  # cold, seen once: passed through
-    row_only = 3 * (D * 4 + 8 + 8)  # rows, versions, positions: no Adagrad state
+    row_only = 3 * D * 4  # nothing held or kept: a plain pull, no state, no versions
     assert cached.stats()["bytes_pulled"] - bytes0 == row_only
+    cached.pull("w", np.array([0, 13]))  # one held: versioned; 13 passes, without state
+    assert cached.stats()["bytes_pulled"] - bytes0 == row_only + D * 4 + 8 + 8
     hits = cached.stats()["hit_rows"]
     cached.pull("w", np.array([0, 1]))
     assert cached.stats()["hit_rows"] == hits + 2  # the hot rows stayed
@@ -167,3 +169,57 @@ def test_a_cached_key_of_minus_one_is_not_a_free_slot():
     fresh = cache.admit(np.array([7], np.int64), np.empty(0, np.int64))
     assert fresh.tolist() == [slots[1]], "key 7 took the slot of key -1"
     assert cache.slot_of.get(np.array([-1, 5, 7])).tolist() == [slots[0], -1, slots[1]]
+
+
+def test_a_pull_sends_each_row_once_and_returns_every_position(pair):
+    """Duplicate ids of one pull cross the wire once; the rows come back per id."""
+    cached, other = pair(CacheConfig(policy="lfu", rows=4))
+    ids = np.array([9, 3, 9, 9, 3, 17, 3])
+    bytes0 = cached.stats()["bytes_pulled"]
+    np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+    assert cached.stats()["bytes_pulled"] - bytes0 == 3 * D * 4  # 3 rows, a plain pull
+    assert cached.stats()["unique_rows"] == 3
+
+
+def test_lfu_displaces_a_colder_cached_row_and_keeps_a_hotter_one():
+    """Full cache: the new rows, hottest first, are paired with sampled cached rows,
+    coldest first; a new row pulled more often than its partner takes its slot, one
+    pulled less often does not."""
+    from distemb.kvstore.table_cache import TableCache
+
+    cache = TableCache(100, 2, 2)
+    for _ in range(3):
+        cache.count(np.array([1]))
+    cache.count(np.array([2]))
+    slots = cache.admit(np.array([1, 2]), np.empty(0, np.int64))
+    for _ in range(5):
+        cache.count(np.array([7]))  # hotter than row 2 (1 pull), colder than row 1 (3)
+    cache.count(np.array([8]))
+    cache.count(np.array([8]))  # 2 pulls: paired with row 1 (3 pulls), it stays out
+    keep, victims = cache.worth_keeping(np.array([7, 8]), np.empty(0, np.int64))
+    assert keep.tolist() == [True, False]
+    assert victims.tolist() == [slots[1]]  # row 2's slot: the coldest of the sample
+    fresh = cache.admit(np.array([7]), np.empty(0, np.int64), victims)
+    assert fresh.tolist() == [slots[1]]
+    assert cache.slot_of.get(np.array([1, 2, 7])).tolist() == [slots[0], -1, slots[1]]
+
+
+def test_a_cache_that_serves_nothing_empties_itself_and_pulls_plainly(pair):
+    """Every row pulled twice and never again: LFU keeps each at its second pull and no
+    copy is ever used. After a window of DECAY pulls the cache empties itself and keeps
+    nothing for IDLE pulls: its pulls are plain ones (rows only), still exact."""
+    from distemb.kvstore.table_cache import DECAY, IDLE
+
+    cached, other = pair(CacheConfig(policy="lfu", rows=8))
+    for k in range(DECAY):
+        ids = np.array([(k // 2) % N, (k // 2 + 20) % N])
+        np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+        step(other, ids)  # another writer: copies would be stale anyway
+    assert cached.stats()["hit_rows"] == 0
+    bytes0 = cached.stats()["bytes_pulled"]
+    for ids in ([16, 17], [18, 19], [36, 37]):  # new rows, each pulled twice: LFU would
+        ids = np.array(ids)                      # keep them at the second pull
+        np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+        np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+    assert cached.stats()["bytes_pulled"] - bytes0 == 6 * 2 * D * 4  # rows only
+    assert IDLE > 6

@@ -49,14 +49,15 @@ def test_exact_cache_is_bit_identical_to_no_cache_sync(tmp_path):
 
 
 def test_exact_cache_bit_identical_and_staleness_measured_sync_exact(tmp_path):
-    """sync_exact, both trainers on the same rows: replicas are confirmed only for rows one
-    trainer alone updated, and dropped otherwise; staleness 5 reads rows missing the other
-    trainer's updates, so its table differs; its final loss must stay within 10%."""
+    """sync_exact, both trainers on the same rows: a held row both trainers updated in a
+    step stays cached, updated with the owner's summed gradient; staleness 5 reads rows
+    missing the other trainer's updates of rows it did not update itself, so its table
+    differs; its final loss must stay within 10%."""
     steps = 16
     tables, stats = run(tmp_path, "sync_exact", [], steps=steps)
     np.testing.assert_array_equal(tables["-exact"], tables[""])
     assert sum(s["exact"]["hit_rows"] for s in stats) > 0, stats
-    assert sum(s["exact"]["evicted_replicas"] for s in stats) > 0, stats  # shared rows
+    assert sum(s["exact"]["summed_rows"] for s in stats) > 0, stats  # shared rows kept
     exact, stale = loss_after(tables[""], steps), loss_after(tables["-stale"], steps)
     start = loss_after(np.full_like(tables[""], 0.5), steps)
     print(f"final loss: exact {exact:.3f}, staleness 5 {stale:.3f} (initial {start:.3f}); "
@@ -75,6 +76,17 @@ def test_exact_cache_bit_identical_and_staleness_measured_sync_exact(tmp_path):
     assert 0 < dev <= bound * (1 + 1e-5), (dev, bound)
 
 
+def test_exact_cache_stays_bit_identical_when_a_row_is_written_outside_the_step(tmp_path):
+    """sync_exact; every 3rd step, between the lookups and the updates, trainer 1 writes
+    rows trainer 0 holds (``--push-every``). Trainer 0's copies are then void at its
+    update: the owner says so (its version before the step is not the one held), they
+    are dropped, not updated; the table stays bit-identical to no cache."""
+    tables, stats = run(tmp_path, "sync_exact", ["--push-every", "3"], steps=12)
+    np.testing.assert_array_equal(tables["-exact"], tables[""])
+    assert sum(s["exact"]["evicted_replicas"] for s in stats) > 0, stats  # the drop path
+    assert sum(s["exact"]["summed_rows"] for s in stats) > 0, stats
+
+
 def test_exact_cache_of_a_dynamic_table_is_bit_identical_to_no_cache(tmp_path):
     """The same job on DynamicEmbeddings (int64 keys over the whole key space, a hash
     store per server): the cache's slot map and LFU counts are hashed, its copies are
@@ -84,7 +96,7 @@ def test_exact_cache_of_a_dynamic_table_is_bit_identical_to_no_cache(tmp_path):
     assert not np.array_equal(tables[""][0], tables[""][1]), "rows from their keys"
     np.testing.assert_array_equal(tables["-exact"], tables[""])
     assert sum(s["exact"]["hit_rows"] for s in stats) > 0, stats
-    assert sum(s["exact"]["evicted_replicas"] for s in stats) > 0, stats
+    assert sum(s["exact"]["summed_rows"] for s in stats) > 0, stats
     # the bounded-staleness twin keeps its bound on a keyed table too (see above)
     bound = 2 * (job.TWINS["stale"]["staleness"] - 1) * job.LR
     assert max(s["stale_dev"] for s in stats) <= bound * (1 + 1e-5), stats

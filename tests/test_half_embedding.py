@@ -240,7 +240,7 @@ def test_cluster_equals_embedded_bit_for_bit(tmp_path, servers, shm):
         wire = remote.client.pull("half-sgd-bfloat16", np.arange(4))
         assert wire.dtype == np.float32
         if servers == 1:  # a trainer cache passes half tables through, uncached
-            cached = DistContext(CachedKVClient(cluster.client(), CACHES["lru_exact"]),
+            cached = DistContext(CachedKVClient(cluster.client(), CACHES["cache_exact"]),
                                  backend="pytorch", role="trainer", num_threads=1)
             got = _train(cached, "adagrad", "bfloat16", steps=10, policy=policy,
                          oracle=False, name="cached")[0]

@@ -285,6 +285,21 @@ def _loaded(t, ctx, ck):
     return t.rows(ctx.client), t.state(ctx.client, names)
 
 
+@pytest.mark.parametrize("router", ["range", "hash", "dgl"])
+def test_a_file_table_refuses_a_partition_policy_by_name(router, ctx, tmp_path):
+    """A file table is routed by its own ranges of the keys; a partition policy (range,
+    DGL's hash or a DGL partition config's) is refused naming the store and the policy,
+    never silently replaced by the table's own ranges."""
+    from suite_tables import policy_of
+    from distemb.embedding import DistEmbedding
+    t = Table("file-range", N, D, str(tmp_path))
+    policy = policy_of(router, N, str(tmp_path))
+    with pytest.raises(ValueError, match=r"part_policy: .* a file store takes no partition "
+                                         rf"policy, got PartitionPolicy\('{policy.policy_str}'"):
+        DistEmbedding(N, D, name="f", part_policy=policy, storage=t.spec, context=ctx)
+    assert "f" not in ctx.client.names()
+
+
 # --- array tables: what only dense tables of rows 0..N-1 have ----------------------------
 
 def test_init_func_fills_each_shard_with_its_shape(client):

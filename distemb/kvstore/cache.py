@@ -14,19 +14,23 @@ dense or keyed (any int64 key: the slot map and pull counts are then hashed,
   cost 16 bytes each instead of a row.
 - ``push_update`` still sends the update to the owner (one writer per row: the server's
   copy is the reference), and also applies it to the cached copy with the same rule and
-  kernels. The server answers with the rows' versions after the update: a cached copy is
-  kept current only if its version moved by exactly one (nobody else's gradient reached
-  the row meanwhile, in sync_exact nobody else's in the same sum); otherwise it is
-  dropped. The per-row maths does not depend on which other rows are updated, so the
-  copy is bit-identical to the server's.
+  kernels. In sync_exact the update names the held rows with their versions, and the
+  owner answers, after summing the step, the summed gradient of each held row other
+  trainers' gradients reached too (applied to the copy instead of the cache's own) and
+  which copies were written outside the step (dropped): rows every trainer writes every
+  step stay cached. Otherwise the server answers the rows' versions after the update: a
+  copy is kept only if its version moved by exactly one (nobody else's gradient reached
+  the row meanwhile). The per-row maths does not depend on which other rows are
+  updated, so the copy is bit-identical to the server's.
 
 Modes (:class:`~distemb.config.CacheConfig`):
 
 - *exact* (``staleness=0``, the default): every pull validates every cached row, so
   results are identical to no cache in every consistency mode (tested bit for bit with
   2 servers x 2 trainers). Savings come from rows no one else changed since this
-  trainer last saw them: all of them with one trainer, the ones only it touches with
-  several.
+  trainer last saw them (all of them with one trainer; with several in sync_exact, also
+  those the others changed only in steps where this trainer changed them too) and from
+  sending each of a batch's rows once.
 - *bounded staleness* ``s`` (HET's relaxation): a cached row validated less than ``s``
   steps ago is used without asking its server, so it may lack up to ``s - 1`` steps of
   other trainers' updates (this trainer's own updates are in it). Updates are still
@@ -38,9 +42,11 @@ Modes (:class:`~distemb.config.CacheConfig`):
 
 Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
 counts how often each row was pulled lately (halved every :data:`~distemb.kvstore.table_cache.DECAY` pulls) and keeps
-a new row only in a free slot or in place of a row seen less often (TinyLFU admission):
-rows it does not keep come without their optimizer state, so a cold row costs what it
-costs without a cache.
+a new row pulled twice lately in a free slot or in place of a row seen less often
+(TinyLFU admission): rows it does not keep come without their optimizer state, so a
+cold row costs what it costs without a cache. A cache whose copies served under 2% of
+the rows asked over a window empties itself and keeps nothing for a while (its pulls
+and updates are plain ones: ids it cannot help cost little more than no cache).
 Capacity per table: rows, bytes (row plus optimizer state) or a fraction of the table.
 
 Example (servers started by ``distemb-launch``)::
@@ -53,7 +59,8 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import CacheConfig
-from distemb.kvstore.table_cache import TableCache
+from distemb.enums import Consistency
+from distemb.kvstore.table_cache import TableCache, unique_inverse
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.types import KVClient, PlacedAsInner
@@ -97,7 +104,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         self._tables: Dict[str, Optional[TableCache]] = {}
         self._tick = 0
         self._stats = dict(pulls=0, rows=0, unique_rows=0, hit_rows=0, fetched_rows=0,
-                           bytes_pulled=0, bytes_sent=0, evicted_replicas=0)
+                           bytes_pulled=0, bytes_sent=0, evicted_replicas=0, summed_rows=0)
 
     # -- pass-through storage -----------------------------------------------------------
 
@@ -246,7 +253,11 @@ class CachedKVClient(PlacedAsInner, KVClient):
         """Counters since construction: rows asked, rows served without data, bytes.
 
         ``bytes_pulled`` counts every array of the pull replies (rows, states, versions,
-        positions); ``bytes_sent`` the ids and versions of the pull requests.
+        positions); ``bytes_sent`` the ids and versions of the pull requests;
+        ``evicted_replicas`` the cached copies found void after an update (another
+        writer's gradient reached them outside what the owner answered for);
+        ``summed_rows`` the held rows kept current with the owner's summed gradient
+        (sync_exact: other trainers wrote them in the same step).
         """
         return dict(self._stats)
 
@@ -299,7 +310,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         else:
             ids = np.ascontiguousarray(ids, dtype=np.int64)
             self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
-        uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        uniq, inverse = unique_inverse(ids)
         self._tick += 1
         cache.count(uniq)
         slots = cache.slot_of.get(uniq)
@@ -311,9 +322,21 @@ class CachedKVClient(PlacedAsInner, KVClient):
         have = np.full(len(uniq), -1, np.int64)
         have[cached] = cache.version[slots[cached]]
         new = np.flatnonzero(~cached)
-        keep_new = np.ones(len(new), bool) if self.config.policy == "lru" else \
-            cache.worth_keeping(uniq[new], slots[cached])
+        victims = None
+        if cache.idle:  # it could not help these ids lately (TableCache.served)
+            keep_new = np.zeros(len(new), bool)
+        elif self.config.policy == "lru":
+            keep_new = np.ones(len(new), bool)
+        else:
+            keep_new, victims = cache.worth_keeping(uniq[new], slots[cached])
         have[new[keep_new]] = -2
+        if not cached.any() and not keep_new.any():
+            # Nothing held or to keep (a cache that cannot help these ids): a plain pull
+            # of each row once, no versions either way.
+            rows = self.inner.pull(name, uniq)
+            self._count(ids, uniq, np.arange(len(uniq)), [], [rows], sent=8 * len(uniq))
+            cache.served(0, len(uniq))
+            return rows[inverse]
         asked = np.flatnonzero(ask)
         if len(asked):
             pos, vers, rows, states = self.inner.pull_versioned(name, uniq[asked], have[asked],
@@ -333,7 +356,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
                     [st[sub] for st in states])
         admit = ~refresh & with_state
         if admit.any():
-            fresh = cache.admit(uniq[got[admit]], slots[cached])
+            fresh = cache.admit(uniq[got[admit]], slots[cached], victims)
             k = len(fresh)
             sub = admit[with_state]
             self._store(cache, fresh, vers[admit][:k], rows[admit][:k],
@@ -343,20 +366,20 @@ class CachedKVClient(PlacedAsInner, KVClient):
         out[got[passing]] = rows[passing]
         in_cache = slots >= 0
         out[in_cache] = cache.values[slots[in_cache]]
-        used = slots[in_cache]
-        cache.stamp[used] = self._tick if self.config.policy == "lru" else \
-            cache.seen.get(uniq[in_cache])
+        if self.config.policy == "lru":
+            cache.stamp[slots[in_cache]] = self._tick
+        cache.served(len(uniq) - len(got), len(uniq))
         return out[inverse]
 
-    def _count(self, ids, uniq, got, asked, arrays):
+    def _count(self, ids, uniq, got, asked, arrays, sent=None):
         st = self._stats
         st["pulls"] += 1
         st["rows"] += len(ids)
         st["unique_rows"] += len(uniq)
         st["fetched_rows"] += len(got)
         st["hit_rows"] += len(uniq) - len(got)
-        st["bytes_sent"] += 16 * len(asked)
-        st["bytes_pulled"] += sum(a.nbytes for a in arrays) if len(asked) else 0
+        st["bytes_sent"] += 16 * len(asked) if sent is None else sent
+        st["bytes_pulled"] += sum(a.nbytes for a in arrays) if len(got) else 0
 
     def _store(self, cache, slots, versions, rows, states):
         if not len(slots):
@@ -368,7 +391,15 @@ class CachedKVClient(PlacedAsInner, KVClient):
         cache.checked[slots] = cache.step
 
     def push_update(self, name, ids, grads, rule, hyper):
-        """Send the update to the owner; apply it to cached copies the owner confirms."""
+        """Send the update to the owner; keep the cached copies equal to the owner's rows.
+
+        In sync_exact the update names the rows held (with their versions) and the owner
+        answers, for those, which copies are void and the summed gradients of those other
+        trainers' gradients reached too: every held copy gets the step's own update (its
+        own gradient, or the owner's sum), so rows written by several trainers at once
+        stay cached. Otherwise the owner answers the rows' versions and a copy someone
+        else's gradient reached is dropped (or, with staleness, kept until revalidated).
+        """
         cache = self._tables.get(name)
         impl = rule_of(rule)
         if cache is None or cache.rule != impl.name:
@@ -379,28 +410,58 @@ class CachedKVClient(PlacedAsInner, KVClient):
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         slots = cache.slot_of.get(ids)
         mine = np.flatnonzero(slots >= 0)
+        if not len(mine):  # no copy to keep current: a plain update
+            self.inner.push_update(name, ids, grads, rule, hyper)
+            cache.step += 1
+            return
         at = slots[mine]
+        checked = impl.check_hyper(hyper)
+        if self.consistency == Consistency.SYNC_EXACT:
+            have = np.full(len(ids), -1, np.int64)
+            have[mine] = cache.version[at]
+            held = self.inner.push_update_versions(name, ids, grads, rule, hyper, have=have)
+            cache.step += 1
+            return self._apply_held(cache, impl, checked, slots, mine, grads, held)
         if len(at):
             # The same rule and kernels as the owner: bit-identical per row.
             impl.apply(kernels, cache.values, cache.states, at,
-                       np.ascontiguousarray(grads[mine]), impl.check_hyper(hyper),
-                       self.num_threads)
+                       np.ascontiguousarray(grads[mine]), checked, self.num_threads)
         versions = self.inner.push_update_versions(name, ids, grads, rule, hyper)
         cache.step += 1
-        if not len(at):
-            return
         if versions is None:  # async: no answer; the next validation tells
             cache.version[at] = np.where(cache.version[at] >= 0, cache.version[at] + 1,
                                          UNKNOWN)
             return
         ok = versions[mine] == cache.version[at] + 1
         cache.version[at[ok]] = versions[mine][ok]
-        others = at[~ok]  # someone else's gradient reached these rows
-        self._stats["evicted_replicas"] += len(others)
+        self._void(cache, at[~ok])  # someone else's gradient reached these rows
+
+    def _apply_held(self, cache, impl, hyper, slots, mine, grads, held):
+        """Apply one exact step to the held copies ``slots[mine]`` (see push_update)."""
+        step = np.ascontiguousarray(grads[mine])
+        where = np.full(len(slots), -1, np.int64)  # update position -> row of ``step``
+        where[mine] = np.arange(len(mine))
+        step[where[held.summed]] = held.sums
+        self._stats["summed_rows"] += len(held.summed)
+        keep = np.ones(len(mine), bool)
+        if len(held.drop) and not self.config.staleness:
+            keep[where[held.drop]] = False
+        at = slots[mine]
+        # The same rule and kernels as the owner, on the same gradient: bit-identical.
+        impl.apply(kernels, cache.values, cache.states, at[keep] if len(held.drop) else at,
+                   step[keep] if len(held.drop) else step, hyper, self.num_threads)
+        cache.version[at] += 1
+        cache.version[slots[held.summed]] = held.versions
+        self._void(cache, slots[held.drop])
+
+    def _void(self, cache, slots):
+        """Copies in ``slots`` lack another writer's update: dropped, or (bounded
+        staleness) used until their next validation refetches them."""
+        self._stats["evicted_replicas"] += len(slots)
         if self.config.staleness:
-            cache.version[others] = UNKNOWN  # used until its next validation refetches it
+            cache.version[slots] = UNKNOWN
         else:
-            cache.evict(others)
+            cache.evict(slots)
 
     def invalidate(self, name=None):
         """Forget every cached row (of table ``name``, or of all tables).

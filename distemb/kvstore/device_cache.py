@@ -365,9 +365,10 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         if len(new):
             fetched = self.inner.pull(name, uniq[new])  # only the misses cross PCIe
             st["h2d_bytes"] += fetched.nbytes
-            keep = np.ones(len(new), bool) if self.config.policy == CachePolicy.LRU else \
+            keep, victims = (np.ones(len(new), bool), None) if \
+                self.config.policy == CachePolicy.LRU else \
                 m.worth_keeping(uniq[new], slots[cached])
-            self._admit(name, cache, uniq, new[keep], slots, cached, fetched[keep])
+            self._admit(name, cache, uniq, new[keep], slots, cached, fetched[keep], victims)
         used = slots[slots >= 0]
         m.stamp[used] = self._tick if self.config.policy == CachePolicy.LRU else \
             m.seen.get(uniq[slots >= 0])
@@ -385,13 +386,15 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
             st["h2d_bytes"] += rows.nbytes + outside.nbytes
         return out
 
-    def _admit(self, name, cache, uniq, new, slots, cached, rows):
-        """Put rows ``uniq[new]`` (fetched as ``rows``) in slots, writing victims back."""
+    def _admit(self, name, cache, uniq, new, slots, cached, rows, victims=None):
+        """Put rows ``uniq[new]`` (fetched as ``rows``) in slots, writing victims back
+        (``victims``: LFU's choice, :meth:`TableCache.worth_keeping
+        <distemb.kvstore.table_cache.TableCache.worth_keeping>`)."""
         if not len(new):
             return
         before = cache.map.ids.copy()  # admit() evicts: the victims' ids are needed
         held = cache.map.held.copy()
-        fresh = cache.map.admit(uniq[new], slots[cached])
+        fresh = cache.map.admit(uniq[new], slots[cached], victims)
         k = len(fresh)
         if not k:
             return

@@ -1,4 +1,5 @@
-"""ExactSteps: the buffer of a server's sync_exact updates, one step of one table at a time.
+"""ExactSteps: the buffer of a server's sync_exact updates, one step of one table at a time;
+:func:`held_reply`: what a trainer cache's held rows need after such a step.
 
 In ``sync_exact`` mode every trainer sends each step's update of a table to every server
 (empty when it has no rows there). A server holds the contributions until every trainer
@@ -15,6 +16,8 @@ Example:
 """
 import threading
 import time
+
+import numpy as np
 
 from distemb.errors import KVStoreError
 
@@ -92,3 +95,35 @@ class ExactSteps:
         if step.error is not None:
             raise step.error
         return step.replies.get(id(m))
+
+
+def held_reply(m, rows, applied):
+    """What keeps a trainer cache's held rows equal to the owner's after a summed step:
+    the reply's arrays to update ``m`` (:class:`~distemb.transport.messages.Update` with
+    ``have``), whose ``rows`` are ``[(part, ids, slice)]``, the step applied as
+    ``applied[part] = (unique ids, summed gradients, contributions, versions before)``.
+
+    For the rows ``m.have`` says the trainer holds: positions (in ``m.ids``) of those
+    whose version before the step was not the one held (written outside the step, or
+    held with an unknown version: the copy is void), then the positions, new versions
+    and summed gradients of those the step summed with other trainers' gradients.
+    The rest of the held rows had this trainer's gradient alone: the trainer applies
+    it to its copy itself, with the same rule, and adds 1 to the version.
+    """
+    drop, pos, vers, sums = [], [], [], []
+    for part, ids, sl in rows:
+        uniq, summed, counts, before = applied[part]
+        have = m.have[sl]
+        held = np.flatnonzero(have != -1)
+        at = np.searchsorted(uniq, ids[held])
+        ok = np.zeros(len(held), bool) if before is None else before[at] == have[held]
+        drop.append(held[~ok] + sl.start)
+        co = ok & (counts[at] > 1)
+        pos.append(held[co] + sl.start)
+        vers.append(before[at[co]] + counts[at[co]] if before is not None else
+                    np.empty(0, np.int64))
+        sums.append(summed[at[co]])
+    empty = np.empty(0, np.int64)
+    return [np.concatenate([empty] + drop), np.concatenate([empty] + pos),
+            np.concatenate([empty] + vers),
+            np.concatenate([np.empty((0, m.grads.shape[1]), np.float32)] + sums)]

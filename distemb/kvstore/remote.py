@@ -21,7 +21,7 @@ Example (servers started by ``distemb-launch``)::
     client.init_data("emb", (1000, 16), "float32", range_policy(1000, client.num_servers))
     rows = client.pull("emb", np.arange(10))
 """
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import List, NamedTuple
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from distemb.kvstore import snapshot
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding)
 from distemb.kvstore.local import init_shard
-from distemb.kvstore.remote_versions import VersionedPulls
+from distemb.kvstore.remote_versions import HeldReplies, VersionedPulls
 from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables
 from distemb.rules import rule_of, state_name
 from distemb.transport.connections import open_connections
@@ -380,32 +380,43 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
             return self._keyed_push_update(name, ids, grads, rule, hyper)
         self.push_update_versions(name, ids, grads, rule, hyper, versions=False)
 
-    def push_update_versions(self, name, ids, grads, rule, hyper, versions=True):
-        """:meth:`push_update`, returning the rows' versions after it (for a cache).
+    def push_update_versions(self, name, ids, grads, rule, hyper, versions=True, have=None):
+        """:meth:`push_update`, returning what a trainer cache needs after it.
+
+        Args:
+            versions: answer the rows' versions after the update.
+            have: (sync_exact only) the version of each row the cache holds, -1 for rows
+                it does not (see :class:`~distemb.transport.messages.Update`).
 
         Returns:
+            with ``have``, a :class:`~distemb.kvstore.remote_versions.HeldRows`; else
             int64 versions, one per id (see :meth:`KVServer.versions
             <distemb.kvstore.server.KVServer.versions>`), or None when ``versions`` is
             False or the consistency is async (no reply).
+
+        Raises:
+            KVStoreError: ``have`` without sync_exact consistency.
         """
         if self.is_keyed(name):
-            return self._keyed_push_update(name, ids, grads, rule, hyper, versions)
+            return self._keyed_push_update(name, ids, grads, rule, hyper, versions, have)
         meta = self._meta_of(name)
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         routes, _ = self._route(name, ids)
+        exact = self._check_have(have)
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
-        exact = self.consistency == Consistency.SYNC_EXACT
         wait = self.consistency != Consistency.ASYNC
-        want = versions and wait
+        want = versions and wait and have is None
 
-        def update(parts, counts, local_ids, rows):
+        def update(parts, counts, local_ids, rows, held=None):
             return Update(name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=exact,
-                          versions=want, parts=parts, counts=counts, ids=local_ids, grads=rows)
+                          versions=want, parts=parts, counts=counts, ids=local_ids, grads=rows,
+                          have=held)
 
-        requests = {sid: update(r.parts, r.counts, r.local_ids, _take(grads, r.positions))
+        requests = {sid: update(r.parts, r.counts, r.local_ids, _take(grads, r.positions),
+                                None if have is None else have[r.positions])
                     for sid, r in routes.items()}
         if exact:
             # Every owning server hears from every trainer each step, even with no rows,
@@ -413,6 +424,11 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
             for sid in self._parts_by_server(meta.policy):
                 requests.setdefault(sid, update([], [], np.empty(0, np.int64),
                                                 np.empty((0, grads.shape[1]), np.float32)))
+        if have is not None:
+            held = HeldReplies({sid: r.positions for sid, r in routes.items()},
+                               grads.shape[1])
+            self._call(requests, on_reply=held.take)
+            return held.result()
         out = np.empty(len(ids), np.int64) if want else None
 
         def take(sid, frame):

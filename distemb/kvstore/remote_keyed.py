@@ -41,6 +41,7 @@ from distemb.errors import KVStoreError, StoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore import snapshot
 from distemb.kvstore.keyed import KeyedTables
+from distemb.kvstore.remote_versions import HeldReplies
 from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import (Create, Drop, Export, Get, Info, Load, OptInit, Pull,
@@ -257,23 +258,26 @@ class RemoteKeyedTables(KeyedTables):
         self._seq[name] = 0
         return self._state_names(name, rule)
 
-    def _keyed_push_update(self, name, ids, grads, rule, hyper, versions=False):
+    def _keyed_push_update(self, name, ids, grads, rule, hyper, versions=False, have=None):
         """The update of keyed table ``name``; with ``versions`` (and a reply awaited),
-        the rows' versions after it, one per id (for a trainer cache), else None."""
+        the rows' versions after it, one per id (for a trainer cache), else None; with
+        ``have`` (sync_exact), the held rows' answer (:class:`HeldRows
+        <distemb.kvstore.remote_versions.HeldRows>`)."""
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
         dim = self.dim(name)
+        exact = self._check_have(have)
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
-        exact = self.consistency == Consistency.SYNC_EXACT
         grads = np.asarray(grads, np.float32)
         ids = table_keys(ids)
         split = self._split(name, ids)
         wait = self.consistency != Consistency.ASYNC
-        want = versions and wait
+        want = versions and wait and have is None
         requests = {sid: Update(name=name, rule=impl.name.value, hyper=fields, seq=seq,
                                 exact=exact, versions=want, parts=[sid], counts=[len(k)],
-                                ids=k, grads=np.ascontiguousarray(grads[pos]))
+                                ids=k, grads=np.ascontiguousarray(grads[pos]),
+                                have=None if have is None else have[pos])
                     for sid, (pos, k) in split.items()}
         if exact:
             # every server hears from every trainer each step, so it knows when the
@@ -283,6 +287,10 @@ class RemoteKeyedTables(KeyedTables):
                     name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=True,
                     parts=[sid], counts=[0], ids=np.empty(0, np.int64),
                     grads=np.empty((0, dim), np.float32)))
+        if have is not None:
+            held = HeldReplies({sid: pos for sid, (pos, _) in split.items()}, dim)
+            self._call(requests, on_reply=held.take)
+            return held.result()
         out = np.empty(len(ids), np.int64) if want else None
 
         def take(sid, frame):

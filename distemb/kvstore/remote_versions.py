@@ -7,10 +7,72 @@ row (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`), the 
 the versions it holds and gets back the rows, and optionally their optimizer state, that
 differ.
 """
+from typing import NamedTuple
+
 import numpy as np
 
+from distemb.enums import Consistency
 from distemb.errors import KVStoreError
 from distemb.transport.messages import VersionedPull
+
+
+class HeldRows(NamedTuple):
+    """The answer of an exact update that named the rows a cache holds (``have``).
+
+    Positions are in the update's ids. ``drop``: held rows whose copy is void (written
+    outside the step); ``summed``: held rows other trainers' gradients reached too, with
+    their ``versions`` after the step and the step's ``sums`` (the summed gradients the
+    owner applied). Every other held row had the cache's own gradient alone (its version
+    moved by 1).
+
+    Example:
+        >>> e = np.empty(0, np.int64)
+        >>> HeldRows(e, np.array([3]), np.array([7]), np.ones((1, 2), np.float32)).summed
+        array([3])
+    """
+
+    drop: np.ndarray
+    summed: np.ndarray
+    versions: np.ndarray
+    sums: np.ndarray
+
+
+class HeldReplies:
+    """Collects :class:`HeldRows` from the servers' replies to one exact update.
+
+    Args:
+        positions: {server id: positions, in the update's ids, of the ids sent to it}.
+        dim: the row width.
+
+    Example:
+        >>> from distemb.transport.base import Frame
+        >>> held = HeldReplies({0: np.array([4, 9])}, dim=2)
+        >>> held.take(0, Frame(100, "", {}, [np.array([0]), np.array([1]), np.array([8]),
+        ...                                  np.ones((1, 2), np.float32)], 0))
+        >>> r = held.result(); r.drop.tolist(), r.summed.tolist(), r.versions.tolist()
+        ([4], [9], [8])
+    """
+
+    def __init__(self, positions, dim):
+        self.positions, self.dim, self.parts = positions, dim, []
+
+    def take(self, sid, frame):
+        """``on_reply`` of :meth:`RemoteKVClient._call`: check and keep one reply."""
+        if sid not in self.positions:
+            return
+        a, pos = frame.arrays, self.positions[sid]
+        if len(a) != 4 or any(x.dtype != np.int64 or x.ndim != 1 for x in a[:3]) or \
+                a[1].shape != a[2].shape or a[3].shape != (len(a[1]), self.dim) or \
+                a[3].dtype != np.float32 or any(len(x) and (x.min() < 0 or x.max() >= len(
+                    pos)) for x in a[:2]):
+            raise KVStoreError(f"server {sid}: update reply without the held rows' answer")
+        self.parts.append((pos[a[0]], pos[a[1]], a[2], a[3]))
+
+    def result(self):
+        if not self.parts:
+            e = np.empty(0, np.int64)
+            return HeldRows(e, e, e, np.empty((0, self.dim), np.float32))
+        return HeldRows(*(np.concatenate([p[i] for p in self.parts]) for i in range(4)))
 
 
 class VersionedPulls:
@@ -67,3 +129,12 @@ class VersionedPulls:
         return (np.concatenate([g[0] for g in parts]), np.concatenate([g[1] for g in parts]),
                 np.concatenate([g[2] for g in parts]),
                 [np.concatenate([g[3][i] for g in parts]) for i in range(len(states))])
+
+    def _check_have(self, have):
+        """Whether updates are exact; KVStoreError if ``have`` is given and they are not."""
+        exact = self.consistency == Consistency.SYNC_EXACT
+        if have is not None and not exact:
+            raise KVStoreError(f"have: the held rows' versions go with sync_exact updates "
+                               f"only (a step summed at the owner); consistency is "
+                               f"{self.consistency.value!r}")
+        return exact

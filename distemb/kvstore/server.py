@@ -23,6 +23,7 @@ Example:
     [[1.0, 1.0], [0.0, 0.0]]
 """
 import threading
+from typing import Optional
 
 import numpy as np
 
@@ -234,11 +235,14 @@ class KVServer:
         table.push(local_ids, values, column)
 
     def update(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper,
-               contributions=1) -> None:
+               contributions=1) -> Optional[np.ndarray]:
         """Apply optimizer rule ``rule`` in place to unique rows ``local_ids``.
 
         ``contributions`` (an int, or one per id) is how many trainers' gradients each
         row's sum holds; it is added to the rows' versions.
+
+        Returns:
+            the rows' versions before the update (None while the shard has none).
 
         Raises:
             KVStoreError: no such shard, state or rule, or ``hyper`` is not the rule's type.
@@ -253,4 +257,4 @@ class KVServer:
         for s in impl.states:
             if s.name not in have:
                 self.shard(state_name(name, s.name), part)  # the error naming it
-        table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)
+        return table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)

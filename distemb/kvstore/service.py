@@ -36,7 +36,7 @@ from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, TransportError
 from distemb.kernels.half import dtype_name
 from distemb.kvstore.catalog import WEIGHT_DTYPES, Catalog
-from distemb.kvstore.exact import ExactSteps
+from distemb.kvstore.exact import ExactSteps, held_reply
 from distemb.kvstore.limits import check_request
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import rule_of, state_name
@@ -286,20 +286,24 @@ class KVService:
 
     def _apply_summed(self, contribs):
         """Sum every trainer's rows of each part (duplicates added) and update once."""
+        rows = {id(m): self._rows(m) for m in contribs}
         per_part = {}
         for m in contribs:
-            for part, ids, sl in self._rows(m):
+            for part, ids, sl in rows[id(m)]:
                 per_part.setdefault(part, []).append((ids, m.grads[sl]))
         first = contribs[0]
+        applied = {}
         for part, pieces in per_part.items():
             ids = np.concatenate([p[0] for p in pieces])
             grads = np.concatenate([p[1] for p in pieces])
             uniq, summed = kernels.dedup_sum(ids, grads, num_threads=self.server.num_threads)
             # Each trainer's ids are unique: a row's count is its number of contributors.
             counts = np.bincount(np.searchsorted(uniq, ids), minlength=len(uniq))
-            self.server.update(first.name, part, uniq, summed, first.rule, first.hyper,
-                               contributions=counts)
-        return {id(c): self._versions_reply(c) for c in contribs}
+            before = self.server.update(first.name, part, uniq, summed, first.rule,
+                                        first.hyper, contributions=counts)
+            applied[part] = (uniq, summed, counts, before)
+        return {id(c): self._versions_reply(c) if c.have is None else
+                Reply(arrays=held_reply(c, rows[id(c)], applied)) for c in contribs}
 
     def _barrier(self, m, session):
         self._rank(m, session)

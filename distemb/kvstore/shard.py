@@ -29,7 +29,6 @@ Example:
     >>> (t.versions(np.array([2**40]), first=None) - v).tolist(), t.pull(np.array([2**40])).tolist()
     ([1], [[1.0, 1.0]])
 """
-import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -39,6 +38,7 @@ from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_fits
+from distemb.kvstore.rwlock import RWLock
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 
@@ -47,43 +47,6 @@ VERSION = "~version"
 #: Distance between the first versions of two version arrays of one holder, so a table
 #: dropped and made again never repeats a version a trainer's cache holds.
 VERSION_EPOCH = 1 << 40
-
-
-class RWLock:
-    """Many readers or one writer; waiting writers go first (updates never starve)."""
-
-    def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._readers, self._writer, self._waiting = 0, False, 0
-
-    @contextmanager
-    def read(self):
-        with self._cond:
-            while self._writer or self._waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def write(self):
-        with self._cond:
-            self._waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 class ShardTable:
@@ -266,10 +229,15 @@ class ShardTable:
 
     def update(self, rule, keys, grads, hyper, num_threads=1, contributions=1):
         """Apply update ``rule`` to unique ``keys`` (inserted first when absent) and add
-        ``contributions`` (an int, or one per key) to their versions."""
+        ``contributions`` (an int, or one per key) to their versions.
+
+        Returns:
+            the keys' versions before the update, read under the same lock (None while
+            rows have no versions).
+        """
         with self.write():
             self.store.update(rule, keys, grads, hyper, num_threads)
-            self.bump(keys, contributions)
+            return self.bump(keys, contributions)
 
     # -- keys -------------------------------------------------------------------------
 
@@ -376,13 +344,19 @@ class ShardTable:
 
     def bump(self, keys, by=1):
         """Add ``by`` (an int, or one per key) to the versions of ``keys``; the caller
-        holds the write lock. Duplicate keys change once: enough to void a cached copy."""
-        if self._tracked and len(keys):
-            slots = self._slots(keys)  # first: inserting may grow the version array
-            arr = self._version_array()
-            bumped = arr[slots] + by
-            arr[slots] = bumped
-            self._high = max(self._high, int(bumped.max()))
+        holds the write lock. Duplicate keys change once: enough to void a cached copy.
+        Returns the versions before (None while rows have no versions)."""
+        if not self._tracked:
+            return None
+        if not len(keys):
+            return np.empty(0, np.int64)
+        slots = self._slots(keys)  # first: inserting may grow the version array
+        arr = self._version_array()
+        before = arr[slots]
+        bumped = before + by
+        arr[slots] = bumped
+        self._high = max(self._high, int(bumped.max()))
+        return before
 
     def bump_all(self):
         """Change every row's version (its optimizer state was reset)."""

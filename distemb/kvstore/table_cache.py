@@ -29,14 +29,32 @@ from distemb.kernels.hashtable import HashIndex
 from distemb.partition import splitmix64
 
 
-class ArraySlots:
-    """Slot of each cached id of a table of ``num_rows`` rows (-1: not cached)."""
+def unique_inverse(keys):
+    """``(unique keys in order of first appearance, inverse)``: ``uniq[inverse] == keys``.
 
-    def __init__(self, num_rows: int):
-        self._slot = np.full(num_rows, -1, np.int64)
+    A pull's ids made unique by a hash index (one pass, about 4x faster than
+    ``np.unique(return_inverse=True)``'s sort on a 13,000-id batch).
+
+    Example:
+        >>> u, inv = unique_inverse(np.array([7, 3, 7, 9]))
+        >>> u.tolist(), inv.tolist()
+        ([7, 3, 9], [0, 1, 0, 2])
+    """
+    at, _ = HashIndex(capacity=len(keys)).find_or_insert(keys)
+    uniq = np.empty(int(at.max()) + 1 if len(at) else 0, np.int64)
+    uniq[at] = keys
+    return uniq, at
+
+
+class ArraySlots:
+    """Slot of each cached id of a table of ``num_rows`` rows (-1: not cached); int32
+    below 2**31 slots, so the map of a 10M-row table is 40 MB of random reads, not 80."""
+
+    def __init__(self, num_rows: int, capacity: int = 0):
+        self._slot = np.full(num_rows, -1, np.int32 if capacity < 2 ** 31 else np.int64)
 
     def get(self, ids):
-        return self._slot[ids]
+        return self._slot[ids].astype(np.int64)
 
     def set(self, ids, slots):
         self._slot[ids] = slots
@@ -73,14 +91,15 @@ class HashSlots:
 
 
 class ArrayCounts:
-    """Recent pulls of every id of a table of ``num_rows`` rows."""
+    """Recent pulls of every id of a table of ``num_rows`` rows, one byte each (the
+    counts halve every :data:`DECAY` pulls, so they stay below ``2 * DECAY``)."""
 
     def __init__(self, num_rows: int):
-        self._seen = np.zeros(num_rows, np.int32)
+        self._seen = np.zeros(num_rows, np.uint8)
 
     def add(self, ids):
         """One more pull of each of ``ids`` (unique)."""
-        self._seen[ids] += 1
+        self._seen[ids] += np.uint8(1)
 
     def get(self, ids):
         return self._seen[ids]
@@ -129,8 +148,19 @@ class SketchCounts:
         self._table >>= 1
 
 
-#: Pulls after which the LFU counts of a table halve, so old popularity fades.
+#: Pulls after which the LFU counts of a table halve, so old popularity fades (below
+#: 128: :class:`ArrayCounts` holds up to ``2 * DECAY - 1`` in a byte).
 DECAY = 32
+#: LFU admits a row only once it was pulled this many times lately.
+ADMIT_MIN = 2
+#: A trainer cache whose copies served fewer than this share of the rows asked over the
+#: last :data:`DECAY` pulls, while it held rows, cannot help these ids: it empties itself
+#: and keeps nothing for :data:`IDLE` pulls (its pulls and updates are plain ones), then
+#: tries again.
+MIN_HITS = 0.02
+IDLE = 4 * DECAY
+#: Cached rows LFU samples per competing new row to find the ones it may displace.
+SAMPLE = 4
 
 
 class TableCache:
@@ -150,7 +180,7 @@ class TableCache:
         if num_rows is None:
             self.slot_of, self.seen = HashSlots(), SketchCounts(capacity)
         else:
-            self.slot_of, self.seen = ArraySlots(num_rows), ArrayCounts(num_rows)
+            self.slot_of, self.seen = ArraySlots(num_rows, capacity), ArrayCounts(num_rows)
         self.ids = np.zeros(capacity, np.int64)             # slot -> global id
         # slot -> holds a row; not ``ids == -1``: -1 is a key of a keyed table like any
         self.held = np.zeros(capacity, bool)
@@ -162,6 +192,10 @@ class TableCache:
         self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
         self.pulls = 0
         self.step = 0
+        self.used = 0                                       # slots held
+        self.hits = self.asked = 0   # rows served by copies / asked, this DECAY window
+        self.idle_until = 0          # no row is kept before this many pulls
+        self._rng = np.random.default_rng(0)                # LFU's victim samples
 
     def count(self, ids):
         """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
@@ -170,45 +204,80 @@ class TableCache:
             self.seen.halve()
         self.seen.add(ids)
 
+    def served(self, hits, asked):
+        """Record a pull of ``asked`` unique rows, ``hits`` of them served by copies; at
+        the end of each :data:`DECAY` window, a cache that held rows and served fewer than
+        :data:`MIN_HITS` of the rows asked empties itself and goes idle for :data:`IDLE`
+        pulls (the trainer cache only: it holds no row that is not also on its owner)."""
+        self.hits += hits
+        self.asked += asked
+        if self.pulls % DECAY:
+            return
+        if self.used and self.hits < MIN_HITS * self.asked:
+            self.evict(np.flatnonzero(self.held))
+            self.idle_until = self.pulls + IDLE
+        self.hits = self.asked = 0
+
+    @property
+    def idle(self):
+        """Whether the cache keeps no row now (see :meth:`served`)."""
+        return self.pulls < self.idle_until
+
     def worth_keeping(self, ids, keep):
         """Which of the new rows ``ids`` (unique, not cached) to keep: LFU admission.
 
-        Free slots take the most often seen first; then a new row displaces a cached one
-        (not in slots ``keep``) only if it was seen more often (TinyLFU), so rows seen once
-        are not fetched with their optimizer state just to be evicted.
+        Only rows pulled at least :data:`ADMIT_MIN` times lately compete (a row seen once
+        is not fetched with its optimizer state). Free slots take the most often seen
+        first; then a new row displaces a cached one (not in slots ``keep``) only if it
+        was seen more often (TinyLFU): each is paired with the least often seen of a
+        random sample of :data:`SAMPLE` cached rows per competitor, so the cost follows
+        the competitors, not the capacity.
+
+        Returns:
+            (bool mask over ``ids``, the slots of the cached rows to evict for them, one
+            per kept row beyond the free slots).
         """
         seen = self.seen.get(ids)
-        order = np.argsort(-seen, kind="stable")
-        free = int((~self.held).sum())
         out = np.zeros(len(ids), bool)
+        order = np.flatnonzero(seen >= ADMIT_MIN)
+        order = order[np.argsort(-seen[order], kind="stable")]
+        free = self.capacity - self.used
         out[order[:free]] = True
         rest = order[free:]
-        if len(rest):
-            held = self.held.copy()
-            held[keep] = False
-            victims = np.sort(self.seen.get(self.ids[held]))[:len(rest)]
-            n = len(victims)
-            out[rest[:n][seen[rest[:n]] > victims]] = True
-        return out
+        if not len(rest) or not self.used:
+            return out, np.empty(0, np.int64)
+        sample = np.unique(self._rng.integers(0, self.capacity, SAMPLE * len(rest)))
+        busy = ~self.held
+        busy[keep] = True
+        sample = sample[~busy[sample]]
+        sample = sample[np.argsort(self.seen.get(self.ids[sample]), kind="stable")]
+        n = min(len(rest), len(sample))
+        win = seen[rest[:n]] > self.seen.get(self.ids[sample[:n]])
+        out[rest[:n][win]] = True
+        return out, sample[:n][win]
 
     def evict(self, slots):
-        """Forget the rows in ``slots``."""
+        """Forget the rows in ``slots`` (unique; negative ones and empty slots skipped)."""
         slots = slots[slots >= 0]
         slots = slots[self.held[slots]]
         self.slot_of.clear(self.ids[slots])
         self.held[slots] = False
+        self.used -= len(slots)
         self.version[slots] = -1
 
     def forget(self, ids):
         """Forget the rows ``ids`` (global) where cached."""
         self.evict(self.slot_of.get(ids))
 
-    def admit(self, ids, keep):
-        """Slots for new rows ``ids`` (not cached), evicting the lowest stamps.
+    def admit(self, ids, keep, victims=None):
+        """Slots for new rows ``ids`` (not cached): free slots, then ``victims`` (LFU's,
+        from :meth:`worth_keeping`) or else the lowest stamps.
 
         Rows in slots ``keep`` (used by the same request) are not evicted. Returns the
         slots of the first ``len(slots)`` ids; the others do not fit.
         """
+        if victims is not None:
+            self.evict(victims)
         free = np.flatnonzero(~self.held)
         room = self.capacity - len(keep)
         need = min(len(ids), room) - len(free)
@@ -222,5 +291,6 @@ class TableCache:
         slots = free[:min(len(ids), len(free))]
         self.ids[slots] = ids[:len(slots)]
         self.held[slots] = True
+        self.used += len(slots)
         self.slot_of.set(ids[:len(slots)], slots)
         return slots

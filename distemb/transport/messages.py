@@ -86,27 +86,33 @@ ID_DTYPE = np.dtype("int64")
 
 
 class Message:
-    """Base: ``FIELDS`` (name -> checker), ``ARRAYS`` (names; None = any count)."""
+    """Base: ``FIELDS`` (name -> checker), ``ARRAYS`` (names; None = any count); the last
+    ``OPTIONAL`` arrays may be absent (None, and left out of the frame)."""
 
     SERVICE = None
     FIELDS = {}
     DEFAULTS = {}  # optional fields and their values when absent
     ARRAYS = ()
+    OPTIONAL = 0
 
     def __init__(self, name="", flags=0, **kw):
         self.name, self.flags = name, flags
         for f in self.FIELDS:
             setattr(self, f, kw.pop(f) if f in kw or f not in self.DEFAULTS
                     else self.DEFAULTS[f])
-        for a in self.ARRAYS:
-            setattr(self, a, kw.pop(a))
+        for i, a in enumerate(self.ARRAYS):
+            optional = i >= len(self.ARRAYS) - self.OPTIONAL
+            setattr(self, a, kw.pop(a, None) if optional else kw.pop(a))
         if kw:
             raise TypeError(f"{type(self).__name__}: unknown arguments {sorted(kw)}")
 
     def encode(self):
         """The frame of this message."""
+        arrays = [getattr(self, a) for a in self.ARRAYS]
+        while arrays and arrays[-1] is None and len(arrays) > len(self.ARRAYS) - self.OPTIONAL:
+            arrays.pop()
         return Frame(int(self.SERVICE), self.name, {f: getattr(self, f) for f in self.FIELDS},
-                     [getattr(self, a) for a in self.ARRAYS], self.flags)
+                     arrays, self.flags)
 
     @classmethod
     def decode(cls, frame):
@@ -127,8 +133,10 @@ class Message:
                 raise TransportError(f"{what}.{f}: missing or invalid "
                                      f"({str(frame.fields.get(f))[:60]!r})")
             kw[f] = frame.fields[f]
-        if len(frame.arrays) != len(cls.ARRAYS):
-            raise TransportError(f"{what}: expected {len(cls.ARRAYS)} arrays, got "
+        least = len(cls.ARRAYS) - cls.OPTIONAL
+        if not least <= len(frame.arrays) <= len(cls.ARRAYS):
+            want = len(cls.ARRAYS) if not cls.OPTIONAL else f"{least} to {len(cls.ARRAYS)}"
+            raise TransportError(f"{what}: expected {want} arrays, got "
                                  f"{len(frame.arrays)}")
         kw.update(zip(cls.ARRAYS, frame.arrays))
         msg = cls(name=frame.name, flags=frame.flags, **kw)
@@ -153,6 +161,8 @@ class RowsMessage(Message):
                                  f"got {self.ids.dtype} {self.ids.shape}")
         for a in self.ARRAYS[1:]:
             v = getattr(self, a)
+            if v is None:
+                continue
             if v.ndim < 1 or v.shape[0] != self.ids.shape[0]:
                 raise TransportError(f"{what}.{a}: expected {self.ids.shape[0]} rows, got "
                                      f"shape {v.shape}")
@@ -253,13 +263,30 @@ class Update(RowsMessage):
 
     ``versions``: the reply carries the rows' versions after the update (int64, one per
     id, in request order), for a trainer cache's replica check.
+
+    ``have`` (optional, int64, one per id; ``exact`` only): the version of each row a
+    trainer cache holds (-1: not held; any other negative: held, version unknown). The
+    reply then carries, instead of versions, what keeps the held copies equal to the
+    owner's rows after the step (:meth:`KVService._held_reply
+    <distemb.kvstore.service.KVService._held_reply>`): the positions of held rows written
+    outside the step since (drop them), and the positions, new versions and summed
+    gradients of held rows other trainers' gradients reached in the step.
     """
 
     SERVICE = Service.UPDATE
     FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag,
               "parts": int_list, "counts": int_list, "versions": flag}
     DEFAULTS = {"versions": False}
-    ARRAYS = ("ids", "grads")
+    ARRAYS = ("ids", "grads", "have")
+    OPTIONAL = 1
+
+    def check(self):
+        super().check()
+        if self.have is not None and (self.have.dtype != ID_DTYPE or self.have.ndim != 1
+                                      or not self.exact):
+            raise TransportError(f"Update.have: expected int64 of shape ({self.ids.shape[0]},) "
+                                 f"in an exact update, got {self.have.dtype} "
+                                 f"{self.have.shape} (exact={self.exact})")
 
 
 def text_list(v):
