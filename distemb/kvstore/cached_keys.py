@@ -139,18 +139,6 @@ class CachedKeys:
             return self.inner.load_table_state(name, state_names, entry)
         return super().load_table_state(name, state_names, entry)
 
-    def save_table(self, name: str, directory: str, save_id: str, columns) -> dict:
-        if self.is_keyed(name):
-            self._write_back_copies(name)
-            return self.inner.save_table(name, directory, save_id, columns)
-        return super().save_table(name, directory, save_id, columns)
-
-    def load_table(self, name: str, directory: str, entry: dict, columns) -> None:
-        if self.is_keyed(name):
-            self._forget_copies(name, None, write_back=True)
-            return self.inner.load_table(name, directory, entry, columns)
-        return super().load_table(name, directory, entry, columns)
-
     def create_table(self, name: str, spec) -> None:
         """Make keyed table ``name`` in the wrapped client.
 

@@ -4,8 +4,10 @@
 device. :class:`HostTableOnDevice` is a view of a host client (embedded or remote) whose
 looked-up rows go to a GPU and whose gradients are summed there, so only the unique rows'
 sums cross back; :class:`RowsOnDevice` is a view of a device client whose rows are copied
-to another device. Views wrap a client and change only the placement half of the
-interface (see :mod:`distemb.kvstore.types`): storage goes to the wrapped client.
+to another device; :class:`CacheOnDevice` is the lookup view of a device cache
+(:mod:`distemb.kvstore.device_cache`). Views wrap a client and change only the placement
+half of the interface (see :mod:`distemb.kvstore.types`): storage goes to the wrapped
+client.
 
 A GPU-resident table is one whole tensor on its device (the partition policy is kept as
 metadata, its size checked, and ``init_func`` still fills one shard at a time, so a
@@ -439,3 +441,51 @@ class RowsOnDevice(ClientView):
 
     def rows_out(self, rows, F):
         return F.copy_to(rows, self.device)
+
+
+class CacheOnDevice(ClientView):
+    """Lookups onto the device through a device cache
+    (:class:`~distemb.kvstore.device_cache.DeviceCachedKVClient`).
+
+    Rows come from the cache (misses fetched and admitted), gradients are summed on the
+    device and handed back to the cache client's ``push_update`` as device tensors. The
+    cache is any client with ``lookup``, ``device_ops`` and ``cache_device`` (this
+    module sits below :mod:`distemb.kvstore.device_cache`, which makes this view).
+
+    Args:
+        cache: the cache client.
+
+    Example:
+        >>> from distemb.config import parse_cache_config
+        >>> from distemb.kernels.cuda import CudaUnavailableError
+        >>> from distemb.kvstore import LocalKVClient
+        >>> from distemb.kvstore.device_cache import DeviceCachedKVClient
+        >>> try:
+        ...     kv = DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"rows": 8}))
+        ...     assert isinstance(kv.view_on("cuda"), CacheOnDevice)
+        ... except CudaUnavailableError:  # no GPU here: says why
+        ...     pass
+    """
+
+    def __init__(self, cache: KVClient):
+        super().__init__(cache)
+        self.device = cache.cache_device
+
+    @property
+    def ops(self):
+        """The device kernels (the gradients of a step are summed with them)."""
+        return self.inner.device_ops
+
+    def pull(self, name, ids):
+        return self.inner.lookup(name, ids)
+
+    def rows_out(self, rows, F):
+        return rows
+
+    def coalesce(self, name, ids, grads, F):
+        if not ids:  # nothing summed here; the host client says what an empty step sends
+            return self.inner.coalesce(name, ids, grads, F)
+        return dedup_on(self.ops, self.device, self.inner.data_meta(name), ids, grads)
+
+    def close(self):
+        """Nothing: the cache client belongs to the context."""

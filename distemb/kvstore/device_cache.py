@@ -48,6 +48,7 @@ from distemb.enums import CachePolicy
 from distemb.kernels import cuda
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore import device as device_kv
+from distemb.kvstore.device import CacheOnDevice
 from distemb.kvstore.cached_keys import CachedKeys
 from distemb.kvstore.table_cache import TableCache
 from distemb.kvstore.types import KVClient, PlacedAsInner
@@ -460,51 +461,6 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
                 self._stats["d2h_bytes"] += host.nbytes
             return np.ascontiguousarray(host, dtype=np.float32)
         return grads
-
-
-class CacheOnDevice(device_kv.ClientView):
-    """Lookups onto the device through a :class:`DeviceCachedKVClient`.
-
-    Rows come from the cache (misses fetched and admitted), gradients are summed on the
-    device and handed back to the cache client's ``push_update`` as device tensors.
-
-    Args:
-        cache: the cache client.
-
-    Example:
-        >>> from distemb.config import parse_cache_config
-        >>> from distemb.kernels.cuda import CudaUnavailableError
-        >>> from distemb.kvstore import LocalKVClient
-        >>> try:
-        ...     kv = DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"rows": 8}))
-        ...     assert isinstance(kv.view_on("cuda"), CacheOnDevice)
-        ... except CudaUnavailableError:  # no GPU here: says why
-        ...     pass
-    """
-
-    def __init__(self, cache: DeviceCachedKVClient):
-        super().__init__(cache)
-        self.device = cache.cache_device
-
-    @property
-    def ops(self):
-        """The device kernels (the gradients of a step are summed with them)."""
-        return self.inner.device_ops
-
-    def pull(self, name, ids):
-        return self.inner.lookup(name, ids)
-
-    def rows_out(self, rows, F):
-        return rows
-
-    def coalesce(self, name, ids, grads, F):
-        if not ids:  # nothing summed here; the host client says what an empty step sends
-            return self.inner.coalesce(name, ids, grads, F)
-        return device_kv.dedup_on(self.ops, self.device, self.inner.data_meta(name), ids,
-                                  grads)
-
-    def close(self):
-        """Nothing: the cache client belongs to the context."""
 
 
 __all__ = ["DeviceCachedKVClient", "CacheOnDevice", "DeviceRows"]
