@@ -36,12 +36,13 @@ import torch
 
 import distemb
 from distemb import DistEmbedding
-from distemb.dynamic import DynamicEmbedding
+from distemb.dynamic import DynamicEmbedding, StoreEmbedding
 from distemb.errors import KVStoreError, MissingKeyError
 from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
                            SparseSGD)
 from distemb.partition import HashPartitionBook, PartitionPolicy
 from distemb.stores import key_normal
+from distemb.stores.spec import FileTableSpec
 
 NUM, D, B = 300, 8, 64
 OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05),
@@ -222,6 +223,33 @@ def key_ops(emb, ranks, world):
     return out
 
 
+def file_table(ctx, path, ranks, world, steps=4):
+    """A table on files (``StoreEmbedding(FileTableSpec)``, keys 0..79 by range: rank r
+    of W holds ``path/part-r-of-W``) trained ``steps`` steps with SparseAdagrad on the
+    shares of ``ranks``; its export (keys, rows, state)."""
+    spec = FileTableSpec(path, 80, 4, init=key_normal(4, std=0.5, seed=3), preallocate=False)
+    emb = StoreEmbedding(spec, name="coll-file", context=ctx)
+    opt = SparseAdagrad([emb], lr=0.1)
+    for step in range(steps):
+        ids, c = batch(100 + step)
+        sl = [rows_of(step, r, world) for r in ranks]
+        mine = torch.cat([ids[s] for s in sl]) % 80
+        cs = torch.cat([c[s] for s in sl])[:, :4]
+        opt.zero_grad()
+        rows = emb(mine)
+        (rows * (cs + torch.round(rows.detach() * 8) / 8)).sum().backward()
+        opt.step()
+    return emb.export()
+
+
+def file_oracle(path, world):
+    """:func:`file_table` in one embedded process on the concatenated shares."""
+    ctx = distemb.DistContext.embedded(backend="pytorch", num_threads=1)
+    out = file_table(ctx, path, range(world), world)
+    ctx.close()
+    return out
+
+
 def evict_check(emb):
     """evict() to half the keys: every rank's store evicts down to its share by its own
     order, so the keys differ from one process's; asserted as properties here."""
@@ -300,6 +328,9 @@ def main(args):
         got = key_ops(group[0]["gdyn"], [rank], world)[rank]
         np.savez(os.path.join(args.out, f"keys{rank}.npz"), **got)
         evict_check(group[0]["gdyn"])
+        got = file_table(ctx, os.path.join(args.out, "files"), [rank], world)
+        if rank == 0:
+            np.savez(os.path.join(args.out, "file_table.npz"), **got)
     print(f"rank {rank} of {world}: done", flush=True)
     distemb.shutdown()
 

@@ -77,6 +77,12 @@ def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
         with np.load(tmp_path / f"keys{r}.npz") as z:
             assert_same({c: z[c] for c in z.files}, keys[r], f"key management on rank {r}")
     assert all(keys[r]["missing"] and keys[r]["removed"] > 0 for r in range(world))
+    # a table on files: rank r holds the range of keys in files/part-r-of-W
+    with np.load(tmp_path / "file_table.npz") as z:
+        assert_same({c: z[c] for c in z.files}, job.file_oracle(str(tmp_path / "one"), world),
+                    "file table")
+    assert sorted(os.listdir(tmp_path / "files")) == [f"part-{r}-of-{world}"
+                                                      for r in range(world)]
 
 
 @pytest.mark.multiprocess
