@@ -18,6 +18,11 @@ SparseAdagrad.step(). Configurations, all measured in this run:
   that rate each way (``benchmarks/netns.py``; needs root), so every row crosses a link;
   ``veth``: the same hosts, links not shaped (what the simulated network itself costs on
   this machine's CPUs). The links are checked first: a bulk TCP transfer across each.
+- with ``--shm-pages both``: the shm job twice a round, its shared memory on 4 KiB
+  pages (``shmem_enabled=never``, what many distributions ship) and on 2 MiB pages
+  (``advise``: distemb asks for them on every shard, distemb/pages.py); the machine's
+  setting is switched for each run and restored after (needs root). The default,
+  ``machine``, runs it once under the setting the machine has, and names it.
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -27,8 +32,10 @@ Usage::
 
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
         [--dgl] [--dynamic] [--rounds 3] [--only-shm] [--links loopback,veth,10gbit,1gbit]
+        [--shm-pages machine|both]
 """
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -43,6 +50,7 @@ import torch
 
 import distemb
 from distemb.context import DistContext
+from distemb.pages import SHMEM_ENABLED, shmem_setting
 from distemb.stores import key_uniform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +96,28 @@ def trainer_main(args):
     with open(os.path.join(args.out, f"rank{ctx.rank}.json"), "w") as f:
         json.dump({"steps_per_s": rate}, f)
     distemb.shutdown()
+
+
+#: --shm-pages both: the two settings of shared memory's huge pages, named by page size.
+SHM_PAGES = {"never": "4 KiB shared pages", "advise": "2 MiB shared pages"}
+
+
+@contextlib.contextmanager
+def shmem_policy(value):
+    """The machine's ``shmem_enabled`` set to ``value`` for the block, then restored."""
+    before = shmem_setting()
+    with open(SHMEM_ENABLED, "w") as f:
+        f.write(value)
+    try:
+        yield
+    finally:
+        with open(SHMEM_ENABLED, "w") as f:
+            f.write(before)
+
+
+def run_under(value, run):
+    with shmem_policy(value):
+        return run()
 
 
 def free_port():
@@ -212,12 +242,19 @@ def main():
                    help="links of the TCP jobs, comma-separated: 'loopback', 'veth' (hosts "
                    "in namespaces, unshaped) and/or rates ('1gbit', '10gbit'): each server "
                    "and trainer on its own shaped host")
+    p.add_argument("--shm-pages", choices=["machine", "both"], default="machine",
+                   help="'both': run the shm job on 4 KiB and on 2 MiB shared pages, "
+                   "switching the machine's shmem_enabled for each (root)")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trainer:
         return trainer_main(args)
     torch.set_num_threads(1)
+    if args.shm_pages == "both":
+        if not os.access(SHMEM_ENABLED, os.W_OK):
+            p.error(f"--shm-pages both: {SHMEM_ENABLED} is not writable here (run as root)")
+        netns.exit_on_sigterm()  # a kill still restores the machine's setting
     links = [netns.parse_link(x) for x in args.links.split(",")]
     if any(rate is not None for rate in links):
         netns.exit_on_sigterm()  # a kill still removes the namespaces
@@ -226,7 +263,13 @@ def main():
             p.error(f"--links {args.links}: {why}")
         netns.verify([rate for rate in links if rate is not None])
     workdir = tempfile.TemporaryDirectory()
-    configs = [("1 server x 1 trainer, shm", lambda: run_cluster(args, 1, 1, shm=True))]
+    if args.shm_pages == "both":
+        configs = [(f"1 server x 1 trainer, shm, {pages}", lambda value=value: (
+            run_under(value, lambda: run_cluster(args, 1, 1, shm=True))))
+            for value, pages in SHM_PAGES.items()]
+    else:
+        configs = [(f"1 server x 1 trainer, shm ({shmem_setting()} shmem_enabled)",
+                    lambda: run_cluster(args, 1, 1, shm=True))]
     side = {}  # (job, link) -> configuration name: the side-by-side table of --links
 
     def on(job, rate):

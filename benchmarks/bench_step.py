@@ -8,7 +8,7 @@ cell is the median over ``--repeats``. Ratios are same-run: a contender's steps/
 the baseline's. Thread scaling is its own block, the thread counts timed in turns.
 
 A process's rates depend on where its tables landed in physical memory (2 MiB or 4 KiB
-pages, distemb/stores/pages.py), so the whole run is repeated in ``--processes`` fresh
+pages, distemb/pages.py), so the whole run is repeated in ``--processes`` fresh
 processes, one after another: each prints one line (its distemb/torch/DGL ratios and how
 much of its memory is on huge pages), then the tables give the median over processes of
 each cell and, per contender, the spread of its calls/s across processes

@@ -1,12 +1,13 @@
 """Dense tables land on 2 MiB pages even when their first touch got 4 KiB pages
-(distemb/stores/pages.py): what the kernel mapped is read back from /proc/self/smaps."""
+(distemb/pages.py): what the kernel mapped is read back from /proc/self/smaps."""
+import os
 import sys
 
 import numpy as np
 import pytest
 
 from distemb.stores.dense import DenseStore
-from distemb.stores.pages import MIN_BYTES, back_with_huge_pages
+from distemb.pages import MIN_BYTES, back_with_huge_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="transparent huge pages are a Linux feature")
@@ -73,3 +74,82 @@ def test_small_arrays_and_files_are_left_alone(tmp_path):
     m = np.memmap(tmp_path / "t", dtype=np.float32, mode="w+", shape=(MIN_BYTES // 2,))
     view = np.ndarray((MIN_BYTES // 4, 2), np.float32, buffer=m)  # as shm arenas view theirs
     assert back_with_huge_pages(m) is False and back_with_huge_pages(view) is False
+
+
+# --- shared memory: a server's shards and the trainers' read-only maps of them ----------
+
+def mapping_of(address):
+    """The smaps fields of this process's mapping holding ``address`` (kB values as ints,
+    ``VmFlags`` as a set of flags)."""
+    out, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    break
+                inside = start <= address < end
+            elif inside:
+                key, rest = line.split(":", 1)
+                out[key] = set(rest.split()) if key == "VmFlags" else int(rest.split()[0])
+    return out
+
+
+@pytest.fixture
+def shard_and_view():
+    """A 16 MiB shard in a server's arena (rows written) and a trainer's read-only map."""
+    from distemb.transport.shm import ShmArena, attach
+    arena = ShmArena("pages", 0)
+    shape = (16 << 20) // (64 * 4), 64
+    arr = arena.allocate(shape, "float32")
+    arr[:] = 1.5
+    view = attach(arena.dup_segment(arr), shape, "float32")
+    yield arr, view
+    del view
+    arena.close()
+
+
+def test_shards_and_their_maps_ask_for_huge_pages(shard_and_view):
+    """Both ends ask (``hg``): which pages come is the machine's shmem_enabled."""
+    arr, view = shard_and_view
+    assert "hg" in mapping_of(arr.ctypes.data)["VmFlags"], "the server's shard map"
+    assert "hg" in mapping_of(view.array.ctypes.data)["VmFlags"], "the trainer's map"
+
+
+@pytest.fixture
+def shmem_allows_huge_pages():
+    """Shared memory may be on huge pages for the test: the machine's setting if it
+    allows them, else ``advise`` for the test's duration (root only), restored after."""
+    from distemb.pages import SHMEM_ENABLED, shmem_setting
+    before = shmem_setting()
+    if before in ("advise", "within_size", "always", "force"):
+        yield
+        return
+    if not os.access(SHMEM_ENABLED, os.W_OK):
+        pytest.skip(f"shmem_enabled is {before!r} and not writable here (not root)")
+    with open(SHMEM_ENABLED, "w") as f:
+        f.write("advise")
+    try:
+        yield
+    finally:
+        with open(SHMEM_ENABLED, "w") as f:
+            f.write(before)
+
+
+def test_shards_are_on_huge_pages_where_shared_memory_may_be(shmem_allows_huge_pages):
+    from distemb.transport.shm import ShmArena, attach
+    arena = ShmArena("pages", 1)
+    shape = (32 << 20) // (128 * 4), 128
+    arr = arena.allocate(shape, "float32")  # its pages exist (reserved) before the advice
+    try:
+        arr[::977] = 2.0
+        view = attach(arena.dup_segment(arr), shape, "float32")
+        assert view.read(lambda a: a[::977].copy()).min() == 2.0
+        served, mapped = (mapping_of(a.ctypes.data).get("ShmemPmdMapped", 0) << 10
+                          for a in (arr, view.array))
+        assert served >= arr.nbytes - 2 * (2 << 20), served
+        assert mapped > 0, "the trainer's read-only map is on 4 KiB pages"
+        del view
+    finally:
+        arena.close()

@@ -4,7 +4,7 @@ import numpy as np
 from distemb.errors import StoreError
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kernels.hashtable import keys_array
-from distemb.stores.pages import back_with_huge_pages
+from distemb.pages import back_with_huge_pages
 from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
 
 #: Rows initialised per call of a KeyInit, bounding the temporary it returns.
@@ -108,7 +108,7 @@ class DenseStore(RowStore):
 
     def _set(self, name, arr, row_shape):
         # rows are gathered and updated at random: on 2 MiB pages, not 4 KiB ones, in
-        # every process (distemb/stores/pages.py)
+        # every process (distemb/pages.py)
         back_with_huge_pages(arr)
         self._cols[name] = arr
         self._shapes[name] = (tuple(row_shape), dtype_name(arr))

@@ -62,6 +62,7 @@ import time
 import numpy as np
 
 from distemb.errors import TransportError
+from distemb.pages import advise_shared, populate_shared
 from distemb.transport.base import CODE_OF, DTYPE_CODES, MAX_ARRAYS, MAX_NDIM
 
 #: Array offsets in a request slot are multiples of this (cache-line aligned rows).
@@ -87,14 +88,13 @@ def _memfd(name):
         return os.memfd_create(name, flags)
 
 
-def new_segment(name, size, reserve):
+def new_segment(name, size):
     """A new memory file of ``size`` bytes, sealed (:data:`SEALS`); its read-write
-    descriptor.
+    descriptor. Its pages come when written (a shard's are allocated by
+    :meth:`ShmArena.allocate` at once).
 
     Args:
         name: shown in /proc/<pid>/fd and /proc/<pid>/maps (``/memfd:<name>``).
-        reserve: allocate its pages now (a shard: a server that cannot hold it fails
-            here, not mid-training).
 
     Raises:
         TransportError: the kernel refused (no memory, no memfd support).
@@ -105,12 +105,11 @@ def new_segment(name, size, reserve):
         raise TransportError(f"shared memory: cannot create a memory file: {e}") from None
     try:
         os.ftruncate(fd, size)
-        if reserve and size:
-            os.posix_fallocate(fd, 0, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except OSError as e:
         os.close(fd)
-        raise TransportError(f"shared memory: cannot allocate {size:,} bytes: {e}") from None
+        raise TransportError(f"shared memory: cannot size a memory file to {size:,} bytes: "
+                             f"{e}") from None
     return fd
 
 
@@ -190,12 +189,18 @@ class ShmArena:
             TransportError: the memory cannot be allocated.
         """
         nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
-        fd = new_segment(f"{self.name}-{next(self._ids)}", HEADER_BYTES + nbytes, True)
+        size = HEADER_BYTES + nbytes
+        fd = new_segment(f"{self.name}-{next(self._ids)}", size)
         try:
-            mem = _map(fd, HEADER_BYTES + nbytes, writable=True)
+            mem = _map(fd, size, writable=True)
+            # Rows are read and written at random: on 2 MiB pages where the machine allows
+            # them. Allocated now either way: a server that cannot hold it fails here.
+            if not populate_shared(mem):
+                os.posix_fallocate(fd, 0, size)
             ro = readonly(fd)
         except OSError as e:
-            raise TransportError(f"shared memory: cannot map {nbytes:,} bytes: {e}") from None
+            raise TransportError(f"shared memory: cannot allocate {nbytes:,} bytes: {e}") \
+                from None
         finally:
             os.close(fd)
         version = np.ndarray((1,), np.int64, buffer=mem)
@@ -272,6 +277,7 @@ def attach(fd, shape, dtype):
     try:
         check_segment(fd, need, "shard segment")
         mem = _map(fd, need, writable=False)
+        advise_shared(mem)  # mapped with the server's huge pages, where it has them
     except OSError as e:
         raise TransportError(f"shard segment: cannot map {need} bytes: {e}") from None
     finally:
@@ -396,7 +402,7 @@ class RequestSlot:
 
     def _grow(self, size):
         size = max(size, MIN_SLOT_BYTES, 0 if self._map is None else 2 * self._map.shape[0])
-        fd = new_segment(f"{self._name}-{next(self._gen)}", size, False)
+        fd = new_segment(f"{self._name}-{next(self._gen)}", size)
         try:
             mem = _map(fd, size, writable=True)
             ro = readonly(fd)
