@@ -9,7 +9,8 @@ shared memory as file descriptors (:mod:`distemb.transport.shm`): rows of its sh
 gathered straight from their memory files (no round trip); writes still go to the owning
 server, the only writer of its rows, but their arrays travel through this trainer's
 request slot (:class:`~distemb.transport.shm.RequestSlot`): the frame on the socket
-only says where they lie.
+only says where they lie (:mod:`distemb.kvstore.remote_shm`). Such a server answers an
+update before it applies it (:mod:`distemb.kvstore.early`).
 
 ``init_data`` and ``init_optimizer`` are collective, as in DGL: every trainer calls them
 in the same order (DistEmbedding/optimizer construction does), the first creator's
@@ -25,7 +26,6 @@ from typing import List, NamedTuple
 
 import numpy as np
 
-from distemb import kernels
 from distemb.kernels import half
 from distemb.enums import Consistency
 from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
@@ -33,16 +33,17 @@ from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, Store
 from distemb.kvstore import snapshot
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding)
+from distemb.kvstore.early import Applying
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.remote_versions import HeldReplies, VersionedPulls
 from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables
+from distemb.kvstore.remote_shm import SharedMemoryPaths
 from distemb.rules import rule_of, state_name
 from distemb.transport.connections import open_connections
-from distemb.transport.base import FLAG_NO_REPLY, MAX_FDS, close_fds
-from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, InShm, Load,
-                                        OptInit, Pull, Push, Reply, Save, Service, ShmInfo,
-                                        Update)
-from distemb.transport.shm import RequestSlot, attach_all
+from distemb.transport.base import FLAG_NO_REPLY, close_fds
+from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load, OptInit,
+                                        Pull, Push, Reply, Save, Service, Update)
+from distemb.transport.shm import RequestSlot
 
 INIT_CHUNK_BYTES = 64 << 20
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).
@@ -68,7 +69,7 @@ def _take(rows, positions):
     return rows[positions]
 
 
-class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
+class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVClient):
     """KVClient over a cluster of KVStore servers.
 
     Array tables (``init_data``) are partitioned by their policy; keyed tables
@@ -98,6 +99,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         self._conns = list(connections) if connections is not None else \
             open_connections(cfg, rank)
         self._meta, self._shm, self._seq, self._slots = {}, {}, {}, {}
+        self._applying = Applying(self._conns)
         self._closed = False
         self._init_remote_keyed()
         hello = {sid: Hello(rank=rank, token=cfg.job_token or "")
@@ -142,6 +144,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         """
         self._check_open()
         for sid, msg in requests.items():
+            self._applying.settle(sid, timeout)  # its slot is free, its failure raised
             if not wait:
                 msg.flags |= FLAG_NO_REPLY
             frame = self._frame_for(sid, msg, wait)
@@ -177,25 +180,6 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
     def store_client(self):
         """This client: it holds keyed tables itself."""
         return self
-
-    def _frame_for(self, sid, msg, wait):
-        """The frame of ``msg``; an update or push to a co-located server goes through
-        its request slot (the frame carries the slot's descriptor when it is new).
-
-        Only when the reply is awaited: the slot is reused by the next request, so the
-        server must be done with it first (asynchronous updates travel in the frame).
-        """
-        frame = msg.encode()
-        slot = self._slots.get(sid) if wait else None
-        if slot is None or frame.service not in (Service.UPDATE, Service.PUSH):
-            return frame
-        layout = slot.write(frame.arrays)
-        out = InShm(name=frame.name, flags=frame.flags, service=frame.service,
-                    fields=frame.fields, size=slot.size, layout=layout).encode()
-        fd = slot.take_fd()
-        if fd is not None:
-            out.fds.append(fd)
-        return out
 
     def _check_open(self):
         if self._closed:
@@ -259,25 +243,6 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
                                   ids=np.arange(s, s + len(chunk), dtype=np.int64),
                                   values=chunk)})
 
-    def _map_shm(self, name, by):
-        """Map the shards of ``name`` that servers on this machine hold in shared memory."""
-        local = {sid: parts for sid, parts in by.items() if sid in self._local}
-        for at in range(0, max(map(len, local.values()), default=0), MAX_FDS):
-            asked = {sid: p[at:at + MAX_FDS] for sid, p in local.items() if p[at:at + MAX_FDS]}
-            fds = {}
-
-            def take(sid, frame):
-                fds[sid] = frame.fds[:]
-                frame.fds.clear()
-            replies = self._call({sid: ShmInfo(name=name, parts=parts)
-                                  for sid, parts in asked.items()}, on_reply=take)
-            for sid, reply in replies.items():
-                f = reply.fields
-                shards = attach_all(fds[sid], f["segments"], f["shapes"],
-                                    [half.storage_dtype(dt) for dt in f["dtypes"]])
-                self._shm.update({(name, part): shard for part, shard in zip(asked[sid], shards)
-                                  if shard is not None})
-
     def delete_data(self, name):
         if self.is_keyed(name):
             return self._keyed_delete(name)
@@ -297,7 +262,7 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         meta.policy.check_ids(ids, f"ids of {name!r}")
         whole = self._shm.get((name, 0)) if meta.policy.num_partitions == 1 else None
         if whole is not None:  # one co-located shard: local ids are global ids
-            rows = self._gather(whole, ids)
+            rows = self._gather(whole, ids, 0, name)
             if rows is not None:
                 return rows
         # Half tables: 16-bit rows on the wire, float32 rows out (decoded here).
@@ -308,7 +273,8 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
 
         def copy_shm():  # local rows are copied while the remote ones travel
             for part, pos, local in shm:
-                rows = self._gather(self._shm[(name, part)], local)
+                rows = self._gather(self._shm[(name, part)], local, part % self.num_servers,
+                                    name)
                 if rows is None:
                     busy.append((part, pos, local))
                 else:
@@ -330,14 +296,6 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
                 name=name, parts=[part], counts=[len(local)],
                 ids=local.astype(np.int64, copy=False))})[sid].arrays[0])
         return out
-
-    def _gather(self, shard, local):
-        """Rows ``local`` of a mapped shard, never torn; None if writes kept it busy."""
-        if shard.array.dtype == np.float32 and shard.array.ndim == 2:
-            return shard.read(lambda a: kernels.gather_rows(a, local, None, self.num_threads))
-        if half.is_half(half.dtype_name(shard.array)):  # decoded in the gather
-            return shard.read(lambda a: half.gather_rows(a, local, None, self.num_threads))
-        return shard.read(lambda a: a[local])
 
     def push(self, name, ids, values):
         if self.is_keyed(name) or self.state_of(name):
@@ -439,7 +397,10 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
                 raise KVStoreError(f"server {sid}: update reply without the rows' versions")
             out[route.positions] = frame.arrays[0]
 
-        self._call(requests, wait=wait, on_reply=take if want else None)
+        def applying(sid, frame):  # a co-located server may answer before it applies
+            if sid in routes:
+                self._applying.note(sid, name, frame, routes[sid].local_ids)
+        self._call(requests, wait=wait, on_reply=take if want else applying)
         return out
 
     def _shard_requests(self, cls, name, **fields):
@@ -481,20 +442,6 @@ class RemoteKVClient(RemoteKeyedTables, VersionedPulls, KVClient):
         if summed is None and self.consistency == Consistency.SYNC_EXACT:
             return np.empty(0, np.int64), np.empty((0, self.row_dim(name)), np.float32)
         return summed
-
-    def _sum_buffer(self, name, n, dim):
-        """With the whole table on one co-located server: a buffer in its request slot.
-
-        The summed gradients are then handed to the server where they were summed, with
-        no copy (``push_update`` follows ``coalesce`` before any other request).
-        """
-        if self.is_keyed(name):  # its rows go by key to any server
-            return super()._sum_buffer(name, n, dim)
-        sids = set(self._parts_by_server(self._meta_of(name).policy))
-        slot = self._slots.get(next(iter(sids))) if len(sids) == 1 else None
-        if slot is None:
-            return super()._sum_buffer(name, n, dim)
-        return slot.view((max(n, 1), dim), np.float32)
 
     def barrier(self):
         if self.cfg.num_trainers > 1:

@@ -247,6 +247,26 @@ class KVServer:
         Raises:
             KVStoreError: no such shard, state or rule, or ``hyper`` is not the rule's type.
         """
+        table, impl, hyper = self._update_of(name, part, rule, hyper)
+        return table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)
+
+    def update_later(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper):
+        """:meth:`update` in two halves (one trainer's gradients): checked, and the shard
+        locked for writing with its seqlock counters odd, now; applied, and the lock
+        released, by the function it returns (see :meth:`ShardTable.update_later
+        <distemb.kvstore.shard.ShardTable.update_later>`).
+
+        Returns:
+            (the weight's seqlock counter while locked, or None when it has none; apply).
+
+        Raises:
+            KVStoreError: as :meth:`update`, before anything is locked.
+        """
+        table, impl, hyper = self._update_of(name, part, rule, hyper)
+        return table.update_later(impl, local_ids, grads, hyper, self.num_threads)
+
+    def _update_of(self, name, part, rule, hyper):
+        """(table, rule, checked hyperparameters) of an update of shard ``part``."""
         impl = rule_of(rule)
         hyper = impl.check_hyper(hyper)
         table, column = self._entry(name, part)
@@ -257,4 +277,4 @@ class KVServer:
         for s in impl.states:
             if s.name not in have:
                 self.shard(state_name(name, s.name), part)  # the error naming it
-        return table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)
+        return table, impl, hyper

@@ -36,12 +36,13 @@ from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, TransportError
 from distemb.kernels.half import dtype_name
 from distemb.kvstore.catalog import WEIGHT_DTYPES, Catalog
+from distemb.kvstore.early import answer_early, may_answer_early
 from distemb.kvstore.exact import ExactSteps, held_reply
 from distemb.kvstore.limits import check_request
 from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import rule_of, state_name
 from distemb.schema import default_of
-from distemb.transport.base import FLAG_NO_REPLY, MAX_MESSAGE_BYTES, Session
+from distemb.transport.base import FLAG_NO_REPLY, MAX_MESSAGE_BYTES, EarlyReply, Session
 from distemb.transport.messages import Error, InShm, Reply, Service, decode_request
 from distemb.transport.shm import SlotReader
 
@@ -103,8 +104,9 @@ class KVService:
                 came on (None: an in-process caller, trusted without a Hello).
         """
         session = session or Session(peer="in-process", trusted=True)
+        session.in_slot = frame.service == Service.IN_SHM
         try:
-            if frame.service == Service.IN_SHM:
+            if session.in_slot:
                 if session.rank is None and not session.trusted:
                     raise RefusedError("IN_SHM before Hello: a connection must first say "
                                        "Hello with its rank and the job's token")
@@ -114,6 +116,8 @@ class KVService:
                 raise RefusedError(f"{msg.SERVICE.name} before Hello: a connection must "
                                    f"first say Hello with its rank and the job's token")
             reply = self._handlers[msg.SERVICE](msg, session)
+            if isinstance(reply, EarlyReply):  # an update answered before it is applied
+                return reply
         except Exception as e:  # any failure is the client's answer; the server goes on
             if isinstance(e, (TransportError, RefusedError)):
                 session.closing = True  # undecodable or unauthorised: hang up after this
@@ -241,7 +245,13 @@ class KVService:
         if m.exact:
             self._rows(m)  # reject bad ids before they are buffered
             return self.exact_steps.join(m, session, self._apply_summed)
-        for part, ids, sl in self._rows(m):
+        rows = self._rows(m)
+        if may_answer_early(m, session is not None and session.in_slot):
+            (part, ids, _), = rows
+            early = answer_early(self.server, self.server_id, m, part, ids)
+            if early is not None:
+                return early
+        for part, ids, sl in rows:
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
         return self._versions_reply(m)
 

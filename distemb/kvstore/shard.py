@@ -239,6 +239,27 @@ class ShardTable:
             self.store.update(rule, keys, grads, hyper, num_threads)
             return self.bump(keys, contributions)
 
+    def update_later(self, rule, keys, grads, hyper, num_threads=1):
+        """:meth:`update` (of one trainer's gradients) in two halves: the write lock is
+        taken, every seqlock counter odd, now; ``apply()`` updates the rows and releases
+        the lock (also when it raises), and must be called exactly once.
+
+        Returns:
+            (the weight column's seqlock counter meanwhile, None when it has none; apply).
+            While the counter holds that value, no row but ``keys`` is being written.
+        """
+        writing = self.write()
+        writing.__enter__()
+        counter = self._counters.get(WEIGHT)
+
+        def apply():
+            try:
+                self.store.update(rule, keys, grads, hyper, num_threads)
+                self.bump(keys)
+            finally:
+                writing.__exit__(None, None, None)
+        return (None if counter is None else int(counter[0])), apply
+
     # -- keys -------------------------------------------------------------------------
 
     def _refuse_fixed(self, what, name):

@@ -213,12 +213,32 @@ class Session:
     trusted: bool = False
     passes_fds: bool = False
     slot: object = None
+    in_slot: bool = False  # the request being handled came in the slot (InShm)
 
     def close(self):
         """Release what the connection held (the peer's request slot)."""
         if self.slot is not None:
             self.slot.close()
             self.slot = None
+
+
+class EarlyReply:
+    """A handler's answer sent before its work is done: a transport sends ``frame``, then
+    calls ``finish()`` (which does the rest and never raises) and sends the frame it
+    returns, the outcome (a Reply, or an Error the peer raises at its next request).
+
+    A co-located trainer's update is answered this way (:mod:`distemb.kvstore.early`),
+    so the trainer's next step runs while the server applies it.
+    """
+
+    def __init__(self, frame, finish):
+        self.frame, self.finish = frame, finish
+
+    def whole(self):
+        """For a transport that answers once: finish now; the early frame, or the
+        outcome if that is an error."""
+        outcome = self.finish()
+        return self.frame if outcome.service != self.frame.service else outcome
 
 
 class Connection:

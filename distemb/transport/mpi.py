@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from distemb.errors import ServerUnavailableError, TransportError  # noqa: E402
 from distemb.transport.base import (HEADER, MAX_MESSAGE_BYTES, Connection,  # noqa: E402
-                                    Frame, Session, encode_head, parse_body,
+                                    EarlyReply, Frame, Session, encode_head, parse_body,
                                     parse_descriptors, parse_header, payload_views)
 from distemb.transport.messages import Error  # noqa: E402
 
@@ -110,6 +110,8 @@ def _worker(inbox, outbox, handle, source, done):
         if frame is None:
             return
         reply = handle(frame, session)
+        if isinstance(reply, EarlyReply):  # one frame per request here: finished first
+            reply = reply.whole()
         session.closing = False  # MPI has no connection to close; the rank stays known
         if reply is not None:
             outbox.put((source, reply))

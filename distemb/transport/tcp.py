@@ -33,9 +33,10 @@ import time
 import numpy as np
 
 from distemb.errors import ServerUnavailableError, TransportError
-from distemb.transport.base import (HEADER, MAX_FDS, MAX_MESSAGE_BYTES, Connection, Frame,
-                                    Session, close_fds, encode_head, parse_body,
-                                    parse_descriptors, parse_header, payload_views)
+from distemb.transport.base import (HEADER, MAX_FDS, MAX_MESSAGE_BYTES, Connection,
+                                    EarlyReply, Frame, Session, close_fds, encode_head,
+                                    parse_body, parse_descriptors, parse_header,
+                                    payload_views)
 from distemb.transport.messages import Error
 
 _IOV_MAX = 512
@@ -361,6 +362,16 @@ class _Doorway:
             self._waiting.pop(id(conn), None)
 
 
+def _answer_early(conn, reply):
+    """Send an :class:`~distemb.transport.base.EarlyReply`'s frame, finish its work (also
+    when the peer is gone: it holds a lock until then), then send the outcome."""
+    try:
+        conn.send(reply.frame)
+    finally:
+        outcome = reply.finish()
+    conn.send(outcome)
+
+
 def _serve_connection(conn, handle, inflight, slots, doorway):
     """Answer requests on ``conn`` until the peer leaves, idles out, sends a malformed
     frame or fails its handshake. Never raises: one client cannot kill the server."""
@@ -386,7 +397,9 @@ def _serve_connection(conn, handle, inflight, slots, doorway):
             with inflight:
                 try:
                     reply = handle(frame, session)
-                    if reply is not None:
+                    if isinstance(reply, EarlyReply):
+                        _answer_early(conn, reply)
+                    elif reply is not None:
                         try:
                             conn.send(reply)
                         finally:

@@ -1,0 +1,145 @@
+"""Early answers: a co-located server answers an update before it applies it, so the
+trainer's next step runs while the server works, and the trainer reads the rows it
+did not update while they are being written.
+
+A trainer that reads a server's shard through shared memory waits, each step, for the
+server to apply its update (the server's Python and kernel: most of the co-located
+step's excess over the embedded one, benchmarks/README.md). Instead, for an update that
+came in the trainer's request slot:
+
+1. The server checks it as always (a bad one is answered with an error, nothing
+   written), takes the shard's write lock (its seqlock counter turns odd) and answers
+   at once with that counter's value (``applying``).
+2. It applies the update, releases the lock (the counter turns even) and sends a second
+   frame, the outcome: a Reply, or an Error if the update failed.
+3. The trainer reads the outcome before its next request to that server
+   (:meth:`Applying.settle`), so the server has finished with the request slot before
+   the trainer writes it again, and a failure is raised there, naming the table.
+4. A lookup of the same table meanwhile (:meth:`Applying.gather`): while the counter
+   still holds the value the server sent (or the next, even one), the only rows being
+   written are that update's (the server holds the shard's write lock for it alone), so
+   every other row is copied as it is; the rows the update touches are read again after
+   the outcome came, as any read would see them. Rows equal those of a step that waited.
+
+Only what needs nothing more from the server is answered early: one shard's update,
+not in sync_exact mode, asking no versions (a trainer cache asks for them), of an
+array table (rows 0..N-1, in a shared-memory segment).
+
+Example (the server half; the trainer half is :class:`Applying`):
+    >>> may_answer_early(Update(name="t", rule="sgd", hyper={}, seq=1, exact=False,
+    ...                         parts=[0], counts=[0], ids=np.empty(0, np.int64),
+    ...                         grads=np.empty((0, 2), np.float32)), in_slot=False)
+    False
+"""
+import logging
+
+import numpy as np
+
+from distemb.errors import KVStoreError
+from distemb.transport.base import FLAG_NO_REPLY, EarlyReply
+from distemb.transport.messages import Error, Reply, Update  # noqa: F401 (the example)
+
+log = logging.getLogger("distemb.server")
+
+#: The reply field of an early answer: the shard's seqlock counter while it is applied.
+APPLYING = "applying"
+
+
+def may_answer_early(m, in_slot) -> bool:
+    """Whether update ``m`` may be answered before it is applied (see the module)."""
+    return in_slot and not m.exact and not m.versions and len(m.parts) == 1 and \
+        not m.flags & FLAG_NO_REPLY
+
+
+def answer_early(server, server_id, m, part, ids):
+    """The :class:`~distemb.transport.base.EarlyReply` of update ``m`` of shard ``part``
+    (store keys ``ids``), or None when the shard has no seqlock counter (not in shared
+    memory: then it is applied as usual).
+
+    Raises:
+        KVStoreError: the update is invalid (nothing locked, nothing written).
+    """
+    table = server.table(m.name, part)
+    if not table.arrays:
+        return None
+    counter, apply = server.update_later(m.name, part, ids, m.grads, m.rule, m.hyper)
+    if counter is None:
+        apply()  # no shared memory to read it from: it is applied now, as usual
+        return Reply().encode()
+
+    def finish():
+        try:
+            apply()
+            return Reply().encode()
+        except Exception as e:  # the trainer raises it at its next request
+            log.exception("distemb server %d: update of %r after its early answer",
+                          server_id, m.name)
+            return Error(kind=type(e).__name__, message=f"server {server_id}: the update "
+                         f"of {m.name!r} answered early then failed: {e}").encode()
+    return EarlyReply(Reply(fields={APPLYING: counter}).encode(), finish)
+
+
+class Applying:
+    """A trainer's updates that co-located servers answered early and may still apply
+    (one per server at most: a server's next request waits for :meth:`settle`).
+
+    Args:
+        conns: the client's connection per server (the outcome frames come on them).
+    """
+
+    def __init__(self, conns):
+        self._conns = conns
+        self._by_server = {}  # sid -> (table name, counter value, its store keys sorted)
+        #: lookups that copied rows while an update of the table was being applied
+        self.beside = 0
+
+    def note(self, sid, name, reply, ids):
+        """Remember the update of ``name`` (store keys ``ids``) that server ``sid``
+        answered with ``reply``, if it answered early."""
+        counter = reply.fields.get(APPLYING)
+        if counter is not None:
+            self._by_server[sid] = (name, int(counter), np.sort(ids))
+
+    def settle(self, sid, timeout=None):
+        """Wait for the outcome of server ``sid``'s update answered early, if any.
+
+        Raises:
+            KVStoreError: the update failed after its early answer.
+            ServerUnavailableError: the server died or timed out meanwhile.
+        """
+        if self._by_server.pop(sid, None) is None:
+            return
+        frame = self._conns[sid].recv(timeout)
+        if frame.service == Error.SERVICE:
+            raise KVStoreError(str(frame.fields.get("message")))
+
+    def settle_all(self):
+        for sid in list(self._by_server):
+            self.settle(sid)
+
+    def gather(self, sid, name, shard, ids, copy):
+        """Rows ``ids`` of ``name``'s one co-located shard (server ``sid``), copied with
+        ``copy(array, ids)``, while an update of it answered early may run; None when
+        none is pending (read as usual), or when another write got in between (the
+        outcome is then awaited, and the caller reads as usual)."""
+        pending = self._by_server.get(sid)
+        if pending is None or pending[0] != name:
+            return None
+        _, counter, updated = pending
+        before = int(shard.version[0])
+        if before in (counter, counter + 1):
+            rows = copy(shard.array, ids)
+            if int(shard.version[0]) in (counter, counter + 1):
+                self.beside += 1
+                self.settle(sid)  # the update is done: read its rows again
+                at = np.searchsorted(updated, ids)
+                touched = np.flatnonzero(updated[np.minimum(at, len(updated) - 1)] == ids) \
+                    if len(updated) else np.empty(0, np.intp)
+                if len(touched):
+                    again = shard.read(lambda a: copy(a, ids[touched]))
+                    if again is None:
+                        return None
+                    rows[touched] = again
+                return rows
+        self.settle(sid)
+        return None

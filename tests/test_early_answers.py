@@ -1,0 +1,127 @@
+"""A co-located server answers a trainer's update before it applies it
+(distemb/kvstore/early.py). The oracle is the reference update rule applied in order:
+a lookup right after an update, while the server may still be writing it, returns the
+updated rows; an update that fails after its answer is raised at the next request and
+leaves the server serving.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+from mp_helper import cluster_dict
+
+from distemb.config import parse_cluster_config
+from distemb.errors import KVStoreError
+from distemb.kernels import reference
+from distemb.kvstore.early import may_answer_early
+from distemb.kvstore.remote import RemoteKVClient
+from distemb.partition import range_policy
+from distemb.rules import AdagradHyper, SGDHyper
+from distemb.server import build_service
+from distemb.stores.dense import DenseStore
+from distemb.transport import tcp
+from distemb.transport.base import FLAG_NO_REPLY
+from distemb.transport.connections import local_address
+from distemb.transport.messages import Update
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def update(**kw):
+    fields = dict(name="t", rule="sgd", hyper={"lr": 1.0}, seq=1, exact=False, parts=[0],
+                  counts=[1], ids=np.zeros(1, np.int64), grads=np.zeros((1, 2), np.float32))
+    fields.update(kw)
+    return Update(**fields)
+
+
+@pytest.mark.parametrize("what, msg, in_slot, early", [
+    ("an update in the slot", update(), True, True),
+    ("the same in a frame (TCP, or asynchronous)", update(), False, False),
+    ("asynchronous", update(flags=FLAG_NO_REPLY), True, False),
+    ("sync_exact (summed with other trainers' first)", update(exact=True), True, False),
+    ("asking versions (a trainer cache)", update(versions=True), True, False),
+    ("two shards of one server", update(parts=[0, 2], counts=[1, 0]), True, False),
+])
+def test_only_what_needs_nothing_more_is_answered_early(what, msg, in_slot, early):
+    assert may_answer_early(msg, in_slot) is early, what
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, rule):
+    """Updates large enough that the server is still writing when the next lookup
+    starts (half of whose ids the update touches): every lookup equals the rows of
+    the reference rule applied in order, and some were served beside an update."""
+    cluster = clusters("shm1x1")
+    kv = RemoteKVClient(cluster.cfg, 0)
+    n, d = 100_000, 32
+    rng = np.random.default_rng(5)
+    try:
+        init = rng.standard_normal((n, d)).astype(np.float32)
+        kv.init_data("early", (n, d), "float32", range_policy(n, 1))
+        kv.push("early", np.arange(n), init)
+        kv.init_optimizer("early", rule, {"initial_accumulator_value": 0.1}
+                          if rule == "adagrad" else {})
+        weight, state = init.copy(), np.full_like(init, 0.1)
+        hyper = AdagradHyper(clr=0.05, eps=1e-10) if rule == "adagrad" else SGDHyper(lr=0.5)
+        for _ in range(12):
+            ids = np.unique(rng.integers(0, n, 60_000)).astype(np.int64)
+            grads = rng.standard_normal((len(ids), d)).astype(np.float32)
+            look = np.concatenate([rng.choice(ids, 2000), rng.integers(0, n, 2000)])
+            kv.push_update("early", ids, grads, rule, hyper)
+            got = kv.pull("early", look)  # at once: the server is still writing
+            if rule == "adagrad":
+                reference.adagrad_update(weight, state, ids, grads, hyper.clr, hyper.eps)
+            else:
+                reference.sgd_update(weight, ids, grads, hyper.lr)
+            np.testing.assert_allclose(got, weight[look], rtol=1e-6, atol=1e-6)
+        assert kv._applying.beside > 0, "no lookup ran beside an update: a void test"
+    finally:
+        kv.delete_data("early")
+        kv.close(goodbye=False)
+
+
+@pytest.fixture
+def server_here(tmp_path):
+    """One server with shared memory, served by threads of this process (so a test can
+    make its store fail); the cluster config."""
+    cfg = parse_cluster_config(cluster_dict(1, shared_memory=True, timeout_s=20.0))
+    stop = threading.Event()
+    service = build_service(cfg, 0, stop)
+    listeners = [tcp.listen_local(local_address(cfg, 0)),
+                 tcp.listen(cfg.servers[0].host, cfg.servers[0].port)]
+    thread = threading.Thread(target=tcp.serve, args=(listeners, service.handle, stop),
+                              kwargs={"timeout": cfg.timeout_s}, daemon=True)
+    thread.start()
+    yield cfg
+    stop.set()
+    thread.join(10)
+    service.server.close()
+    service.arena.close()
+
+
+def test_an_update_that_fails_after_its_early_answer_is_raised_next(server_here,
+                                                                    monkeypatch):
+    kv = RemoteKVClient(server_here, 0)
+    try:
+        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
+        kv.init_optimizer("t", "sgd", {})
+        ones = np.ones((2, 2), np.float32)
+
+        def broken(*args, **kw):
+            raise MemoryError("no room for the update")
+        failed = r"server 0: the update of 't' answered early then failed: no room"
+        with monkeypatch.context() as m:
+            m.setattr(DenseStore, "update", broken)
+            for then in (lambda: kv.push("t", np.array([5]), ones[:1]),  # any request
+                         lambda: kv.pull("t", np.array([1]))):  # a lookup beside it
+                kv.push_update("t", np.array([1, 3]), ones, "sgd", SGDHyper(lr=1.0))
+                with pytest.raises(KVStoreError, match=failed):
+                    then()
+        assert kv.pull("t", np.array([5])).tolist() == [[0, 0]]  # raised before it went
+        # the shard was unlocked and the server serves on; the failed update wrote nothing
+        kv.push_update("t", np.array([3]), ones[:1], "sgd", SGDHyper(lr=1.0))
+        assert kv.pull("t", np.array([1, 3])).tolist() == [[0, 0], [-1, -1]]
+    finally:
+        kv.close(goodbye=False)
