@@ -5,6 +5,13 @@ connections, request slots, mapped shards and its one ``_call``): reads of co-lo
 shards straight from their memory files (never torn: the seqlock, and beside an update
 answered early, :class:`~distemb.kvstore.early.Applying`), and updates and pushes
 handed over in the trainer's request slot (docs/cluster.md, "Transports").
+
+Example (a trainer on the machine of server 0, under ``distemb-launch``)::
+
+    client = RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]), rank=0)
+    client.init_data("emb", (1000, 16), "float32", range_policy(1000, 1))
+    client._shm[("emb", 0)].array.shape     # the shard, mapped read-only: (1000, 16)
+    client.pull("emb", np.arange(10))       # gathered from it, no round trip
 """
 import numpy as np
 
