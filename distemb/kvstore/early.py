@@ -89,16 +89,16 @@ class Applying:
 
     def __init__(self, conns):
         self._conns = conns
-        self._by_server = {}  # sid -> (table name, counter value, its store keys sorted)
+        self._by_server = {}  # sid -> (table, shard, counter value, its store keys sorted)
         #: lookups that copied rows while an update of the table was being applied
         self.beside = 0
 
-    def note(self, sid, name, reply, ids):
-        """Remember the update of ``name`` (store keys ``ids``) that server ``sid``
-        answered with ``reply``, if it answered early."""
+    def note(self, sid, name, part, reply, ids):
+        """Remember the update of shard ``part`` of ``name`` (store keys ``ids``) that
+        server ``sid`` answered with ``reply``, if it answered early."""
         counter = reply.fields.get(APPLYING)
         if counter is not None:
-            self._by_server[sid] = (name, int(counter), np.sort(ids))
+            self._by_server[sid] = (name, part, int(counter), np.sort(ids))
 
     def settle(self, sid, timeout=None):
         """Wait for the outcome of server ``sid``'s update answered early, if any.
@@ -117,15 +117,15 @@ class Applying:
         for sid in list(self._by_server):
             self.settle(sid)
 
-    def gather(self, sid, name, shard, ids, copy):
-        """Rows ``ids`` of ``name``'s one co-located shard (server ``sid``), copied with
-        ``copy(array, ids)``, while an update of it answered early may run; None when
-        none is pending (read as usual), or when another write got in between (the
-        outcome is then awaited, and the caller reads as usual)."""
+    def gather(self, sid, name, part, shard, ids, copy):
+        """Rows ``ids`` of shard ``part`` of ``name`` (server ``sid``'s, mapped here),
+        copied with ``copy(array, ids)``, while an update of it answered early may run;
+        None when none of that shard is pending (read as usual), or when another write
+        got in between (the outcome is then awaited, and the caller reads as usual)."""
         pending = self._by_server.get(sid)
-        if pending is None or pending[0] != name:
-            return None
-        _, counter, updated = pending
+        if pending is None or pending[:2] != (name, part):
+            return None  # another shard's counter says nothing of this one's writers
+        _, _, counter, updated = pending
         before = int(shard.version[0])
         if before in (counter, counter + 1):
             rows = copy(shard.array, ids)

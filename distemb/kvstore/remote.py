@@ -262,7 +262,7 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         meta.policy.check_ids(ids, f"ids of {name!r}")
         whole = self._shm.get((name, 0)) if meta.policy.num_partitions == 1 else None
         if whole is not None:  # one co-located shard: local ids are global ids
-            rows = self._gather(whole, ids, 0, name)
+            rows = self._gather(whole, ids, 0, name, 0)
             if rows is not None:
                 return rows
         # Half tables: 16-bit rows on the wire, float32 rows out (decoded here).
@@ -274,7 +274,7 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         def copy_shm():  # local rows are copied while the remote ones travel
             for part, pos, local in shm:
                 rows = self._gather(self._shm[(name, part)], local, part % self.num_servers,
-                                    name)
+                                    name, part)
                 if rows is None:
                     busy.append((part, pos, local))
                 else:
@@ -398,8 +398,10 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
             out[route.positions] = frame.arrays[0]
 
         def applying(sid, frame):  # a co-located server may answer before it applies
-            if sid in routes:
-                self._applying.note(sid, name, frame, routes[sid].local_ids)
+            if sid in routes:  # every early answer is noted: its outcome frame follows
+                parts = routes[sid].parts
+                self._applying.note(sid, name, parts[0] if len(parts) == 1 else None, frame,
+                                    routes[sid].local_ids)
         self._call(requests, wait=wait, on_reply=take if want else applying)
         return out
 

@@ -63,11 +63,11 @@ class SharedMemoryPaths:
                 self._shm.update({(name, part): shard for part, shard in zip(asked[sid], shards)
                                   if shard is not None})
 
-    def _gather(self, shard, local, sid, name):
+    def _gather(self, shard, local, sid, name, part):
         """Rows ``local`` of a mapped shard of ``name`` (server ``sid``'s), never torn;
         None if writes kept it busy. Beside this trainer's update of it that the server
         answered early, while it is applied (:class:`~distemb.kvstore.early.Applying`)."""
-        rows = self._applying.gather(sid, name, shard, local, self._copy_rows)
+        rows = self._applying.gather(sid, name, part, shard, local, self._copy_rows)
         return rows if rows is not None else \
             shard.read(lambda a: self._copy_rows(a, local))
 
