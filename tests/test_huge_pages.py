@@ -1,5 +1,7 @@
 """Dense tables land on 2 MiB pages even when their first touch got 4 KiB pages
 (distemb/pages.py): what the kernel mapped is read back from /proc/self/smaps."""
+import ctypes
+import mmap
 import os
 import sys
 
@@ -43,8 +45,30 @@ def four_k_pages():
     np.core.multiarray._set_madvise_hugepage(previous)
 
 
-def test_a_touched_array_moves_onto_huge_pages_unchanged(four_k_pages):
-    a = np.random.default_rng(0).random((ROWS, 64), dtype=np.float32)  # 48 MiB
+@pytest.fixture
+def own_mapping():
+    """An array of ROWS x 64 float32 (48 MiB) in an anonymous mapping of its own, on
+    4 KiB pages: numpy's would come from the heap when earlier tests left that much of
+    it free (glibc serves any size from free heap memory first), and smaps counts a
+    whole heap's huge pages."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.munmap.restype = ctypes.c_void_p, ctypes.c_int
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    nbytes = ROWS * 64 * 4
+    addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    a = np.ctypeslib.as_array((ctypes.c_float * (ROWS * 64)).from_address(addr))
+    yield a.reshape(ROWS, 64)
+    del a
+    libc.munmap(addr, nbytes)
+
+
+def test_a_touched_array_moves_onto_huge_pages_unchanged(own_mapping):
+    a = own_mapping
+    a[:] = np.random.default_rng(0).random((ROWS, 64), dtype=np.float32)
     before, want = huge_bytes(a), a.copy()
     if not back_with_huge_pages(a):
         pytest.skip("this kernel refused MADV_COLLAPSE (Linux < 6.1, or THP disabled)")
