@@ -113,10 +113,6 @@ class Applying:
         if frame.service == Error.SERVICE:
             raise KVStoreError(str(frame.fields.get("message")))
 
-    def settle_all(self):
-        for sid in list(self._by_server):
-            self.settle(sid)
-
     def gather(self, sid, name, part, shard, ids, copy):
         """Rows ``ids`` of shard ``part`` of ``name`` (server ``sid``'s, mapped here),
         copied with ``copy(array, ids)``, while an update of it answered early may run;
