@@ -12,7 +12,7 @@ in its own context, on the same id stream:
 
 Id streams: ``sage``, the input nodes of DGL's NeighborSampler([10, 10]) batches of 1,024
 training seeds on WordNet (117,659 rows), and ``zipf``, 13,000 zipf(1.1) draws per step
-over a table of the same size (both from benchmarks/bench_cache.py).
+over a table of the same size (both from benchmarks/id_streams.py).
 
 Printed per stream and contender, after ``--warmup`` steps: the hit rate (unique rows
 looked up that were cached), rows and bytes moved host->device and device->host per step
@@ -62,7 +62,7 @@ def load_streams(args):
         with np.load(args.streams_file) as z:
             return {s: (int(z[f"{s}/rows"]), [z[f"{s}/{i}"] for i in range(int(z[f"{s}/n"]))])
                     for s in args.streams.split(",")}
-    import bench_cache
+    import id_streams
     from graph_examples.datasets import load_dataset
 
     ds = load_dataset("wordnet")
@@ -71,9 +71,9 @@ def load_streams(args):
     out = {}
     for s in args.streams.split(","):
         if s == "sage":
-            stream = bench_cache.sage_stream(ds.graph, ds.train_idx, total, 0, 1)
+            stream = id_streams.sage_stream(ds.graph, ds.train_idx, total, 0, 1)
         elif s == "zipf":
-            stream = bench_cache.zipf_stream(n, total, 0)
+            stream = id_streams.zipf_stream(n, total, 0)
         else:
             sys.exit(f"--streams: expected sage and/or zipf, got {s!r}")
         out[s] = (n, [step["nodes"] for step in stream])

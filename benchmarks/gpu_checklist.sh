@@ -19,13 +19,15 @@ if ! DISTEMB_REQUIRE_CUDA=1 python3 setup.py build_ext --inplace >"$log/build.lo
 fi
 echo "build: ok"
 status=0
+# pytest-xdist is on the GPU image: 8 workers share the one GPU (the tests take ~35 s, not minutes).
+par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
 if [ "$what" != bench ]; then
-  python3 -m pytest -q -rs --timeout 300 -p no:cacheprovider \
+  python3 -m pytest -q -rs $par --timeout 300 -p no:cacheprovider \
     tests/test_cuda_kernels.py tests/test_cuda_dispatch.py tests/test_cuda_segment_sum.py \
     tests/test_cuda_half.py tests/test_device_cache.py tests/test_cuda_emulated.py \
     tests/test_cuda_half_emulated.py tests/test_kernel_contract.py tests/test_dynamic_embedding.py \
     2>&1 | tee "$log/tests_gpu.log" | tail -25 || status=1
-  python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/test_kvclient_suite.py \
+  python3 -m pytest -q $par --timeout 300 -p no:cacheprovider tests/test_kvclient_suite.py \
     tests/test_keyed_suite.py -k cuda \
     2>&1 | tee "$log/tests_client_suite.log" | tail -8 || status=1
 fi
