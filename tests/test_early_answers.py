@@ -14,6 +14,7 @@ from mp_helper import cluster_dict
 from distemb.config import parse_cluster_config
 from distemb.errors import KVStoreError
 from distemb.kernels import reference
+from distemb.kvstore import early
 from distemb.kvstore.early import may_answer_early
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
@@ -48,13 +49,20 @@ def test_only_what_needs_nothing_more_is_answered_early(what, msg, in_slot, earl
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("rule, parts", [("sgd", 1), ("adagrad", 1), ("adagrad", 2)])
-def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, rule, parts):
+@pytest.mark.parametrize("rule, parts, marks", [("sgd", 1, "bool per row"),
+                                                 ("adagrad", 1, "bool per row"),
+                                                 ("adagrad", 2, "bool per row"),
+                                                 ("adagrad", 1, "np.isin")])
+def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, monkeypatch,
+                                                                   rule, parts, marks):
     """Updates large enough that the server is still writing when the next lookup
     starts (half of whose ids the update touches): every lookup equals the rows of
     the reference rule applied in order, and some were served beside an update. With
     two shards on the server, updates touch the first only (one shard: answered early)
-    and lookups read both (the second's own seqlock decides there)."""
+    and lookups read both (the second's own seqlock decides there). The rows touched
+    are found by the bool per row of a shard, or by np.isin past MARK_ROWS."""
+    if marks == "np.isin":
+        monkeypatch.setattr(early, "MARK_ROWS", 1000)
     cluster = clusters("shm1x1")
     kv = RemoteKVClient(cluster.cfg, 0)
     n, d = 100_000, 32
@@ -79,6 +87,7 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, rul
                 reference.sgd_update(weight, ids, grads, hyper.lr)
             np.testing.assert_allclose(got, weight[look], rtol=1e-6, atol=1e-6)
         assert kv._applying.beside > 0, "no lookup ran beside an update: a void test"
+        assert bool(kv._applying._marks) is (marks == "bool per row")
     finally:
         kv.delete_data("early")
         kv.close(goodbye=False)
