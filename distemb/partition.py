@@ -212,6 +212,11 @@ class PartitionPolicy:
         Returns:
             list of (part, positions in ids, local ids), one per partition touched.
         """
+        if self.num_partitions == 1:  # every id is in it, in order: no sort, no search
+            if not len(ids):
+                return []
+            local = np.asarray(ids, np.int64) if self._ids_are_local() else self.to_local(ids)
+            return [(0, np.arange(len(ids)), local)]
         parts = self.to_partid(ids)
         local = self.to_local(ids)
         order = np.argsort(parts, kind="stable")
@@ -223,6 +228,17 @@ class PartitionPolicy:
                 out.append((part, pos, local[pos]))
                 start += n
         return out
+
+    def _ids_are_local(self):
+        """Whether the one partition's local ids are the ids themselves (start 0, step
+        1; a book that does not say is asked per id)."""
+        if getattr(self, "_identity", None) is None:
+            try:
+                self._identity = self.partition_book.id_progression(
+                    self.kind, self.type_name, 0) == (0, 1)
+            except NotImplementedError:
+                self._identity = False
+        return self._identity
 
     def __eq__(self, other):
         return (isinstance(other, PartitionPolicy) and other.policy_str == self.policy_str

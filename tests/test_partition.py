@@ -30,15 +30,32 @@ def test_hash_book_maps_ids():
     assert [pol.get_part_size(p) for p in range(3)] == [4, 3, 3]
 
 
+class ReversedBook(RangePartitionBook):
+    """One partition whose local ids run backwards, and that does not say its
+    progression: split must ask it per id."""
+
+    def to_local(self, kind, type_name, ids):
+        return self.num_ids(kind, type_name) - 1 - ids
+
+    def id_progression(self, kind, type_name, part):
+        raise NotImplementedError
+
+
 @pytest.mark.parametrize("pol", [range_policy(50, 4),
-                                 NodePartitionPolicy(HashPartitionBook(3, node_counts={"_N": 50}))])
+                                 NodePartitionPolicy(HashPartitionBook(3, node_counts={"_N": 50})),
+                                 range_policy(50, 1),  # one partition: no sort, no search
+                                 NodePartitionPolicy(HashPartitionBook(1, node_counts={"_N": 50})),
+                                 NodePartitionPolicy(ReversedBook(1, node_bounds={"_N": [0, 50]}))],
+                         ids=["range4", "hash3", "range1", "hash1", "reversed1"])
 def test_split_covers_every_id_once(pol):
     ids = np.random.default_rng(0).integers(0, 50, 200)
     seen = np.zeros(200, bool)
     for part, pos, local in pol.split(ids):
         assert (pol.to_partid(ids[pos]) == part).all() and (pol.to_local(ids[pos]) == local).all()
+        assert local.dtype == np.int64 and not seen[pos].any()
         seen[pos] = True
     assert seen.all()
+    assert pol.split(np.empty(0, np.int64)) == []
 
 
 def test_policy_errors():
