@@ -24,7 +24,7 @@ from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy
 from distemb.rules import check_table_name
 from distemb.stores import RowStore
-from distemb.stores.spec import SPECS, HashTableSpec
+from distemb.stores.spec import SPECS, FileTableSpec, HashTableSpec
 from distemb.tensor import DistTensor, StoreTensor
 
 DEFAULT_TRACE_LIMIT = 1024
@@ -73,7 +73,8 @@ class DistEmbedding:
         name: KVStore name; tables of the same name share storage.
         init_func: ``init_func(shape, dtype)`` initialises each shard (zeros when None,
             as in DGL).
-        part_policy: sharding of the rows (default: even ranges over the servers).
+        part_policy: sharding of the rows (default: even ranges over the servers; a
+            file table's too, with ``storage=FileTableSpec(...)``).
         persistent: keep the table when the objects of it are gone (default: distemb's
             rule: a table lives until its context closes, so a name always means the same
             rows). With False, DGL's rule (:mod:`distemb.dgl`'s default): the table and
@@ -114,7 +115,8 @@ class DistEmbedding:
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
         ValueError: ``dtype`` is not a row dtype, or stochastic rounding of rows other
             than bfloat16; an argument that a table on row stores does not take
-            (``part_policy``, a GPU ``device``) or that contradicts its ``storage``.
+            (``part_policy`` but on a file table's spec, a GPU ``device``) or that
+            contradicts its ``storage``.
         TypeError: ``init_func`` of the wrong signature (``(shape, dtype)`` for dense
             rows, ``(keys)`` for a keyed table), or a ``storage`` of another type.
 
@@ -483,10 +485,13 @@ def _store_tensor(num_embeddings, dim, name, init_func, part_policy, context, de
     """The StoreTensor of a table on row stores, made (or attached) in the context's
     store client; see :class:`DistEmbedding` for the arguments."""
     if part_policy is not None:
-        kind = "hash" if storage is None else getattr(storage, "kind", type(storage).__name__)
-        raise ValueError(f"part_policy: a table on row stores is routed by its storage "
-                         f"(keys by hash, or by range for a file table): a {kind} store "
-                         f"takes no partition policy, got {part_policy!r}")
+        if not isinstance(storage, FileTableSpec):
+            kind = "hash" if storage is None else getattr(storage, "kind",
+                                                          type(storage).__name__)
+            raise ValueError(f"part_policy: a {kind} store takes no partition policy (a hash "
+                             f"table is routed by its keys' hash; a store object is one "
+                             f"shard: pass a FileTableSpec), got {part_policy!r}")
+        storage = storage.partitioned_by(part_policy)
     if device is not None and str(device) != "cpu":
         raise ValueError(f"device: a table on row stores lives in host memory or on the "
                          f"servers; look its rows up onto a GPU with emb(ids, device=...), "
@@ -518,4 +523,4 @@ def _store_tensor(num_embeddings, dim, name, init_func, part_policy, context, de
     name = check_table_name(name or ctx.new_name(kind))
     client = ctx.client.store_client()
     make(client, name)
-    return StoreTensor(client, name, ctx, storage.dtype)
+    return StoreTensor(client, name, ctx, storage.dtype, part_policy)

@@ -273,6 +273,54 @@ def range_policy(num_ids, num_partitions=1, name="_N", kind=NODE):
     return PartitionPolicy(kind, name, book)
 
 
+def policy_layout(policy):
+    """Policy ``policy`` as plain data a server can rebuild it from (:func:`layout_policy`):
+    ``("range", bounds)`` for a book of ranges (DGL partition configs included), or
+    ``("hash", P)`` for ``id % P``.
+
+    Raises:
+        ValueError: a policy of another kind of book (it cannot travel), named.
+
+    Example:
+        >>> policy_layout(range_policy(10, 2))
+        ('range', (0, 5, 10))
+    """
+    book = getattr(policy, "partition_book", None)
+    if type(book) is RangePartitionBook:
+        return ("range", tuple(int(b) for b in book.bounds(policy.kind, policy.type_name)))
+    if type(book) is HashPartitionBook:
+        return ("hash", int(book.num_partitions))
+    raise ValueError(f"part_policy: expected a policy of a RangePartitionBook (DGL "
+                     f"partition configs load as one) or a HashPartitionBook, got {policy!r} "
+                     f"of a {type(book).__name__}")
+
+
+def layout_policy(layout, num_ids):
+    """The policy over ids 0..num_ids-1 that :func:`policy_layout` described as
+    ``layout`` (a list or a tuple; JSON makes lists).
+
+    Raises:
+        ValueError: a malformed layout, or one of another number of ids.
+    """
+    kind, arg = layout if isinstance(layout, (list, tuple)) and len(layout) == 2 else \
+        (None, None)
+    if kind == "range" and isinstance(arg, (list, tuple)) and len(arg) >= 2 and \
+            all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in arg):
+        if arg[-1] != num_ids:
+            raise ValueError(f"partition: its ranges cover ids 0..{int(arg[-1]) - 1}, the "
+                             f"table has {num_ids} rows")
+        try:
+            book = RangePartitionBook(len(arg) - 1, node_bounds={"_N": list(arg)})
+        except PartitionError as e:
+            raise ValueError(f"partition: {e}") from None
+        return PartitionPolicy(NODE, "_N", book)
+    if kind == "hash" and isinstance(arg, (int, np.integer)) and not isinstance(arg, bool) \
+            and arg >= 1:
+        return PartitionPolicy(NODE, "_N", HashPartitionBook(int(arg), node_counts={"_N": num_ids}))
+    raise ValueError(f"partition: expected ('range', ascending bounds from 0) or ('hash', "
+                     f"P >= 1), got {layout!r:.80}")
+
+
 def _dgl_bounds(raw, path):
     """Type-wise bounds from a DGL ``node_map``/``edge_map`` value of one type."""
     if isinstance(raw, list) and raw and all(isinstance(r, list) and len(r) == 2 for r in raw):

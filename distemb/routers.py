@@ -115,17 +115,44 @@ class KeyHashRouter(Router):
 class PolicyRouter(Router):
     """Keys 0..N-1 sharded by a partition policy; a shard's store keys are its local ids.
 
+    With ``num_shards`` other than the policy's partition count, partition ``p`` goes to
+    shard ``p % num_shards``, whose store keys run over its partitions in turn (those of
+    partition ``p`` from the sizes of the partitions before it there): any policy on any
+    number of shards, one store each.
+
     Args:
         policy: the :class:`~distemb.partition.PartitionPolicy` (range, hash or DGL's).
+        num_shards: the number of shards (None: one per partition).
 
     Example:
         >>> PolicyRouter.ranges(10, 2).owns(1, np.array([4, 5, 10])).tolist()
         [False, True, False]
+        >>> from distemb.partition import HashPartitionBook, NodePartitionPolicy
+        >>> r = PolicyRouter(NodePartitionPolicy(HashPartitionBook(3, node_counts={"_N": 7})), 2)
+        >>> r.part_of(np.arange(7)).tolist(), [r.part_size(s) for s in range(2)]
+        ([0, 1, 0, 0, 1, 0, 0], [5, 2])
+        >>> r.to_local(0, np.array([0, 2, 5])).tolist(), r.to_global(0, np.arange(5)).tolist()
+        ([0, 3, 4], [0, 3, 6, 2, 5])
     """
 
-    def __init__(self, policy: PartitionPolicy):
+    def __init__(self, policy: PartitionPolicy, num_shards: Optional[int] = None):
         self.policy = policy
-        self.num_parts = policy.num_partitions
+        parts = policy.num_partitions
+        self.num_parts = parts if num_shards is None else int(num_shards)
+        if self.num_parts < 1:
+            raise ValueError(f"num_shards: expected >= 1, got {num_shards!r}")
+        self._folded = self.num_parts != parts
+        if self._folded:
+            sizes = np.array([policy.get_part_size(p) for p in range(parts)], np.int64)
+            shard = np.arange(parts) % self.num_parts
+            self._offset = np.zeros(parts, np.int64)  # partition p's first store key
+            self._sizes = np.zeros(self.num_parts, np.int64)
+            for p in range(parts):
+                self._offset[p] = self._sizes[shard[p]]
+                self._sizes[shard[p]] += sizes[p]
+            progressions = [policy.id_progression(p) for p in range(parts)]
+            self._start = np.array([a for a, _, _ in progressions], np.int64)
+            self._step = np.array([b for _, b, _ in progressions], np.int64)
 
     @classmethod
     def ranges(cls, num_keys: int, num_parts: int) -> "PolicyRouter":
@@ -138,18 +165,28 @@ class PolicyRouter(Router):
 
     def part_size(self, part: int) -> int:
         """Keys shard ``part`` holds."""
-        return self.policy.get_part_size(part)
+        return int(self._sizes[part]) if self._folded else self.policy.get_part_size(part)
 
     def part_of(self, keys):
         self.policy.check_ids(np.asarray(keys, np.int64), "keys")
-        return self.policy.to_partid(keys)
+        owner = self.policy.to_partid(keys)
+        return owner % self.num_parts if self._folded else owner
 
     def to_local(self, part, keys):
-        return self.policy.to_local(keys).astype(np.int64, copy=False)
+        local = self.policy.to_local(keys).astype(np.int64, copy=False)
+        if self._folded:
+            local = local + self._offset[self.policy.to_partid(keys)]
+        return local
 
     def to_global(self, part, local):
-        start, step, _ = self.policy.id_progression(part)
-        return start + step * np.asarray(local, np.int64)
+        local = np.asarray(local, np.int64)
+        if not self._folded:
+            start, step, _ = self.policy.id_progression(part)
+            return start + step * local
+        mine = np.arange(part, self.policy.num_partitions, self.num_parts)
+        p = mine[np.searchsorted(self._offset[mine], local, side="right") - 1]
+        return self._start[p] + self._step[p] * (local - self._offset[p])
 
     def __repr__(self):
-        return f"PolicyRouter({self.policy!r})"
+        shards = f", num_shards={self.num_parts}" if self._folded else ""
+        return f"PolicyRouter({self.policy!r}{shards})"

@@ -342,6 +342,8 @@ class StoreTensor(NamedRows):
         name: the table's name in it.
         context: the :class:`~distemb.context.DistContext` (backend, threads).
         dtype: the rows' storage dtype name (they are read and written as float32).
+        part_policy: the partition policy a file table was given (None: its store's own
+            routing).
 
     Example:
         >>> import torch
@@ -352,10 +354,11 @@ class StoreTensor(NamedRows):
         tensor([[1., 1.]])
     """
 
-    def __init__(self, client, name, context, dtype="float32"):
+    def __init__(self, client, name, context, dtype="float32", part_policy=None):
         self._client, self._name, self._ctx = client, name, context
         self._dim = client.dim(name)
         self._dtype = dtype
+        self._policy = part_policy
 
     def lookup(self, ids, client=None):
         """The flat int64 keys and their rows, shaped as ``ids`` + (dim,) (as DistTensor).
@@ -391,7 +394,7 @@ class StoreTensor(NamedRows):
 
     @property
     def part_policy(self):
-        return None
+        return self._policy
 
     @property
     def device(self):

@@ -9,7 +9,9 @@ A *table kind* is ``"<store>[_<dtype>]-<router>"``:
 - routers: the partition policies of fixed-key stores (``range``: 2 even ranges,
   ``hash``: DGL's hash book over 3 partitions, ``dgl``: a policy read from a DGL
   partition config, uneven ranges of a node type), and the key hash of hash tables
-  (``key``).
+  (``key``). A file table's ``range`` is its own near-equal ranges, one per shard; its
+  ``hash`` and ``dgl`` are those policies folded onto the shards (partition q on shard
+  q % S).
 
 Every table's oracle row ``i`` (0..n-1) is addressed by key :meth:`Table.key_of` (``i``
 itself for fixed keys; a spread of int64 keys, negative and extreme ones included, for
@@ -34,7 +36,7 @@ from distemb.stores.spec import FileTableSpec, HashTableSpec
 
 #: Every table kind of the suite (module docstring).
 TABLE_KINDS = ["dense-range", "dense-hash", "dense-dgl", "dense_bf16-range", "hash-key",
-               "hash_bf16-key", "file-range", "file_fp16-range"]
+               "hash_bf16-key", "file-range", "file_fp16-range", "file-hash", "file-dgl"]
 #: Tolerance of a half-precision table against a float32 oracle (rows rounded on store).
 HALF_RTOL = {"bfloat16": 3e-2, "float16": 4e-3}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -99,13 +101,16 @@ class Table:
         #: the keys whose initial rows rows 0..n-1 start from (another kind's keys, for a
         #: dense oracle of that kind)
         self.init_keys = self._keys
-        self.policy = policy_of(self.router, n, tmp) if self.store == "dense" else None
+        self.policy = policy_of(self.router, n, tmp) if self.store == "dense" or \
+            (self.store == "file" and self.router != "range") else None
         if self.store == "hash":
             self.spec = HashTableSpec(dim, dtype=self.dtype, init=self.init)
         elif self.store == "file":
             self.spec = FileTableSpec(os.path.join(tmp, "files", self.name), num_rows=n,
                                       dim=dim, dtype=self.dtype, init=self.init,
                                       preallocate=False)
+            if self.policy is not None:
+                self.spec = self.spec.partitioned_by(self.policy)
         else:
             self.spec = None
 

@@ -13,6 +13,7 @@ dynamic-cluster oracle: gradients are dyadic, so sums are exact in any order).
 """
 import dataclasses
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from suite_tables import TABLE_KINDS, Table, parse_kind
 from distemb import checkpoint
 from distemb.errors import DistEmbError, KVStoreError
 from distemb.kernels import reference
+from distemb.partition import PartitionPolicy
 from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
 from distemb.rules import AdagradHyper, AdamHyper, FtrlHyper, SGDHyper, rule_of, state_name
 
@@ -286,18 +288,89 @@ def _loaded(t, ctx, ck):
 
 
 @pytest.mark.parametrize("router", ["range", "hash", "dgl"])
-def test_a_file_table_refuses_a_partition_policy_by_name(router, ctx, tmp_path):
-    """A file table is routed by its own ranges of the keys; a partition policy (range,
-    DGL's hash or a DGL partition config's) is refused naming the store and the policy,
-    never silently replaced by the table's own ranges."""
+def test_a_file_table_takes_a_partition_policy_as_dense_tables_do(router, ctx, tmp_path):
+    """``DistEmbedding(part_policy=..., storage=FileTableSpec(...))`` routes a file table
+    by the policy (range, DGL's hash, a DGL partition config's): the same rows and the
+    same training as a dense table under that policy (the suite's file-hash and file-dgl
+    kinds run every placement; this is the user's path to them)."""
     from suite_tables import policy_of
     from distemb.embedding import DistEmbedding
     t = Table("file-range", N, D, str(tmp_path))
     policy = policy_of(router, N, str(tmp_path))
-    with pytest.raises(ValueError, match=r"part_policy: .* a file store takes no partition "
-                                         rf"policy, got PartitionPolicy\('{policy.policy_str}'"):
-        DistEmbedding(N, D, name="f", part_policy=policy, storage=t.spec, context=ctx)
-    assert "f" not in ctx.client.names()
+    emb = DistEmbedding(N, D, name="f", part_policy=policy, storage=t.spec, context=ctx)
+    assert emb.part_policy is policy  # as DGL code reads it back
+    dense = DistEmbedding(N, D, name="d", part_policy=policy, context=ctx)
+    dense.weight[torch.arange(N)] = torch.from_numpy(t.initial())
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, N, 3 * N))  # duplicates
+    for table in (emb, dense):
+        opt = OPTIMIZERS["adagrad"](table)
+        for step in range(3):
+            (table(ids[step * N:(step + 1) * N]) ** 2).sum().backward()
+            opt.step()
+    everything = torch.arange(N)
+    torch.testing.assert_close(emb(everything), dense(everything), rtol=0, atol=0)
+
+
+def test_a_partition_policy_is_refused_where_it_cannot_route(ctx, tmp_path):
+    """A hash table (routed by its keys' hash), a store object (one shard), a policy of
+    another size, one of a book that cannot travel to servers, or one other than the
+    spec's own: each refused naming what and why, and no table made."""
+    from distemb.embedding import DistEmbedding
+    from distemb.partition import RangePartitionBook, range_policy
+    from distemb.stores.file import FileStore
+    from distemb.stores.spec import FileTableSpec, HashTableSpec
+
+    class OwnBook(RangePartitionBook):
+        pass
+
+    spec = FileTableSpec(str(tmp_path / "f"), N, D, preallocate=False)
+    store = FileStore(str(tmp_path / "s"), num_rows=N, dim=D, preallocate=False)
+    cases = [
+        (HashTableSpec(D), range_policy(N, 2), r"a hash store takes no partition policy"),
+        (store, range_policy(N, 2), r"a FileStore store takes no partition policy .* "
+                                    r"a store object is one shard"),
+        (spec, range_policy(N + 1, 2), rf"covers {N + 1} ids, the file table has {N} rows"),
+        (spec, PartitionPolicy("node", "_N", OwnBook(2, node_bounds={"_N": [0, 5, N]})),
+         r"expected a policy of a RangePartitionBook .* of a OwnBook"),
+        (spec.partitioned_by(range_policy(N, 2)), range_policy(N, 3),
+         r"the storage is partitioned as \('range', \(0, 12, 24\)\)"),
+    ]
+    try:
+        for i, (storage, policy, match) in enumerate(cases):
+            with pytest.raises(ValueError, match=match):
+                DistEmbedding(None if i == 0 else N, D, name=f"t{i}", part_policy=policy,
+                              storage=storage, context=ctx)
+            assert f"t{i}" not in ctx.client.names()
+    finally:
+        store.close()
+
+
+def test_a_file_tables_layout_names_its_files(tmp_path):
+    """A file table's shards under a policy's layout are files of their own: a
+    directory made under one layout never reopens under another's rows."""
+    from suite_tables import policy_of
+    from distemb.stores.spec import FileTableSpec
+    spec = FileTableSpec(str(tmp_path / "f"), N, D, preallocate=False,
+                         init=Table("file-range", N, D, str(tmp_path)).init)
+    made = {}
+    for router in ("range", "hash", "dgl"):
+        s = spec.partitioned_by(policy_of(router, N, str(tmp_path)))
+        stores = [s.make_store(p, 2) for p in range(2)]
+        made[router] = [os.path.basename(x.path) for x in stores]
+        keys = np.concatenate([s.router(2).to_global(p, np.arange(st.num_rows))
+                               for p, st in enumerate(stores)])
+        assert sorted(keys.tolist()) == list(range(N)), router  # each key once
+        rows = np.concatenate([st.gather(np.arange(st.num_rows)) for st in stores])
+        np.testing.assert_array_equal(rows, spec.init(keys))  # each at its own key
+        for st in stores:
+            st.close()
+    one = spec.make_store(0, 2)
+    made["own ranges"] = [os.path.basename(one.path)]
+    one.close()
+    assert made["own ranges"] == ["part-0-of-2"]
+    assert made["hash"] == ["part-0-of-2-hash3", "part-1-of-2-hash3"]
+    names = [n for v in made.values() for n in v]
+    assert len(set(names)) == len(names), made
 
 
 # --- array tables: what only dense tables of rows 0..N-1 have ----------------------------

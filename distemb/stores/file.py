@@ -19,9 +19,11 @@ loss, which loses at most the writes since the last flush. Reopening the same pa
 (Adam's bias correction, Adagrad's lr_decay) live in the optimizer, not here.
 """
 import fcntl
+import hashlib
 import json
 import mmap
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +33,7 @@ from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.enums import Rounding
 from distemb.errors import StoreError
 from distemb.kernels.half import storage_dtype
+from distemb.partition import layout_policy, policy_layout
 from distemb.stores.dense import DenseStore, fill_rows
 from distemb.routers import PolicyRouter
 from distemb.stores.init import KeyInit, init_fields, init_of_fields
@@ -97,7 +100,7 @@ class FileStore(DenseStore):
     Raises:
         StoreError: ``path`` is not a writable directory, the disk is too full, or the
             existing store there does not match ``num_rows``/``dim``/``dtype``.
-        ValueError: a new store without a positive ``num_rows`` and ``dim``.
+        ValueError: a new store without a ``num_rows`` (0 or more) and a positive ``dim``.
 
     Example:
         >>> import tempfile
@@ -148,7 +151,10 @@ class FileStore(DenseStore):
         if num_rows is None or dim is None:
             raise ValueError(f"num_rows, dim: a new FileStore at {self.path!r} needs both, "
                              f"got num_rows={num_rows!r}, dim={dim!r}")
-        self.num_rows, self.dim = check_dim(num_rows, "num_rows"), check_dim(dim)
+        # no rows: a shard a partition policy leaves empty (its files hold nothing)
+        self.num_rows = 0 if isinstance(num_rows, (int, np.integer)) and \
+            not isinstance(num_rows, bool) and num_rows == 0 else check_dim(num_rows, "num_rows")
+        self.dim = check_dim(dim)
         self.dtype = check_float_dtype(dtype)
         self._set_rounding(rounding)
         self._cols, self._shapes = {}, {}
@@ -198,11 +204,13 @@ class FileStore(DenseStore):
         try:
             if create:
                 os.ftruncate(fd, nbytes)  # sparse: holes read as zeros, cost no disk
-                if self.preallocate:
+                if self.preallocate and nbytes:
                     os.posix_fallocate(fd, 0, nbytes)
             elif os.fstat(fd).st_size != nbytes:
                 raise StoreError(f"path: {self._file(name)!r} has {os.fstat(fd).st_size} "
                                  f"bytes, expected {nbytes} for column {name!r}")
+            if not nbytes:  # an empty file cannot be mapped: no rows to keep either
+                return np.empty(shape, dtype)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             if create:
@@ -281,14 +289,15 @@ def _free_bytes(path):
         return "unknown"
 
 
-class _Offset:
-    """A key initialiser seen from one shard: its local key k is global key start + k."""
+class _Shard:
+    """A key initialiser seen from one shard: its store key k is the table's key
+    ``router.to_global(part, k)``."""
 
-    def __init__(self, init, start):
-        self.init, self.start = init, start
+    def __init__(self, init, router, part):
+        self.init, self.router, self.part = init, router, part
 
     def __call__(self, keys):
-        return self.init(keys + self.start)
+        return self.init(self.router.to_global(self.part, keys))
 
 
 @dataclass(frozen=True)
@@ -298,6 +307,10 @@ class FileTableSpec:
     Shard ``p`` of ``S`` is the FileStore at ``path/part-<p>-of-<S>`` (made, or reopened
     with its rows and optimizer state), holding its range of the keys
     (:meth:`router`); on a server, ``path`` names a directory on the server's machine.
+    With a ``partition`` (a partition policy as :func:`~distemb.partition.policy_layout`
+    describes it: ranges of its own, DGL's, or ``id % P``), partition ``q`` is on shard
+    ``q % S`` and the files are ``part-<p>-of-<S>-<layout>``, so a directory never
+    reopens under another layout's rows.
 
     Args:
         path: the table's directory (absolute in a cluster: servers resolve it).
@@ -309,6 +322,8 @@ class FileTableSpec:
         rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 rows).
         preallocate: reserve the files' blocks when made (a full disk fails then, not
             mid-training).
+        partition: None (near-equal ranges, one per shard), or a partition policy's
+            layout (``DistEmbedding(part_policy=...)`` sets it).
 
     Raises:
         ValueError: a field out of its domain (named, with the value).
@@ -329,6 +344,7 @@ class FileTableSpec:
     init: Optional[object] = None
     rounding: str = "nearest"
     preallocate: bool = True
+    partition: Optional[tuple] = None
 
     kind = "file"
     fixed_keys = True
@@ -345,6 +361,9 @@ class FileTableSpec:
         set_(self, "dtype", check_float_dtype(self.dtype))
         set_(self, "rounding", Rounding.parse(self.rounding, "rounding", ValueError).value)
         set_(self, "preallocate", bool(self.preallocate))
+        if self.partition is not None:
+            policy = layout_policy(self.partition, self.num_rows)  # ValueError, named
+            set_(self, "partition", policy_layout(policy))
         check_init_func(self.init, KEYED_INIT)
         if isinstance(self.init, KeyInit) and self.init.dim != self.dim:
             raise ValueError(f"init_func: makes rows of dim {self.init.dim}, the table's "
@@ -355,15 +374,44 @@ class FileTableSpec:
         if not isinstance(other, FileTableSpec):
             return f"kind {self.kind!r}, got kind {getattr(other, 'kind', other)!r}"
         out = []
-        for field in ("path", "num_rows", "dim", "dtype", "rounding"):
+        for field in ("path", "num_rows", "dim", "dtype", "rounding", "partition"):
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 out.append(f"{field} {mine!r}, got {field} {theirs!r}")
         return "; ".join(out)
 
+    def partitioned_by(self, policy):
+        """This spec with its keys routed by partition policy ``policy``.
+
+        Raises:
+            ValueError: a policy of another number of ids, of a book that cannot travel
+                to servers, or other than the spec's own ``partition``.
+        """
+        if policy.get_size() != self.num_rows:
+            raise ValueError(f"part_policy: {policy!r} covers {policy.get_size()} ids, the "
+                             f"file table has {self.num_rows} rows")
+        layout = policy_layout(policy)
+        if self.partition is not None and self.partition != layout:
+            raise ValueError(f"part_policy: the storage is partitioned as "
+                             f"{self.partition!r:.60}, got {policy!r}")
+        return dataclasses.replace(self, partition=layout)
+
     def router(self, num_parts):
-        """Keys in ``num_parts`` near-equal ranges (:class:`~distemb.routers.PolicyRouter`)."""
-        return PolicyRouter.ranges(self.num_rows, num_parts)
+        """Keys in ``num_parts`` near-equal ranges, or by the table's ``partition``
+        folded onto ``num_parts`` shards (:class:`~distemb.routers.PolicyRouter`); one
+        shard holds every key at its own index either way."""
+        if self.partition is None or num_parts == 1:
+            return PolicyRouter.ranges(self.num_rows, num_parts)
+        return PolicyRouter(layout_policy(self.partition, self.num_rows), num_parts)
+
+    def _layout_tag(self, num_parts):
+        """The files' suffix naming the layout ("" for near-equal ranges, or one shard)."""
+        if self.partition is None or num_parts == 1:
+            return ""
+        kind, arg = self.partition
+        if kind == "hash":
+            return f"-hash{arg}"
+        return "-ranges" + hashlib.sha1(json.dumps(list(arg)).encode()).hexdigest()[:10]
 
     def make_store(self, part=0, num_parts=1):
         """The FileStore of shard ``part`` of ``num_parts`` (made or reopened).
@@ -373,9 +421,9 @@ class FileTableSpec:
                 store of another shape.
         """
         router = self.router(num_parts)
-        start = int(router.to_global(part, [0])[0]) if router.part_size(part) else 0
-        init = None if self.init is None else _Offset(self.init, start)
-        return FileStore(os.path.join(self.path, f"part-{part}-of-{num_parts}"),
+        init = None if self.init is None else _Shard(self.init, router, part)
+        return FileStore(os.path.join(self.path, f"part-{part}-of-{num_parts}"
+                                                 f"{self._layout_tag(num_parts)}"),
                          num_rows=router.part_size(part), dim=self.dim, dtype=self.dtype,
                          init=init, rounding=self.rounding, preallocate=self.preallocate)
 
@@ -385,7 +433,9 @@ class FileTableSpec:
         return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
                 "init_args": params, "capacity": 0, "evict": "lru", "low_water": 1.0,
                 "rounding": self.rounding, "num_rows": self.num_rows, "path": self.path,
-                "preallocate": int(self.preallocate)}
+                "preallocate": int(self.preallocate),
+                "partition": None if self.partition is None else json.loads(
+                    json.dumps(self.partition))}  # as the wire has it: lists
 
     @classmethod
     def from_fields(cls, f):
@@ -398,6 +448,13 @@ class FileTableSpec:
             if not os.path.isabs(f["path"]):
                 raise ValueError(f"path: a server needs an absolute path, got {f['path']!r}")
             return cls(f["path"], f["num_rows"], f["dim"], f["dtype"], init_of_fields(f),
-                       f["rounding"], bool(f["preallocate"]))
+                       f["rounding"], bool(f["preallocate"]), _layout(f.get("partition")))
         except (KeyError, TypeError) as e:
             raise ValueError(f"table spec: missing or invalid field ({e})") from None
+
+
+def _layout(raw):
+    """A layout from its JSON form (lists), for :func:`~distemb.partition.layout_policy`."""
+    if isinstance(raw, list) and len(raw) == 2 and isinstance(raw[1], list):
+        return (raw[0], tuple(raw[1]))
+    return tuple(raw) if isinstance(raw, list) else raw

@@ -360,7 +360,7 @@ class HashTableSpec:
         return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
                 "init_args": params, "capacity": self.capacity or 0, "evict": self.evict,
                 "low_water": self.low_water, "rounding": self.rounding, "num_rows": 0,
-                "path": "", "preallocate": 0}
+                "path": "", "preallocate": 0, "partition": None}
 
     @classmethod
     def from_fields(cls, f):

@@ -183,12 +183,19 @@ def choice(*allowed):
     return lambda v: isinstance(v, str) and v in allowed
 
 
+def layout(v):
+    """None, or a partition policy's layout (:func:`~distemb.partition.policy_layout`)
+    as JSON: ``["range", [bounds]]`` or ``["hash", P]``."""
+    return v is None or (isinstance(v, list) and len(v) == 2 and (
+        (v[0] == "hash" and int_value(v[1])) or (v[0] == "range" and int_list(v[1]))))
+
+
 #: The fields of a table spec (:data:`~distemb.stores.spec.SPECS`) as a Create carries
 #: them, each with its type's checker; what each may hold is the spec's to check.
 SPEC_FIELDS = {"kind": text, "dim": int_value, "dtype": text, "init": text,
                "init_args": scalar_dict, "capacity": int_value, "evict": text,
                "low_water": real, "rounding": text, "num_rows": int_value, "path": text,
-               "preallocate": int_value}
+               "preallocate": int_value, "partition": layout}
 
 
 def spec_fields(v):
