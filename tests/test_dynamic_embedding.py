@@ -293,7 +293,7 @@ def test_storage_arguments_are_checked_by_name(ctx, tmp_path):
     from distemb.stores import DenseStore
     from distemb.stores.spec import FileTableSpec, HashTableSpec
 
-    with pytest.raises(ValueError, match="part_policy: a table on row stores"):
+    with pytest.raises(ValueError, match="part_policy: a hash store takes no partition policy"):
         DistEmbedding(None, 2, context=ctx, part_policy=range_policy(4))
     with pytest.raises(ValueError, match="device: a table on row stores"):
         DistEmbedding(None, 2, context=ctx, device="cuda")

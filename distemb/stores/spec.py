@@ -14,7 +14,8 @@ from validated data. The kinds (:data:`SPECS`, the store registry):
   (per-server LRU/LFU order).
 - :class:`FileTableSpec` (``"file"``): keys 0..N-1 on memory-mapped files (tables larger
   than RAM), one :class:`~distemb.stores.file.FileStore` per shard under
-  ``path/part-<p>-of-<S>``, keys routed by ranges.
+  ``path/part-<p>-of-<S>``, keys routed by ranges, or by a partition policy given as
+  ``partition`` (range, hash or DGL's; partition q on shard q % S).
 
 Each spec says how its keys are routed (:meth:`router`) and what its stores can do
 (:attr:`fixed_keys`: no remove or evict; :attr:`persistent`).
