@@ -4,7 +4,9 @@ Holds the shards of the partitions it owns (p % num_servers == N) with the numpy
 only (this module and everything it imports never import torch), serves the protocol of
 :mod:`distemb.transport.messages` over the configured transport, and exits 0 once every
 trainer has said goodbye, on SIGTERM/SIGINT/SIGHUP, or when its parent process (the
-launcher) is gone. With shared memory on it also listens on its local socket, where the
+launcher) is gone; told to stop by a signal or its parent's death, it exits within
+:data:`STOP_GRACE_S` seconds even if its shutdown hangs (printing every thread's stack
+first). With shared memory on it also listens on its local socket, where the
 trainers of its machine connect; its shards are memory files that vanish with the last
 process mapping them, so nothing of the job outlives its processes, however they die.
 
@@ -13,11 +15,13 @@ Example (normally started by ``distemb-launch``)::
     python -m distemb.server --config cluster.json --server-id 0
 """
 import argparse
+import faulthandler
 import os
 import resource
 import signal
 import sys
 import threading
+import time
 
 from distemb.config import default_num_threads, load_cluster_config
 from distemb.enums import Transport
@@ -29,6 +33,10 @@ from distemb.transport.connections import local_address
 from distemb.transport.shm import ShmArena
 
 PARENT_POLL_S = 0.5
+#: Told to stop by a signal or its parent's death, a server has this long to shut down
+#: cleanly (answers under way, file tables flushed); then it prints every thread's stack
+#: and exits anyway (status 3), so a hang in shutdown never leaves it running.
+STOP_GRACE_S = 5.0
 
 
 def build_service(cfg, server_id, stop):
@@ -42,8 +50,35 @@ def build_service(cfg, server_id, stop):
                      max_request_bytes=cfg.max_message_bytes)
 
 
-def watch_parent(stop, parent):
-    """Set ``stop`` once the parent process ``parent`` is gone (we were reparented).
+def stop_within(stop, grace):
+    """The function that sets ``stop`` and starts the deadline: ``grace`` s later the
+    process prints its threads' stacks to stderr and exits, whatever still runs (a
+    shutdown that hangs: a completed update is in its shared memory or files already).
+    It only sets events, so it may be a signal handler."""
+    told = threading.Event()
+
+    def deadline():
+        told.wait()
+        time.sleep(grace)
+        try:
+            print(f"distemb server: still running {grace:g} s after it was told to stop; "
+                  f"exiting (its threads follow)", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+        except (OSError, ValueError):
+            pass  # no stderr left (the launcher is gone): exit all the same
+        os._exit(3)
+
+    threading.Thread(target=deadline, name="distemb-stop-deadline", daemon=True).start()
+
+    def now(*_):
+        stop.set()
+        told.set()
+    return now
+
+
+def watch_parent(stop, parent, told):
+    """Call ``told()`` (which sets ``stop``) once the parent process ``parent`` is gone
+    (we were reparented).
 
     The launcher also asks the kernel for SIGTERM on its death (PR_SET_PDEATHSIG); this
     covers servers started any other way, and a parent that died before that took hold.
@@ -51,9 +86,12 @@ def watch_parent(stop, parent):
     def loop():
         while not stop.wait(PARENT_POLL_S):
             if os.getppid() != parent:
-                print(f"distemb server: parent process {parent} is gone; stopping",
-                      file=sys.stderr, flush=True)
-                stop.set()
+                told()  # first: the message may fail (stderr was the parent's pipe)
+                try:
+                    print(f"distemb server: parent process {parent} is gone; stopping",
+                          file=sys.stderr, flush=True)
+                except (OSError, ValueError):
+                    pass
     threading.Thread(target=loop, name="distemb-parent-watch", daemon=True).start()
 
 
@@ -66,9 +104,10 @@ def run(cfg, server_id):
     if not 0 <= server_id < len(cfg.servers):
         raise DistEmbError(f"--server-id: expected 0..{len(cfg.servers) - 1}, got {server_id}")
     stop = threading.Event()
+    told = stop_within(stop, STOP_GRACE_S)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
-    watch_parent(stop, os.getppid())
+        signal.signal(sig, told)
+    watch_parent(stop, os.getppid(), told)
     # A descriptor per shared-memory shard: allow as many as the hard limit does.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard != resource.RLIM_INFINITY:

@@ -222,3 +222,36 @@ def test_a_job_launched_over_ssh_runs_to_completion_under_its_guards(tmp_path):
     assert launcher.returncode == 0 and out.count("ROWS 20.0") == 2, out
     job = json.loads((tmp_path / "c.json").read_text())["job_id"]
     assert shm_files(job) == []
+
+
+HANGING_SERVER = """
+import sys, time
+import distemb.kvstore.server as kvserver
+from distemb import server
+
+def hang_in_close(self):  # a shutdown that never ends (what the test plants)
+    time.sleep(3600)
+
+kvserver.KVServer.close = hang_in_close
+sys.exit(server.main(["--config", sys.argv[1], "--server-id", "0"]))
+"""
+
+
+def test_a_server_whose_shutdown_hangs_exits_after_the_grace(tmp_path):
+    """Told to stop by SIGTERM (what the launcher's death sends), a server whose shutdown
+    hangs still exits, STOP_GRACE_S later, with status 3 and every thread's stack on
+    stderr (the planted hang among them), so it never outlives its job."""
+    from distemb.server import STOP_GRACE_S
+    raw = cluster_dict(1, shared_memory=False)
+    with ProcessGroup() as group:
+        path = write_json(tmp_path / "c.json", raw)
+        server = group.spawn([sys.executable, "-c", HANGING_SERVER, path], expect=3)
+        group.wait_listening([("127.0.0.1", raw["servers"][0]["port"])])
+        start = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        out, _ = server.communicate(timeout=STOP_GRACE_S + 30)
+        took = time.monotonic() - start
+    assert server.returncode == 3, out
+    assert STOP_GRACE_S - 0.5 <= took < STOP_GRACE_S + 10, took
+    assert f"still running {STOP_GRACE_S:g} s after it was told to stop" in out, out
+    assert "hang_in_close" in out, out  # its stack says where it hung
