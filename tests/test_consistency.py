@@ -13,6 +13,7 @@ from distemb.config import parse_cluster_config
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
 from distemb.rules import SGDHyper
+from distemb.stores.file import FileTableSpec
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 ROWS, DIM, UPDATES = 64, 4096, 150
@@ -28,16 +29,25 @@ def both(clients, fn):
         t.join(60)
 
 
+@pytest.mark.parametrize("table", ["array", "file"])
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
-def test_pulls_never_see_a_torn_row_during_concurrent_updates(tmp_path, shm):
+def test_pulls_never_see_a_torn_row_during_concurrent_updates(tmp_path, shm, table):
+    """``file``: a file table's rows, which a co-located reader maps from the file under
+    a seqlock counter in shared memory."""
     raw = cluster_dict(1, num_trainers=2, shared_memory=shm, timeout_s=20.0)
     cfg = parse_cluster_config(raw)
     with ProcessGroup() as group:
         group.spawn_servers(write_json(tmp_path / "c.json", raw), 1)
         writer = RemoteKVClient(cfg, 0)
         reader = RemoteKVClient(cfg, 1)
-        both([writer, reader], lambda c: c.init_data("w", (ROWS, DIM), "float32",
-                                                    range_policy(ROWS)))
+        if table == "file":
+            spec = FileTableSpec(str(tmp_path / "w"), num_rows=ROWS, dim=DIM,
+                                 preallocate=False)
+            both([writer, reader], lambda c: c.create_table("w", spec))
+            assert (("w", 0) in reader._shm) == shm  # read in place where co-located
+        else:
+            both([writer, reader], lambda c: c.init_data("w", (ROWS, DIM), "float32",
+                                                        range_policy(ROWS)))
         both([writer, reader], lambda c: c.init_optimizer("w", "sgd", {}))
         ids = np.arange(ROWS, dtype=np.int64)
         rng = np.random.default_rng(0)

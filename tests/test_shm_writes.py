@@ -7,6 +7,7 @@ request. The oracle is the reference update rule (and plain TCP). Descriptors th
 not sealed memory files of the declared size are refused before they are mapped.
 """
 import fcntl
+import gc
 import mmap
 import os
 import socket
@@ -18,13 +19,14 @@ import pytest
 
 from mp_helper import memory_files, shm_files
 
-from distemb.errors import TransportError
+from distemb.errors import PartitionError, TransportError
 from distemb.kernels import reference
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.service import KVService
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
+from distemb.stores.file import FileTableSpec
 from distemb.stores.spec import HashTableSpec
 from distemb.transport.base import Connection, Session
 from distemb.transport.connections import local_address, open_connections
@@ -351,6 +353,85 @@ def test_colocated_dynamic_table_writes_travel_in_shared_memory(clusters):
     finally:
         dyn.delete_data("dyn")
         kv.close(goodbye=False)
+
+
+@pytest.mark.multiprocess
+def test_colocated_file_table_rows_are_read_in_place(clusters, tmp_path):
+    """A file table's rows never move: a co-located trainer maps each server's file
+    read-only, beside a seqlock counter in a memory file, and a lookup sends nothing;
+    updates still go in the request slot. The oracle is the reference rule on a copy of
+    the rows. Dropping the table frees the counters' memory files."""
+    cluster = clusters("tcp_shm")
+    conns = connect(cluster.cfg)
+    kv = RemoteKVClient(cluster.cfg, 0, connections=conns, consistency="sync")
+    rows, d = 40, 4
+    rng = np.random.default_rng(8)
+    try:
+        kv.create_table("f", FileTableSpec(str(tmp_path / "f"), num_rows=rows, dim=d))
+        assert sorted(k for k in kv._shm if k[0] == "f") == [("f", 0), ("f", 1)]
+        weight = rng.standard_normal((rows, d)).astype(np.float32)
+        kv.push("f", np.arange(rows), weight)
+        kv.init_optimizer("f", "adagrad", {"initial_accumulator_value": 0.0})
+        state = np.zeros_like(weight)
+        hyper = AdagradHyper(clr=0.1, eps=1e-10)
+        for conn in conns:
+            conn.sent.clear()
+        for _ in range(5):
+            ids = rng.integers(0, rows, 30)  # duplicates, on both servers
+            np.testing.assert_array_equal(kv.pull("f", ids), weight[ids])
+            pos = np.unique(ids)  # an update's ids come coalesced
+            grads = rng.standard_normal((len(pos), d)).astype(np.float32)
+            kv.push_update("f", pos, grads, "adagrad", hyper)
+            reference.adagrad_update(weight, state, pos, grads, hyper.clr, hyper.eps)
+        np.testing.assert_allclose(kv.pull("f", np.arange(rows)), weight, rtol=1e-6,
+                                   atol=1e-6)
+        sent = {s[0] for conn in conns for s in conn.sent}
+        assert Service.PULL not in sent and sent == {Service.IN_SHM}, sent
+        with pytest.raises(PartitionError):  # a key outside the table, as over a socket
+            kv.pull("f", np.array([rows]))
+        mapped = {f for f in memory_files(os.getpid(), cluster.cfg.job_id)
+                  if f.startswith(f"distemb-{cluster.cfg.job_id}-s")}  # not its own slots
+        assert len(mapped) == 2, mapped  # the two servers' counters, nothing else
+    finally:
+        kv.delete_data("f")
+    assert not [k for k in kv._shm if k[0] == "f"]
+    gc.collect()
+    assert not mapped & set(memory_files(os.getpid(), cluster.cfg.job_id))
+    for proc in cluster.servers:
+        assert not mapped & set(memory_files(proc.pid, cluster.cfg.job_id))
+    kv.close(goodbye=False)
+
+
+def test_a_rows_file_is_mapped_only_as_the_read_only_file_of_the_size_declared(tmp_path):
+    """The file of a file table's rows cannot be sealed: a trainer maps it only when it is
+    a regular file of this user, opened read-only, of exactly the rows' size (a smaller
+    one would fault past its end), and never writable."""
+    arena = ShmArena("jobf", 0)
+    counter = arena.allocate((0,), "int64")
+    path = tmp_path / "weight.bin"
+    np.arange(24, dtype=np.float32).tofile(path)
+
+    def rows_fd(flags=os.O_RDONLY):
+        return os.open(path, flags)
+    shard = attach(arena.dup_segment(counter), (6, 4), "float32", rows_fd())
+    assert shard.array[5].tolist() == [20.0, 21.0, 22.0, 23.0] and \
+        not shard.array.flags.writeable
+    arena.version_of(counter)[0] = 1  # a write under way: no copy is kept
+    assert shard.read(lambda a: a[[1]].copy(), tries=2) is None
+    arena.version_of(counter)[0] = 2
+    assert shard.read(lambda a: a[[1]].copy()).tolist() == [[4.0, 5.0, 6.0, 7.0]]
+    r, w = os.pipe()
+    os.close(w)
+    for fd, want in ((rows_fd(), "has 96 bytes, expected 128"),
+                     (rows_fd(os.O_RDWR), "read-only descriptor"),
+                     (r, "regular file, got a pipe")):
+        with pytest.raises(TransportError, match=want):
+            attach(arena.dup_segment(counter), (8 if "128" in want else 6, 4), "float32", fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed, refused or not
+    with pytest.raises(TransportError, match="memory file"):  # the counter must be sealed
+        attach(rows_fd(), (6, 4), "float32", rows_fd())
+    arena.close()
 
 
 def test_a_shard_handed_to_a_trainer_cannot_be_written_by_it():

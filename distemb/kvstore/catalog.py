@@ -45,6 +45,7 @@ from distemb.kvstore import snapshot
 from distemb.kvstore.limits import check_disk, check_fits, check_request
 from distemb.rules import check_table_name, rule_of, state_init, state_name, state_owner
 from distemb.stores.spec import spec_from_fields
+from distemb.stores.types import WEIGHT
 from distemb.transport.base import MAX_FDS, MAX_MESSAGE_BYTES
 from distemb.transport.messages import Reply, Service
 
@@ -78,6 +79,7 @@ class Catalog:
         self.server, self.server_id, self.num_servers = server, server_id, num_servers
         self.arena, self.max_request_bytes = arena, max_request_bytes
         self._lock = threading.RLock()  # create/drop/opt-init change the shard dict
+        self._counters = {}  # (table, part) -> the seqlock segment of rows in a file
 
     def handlers(self):
         """{service: handler(message, session)} of the requests on tables."""
@@ -115,6 +117,7 @@ class Catalog:
         if self.server.has(name, part):
             if self.arena:
                 self.arena.release(self.server.shard(name, part))
+                self.arena.release(self._counters.pop((name, part), None))
             self.server.drop_shard(name, part)
 
     def _allocate_all(self, wanted, what):
@@ -225,29 +228,59 @@ class Catalog:
 
     def shm_info(self, m, session):
         """Read-only descriptors of the memory files of shards ``m.parts`` of ``m.name``
-        (``segments`` says which parts have one, in order; the rest are private)."""
+        (``segments`` says which parts have one, in order; the rest are private). A
+        table's rows in a file (``files``) come as two: a segment of the seqlock counter
+        only, then the file."""
         if not (session.passes_fds or session.trusted):
             raise KVStoreError(f"ShmInfo: shared memory is handed over on a server's local "
                                f"socket only, not to {session.peer}")
         if len(m.parts) > MAX_FDS:
             raise KVStoreError(f"ShmInfo: at most {MAX_FDS} parts a request, got "
                                f"{len(m.parts)}")
-        fds, has, shapes, dtypes = [], [], [], []
+        fds, has, files, shapes, dtypes = [], [], [], [], []
         try:
             with self._lock:  # a table dropped meanwhile never hands out a closed file
                 for part in m.parts:
                     arr = self.server.shard(m.name, part)
                     fd = self.arena.dup_segment(arr) if self.arena else None
+                    rows = None if fd is not None or not self.arena else \
+                        self._rows_file(m.name, part)
+                    if rows is not None:
+                        fds.append(self.arena.dup_segment(self._counters[(m.name, part)]))
+                        fd = rows
                     if fd is not None:
                         fds.append(fd)
                     has.append(fd is not None)
+                    files.append(rows is not None)
                     shapes.append(list(arr.shape))
                     dtypes.append(dtype_name(arr))
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        return Reply(fields={"segments": has, "shapes": shapes, "dtypes": dtypes}, fds=fds)
+        return Reply(fields={"segments": has, "files": files, "shapes": shapes,
+                             "dtypes": dtypes}, fds=fds)
+
+    def _rows_file(self, name, part):
+        """A read-only descriptor of the file holding the rows of spec'd table ``name``'s
+        shard ``part`` (a file store's weight), its seqlock counter made on first ask; None
+        when its rows are not in a file (a hash store's move as it grows)."""
+        if state_owner(name) is not None:
+            return None
+        table = self.server.table(name, part)
+        if table.arrays:
+            return None
+        fd = table.store.open_column(WEIGHT)
+        if fd is None or (name, part) in self._counters:
+            return fd
+        try:
+            counter = self.arena.allocate((0,), np.int64)
+        except BaseException:
+            os.close(fd)
+            raise
+        table.set_counter(WEIGHT, self.arena.version_of(counter))  # between writes: even
+        self._counters[(name, part)] = counter
+        return fd
 
     def _shards(self, m):
         """(ShardTable, start, step) of each part a Save or Load names: an array table's

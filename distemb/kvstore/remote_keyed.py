@@ -25,8 +25,9 @@ no rows there), and a server sums the step's contributions and applies them once
 Reads, writes and updates are the requests of every table (``Pull``, ``Push``,
 ``OptInit``, ``Update`` addressed to the server's shard ``parts=[server id]``, with the
 table's keys as ids): pushes and updates to a co-located server hand their arrays over
-in /dev/shm request slots, as for array tables. Rows are read over the sockets (a store
-that inserts on read has no mapped rows) and there is no trainer cache for them yet.
+in /dev/shm request slots, as for array tables. A co-located server's rows are read in
+place where they never move (a file table's: the file, mapped read-only, under a
+seqlock counter in shared memory); a store that inserts on read is read over the sockets.
 
 Example (servers started by ``distemb-launch``)::
 
@@ -85,12 +86,20 @@ class RemoteKeyedTables(KeyedTables):
         return self._call({sid: make(sid) for sid in range(self.num_servers)},
                                 timeout=timeout)
 
-    def _gather_keyed(self, name, keys, make, row_shape, dtype):
+    def _gather_keyed(self, name, keys, make, row_shape, dtype, mapped=False):
         """Rows of ``keys`` asked of their owners with ``make(server id, keys)``, in key
-        order."""
+        order; with ``mapped``, the weight rows of shards mapped from co-located servers
+        are read in place (unless writes keep them busy)."""
         keys = table_keys(keys)
         out = np.empty((len(keys),) + row_shape, dtype)
         split = self._split(name, keys)
+        for sid in [s for s in split if mapped and (name, s) in self._shm]:
+            pos, k = split[sid]
+            rows = self._gather(self._shm[(name, sid)], self._routers[name].to_local(sid, k),
+                                sid, name, sid)
+            if rows is not None:
+                out[pos] = rows
+                del split[sid]
 
         def take(sid, frame):
             pos = split[sid][0]
@@ -117,6 +126,8 @@ class RemoteKeyedTables(KeyedTables):
         self._specs[name] = spec
         self._routers[name] = spec.router(self.num_servers)
         self.barrier()
+        if spec.fixed_keys:  # rows that never move: co-located shards are read in place
+            self._map_shm(name, {sid: [sid] for sid in range(self.num_servers)})
 
     def add_table(self, name, store):
         raise KVStoreError(f"table {name!r}: a store object lives in this process, and this "
@@ -222,6 +233,8 @@ class RemoteKeyedTables(KeyedTables):
 
     def _keyed_delete(self, name):
         self._routers.pop(name, None)
+        for key in [k for k in self._shm if k[0] == name]:
+            del self._shm[key]
         self._forget(name)
         self._all(lambda sid: Drop(name=name))
 
@@ -234,7 +247,8 @@ class RemoteKeyedTables(KeyedTables):
         table, shape, dtype = (name, (self.dim(name),), np.float32) if state is None else \
             (state[0], state[2], state[3])
         return self._gather_keyed(table, ids, lambda sid, k: Pull(
-            name=name, parts=[sid], counts=[len(k)], ids=k), shape, dtype)
+            name=name, parts=[sid], counts=[len(k)], ids=k), shape, dtype,
+            mapped=state is None)
 
     def _keyed_push(self, name, ids, values):
         state = self.state_of(name)

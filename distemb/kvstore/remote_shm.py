@@ -59,7 +59,8 @@ class SharedMemoryPaths:
             for sid, reply in replies.items():
                 f = reply.fields
                 shards = attach_all(fds[sid], f["segments"], f["shapes"],
-                                    [half.storage_dtype(dt) for dt in f["dtypes"]])
+                                    [half.storage_dtype(dt) for dt in f["dtypes"]],
+                                    f.get("files"))
                 self._shm.update({(name, part): shard for part, shard in zip(asked[sid], shards)
                                   if shard is not None})
 

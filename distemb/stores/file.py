@@ -273,6 +273,18 @@ class FileStore(DenseStore):
     def nbytes(self):
         return int(sum(a.nbytes for a in self._cols.values()))
 
+    def open_column(self, name):
+        """The file of column ``name``, read-only (None for a store without rows: there is
+        nothing to map)."""
+        self.column(name)  # the error for an unknown column
+        if not self.num_rows:
+            return None
+        try:
+            return os.open(self._file(name), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise StoreError(f"path: cannot open {self._file(name)!r} ({e.strerror})") \
+                from None
+
 
 def _close_map(mm):
     try:

@@ -179,6 +179,12 @@ class RowStore(abc.ABC):
         """Bytes held: every column plus the index and bookkeeping."""
         return int(sum(self.column(c).nbytes for c in self.columns()))
 
+    def open_column(self, name: str) -> Optional[int]:
+        """A new read-only descriptor of the file that holds column ``name``'s rows as
+        :meth:`column` has them (from offset 0), for another process on this machine to
+        map; None when the rows are in memory only (the caller closes the descriptor)."""
+        return None
+
     # ---- shared behaviour, written once on top of the above ---------------------------
 
     def gather(self, keys: Keys, column: str = WEIGHT, insert: bool = True) -> Rows:

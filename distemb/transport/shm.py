@@ -24,7 +24,11 @@ counter (a seqlock). The server makes it odd before it writes the shard and even
 copies its rows between two reads of the counter and keeps the copy only if both were
 the same even value, else tries again, and after :data:`READ_TRIES` tries asks the server
 (whose lock it then waits for). On x86-64 stores are seen in order and loads are not
-reordered with loads, which is all this needs.
+reordered with loads, which is all this needs. A file table's rows are in a file on
+disk (a :class:`~distemb.stores.file.FileStore`'s column): its segment is the header
+alone, and the file comes beside it as a second, read-only descriptor, which the trainer
+maps read-only after :func:`check_rows_file` (a disk file cannot be sealed: the store
+never resizes a file it has open, and holds its directory's lock).
 
 Request slots (trainer to server): a trainer writes the arrays of an update or a push
 into its :class:`RequestSlot` (one per connection to a co-located server) and sends a
@@ -263,38 +267,80 @@ class ShmShard:
         return None
 
 
-def attach(fd, shape, dtype):
-    """Map a shard's segment read-only, after :func:`check_segment`; ``fd`` is closed
-    (the mapping stays valid).
+def check_rows_file(fd, size, what):
+    """Refuse ``fd`` unless it is a regular file of this user (a file store's column on
+    disk) of exactly ``size`` bytes, opened read-only.
+
+    A disk file cannot be sealed: its size is checked here, and its store never changes
+    it while the file is open (a :class:`~distemb.stores.file.FileStore` holds its
+    directory's lock, and sizes its files only when it makes them).
+
+    Raises:
+        TransportError: naming ``what``, what the descriptor is, and what was expected.
+    """
+    try:
+        st, flags = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError as e:
+        raise TransportError(f"{what}: descriptor {fd} cannot be inspected: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TransportError(f"{what}: expected a regular file, got {_kind(st.st_mode)}")
+    if flags & os.O_ACCMODE != os.O_RDONLY:
+        raise TransportError(f"{what}: expected a read-only descriptor, got one open for "
+                             "writing")
+    if st.st_uid != os.getuid():
+        raise TransportError(f"{what}: the file belongs to uid {st.st_uid}, not to this "
+                             f"user ({os.getuid()})")
+    if st.st_size != size:
+        raise TransportError(f"{what}: the file has {st.st_size} bytes, expected {size}")
+
+
+def attach(fd, shape, dtype, rows_fd=None):
+    """Map a shard read-only: its segment (a seqlock header, then the rows), or, with
+    ``rows_fd``, a header-only segment ``fd`` and the rows in the file ``rows_fd`` (a
+    file store's column, :func:`check_rows_file`). The descriptors are closed (the
+    mappings stay valid).
 
     Returns:
         a :class:`ShmShard`.
 
     Raises:
-        TransportError: ``fd`` is not a sealed memory file of exactly the shard's size.
+        TransportError: ``fd`` is not a sealed memory file of exactly the size expected,
+            or ``rows_fd`` not a read-only file of this user of the rows' size.
     """
-    need = HEADER_BYTES + int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+    nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+    need = HEADER_BYTES + (0 if rows_fd is not None else nbytes)
     try:
         check_segment(fd, need, "shard segment")
         mem = _map(fd, need, writable=False)
         advise_shared(mem)  # mapped with the server's huge pages, where it has them
+        rows, offset = mem, HEADER_BYTES
+        if rows_fd is not None:
+            check_rows_file(rows_fd, nbytes, "shard rows file")
+            rows, offset = (_map(rows_fd, nbytes, writable=False) if nbytes else None), 0
+            if nbytes:
+                rows.madvise(mmap.MADV_RANDOM)  # as its store maps it: no read-ahead
     except OSError as e:
         raise TransportError(f"shard segment: cannot map {need} bytes: {e}") from None
     finally:
         os.close(fd)
+        if rows_fd is not None:
+            os.close(rows_fd)
     version = np.ndarray((1,), np.int64, buffer=mem)
-    if need == HEADER_BYTES:
+    if not nbytes:
         return ShmShard(np.zeros(shape, dtype), version)
-    return ShmShard(np.ndarray(tuple(shape), dtype, buffer=mem, offset=HEADER_BYTES), version)
+    return ShmShard(np.ndarray(tuple(shape), dtype, buffer=rows, offset=offset), version)
 
 
-def attach_all(fds, segments, shapes, dtypes):
+def attach_all(fds, segments, shapes, dtypes, files=None):
     """:func:`attach` the segments a ShmInfo reply handed over; every descriptor is closed.
 
     Args:
-        fds: the reply's descriptors, one per true entry of ``segments``, in order.
+        fds: the reply's descriptors, in order: one per true entry of ``segments``, and
+            after it, where ``files`` is true, the file of that part's rows.
         segments, shapes, dtypes: per part asked for, whether it has a segment, its shape
             and dtype.
+        files: per part, whether its rows are in a file (its segment is then a seqlock
+            header only); None: in no part.
 
     Returns:
         a :class:`ShmShard` per part (None for a part without a segment).
@@ -304,12 +350,21 @@ def attach_all(fds, segments, shapes, dtypes):
     """
     fds = list(fds)
     try:
-        if not isinstance(segments, list) or len(fds) != sum(map(bool, segments)) or \
-                not len(segments) == len(shapes) == len(dtypes):
+        files = [False] * len(segments) if files is None else files
+        if not isinstance(segments, list) or not isinstance(files, list) or \
+                len(fds) != sum(map(bool, segments)) + sum(map(bool, files)) or \
+                not len(segments) == len(shapes) == len(dtypes) == len(files) or \
+                any(f and not s for s, f in zip(segments, files)):
             raise TransportError(f"ShmInfo reply: {len(fds)} descriptors for segments "
-                                 f"{str(segments)[:80]}")
-        return [attach(fds.pop(0), tuple(shape), dtype) if has else None
-                for has, shape, dtype in zip(segments, shapes, dtypes)]
+                                 f"{str(segments)[:80]} and files {str(files)[:80]}")
+        out = []
+        for has, shape, dtype, file in zip(segments, shapes, dtypes, files):
+            if not has:
+                out.append(None)
+                continue
+            fd = fds.pop(0)
+            out.append(attach(fd, tuple(shape), dtype, fds.pop(0) if file else None))
+        return out
     finally:
         for fd in fds:
             os.close(fd)
