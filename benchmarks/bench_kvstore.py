@@ -23,6 +23,10 @@ SparseAdagrad.step(). Configurations, all measured in this run:
   (``advise``: distemb asks for them on every shard, distemb/pages.py); the machine's
   setting is switched for each run and restored after (needs root). The default,
   ``machine``, runs it once under the setting the machine has, and names it.
+- with ``--file``: the same step on a file table (``storage=FileTableSpec(...)``: rows in
+  memory-mapped files, in the page cache after warm-up), in process, 1s x 1t with shared
+  memory (the trainer maps the server's file and reads its rows in place) and 1s x 1t
+  over TCP (every row on the socket).
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -31,7 +35,7 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
-        [--dgl] [--dynamic] [--rounds 3] [--only-shm] [--links loopback,veth,10gbit,1gbit]
+        [--dgl] [--dynamic] [--file] [--rounds 3] [--only-shm] [--links loopback,veth,10gbit,1gbit]
         [--shm-pages machine|both]
 """
 import argparse
@@ -52,6 +56,7 @@ import distemb
 from distemb.context import DistContext
 from distemb.pages import SHMEM_ENABLED, shmem_setting
 from distemb.stores import key_uniform
+from distemb.stores.file import FileTableSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -73,6 +78,11 @@ def train(ctx, args):
         with torch.no_grad():
             for chunk in keys.split(65536)[ctx.rank::ctx.num_trainers]:
                 emb(chunk)
+    elif args.file_table:  # rows in files under a fresh directory (one per job)
+        spec = FileTableSpec(args.file_table, num_rows=args.rows, dim=args.dim,
+                             init=key_uniform(args.dim, 0.01, 0.02))
+        emb = distemb.DistEmbedding(args.rows, args.dim, name="bench", storage=spec,
+                                    context=ctx)
     else:
         emb = distemb.DistEmbedding(args.rows, args.dim, name="bench",
                                     init_func=lambda s, d: torch.full(s, 0.01, dtype=d),
@@ -126,7 +136,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_cluster(args, servers, trainers, shm, dynamic=False):
+def run_cluster(args, servers, trainers, shm, dynamic=False, file=False):
     """Launch a job on 127.0.0.1 running this script as trainer; per-trainer steps/s."""
     with tempfile.TemporaryDirectory() as out:
         ip = os.path.join(out, "ip.txt")
@@ -140,6 +150,7 @@ def run_cluster(args, servers, trainers, shm, dynamic=False):
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
                  str(args.batch), "--dim", str(args.dim), "--rows", str(args.rows)]
         argv += ["--dynamic-table"] if dynamic else []
+        argv += ["--file-table", os.path.join(out, "table")] if file else []
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1")
         subprocess.run(argv, env=env, check=True, timeout=600)
@@ -234,6 +245,9 @@ def main():
     p.add_argument("--dynamic", action="store_true",
                    help="also run the step on a DynamicEmbedding (in process and on servers)")
     p.add_argument("--dynamic-table", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--file", action="store_true",
+                   help="also run the step on a file table (in process, 1x1 shm and tcp)")
+    p.add_argument("--file-table", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every configuration in turns; print medians")
     p.add_argument("--only-shm", action="store_true",
@@ -294,6 +308,20 @@ def main():
                          lambda rate=rate: run_hosts(args, 1, 1, rate, dynamic=True)),
                         (on("dynamic, 2 servers x 2 trainers, tcp", rate),
                          lambda rate=rate: run_hosts(args, 2, 2, rate, dynamic=True))]
+    if args.file:
+        def in_process_file():
+            with tempfile.TemporaryDirectory() as d:
+                ns = argparse.Namespace(**{**vars(args), "file_table": os.path.join(d, "t")})
+                ctx = DistContext.embedded(num_threads=1)
+                try:
+                    return [train(ctx, ns)]
+                finally:
+                    ctx.close()  # its files flushed and unlocked
+        configs += [("file table, in-process", in_process_file),
+                    ("file table, 1 server x 1 trainer, shm",
+                     lambda: run_cluster(args, 1, 1, shm=True, file=True)),
+                    ("file table, 1 server x 1 trainer, tcp",
+                     lambda: run_cluster(args, 1, 1, shm=False, file=True))]
     if args.dgl:
         dgl_graph(args, workdir.name)
         configs.append((DGL_1X1, lambda: run_dgl(args, 1, 1, workdir.name)))
