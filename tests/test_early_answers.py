@@ -21,6 +21,7 @@ from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.server import build_service
 from distemb.stores.dense import DenseStore
+from distemb.stores.file import FileTableSpec
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.connections import local_address
@@ -49,34 +50,45 @@ def test_only_what_needs_nothing_more_is_answered_early(what, msg, in_slot, earl
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("rule, parts, marks", [("sgd", 1, "bool per row"),
-                                                 ("adagrad", 1, "bool per row"),
-                                                 ("adagrad", 2, "bool per row"),
-                                                 ("adagrad", 1, "np.isin")])
+@pytest.mark.parametrize("rule, parts, marks, table", [("sgd", 1, "bool per row", "array"),
+                                                        ("adagrad", 1, "bool per row", "array"),
+                                                        ("adagrad", 2, "bool per row", "array"),
+                                                        ("adagrad", 1, "np.isin", "array"),
+                                                        ("adagrad", 1, "bool per row", "file"),
+                                                        ("adagrad", 2, "bool per row", "file"),
+                                                        ("sgd", 1, "np.isin", "file")])
 def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, monkeypatch,
-                                                                   rule, parts, marks):
+                                                                   tmp_path, rule, parts,
+                                                                   marks, table):
     """Updates large enough that the server is still writing when the next lookup
     starts (half of whose ids the update touches): every lookup equals the rows of
     the reference rule applied in order, and some were served beside an update. With
     two shards on the server, updates touch the first only (one shard: answered early)
     and lookups read both (the second's own seqlock decides there). The rows touched
-    are found by the bool per row of a shard, or by np.isin past MARK_ROWS."""
+    are found by the bool per row of a shard, or by np.isin past MARK_ROWS. ``file``: a
+    file table, whose rows the trainer maps from the server's file; on two servers
+    (``parts`` 2), an update touches both, each answering early for its range of keys."""
     if marks == "np.isin":
         monkeypatch.setattr(early, "MARK_ROWS", 1000)
-    cluster = clusters("shm1x1")
+    cluster = clusters("shm1x1" if table == "array" or parts == 1 else "tcp_shm")
     kv = RemoteKVClient(cluster.cfg, 0)
     n, d = 100_000, 32
     rng = np.random.default_rng(5)
     try:
         init = rng.standard_normal((n, d)).astype(np.float32)
-        kv.init_data("early", (n, d), "float32", range_policy(n, parts))
+        if table == "file":
+            kv.create_table("early", FileTableSpec(str(tmp_path / "early"), num_rows=n,
+                                                   dim=d, preallocate=False))
+        else:
+            kv.init_data("early", (n, d), "float32", range_policy(n, parts))
         kv.push("early", np.arange(n), init)
         kv.init_optimizer("early", rule, {"initial_accumulator_value": 0.1}
                           if rule == "adagrad" else {})
         weight, state = init.copy(), np.full_like(init, 0.1)
         hyper = AdagradHyper(clr=0.05, eps=1e-10) if rule == "adagrad" else SGDHyper(lr=0.5)
         for _ in range(12):
-            ids = np.unique(rng.integers(0, n // parts, 60_000)).astype(np.int64)
+            ids = np.unique(rng.integers(0, n // parts if table == "array" else n,
+                                         60_000)).astype(np.int64)
             grads = rng.standard_normal((len(ids), d)).astype(np.float32)
             look = np.concatenate([rng.choice(ids, 2000), rng.integers(0, n, 2000)])
             kv.push_update("early", ids, grads, rule, hyper)

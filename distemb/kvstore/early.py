@@ -22,8 +22,9 @@ came in the trainer's request slot:
    the outcome came, as any read would see them. Rows equal those of a step that waited.
 
 Only what needs nothing more from the server is answered early: one shard's update,
-not in sync_exact mode, asking no versions (a trainer cache asks for them), of an
-array table (rows 0..N-1, in a shared-memory segment).
+not in sync_exact mode, asking no versions (a trainer cache asks for them), of a table
+whose rows never move and are read in place (an array table's shared-memory segment, a
+file table's file).
 
 Example (the server half; the trainer half is :class:`Applying`):
     >>> may_answer_early(Update(name="t", rule="sgd", hyper={}, seq=1, exact=False,
@@ -64,8 +65,8 @@ def answer_early(server, server_id, m, part, ids):
         KVStoreError: the update is invalid (nothing locked, nothing written).
     """
     table = server.table(m.name, part)
-    if not table.arrays:
-        return None
+    if not table.store.fixed_keys:
+        return None  # rows that move (a hash store's) are never read in place
     counter, apply = server.update_later(m.name, part, ids, m.grads, m.rule, m.hyper)
     if counter is None:
         apply()  # no shared memory to read it from: it is applied now, as usual

@@ -315,7 +315,11 @@ class RemoteKeyedTables(KeyedTables):
                 raise KVStoreError(f"server {sid}: update reply without the rows' versions")
             out[pos] = frame.arrays[0]
 
-        self._call(requests, wait=wait, on_reply=take if want else None)
+        def applying(sid, frame):  # a co-located server may answer before it applies
+            if sid in split:  # every early answer is noted: its outcome frame follows
+                self._applying.note(sid, name, sid, frame,  # the rows' slots in its file
+                                    self._routers[name].to_local(sid, split[sid][1]))
+        self._call(requests, wait=wait, on_reply=take if want else applying)
         return out
 
     def _keyed_pull_versioned(self, name, keys, have, states):
