@@ -210,12 +210,13 @@ class PartitionPolicy:
         """Group ``ids`` by partition.
 
         Returns:
-            list of (part, positions in ids, local ids), one per partition touched.
+            list of (part, positions in ids, local ids), one per partition touched;
+            positions ascend within each (one partition touched: all of them, in order).
         """
         if self.num_partitions == 1:  # every id is in it, in order: no sort, no search
             if not len(ids):
                 return []
-            local = np.asarray(ids, np.int64) if self._ids_are_local() else self.to_local(ids)
+            local = np.asarray(ids, np.int64) if self.ids_are_local() else self.to_local(ids)
             return [(0, np.arange(len(ids)), local)]
         parts = self.to_partid(ids)
         local = self.to_local(ids)
@@ -229,9 +230,11 @@ class PartitionPolicy:
                 start += n
         return out
 
-    def _ids_are_local(self):
-        """Whether the one partition's local ids are the ids themselves (start 0, step
-        1; a book that does not say is asked per id)."""
+    def ids_are_local(self):
+        """Whether this is one partition whose local ids are the ids themselves (start
+        0, step 1; a book that does not say is asked per id)."""
+        if self.num_partitions != 1:
+            return False
         if getattr(self, "_identity", None) is None:
             try:
                 self._identity = self.partition_book.id_progression(

@@ -164,7 +164,7 @@ class DeviceKVClient(KVClient):
                 raise KVStoreError(f"init_func of {name!r}: returned shape "
                                    f"{tuple(shard.shape)}, expected {sshape}")
             shards.append(shard)
-        if len(shards) == 1:
+        if policy.ids_are_local():
             return shards[0].contiguous()
         table = torch.empty(shape, dtype=tdtype, device=self.device)
         for part, pos, local in policy.split(np.arange(shape[0], dtype=np.int64)):

@@ -98,9 +98,9 @@ class LocalKVClient(KeyedTables, KVClient):
         meta = self._checked(name, ids)
         # rows as float32 for half tables: decoded in the gather (one pass)
         out = np.empty((len(ids),) + meta.shape[1:], dtype=half.row_dtype(meta.dtype))
-        if meta.policy.num_partitions == 1:  # local ids are global ids
-            return self.server.pull(name, 0, ids, out=out)
         for part, pos, local in meta.policy.split(ids):
+            if len(pos) == len(ids):  # all in one partition, in order: gathered in place
+                return self.server.pull(name, part, local, out=out)
             out[pos] = self.server.pull(name, part, local,
                                         out=np.empty((len(local),) + meta.shape[1:], out.dtype))
         return out
@@ -114,11 +114,8 @@ class LocalKVClient(KeyedTables, KVClient):
             self._table(state[0]).push(keys_array(ids), np.asarray(values, state[3]), state[1])
             return
         meta = self._checked(name, ids)
-        if meta.policy.num_partitions == 1:
-            self.server.push(name, 0, ids, values)
-            return
         for part, pos, local in meta.policy.split(ids):
-            self.server.push(name, part, local, values[pos])
+            self.server.push(name, part, local, values if len(pos) == len(ids) else values[pos])
 
     def init_optimizer(self, name, rule, options):
         """Optimizer state of table ``name``: state arrays sharded like an array table,
@@ -136,11 +133,9 @@ class LocalKVClient(KeyedTables, KVClient):
                                      self.num_threads)
             return
         meta = self._checked(name, ids)
-        if meta.policy.num_partitions == 1:
-            self.server.update(name, 0, ids, grads, rule, hyper)
-            return
         for part, pos, local in meta.policy.split(ids):
-            self.server.update(name, part, local, grads[pos], rule, hyper)
+            self.server.update(name, part, local, grads if len(pos) == len(ids) else grads[pos],
+                               rule, hyper)
 
     def _checked(self, name, ids):
         """The DataMeta of array table ``name``, once ``ids`` are checked against its

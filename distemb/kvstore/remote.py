@@ -260,7 +260,7 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         meta = self._meta_of(name)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         meta.policy.check_ids(ids, f"ids of {name!r}")
-        whole = self._shm.get((name, 0)) if meta.policy.num_partitions == 1 else None
+        whole = self._shm.get((name, 0)) if meta.policy.ids_are_local() else None
         if whole is not None:  # one co-located shard: local ids are global ids
             rows = self._gather(whole, ids, 0, name, 0)
             if rows is not None:
