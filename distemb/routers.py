@@ -63,6 +63,11 @@ class Router(abc.ABC):
         """Keys 0..N-1 of a fixed key space: N; None for any int64 key."""
         return None
 
+    def check(self, keys: np.ndarray) -> None:
+        """PartitionError for a key outside a fixed key space."""
+        if self.num_keys is not None:
+            self.part_of(keys)
+
     def owns(self, part: int, keys: np.ndarray) -> np.ndarray:
         """Bool mask: the keys shard ``part`` holds (keys outside the key space: False)."""
         keys = np.asarray(keys, np.int64)
@@ -74,12 +79,13 @@ class Router(abc.ABC):
         return self.part_of(keys) == part
 
     def split(self, keys: np.ndarray) -> Split:
-        """Group ``keys`` by shard: {shard: (positions in ``keys``, its keys)}."""
+        """Group ``keys`` by shard: {shard: (positions in ``keys``, its keys)}; positions
+        ascend within each (one shard touched: all of them, in order)."""
         keys = np.asarray(keys, np.int64)
         if not len(keys):
             return {}
         if self.num_parts == 1:
-            self.part_of(keys[:0] if self.num_keys is None else keys)  # range errors
+            self.check(keys)
             return {0: (np.arange(len(keys)), keys)}
         owner = self.part_of(keys)
         order = np.argsort(owner, kind="stable")
@@ -167,12 +173,17 @@ class PolicyRouter(Router):
         """Keys shard ``part`` holds."""
         return int(self._sizes[part]) if self._folded else self.policy.get_part_size(part)
 
-    def part_of(self, keys):
+    def check(self, keys):
         self.policy.check_ids(np.asarray(keys, np.int64), "keys")
+
+    def part_of(self, keys):
+        self.check(keys)
         owner = self.policy.to_partid(keys)
         return owner % self.num_parts if self._folded else owner
 
     def to_local(self, part, keys):
+        if self.policy.ids_are_local():  # one partition numbered as the keys: no search
+            return np.asarray(keys, np.int64)
         local = self.policy.to_local(keys).astype(np.int64, copy=False)
         if self._folded:
             local = local + self._offset[self.policy.to_partid(keys)]

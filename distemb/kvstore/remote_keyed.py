@@ -97,6 +97,8 @@ class RemoteKeyedTables(KeyedTables):
             pos, k = split[sid]
             rows = self._gather(self._shm[(name, sid)], self._routers[name].to_local(sid, k),
                                 sid, name, sid)
+            if rows is not None and len(pos) == len(keys) and rows.dtype == out.dtype:
+                return rows  # every key's row, in order (a split's positions ascend)
             if rows is not None:
                 out[pos] = rows
                 del split[sid]
@@ -288,10 +290,12 @@ class RemoteKeyedTables(KeyedTables):
         split = self._split(name, ids)
         wait = self.consistency != Consistency.ASYNC
         want = versions and wait and have is None
+        def share(a, pos):  # no copy for one server's whole request (positions ascend)
+            return a if a is None or len(pos) == len(ids) else a[pos]
         requests = {sid: Update(name=name, rule=impl.name.value, hyper=fields, seq=seq,
                                 exact=exact, versions=want, parts=[sid], counts=[len(k)],
-                                ids=k, grads=np.ascontiguousarray(grads[pos]),
-                                have=None if have is None else have[pos])
+                                ids=k, grads=np.ascontiguousarray(share(grads, pos)),
+                                have=share(have, pos))
                     for sid, (pos, k) in split.items()}
         if exact:
             # every server hears from every trainer each step, so it knows when the

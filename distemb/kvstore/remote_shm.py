@@ -80,14 +80,14 @@ class SharedMemoryPaths:
         return a[local]
 
     def _sum_buffer(self, name, n, dim):
-        """With the whole table on one co-located server: a buffer in its request slot.
+        """With the whole table on one co-located server (a keyed table: one server in
+        all): a buffer in its request slot.
 
         The summed gradients are then handed to the server where they were summed, with
         no copy (``push_update`` follows ``coalesce`` before any other request).
         """
-        if self.is_keyed(name):  # its rows go by key to any server
-            return super()._sum_buffer(name, n, dim)
-        sids = set(self._parts_by_server(self._meta_of(name).policy))
+        sids = set(range(self.num_servers)) if self.is_keyed(name) else \
+            set(self._parts_by_server(self._meta_of(name).policy))
         slot = self._slots.get(next(iter(sids))) if len(sids) == 1 else None
         if slot is None:
             return super()._sum_buffer(name, n, dim)
