@@ -63,7 +63,8 @@ from distemb.enums import Consistency
 from distemb.kvstore.table_cache import TableCache, unique_inverse
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import table_keys
-from distemb.kvstore.types import KVClient, PlacedAsInner
+from distemb.kvstore.placement import PlacedAsInner
+from distemb.kvstore.types import KVClient
 from distemb.rules import rule_of, state_owner
 
 #: The version of a cached copy someone else may have changed (bounded staleness): it is

@@ -32,18 +32,18 @@ This module imports torch; :mod:`distemb.kvstore` does not import it, so servers
 load it (the context imports it when a table asks for a device).
 
 """
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 import torch
 
-from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
+from distemb.arrays import Array, Rows, Tensor, UniqueIds
 from distemb.errors import KVStoreError, PartitionError
 from distemb.kernels import cuda, half
 from distemb.kernels.cuda_half import CudaHalfOps
 from distemb.kvstore.id_check import IdCheck
-from distemb.kvstore.types import (DataMeta, KVClient, PlacedAsInner, check_new_name,
-                                    check_rounding)
+from distemb.kvstore.placement import PlacedAsInner
+from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 from distemb.rules import rule_of, state_name
 
 

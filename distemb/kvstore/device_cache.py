@@ -51,7 +51,8 @@ from distemb.kvstore import device as device_kv
 from distemb.kvstore.device import CacheOnDevice
 from distemb.kvstore.cached_keys import CachedKeys
 from distemb.kvstore.table_cache import TableCache
-from distemb.kvstore.types import KVClient, PlacedAsInner
+from distemb.kvstore.placement import PlacedAsInner
+from distemb.kvstore.types import KVClient
 from distemb.rules import rule_of, state_name, state_owner
 
 

@@ -13,9 +13,10 @@ device or a mode. Two halves:
   device with its own kernels, and ``view_on(device)`` is the client through which rows
   are looked up onto ``device`` (itself, or a thin wrapper).
 
-The base class implements the placement half for host clients (numpy arrays in this
-process's memory, or on servers): :class:`~distemb.kvstore.local.LocalKVClient` and
-:class:`~distemb.kvstore.remote.RemoteKVClient`. Device clients override it
+The base class inherits the placement half for host clients (numpy arrays in this
+process's memory, or on servers: :class:`~distemb.kvstore.local.LocalKVClient` and
+:class:`~distemb.kvstore.remote.RemoteKVClient`) from
+:class:`~distemb.kvstore.placement.HostPlacement`. Device clients override it
 (:mod:`distemb.kvstore.device`). Ids crossing the storage half are global (type-wise)
 int64 ids, already validated against the table's policy by ``ids_in``.
 
@@ -39,6 +40,7 @@ from distemb.kernels import half
 from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds, check_shape
 from distemb.errors import KVStoreError
 from distemb.kvstore import snapshot
+from distemb.kvstore.placement import HostPlacement
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper, rule_of, state_init, state_name
 from distemb.stores.types import WEIGHT
@@ -112,7 +114,7 @@ def check_rounding(dtype: str, rounding_seed: Optional[int]) -> None:
                          f"dtype {dtype!r}")
 
 
-class KVClient(ABC):
+class KVClient(HostPlacement, ABC):
     """Interface of a key-value store client; implementations share one test suite.
 
     Implementations: :class:`~distemb.kvstore.local.LocalKVClient` (embedded, in
@@ -367,140 +369,11 @@ class KVClient(ABC):
                                f"(known: {sorted(self.names())[:10]})")
         return meta
 
-    def from_host(self, array: np.ndarray) -> Array:
-        """A numpy array as an array of this client (the array itself for host clients)."""
-        return array
-
-    def to_host(self, array: Array) -> np.ndarray:
-        """An array of this client as a numpy array (the array itself for host clients)."""
-        return array
-
     def barrier(self) -> None:
         """Wait for every trainer (no-op with one)."""
 
     def close(self) -> None:
         """Release connections and, for an embedded store, its memory."""
-
-    # -- placement (trainer side); host clients here, device clients override ----------
-
-    def tensor_in(self, x: Tensor, F) -> Array:
-        """A backend tensor (or numpy array) as an array of this client, unchecked."""
-        return F.to_numpy(x) if F.is_tensor(x) else np.asarray(x)
-
-    def ids_in(self, name: str, ids: Tensor, F) -> Tuple[GlobalIds, Shape]:
-        """Ids of any shape as flat int64 ids of this client, checked against the policy.
-
-        Returns:
-            (flat ids, the shape of ``ids``).
-
-        Raises:
-            TypeError: ``ids`` is not an integer tensor.
-            PartitionError: an id is out of range (the message names it and the table).
-        """
-        arr = self.tensor_in(ids, F)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {arr.dtype}")
-        flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
-        self._meta_of(name).policy.check_ids(flat, f"ids of {name!r}")
-        return flat, tuple(arr.shape)
-
-    def values_in(self, name: str, values: Tensor, F, num_ids: int) -> Array:
-        """Values for ``num_ids`` rows of ``name`` as an array of this client.
-
-        Raises:
-            TypeError: the dtype is not the tensor's.
-            ValueError: the number of elements does not fit ``num_ids`` rows.
-        """
-        meta = self._meta_of(name)
-        arr = self.tensor_in(values, F)
-        got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
-        rows = half.row_dtype(meta.dtype)  # float32 for half tables: rounded on store
-        if got != meta.dtype and got != rows:
-            also = f" (or {rows})" if rows != meta.dtype else ""
-            raise TypeError(f"values: expected dtype {meta.dtype}{also} for {name!r}, "
-                            f"got {got}")
-        if got != rows:
-            arr = arr.astype(rows)  # a half table's own dtype: exact in float32
-        want = (num_ids,) + tuple(meta.shape[1:])
-        if int(np.prod(arr.shape)) != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
-                             f"got {tuple(arr.shape)}")
-        return arr.reshape(want)
-
-    def rows_out(self, rows: Array, F) -> Tensor:
-        """Pulled rows as a backend tensor (zero-copy on the host)."""
-        return F.from_numpy(rows)
-
-    def coalesce(self, name: str, ids: Sequence[GlobalIds], grads: Sequence[Tensor],
-                 F) -> Optional[Tuple[UniqueIds, Rows]]:
-        """Sum the gradient rows of duplicate ids, with this client's kernels.
-
-        Args:
-            name: the table.
-            ids: one flat id array per traced lookup (from :meth:`ids_in`, or another
-                view's of the same table).
-            grads: one (N_i, D) backend tensor per lookup, any device.
-
-        Returns:
-            ``(unique ids, summed gradients)`` in this client's arrays, ready for
-            :meth:`push_update` (host clients reuse one buffer per table for the sums: it
-            is valid until the next call), or None when there is nothing to push.
-        """
-        if not ids:
-            return None
-        dim = self.row_dim(name)
-        # ids of a host table are this client's (numpy) whichever view looked them up
-        host_ids = [np.asarray(i, dtype=np.int64).reshape(-1) for i in ids]
-        host_grads = [np.asarray(F.to_numpy(g), dtype=np.float32).reshape(-1, dim)
-                      for g in grads]
-        flat = host_ids[0] if len(host_ids) == 1 else np.concatenate(host_ids)
-        g = host_grads[0] if len(host_grads) == 1 else np.concatenate(host_grads)
-        if len(host_ids) == 1 and _ascending_unique(flat):
-            # One lookup of ascending unique ids (a fused loss's rows, e.g. skipgram_loss
-            # over torch.unique's ids): each row's gradient is its id's sum already, and
-            # the sort and copy of dedup_sum would give back the same rows.
-            return flat, np.ascontiguousarray(g)
-        return kernels.dedup_sum(flat, np.ascontiguousarray(g), num_threads=self.num_threads,
-                                 out=self._sum_buffer(name, flat.shape[0], dim))
-
-    def _sum_buffer(self, name: str, n: int, dim: int) -> np.ndarray:
-        """This table's reusable buffer for summed gradients, at least ``n`` rows.
-
-        Reuse is safe: ``push_update`` consumes the sums before it returns; it spares a
-        fresh (N, D) allocation, and its first touch, every step.
-        """
-        buffers = self.__dict__.setdefault("_sum_buffers", {})
-        buf = buffers.get(name)
-        if buf is None or buf.shape[0] < n or buf.shape[1] != dim:
-            buf = np.empty((max(n, 1), dim), dtype=np.float32)
-            buffers[name] = buf
-        return buf
-
-    def view_on(self, device) -> "KVClient":
-        """The client through which rows of this client's tables are looked up onto ``device``.
-
-        Args:
-            device: None or 'cpu' (this client itself), or a CUDA device: a view that
-                copies looked-up rows there and sums their gradients there, moving only
-                the sums back (:class:`~distemb.kvstore.device.HostTableOnDevice`).
-
-        Raises:
-            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
-            ValueError: ``device`` is neither.
-        """
-        if device is None or str(device) == "cpu":
-            return self
-        # Imported on demand: the device module imports torch, which server processes
-        # (that import this module) must never load.
-        from distemb.kvstore.device import HostTableOnDevice
-
-        return HostTableOnDevice.of(self, device)
-
-
-def _ascending_unique(ids: np.ndarray) -> bool:
-    """Whether ``ids`` are strictly ascending (so unique, in dedup_sum's order)."""
-    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
-
 
 def refuse_store(client: KVClient, name: str, store: str, why: str) -> KVStoreError:
     """The error of a placement that cannot hold a table on a kind of store, naming both.
@@ -513,34 +386,3 @@ def refuse_store(client: KVClient, name: str, store: str, why: str) -> KVStoreEr
     """
     return KVStoreError(f"{type(client).__name__}: cannot hold table {name!r} on {store}: "
                         f"{why}")
-
-
-class PlacedAsInner:
-    """Mixin of a client wrapping another (``self.inner``) without moving its rows: the
-    placement half (ids, values and rows in and out, the duplicate sum) is the wrapped
-    client's. Listed before :class:`KVClient` in the bases, so these win over its host
-    defaults; a view that changes placement overrides them again.
-    """
-
-    inner: KVClient
-
-    def from_host(self, array):
-        return self.inner.from_host(array)
-
-    def to_host(self, array):
-        return self.inner.to_host(array)
-
-    def tensor_in(self, x, F):
-        return self.inner.tensor_in(x, F)
-
-    def ids_in(self, name, ids, F):
-        return self.inner.ids_in(name, ids, F)
-
-    def values_in(self, name, values, F, num_ids):
-        return self.inner.values_in(name, values, F, num_ids)
-
-    def rows_out(self, rows, F):
-        return self.inner.rows_out(rows, F)
-
-    def coalesce(self, name, ids, grads, F):
-        return self.inner.coalesce(name, ids, grads, F)
