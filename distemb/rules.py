@@ -283,8 +283,3 @@ def state_init(spec: StateSpec, shape: Tuple[int, ...], options: Mapping[str, fl
     """Initial array of one shard of a state tensor."""
     value = options.get(spec.init_option, 0) if spec.init_option else 0
     return np.full(shape, value, dtype=spec.dtype)
-
-
-def state_shapes(rule, shape: Tuple[int, ...]) -> Dict[str, Tuple[Tuple[int, ...], str]]:
-    """{state name: (shape, dtype)} of ``rule``'s state tensors for a table of ``shape``."""
-    return {s.name: ((shape[0],) + s.shape(shape[1]), s.dtype) for s in rule_of(rule).states}

@@ -23,7 +23,6 @@ Example:
     >>> decode(w).tolist()
     [[0.5, 1.5]]
 """
-import sys
 
 import numpy as np
 
@@ -35,7 +34,6 @@ if kernels.HAS_EXT:
 else:
     _compiled = None
 _IMPLS = {"compiled": _compiled, "reference": reference_half}
-_this = sys.modules[__name__]
 
 
 def _impl():
@@ -76,22 +74,6 @@ def as_rows(array):
     """``array`` as float32 rows when it holds half-precision rows (a new array), else
     ``array`` itself."""
     return decode(array) if dtype_name(array) in HALF_DTYPES else array
-
-
-def ops_for(name, rounding_seed=None):
-    """The kernels of weight rows of dtype ``name``: :mod:`distemb.kernels` for float32,
-    this module for half rows, or :class:`StochasticRounding` from ``rounding_seed``
-    (bfloat16 rows only) when it is not None.
-
-    Raises:
-        ValueError: ``rounding_seed`` for rows other than bfloat16.
-    """
-    if rounding_seed is not None:
-        if name != "bfloat16":
-            raise ValueError(f"rounding: stochastic rounding is for bfloat16 rows, got "
-                             f"dtype {name!r}")
-        return StochasticRounding(rounding_seed)
-    return _this if name in HALF_DTYPES else kernels
 
 
 def shard_seed(seed, part):

@@ -40,10 +40,6 @@ class HashTable:
     def high_water(self):
         return self._high
 
-    @property
-    def num_free(self):
-        return len(self._free)
-
     def reserve(self, n):
         while n > self._max_load * self._buckets:
             self._buckets <<= 1
