@@ -107,7 +107,8 @@ class DistContext:
             DistEmbError: no process group and no torchrun environment to make one.
         """
         # Imported here: it imports torch, which server processes must never load.
-        from distemb.kvstore.collective import CollectiveKVClient, join_process_group
+        from distemb.kvstore.collective import CollectiveKVClient
+        from distemb.kvstore.exchange import join_process_group
 
         made = join_process_group(timeout_s)
         nt = num_threads or default_num_threads()

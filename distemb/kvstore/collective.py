@@ -50,17 +50,16 @@ Example:
     >>> kv.close(); dist.destroy_process_group()
 """
 import datetime
-import os
 import uuid
 
 import numpy as np
 import torch.distributed as dist
 
 from distemb import kernels
-from distemb.errors import DistEmbError, KVStoreError
+from distemb.errors import KVStoreError
 from distemb.kernels import half
 from distemb.kvstore import snapshot
-from distemb.kvstore.exchange import PULL, PUSH, UPDATE, Exchange, Payload, padded
+from distemb.kvstore.exchange import PULL, PUSH, UPDATE, Exchange, Payload, Routed, padded
 from distemb.kvstore.collective_keyed import CollectiveKeyedTables
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.local import init_shard
@@ -68,57 +67,6 @@ from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding)
 from distemb.routers import PolicyRouter
-
-
-def join_process_group(timeout_s=60.0):
-    """Make the default process group (gloo) from torchrun's environment unless one
-    exists: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Returns
-    whether it made one (its maker destroys it: see ``CollectiveKVClient(own_group=)``).
-
-    Raises:
-        DistEmbError: no group, and the environment lacks one of them (the message
-            names it and says how to launch).
-    """
-    if dist.is_initialized():
-        return False
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-               if not os.environ.get(v)]
-    if missing:
-        raise DistEmbError(f"mode='collective': no torch.distributed process group, and "
-                           f"{', '.join(missing)} not set to make one; start every rank with "
-                           "`torchrun --nproc-per-node N train.py`, or call "
-                           "torch.distributed.init_process_group() first")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return True
-
-
-class Routed:
-    """The ids of one table of a call, grouped by owning rank.
-
-    Args:
-        owners: (N,) int64 rank owning each id.
-        ids: (N,) int64 global ids.
-        world_size: the number of ranks.
-
-    Attributes:
-        counts: (W,) int64 ids for each rank.
-        pos: positions in the caller's ids, in rank order.
-        ids: the ids, in rank order.
-        bounds: (W + 1,) offsets of each rank's ids in ``pos`` and ``ids``.
-    """
-
-    def __init__(self, owners, ids, world_size):
-        self.counts = np.bincount(owners, minlength=world_size).astype(np.int64)
-        if world_size == 1:
-            self.pos = np.arange(len(ids))
-        else:
-            self.pos = np.argsort(owners, kind="stable")
-        self.ids = ids[self.pos]
-        self.bounds = np.concatenate([[0], np.cumsum(self.counts)])
-
-    def of(self, rank, array):
-        """The rows of ``array`` (in rank order) that go to ``rank``."""
-        return array[self.bounds[rank]:self.bounds[rank + 1]]
 
 
 class CollectiveKVClient(CollectiveKeyedTables, KVClient):

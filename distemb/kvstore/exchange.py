@@ -19,7 +19,8 @@ Failures: a rank that dies or stops answering makes the others' round fail withi
 group's timeout; :meth:`Exchange.failure` then names the ranks that did not report in the
 job's rendezvous store within :data:`REPORT_GRACE_S`.
 
-Everything here is torch.distributed's ``all_to_all_single``/``all_gather_object``/
+It also joins the job's process group (:func:`join_process_group`) and groups a call's
+ids by owning rank (:class:`Routed`). Everything here is torch.distributed's ``all_to_all_single``/``all_gather_object``/
 ``barrier`` on CPU tensors (gloo). The same calls run on an NCCL group with the buffers
 on the group's device.
 
@@ -33,6 +34,8 @@ Example:
     >>> r.take(1, np.int64, (3,)).tolist(), r.take(1, np.float32, (1, 2)).tolist()
     ([0, 1, 2], [[1.0, 1.0]])
 """
+import datetime
+import os
 import time
 import zlib
 from typing import List, Sequence
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distemb.errors import KVStoreError
+from distemb.errors import DistEmbError, KVStoreError
 
 #: Operation codes of the header.
 PULL, PUSH, UPDATE, KEYS = 1, 2, 3, 4
@@ -242,3 +245,54 @@ class Exchange:
         expected from each rank (both sides know them from the first round)."""
         buf, sizes = payload.build()
         return Received(self.all_to_all(describe(op, names), buf, sizes, sizes_in), sizes_in)
+
+
+def join_process_group(timeout_s=60.0):
+    """Make the default process group (gloo) from torchrun's environment unless one
+    exists: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Returns
+    whether it made one (its maker destroys it: see ``CollectiveKVClient(own_group=)``).
+
+    Raises:
+        DistEmbError: no group, and the environment lacks one of them (the message
+            names it and says how to launch).
+    """
+    if dist.is_initialized():
+        return False
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if not os.environ.get(v)]
+    if missing:
+        raise DistEmbError(f"mode='collective': no torch.distributed process group, and "
+                           f"{', '.join(missing)} not set to make one; start every rank with "
+                           "`torchrun --nproc-per-node N train.py`, or call "
+                           "torch.distributed.init_process_group() first")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+class Routed:
+    """The ids of one table of a call, grouped by owning rank.
+
+    Args:
+        owners: (N,) int64 rank owning each id.
+        ids: (N,) int64 global ids.
+        world_size: the number of ranks.
+
+    Attributes:
+        counts: (W,) int64 ids for each rank.
+        pos: positions in the caller's ids, in rank order.
+        ids: the ids, in rank order.
+        bounds: (W + 1,) offsets of each rank's ids in ``pos`` and ``ids``.
+    """
+
+    def __init__(self, owners, ids, world_size):
+        self.counts = np.bincount(owners, minlength=world_size).astype(np.int64)
+        if world_size == 1:
+            self.pos = np.arange(len(ids))
+        else:
+            self.pos = np.argsort(owners, kind="stable")
+        self.ids = ids[self.pos]
+        self.bounds = np.concatenate([[0], np.cumsum(self.counts)])
+
+    def of(self, rank, array):
+        """The rows of ``array`` (in rank order) that go to ``rank``."""
+        return array[self.bounds[rank]:self.bounds[rank + 1]]
