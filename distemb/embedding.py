@@ -16,16 +16,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from distemb.arrays import GlobalIds, Rows, Tensor, UniqueIds
-from distemb.context import current_context
 from distemb.enums import Rounding
 from distemb.errors import StoreError, TraceOverflowError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy
-from distemb.rules import check_table_name
-from distemb.stores import RowStore
-from distemb.stores.spec import SPECS, FileTableSpec, HashTableSpec
-from distemb.tensor import DistTensor, StoreTensor
+from distemb.storage import store_tensor
+from distemb.tensor import DistTensor
 
 DEFAULT_TRACE_LIMIT = 1024
 #: Dtypes a table's rows may be stored in.
@@ -155,7 +152,7 @@ class DistEmbedding:
                 raise ValueError("persistent: a table on row stores lives until its context "
                                  "closes or close() is called; persistent=False (DGL's "
                                  "lifetime) is for dense tables")
-            self._tensor = _store_tensor(num_embeddings, embedding_dim, name, init_func,
+            self._tensor = store_tensor(num_embeddings, embedding_dim, name, init_func,
                                          part_policy, context, device, dtype_name, rounding,
                                          storage, type(self).__name__.lower())
         else:
@@ -478,49 +475,3 @@ def grouped_lookup(lookups: Sequence[Tuple[DistEmbedding, Tensor]],
         F = emb._F
         out.append(emb._record(flat, F.reshape(client.rows_out(r, F), shape), client))
     return out
-
-
-def _store_tensor(num_embeddings, dim, name, init_func, part_policy, context, device,
-                  dtype, rounding, storage, kind):
-    """The StoreTensor of a table on row stores, made (or attached) in the context's
-    store client; see :class:`DistEmbedding` for the arguments."""
-    if part_policy is not None:
-        if not isinstance(storage, FileTableSpec):
-            kind = "hash" if storage is None else getattr(storage, "kind",
-                                                          type(storage).__name__)
-            raise ValueError(f"part_policy: a {kind} store takes no partition policy (a hash "
-                             f"table is routed by its keys' hash; a store object is one "
-                             f"shard: pass a FileTableSpec), got {part_policy!r}")
-        storage = storage.partitioned_by(part_policy)
-    if device is not None and str(device) != "cpu":
-        raise ValueError(f"device: a table on row stores lives in host memory or on the "
-                         f"servers; look its rows up onto a GPU with emb(ids, device=...), "
-                         f"got device={device!r}")
-    if storage is None:
-        storage = HashTableSpec(dim, dtype=dtype, init=init_func, rounding=rounding.value)
-    elif init_func is not None:
-        raise ValueError("init_func: a table on a given storage uses the storage's own "
-                         "initialiser; pass it to the spec (or store) instead")
-    if isinstance(storage, RowStore):
-        make = lambda client, name: client.add_table(name, storage)  # noqa: E731
-        fixed = storage.size() if storage.fixed_keys else None
-    elif isinstance(storage, tuple(SPECS.values())):
-        make = lambda client, name: client.create_table(name, storage)  # noqa: E731
-        fixed = getattr(storage, "num_rows", None) if storage.fixed_keys else None
-    else:
-        raise TypeError(f"storage: expected a RowStore, or a table spec of "
-                        f"{sorted(c.__name__ for c in SPECS.values())}, got "
-                        f"{type(storage).__name__}")
-    if storage.dim != dim:
-        raise ValueError(f"storage: holds rows of dim {storage.dim}, embedding_dim is {dim}")
-    if dtype != "float32" and dtype != storage.dtype:
-        raise ValueError(f"dtype: the storage holds {storage.dtype} rows, got dtype {dtype!r}")
-    if num_embeddings is not None and num_embeddings != fixed:
-        what = f"the keys 0..{fixed - 1}" if fixed else "any int64 key"
-        raise ValueError(f"num_embeddings: the storage holds {what}; expected "
-                         f"{fixed if fixed else None}, got {num_embeddings!r}")
-    ctx = context or current_context()
-    name = check_table_name(name or ctx.new_name(kind))
-    client = ctx.client.store_client()
-    make(client, name)
-    return StoreTensor(client, name, ctx, storage.dtype, part_policy)

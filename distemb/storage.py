@@ -1,0 +1,70 @@
+"""What a table's ``storage=`` makes: the :class:`~distemb.tensor.StoreTensor` of a
+table on row stores (a hash table by default, a file table's spec, a spec of any
+registered store, or a store object), checked against the table's other arguments.
+
+Example:
+    >>> from distemb.context import DistContext
+    >>> from distemb.enums import Rounding
+    >>> t = store_tensor(None, 4, "users", None, None, DistContext.embedded(), None,
+    ...                  "float32", Rounding.NEAREST, None, "hash")
+    >>> t.name
+    'users'
+"""
+from distemb.context import current_context
+from distemb.rules import check_table_name
+from distemb.stores import RowStore
+from distemb.stores.spec import SPECS, FileTableSpec, HashTableSpec
+from distemb.tensor import StoreTensor
+
+
+def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, device,
+                  dtype, rounding, storage, kind):
+    """The StoreTensor of a table on row stores, made (or attached) in the context's
+    store client; the arguments are :class:`~distemb.embedding.DistEmbedding`'s.
+
+    Raises:
+        ValueError: an argument the storage contradicts (its dim, dtype, key count), a
+            partition policy on a store that cannot take one, a device, or an
+            ``init_func`` beside a storage with its own.
+        TypeError: ``storage`` is neither a RowStore nor a table spec.
+    """
+    if part_policy is not None:
+        if not isinstance(storage, FileTableSpec):
+            kind = "hash" if storage is None else getattr(storage, "kind",
+                                                          type(storage).__name__)
+            raise ValueError(f"part_policy: a {kind} store takes no partition policy (a hash "
+                             f"table is routed by its keys' hash; a store object is one "
+                             f"shard: pass a FileTableSpec), got {part_policy!r}")
+        storage = storage.partitioned_by(part_policy)
+    if device is not None and str(device) != "cpu":
+        raise ValueError(f"device: a table on row stores lives in host memory or on the "
+                         f"servers; look its rows up onto a GPU with emb(ids, device=...), "
+                         f"got device={device!r}")
+    if storage is None:
+        storage = HashTableSpec(dim, dtype=dtype, init=init_func, rounding=rounding.value)
+    elif init_func is not None:
+        raise ValueError("init_func: a table on a given storage uses the storage's own "
+                         "initialiser; pass it to the spec (or store) instead")
+    if isinstance(storage, RowStore):
+        make = lambda client, name: client.add_table(name, storage)  # noqa: E731
+        fixed = storage.size() if storage.fixed_keys else None
+    elif isinstance(storage, tuple(SPECS.values())):
+        make = lambda client, name: client.create_table(name, storage)  # noqa: E731
+        fixed = getattr(storage, "num_rows", None) if storage.fixed_keys else None
+    else:
+        raise TypeError(f"storage: expected a RowStore, or a table spec of "
+                        f"{sorted(c.__name__ for c in SPECS.values())}, got "
+                        f"{type(storage).__name__}")
+    if storage.dim != dim:
+        raise ValueError(f"storage: holds rows of dim {storage.dim}, embedding_dim is {dim}")
+    if dtype != "float32" and dtype != storage.dtype:
+        raise ValueError(f"dtype: the storage holds {storage.dtype} rows, got dtype {dtype!r}")
+    if num_embeddings is not None and num_embeddings != fixed:
+        what = f"the keys 0..{fixed - 1}" if fixed else "any int64 key"
+        raise ValueError(f"num_embeddings: the storage holds {what}; expected "
+                         f"{fixed if fixed else None}, got {num_embeddings!r}")
+    ctx = context or current_context()
+    name = check_table_name(name or ctx.new_name(kind))
+    client = ctx.client.store_client()
+    make(client, name)
+    return StoreTensor(client, name, ctx, storage.dtype, part_policy)
