@@ -25,7 +25,7 @@ from suite_tables import TABLE_KINDS, Table, parse_kind
 from distemb import checkpoint
 from distemb.errors import DistEmbError, KVStoreError
 from distemb.kernels import reference
-from distemb.partition import NodePartitionPolicy, PartitionPolicy, RangePartitionBook
+from distemb.partition import PartitionPolicy
 from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
 from distemb.rules import AdagradHyper, AdamHyper, FtrlHyper, SGDHyper, rule_of, state_name
 
@@ -388,30 +388,6 @@ def test_init_func_fills_each_shard_with_its_shape(client):
     got = client.pull("t", np.arange(10, dtype=np.int64))
     assert len(set(got[:5, 0].tolist())) == 1 and len(set(got[5:, 0].tolist())) == 1
     assert got[0, 0] != got[5, 0]
-
-
-class ReversedBook(RangePartitionBook):
-    """One partition whose local ids run backwards (as a graph partitioner may number a
-    partition's nodes): the shard's row of id g is N - 1 - g."""
-
-    def to_local(self, kind, type_name, ids):
-        return self.num_ids(kind, type_name) - 1 - ids
-
-    def id_progression(self, kind, type_name, part):
-        return self.num_ids(kind, type_name) - 1, -1
-
-
-def test_a_one_partition_policy_maps_ids_by_its_book(client):
-    """Every placement stores id g at the shard row the policy's book gives it, one
-    partition or many (the rows an initialiser made, by shard row, tell)."""
-    policy = NodePartitionPolicy(ReversedBook(1, node_bounds={"_N": [0, 10]}))
-    client.init_data("t", (10, 2), "float32", policy,
-                     lambda shape, dtype: np.repeat(np.arange(shape[0], dtype=dtype)[:, None],
-                                                    shape[1], axis=1))
-    ids = np.array([0, 9, 4, 4], np.int64)
-    np.testing.assert_array_equal(client.pull("t", ids)[:, 0], 9 - ids)
-    client.push("t", ids[:1], np.full((1, 2), -1.0, np.float32))
-    np.testing.assert_array_equal(client.pull("t", np.array([0, 9]))[:, 0], [-1.0, 0.0])
 
 
 def test_meta_names_and_delete(client):

@@ -161,3 +161,28 @@ def test_dgl_partition_graph_output_matches_dgl_partition_book(tmp_path):
         key = [k for k in pols if k.startswith("edge~") and cet[1] in k][0]
         ids = torch.arange(g.num_edges(cet))
         assert pols[key].to_partid(ids.numpy()).tolist() == gpb.eid2partid(ids, cet).tolist()
+
+
+class BackwardsBook(RangePartitionBook):
+    """One partition whose local ids run backwards (as a graph partitioner may number a
+    partition's nodes): the shard's row of id g is N - 1 - g."""
+
+    def to_local(self, kind, type_name, ids):
+        return self.num_ids(kind, type_name) - 1 - ids
+
+    def id_progression(self, kind, type_name, part):
+        return self.num_ids(kind, type_name) - 1, -1
+
+
+def test_a_one_partition_policy_maps_ids_by_its_book(client):
+    """On every placement of the client suite (tests/conftest.py), as the servers do:
+    every placement stores id g at the shard row the policy's book gives it, one
+    partition or many (the rows an initialiser made, by shard row, tell)."""
+    policy = NodePartitionPolicy(BackwardsBook(1, node_bounds={"_N": [0, 10]}))
+    client.init_data("t", (10, 2), "float32", policy,
+                     lambda shape, dtype: np.repeat(np.arange(shape[0], dtype=dtype)[:, None],
+                                                    shape[1], axis=1))
+    ids = np.array([0, 9, 4, 4], np.int64)
+    np.testing.assert_array_equal(client.pull("t", ids)[:, 0], 9 - ids)
+    client.push("t", ids[:1], np.full((1, 2), -1.0, np.float32))
+    np.testing.assert_array_equal(client.pull("t", np.array([0, 9]))[:, 0], [-1.0, 0.0])

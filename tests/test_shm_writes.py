@@ -31,7 +31,8 @@ from distemb.stores.spec import HashTableSpec
 from distemb.transport.base import Connection, Session
 from distemb.transport.connections import local_address, open_connections
 from distemb.transport.messages import InShm, Push, Service
-from distemb.transport.shm import SEALS, RequestSlot, ShmArena, SlotReader, attach
+from distemb.transport.shm import SEALS, ShmArena, attach
+from distemb.transport.slots import RequestSlot, SlotReader
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -43,7 +43,7 @@ from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load,
                                         OptInit, Pull, Push, Save, Service, ShmInfo,
                                         Export, Get, Info, Remove, Update, VersionedPull)
 from distemb.transport.base import MAX_FDS, Frame, close_fds
-from distemb.transport.shm import RequestSlot
+from distemb.transport.slots import RequestSlot
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 ROWS, DIM = 10, 4

@@ -8,7 +8,7 @@ trainer's machine is spoken to over its local (Unix-domain) socket, which hands 
 shared memory as file descriptors (:mod:`distemb.transport.shm`): rows of its shards are
 gathered straight from their memory files (no round trip); writes still go to the owning
 server, the only writer of its rows, but their arrays travel through this trainer's
-request slot (:class:`~distemb.transport.shm.RequestSlot`): the frame on the socket
+request slot (:class:`~distemb.transport.slots.RequestSlot`): the frame on the socket
 only says where they lie (:mod:`distemb.kvstore.remote_shm`). Such a server answers an
 update before it applies it (:mod:`distemb.kvstore.early`).
 
@@ -43,7 +43,7 @@ from distemb.transport.connections import open_connections
 from distemb.transport.base import FLAG_NO_REPLY, close_fds
 from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load, OptInit,
                                         Pull, Push, Reply, Save, Service, Update)
-from distemb.transport.shm import RequestSlot
+from distemb.transport.slots import RequestSlot
 
 INIT_CHUNK_BYTES = 64 << 20
 #: Error kinds a server reports that reach the user as their own type (else KVStoreError).

@@ -44,7 +44,7 @@ from distemb.rules import rule_of, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, MAX_MESSAGE_BYTES, EarlyReply, Session
 from distemb.transport.messages import Error, InShm, Reply, Service, decode_request
-from distemb.transport.shm import SlotReader
+from distemb.transport.slots import SlotReader
 
 log = logging.getLogger("distemb")
 

@@ -203,7 +203,7 @@ class Session:
     handshake); ``trusted`` marks in-process callers, which need no Hello.
     ``passes_fds``: the connection carries file descriptors (a Unix-domain socket of
     this machine, whose peer runs as this user); ``slot`` is the peer's request slot
-    once it handed one over (:class:`~distemb.transport.shm.SlotReader`), released by
+    once it handed one over (:class:`~distemb.transport.slots.SlotReader`), released by
     :meth:`close` when the connection ends.
     """
 

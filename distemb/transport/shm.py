@@ -30,13 +30,14 @@ alone, and the file comes beside it as a second, read-only descriptor, which the
 maps read-only after :func:`check_rows_file` (a disk file cannot be sealed: the store
 never resizes a file it has open, and holds its directory's lock).
 
-Request slots (trainer to server): a trainer writes the arrays of an update or a push
-into its :class:`RequestSlot` (one per connection to a co-located server) and sends a
-small frame giving their places in it (:class:`~distemb.transport.messages.InShm`); the
-first frame that uses a new slot carries its descriptor. The server maps it
-(:class:`SlotReader`, one per connection), reads the arrays in place and applies the
-request, still the only writer of its rows. The trainer reuses the slot only after the
-server's reply, so the server never reads a slot being rewritten.
+Request slots (trainer to server, :mod:`distemb.transport.slots`): a trainer writes the
+arrays of an update or a push into its ``RequestSlot`` (one per connection to a
+co-located server) and sends a small frame giving their places in it
+(:class:`~distemb.transport.messages.InShm`); the first frame that uses a new slot
+carries its descriptor. The server maps it (``SlotReader``, one per connection), reads
+the arrays in place and applies the request, still the only writer of its rows. The
+trainer reuses the slot only after the server's reply, so the server never reads a slot
+being rewritten.
 
 Whoever receives a descriptor trusts it no more than the frame: :func:`check_segment`
 refuses anything but a memory file of this user, of normal pages, sealed against
@@ -67,18 +68,11 @@ import numpy as np
 
 from distemb.errors import TransportError
 from distemb.pages import advise_shared, populate_shared
-from distemb.transport.base import CODE_OF, DTYPE_CODES, MAX_ARRAYS, MAX_NDIM
 
-#: Array offsets in a request slot are multiples of this (cache-line aligned rows).
-SLOT_ALIGN = 64
 HEADER_BYTES = 64  # the version counter, then padding to a cache line
 READ_TRIES = 64
 #: The seals every segment carries before it leaves its maker: its size is fixed for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-#: The largest request slot a server maps (address space only: a slot's pages are the
-#: trainer's).
-MAX_SLOT_BYTES = 1 << 40
-MIN_SLOT_BYTES = 1 << 20
 _MFD_NOEXEC_SEAL = getattr(os, "MFD_NOEXEC_SEAL", 0x0008)  # Linux 6.3+: never executable
 
 
@@ -167,7 +161,8 @@ def check_segment(fd, size, what):
                              f"declared {size}")
 
 
-def _map(fd, size, writable):
+def map_segment(fd, size, writable):
+    """A shared mapping of ``size`` bytes of ``fd`` (read-only unless ``writable``)."""
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
 
@@ -196,7 +191,7 @@ class ShmArena:
         size = HEADER_BYTES + nbytes
         fd = new_segment(f"{self.name}-{next(self._ids)}", size)
         try:
-            mem = _map(fd, size, writable=True)
+            mem = map_segment(fd, size, writable=True)
             # Rows are read and written at random: on 2 MiB pages where the machine allows
             # them. Allocated now either way: a server that cannot hold it fails here.
             if not populate_shared(mem):
@@ -311,12 +306,12 @@ def attach(fd, shape, dtype, rows_fd=None):
     need = HEADER_BYTES + (0 if rows_fd is not None else nbytes)
     try:
         check_segment(fd, need, "shard segment")
-        mem = _map(fd, need, writable=False)
+        mem = map_segment(fd, need, writable=False)
         advise_shared(mem)  # mapped with the server's huge pages, where it has them
         rows, offset = mem, HEADER_BYTES
         if rows_fd is not None:
             check_rows_file(rows_fd, nbytes, "shard rows file")
-            rows, offset = (_map(rows_fd, nbytes, writable=False) if nbytes else None), 0
+            rows, offset = (map_segment(rows_fd, nbytes, writable=False) if nbytes else None), 0
             if nbytes:
                 rows.madvise(mmap.MADV_RANDOM)  # as its store maps it: no read-ahead
     except OSError as e:
@@ -368,179 +363,3 @@ def attach_all(fds, segments, shapes, dtypes, files=None):
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _aligned(n):
-    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
-
-
-class RequestSlot:
-    """A trainer's shared-memory buffer for the arrays of its requests to one server.
-
-    A new, larger memory file replaces it when a request needs more room; it is reused
-    for every request, so the caller must not write it again before the server answered
-    the previous one.
-
-    Args:
-        job: the job id; rank: this trainer; server_id: the co-located server (they name
-            the memory file, for /proc/<pid>/maps).
-
-    Example:
-        >>> slot = RequestSlot("doc", 0, 0)
-        >>> layout = slot.write([np.arange(3)])
-        >>> reader = SlotReader(slot.take_fd(), slot.size)
-        >>> reader.arrays(slot.size, layout)[0].tolist()
-        [0, 1, 2]
-        >>> slot.close(); reader.close()
-    """
-
-    def __init__(self, job, rank, server_id):
-        self._name = f"distemb-{job}-t{rank}-s{server_id}"
-        self._gen = itertools.count()
-        self._map, self._fd, self.size = None, None, 0
-
-    def write(self, arrays):
-        """Copy ``arrays`` into the slot; an array already in it (see :meth:`view`) stays.
-
-        Returns:
-            the layout: ``[dtype code, shape, offset]`` per array, as
-            :meth:`SlotReader.arrays` takes them (with :attr:`size`).
-        """
-        placed = [self._offset_of(a) for a in arrays]
-        start = max([off + a.nbytes for a, off in zip(arrays, placed) if off is not None],
-                    default=0)
-        offsets, need = [], _aligned(start)
-        for a, off in zip(arrays, placed):
-            offsets.append(need if off is None else off)
-            if off is None:
-                need = _aligned(need + a.nbytes)
-        if self._map is None or self._map.shape[0] < need:
-            if any(off is not None for off in placed):  # growing would drop them
-                return self._write_moved(arrays)
-            self._grow(need)
-        for a, off, at in zip(arrays, placed, offsets):
-            if off is None and a.nbytes:
-                view = np.ndarray(a.shape, a.dtype, buffer=self._map, offset=at)
-                np.copyto(view, a, casting="no")
-        return [[CODE_OF[a.dtype], list(a.shape), at] for a, at in zip(arrays, offsets)]
-
-    def _write_moved(self, arrays):
-        copies = [np.array(a) for a in arrays]
-        self._grow(sum(_aligned(a.nbytes) for a in copies))
-        return self.write(copies)
-
-    def view(self, shape, dtype):
-        """An array at the start of the slot, to fill in place (a coalescing buffer).
-
-        :meth:`write` sends it without a copy; it is valid until the next request to
-        this server is written.
-        """
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if self._map is None or self._map.shape[0] < nbytes:
-            self._grow(nbytes)
-        return np.ndarray(shape, dtype, buffer=self._map, offset=0)
-
-    def take_fd(self):
-        """The read-only descriptor of the current memory file if the server has not
-        been given it yet (the caller sends it, then closes it), else None."""
-        fd, self._fd = self._fd, None
-        return fd
-
-    def _offset_of(self, a):
-        """The offset of ``a`` in the current mapping, or None when it is not wholly in it."""
-        if self._map is None or not a.flags.c_contiguous or not a.nbytes:
-            return None
-        off = a.ctypes.data - self._map.ctypes.data
-        if 0 <= off and off + a.nbytes <= self._map.shape[0] and off % SLOT_ALIGN == 0:
-            return off
-        return None
-
-    def _grow(self, size):
-        size = max(size, MIN_SLOT_BYTES, 0 if self._map is None else 2 * self._map.shape[0])
-        fd = new_segment(f"{self._name}-{next(self._gen)}", size)
-        try:
-            mem = _map(fd, size, writable=True)
-            ro = readonly(fd)
-        except OSError as e:
-            raise TransportError(f"request slot: cannot map {size:,} bytes: {e}") from None
-        finally:
-            os.close(fd)
-        self.close()  # the server keeps its mapping of the old one until it gets this one
-        self._map, self._fd, self.size = np.ndarray((size,), np.uint8, buffer=mem), ro, size
-
-    def close(self):
-        """Drop this process's hold on the slot (its memory goes with the last mapping)."""
-        if self._fd is not None:
-            os.close(self._fd)
-        self._map, self._fd, self.size = None, None, 0
-
-
-class SlotReader:
-    """A server's read-only mapping of the request slot one connection's peer handed over.
-
-    Args:
-        fd: the slot's descriptor, as received; it is closed here, mapped or refused.
-        size: the slot's size as the peer declared it.
-
-    Raises:
-        TransportError: ``fd`` is not a sealed memory file of ``size`` bytes (1 byte to
-            :data:`MAX_SLOT_BYTES`).
-    """
-
-    def __init__(self, fd, size):
-        try:
-            if not 0 < size <= MAX_SLOT_BYTES:
-                raise TransportError(f"request slot: expected 1..{MAX_SLOT_BYTES} bytes, "
-                                     f"got {size}")
-            check_segment(fd, size, "request slot")
-            self._map = np.ndarray((size,), np.uint8, buffer=_map(fd, size, writable=False))
-        except OSError as e:
-            raise TransportError(f"request slot: cannot map {size} bytes: {e}") from None
-        finally:
-            os.close(fd)
-        self.size = size
-
-    def arrays(self, size, layout):
-        """The arrays ``layout`` describes in the slot (whose size the frame repeats):
-        views of the float arrays (rows, gradients: read in place), copies of the integer
-        ones.
-
-        Integer arrays are ids, counts and versions: the server checks them, then indexes
-        its shards with them. The trainer can still write its slot after the check; a
-        view would let it swap a checked id for one past the end of a shard between the
-        check and the compiled gather or update (an out-of-bounds read or write). A copy
-        is checked and used as one value; the copy is small (8 bytes per row against a
-        row's 4 * dim). A float changed meanwhile is only a wrong value, which a token
-        holder may send anyway.
-
-        Raises:
-            TransportError: ``size`` is not the slot's, or a descriptor is invalid or
-                reaches past the end of the slot.
-        """
-        if self._map is None or size != self.size:
-            raise TransportError(f"request slot: the frame says {size} bytes, the slot this "
-                                 f"connection handed over has {self.size}")
-        if not isinstance(layout, list) or len(layout) > MAX_ARRAYS:
-            raise TransportError(f"slot layout: expected a list of at most {MAX_ARRAYS} "
-                                 f"arrays, got {str(layout)[:60]}")
-        out = []
-        for i, desc in enumerate(layout):
-            ok = isinstance(desc, list) and len(desc) == 3 and desc[0] in DTYPE_CODES and \
-                isinstance(desc[1], list) and len(desc[1]) <= MAX_NDIM and \
-                all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                    for d in desc[1] + [desc[2]]) and desc[2] % SLOT_ALIGN == 0
-            if not ok:
-                raise TransportError(f"slot array {i}: invalid descriptor {str(desc)[:60]}")
-            dtype, shape, off = DTYPE_CODES[desc[0]], tuple(desc[1]), desc[2]
-            nbytes = dtype.itemsize * int(np.prod(shape, dtype=object)) if shape else \
-                dtype.itemsize
-            if off + nbytes > self.size:
-                raise TransportError(f"slot array {i}: {nbytes} bytes at offset {off} reach "
-                                     f"past the end of the slot ({self.size} bytes)")
-            view = np.ndarray(shape, dtype, buffer=self._map, offset=off)
-            out.append(np.array(view) if dtype.kind in "iub" else view)
-        return out
-
-    def close(self):
-        """Drop the mapping (arrays still viewing it keep it until they go)."""
-        self._map = None
