@@ -27,6 +27,8 @@ SparseAdagrad.step(). Configurations, all measured in this run:
   memory-mapped files, in the page cache after warm-up), in process, 1s x 1t with shared
   memory (the trainer maps the server's file and reads its rows in place) and 1s x 1t
   over TCP (every row on the socket).
+- with ``--dtype bfloat16`` (or ``float16``): every distemb table above keeps 16-bit rows,
+  which cross the sockets and shared memory in 2 bytes a value (gradients in float32).
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -35,7 +37,8 @@ SparseAdagrad.step(). Configurations, all measured in this run:
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
-        [--dgl] [--dynamic] [--file] [--rounds 3] [--only-shm] [--links loopback,veth,10gbit,1gbit]
+        [--dtype float32|bfloat16|float16] [--dgl] [--dynamic] [--file] [--rounds 3]
+        [--only-shm] [--links loopback,veth,10gbit,1gbit]
         [--shm-pages machine|both]
 """
 import argparse
@@ -70,7 +73,8 @@ def train(ctx, args):
                for _ in range(args.steps + args.warmup)]
     if args.dynamic_table:  # N keys spread over the int64 range, rows made on first use
         emb = distemb.DynamicEmbedding(args.dim, name="bench", context=ctx,
-                                       init_func=key_uniform(args.dim, 0.01, 0.02))
+                                       init_func=key_uniform(args.dim, 0.01, 0.02),
+                                       dtype=args.dtype)
         batches = [ids * 3_000_000_000_019 - 2 ** 62 for ids in batches]
         # Every key inserted before timing, as the dense table has every row: the step is
         # compared at steady state (making a new key's row is the initialiser's cost).
@@ -80,13 +84,13 @@ def train(ctx, args):
                 emb(chunk)
     elif args.file_table:  # rows in files under a fresh directory (one per job)
         spec = FileTableSpec(args.file_table, num_rows=args.rows, dim=args.dim,
-                             init=key_uniform(args.dim, 0.01, 0.02))
+                             init=key_uniform(args.dim, 0.01, 0.02), dtype=args.dtype)
         emb = distemb.DistEmbedding(args.rows, args.dim, name="bench", storage=spec,
                                     context=ctx)
     else:
         emb = distemb.DistEmbedding(args.rows, args.dim, name="bench",
                                     init_func=lambda s, d: torch.full(s, 0.01, dtype=d),
-                                    context=ctx)
+                                    context=ctx, dtype=args.dtype)
     opt = distemb.SparseAdagrad([emb], lr=0.01)
     for i, ids in enumerate(batches):
         if i == args.warmup:
@@ -148,7 +152,8 @@ def run_cluster(args, servers, trainers, shm, dynamic=False, file=False):
         argv += [] if shm else ["--no-shared-memory"]
         argv += ["--", sys.executable, os.path.abspath(__file__), "--trainer", "--out", out,
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
-                 str(args.batch), "--dim", str(args.dim), "--rows", str(args.rows)]
+                 str(args.batch), "--dim", str(args.dim), "--rows", str(args.rows),
+                 "--dtype", args.dtype]
         argv += ["--dynamic-table"] if dynamic else []
         argv += ["--file-table", os.path.join(out, "table")] if file else []
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -177,7 +182,7 @@ def run_hosts(args, servers, trainers, rate, dynamic=False):
             procs += [subprocess.Popen(hosts.trainer(r, [
                 sys.executable, os.path.abspath(__file__), "--trainer", "--out", out, "--steps",
                 str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-                "--dim", str(args.dim), "--rows", str(args.rows)]
+                "--dim", str(args.dim), "--rows", str(args.rows), "--dtype", args.dtype]
                 + (["--dynamic-table"] if dynamic else [])),
                 env=dict(env, DISTEMB_ROLE="trainer", DISTEMB_RANK=str(r)))
                 for r in range(trainers)]
@@ -241,6 +246,9 @@ def main():
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="storage dtype of every distemb table (half rows: 2 bytes a value "
+                        "in shards and on the wire)")
     p.add_argument("--dgl", action="store_true", help="also run DGL's distributed KVStore")
     p.add_argument("--dynamic", action="store_true",
                    help="also run the step on a DynamicEmbedding (in process and on servers)")
@@ -345,8 +353,8 @@ def main():
             f"{name} {np.mean(rates[name][-1]):.1f}" for name, _ in configs) +
             f" steps/s; load average {os.getloadavg()[0]:.1f}", flush=True)
     workdir.cleanup()
-    print(f"\nB={args.batch} D={args.dim} N={args.rows} steps={args.steps}, one thread per "
-          f"process, {os.cpu_count()} cores, {args.rounds} round(s) in turns, medians\n")
+    print(f"\nB={args.batch} D={args.dim} N={args.rows} {args.dtype} steps={args.steps}, one "
+          f"thread per process, {os.cpu_count()} cores, {args.rounds} round(s) in turns, medians\n")
     print("| configuration | steps/s per trainer | rows/s (all trainers) | vs in-process |"
           + (" vs DGL 1 x 1 |" if args.dgl else ""))
     print("|---|---|---|---|" + ("---|" if args.dgl else ""))

@@ -40,7 +40,7 @@ from distemb.dynamic import DynamicEmbedding, StoreEmbedding
 from distemb.errors import KVStoreError, MissingKeyError
 from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
                            SparseSGD)
-from distemb.partition import HashPartitionBook, PartitionPolicy
+from distemb.partition import HashPartitionBook, PartitionPolicy, key_partition
 from distemb.stores import key_normal
 from distemb.stores.spec import FileTableSpec
 
@@ -96,9 +96,11 @@ def make_tables(ctx, parts):
 #: padding; "grare" is looked up by no rank on steps 3k (so Adam's step count must not
 #: advance) and with ids on rank 0 alone on 3k + 1 (the others look up no ids).
 #: "gdyn" is a DynamicEmbedding: raw int64 keys (KEY_SCALE apart, spread over the int64
-#: range), each rank holding the keys the key hash sends it, rows made on first lookup.
+#: range), each rank holding the keys the key hash sends it, rows made on first lookup;
+#: "gdyn16" the same in bfloat16 rows (2 bytes a value between ranks).
 GROUP = (("gnode", 200, 5, "float32"), ("gctx", 120, 3, "bfloat16"),
-         ("grare", 50, 7, "float32"), ("gdyn", None, 4, "float32"))
+         ("grare", 50, 7, "float32"), ("gdyn", None, 4, "float32"),
+         ("gdyn16", None, 4, "bfloat16"))
 KEY_SCALE, KEY_BASE = 3_000_000_000_019, -2 ** 62
 
 
@@ -107,7 +109,7 @@ def make_group(ctx):
     embs = {}
     for i, (k, n, d, dtype) in enumerate(GROUP):
         if n is None:
-            embs[k] = DynamicEmbedding(d, name=f"coll-{k}", context=ctx,
+            embs[k] = DynamicEmbedding(d, name=f"coll-{k}", context=ctx, dtype=dtype,
                                        init_func=key_normal(d, std=0.5, seed=i))
             continue
         embs[k] = DistEmbedding(n, d, name=f"coll-{k}", context=ctx, dtype=dtype)
@@ -128,7 +130,7 @@ def group_lookups(embs, step, ranks, world, skip_rare=True):
     sl = [rows_of(step, r, world) for r in ranks]
     mine = torch.cat([ids[s] for s in sl])
     out = [("gnode", mine % 200), ("gctx", (mine * 7) % 120), ("gnode", (mine * 3 + 1) % 200),
-           ("gdyn", mine * KEY_SCALE + KEY_BASE)]
+           ("gdyn", mine * KEY_SCALE + KEY_BASE), ("gdyn16", mine * KEY_SCALE - KEY_BASE)]
     if step % 3 == 1:  # every rank makes the call; only rank 0 has ids
         out.append(("grare", torch.cat([ids[s] if r == 0 else ids[:0]
                                         for r, s in zip(ranks, sl)]) % 50))
@@ -262,6 +264,19 @@ def evict_check(emb):
     assert np.array_equal(np.sort(np.concatenate([evicted, after])), before)
 
 
+def wire_bytes(ctx, group, rank, world):
+    """Bytes this rank sends while every rank pulls the same 64 keys of the float32 and
+    of the bfloat16 dynamic table, and how many of those keys this rank owns (it sends
+    their rows to the ``world - 1`` others: 16 bytes a row in float32, 8 in bfloat16)."""
+    keys = np.arange(64, dtype=np.int64) * KEY_SCALE + 12345
+    out = {"owned": int((key_partition(keys, world) == rank).sum())}
+    for k in ("gdyn", "gdyn16"):
+        before = ctx.client.bytes_sent
+        ctx.client.pull(group[0][k].name, keys)
+        out[k] = ctx.client.bytes_sent - before
+    return out
+
+
 def all_optimizers(opts, group):
     """{checkpoint directory name: optimizer} of the job."""
     return dict(opts, group=group[1])
@@ -328,6 +343,8 @@ def main(args):
         got = key_ops(group[0]["gdyn"], [rank], world)[rank]
         np.savez(os.path.join(args.out, f"keys{rank}.npz"), **got)
         evict_check(group[0]["gdyn"])
+        with open(os.path.join(args.out, f"wire{rank}.json"), "w") as f:
+            json.dump(wire_bytes(ctx, group, rank, world), f)
         got = file_table(ctx, os.path.join(args.out, "files"), [rank], world)
         if rank == 0:
             np.savez(os.path.join(args.out, "file_table.npz"), **got)

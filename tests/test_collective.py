@@ -77,6 +77,12 @@ def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
         with np.load(tmp_path / f"keys{r}.npz") as z:
             assert_same({c: z[c] for c in z.files}, keys[r], f"key management on rank {r}")
     assert all(keys[r]["missing"] and keys[r]["removed"] > 0 for r in range(world))
+    # a bfloat16 dynamic table's rows cross between ranks in 2 bytes a value: the same
+    # pull sends 8 bytes less per row a rank serves to another (dim 4)
+    for r in range(world):
+        with open(tmp_path / f"wire{r}.json", encoding="utf-8") as f:
+            wire = json.load(f)
+        assert wire["gdyn"] - wire["gdyn16"] == 8 * wire["owned"] * (world - 1), (r, wire)
     # a table on files: rank r holds the range of keys in files/part-r-of-W
     with np.load(tmp_path / "file_table.npz") as z:
         assert_same({c: z[c] for c in z.files}, job.file_oracle(str(tmp_path / "one"), world),

@@ -19,12 +19,13 @@ from distemb import checkpoint
 from distemb.context import DistContext
 from distemb.dynamic import DynamicEmbedding, StoreEmbedding
 from distemb.errors import DistEmbError, KVStoreError, MissingKeyError, StoreError
+from distemb.kernels import half
 from distemb.optim import SparseAdagrad
 from distemb.partition import key_partition
 from distemb.rules import AdagradHyper
 from distemb.stores import HashStore, key_normal
 from distemb.stores.spec import HashTableSpec
-from distemb.transport.messages import Pull
+from distemb.transport.messages import Pull, Push
 
 #: every test runs on the placements that hold keyed tables (the others refuse them by
 #: name: tests/test_kvclient_suite.py::test_every_table_kind_is_held_or_refused_by_name)
@@ -273,5 +274,37 @@ def test_a_server_refuses_keys_another_server_owns(clusters):
             kv._call({0: Pull(name="routed", parts=[0], counts=[1], ids=theirs)})
         assert kv.size("routed") == 0
         kv.delete_data("routed")
+    finally:
+        kv.close(goodbye=False)
+
+
+@pytest.mark.multiprocess
+def test_half_rows_of_a_keyed_table_cross_the_wire_in_two_bytes(clusters, tmp_path):
+    """A 16-bit hash or file table's rows travel as stored, as a dense half table's do:
+    pull replies and pushes carry 2-byte rows (the trainer decodes and rounds them), and
+    float32 rows pushed to the server are refused as for a dense half table."""
+    kv = clusters("tcp").client()
+    try:
+        for kind, stored in [("hash_bf16-key", half.BFLOAT16),
+                             ("file_fp16-range", np.dtype(np.float16))]:
+            t = Table(kind, N, D, str(tmp_path)).make(kv)
+            keys = t.key_of(np.arange(4))
+            vals = np.array([[1.0, 1.00390625, 1.01171875]] * 4, np.float32)
+            kv.push(t.name, keys, vals)  # rounded here, 2 bytes a value on the wire
+            sid, k = next((s, k) for s, (_, k) in kv._routers[t.name].split(keys).items())
+            reply = kv._call({sid: Pull(name=t.name, parts=[sid], counts=[len(k)],
+                                        ids=k)})[sid]
+            (got,) = reply.arrays
+            assert got.dtype == stored and got.nbytes == 2 * D * len(k)
+            want = half.decode(half.encode(vals[:1], half.dtype_name(got)))
+            np.testing.assert_array_equal(half.decode(got), np.repeat(want, len(k), 0))
+            rows = kv.pull(t.name, keys)
+            assert rows.dtype == np.float32
+            np.testing.assert_array_equal(rows, np.repeat(want, 4, 0))
+            bad = Push(name=t.name, parts=[sid], counts=[1], ids=k[:1],
+                       values=np.ones((1, D), np.float32))
+            with pytest.raises(KVStoreError, match=f"expected {half.dtype_name(got)} rows"):
+                kv._call({sid: bad})
+            kv.delete_data(t.name)
     finally:
         kv.close(goodbye=False)

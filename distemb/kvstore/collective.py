@@ -125,10 +125,11 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
 
     def _rows_of(self, name):
         """(dtype of ``name``'s rows between ranks, row shape, dtype callers read and write
-        them in): a dense table's storage dtype (half rows travel in 16 bits and are read
-        as float32), a state's own, a keyed table's float32."""
+        them in): a table's storage dtype (half rows travel in 16 bits and are read as
+        float32), a state's own."""
         if self.is_keyed(name):
-            return np.dtype(np.float32), (self.dim(name),), np.dtype(np.float32)
+            return (half.storage_dtype(self.storage_dtype(name)), (self.dim(name),),
+                    np.dtype(np.float32))
         state = self.state_of(name)
         if state is not None:  # a keyed table's state column
             return np.dtype(state[3]), tuple(state[2]), np.dtype(state[3])
@@ -185,12 +186,12 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
     def _pull_here(self, name, ids):
         """This rank's rows of global ``ids`` of ``name`` (the owner's answer to a pull)."""
         where = self._at_owner(name, ids)
-        if len(where) == 1 and where[0][1] is None:
-            return self.server.pull(name, where[0][0], where[0][2])
         dtype, shape, _ = self._rows_of(name)
         out = np.empty((len(ids),) + shape, dtype)
+        if len(where) == 1 and where[0][1] is None:
+            return self.server.pull(name, where[0][0], where[0][2], out=out)
         for part, pos, local in where:
-            out[pos] = self.server.pull(name, part, local)
+            out[pos] = self.server.pull(name, part, local, out=out[pos])
         return out
 
     def _agree(self, what, name, sig):

@@ -39,6 +39,7 @@ import numpy as np
 
 from distemb.enums import Consistency, EvictPolicy
 from distemb.errors import KVStoreError, StoreError
+from distemb.kernels import half
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore import snapshot
 from distemb.kvstore.keyed import KeyedTables
@@ -86,10 +87,12 @@ class RemoteKeyedTables(KeyedTables):
         return self._call({sid: make(sid) for sid in range(self.num_servers)},
                                 timeout=timeout)
 
-    def _gather_keyed(self, name, keys, make, row_shape, dtype, mapped=False):
+    def _gather_keyed(self, name, keys, make, row_shape, dtype, mapped=False, wire=None):
         """Rows of ``keys`` asked of their owners with ``make(server id, keys)``, in key
         order; with ``mapped``, the weight rows of shards mapped from co-located servers
-        are read in place (unless writes keep them busy)."""
+        are read in place (unless writes keep them busy). Replies carry rows of dtype
+        ``wire`` (default ``dtype``): half weight rows, decoded here."""
+        wire = np.dtype(dtype if wire is None else wire)
         keys = table_keys(keys)
         out = np.empty((len(keys),) + row_shape, dtype)
         split = self._split(name, keys)
@@ -106,9 +109,10 @@ class RemoteKeyedTables(KeyedTables):
         def take(sid, frame):
             pos = split[sid][0]
             got = frame.arrays[0] if len(frame.arrays) == 1 else None
-            if got is None or got.shape != (len(pos),) + row_shape:
-                raise KVStoreError(f"server {sid}: reply of the wrong shape for {name!r}")
-            out[pos] = got
+            if got is None or got.shape != (len(pos),) + row_shape or got.dtype != wire:
+                raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype for "
+                                   f"{name!r}")
+            out[pos] = half.as_rows(got)
 
         self._call({sid: make(sid, k) for sid, (_, k) in split.items()}, on_reply=take)
         return out
@@ -219,7 +223,7 @@ class RemoteKeyedTables(KeyedTables):
         for c in sorted(columns, key=lambda c: c != WEIGHT):
             values = np.asarray(columns[c])
             if c == WEIGHT:
-                values = values.astype(np.float32, copy=False)
+                values = self._encoded(name, values)
             page = max(1, PAGE_BYTES // max(1, values[:1].nbytes + 8))
             for lo in range(0, len(keys), page):
                 self._write(name, keys[lo:lo + page], values[lo:lo + page], c)
@@ -250,7 +254,8 @@ class RemoteKeyedTables(KeyedTables):
             (state[0], state[2], state[3])
         return self._gather_keyed(table, ids, lambda sid, k: Pull(
             name=name, parts=[sid], counts=[len(k)], ids=k), shape, dtype,
-            mapped=state is None)
+            mapped=state is None, wire=half.storage_dtype(self._spec(table).dtype)
+            if state is None else None)
 
     def _keyed_push(self, name, ids, values):
         state = self.state_of(name)
@@ -258,8 +263,15 @@ class RemoteKeyedTables(KeyedTables):
             self._write(state[0], table_keys(ids), np.asarray(values, state[3]).reshape(
                 (len(ids),) + state[2]), state[1])
             return
-        self._write(name, table_keys(ids), np.asarray(values, np.float32).reshape(
-            len(ids), self.dim(name)), WEIGHT)
+        self._write(name, table_keys(ids), self._encoded(name, np.asarray(
+            values, np.float32).reshape(len(ids), self.dim(name))), WEIGHT)
+
+    def _encoded(self, name, values):
+        """float32 weight rows of ``name`` in its storage dtype: half rows are rounded
+        here (to nearest-even, as the store would), so they cross the wire in 2 bytes."""
+        dtype = self._spec(name).dtype
+        values = np.asarray(values, np.float32)
+        return half.encode(values, dtype) if half.is_half(dtype) else values
 
     def _keyed_init_optimizer(self, name, rule, options):
         """Fresh state columns on every server (collective, as for array tables)."""

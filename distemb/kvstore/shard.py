@@ -90,11 +90,9 @@ class ShardTable:
 
     @property
     def wire_dtype(self):
-        """The dtype of weight rows in requests and replies: the storage dtype of an array
-        table (half rows travel as 2 bytes), float32 for a store's rows."""
-        if self.arrays:
-            return self.store.column(WEIGHT).dtype
-        return np.dtype(np.float32)
+        """The dtype of weight rows in pulls and pushes: their storage dtype (half rows
+        travel as 2 bytes; the trainer decodes and rounds them)."""
+        return self.store.column(WEIGHT).dtype
 
     def read(self):
         """Context manager: the shared lock (reads of rows that cannot move)."""
@@ -191,12 +189,14 @@ class ShardTable:
         An array table's rows come in its storage dtype, except that half rows are
         decoded to float32 (in the gather, one pass) when ``out`` is float32. Another
         store's weight rows are a lookup (a hash store finds or inserts them and counts
-        the access), float32; its state rows must exist.
+        the access), float32, or as stored into an ``out`` of another dtype (the wire's);
+        its state rows must exist.
         """
         if not self.arrays:
             with self.write() if self.inserts_on_read else self.read():
                 if column == WEIGHT:
-                    rows = self.store.lookup(keys)
+                    rows = self.store.lookup(keys, stored=out is not None and
+                                             out.dtype != np.float32)
                 else:
                     rows = self.store.gather(keys, column, insert=False)
             if out is None:

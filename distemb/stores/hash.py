@@ -139,8 +139,9 @@ class HashStore(RowStore):
         """Slots of ``keys``, -1 where absent (nothing inserted, no access counted)."""
         return self._index.find(keys)
 
-    def lookup(self, keys):
-        """Rows of ``keys`` (inserted when absent), counted as an access for eviction.
+    def lookup(self, keys, stored=False):
+        """Rows of ``keys`` (inserted when absent), counted as an access for eviction
+        (float32, or as stored with ``stored``).
 
         Past ``capacity``, evicts down to ``low_water * capacity`` first-least-recent (or
         least-frequent), sparing the keys of this lookup.
@@ -153,10 +154,7 @@ class HashStore(RowStore):
         if self._capacity is not None and self._index.size > self._capacity:
             self.evict(int(self._capacity * self.low_water), protect=self._tick)
             slots = self._index.find(keys)  # unchanged: the keys of this tick are spared
-        return self._gather_slots(slots)
-
-    def _gather_slots(self, slots):
-        return self.ops.gather_rows(self._cols[WEIGHT], slots)
+        return self._gather_slots(slots, stored=stored)
 
     # ---- columns ----------------------------------------------------------------------
 

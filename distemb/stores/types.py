@@ -187,20 +187,27 @@ class RowStore(abc.ABC):
 
     # ---- shared behaviour, written once on top of the above ---------------------------
 
-    def gather(self, keys: Keys, column: str = WEIGHT, insert: bool = True) -> Rows:
-        """Rows of ``keys`` in ``column``, as a new array (absent keys inserted first)."""
-        slots = self.slots(keys, insert=insert)
+    def gather(self, keys: Keys, column: str = WEIGHT, insert: bool = True,
+               stored: bool = False) -> Rows:
+        """Rows of ``keys`` in ``column``, as a new array (absent keys inserted first).
+
+        Weight rows come as float32, or with ``stored`` in the storage dtype (half rows
+        as 2 bytes, for the wire: the trainer decodes them)."""
+        return self._gather_slots(self.slots(keys, insert=insert), column, stored)
+
+    def _gather_slots(self, slots, column=WEIGHT, stored=False):
         arr = self.column(column)
-        if column == WEIGHT:
+        if column == WEIGHT and not stored:
             return self.ops.gather_rows(arr, slots)
         if arr.dtype == np.float32 and arr.ndim == 2:
             return kernels.gather_rows(arr, slots)
         return arr[slots]
 
-    def lookup(self, keys: Keys) -> Rows:
-        """Weight rows of ``keys`` for a training lookup: absent keys are inserted, and
-        stores that evict count the access (see :class:`~distemb.stores.hash.HashStore`)."""
-        return self.gather(keys)
+    def lookup(self, keys: Keys, stored: bool = False) -> Rows:
+        """Weight rows of ``keys`` for a training lookup (float32, or as stored with
+        ``stored``): absent keys are inserted, and stores that evict count the access
+        (see :class:`~distemb.stores.hash.HashStore`)."""
+        return self.gather(keys, stored=stored)
 
     def scatter(self, keys: Keys, values: np.ndarray, column: str = WEIGHT) -> None:
         """Write ``values`` into rows ``keys`` of ``column`` (upsert; last duplicate wins).
@@ -235,8 +242,11 @@ class RowStore(abc.ABC):
                       else self.column(name)[slots] for name in self.columns()}
 
     def encode(self, rows):
-        """float32 ``rows`` in the weight column's storage dtype (rounded to nearest-even)."""
-        return rows if self.dtype == "float32" else half.encode(rows, self.dtype)
+        """float32 ``rows`` in the weight column's storage dtype (rounded to nearest-even);
+        rows already in it (half rows off the wire) as they are."""
+        if self.dtype == "float32" or np.asarray(rows).dtype == half.storage_dtype(self.dtype):
+            return rows
+        return half.encode(rows, self.dtype)
 
     def decode(self, stored):
         """Weight rows as stored -> float32."""
