@@ -28,7 +28,7 @@ if [ "$what" != bench ]; then
     tests/test_cuda_half_emulated.py tests/test_kernel_contract.py tests/test_dynamic_embedding.py \
     2>&1 | tee "$log/tests_gpu.log" | tail -25 || status=1
   python3 -m pytest -q $par --timeout 300 -p no:cacheprovider tests/test_kvclient_suite.py \
-    tests/test_keyed_suite.py -k cuda \
+    tests/test_keyed_suite.py tests/test_partition.py -k cuda \
     2>&1 | tee "$log/tests_client_suite.log" | tail -8 || status=1
 fi
 if [ "$what" != tests ]; then
@@ -36,6 +36,7 @@ if [ "$what" != tests ]; then
     | tee "$log/bench_gpu_step.log" || status=1
   python3 benchmarks/bench_gpu_step.py --optimizers adagrad,adam --ids zipf --profile \
     2>&1 | tee "$log/bench_gpu_step_profile.log" | tail -60 || status=1
+  python3 benchmarks/bench_gpu_dynamic.py 2>&1 | tee "$log/bench_gpu_dynamic.log" || status=1
   if [ -f out/streams.npz ]; then
     python3 benchmarks/bench_gpu_cache.py --streams sage,zipf --streams-file out/streams.npz \
       2>&1 | tee "$log/bench_gpu_cache.log" || status=1

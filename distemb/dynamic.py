@@ -110,11 +110,18 @@ class DynamicEmbedding(StoreEmbedding):
             reproducible for any thread count).
         context: the :class:`~distemb.context.DistContext` (embedded).
         trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
+        device: where the rows live: None or 'cpu' (host memory, or the servers), or a
+            CUDA device (embedded contexts only): rows and optimizer state are then
+            tensors on that GPU, updated there, and the key index stays on the host
+            (:mod:`distemb.kvstore.device_keyed`).
 
     Raises:
         ValueError: ``embedding_dim`` or ``capacity`` not a positive int, an unknown
             ``evict`` policy.
         TypeError: in a cluster, an ``init_func`` that is not a key initialiser spec.
+        CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
+            run here (it says why).
+        DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
 
     Example:
         >>> import torch
@@ -127,8 +134,8 @@ class DynamicEmbedding(StoreEmbedding):
 
     def __init__(self, embedding_dim, name=None, init_func=None, capacity=None,
                  evict="lru", low_water=1.0, dtype="float32", rounding="nearest",
-                 context=None, trace_limit=DEFAULT_TRACE_LIMIT):
+                 context=None, trace_limit=DEFAULT_TRACE_LIMIT, device=None):
         spec = HashTableSpec(embedding_dim, dtype=dtype, init=init_func, capacity=capacity,
                              evict=evict, low_water=low_water, rounding=rounding)
         DistEmbedding.__init__(self, None, spec.dim, name=name, context=context,
-                               trace_limit=trace_limit, storage=spec)
+                               trace_limit=trace_limit, storage=spec, device=device)

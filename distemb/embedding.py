@@ -82,7 +82,8 @@ class DistEmbedding:
             :class:`~distemb.errors.TraceOverflowError` (a warning is issued at half).
         device: where the table lives: None or 'cpu' (host memory or the servers), or a
             CUDA device (embedded contexts only): the table is then one tensor on that GPU,
-            looked up and updated there with the CUDA kernels.
+            looked up and updated there with the CUDA kernels; a hash table (any int64
+            key) keeps its rows and state there and its key index on the host.
         dtype: how the rows are stored: float32 (default), or ``torch.bfloat16`` /
             ``torch.float16`` for half the bytes per row, in memory and on the wire
             between trainers and servers. Optimizer state and all maths stay float32;
@@ -112,8 +113,8 @@ class DistEmbedding:
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
         ValueError: ``dtype`` is not a row dtype, or stochastic rounding of rows other
             than bfloat16; an argument that a table on row stores does not take
-            (``part_policy`` but on a file table's spec, a GPU ``device``) or that
-            contradicts its ``storage``.
+            (``part_policy`` but on a file table's spec, a GPU ``device`` but for a
+            hash table) or that contradicts its ``storage``.
         TypeError: ``init_func`` of the wrong signature (``(shape, dtype)`` for dense
             rows, ``(keys)`` for a keyed table), or a ``storage`` of another type.
 

@@ -24,8 +24,9 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
 
     Raises:
         ValueError: an argument the storage contradicts (its dim, dtype, key count), a
-            partition policy on a store that cannot take one, a device, or an
-            ``init_func`` beside a storage with its own.
+            partition policy on a store that cannot take one, a GPU device for a
+            store other than a hash table, or an ``init_func`` beside a storage with its
+            own.
         TypeError: ``storage`` is neither a RowStore nor a table spec.
     """
     if part_policy is not None:
@@ -36,10 +37,12 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
                              f"table is routed by its keys' hash; a store object is one "
                              f"shard: pass a FileTableSpec), got {part_policy!r}")
         storage = storage.partitioned_by(part_policy)
-    if device is not None and str(device) != "cpu":
-        raise ValueError(f"device: a table on row stores lives in host memory or on the "
-                         f"servers; look its rows up onto a GPU with emb(ids, device=...), "
-                         f"got device={device!r}")
+    on_device = device is not None and str(device) != "cpu"
+    if on_device and storage is not None and not isinstance(storage, HashTableSpec):
+        kind = getattr(storage, "kind", type(storage).__name__)
+        raise ValueError(f"device: a GPU holds dense and hash tables; a {kind} table's rows "
+                         f"live in host memory or on the servers: look them up onto a GPU "
+                         f"with emb(ids, device=...), got device={device!r}")
     if storage is None:
         storage = HashTableSpec(dim, dtype=dtype, init=init_func, rounding=rounding.value)
     elif init_func is not None:
@@ -65,6 +68,7 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
                          f"{fixed if fixed else None}, got {num_embeddings!r}")
     ctx = context or current_context()
     name = check_table_name(name or ctx.new_name(kind))
-    client = ctx.client.store_client()
+    # a GPU's client holds hash tables with their rows there (the index on the host)
+    client = ctx.client_for(device) if on_device else ctx.client.store_client()
     make(client, name)
     return StoreTensor(client, name, ctx, storage.dtype, part_policy)

@@ -398,7 +398,9 @@ class StoreTensor(NamedRows):
 
     @property
     def device(self):
-        return None
+        """The torch device of the rows (a GPU-resident hash table's), or None on the
+        host."""
+        return getattr(self._client, "device", None)
 
     def __len__(self):
         return self._client.size(self._name)

@@ -78,7 +78,7 @@ def holds(placement, kind):
     where it does not, it refuses them naming both (the capability table of
     docs/stores.md)."""
     base = placement.split("+")[-1]
-    return kind.startswith("dense") or not base.startswith("device_table")
+    return kind.startswith(("dense", "hash")) or not base.startswith("device_table")
 
 
 #: The client type that refuses what a placement does not hold, by placement base.

@@ -187,6 +187,71 @@ def test_dynamic_table_looked_up_onto_a_device_trains_its_own_keys(ctx, monkeypa
     assert got["weight"][:, 0].tolist() == [-1000.0, -100.0, -1.0, -10.0]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernels", ["twin", "gpu"])
+def test_a_dynamic_table_on_a_gpu_trains_as_the_host_table_bit_for_bit(
+        ctx, monkeypatch, tmp_path, kernels, dtype):
+    """DynamicEmbedding(device="cuda"): rows and optimizer state on the device, the key
+    index on the host. Against the same table on the host over 30 steps of Adam on
+    duplicate-heavy int64 keys (two lookups a step; dyadic gradients, so sums are exact
+    in any order): rows, state and the optimizer's state_dict bit for bit; a checkpoint
+    of the GPU table loads into a host table and back. On the CPU through the CUDA
+    kernels' stand-in, and on a GPU where one is usable."""
+    from cpu_cuda_twin import CpuCudaHalfTwin, CpuCudaTwin
+    from distemb import kernels as host_kernels
+    from distemb.kernels import cuda
+    from distemb.kvstore import device as device_kv
+    from distemb.optim import SparseAdam
+
+    if kernels == "twin":
+        monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+        monkeypatch.setattr(device_kv.DeviceKVClient, "ops", CpuCudaTwin())
+        monkeypatch.setattr(device_kv.DeviceKVClient, "half_ops", CpuCudaHalfTwin)
+    elif not cuda.cuda_available():
+        pytest.skip("no usable GPU here: the CPU stand-in case covers the same path")
+    keys, init = key_map("random int64"), key_normal(DIM, std=0.5, seed=3)
+    gpu = DynamicEmbedding(DIM, name="on-gpu", init_func=init, dtype=dtype, context=ctx,
+                           device="cuda")
+    host = DynamicEmbedding(DIM, name="on-host", init_func=init, dtype=dtype, context=ctx)
+    assert host.device is None and gpu.device == device_kv.cuda_device("cuda")
+    opts = [SparseAdam([gpu], lr=0.05), SparseAdam([host], lr=0.05)]
+    rng, gen = np.random.default_rng(5), torch.Generator().manual_seed(5)
+    for _ in range(30):
+        ids = torch.from_numpy(keys[zipf_ids(rng, ROWS, BATCH)])
+        up = torch.randint(-8, 9, (BATCH, DIM), generator=gen) / 8
+        for emb, opt in zip((gpu, host), opts):
+            a, b = emb(ids[:BATCH // 2]), emb(ids[BATCH // 2:])
+            assert a.device == (emb.device or torch.device("cpu"))
+            ((a * up[:BATCH // 2].to(a.device)).sum()
+             + (b * up[BATCH // 2:].to(b.device)).sum()).backward()
+            opt.step()
+    got, want = gpu.export(), host.export()
+    assert sorted(got) == sorted(want) == ["exp_avg", "exp_avg_sq", "keys", "weight"]
+    exact = kernels == "twin" or host_kernels.HAS_EXT  # the reference kernels' maths differs
+    for col, rows in want.items():
+        if exact or col == "keys":
+            np.testing.assert_array_equal(got[col], rows, err_msg=col)
+        else:
+            np.testing.assert_allclose(got[col], rows, rtol=1e-5, atol=1e-6, err_msg=col)
+    assert np.abs(want["weight"] - init(want["keys"])).max() > 0.05  # it trained
+    sd = [o.state_dict()["state"] for o in opts]
+    assert sd[0]["on-gpu"]["step"] == sd[1]["on-host"]["step"] == 30
+    # a checkpoint of the GPU table is the one format: a host table loads it, and back
+    opts[0].save(str(tmp_path / "ckpt"))
+    from distemb.context import DistContext
+    other = DistContext.embedded(backend="pytorch", num_threads=1)
+    try:
+        back = DynamicEmbedding(DIM, name="on-gpu", dtype=dtype, context=other)
+        SparseAdam([back], lr=0.05).load(str(tmp_path / "ckpt"))
+        for col, rows in got.items():
+            np.testing.assert_array_equal(back.export()[col], rows, err_msg=col)
+    finally:
+        other.close()
+    gpu.remove(torch.from_numpy(got["keys"][:5]))
+    opts[0].load(str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(gpu.export()["weight"], got["weight"])
+
+
 def test_one_store_client_per_context_closed_with_it(ctx, tmp_path):
     """Two tables of one name in one context are one table; closing the context closes
     (flushes) its store tables."""
@@ -295,8 +360,13 @@ def test_storage_arguments_are_checked_by_name(ctx, tmp_path):
 
     with pytest.raises(ValueError, match="part_policy: a hash store takes no partition policy"):
         DistEmbedding(None, 2, context=ctx, part_policy=range_policy(4))
-    with pytest.raises(ValueError, match="device: a table on row stores"):
-        DistEmbedding(None, 2, context=ctx, device="cuda")
+    with pytest.raises(ValueError, match="device: a GPU holds dense and hash tables; a "
+                                         "file table's rows live in host memory"):
+        DistEmbedding(None, 2, context=ctx, device="cuda",
+                      storage=FileTableSpec(str(tmp_path), 4, 2, preallocate=False))
+    with pytest.raises(ValueError, match="device: a GPU holds dense and hash tables; a "
+                                         "DenseStore table"):
+        DistEmbedding(None, 2, context=ctx, device="cuda", storage=DenseStore(4, 2))
     with pytest.raises(ValueError, match="storage: holds rows of dim 3, embedding_dim is 2"):
         DistEmbedding(None, 2, context=ctx, storage=DenseStore(4, 3))
     with pytest.raises(ValueError, match=r"num_embeddings: the storage holds the keys "

@@ -27,9 +27,12 @@ from distemb.stores import HashStore, key_normal
 from distemb.stores.spec import HashTableSpec
 from distemb.transport.messages import Pull, Push
 
-#: every test runs on the placements that hold keyed tables (the others refuse them by
-#: name: tests/test_kvclient_suite.py::test_every_table_kind_is_held_or_refused_by_name)
-pytestmark = [pytest.mark.timeout(120), pytest.mark.holding("hash-key", "file-range")]
+#: every test runs on the placements that hold the keyed tables it makes: hash tables
+#: (every placement but the GPU's holds them), and file tables where a test says so (the
+#: others refuse them by name:
+#: tests/test_kvclient_suite.py::test_every_table_kind_is_held_or_refused_by_name)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.holding("hash-key")]
+WITH_FILES = pytest.mark.holding("hash-key", "file-range")
 N, D = 24, 3
 
 
@@ -111,6 +114,7 @@ def test_keys_are_spread_by_their_hash(client, tmp_path):
     assert client.size(t.name) == len(keys)
 
 
+@WITH_FILES
 def test_export_import_round_trip_with_state(client, tmp_path):
     """Every keyed table (hash and file) moves whole with its state; an unknown column is
     refused before any row is written."""
@@ -154,6 +158,7 @@ def test_a_checkpoint_load_replaces_the_keys(client, tmp_path):
         np.testing.assert_array_equal(after[1][c], before[1][c])
 
 
+@WITH_FILES
 def test_bfloat16_rows_round_to_nearest_even(client, tmp_path):
     for kind in ("hash_bf16-key", "file_bf16-range"):
         t = Table(kind, N, D, str(tmp_path)).make(client)
@@ -215,6 +220,7 @@ def test_optimizer_state_dict_round_trip(placement):
 
 # --- file tables: keys 0..N-1 on memory-mapped files, one FileStore per shard -----------
 
+@WITH_FILES
 def test_a_file_table_holds_every_key_of_its_range_wherever_it_lives(client, tmp_path):
     t = Table("file-range", N, D, str(tmp_path)).make(client)
     keys = np.array([0, 11, 12, N - 1, 7, 7], np.int64)
@@ -233,6 +239,7 @@ def test_a_file_table_holds_every_key_of_its_range_wherever_it_lives(client, tmp
                                                for p in range(client.num_servers)]
 
 
+@WITH_FILES
 def test_a_file_table_reopens_with_its_rows(client, tmp_path):
     """Dropping a file table flushes and unlocks its shards' files; made again from the
     same spec, it has its rows back."""

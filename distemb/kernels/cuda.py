@@ -45,6 +45,36 @@ from distemb.kernels.cuda_lib import (ABI_VERSION, CLEAN_ID_FLAGS, CUDA_LIB_PATH
 _SIZE = ctypes.c_size_t
 
 
+def cuda_device(device):
+    """The ``torch.device`` (with its index) of a CUDA device the kernels can run on.
+
+    Args:
+        device: 'cuda', 'cuda:N' or a ``torch.device`` of type cuda.
+
+    Returns:
+        ``torch.device('cuda', N)``; ``N`` is torch's current device when not given.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device.
+        CudaUnavailableError: the CUDA kernels cannot run here (the reason of
+            :func:`distemb.kernels.cuda.require_cuda`).
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: expected None, 'cpu' or a CUDA device such as 'cuda:0', "
+                         f"got {device!r} ({exc})") from None
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected None, 'cpu' or a CUDA device such as 'cuda:0', "
+                         f"got {device!r}")
+    require_cuda()
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} does not exist, this process sees "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
 def _tensor(name, t, dtype, ndim):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

@@ -9,24 +9,23 @@ to another device; :class:`CacheOnDevice` is the lookup view of a device cache
 half of the interface (see :mod:`distemb.kvstore.types`): storage goes to the wrapped
 client.
 
-A GPU-resident table is one whole tensor on its device (the partition policy is kept as
-metadata, its size checked, and ``init_func`` still fills one shard at a time, so a
-table starts as it would on the host): lookups gather with the CUDA kernels and updates run the
-rules of :mod:`distemb.rules` with :mod:`distemb.kernels.cuda`, so rows, ids and
-gradients never leave the GPU. Arrays crossing this client are torch tensors on its
-device (ids int64), where host clients use numpy. Embedded only: a server process holds
-numpy shards and never imports torch.
+A GPU-resident dense table is one whole tensor on its device (the partition policy is
+kept as metadata, its size checked, and ``init_func`` still fills one shard at a time, so
+a table starts as it would on the host): lookups gather with the CUDA kernels and updates
+run the rules of :mod:`distemb.rules` with :mod:`distemb.kernels.cuda`, so rows, ids and
+gradients never leave the GPU. A hash table keeps its columns there and its key index on
+the host (:mod:`distemb.kvstore.device_keyed`). Arrays crossing this client are torch
+tensors on its device (ids int64), where host clients use numpy. Embedded only: a server
+process holds numpy shards and never imports torch.
 
-No step waits for the device. Ids are validated there without stopping the stream: a
-lookup's gather reads zeros for an out-of-range id and records it in the table's flags
-(count, smallest, largest), which are copied to pinned host memory behind the gather.
-The client reports them (a :class:`~distemb.errors.PartitionError` naming the table and
-the range of the bad ids) at its next lookup or ``push_update`` (``opt.step()``) of the
-table that finds the copy landed; that call then does nothing. Until then a bad id is
-harmless: the dedup sums it apart from every valid id, and the update kernels skip rows
-outside the table. Gradients arrive from ``dedup_sum_padded``: all N slots, the unused
-ones holding an id outside the table, so the host never needs the unique count. Writes
-(``t[ids] = v``) are rare and check their ids at once.
+No step of a dense table waits for the device. Ids are validated there without stopping
+the stream: a lookup's gather reads zeros for an out-of-range id and records it in the
+table's flags (:class:`~distemb.kvstore.id_check.IdCheck`), reported as a
+:class:`~distemb.errors.PartitionError` by the next lookup or ``push_update`` of the
+table that finds them landed (that call then does nothing). Until then a bad id is
+harmless: the dedup sums it apart, and the update kernels skip rows outside the table
+(gradients arrive from ``dedup_sum_padded``: all N slots, unused ones holding an id
+outside the table). Writes (``t[ids] = v``) are rare and check their ids at once.
 
 This module imports torch; :mod:`distemb.kvstore` does not import it, so servers never
 load it (the context imports it when a table asks for a device).
@@ -40,45 +39,18 @@ import torch
 from distemb.arrays import Array, Rows, Tensor, UniqueIds
 from distemb.errors import KVStoreError, PartitionError
 from distemb.kernels import cuda, half
+from distemb.kernels.cuda import cuda_device
 from distemb.kernels.cuda_half import CudaHalfOps
+from distemb.kvstore.device_keyed import DeviceKeyedTables
 from distemb.kvstore.id_check import IdCheck
 from distemb.kvstore.placement import PlacedAsInner
 from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
 from distemb.rules import rule_of, state_name
 
 
-def cuda_device(device):
-    """The ``torch.device`` (with its index) of a CUDA device the kernels can run on.
-
-    Args:
-        device: 'cuda', 'cuda:N' or a ``torch.device`` of type cuda.
-
-    Returns:
-        ``torch.device('cuda', N)``; ``N`` is torch's current device when not given.
-
-    Raises:
-        ValueError: ``device`` is not a CUDA device.
-        CudaUnavailableError: the CUDA kernels cannot run here (the reason of
-            :func:`distemb.kernels.cuda.require_cuda`).
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device: expected None, 'cpu' or a CUDA device such as 'cuda:0', "
-                         f"got {device!r} ({exc})") from None
-    if dev.type != "cuda":
-        raise ValueError(f"device: expected None, 'cpu' or a CUDA device such as 'cuda:0', "
-                         f"got {device!r}")
-    cuda.require_cuda()
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device: {device!r} does not exist, this process sees "
-                         f"{torch.cuda.device_count()} CUDA device(s)")
-    return torch.device("cuda", index)
-
-
-class DeviceKVClient(KVClient):
-    """Embedded KVClient holding each table as one torch tensor on ``device``.
+class DeviceKVClient(DeviceKeyedTables, KVClient):
+    """Embedded KVClient holding each table as one torch tensor on ``device``, and hash
+    tables as stores with their columns there (:mod:`distemb.kvstore.device_keyed`).
 
     Pulls gather with ``ops.gather_rows``; ``push_update`` runs the update rule with
     ``ops`` on the rows in place. Ids, rows and gradients passed in and returned are torch
@@ -124,6 +96,7 @@ class DeviceKVClient(KVClient):
         self._tables = {}
         self._meta = {}
         self._checks = {}
+        self._init_device_keyed()
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         """Create ``name``; ``init_func(shard_shape, dtype_name)`` fills each shard.
@@ -136,6 +109,8 @@ class DeviceKVClient(KVClient):
         embedded one-part host table's do).
         """
         check_new_name(self._meta, name)
+        if self.is_keyed(name):
+            raise KVStoreError(f"name {name!r} already exists in the KVStore")
         check_rounding(dtype, rounding_seed)
         shape = tuple(shape)
         if policy.get_size() != shape[0]:
@@ -173,6 +148,8 @@ class DeviceKVClient(KVClient):
         return table
 
     def delete_data(self, name):
+        if self.is_keyed(name):
+            return self._keyed.delete_data(name)
         self._meta.pop(name, None)
         self._tables.pop(name, None)
         self._checks.pop(name, None)
@@ -198,6 +175,8 @@ class DeviceKVClient(KVClient):
         Raises:
             PartitionError: an earlier lookup of ``name`` had ids out of range.
         """
+        if self._is_keyed_name(name):
+            return self._keyed.pull(name, self._host_keys(ids))
         table, check = self._table(name), self._checks[name]
         check.raise_seen(wait=False)
         if table.dim() == 2 and (table.dtype == torch.float32 or name in self._table_ops):
@@ -222,6 +201,8 @@ class DeviceKVClient(KVClient):
         Raises:
             PartitionError: an id is out of range (checked at once: writes are rare).
         """
+        if self._is_keyed_name(name):
+            return self._keyed.push(name, self._host_keys(ids), values)
         table = self._table(name)
         self._check_now(name, ids)
         # index_copy_ leaves the winner of duplicate ids unspecified on a GPU: keep the
@@ -232,6 +213,8 @@ class DeviceKVClient(KVClient):
         table.index_copy_(0, uniq, values.to(table.dtype)[last])
 
     def push_update(self, name, ids, grads, rule, hyper):
+        if self.is_keyed(name):
+            return self._keyed.push_update(name, self._host_keys(ids), grads, rule, hyper)
         impl = rule_of(rule)
         states = {s.name: self._table(state_name(name, s.name)) for s in impl.states}
         # Bad ids seen by earlier lookups, if their flags have landed (never waits: the
@@ -249,6 +232,7 @@ class DeviceKVClient(KVClient):
     def close(self):
         for name in list(self._meta):
             self.delete_data(name)
+        self._keyed.close()
 
     # -- placement: arrays are torch tensors on self.device -----------------------------
 
@@ -262,6 +246,8 @@ class DeviceKVClient(KVClient):
         Not range-checked here (that would wait for the device): ``pull`` checks them on
         the device and reports later, ``push`` checks them at once (module docstring).
         """
+        if self.is_keyed(name):
+            return self._keyed_ids_in(name, ids)
         self._meta_of(name)  # raises the unknown-name error
         t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
@@ -270,6 +256,8 @@ class DeviceKVClient(KVClient):
         return flat, tuple(t.shape)
 
     def values_in(self, name, values, F, num_ids):
+        if self.is_keyed(name):
+            return self._keyed_values_in(name, values, num_ids)
         meta = self._meta_of(name)
         t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
         got = str(t.dtype).replace("torch.", "")
@@ -292,6 +280,9 @@ class DeviceKVClient(KVClient):
         """
         if not ids:
             return None
+        if self.is_keyed(name):  # summed by key here, the unique keys to the host index
+            uniq, summed = dedup_on(self.ops, self.device, self.data_meta(name), ids, grads)
+            return uniq.cpu().numpy(), summed
         return dedup_on(self.ops, self.device, self._meta_of(name), ids, grads, padded=True)
 
     def view_on(self, device):

@@ -198,8 +198,12 @@ class LocalKVClient(KeyedTables, KVClient):
     def create_table(self, name, spec):
         if self._exists(name, spec):
             return
-        self._add(name, spec.make_store(), spec)
+        self._add(name, self._make_store(spec), spec)
         self._specs[name] = spec
+
+    def _make_store(self, spec):
+        """The store of a table made from ``spec`` (its one shard, in host memory)."""
+        return spec.make_store()
 
     def add_table(self, name, store):
         """Hold ``store`` as keyed table ``name`` (closed when the table is deleted).

@@ -324,8 +324,7 @@ class ShardTable:
             cols = list(columns) if columns else list(self.columns())
             keys = self.store.keys()[start:None if count is None else start + count]
             slots = self.store.slots(keys) if len(keys) else np.empty(0, np.int64)
-            rows = {c: self.store.decode(self.store.column(c)[slots]) if c == WEIGHT
-                    else self.store.column(c)[slots] for c in cols}
+            rows = {c: self.store.read_rows(c, slots) for c in cols}
         return (keys if self.router is None else self.router.to_global(self.part, keys)), rows
 
     # -- versions ---------------------------------------------------------------------
@@ -429,10 +428,7 @@ class ShardTable:
             saved = keys if self.router is None else self.router.to_global(self.part, keys)
 
             def reader(col):
-                arr = self.store.column(col)
-                if col == WEIGHT:
-                    return lambda lo, hi: self.store.decode(arr[slots[lo:hi]])
-                return lambda lo, hi: arr[slots[lo:hi]]
+                return lambda lo, hi: self.store.read_rows(col, slots[lo:hi])
             return snapshot.write_shard(
                 directory, save_id, name, self.part, len(keys),
                 {c: (shape, dtype, reader(c)) for c, (shape, dtype) in cols.items()},

@@ -78,7 +78,7 @@ class HashStore(RowStore):
         self._init = init
         self._index = HashIndex(reserve, native=native)
         rows = max(16, int(reserve))
-        self._cols = {WEIGHT: np.zeros((rows, self.dim), storage_dtype(self.dtype))}
+        self._cols = {WEIGHT: self._new_column(WEIGHT, rows, (self.dim,), self.dtype, 0.0)}
         self._specs = {WEIGHT: ((self.dim,), self.dtype, 0.0)}
         self._slot_key = np.full(rows, FREE, np.int64)
         self._last = np.zeros(rows, np.int64)
@@ -99,24 +99,35 @@ class HashStore(RowStore):
             b[:a.shape[0]] = a
             return b
 
-        self._cols = {n: grown(a, self._specs[n][2]) for n, a in self._cols.items()}
+        def grown_column(name, a):
+            shape, dtype, fill = self._specs[name]
+            b = self._new_column(name, rows, shape, dtype, fill)
+            b[:a.shape[0]] = a
+            return b
+
+        self._cols = {n: grown_column(n, a) for n, a in self._cols.items()}
         self._slot_key = grown(self._slot_key, FREE)
         self._last, self._count = grown(self._last, 0), grown(self._count, 0)
 
     def _init_slots(self, keys, slots):
         """Fresh rows for newly inserted ``keys`` at ``slots`` (every column)."""
-        for name, arr in self._cols.items():
+        for name in self._cols:
             if name == WEIGHT and self._init is not None:
                 rows = np.asarray(self._init(keys))
                 if rows.shape != (len(keys), self.dim):
                     raise StoreError(f"init: returned shape {rows.shape} for {len(keys)} "
                                      f"keys, expected {(len(keys), self.dim)}")
-                arr[slots] = self.encode(rows)
+                self._write_slots(name, slots, rows)
             else:
-                arr[slots] = self._specs[name][2]
+                self._write_slots(name, slots, self._specs[name][2])
         self._slot_key[slots] = keys
         self._last[slots] = 0
         self._count[slots] = 0
+
+    def _new_column(self, name, rows, row_shape, dtype, fill):
+        """Column ``name``: ``rows`` slots of ``row_shape`` (dtype name: a half weight
+        column in its storage dtype), every slot ``fill``."""
+        return np.full((rows,) + tuple(row_shape), fill, storage_dtype(dtype))
 
     def slots(self, keys, insert=False):
         keys = keys_array(keys)
@@ -171,8 +182,8 @@ class HashStore(RowStore):
         dtype = np.dtype(dtype).name
         if keep and name in self._specs and self._specs[name][:2] == (row_shape, dtype):
             return
-        rows = self._slot_key.shape[0]
-        self._cols[name] = np.full((rows,) + row_shape, fill, dtype)
+        self._cols[name] = self._new_column(name, self._slot_key.shape[0], row_shape, dtype,
+                                            fill)
         self._specs[name] = (row_shape, dtype, fill)
 
     def set_fill(self, name, fill):

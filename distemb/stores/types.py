@@ -217,8 +217,19 @@ class RowStore(abc.ABC):
         if values.shape != want:
             raise StoreError(f"values: expected shape {want} for column {column!r}, "
                              f"got {values.shape}")
-        slots = self.slots(keys, insert=True)
-        self.column(column)[slots] = self.encode(values) if column == WEIGHT else values
+        self._write_slots(column, self.slots(keys, insert=True), values)
+
+    def _write_slots(self, column, slots, values):
+        """Write float32 ``values`` (weight rows: rounded to its dtype; rows already in it
+        as they are) into ``slots`` of ``column``."""
+        self.column(column)[slots] = self.encode(values) \
+            if column == WEIGHT and np.ndim(values) else values
+
+    def read_rows(self, column: str, slots: Slots) -> np.ndarray:
+        """Rows ``slots`` of ``column`` as a new host array (the weight as float32): what
+        exports and checkpoints write."""
+        rows = self.column(column)[slots]
+        return self.decode(rows) if column == WEIGHT else rows
 
     def update(self, rule, keys: Keys, grads: Rows, hyper, num_threads: int = 1) -> None:
         """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``.
@@ -238,8 +249,7 @@ class RowStore(abc.ABC):
         as float32 whatever its storage dtype)."""
         keys = self.keys()
         slots = self.slots(keys) if len(keys) else np.empty(0, np.int64)
-        return keys, {name: self.decode(self.column(name)[slots]) if name == WEIGHT
-                      else self.column(name)[slots] for name in self.columns()}
+        return keys, {name: self.read_rows(name, slots) for name in self.columns()}
 
     def encode(self, rows):
         """float32 ``rows`` in the weight column's storage dtype (rounded to nearest-even);
