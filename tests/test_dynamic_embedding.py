@@ -252,6 +252,25 @@ def test_a_dynamic_table_on_a_gpu_trains_as_the_host_table_bit_for_bit(
     np.testing.assert_array_equal(gpu.export()["weight"], got["weight"])
 
 
+def test_a_gpu_client_refuses_a_store_object_and_a_file_table_by_name(tmp_path):
+    """Its hash tables are made from a spec on the device; a store object (host memory)
+    and a file table (files on the host) are refused naming both, and nothing is left."""
+    from distemb.errors import KVStoreError
+    from distemb.kvstore.device import DeviceKVClient
+    from distemb.stores import HashStore
+    from distemb.stores.spec import FileTableSpec
+
+    kv = DeviceKVClient("cpu")  # a GPU in real use: nothing here runs a kernel
+    with pytest.raises(KVStoreError, match=r"DeviceKVClient: cannot hold table 'obj' on a "
+                                           r"HashStore: a store object lives in host memory"):
+        kv.add_table("obj", HashStore(2))
+    with pytest.raises(KVStoreError, match=r"DeviceKVClient: cannot hold table 'f' on a file "
+                                           r"store \(FileTableSpec\)"):
+        kv.create_table("f", FileTableSpec(str(tmp_path), 4, 2, preallocate=False))
+    assert kv.names() == [] and not list(tmp_path.iterdir())
+    kv.close()
+
+
 def test_one_store_client_per_context_closed_with_it(ctx, tmp_path):
     """Two tables of one name in one context are one table; closing the context closes
     (flushes) its store tables."""
