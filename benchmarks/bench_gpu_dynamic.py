@@ -28,34 +28,21 @@ Usage (needs a CUDA GPU and the CUDA kernels built)::
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import distemb  # noqa: E402
+from bench_gpu_step import time_rounds  # noqa: E402
 from distemb.kernels import cuda  # noqa: E402
 from distemb.stores import key_uniform  # noqa: E402
 
 SCALE, BASE = 3_000_000_000_019, -2 ** 62
-
-
-def time_rounds(step, batches, rounds, per_round):
-    """Median seconds per step: rounds of ``per_round`` steps, synchronised per round."""
-    step(batches[0])  # warm-up: allocations, lazy imports, library load
-    torch.cuda.synchronize()
-    times = []
-    for r in range(rounds):
-        start = time.perf_counter()
-        for i in range(per_round):
-            step(batches[(r * per_round + i) % len(batches)])
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / per_round)
-    return statistics.median(times)
 
 
 def dynamic(args, ctx, name, on_gpu):
@@ -164,7 +151,7 @@ def main(argv=None):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
     host = times["dynamic on host, looked up onto GPU"]
-    print(f"| contender | ms/step | steps/s | vs host dynamic |"
+    print("| contender | ms/step | steps/s | vs host dynamic |"
           + (" vs torch |" if "torch" in times else ""))
     print("|---|---|---|---|" + ("---|" if "torch" in times else ""))
     for name, t in times.items():
