@@ -261,8 +261,8 @@ def test_a_cluster_refuses_a_plain_init_function_and_a_store_object(clusters):
         with pytest.raises(TypeError, match=r"key_normal\(dim, std, seed\)"):
             DynamicEmbedding(3, name="plain", init_func=lambda keys: np.zeros((len(keys), 3)),
                              context=ctx)
-        with pytest.raises(KVStoreError, match="store object lives in this process.*pass a "
-                                               "table spec"):
+        with pytest.raises(KVStoreError, match="store object lives in one process.*sharded "
+                                               "over its servers; pass a table spec"):
             StoreEmbedding(HashStore(3), name="object", context=ctx)
         assert "plain" not in kv.names()
     finally:

@@ -44,26 +44,22 @@ import numpy as np
 from distemb.errors import KVStoreError, MissingKeyError, StoreError
 from distemb.kernels.hashtable import keys_array, table_keys
 from distemb.kvstore.exchange import KEYS, Payload
-from distemb.kvstore.keyed import KeyedTables
+from distemb.kvstore.keyed import ShardedKeyedTables
 from distemb.kvstore.types import DataMeta
 from distemb.stores.init import KeyInit
 from distemb.stores.types import WEIGHT
 
 
-class CollectiveKeyedTables(KeyedTables):
+class CollectiveKeyedTables(ShardedKeyedTables):
     """The keyed tables of :class:`~distemb.kvstore.collective.CollectiveKVClient`: a
     store per rank per table; see the module docstring. The client's storage methods
     serve keyed tables through :meth:`_rows_of`, its routers and its server's shards;
     what only keyed tables have is here."""
 
+    shard_holder = "rank"
+
     def _init_collective_keyed(self):
         self._init_keyed()
-
-    def keyed_names(self):
-        return list(self._specs)
-
-    def is_keyed(self, name):
-        return name in self._specs
 
     def data_meta(self, name):
         """A keyed table's (None, dim) float32 rows and no policy: how many keys it holds
@@ -72,12 +68,6 @@ class CollectiveKeyedTables(KeyedTables):
             return DataMeta((None, self.dim(name)), "float32", None)
         return super().data_meta(name)
 
-    def _spec(self, name):
-        try:
-            return self._specs[name]
-        except KeyError:
-            raise KVStoreError(f"name {name!r} is not a table on a row store in the KVStore "
-                               f"(known: {sorted(self._specs)[:10]})") from None
 
     def _shard(self, name):
         """This rank's ShardTable of keyed table ``name``."""
@@ -126,21 +116,6 @@ class CollectiveKeyedTables(KeyedTables):
         self.server.add_table(name, self.rank, store, spec, spec.router(self.world_size))
         self._specs[name] = spec
         self._routers[name] = spec.router(self.world_size)
-
-    def add_table(self, name, store):
-        raise KVStoreError(f"table {name!r}: a store object lives in one process, and this "
-                           "is one rank of a collective job; pass a table spec instead (e.g. "
-                           "DynamicEmbedding, or StoreEmbedding(FileTableSpec(...))): each "
-                           "rank makes its own shard's store from it")
-
-    def dim(self, name):
-        return self._spec(name).dim
-
-    def capacity(self, name):
-        return self._spec(name).capacity
-
-    def storage_dtype(self, name):
-        return self._spec(name).dtype
 
     def _keyed_delete(self, name):
         self._routers.pop(name, None)

@@ -240,3 +240,49 @@ class KeyedTables:
 
     def flush(self, name: str) -> None:
         """Make completed writes of ``name`` durable (file stores; no-op otherwise)."""
+
+
+class ShardedKeyedTables(KeyedTables):
+    """:class:`KeyedTables` of a client whose keyed tables are sharded over other
+    processes (a cluster's servers, a collective job's ranks): each shard's store is
+    made where it lives from the table's spec, which is all this client keeps of it.
+
+    The client says who holds the shards in :attr:`shard_holder`.
+    """
+
+    #: Who makes each shard's store from the spec ("server", "rank"), for the errors.
+    shard_holder = "server"
+
+    def keyed_names(self):
+        return list(self._specs)
+
+    def is_keyed(self, name):
+        return name in self._specs
+
+    def _spec(self, name):
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise KVStoreError(f"name {name!r} is not a table on a row store in the KVStore "
+                               f"(known: {sorted(self._specs)[:10]})") from None
+
+    def add_table(self, name, store):
+        """Refused: a store object lives in this process, not where the shards live.
+
+        Raises:
+            KVStoreError: always, saying to pass a table spec.
+        """
+        raise KVStoreError(f"table {name!r}: a store object lives in one process, and this "
+                           f"client's tables are sharded over its {self.shard_holder}s; "
+                           f"pass a table spec instead (e.g. DynamicEmbedding, or "
+                           f"StoreEmbedding(FileTableSpec(...))): each {self.shard_holder} "
+                           f"makes its own shard's store from it")
+
+    def dim(self, name):
+        return self._spec(name).dim
+
+    def capacity(self, name):
+        return self._spec(name).capacity
+
+    def storage_dtype(self, name):
+        return self._spec(name).dtype

@@ -42,7 +42,7 @@ from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore import snapshot
-from distemb.kvstore.keyed import KeyedTables
+from distemb.kvstore.keyed import ShardedKeyedTables
 from distemb.kvstore.remote_versions import HeldReplies
 from distemb.rules import rule_of, state_name
 from distemb.stores.types import WEIGHT
@@ -54,7 +54,7 @@ PAGE_BYTES = 16 << 20
 IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge table
 
 
-class RemoteKeyedTables(KeyedTables):
+class RemoteKeyedTables(ShardedKeyedTables):
     """The keyed tables of :class:`~distemb.kvstore.remote.RemoteKVClient`: a store per
     server per table; see the module docstring. The client's ``pull``, ``push``,
     ``push_update``, ``init_optimizer``, ``delete_data`` and checkpoint methods hand a
@@ -63,19 +63,6 @@ class RemoteKeyedTables(KeyedTables):
     def _init_remote_keyed(self):
         self._init_keyed()
         self._routers = {}
-
-    def keyed_names(self):
-        return list(self._specs)
-
-    def is_keyed(self, name):
-        return name in self._specs
-
-    def _spec(self, name):
-        try:
-            return self._specs[name]
-        except KeyError:
-            raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self._specs)[:10]})") from None
 
     def _split(self, name, keys):
         """{server id: (positions in ``keys``, its keys)} of the servers owning some, by
@@ -134,21 +121,6 @@ class RemoteKeyedTables(KeyedTables):
         self.barrier()
         if spec.fixed_keys:  # rows that never move: co-located shards are read in place
             self._map_shm(name, {sid: [sid] for sid in range(self.num_servers)})
-
-    def add_table(self, name, store):
-        raise KVStoreError(f"table {name!r}: a store object lives in this process, and this "
-                           "is a trainer of a cluster; pass a table spec instead (e.g. "
-                           "StoreEmbedding(FileTableSpec(...)), or DynamicEmbedding): each "
-                           "server makes its own shard's store from it")
-
-    def dim(self, name):
-        return self._spec(name).dim
-
-    def capacity(self, name):
-        return self._spec(name).capacity
-
-    def storage_dtype(self, name):
-        return self._spec(name).dtype
 
     def _info(self, name, evict_to=None, policy=None):
         spec = self._spec(name)
