@@ -108,19 +108,19 @@ class DeviceHashStore(HashStore):
         """Write ``values`` (float32 rows, on any device) into rows ``keys`` of ``column``
         (upsert); for a duplicate key the last write wins."""
         keys = keys_array(keys)
+        if not isinstance(values, torch.Tensor):
+            values = np.asarray(values)
         want = (len(keys),) + tuple(self.column(column).shape[1:])
         if tuple(values.shape) != want:
             raise StoreError(f"values: expected shape {want} for column {column!r}, "
                              f"got {tuple(values.shape)}")
         # one write per key (a device's index_put leaves duplicates' winner unspecified)
         uniq, first = np.unique(keys[::-1], return_index=True)
-        last = len(keys) - 1 - first
         if len(uniq) < len(keys):
-            values = values[torch.from_numpy(last)] if isinstance(values, torch.Tensor) \
-                else np.asarray(values)[last]
+            last = len(keys) - 1 - first  # each key's last write, in uniq's order
+            values = values[torch.from_numpy(last) if isinstance(values, torch.Tensor)
+                            else last]
             keys = uniq
-        elif not isinstance(values, torch.Tensor):
-            values = np.asarray(values)
         self._write_slots(column, self.slots(keys, insert=True), values)
 
     def update(self, rule, keys, grads, hyper, num_threads=1):
