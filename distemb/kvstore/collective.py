@@ -190,8 +190,9 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
         out = np.empty((len(ids),) + shape, dtype)
         if len(where) == 1 and where[0][1] is None:
             return self.server.pull(name, where[0][0], where[0][2], out=out)
-        for part, pos, local in where:
-            out[pos] = self.server.pull(name, part, local, out=out[pos])
+        for part, pos, local in where:  # rows as they travel (a keyed half table's too)
+            out[pos] = self.server.pull(name, part, local,
+                                        out=np.empty((len(local),) + shape, dtype))
         return out
 
     def _agree(self, what, name, sig):
