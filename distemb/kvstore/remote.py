@@ -1,7 +1,10 @@
 """RemoteKVClient: the KVClient of a trainer whose tables live in server processes.
 
-Partition ``p`` of every table belongs to server ``p % num_servers``. Each request is
-split by owning server and sent to all of them before any reply is read, so servers work
+Partition ``p`` of an array table belongs to server ``p % num_servers``; a keyed table
+has a store on every server, its keys placed by its router
+(:mod:`distemb.kvstore.remote_keyed`). Reads, writes, updates and checkpoints take one
+path for both: each request is split by owning server (``_route``) and sent to all of
+them before any reply is read, so servers work
 concurrently; an update costs one round trip per server per step (the optimizer has
 already deduplicated and coalesced the rows). With shared memory on, a server on this
 trainer's machine is spoken to over its local (Unix-domain) socket, which hands over
@@ -27,6 +30,7 @@ from typing import List, NamedTuple
 import numpy as np
 
 from distemb.kernels import half
+from distemb.kernels.hashtable import table_keys
 from distemb.enums import Consistency
 from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
                             TransportError)
@@ -54,10 +58,17 @@ ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
 class Route(NamedTuple):
     """The part of one request that goes to one server."""
 
-    parts: List[int]          # partitions of that server the ids fall in, in order
-    counts: List[int]         # how many ids fall in each of those partitions
-    local_ids: np.ndarray     # the ids, local to their partition, grouped by partition
+    parts: List[int]          # shards of that server the ids fall in, in order
+    counts: List[int]         # how many ids fall in each of those shards
+    ids: np.ndarray           # the ids as the server takes them, grouped by shard: local
+    #                           to their partition (an array table), or the table's keys
+    #                           (a keyed table: the server checks them against its router)
     positions: np.ndarray     # where each id sits in the caller's request
+
+
+def _joined(arrays):
+    """``arrays`` concatenated (one of them: itself, no copy)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _take(rows, positions):
@@ -191,25 +202,70 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
             by.setdefault(part % self.num_servers, []).append(part)
         return by
 
-    def _route(self, name, ids, skip_shm=False):
-        """Split ``ids`` of ``name`` by server.
+    def _shards(self, name):
+        """{server id: its shards of table ``name``}: an array table's partitions
+        (partition ``p`` on server ``p % num_servers``), a keyed table's one store per
+        server (shard ``s`` on server ``s``)."""
+        if self.is_keyed(name):
+            return {sid: [sid] for sid in range(self.num_servers)}
+        return self._parts_by_server(self._meta_of(name).policy)
+
+    def _rows(self, name):
+        """(the table whose shards hold them, row shape, dtype name) of the rows of
+        ``name``: a table, or its optimizer state by name (a keyed table's state is
+        placed by the table's router; an array table's has a policy of its own)."""
+        state = self.state_of(name)
+        if state is not None:
+            return state[0], tuple(state[2]), state[3]
+        if self.is_keyed(name):
+            return name, (self.dim(name),), self._spec(name).dtype
+        meta = self._meta_of(name)
+        return name, tuple(meta.shape[1:]), meta.dtype
+
+    def _checked_ids(self, table, ids):
+        """``ids`` of ``table`` as int64: a keyed table's keys checked by
+        :func:`~distemb.kernels.hashtable.table_keys`, an array table's ids against its
+        policy (the servers check them again).
+
+        Raises:
+            PartitionError: an id outside an array table's 0..N-1.
+            TypeError, ValueError: keys that are not int64 keys of a hash table.
+        """
+        if self.is_keyed(table):
+            return table_keys(ids)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        self._meta_of(table).policy.check_ids(ids, f"ids of {table!r}")
+        return ids
+
+    def _route(self, table, ids, skip_shm=False):
+        """Split ``ids`` of ``table`` by server (see :meth:`_shards`), by the table's
+        partition policy or its router.
 
         Returns:
-            ({sid: :class:`Route`}, [(part, positions, local ids)] of the parts read from
-            shared memory when ``skip_shm``).
+            ({sid: :class:`Route`}, [(shard, positions, ids as sent)] of the shards read
+            from shared memory when ``skip_shm``).
         """
+        if self.is_keyed(table):
+            groups = [(s, pos, k) for s, (pos, k) in self._routers[table].split(ids).items()]
+        else:
+            groups = self._meta_of(table).policy.split(ids)
         by, shm = {}, []
-        for part, pos, local in self._meta[name].policy.split(ids):
-            sid = part % self.num_servers
-            if skip_shm and (name, part) in self._shm:
-                shm.append((part, pos, local))
-                continue
-            by.setdefault(sid, []).append((part, pos, local))
-        routes = {sid: Route([p for p, _, _ in g], [len(lo) for _, _, lo in g],
-                             np.concatenate([lo for _, _, lo in g]).astype(np.int64, copy=False),
-                             np.concatenate([pos for _, pos, _ in g]))
+        for part, pos, sent in groups:
+            if skip_shm and (table, part) in self._shm:
+                shm.append((part, pos, sent))
+            else:
+                by.setdefault(part % self.num_servers, []).append((part, pos, sent))
+        routes = {sid: Route([p for p, _, _ in g], [len(i) for _, _, i in g],
+                             _joined([i for _, _, i in g]).astype(np.int64, copy=False),
+                             _joined([pos for _, pos, _ in g]))
                   for sid, g in by.items()}
         return routes, shm
+
+    def _shard_rows(self, table, part, ids):
+        """Rows of shard ``part`` of ``table`` that ``ids`` (as sent) are, as a mapped
+        shard or an early answer indexes them: an array table's local ids, a keyed
+        table's keys mapped by its router."""
+        return self._routers[table].to_local(part, ids) if self.is_keyed(table) else ids
 
     # -- KVClient -----------------------------------------------------------------------
 
@@ -244,77 +300,87 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
                                   values=chunk)})
 
     def delete_data(self, name):
-        if self.is_keyed(name):
-            return self._keyed_delete(name)
-        meta = self._meta.pop(name, None)
-        if meta is None:
+        if not (self.is_keyed(name) or name in self._meta):
             return
+        servers = self._shards(name)
+        if self.is_keyed(name):
+            self._routers.pop(name)
+            self._forget(name)
+        else:
+            del self._meta[name]
         for key in [k for k in self._shm if k[0] == name]:
             del self._shm[key]
-        self._call({sid: Drop(name=name) for sid in self._parts_by_server(meta.policy)})
+        self._call({sid: Drop(name=name) for sid in servers})
 
     def pull(self, name, ids):
         self._check_open()
-        if self.is_keyed(name) or self.state_of(name):
-            return self._keyed_pull(name, ids)
-        meta = self._meta_of(name)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        meta.policy.check_ids(ids, f"ids of {name!r}")
-        whole = self._shm.get((name, 0)) if meta.policy.ids_are_local() else None
-        if whole is not None:  # one co-located shard: local ids are global ids
-            rows = self._gather(whole, ids, 0, name, 0)
-            if rows is not None:
+        table, shape, dtype = self._rows(name)
+        return self._read(table, self._checked_ids(table, ids), lambda r: Pull(
+            name=name, parts=r.parts, counts=r.counts, ids=r.ids), shape,
+            half.row_dtype(dtype), half.storage_dtype(dtype), mapped=table == name)
+
+    def _read(self, table, ids, ask, row_shape, dtype, wire, mapped=False):
+        """Rows of ``ids`` of ``table``, asked of their servers with ``ask(route)``, in
+        the order of ``ids``; replies carry rows of dtype ``wire`` (half rows, decoded
+        here into ``dtype``). With ``mapped``, the rows of shards mapped from co-located
+        servers are copied from there while the others travel (unless writes keep a
+        shard busy: then its server is asked)."""
+        routes, shm = self._route(table, ids, skip_shm=mapped and bool(self._shm))
+
+        def mapped_rows(part, sent):  # None while writes keep the shard busy
+            return self._gather(self._shm[(table, part)], self._shard_rows(table, part, sent),
+                                part % self.num_servers, table, part)
+        if not routes and len(shm) == 1:  # every row in one mapped shard: no copy of them
+            rows = mapped_rows(shm[0][0], shm[0][2])
+            if rows is not None and rows.dtype == np.dtype(dtype):
                 return rows
-        # Half tables: 16-bit rows on the wire, float32 rows out (decoded here).
-        out = np.empty((len(ids),) + meta.shape[1:], dtype=half.row_dtype(meta.dtype))
-        # Shared-memory parts are read unless a write kept them busy (then: the server).
-        routes, shm = self._route(name, ids, skip_shm=bool(self._shm) and whole is None)
+        out = np.empty((len(ids),) + tuple(row_shape), dtype)
         busy = []
 
-        def copy_shm():  # local rows are copied while the remote ones travel
-            for part, pos, local in shm:
-                rows = self._gather(self._shm[(name, part)], local, part % self.num_servers,
-                                    name, part)
+        def copy_shm():
+            for part, pos, sent in shm:
+                rows = mapped_rows(part, sent)
                 if rows is None:
-                    busy.append((part, pos, local))
+                    busy.append((part, pos, sent))
                 else:
                     out[pos] = rows
 
-        def take(sid, frame):
-            route = routes[sid]
-            want = (len(route.local_ids),) + meta.shape[1:]
-            if len(frame.arrays) != 1 or frame.arrays[0].shape != want or \
-                    frame.arrays[0].dtype != half.storage_dtype(meta.dtype):
-                raise KVStoreError(f"server {sid}: pull reply of the wrong shape or dtype")
-            out[route.positions] = half.as_rows(frame.arrays[0])
+        def ask_all(routes, while_waiting=None):
+            def take(sid, frame):
+                route = routes[sid]
+                got = frame.arrays[0] if len(frame.arrays) == 1 else None
+                if got is None or got.shape != (len(route.ids),) + tuple(row_shape) or \
+                        got.dtype != wire:
+                    raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype "
+                                       f"for {table!r}")
+                out[route.positions] = half.as_rows(got)
+            self._call({sid: ask(r) for sid, r in routes.items()}, on_reply=take,
+                       while_waiting=while_waiting)
 
-        self._call({sid: Pull(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids)
-                    for sid, r in routes.items()}, on_reply=take, while_waiting=copy_shm)
-        for part, pos, local in busy:
-            sid = part % self.num_servers
-            out[pos] = half.as_rows(self._call({sid: Pull(
-                name=name, parts=[part], counts=[len(local)],
-                ids=local.astype(np.int64, copy=False))})[sid].arrays[0])
+        ask_all(routes, copy_shm)
+        for part, pos, sent in busy:  # writes kept these busy: asked of their server
+            ask_all({part % self.num_servers: Route([part], [len(sent)], sent, pos)})
         return out
 
     def push(self, name, ids, values):
-        if self.is_keyed(name) or self.state_of(name):
-            return self._keyed_push(name, ids, values)
-        meta = self._meta_of(name)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        meta.policy.check_ids(ids, f"ids of {name!r}")
-        values = np.ascontiguousarray(values, dtype=half.row_dtype(meta.dtype)).reshape(
-            (len(ids),) + meta.shape[1:])
-        if half.is_half(meta.dtype):  # rounded here: 16 bits on the wire
-            values = half.encode(values, meta.dtype)
-        routes, _ = self._route(name, ids)
-        self._call({sid: Push(name=name, parts=r.parts, counts=r.counts, ids=r.local_ids,
+        table, shape, dtype = self._rows(name)
+        ids = self._checked_ids(table, ids)
+        values = np.ascontiguousarray(values, dtype=half.row_dtype(dtype)).reshape(
+            (len(ids),) + shape)
+        if half.is_half(dtype):  # rounded here: 16 bits on the wire
+            values = half.encode(values, dtype)
+        self._write(name, table, ids, values)
+
+    def _write(self, name, table, ids, values):
+        """Write ``values``, as stored, to rows ``ids`` of ``name`` (a table, or its
+        state) in ``table``'s shards; a co-located server takes them from the request
+        slot."""
+        routes, _ = self._route(table, ids)
+        self._call({sid: Push(name=name, parts=r.parts, counts=r.counts, ids=r.ids,
                               values=_take(values, r.positions)) for sid, r in routes.items()})
 
     def init_optimizer(self, name, rule, options):
-        if self.is_keyed(name):
-            return self._keyed_init_optimizer(name, rule, options)
-        meta = self._meta_of(name)
+        shards = self._shards(name)
         impl = rule_of(rule)
         opts = {k: float(v) for k, v in options.items()}
         # Collective: everyone is here before rank 0 resets the state, and nobody steps
@@ -322,20 +388,21 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         self.barrier()
         if self.rank == 0:
             self._call({sid: OptInit(name=name, rule=impl.name.value, options=opts, parts=parts)
-                        for sid, parts in self._parts_by_server(meta.policy).items()})
+                        for sid, parts in shards.items()})
         self.barrier()
+        self._seq[name] = 0
+        if self.is_keyed(name):
+            return self._state_names(name, rule)
+        meta = self._meta_of(name)
         names = {}
         for spec in impl.states:
             sname = state_name(name, spec.name)
             self._meta[sname] = DataMeta((meta.shape[0],) + spec.shape(meta.shape[1]),
                                          spec.dtype, meta.policy)
             names[spec.name] = sname
-        self._seq[name] = 0
         return names
 
     def push_update(self, name, ids, grads, rule, hyper):
-        if self.is_keyed(name):
-            return self._keyed_push_update(name, ids, grads, rule, hyper)
         self.push_update_versions(name, ids, grads, rule, hyper, versions=False)
 
     def push_update_versions(self, name, ids, grads, rule, hyper, versions=True, have=None):
@@ -355,12 +422,11 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         Raises:
             KVStoreError: ``have`` without sync_exact consistency.
         """
-        if self.is_keyed(name):
-            return self._keyed_push_update(name, ids, grads, rule, hyper, versions, have)
-        meta = self._meta_of(name)
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        ids = table_keys(ids) if self.is_keyed(name) else \
+            np.ascontiguousarray(ids, dtype=np.int64)
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
         routes, _ = self._route(name, ids)
         exact = self._check_have(have)
         seq = self._seq.get(name, 0) + 1
@@ -368,18 +434,18 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         wait = self.consistency != Consistency.ASYNC
         want = versions and wait and have is None
 
-        def update(parts, counts, local_ids, rows, held=None):
+        def update(parts, counts, sent, rows, held=None):
             return Update(name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=exact,
-                          versions=want, parts=parts, counts=counts, ids=local_ids, grads=rows,
+                          versions=want, parts=parts, counts=counts, ids=sent, grads=rows,
                           have=held)
 
-        requests = {sid: update(r.parts, r.counts, r.local_ids, _take(grads, r.positions),
-                                None if have is None else have[r.positions])
+        requests = {sid: update(r.parts, r.counts, r.ids, _take(grads, r.positions),
+                                None if have is None else _take(have, r.positions))
                     for sid, r in routes.items()}
         if exact:
             # Every owning server hears from every trainer each step, even with no rows,
             # so it knows when the step's contributions are complete.
-            for sid in self._parts_by_server(meta.policy):
+            for sid in self._shards(name):
                 requests.setdefault(sid, update([], [], np.empty(0, np.int64),
                                                 np.empty((0, grads.shape[1]), np.float32)))
         if have is not None:
@@ -399,38 +465,41 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
 
         def applying(sid, frame):  # a co-located server may answer before it applies
             if sid in routes:  # every early answer is noted: its outcome frame follows
-                parts = routes[sid].parts
-                self._applying.note(sid, name, parts[0] if len(parts) == 1 else None, frame,
-                                    routes[sid].local_ids)
+                r = routes[sid]
+                part = r.parts[0] if len(r.parts) == 1 else None
+                self._applying.note(sid, name, part, frame, self._shard_rows(name, part, r.ids))
         self._call(requests, wait=wait, on_reply=take if want else applying)
         return out
 
     def _shard_requests(self, cls, name, **fields):
-        meta = self._meta_of(name)
+        """{server id: ``cls`` naming its shards of table ``name``} (with an array table's
+        partitions, the ids each one holds: a progression ``start + step * local``)."""
+        policy = None if self.is_keyed(name) else self._meta_of(name).policy
         requests = {}
-        for sid, parts in self._parts_by_server(meta.policy).items():
-            prog = [meta.policy.id_progression(p) for p in parts]
+        for sid, parts in self._shards(name).items():
+            prog = [policy.id_progression(p) for p in parts] if policy else []
             requests[sid] = cls(name=name, parts=parts, starts=[p[0] for p in prog],
                                 steps=[p[1] for p in prog], **fields)
         return requests
 
     def save_table(self, name, directory, save_id, columns):
         """Every server writes its own shards of ``name``, all at once (in parallel)."""
-        if self.is_keyed(name):
-            return self._keyed_save(name, directory, save_id, columns)
-        meta = self._meta_of(name)
         replies = self._call(self._shard_requests(Save, name, directory=directory,
                                                   save_id=save_id, columns=list(columns)),
                              timeout=IO_TIMEOUT_S)
-        return snapshot.new_entry(meta.shape, meta.dtype, [
-            rec for sid in sorted(replies) for rec in replies[sid].fields["records"]],
-            meta.policy)
+        records = [rec for sid in sorted(replies) for rec in replies[sid].fields["records"]]
+        if self.is_keyed(name):
+            spec = self._spec(name)
+            rows = getattr(spec, "num_rows", None) if spec.fixed_keys else None
+            return snapshot.new_entry((rows, spec.dim), spec.dtype, records)
+        meta = self._meta_of(name)
+        return snapshot.new_entry(meta.shape, meta.dtype, records, meta.policy)
 
     def load_table(self, name, directory, entry, columns):
-        """Every server reads, from the checkpoint's records, the rows it owns."""
-        if self.is_keyed(name):
-            return self._keyed_load(name, directory, columns)
-        check_entry_rows(entry, self._meta_of(name).shape[0], name, directory)
+        """Every server reads, from the checkpoint's records, the rows it owns (a keyed
+        table's shards: the keys its router gives them, which replace theirs)."""
+        if not self.is_keyed(name):
+            check_entry_rows(entry, self._meta_of(name).shape[0], name, directory)
         self._call(self._shard_requests(Load, name, directory=directory,
                                         columns=list(columns)), timeout=IO_TIMEOUT_S)
 

@@ -86,9 +86,8 @@ class SharedMemoryPaths:
         The summed gradients are then handed to the server where they were summed, with
         no copy (``push_update`` follows ``coalesce`` before any other request).
         """
-        sids = set(range(self.num_servers)) if self.is_keyed(name) else \
-            set(self._parts_by_server(self._meta_of(name).policy))
-        slot = self._slots.get(next(iter(sids))) if len(sids) == 1 else None
+        sids = list(self._shards(name))
+        slot = self._slots.get(sids[0]) if len(sids) == 1 else None
         if slot is None:
             return super()._sum_buffer(name, n, dim)
         return slot.view((max(n, 1), dim), np.float32)

@@ -13,6 +13,7 @@ import numpy as np
 
 from distemb.enums import Consistency
 from distemb.errors import KVStoreError
+from distemb.kernels import half
 from distemb.transport.messages import VersionedPull
 
 
@@ -98,32 +99,29 @@ class VersionedPulls:
             positions whose ``have`` is not -1, in order]).
         """
         self._check_open()
-        if self.is_keyed(name):
-            return self._keyed_pull_versioned(name, ids, have, states)
-        meta = self._meta_of(name)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        _, shape, dtype = self._rows(name)
+        ids = self._checked_ids(name, ids)
         have = np.ascontiguousarray(have, dtype=np.int64)
         routes, _ = self._route(name, ids)
         got = {}
 
         def take(sid, frame):
-            a = frame.arrays
+            a, pos = frame.arrays, routes[sid].positions
             n = a[0].shape[0] if a else -1
-            if len(a) != 3 + len(states) or a[1].shape[0] != n or a[2].shape != (
-                    (n,) + meta.shape[1:]) or n > len(routes[sid].positions) or \
-                    a[0].dtype != np.int64 or (n and (a[0].min() < 0 or a[0].max() >= len(
-                        routes[sid].positions))):
+            if len(a) != 3 + len(states) or a[0].dtype != np.int64 or a[1].shape[0] != n or \
+                    a[2].shape != (n,) + shape or n > len(pos) or \
+                    (n and (a[0].min() < 0 or a[0].max() >= len(pos))):
                 raise KVStoreError(f"server {sid}: versioned pull reply of the wrong shape")
-            got[sid] = (routes[sid].positions[a[0]], a[1], a[2], a[3:])
+            got[sid] = (pos[a[0]], a[1], a[2], a[3:])
 
         self._call({sid: VersionedPull(name=name, parts=r.parts, counts=r.counts,
-                                       states=list(states), ids=r.local_ids,
+                                       states=list(states), ids=r.ids,
                                        have=have[r.positions])
                     for sid, r in routes.items()}, on_reply=take)
         parts = [got[sid] for sid in routes]
         if not parts:
             return (np.empty(0, np.int64), np.empty(0, np.int64),
-                    np.empty((0,) + meta.shape[1:], meta.dtype), [])
+                    np.empty((0,) + shape, half.storage_dtype(dtype)), [])
         if len(parts) == 1:
             return parts[0][0], parts[0][1], parts[0][2], list(parts[0][3])
         return (np.concatenate([g[0] for g in parts]), np.concatenate([g[1] for g in parts]),
