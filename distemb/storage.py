@@ -69,6 +69,6 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
     ctx = context or current_context()
     name = check_table_name(name or ctx.new_name(kind))
     # a GPU's client holds hash tables with their rows there (the index on the host)
-    client = ctx.client_for(device) if on_device else ctx.client.store_client()
+    client = ctx.client_for(device) if on_device else ctx.client
     make(client, name)
     return StoreTensor(client, name, ctx, storage.dtype, part_policy)

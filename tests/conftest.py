@@ -195,11 +195,6 @@ class TwoTrainers:
     def names(self):
         return self.trainers[0].names()
 
-    def store_client(self):
-        for t in self.trainers:
-            t.store_client()
-        return self
-
     def delete_data(self, name):
         for t in self.trainers:
             t.delete_data(name)

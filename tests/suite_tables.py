@@ -146,7 +146,7 @@ class Table:
     def make(self, client):
         """Create the table on ``client`` with its initial rows; returns self."""
         if self.keyed:
-            client.store_client().create_table(self.name, self.spec)
+            client.create_table(self.name, self.spec)
         else:
             client.init_data(self.name, (self.n, self.dim), self.dtype, self.policy)
             client.push(self.name, self.all_keys(), self.init(self.init_keys))

@@ -57,7 +57,7 @@ def test_fuzz_300_hostile_store_frames_then_the_real_table_still_trains(tmp_path
     rng = np.random.default_rng(20261124)
     with ProcessGroup() as group:
         srv = Server(tmp_path, group, consistency="sync")
-        real, other = srv.real.store_client(), srv.other.store_client()
+        real, other = srv.real, srv.other
         spec = HashTableSpec(4, init=key_normal(4, seed=2))
         for name in ("keep", "dyn"):  # "dyn" is the fuzzer's to mangle
             t = threading.Thread(target=other.create_table, args=(name, spec))

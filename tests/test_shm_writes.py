@@ -329,7 +329,7 @@ def test_colocated_dynamic_table_writes_travel_in_shared_memory(clusters):
     cluster = clusters("tcp_shm")
     conns = connect(cluster.cfg)
     kv = RemoteKVClient(cluster.cfg, 0, connections=conns, consistency="sync")
-    dyn = kv.store_client()
+    dyn = kv
     try:
         d = 4
         rng = np.random.default_rng(5)

@@ -136,16 +136,6 @@ class CachedKVClient(PlacedAsInner, KVClient):
 
     # -- keyed tables: the inner client's, its key management passed through -----------
 
-    def store_client(self):
-        """This cache: keyed tables sit behind it as dense ones do (their slot map and pull
-        counts hashed, :mod:`distemb.kvstore.table_cache`).
-
-        Raises:
-            KVStoreError: the wrapped client holds no keyed tables.
-        """
-        self.inner.store_client()
-        return self
-
     def is_keyed(self, name):
         return self.inner.is_keyed(name)
 

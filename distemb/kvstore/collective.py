@@ -127,15 +127,8 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
         """(dtype of ``name``'s rows between ranks, row shape, dtype callers read and write
         them in): a table's storage dtype (half rows travel in 16 bits and are read as
         float32), a state's own."""
-        if self.is_keyed(name):
-            return (half.storage_dtype(self.storage_dtype(name)), (self.dim(name),),
-                    np.dtype(np.float32))
-        state = self.state_of(name)
-        if state is not None:  # a keyed table's state column
-            return np.dtype(state[3]), tuple(state[2]), np.dtype(state[3])
-        meta = self._meta_of(name)
-        return (half.storage_dtype(meta.dtype), tuple(meta.shape[1:]),
-                np.dtype(half.row_dtype(meta.dtype)))
+        _, shape, dtype = self._rows(name)
+        return half.storage_dtype(dtype), shape, np.dtype(half.row_dtype(dtype))
 
     def _routed(self, name, ids):
         """``ids`` (global) of table ``name`` grouped by owning rank: partition ``p`` of a
@@ -146,7 +139,7 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
             PartitionError: an id outside a fixed key space.
             TypeError, ValueError: keys of a keyed table that are not int64 keys.
         """
-        table = self._table_of(name)
+        table = self._rows(name)[0]
         if self.is_keyed(table):
             ids = table_keys(ids, f"keys of {name!r}")
         ids = np.ascontiguousarray(ids, np.int64)
@@ -154,24 +147,10 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
         return Routed(owners % self.world_size if self.world_size > 1 else owners * 0,
                       ids, self.world_size)
 
-    def _table_of(self, name):
-        """The table whose router routes ``name``: itself, or the keyed table whose
-        optimizer state it is.
-
-        Raises:
-            KVStoreError: no such table or state.
-        """
-        if name in self._routers:
-            return name
-        state = self.state_of(name)
-        if state is None:
-            self._meta_of(name)  # the error naming an unknown table
-        return state[0]
-
     def _at_owner(self, name, ids):
         """Global ids of ``name`` received by their owner (this rank) as
         ``[(part, positions or None for all, local ids)]`` of the parts held here."""
-        name = self._table_of(name)
+        name = self._rows(name)[0]
         router = self._routers[name]
         if router.num_parts == self.world_size or self.is_keyed(name):
             return [(self.rank, None, router.to_local(self.rank, ids))]
@@ -456,10 +435,6 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
         return KVStoreError(f"{what} is not available in collective mode yet "
                             "(docs/cluster.md, 'Collective mode'); use the server mode "
                             "(distemb-launch) for it")
-
-    def store_client(self):
-        """This client: it holds keyed tables itself (:mod:`~distemb.kvstore.collective_keyed`)."""
-        return self
 
     def view_on(self, device):
         if device is None or str(device) == "cpu":

@@ -103,6 +103,23 @@ class KeyedTables:
             return None
         return (table, name[len(state_name(table, "")):]) + self._state_rows[name]
 
+    def _rows(self, name: str) -> Tuple[str, tuple, str]:
+        """(the table whose shards hold them, row shape, dtype name) of the rows of
+        ``name``: a table, or its optimizer state by name (a keyed table's state is a
+        column of the table's stores, placed by its router; an array table's state is
+        an array table of its own).
+
+        Raises:
+            KVStoreError: no such table or state.
+        """
+        state = self.state_of(name)
+        if state is not None:
+            return state[0], tuple(state[2]), str(state[3])
+        if self.is_keyed(name):
+            return name, (self.dim(name),), self.storage_dtype(name)
+        meta = self._meta_of(name)
+        return name, tuple(meta.shape[1:]), meta.dtype
+
     def _forget(self, name):
         """Forget keyed table ``name``'s spec and state names (it was deleted)."""
         self._specs.pop(name, None)

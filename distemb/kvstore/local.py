@@ -178,10 +178,6 @@ class LocalKVClient(KeyedTables, KVClient):
         for table, start, step in shards:
             table.load(directory, entry, columns, start, step, verify=False, name=name)
 
-    def store_client(self):
-        """This client: it holds keyed tables itself."""
-        return self
-
     def close(self):
         """Drop every table; keyed tables' stores are flushed and closed."""
         for name in list(self._meta) + list(self._keyed):

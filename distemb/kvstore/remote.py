@@ -188,10 +188,6 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
 
-    def store_client(self):
-        """This client: it holds keyed tables itself."""
-        return self
-
     def _check_open(self):
         if self._closed:
             raise KVStoreError("this RemoteKVClient is closed")
@@ -209,18 +205,6 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         if self.is_keyed(name):
             return {sid: [sid] for sid in range(self.num_servers)}
         return self._parts_by_server(self._meta_of(name).policy)
-
-    def _rows(self, name):
-        """(the table whose shards hold them, row shape, dtype name) of the rows of
-        ``name``: a table, or its optimizer state by name (a keyed table's state is
-        placed by the table's router; an array table's has a policy of its own)."""
-        state = self.state_of(name)
-        if state is not None:
-            return state[0], tuple(state[2]), state[3]
-        if self.is_keyed(name):
-            return name, (self.dim(name),), self._spec(name).dtype
-        meta = self._meta_of(name)
-        return name, tuple(meta.shape[1:]), meta.dtype
 
     def _checked_ids(self, table, ids):
         """``ids`` of ``table`` as int64: a keyed table's keys checked by

@@ -325,12 +325,6 @@ class KVClient(HostPlacement, ABC):
                 self.push(kvname, self.from_host(ids),
                           self.from_host(np.ascontiguousarray(arr[s:s + len(ids)])))
 
-    def store_client(self) -> "KVClient":
-        """The client of tables on row stores (:mod:`distemb.kvstore.keyed`): this one;
-        a placement that cannot hold a kind of store refuses it in :meth:`create_table`,
-        naming both."""
-        return self
-
     #: Why this client holds no tables on row stores (its :meth:`create_table` says it).
     keyed_refusal = ("it places rows in dense arrays of rows 0..N-1; make the table in a "
                      "context whose tables live in host memory or on servers")
