@@ -25,7 +25,6 @@ Example (servers started by ``distemb-launch``)::
     client.init_data("emb", (1000, 16), "float32", range_policy(1000, client.num_servers))
     rows = client.pull("emb", np.arange(10))
 """
-from typing import List, NamedTuple
 
 import numpy as np
 
@@ -41,6 +40,7 @@ from distemb.kvstore.early import Applying
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.remote_versions import HeldReplies, VersionedPulls
 from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables
+from distemb.kvstore.remote_routes import Route, Routing, take_rows
 from distemb.kvstore.remote_shm import SharedMemoryPaths
 from distemb.rules import rule_of, state_name
 from distemb.transport.connections import open_connections
@@ -55,32 +55,8 @@ ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
           "MissingKeyError": MissingKeyError}
 
 
-class Route(NamedTuple):
-    """The part of one request that goes to one server."""
-
-    parts: List[int]          # shards of that server the ids fall in, in order
-    counts: List[int]         # how many ids fall in each of those shards
-    ids: np.ndarray           # the ids as the server takes them, grouped by shard: local
-    #                           to their partition (an array table), or the table's keys
-    #                           (a keyed table: the server checks them against its router)
-    positions: np.ndarray     # where each id sits in the caller's request
-
-
-def _joined(arrays):
-    """``arrays`` concatenated (one of them: itself, no copy)."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
-def _take(rows, positions):
-    """``rows[positions]``, without the copy when the positions are all rows in order."""
-    n = len(positions)
-    if n == len(rows) and (n == 0 or (positions[0] == 0 and positions[-1] == n - 1 and
-                                      bool((np.diff(positions) == 1).all()))):
-        return rows[:n]
-    return rows[positions]
-
-
-class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVClient):
+class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routing,
+                     KVClient):
     """KVClient over a cluster of KVStore servers.
 
     Array tables (``init_data``) are partitioned by their policy; keyed tables
@@ -192,65 +168,6 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         if self._closed:
             raise KVStoreError("this RemoteKVClient is closed")
 
-    def _parts_by_server(self, policy):
-        by = {}
-        for part in range(policy.num_partitions):
-            by.setdefault(part % self.num_servers, []).append(part)
-        return by
-
-    def _shards(self, name):
-        """{server id: its shards of table ``name``}: an array table's partitions
-        (partition ``p`` on server ``p % num_servers``), a keyed table's one store per
-        server (shard ``s`` on server ``s``)."""
-        if self.is_keyed(name):
-            return {sid: [sid] for sid in range(self.num_servers)}
-        return self._parts_by_server(self._meta_of(name).policy)
-
-    def _checked_ids(self, table, ids):
-        """``ids`` of ``table`` as int64: a keyed table's keys checked by
-        :func:`~distemb.kernels.hashtable.table_keys`, an array table's ids against its
-        policy (the servers check them again).
-
-        Raises:
-            PartitionError: an id outside an array table's 0..N-1.
-            TypeError, ValueError: keys that are not int64 keys of a hash table.
-        """
-        if self.is_keyed(table):
-            return table_keys(ids)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        self._meta_of(table).policy.check_ids(ids, f"ids of {table!r}")
-        return ids
-
-    def _route(self, table, ids, skip_shm=False):
-        """Split ``ids`` of ``table`` by server (see :meth:`_shards`), by the table's
-        partition policy or its router.
-
-        Returns:
-            ({sid: :class:`Route`}, [(shard, positions, ids as sent)] of the shards read
-            from shared memory when ``skip_shm``).
-        """
-        if self.is_keyed(table):
-            groups = [(s, pos, k) for s, (pos, k) in self._routers[table].split(ids).items()]
-        else:
-            groups = self._meta_of(table).policy.split(ids)
-        by, shm = {}, []
-        for part, pos, sent in groups:
-            if skip_shm and (table, part) in self._shm:
-                shm.append((part, pos, sent))
-            else:
-                by.setdefault(part % self.num_servers, []).append((part, pos, sent))
-        routes = {sid: Route([p for p, _, _ in g], [len(i) for _, _, i in g],
-                             _joined([i for _, _, i in g]).astype(np.int64, copy=False),
-                             _joined([pos for _, pos, _ in g]))
-                  for sid, g in by.items()}
-        return routes, shm
-
-    def _shard_rows(self, table, part, ids):
-        """Rows of shard ``part`` of ``table`` that ``ids`` (as sent) are, as a mapped
-        shard or an early answer indexes them: an array table's local ids, a keyed
-        table's keys mapped by its router."""
-        return self._routers[table].to_local(part, ids) if self.is_keyed(table) else ids
-
     # -- KVClient -----------------------------------------------------------------------
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
@@ -361,7 +278,7 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
         slot."""
         routes, _ = self._route(table, ids)
         self._call({sid: Push(name=name, parts=r.parts, counts=r.counts, ids=r.ids,
-                              values=_take(values, r.positions)) for sid, r in routes.items()})
+                              values=take_rows(values, r.positions)) for sid, r in routes.items()})
 
     def init_optimizer(self, name, rule, options):
         shards = self._shards(name)
@@ -423,8 +340,8 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, KVCli
                           versions=want, parts=parts, counts=counts, ids=sent, grads=rows,
                           have=held)
 
-        requests = {sid: update(r.parts, r.counts, r.ids, _take(grads, r.positions),
-                                None if have is None else _take(have, r.positions))
+        requests = {sid: update(r.parts, r.counts, r.ids, take_rows(grads, r.positions),
+                                None if have is None else take_rows(have, r.positions))
                     for sid, r in routes.items()}
         if exact:
             # Every owning server hears from every trainer each step, even with no rows,
