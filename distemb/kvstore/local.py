@@ -9,7 +9,6 @@ from distemb.kvstore.keyed import KeyedTables
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding)
-from distemb.rules import rule_of
 
 
 def init_shard(init_func, shape, dtype, name):
@@ -44,7 +43,8 @@ class LocalKVClient(KeyedTables, KVClient):
     partition) and keyed tables (``create_table``/``add_table``: one
     :class:`~distemb.kvstore.shard.ShardTable` over the table's row store, see
     :mod:`distemb.kvstore.keyed`) live side by side in one
-    :class:`~distemb.kvstore.server.KVServer`, one namespace.
+    :class:`~distemb.kvstore.server.KVServer`, one namespace, and are read, written and
+    updated through its shards alike (a keyed table's state by its name too).
 
     Args:
         server: the in-process :class:`KVServer` (a new one when None).
@@ -67,7 +67,7 @@ class LocalKVClient(KeyedTables, KVClient):
         self._keyed = []  # names of keyed tables, in creation order
         self._init_keyed()
 
-    # -- array tables -------------------------------------------------------------------
+    # -- every table: reads, writes and updates through the server's shards ------------
 
     def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
         if self.is_keyed(name):
@@ -89,33 +89,38 @@ class LocalKVClient(KeyedTables, KVClient):
         self._meta.pop(name, None)
         self.server.drop(name)
 
+    def _split(self, table, ids):
+        """[(shard, positions or None for all, ids in it)] of ``ids`` of ``table``: an
+        array table's partitions by its policy, the ids checked against it (the shards'
+        kernels index without bounds checks; a server checks its requests the same way),
+        or a keyed table's one shard (it holds every key).
+
+        Raises:
+            PartitionError: an id outside an array table's 0..N-1, named.
+        """
+        if self.is_keyed(table):
+            return [(self.PART, None, ids)]
+        policy = self._meta_of(table).policy
+        policy.check_ids(np.asarray(ids), f"ids of {table!r}")
+        return policy.split(ids)
+
     def pull(self, name, ids):
-        if self.is_keyed(name):
-            return self._table(name).pull(ids)
-        state = self.state_of(name)
-        if state is not None:  # a keyed table's state: held keys only
-            return self._table(state[0]).pull(keys_array(ids), state[1])
-        meta = self._checked(name, ids)
-        # rows as float32 for half tables: decoded in the gather (one pass)
-        out = np.empty((len(ids),) + meta.shape[1:], dtype=half.row_dtype(meta.dtype))
-        for part, pos, local in meta.policy.split(ids):
-            if len(pos) == len(ids):  # all in one partition, in order: gathered in place
+        table, shape, dtype = self._rows(name)
+        # an array table's half rows come as float32, decoded in the gather (one pass); a
+        # keyed table's lookup makes its rows
+        out = None if self.is_keyed(table) else \
+            np.empty((len(ids),) + shape, dtype=half.row_dtype(dtype))
+        for part, pos, local in self._split(table, ids):
+            if pos is None or len(pos) == len(ids):  # one shard, in order: in place
                 return self.server.pull(name, part, local, out=out)
             out[pos] = self.server.pull(name, part, local,
-                                        out=np.empty((len(local),) + meta.shape[1:], out.dtype))
+                                        out=np.empty((len(local),) + shape, out.dtype))
         return out
 
     def push(self, name, ids, values):
-        if self.is_keyed(name):
-            self._table(name).push(ids, values)
-            return
-        state = self.state_of(name)
-        if state is not None:
-            self._table(state[0]).push(keys_array(ids), np.asarray(values, state[3]), state[1])
-            return
-        meta = self._checked(name, ids)
-        for part, pos, local in meta.policy.split(ids):
-            self.server.push(name, part, local, values if len(pos) == len(ids) else values[pos])
+        for part, pos, local in self._split(self._rows(name)[0], ids):
+            self.server.push(name, part, local, values if pos is None or
+                             len(pos) == len(ids) else values[pos])
 
     def init_optimizer(self, name, rule, options):
         """Optimizer state of table ``name``: state arrays sharded like an array table,
@@ -123,31 +128,14 @@ class LocalKVClient(KeyedTables, KVClient):
         :meth:`~distemb.kvstore.shard.ShardTable.init_states`)."""
         if not self.is_keyed(name):
             return super().init_optimizer(name, rule, options)
-        self._table(name).init_states(rule, options)
+        self.server.attach_states(name, self.PART,
+                                  self._table(name).init_states(rule, options))
         return self._state_names(name, rule)
 
     def push_update(self, name, ids, grads, rule, hyper):
-        if self.is_keyed(name):
-            impl = rule_of(rule)
-            self._table(name).update(impl, ids, grads, impl.check_hyper(hyper),
-                                     self.num_threads)
-            return
-        meta = self._checked(name, ids)
-        for part, pos, local in meta.policy.split(ids):
-            self.server.update(name, part, local, grads if len(pos) == len(ids) else grads[pos],
-                               rule, hyper)
-
-    def _checked(self, name, ids):
-        """The DataMeta of array table ``name``, once ``ids`` are checked against its
-        policy (the shards' kernels index without bounds checks; a server checks its
-        requests the same way).
-
-        Raises:
-            PartitionError: an id outside 0..N-1, named.
-        """
-        meta = self._meta_of(name)
-        meta.policy.check_ids(np.asarray(ids), f"ids of {name!r}")
-        return meta
+        for part, pos, local in self._split(name, ids):
+            self.server.update(name, part, local, grads if pos is None or
+                               len(pos) == len(ids) else grads[pos], rule, hyper)
 
     def save_table(self, name, directory, save_id, columns):
         """Each shard writes its own record (a keyed table's one shard, with its keys)."""
