@@ -43,6 +43,28 @@ def gone(pid):
         return True
 
 
+def what_runs(pid):
+    """What process ``pid`` is and where it waits (its command line, state, parent,
+    kernel wait channel and threads' states), for the message of a process that should
+    be gone."""
+    def read(name):
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                return f.read().decode("ascii", "replace")
+        except OSError as e:
+            return f"({e.strerror})"
+    fields = read("stat").rsplit(")", 1)[-1].split()
+    threads = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            threads.append(read(f"task/{tid}/stat").rsplit(")", 1)[-1].split()[:1])
+    except OSError:
+        pass
+    return {"cmdline": read("cmdline").replace("\0", " ").strip()[:200],
+            "state": fields[:1], "ppid": fields[1:2], "wchan": read("wchan"),
+            "thread_states": sorted(t[0] for t in threads if t)}
+
+
 def lines_of(stream):
     q = queue.Queue()
     threading.Thread(target=lambda: [q.put(line) for line in stream], daemon=True).start()
@@ -97,11 +119,12 @@ def wait_gone(group, pids, job, what):
     elapsed = time.monotonic() - start
     files = shm_files(job)
     running = [p for p in pids if not gone(p)]
+    seen = {p: what_runs(p) for p in running}  # before the kill: why it is still there
     for p in running:  # ours (the test started their launcher): do not leak them
         os.kill(p, signal.SIGKILL)
     print(f"{what}: {elapsed:.2f} s after the SIGKILL, {len(running)} of the job's "
           f"{len(pids)} processes running and {len(files)} of its files in /dev/shm")
-    assert not running, f"still running {elapsed:.1f} s after the SIGKILL: {running}"
+    assert not running, f"still running {elapsed:.1f} s after the SIGKILL: {seen}"
     assert elapsed < 10 and files == [], (elapsed, files)
 
 
