@@ -283,35 +283,27 @@ class Catalog:
         return fd
 
     def _shards(self, m):
-        """(ShardTable, start, step) of each part a Save or Load names: an array table's
+        """``[(part, start, step)]`` of each part a Save or Load names: an array table's
         parts with their key progressions, or a spec'd table's one shard (its router maps
         keys: no progression)."""
         self.check_name(m.name)  # a table's state is saved and loaded with it
         out = []
         for i, part in enumerate(m.parts):
             self.own(part)
-            table = self.server.table(m.name, part)
-            if table.arrays != bool(m.starts):
+            if self.server.table(m.name, part).arrays != bool(m.starts):
                 raise KVStoreError(f"{type(m).__name__} of {m.name!r}: key progressions "
                                    "name the rows of an array table's parts, and only those")
-            out.append((table,) + ((m.starts[i], m.steps[i]) if m.starts else (0, 1)))
+            out.append((part,) + ((m.starts[i], m.steps[i]) if m.starts else (0, 1)))
         return out
 
     def save(self, m, session):
-        records = [table.save(m.directory, m.save_id, m.name, m.columns or None, start, step)
-                   for table, start, step in self._shards(m)]
-        return Reply(fields={"records": records})
+        return Reply(fields={"records": self.server.save(
+            m.name, self._shards(m), m.directory, m.save_id, m.columns or None)})
 
     def load(self, m, session):
         entry = snapshot.table_entry(snapshot.read_manifest(m.directory), m.name,
                                      m.directory)
-        shards = self._shards(m)
-        for table, start, step in shards:  # all or nothing: every shard checked first
-            table.load(m.directory, entry, m.columns or None, start, step, apply=False,
-                       name=m.name)
-        for table, start, step in shards:
-            table.load(m.directory, entry, m.columns or None, start, step, verify=False,
-                       name=m.name)
+        self.server.load(m.name, self._shards(m), m.directory, entry, m.columns or None)
 
     def _spec_table(self, name):
         """The ShardTable of table ``name`` made from a spec on this server, or None."""

@@ -299,11 +299,10 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
 
     def delete_data(self, name):
         """Drop this rank's shard of ``name`` (local: every rank drops its own)."""
-        if self.is_keyed(name):
-            return self._keyed_delete(name)
         self._meta.pop(name, None)
         self._routers.pop(name, None)
-        self.server.drop(name)
+        self._forget(name)
+        self.server.drop(name)  # a keyed table's store is closed (a file flushes)
 
     def pull(self, name, ids):
         return self.pull_many([(name, ids)])[0]
@@ -311,9 +310,11 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
     def init_optimizer(self, name, rule, options):
         """Optimizer state of table ``name``: state tensors sharded like a dense table
         (collective creation), state columns in each rank's store of a keyed table."""
-        if self.is_keyed(name):
-            return self._keyed_init_optimizer(name, rule, options)
-        return super().init_optimizer(name, rule, options)
+        if not self.is_keyed(name):
+            return super().init_optimizer(name, rule, options)
+        states = self._shard(name).init_states(rule, options)  # every rank the same call
+        self.server.attach_states(name, self.rank, states)
+        return self._state_names(name, rule)
 
     def pull_many(self, requests):
         """Rows of every ``(table, ids)`` of ``requests``, in three rounds for all of them:
@@ -374,43 +375,38 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
     #: ``opt.save``/``opt.load`` run on every rank (checkpoint.save_items' ``writer``).
     all_ranks_checkpoint = True
 
+    def _held(self, name):
+        """``[(part, start, step)]`` of this rank's shards of ``name`` (see
+        :meth:`KVServer.save <distemb.kvstore.server.KVServer.save>`)."""
+        if self.is_keyed(name):
+            return [(self._shard(name).part, 0, 1)]
+        policy = self._meta_of(name).policy
+        return [(p, *policy.id_progression(p)[:2]) for p in self._parts_here(name)]
+
     def save_table(self, name, directory, save_id, columns):
         """Collective: every rank writes its shards of ``name`` (its partitions of a dense
         table, its store of a keyed one, keys global) as records of rank 0's save
         ``save_id``; every rank gets the entry with the records of all (partition order)."""
         what = f"save of {name!r}"
         save_id = self._x.gather_objects(what, save_id)[0]
-        if self.is_keyed(name):
-            spec, t = self._spec(name), self._shard(name)
-            recs = [t.save(directory, save_id, name, columns)]
-            shape = (self._routers[name].num_keys, spec.dim)  # None for any int64 key
-            dtype, policy = spec.dtype, None
-        else:
-            meta = self._meta_of(name)
-            recs = [self.server.table(name, part).save(directory, save_id, name, columns,
-                                                       *meta.policy.id_progression(part)[:2])
-                    for part in self._parts_here(name)]
-            shape, dtype, policy = meta.shape, meta.dtype, meta.policy
+        recs = self.server.save(name, self._held(name), directory, save_id, columns)
         recs = sorted((r for rs in self._x.gather_objects(what, recs) for r in rs),
                       key=lambda r: r["part"])
-        return snapshot.new_entry(shape, dtype, recs, policy)
+        if self.is_keyed(name):  # a hash table's key count is None: any int64 key
+            spec = self._spec(name)
+            return snapshot.new_entry((self._routers[name].num_keys, spec.dim), spec.dtype,
+                                      recs)
+        meta = self._meta_of(name)
+        return snapshot.new_entry(meta.shape, meta.dtype, recs, meta.policy)
 
     def load_table(self, name, directory, entry, columns):
         """Every rank fills its shards of ``name`` from the checkpoint's records (saved
         under any partitioning: by W ranks, servers or one process), reading only the
         blocks that hold its rows; a keyed table's store then holds the saved keys its
         router gives this rank."""
-        if self.is_keyed(name):
-            self._shard(name).load(directory, entry, columns, name=name)
-            return
-        meta = self._meta_of(name)
-        check_entry_rows(entry, meta.shape[0], name, directory)
-        shards = [(self.server.table(name, part), *meta.policy.id_progression(part)[:2])
-                  for part in self._parts_here(name)]
-        for table, start, step in shards:
-            table.load(directory, entry, columns, start, step, apply=False, name=name)
-        for table, start, step in shards:
-            table.load(directory, entry, columns, start, step, verify=False, name=name)
+        if not self.is_keyed(name):
+            check_entry_rows(entry, self._meta_of(name).shape[0], name, directory)
+        self.server.load(name, self._held(name), directory, entry, columns)
 
     def barrier(self):
         self._x.barrier()

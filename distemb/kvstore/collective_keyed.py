@@ -117,17 +117,6 @@ class CollectiveKeyedTables(ShardedKeyedTables):
         self._specs[name] = spec
         self._routers[name] = spec.router(self.world_size)
 
-    def _keyed_delete(self, name):
-        self._routers.pop(name, None)
-        self._forget(name)
-        self.server.drop_shard(name, self.rank)  # closes the store (a file flushes)
-
-    def _keyed_init_optimizer(self, name, rule, options):
-        """Fresh state columns in this rank's store (every rank makes the same call)."""
-        states = self._shard(name).init_states(rule, options)
-        self.server.attach_states(name, self.rank, states)
-        return self._state_names(name, rule)
-
     # -- keys -----------------------------------------------------------------------------
 
     def size(self, name):

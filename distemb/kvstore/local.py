@@ -83,11 +83,9 @@ class LocalKVClient(KeyedTables, KVClient):
     def delete_data(self, name):
         if name in self._keyed:
             self._keyed.remove(name)
-            self.server.drop_shard(name, self.PART)  # closes the store
-            self._forget(name)
-            return
+        self._forget(name)
         self._meta.pop(name, None)
-        self.server.drop(name)
+        self.server.drop(name)  # a keyed table's store is closed (a file flushes)
 
     def _split(self, table, ids):
         """[(shard, positions or None for all, ids in it)] of ``ids`` of ``table``: an
@@ -137,34 +135,31 @@ class LocalKVClient(KeyedTables, KVClient):
             self.server.update(name, part, local, grads if pos is None or
                                len(pos) == len(ids) else grads[pos], rule, hyper)
 
+    def _held(self, name):
+        """``[(part, start, step)]`` of the shards of ``name`` (see
+        :meth:`KVServer.save <distemb.kvstore.server.KVServer.save>`)."""
+        if self.is_keyed(name):
+            return [(self.PART, 0, 1)]
+        policy = self._meta_of(name).policy
+        return [(p, *policy.id_progression(p)[:2]) for p in range(policy.num_partitions)]
+
     def save_table(self, name, directory, save_id, columns):
         """Each shard writes its own record (a keyed table's one shard, with its keys)."""
+        recs = self.server.save(name, self._held(name), directory, save_id, columns)
         if self.is_keyed(name):
-            t = self._table(name)
-            rows = t.store.size() if t.store.fixed_keys else None
-            return snapshot.new_entry((rows, t.store.dim), t.store.dtype,
-                                      [t.save(directory, save_id, name, columns)])
+            store = self.store(name)
+            rows = store.size() if store.fixed_keys else None
+            return snapshot.new_entry((rows, store.dim), store.dtype, recs)
         meta = self._meta_of(name)
-        return snapshot.new_entry(meta.shape, meta.dtype, [
-            self.server.table(name, part).save(directory, save_id, name, columns,
-                                               *meta.policy.id_progression(part)[:2])
-            for part in range(meta.policy.num_partitions)], meta.policy)
+        return snapshot.new_entry(meta.shape, meta.dtype, recs, meta.policy)
 
     def load_table(self, name, directory, entry, columns):
         """Each shard reads the saved keys it holds; every shard is checked before any is
         written. A keyed table's keys are replaced by the checkpoint's (saved by any
         number of shards)."""
-        if self.is_keyed(name):
-            self._table(name).load(directory, entry, columns, name=name)
-            return
-        meta = self._meta_of(name)
-        check_entry_rows(entry, meta.shape[0], name, directory)
-        shards = [(self.server.table(name, part), *meta.policy.id_progression(part)[:2])
-                  for part in range(meta.policy.num_partitions)]
-        for table, start, step in shards:
-            table.load(directory, entry, columns, start, step, apply=False, name=name)
-        for table, start, step in shards:
-            table.load(directory, entry, columns, start, step, verify=False, name=name)
+        if not self.is_keyed(name):
+            check_entry_rows(entry, self._meta_of(name).shape[0], name, directory)
+        self.server.load(name, self._held(name), directory, entry, columns)
 
     def close(self):
         """Drop every table; keyed tables' stores are flushed and closed."""

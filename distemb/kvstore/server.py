@@ -265,6 +265,27 @@ class KVServer:
         table, impl, hyper = self._update_of(name, part, rule, hyper)
         return table.update_later(impl, local_ids, grads, hyper, self.num_threads)
 
+    def save(self, name, shards, directory, save_id, columns=None):
+        """Checkpoint records of ``shards`` (``[(part, start, step)]``: an array table's
+        parts with their key progressions, a keyed table's shard with ``(0, 1)``) of
+        table ``name``, its optimizer state with it (see :meth:`ShardTable.save
+        <distemb.kvstore.shard.ShardTable.save>`)."""
+        return [self.table(name, part).save(directory, save_id, name, columns, start, step)
+                for part, start, step in shards]
+
+    def load(self, name, shards, directory, entry, columns=None):
+        """Fill ``shards`` (as :meth:`save`'s) of table ``name`` from its checkpoint
+        ``entry``, all or nothing: every shard is checked before any is written.
+
+        Raises:
+            KVStoreError: see :meth:`ShardTable.load <distemb.kvstore.shard.ShardTable.load>`.
+        """
+        tables = [(self.table(name, part), start, step) for part, start, step in shards]
+        passes = [{}] if len(tables) == 1 else [{"apply": False}, {"verify": False}]
+        for kw in passes:  # one shard checks before it writes on its own
+            for table, start, step in tables:
+                table.load(directory, entry, columns, start, step, name=name, **kw)
+
     def _update_of(self, name, part, rule, hyper):
         """(table, rule, checked hyperparameters) of an update of shard ``part``."""
         impl = rule_of(rule)
