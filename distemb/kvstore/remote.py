@@ -29,7 +29,6 @@ Example (servers started by ``distemb-launch``)::
 import numpy as np
 
 from distemb.kernels import half
-from distemb.kernels.hashtable import table_keys
 from distemb.enums import Consistency
 from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
                             TransportError)
@@ -325,8 +324,7 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routi
         """
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
-        ids = table_keys(ids) if self.is_keyed(name) else \
-            np.ascontiguousarray(ids, dtype=np.int64)
+        ids = self._checked_ids(name, ids, policy=False)
         grads = np.ascontiguousarray(grads, dtype=np.float32)
         routes, _ = self._route(name, ids)
         exact = self._check_have(have)

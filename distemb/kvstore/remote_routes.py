@@ -64,10 +64,11 @@ class Routing:
             return {sid: [sid] for sid in range(self.num_servers)}
         return self._parts_by_server(self._meta_of(name).policy)
 
-    def _checked_ids(self, table, ids):
+    def _checked_ids(self, table, ids, policy=True):
         """``ids`` of ``table`` as int64: a keyed table's keys checked by
         :func:`~distemb.kernels.hashtable.table_keys`, an array table's ids against its
-        policy (the servers check them again).
+        policy unless ``policy`` is False (the servers check them again: an update's
+        ids are left to them, on the hot path).
 
         Raises:
             PartitionError: an id outside an array table's 0..N-1.
@@ -76,7 +77,8 @@ class Routing:
         if self.is_keyed(table):
             return table_keys(ids)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        self._meta_of(table).policy.check_ids(ids, f"ids of {table!r}")
+        if policy:
+            self._meta_of(table).policy.check_ids(ids, f"ids of {table!r}")
         return ids
 
     def _route(self, table, ids, skip_shm=False):
