@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from distemb.errors import MissingKeyError
+from distemb.errors import MissingKeyError, StoreError
 from distemb.stores import EvictPolicy, HashStore, key_uniform
 
 
@@ -111,3 +111,38 @@ def test_key_minus_one_is_evicted_like_any_key(native):
         s.lookup(np.array([k]))
     assert s.size() == 2 and sorted(s.keys().tolist()) == [13, 14]
     assert s.evict(0).tolist() and s.size() == 0
+
+
+def test_a_failing_init_inserts_nothing(native):
+    """The keys of a lookup whose init raises are not inserted: the next lookup calls init
+    again, and no slot keeps a stale row (a removed key's) under a new key."""
+    calls = []
+
+    def init(keys):
+        calls.append(keys.tolist())
+        if len(calls) == 2:
+            raise RuntimeError("init failed")
+        return np.full((len(keys), 2), 7.0, np.float32)
+
+    s = HashStore(2, init=init, native=native)
+    s.lookup(np.array([1]))
+    s.scatter(np.array([1]), np.full((1, 2), 123.0, np.float32))
+    s.remove(np.array([1]))  # its slot is free, its row still in the array
+    with pytest.raises(RuntimeError, match="init failed"):
+        s.lookup(np.array([5, 6]))
+    assert s.size() == 0 and s.find(np.array([5, 6])).tolist() == [-1, -1]
+    assert s.lookup(np.array([5])).tolist() == [[7.0, 7.0]] and calls[-1] == [5]
+    assert s.evict(0).tolist() == [5] and s.size() == 0
+
+
+def test_writes_hold_the_capacity(native):
+    """An upsert is an access: past the capacity it evicts other keys, sparing its own; a
+    write of more distinct keys than the capacity is refused before anything changes."""
+    s = HashStore(2, capacity=4, native=native)
+    s.lookup(np.arange(4))
+    s.lookup(np.array([0]))  # 1, 2, 3 are the least recent
+    s.scatter(np.array([10, 11]), np.ones((2, 2), np.float32))
+    assert sorted(s.keys().tolist()) == [0, 3, 10, 11]
+    with pytest.raises(StoreError, match="5 distinct keys .* at most 4"):
+        s.import_(np.arange(20, 25), {"weight": np.ones((5, 2), np.float32)})
+    assert sorted(s.keys().tolist()) == [0, 3, 10, 11]

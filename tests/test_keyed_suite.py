@@ -103,6 +103,46 @@ def test_capacity_evicts_with_the_state_and_spares_the_last_lookup(placement, tm
     assert client.size(t.name) == 0 and 129 in evicted.tolist()
 
 
+def test_a_step_never_puts_back_a_key_gone_since_its_lookup(placement):
+    """A key removed, or evicted past the capacity, between the lookup a gradient came
+    from and the step is not inserted again by the step: its gradient is dropped, and the
+    removal and the capacity hold. (A cache that owns its rows refuses a capacity: the
+    test above.)"""
+    tag = uuid.uuid4().hex[:8]
+    keys = torch.from_numpy(Table("hash-key", N, D, "").key_of(np.arange(24)))
+    bounded = placement.refuser != "DeviceCachedKVClient"
+
+    def job(ctx, rank, num_trainers):
+        a = DynamicEmbedding(D, name=f"r-{tag}", init_func=key_normal(D, seed=4), context=ctx)
+        opt = SparseAdagrad([a], lr=0.5)
+        a(keys[:8][rank::num_trainers], device=placement.device).sum().backward()
+        ctx.client.barrier()
+        a.remove(keys[:2] if rank == 0 else keys[:0])
+        ctx.client.barrier()
+        opt.step()
+        ctx.client.barrier()
+        out = {"removed": a.contains(keys[:8]).tolist()}
+        if bounded:
+            b = DynamicEmbedding(D, name=f"c-{tag}", capacity=4, context=ctx)
+            opt = SparseAdagrad([b], lr=0.5)
+            first, then = keys[8:16][rank::num_trainers], keys[16:][rank::num_trainers]
+            (b(first, device=placement.device).sum() +
+             b(then, device=placement.device).sum()).backward()
+            ctx.client.barrier()
+            out["before"] = (b.contains(keys[8:]).tolist(), b.size())
+            opt.step()
+            ctx.client.barrier()
+            out["after"] = (b.contains(keys[8:]).tolist(), b.size())
+        return out
+
+    got = placement.run(job)[0]
+    assert got["removed"] == [False] * 2 + [True] * 6
+    if bounded:
+        (held, size), (held_after, size_after) = got["before"], got["after"]
+        assert not all(held[:8]), "nothing was evicted: the test proves nothing"
+        assert held_after == held and size_after == size
+
+
 def test_keys_are_spread_by_their_hash(client, tmp_path):
     """Each server holds the keys key_partition gives it (one shard embedded)."""
     t = hash_table(client, tmp_path)

@@ -203,14 +203,15 @@ class KVServer:
         table, column = self._entry(name, part)
         return table.store.column(column)
 
-    def pull(self, name, part, local_ids, out=None):
+    def pull(self, name, part, local_ids, out=None, access=True):
         """Rows ``local_ids`` of the shard, into ``out`` when given (see
         :meth:`ShardTable.pull <distemb.kvstore.shard.ShardTable.pull>`)."""
         table, column = self._entry(name, part)
-        return table.pull(local_ids, column, out, self.num_threads)
+        return table.pull(local_ids, column, out, self.num_threads, access)
 
-    def versions(self, name, part, local_ids):
-        """Write counters of rows ``local_ids`` of shard ``part`` of ``name``.
+    def versions(self, name, part, local_ids, insert=True):
+        """Write counters of rows ``local_ids`` of shard ``part`` of ``name`` (see
+        :meth:`ShardTable.versions <distemb.kvstore.shard.ShardTable.versions>`).
 
         A row's version changes with every write of the row or of its optimizer state;
         an update adds the number of trainers' gradients it applied (sync_exact sums).
@@ -222,7 +223,7 @@ class KVServer:
             with self._meta_lock:
                 self._epochs += 1
                 first = self._epochs * VERSION_EPOCH
-        return table.versions(local_ids, first)
+        return table.versions(local_ids, first, insert)
 
     def bump_all(self, name, part):
         """Change every version of shard ``part`` of ``name`` (its state was reset)."""

@@ -256,12 +256,13 @@ class KVService:
         return self._versions_reply(m)
 
     def _versions_reply(self, m):
-        """The versions of ``m``'s rows, when it asked for them (a trainer cache)."""
+        """The versions of ``m``'s rows, when it asked for them (a trainer cache): -1 for
+        a key its update dropped (gone since the lookup), which stays gone."""
         if not m.versions:
             return None
         out = np.empty(m.ids.shape[0], np.int64)
         for part, ids, sl in self._rows(m):
-            out[sl] = self.server.versions(m.name, part, ids)
+            out[sl] = self.server.versions(m.name, part, ids, insert=False)
         return Reply(arrays=[out])
 
     def _versioned_pull(self, m, session=None):
@@ -287,7 +288,8 @@ class KVService:
             have = m.have[sl]
             pos.append(stale + sl.start)
             vers.append(cur[stale])
-            rows.append(self.server.pull(m.name, part, ids[stale]))
+            # the versions counted the lookup of every row, the ones the trainer holds too
+            rows.append(self.server.pull(m.name, part, ids[stale], access=False))
             keep = ids[stale[have[stale] != -1]]  # -1: the trainer does not keep the row
             for i, sname in enumerate(m.states):
                 states[i].append(self.server.pull(state_name(m.name, sname), part, keep))

@@ -183,20 +183,22 @@ class ShardTable:
 
     # -- rows -------------------------------------------------------------------------
 
-    def pull(self, keys, column=WEIGHT, out=None, num_threads=1):
+    def pull(self, keys, column=WEIGHT, out=None, num_threads=1, access=True):
         """Rows ``keys`` of ``column``, into ``out`` when given.
 
         An array table's rows come in its storage dtype, except that half rows are
         decoded to float32 (in the gather, one pass) when ``out`` is float32. Another
         store's weight rows are a lookup (a hash store finds or inserts them and counts
-        the access), float32, or as stored into an ``out`` of another dtype (the wire's);
-        its state rows must exist.
+        the access; without ``access``, one :meth:`versions` counted already), float32,
+        or as stored into an ``out`` of another dtype (the wire's); its state rows must
+        exist.
         """
         if not self.arrays:
             with self.write() if self.inserts_on_read else self.read():
+                stored = out is not None and out.dtype != np.float32
                 if column == WEIGHT:
-                    rows = self.store.lookup(keys, stored=out is not None and
-                                             out.dtype != np.float32)
+                    rows = self.store.lookup(keys, stored=stored) if access else \
+                        self.store.gather(keys, stored=stored)
                 else:
                     rows = self.store.gather(keys, column, insert=False)
             if out is None:
@@ -228,16 +230,39 @@ class ShardTable:
             self.bump(keys)
 
     def update(self, rule, keys, grads, hyper, num_threads=1, contributions=1):
-        """Apply update ``rule`` to unique ``keys`` (inserted first when absent) and add
-        ``contributions`` (an int, or one per key) to their versions.
+        """Apply update ``rule`` to unique ``keys`` and add ``contributions`` (an int, or
+        one per key) to their versions.
+
+        A key a store that inserts no longer holds (removed or evicted since the lookup
+        the gradient came from) is not updated: its gradient is dropped, and the key stays
+        gone (a removal holds, and so does a capacity).
 
         Returns:
-            the keys' versions before the update, read under the same lock (None while
-            rows have no versions).
+            the keys' versions before the update, read under the same lock (-1 for a
+            dropped key, so no cached copy of it matches), or None while rows have no
+            versions.
         """
         with self.write():
-            self.store.update(rule, keys, grads, hyper, num_threads)
-            return self.bump(keys, contributions)
+            at = self._held(keys)
+            if at is None:
+                self.store.update(rule, keys, grads, hyper, num_threads)
+                return self.bump(keys, contributions)
+            self.store.update(rule, keys[at], grads[at], hyper, num_threads)
+            before = self.bump(keys[at], contributions if np.ndim(contributions) == 0
+                               else np.asarray(contributions)[at])
+        if before is None:
+            return None
+        out = np.full(len(keys), -1, np.int64)
+        out[at] = before
+        return out
+
+    def _held(self, keys):
+        """Positions of the ``keys`` this shard's store holds, or None when it holds them
+        all (always, for fixed keys). The caller holds the write lock."""
+        if self.store.fixed_keys or not len(keys):
+            return None
+        at = np.flatnonzero(self.store.find(keys) >= 0)
+        return None if len(at) == len(keys) else at
 
     def update_later(self, rule, keys, grads, hyper, num_threads=1):
         """:meth:`update` (of one trainer's gradients) in two halves: the write lock is
@@ -254,8 +279,10 @@ class ShardTable:
 
         def apply():
             try:
-                self.store.update(rule, keys, grads, hyper, num_threads)
-                self.bump(keys)
+                at = self._held(keys)  # a key gone since its lookup: as in update
+                ks, gs = (keys, grads) if at is None else (keys[at], grads[at])
+                self.store.update(rule, ks, gs, hyper, num_threads)
+                self.bump(ks)
             finally:
                 writing.__exit__(None, None, None)
         return (None if counter is None else int(counter[0])), apply
@@ -339,14 +366,13 @@ class ShardTable:
             return self._fixed_versions
         return self.store.column(VERSION)  # a hash store's arrays move as it grows
 
-    def _slots(self, keys):
-        # a fixed key set's keys are its slots; another store's keys are present here
-        return keys if self.store.fixed_keys else self.store.slots(keys, insert=True)
+    def versions(self, keys, first, insert=True):
+        """Versions of the rows of ``keys``, every row starting at ``first`` on the first
+        call (the holder's next :data:`VERSION_EPOCH` multiple).
 
-    def versions(self, keys, first):
-        """Versions of the rows of ``keys`` (a store that inserts on read inserts absent
-        ones), every row starting at ``first`` on the first call (the holder's next
-        :data:`VERSION_EPOCH` multiple)."""
+        A store that inserts on read looks the keys up (a versioned pull is a lookup:
+        absent keys are inserted and the access is counted, as :meth:`pull` does); without
+        ``insert``, a key it does not hold has version -1."""
         if not self._tracked:
             with self.lock.write():
                 if not self._tracked:
@@ -356,10 +382,16 @@ class ShardTable:
                         self.store.add_column(VERSION, (), "int64", fill=first)
                     self._high = first
                     self._tracked = True
-        if self.inserts_on_read:
+        if self.inserts_on_read and insert:
             with self.write():
-                slots = self._slots(keys)  # first: inserting may grow the version array
+                slots = self.store.access(keys)  # first: it may grow the version array
                 return self._version_array()[slots]
+        if self.inserts_on_read:
+            with self.read():
+                slots = self.store.find(keys)
+                out = np.full(len(keys), -1, np.int64)
+                out[slots >= 0] = self._version_array()[slots[slots >= 0]]
+                return out
         return self._version_array()[keys]
 
     def bump(self, keys, by=1):
@@ -370,7 +402,8 @@ class ShardTable:
             return None
         if not len(keys):
             return np.empty(0, np.int64)
-        slots = self._slots(keys)  # first: inserting may grow the version array
+        # a fixed key set's keys are its slots; another store's keys were just written
+        slots = keys if self.store.fixed_keys else self.store.slots(keys)
         arr = self._version_array()
         before = arr[slots]
         bumped = before + by
@@ -461,11 +494,13 @@ class ShardTable:
                                 snapshot.Target.fixed(start, step, self.store.capacity), write,
                                 verify=verify, apply=apply)
             return
+        limit = self.store.capacity  # a hash store's; None: unbounded
         if self.router is None:
-            target = snapshot.Target.owned(lambda k: np.ones(len(k), bool))
+            target = snapshot.Target.owned(lambda k: np.ones(len(k), bool), limit=limit)
         else:
             target = snapshot.Target.owned(lambda k: self.router.owns(self.part, k),
-                                           lambda k: self.router.to_local(self.part, k))
+                                           lambda k: self.router.to_local(self.part, k),
+                                           limit)
         if verify and not self.store.fixed_keys:
             # Before a block is read: this shard's share of the saved keys (a hash routes
             # 1/parts of them here) must fit, so a checkpoint far bigger than the machine

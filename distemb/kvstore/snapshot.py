@@ -116,8 +116,8 @@ class Target:
         ([True, False, True, False], [0, 2])
     """
 
-    def __init__(self, select, count=None):
-        self.select, self.count = select, count
+    def __init__(self, select, count=None, limit=None):
+        self.select, self.count, self.limit = select, count, limit
 
     @classmethod
     def fixed(cls, start, step, count):
@@ -129,13 +129,14 @@ class Target:
         return cls(select, count)
 
     @classmethod
-    def owned(cls, owns, to_local=None):
-        """Keys where ``owns(keys)`` is True, as ``to_local(keys)`` (or themselves)."""
+    def owned(cls, owns, to_local=None, limit=None):
+        """Keys where ``owns(keys)`` is True, as ``to_local(keys)`` (or themselves); at
+        most ``limit`` of them (a store's capacity; None: any number)."""
         def select(keys):
             mask = np.asarray(owns(keys), dtype=bool)
             mine = keys[mask]
             return mask, (to_local(mine) if to_local is not None and len(mine) else mine)
-        return cls(select)
+        return cls(select, limit=limit)
 
 
 # -- reading --------------------------------------------------------------------------
@@ -194,11 +195,12 @@ def _pass(directory, records, columns, target, write=None):
     read and CRC-checked, each handed to ``write(column, places, rows)`` when given.
 
     Returns:
-        for a checking pass (no ``write``) of a target of fixed keys, how many times
-        each of its keys was covered; else None.
+        for a checking pass (no ``write``): of a target of fixed keys, how many times
+        each of its keys was covered; of another, how many keys it takes. Else None.
     """
     covered = np.zeros(target.count, np.int64) \
         if target.count is not None and write is None else None
+    taken = 0
     for rec in records:
         n = rec["count"]
         keys = None
@@ -210,7 +212,7 @@ def _pass(directory, records, columns, target, write=None):
             finally:
                 seg.close()
         # the weight first: into a store that inserts, it makes the keys the states fill
-        for col in sorted(columns, key=lambda c: c != WEIGHT):
+        for i, col in enumerate(sorted(columns, key=lambda c: c != WEIGHT)):
             c = rec["columns"].get(col)
             if c is None:
                 continue
@@ -225,11 +227,13 @@ def _pass(directory, records, columns, target, write=None):
                     if write is None:
                         if covered is not None:
                             np.add.at(covered, local, 1)
+                        elif i == 0:
+                            taken += len(local)
                     else:
                         write(col, local, _convert(rows, c["dtype"], columns[col][1]))
             finally:
                 seg.close()
-    return covered
+    return None if write is not None else taken if covered is None else covered
 
 
 def load_shard(directory, entry, columns, target, write, replace=None, verify=True,
@@ -263,7 +267,13 @@ def load_shard(directory, entry, columns, target, write, replace=None, verify=Tr
     _check_columns(records, columns)
     for col in columns if verify else ():
         covered = _pass(directory, records, {col: columns[col]}, target)
-        if covered is not None and (covered != 1).any():
+        if target.count is None:
+            if target.limit is not None and covered > target.limit:
+                raise KVStoreError(f"checkpoint: {covered:,} saved keys go to a shard that "
+                                   f"holds at most {target.limit:,} (its table's capacity); "
+                                   "load into a table with a larger capacity")
+            continue
+        if (covered != 1).any():
             bad = int(np.flatnonzero(covered != 1)[0])
             raise KVStoreError(f"checkpoint: column {col!r} covers row {bad} of the "
                                f"{target.count} asked for {int(covered[bad])} times (every "

@@ -121,12 +121,13 @@ class DeviceHashStore(HashStore):
             values = values[torch.from_numpy(last) if isinstance(values, torch.Tensor)
                             else last]
             keys = uniq
-        self._write_slots(column, self.slots(keys, insert=True), values)
+        self._write_slots(column, self._slots_to_write(keys, column), values)
 
     def update(self, rule, keys, grads, hyper, num_threads=1):
-        """Apply ``rule`` to unique ``keys`` (inserted first when absent) on the device;
+        """Apply ``rule`` to unique ``keys``, which the store holds (as
+        :meth:`RowStore.update <distemb.stores.types.RowStore.update>`), on the device;
         ``grads`` are float32 rows on any device."""
-        slots = self._on_device(self.slots(keys, insert=True))
+        slots = self._on_device(self.slots(keys))
         if not isinstance(grads, torch.Tensor):
             grads = torch.from_numpy(np.ascontiguousarray(grads))
         grads = grads.to(self.device, torch.float32).contiguous()

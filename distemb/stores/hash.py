@@ -142,20 +142,23 @@ class HashStore(RowStore):
             return slots
         slots, new = self._index.find_or_insert(keys)
         if new.any():
-            self._grow(self._index.high_water)
-            self._init_slots(keys[new], slots[new])
+            try:
+                self._grow(self._index.high_water)
+                self._init_slots(keys[new], slots[new])
+            except BaseException:  # e.g. the user's init raised: nothing is inserted
+                self._index.remove(keys[new])
+                raise
         return slots
 
     def find(self, keys):
         """Slots of ``keys``, -1 where absent (nothing inserted, no access counted)."""
         return self._index.find(keys)
 
-    def lookup(self, keys, stored=False):
-        """Rows of ``keys`` (inserted when absent), counted as an access for eviction
-        (float32, or as stored with ``stored``).
+    def access(self, keys):
+        """Slots of ``keys`` (inserted when absent), counted as an access for eviction.
 
         Past ``capacity``, evicts down to ``low_water * capacity`` first-least-recent (or
-        least-frequent), sparing the keys of this lookup.
+        least-frequent), sparing these keys.
         """
         keys = keys_array(keys)
         slots = self.slots(keys, insert=True)
@@ -165,7 +168,24 @@ class HashStore(RowStore):
         if self._capacity is not None and self._index.size > self._capacity:
             self.evict(int(self._capacity * self.low_water), protect=self._tick)
             slots = self._index.find(keys)  # unchanged: the keys of this tick are spared
-        return self._gather_slots(slots, stored=stored)
+        return slots
+
+    def _slots_to_write(self, keys, column):
+        """Slots of upserted ``keys``: a write of the weight is an access (it may evict
+        other keys past the capacity, as a lookup does); state columns are written to keys
+        the weight's write made.
+
+        Raises:
+            StoreError: more distinct keys than the capacity (nothing is written): the
+                store could not hold them, and would evict some at the next lookup.
+        """
+        if self._capacity is not None:
+            n = len(np.unique(keys))
+            if n > self._capacity:
+                raise StoreError(f"keys: {n:,} distinct keys written to a store that holds "
+                                 f"at most {self._capacity:,} (its capacity); write fewer, "
+                                 "or make the table with a larger capacity")
+        return self.access(keys) if column == WEIGHT else self.slots(keys, insert=True)
 
     # ---- columns ----------------------------------------------------------------------
 

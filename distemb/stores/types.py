@@ -109,6 +109,10 @@ class RowStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    def find(self, keys: Keys) -> Slots:
+        """Slots of ``keys``, -1 where absent: nothing inserted, no access counted."""
+
+    @abc.abstractmethod
     def column(self, name: str) -> np.ndarray:
         """The array of column ``name`` (rows indexed by slot; shared, not copied).
 
@@ -205,9 +209,14 @@ class RowStore(abc.ABC):
 
     def lookup(self, keys: Keys, stored: bool = False) -> Rows:
         """Weight rows of ``keys`` for a training lookup (float32, or as stored with
-        ``stored``): absent keys are inserted, and stores that evict count the access
-        (see :class:`~distemb.stores.hash.HashStore`)."""
-        return self.gather(keys, stored=stored)
+        ``stored``): see :meth:`access`."""
+        return self._gather_slots(self.access(keys), stored=stored)
+
+    def access(self, keys: Keys) -> Slots:
+        """Slots of ``keys`` for a training lookup: absent keys are inserted, and a store
+        that evicts counts the access (and holds its capacity, sparing these keys: see
+        :class:`~distemb.stores.hash.HashStore`)."""
+        return self.slots(keys, insert=True)
 
     def scatter(self, keys: Keys, values: np.ndarray, column: str = WEIGHT) -> None:
         """Write ``values`` into rows ``keys`` of ``column`` (upsert; last duplicate wins).
@@ -217,7 +226,12 @@ class RowStore(abc.ABC):
         if values.shape != want:
             raise StoreError(f"values: expected shape {want} for column {column!r}, "
                              f"got {values.shape}")
-        self._write_slots(column, self.slots(keys, insert=True), values)
+        self._write_slots(column, self._slots_to_write(keys, column), values)
+
+    def _slots_to_write(self, keys: Keys, column: str) -> Slots:
+        """Slots of keys about to be written in ``column`` (upserted: absent keys inserted
+        first; a store that evicts holds its capacity)."""
+        return self.slots(keys, insert=True)
 
     def _write_slots(self, column, slots, values):
         """Write float32 ``values`` (weight rows: rounded to its dtype; rows already in it
@@ -232,15 +246,17 @@ class RowStore(abc.ABC):
         return self.decode(rows) if column == WEIGHT else rows
 
     def update(self, rule, keys: Keys, grads: Rows, hyper, num_threads: int = 1) -> None:
-        """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``.
-
-        Absent keys are inserted first (their initial row, then the update). The rule
-        gets the weight and state columns and the slots: the kernels never see keys.
+        """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``,
+        which the store holds (an update never inserts: a key removed or evicted since its
+        lookup stays gone; :meth:`ShardTable.update
+        <distemb.kvstore.shard.ShardTable.update>` drops its gradient). The rule gets the
+        weight and state columns and the slots: the kernels never see keys.
 
         Raises:
             StoreError: a state column the rule needs is missing (no optimizer set up).
+            MissingKeyError: a key the store does not hold.
         """
-        slots = self.slots(keys, insert=True)
+        slots = self.slots(keys)
         states = {s.name: self.column(s.name) for s in rule.states}
         rule.apply(self.ops, self.column(WEIGHT), states, slots, grads, hyper, num_threads)
 
