@@ -20,7 +20,7 @@ from distemb.context import DistContext
 from distemb.dynamic import DynamicEmbedding, StoreEmbedding
 from distemb.errors import DistEmbError, KVStoreError, MissingKeyError, StoreError
 from distemb.kernels import half
-from distemb.optim import SparseAdagrad
+from distemb.optim import SparseAdagrad, SparseSGD
 from distemb.partition import key_partition
 from distemb.rules import AdagradHyper
 from distemb.stores import HashStore, key_normal
@@ -141,6 +141,46 @@ def test_a_step_never_puts_back_a_key_gone_since_its_lookup(placement):
         (held, size), (held_after, size_after) = got["before"], got["after"]
         assert not all(held[:8]), "nothing was evicted: the test proves nothing"
         assert held_after == held and size_after == size
+
+
+def test_eviction_behind_any_placement_equals_the_embedded_store(placement):
+    """Capacity eviction sees every lookup, cache hits too: a job whose keys all live on
+    one shard (of capacity 4) keeps the keys and rows the embedded store keeps. Keys 1 and
+    2 are hot (cache hits in the last batch, which must spare them); 3 is the least recent
+    when 5 arrives. With bounded staleness the owner sees only the lookups that reach it,
+    so only the capacity is checked there."""
+    tag = uuid.uuid4().hex[:8]
+    num_servers = placement.client.num_servers
+    cands = np.arange(1, 10_000, dtype=np.int64)
+    k = cands[key_partition(cands, num_servers) == 0][:5]
+    batches = [k[[0, 1]], k[[0, 1]], k[[2, 3]], k[[0, 1, 4]]]
+
+    def job(ctx, rank, num_trainers, repeat=1):
+        t = DynamicEmbedding(2, name=f"ev-{tag}", capacity=4 * ctx.client.num_servers,
+                             context=ctx)
+        opt = SparseSGD([t], lr=1.0)
+        for ids in batches:
+            opt.zero_grad()
+            t(torch.from_numpy(np.tile(ids, repeat)), device=placement.device).sum().backward()
+            opt.step()
+            ctx.client.barrier()
+        got = t.export()
+        return got["keys"].tolist(), got["weight"].tolist()
+
+    if placement.refuser == "DeviceCachedKVClient":
+        with pytest.raises(KVStoreError, match="a hash store with a capacity"):
+            placement.run(job)
+        return
+    keys, rows = placement.run(job)[0]
+    embedded = DistContext.embedded(num_threads=1)
+    try:
+        want = job(embedded, 0, 1, repeat=len(placement.trainers))
+    finally:
+        embedded.close()
+    if placement.name.endswith("cache_stale"):
+        assert len(keys) <= 4
+    else:
+        assert (keys, rows) == want
 
 
 def test_keys_are_spread_by_their_hash(client, tmp_path):
