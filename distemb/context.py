@@ -211,7 +211,7 @@ def _device_cache(config, device, num_trainers):
         config = parse_cache_config(config, "device_cache")
     check_device_cache(config, num_trainers)
     dev = device_kv.cuda_device(device)
-    return lambda client: DeviceCachedKVClient(client, config, dev, num_trainers=num_trainers)
+    return lambda client: DeviceCachedKVClient(client, config, dev)
 
 
 _current = []  # the process's current context (see module docstring); at most one entry

@@ -383,3 +383,16 @@ def test_half_tables_pass_through(twin, make_ctx):
         if cache is not None:
             assert ctx.client.stats()["device_updated_rows"] == 0
     assert torch.equal(out[0], out[1]) and not torch.equal(out[0], torch.ones(ROWS, 4))
+
+
+@pytest.mark.multiprocess
+def test_the_cache_refuses_a_client_whose_tables_other_trainers_write(clusters):
+    """It writes rows back only at eviction, so it must be their one writer: a client of
+    a two-trainer job is refused by name, whoever makes the cache (the config's check
+    covers only what initialize() makes)."""
+    kv = clusters("tcp2x2").client(0)
+    try:
+        with pytest.raises(ConfigError, match="device_cache: .*one writer.*2 trainers"):
+            DeviceCachedKVClient(kv, parse_cache_config({"rows": 8}), "cpu", ops=CpuCudaTwin())
+    finally:
+        kv.close(goodbye=False)  # the suite's other tests still use the cluster

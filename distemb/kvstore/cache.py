@@ -102,6 +102,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
         self.inner, self.config = inner, config
         self.num_servers, self.num_threads = inner.num_servers, inner.num_threads
+        self.num_trainers = inner.num_trainers
         self._tables: Dict[str, Optional[TableCache]] = {}
         self._tick = 0
         self._stats = dict(pulls=0, rows=0, unique_rows=0, hit_rows=0, fetched_rows=0,

@@ -102,6 +102,7 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
         self._x = Exchange(self._group, self.timeout_s, store)
         self.rank, self.world_size = self._x.rank, self._x.world_size
         self.num_servers = self.world_size  # tables default to one range per rank
+        self.num_trainers = self.world_size
         self.server = KVServer(server_id=self.rank, num_threads=num_threads)
         self.num_threads = self.server.num_threads
         self._meta = {}

@@ -110,11 +110,11 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         device: the CUDA device of the cache ('cuda', 'cuda:N'); with ``ops`` given, any
             torch device (tests run the cache on 'cpu' with a CPU stand-in of the kernels).
         ops: the device kernels (default :mod:`distemb.kernels.cuda`).
-        num_trainers: trainers sharing ``inner``'s tables; must be 1 (module docstring).
 
     Raises:
         CudaUnavailableError: ``device`` cannot be used here (the message says why).
-        ConfigError: ``config.staleness`` is not 0, or ``num_trainers`` > 1.
+        ConfigError: ``config.staleness`` is not 0, or ``inner``'s tables have other
+            writers (its ``num_trainers`` > 1: other trainers or collective ranks).
         TypeError: ``config`` is not a CacheConfig.
 
     Example:
@@ -130,11 +130,10 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
     #: The kernels of the cached rows (a test may swap in a CPU stand-in).
     device_ops = cuda
 
-    def __init__(self, inner: KVClient, config: CacheConfig, device="cuda", ops=None,
-                 num_trainers: int = 1):
+    def __init__(self, inner: KVClient, config: CacheConfig, device="cuda", ops=None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
-        check_device_cache(config, num_trainers)
+        check_device_cache(config, inner.num_trainers)
         self.device = None  # the storage half holds numpy arrays (see the class docstring)
         if torch.device(device).type == "cuda" or ops is None:
             self.cache_device = device_kv.cuda_device(device)

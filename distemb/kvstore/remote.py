@@ -79,7 +79,7 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routi
         if not 0 <= rank < cfg.num_trainers:
             raise KVStoreError(f"rank: expected 0..{cfg.num_trainers - 1}, got {rank}")
         self.cfg, self.rank, self.num_threads = cfg, rank, num_threads
-        self.num_servers = len(cfg.servers)
+        self.num_servers, self.num_trainers = len(cfg.servers), cfg.num_trainers
         self.consistency = Consistency.parse(consistency or cfg.consistency, "consistency",
                                              KVStoreError)
         self._conns = list(connections) if connections is not None else \

@@ -129,6 +129,9 @@ class KVClient(HostPlacement, ABC):
     #: Informational (``DistEmbedding.device``): callers never branch on it.
     device = None
     num_servers = 1
+    #: Processes writing this client's tables, this one included (a cluster's trainers, a
+    #: collective job's ranks).
+    num_trainers = 1
     #: OpenMP threads of this client's own kernels (coalescing, shared-memory gathers).
     num_threads = 1
     #: Whether every trainer takes part in a checkpoint, each writing and reading its own
