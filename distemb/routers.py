@@ -68,11 +68,18 @@ class Router(abc.ABC):
         if self.num_keys is not None:
             self.part_of(keys)
 
+    def inside(self, keys: np.ndarray) -> np.ndarray:
+        """Bool mask: the keys inside the key space (all of them for any int64 key)."""
+        keys = np.asarray(keys, np.int64)
+        if self.num_keys is None:
+            return np.ones(keys.shape, bool)
+        return (keys >= 0) & (keys < self.num_keys)
+
     def owns(self, part: int, keys: np.ndarray) -> np.ndarray:
         """Bool mask: the keys shard ``part`` holds (keys outside the key space: False)."""
         keys = np.asarray(keys, np.int64)
         if self.num_keys is not None:
-            inside = (keys >= 0) & (keys < self.num_keys)
+            inside = self.inside(keys)
             mask = np.zeros(keys.shape, bool)
             mask[inside] = self.part_of(keys[inside]) == part
             return mask

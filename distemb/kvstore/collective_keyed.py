@@ -134,14 +134,19 @@ class CollectiveKeyedTables(ShardedKeyedTables):
                              f"tables {what} keys")
 
     def contains(self, name, keys):
+        """Whether each key is held (False outside a fixed key space: every rank still
+        takes part in the exchange, asking about the others)."""
         t = self._shard(name)
+        keys = table_keys(keys)
 
         def answer(_, ids):
             local = self._at_owner(name, ids)[0][2]
             with t.read():
                 return t.store.find(local) >= 0
-        return self._ask(KEYS, [name], [table_keys(keys)], answer,
-                         lambda _: (np.dtype(bool), ()), label=["contains", name])[0]
+        out = self._routers[name].inside(keys)
+        out[out] = self._ask(KEYS, [name], [keys[out]], answer,
+                             lambda _: (np.dtype(bool), ()), label=["contains", name])[0]
+        return out
 
     def get(self, name, keys):
         """Rows of ``keys`` without inserting them (each rank asks about its own).

@@ -105,9 +105,13 @@ class RemoteKeyedTables(ShardedKeyedTables):
         return int(sum(r.fields["removed"] for r in replies.values()))
 
     def contains(self, name, keys):
+        """Whether each key is held (False outside a fixed key space, asked of no one)."""
         self._spec(name)
-        return self._read(name, table_keys(keys), lambda r: Get(
+        keys = table_keys(keys)
+        out = self._routers[name].inside(keys)
+        out[out] = self._read(name, keys[out], lambda r: Get(
             name=name, mode="contains", column=WEIGHT, ids=r.ids), (), np.bool_, np.bool_)
+        return out
 
     def get(self, name, keys):
         dim = self.dim(name)
