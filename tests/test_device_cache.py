@@ -396,3 +396,28 @@ def test_the_cache_refuses_a_client_whose_tables_other_trainers_write(clusters):
             DeviceCachedKVClient(kv, parse_cache_config({"rows": 8}), "cpu", ops=CpuCudaTwin())
     finally:
         kv.close(goodbye=False)  # the suite's other tests still use the cluster
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_evict_behind_the_cache_sees_the_lookups_it_served(policy):
+    """evict() of a hash table behind the device cache removes the keys the uncached
+    table removes: the hot keys the cache served (1 and 2, every other batch) are spared."""
+    from distemb.dynamic import DynamicEmbedding
+    from distemb.optim import SparseSGD
+
+    def run(kv):
+        ctx = DistContext(kv, backend="pytorch", num_threads=1)
+        t = DynamicEmbedding(2, name="t", context=ctx, evict=policy)
+        opt = SparseSGD([t], lr=1.0)
+        for ids in ([1, 2], [3, 4], [1, 2], [5], [1, 2]):
+            opt.zero_grad()
+            t(torch.tensor(ids), device="cpu").sum().backward()
+            opt.step()
+        evicted = sorted(t.evict(3).tolist())
+        return evicted, t.export()["keys"].tolist()
+
+    want = run(LocalKVClient())
+    assert want == ([3, 4], [1, 2, 5])
+    cached = DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"rows": 4, "policy": policy}),
+                                  "cpu", ops=CpuCudaTwin())
+    assert run(cached) == want

@@ -8,8 +8,9 @@ current rows:
 - reads of the stored rows (``get``, ``export``, ``table_state``, a checkpoint) first write
   the dirty copies back (they stay cached);
 - ``remove`` forgets the copies of the removed keys (their rows go);
-- ``evict`` writes every dirty copy back, lets the store choose its victims, and forgets
-  their copies;
+- ``evict`` writes every dirty copy back, tells the store the lookups the cache served
+  (the cached keys, least used first), lets it choose its victims, and forgets their
+  copies;
 - writes of whole rows (``import_``, ``load_table_state``, a checkpoint's restore) write
   the copies back and forget them, then write.
 
@@ -76,6 +77,11 @@ class CachedKeys:
         ``name`` back to the wrapped client; they stay cached."""
 
     @abstractmethod
+    def _copies_by_use(self, name: str) -> List[np.ndarray]:
+        """The keys of table ``name``'s cached rows in groups, least recently (or least
+        often) used first: the lookups this cache served, which its store did not see."""
+
+    @abstractmethod
     def _forget_copies(self, name: str, keys: Optional[np.ndarray], write_back: bool) -> None:
         """Forget the cached rows of ``keys`` (every key when None) of table ``name``,
         writing the dirty ones back first when ``write_back``."""
@@ -116,9 +122,13 @@ class CachedKeys:
         return self.inner.remove(name, keys)
 
     def evict(self, name: str, target_size: int, policy=None) -> np.ndarray:
-        """The store's eviction (its own LRU/LFU order: lookups this cache served did not
-        reach it); the evicted keys' copies are forgotten."""
+        """The store's eviction, by its LRU/LFU order once the cached keys' uses are told:
+        each group of :meth:`_copies_by_use` is looked up in turn, least used first (the
+        cache holds the keys used last, so an LRU order is the uncached one; an LFU count
+        gains one per cached key). The evicted keys' copies are forgotten."""
         self._write_back_copies(name)
+        for keys in self._copies_by_use(name):
+            self.inner.pull(name, keys)
         evicted = self.inner.evict(name, target_size, policy)
         self._forget_copies(name, evicted, write_back=False)
         return evicted

@@ -259,6 +259,16 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         if cache is not None:
             self._write_back(name, cache, _slots(cache, keys))
 
+    def _copies_by_use(self, name):
+        cache = self._tables.get(name)
+        if cache is None:
+            return []
+        m = cache.map
+        slots = np.flatnonzero(m.held)
+        slots = slots[np.argsort(m.stamp[slots], kind="stable")]
+        cuts = np.flatnonzero(np.diff(m.stamp[slots])) + 1
+        return [m.ids[g] for g in np.split(slots, cuts)] if len(slots) else []
+
     def _forget_copies(self, name, keys, write_back):
         cache = self._tables.get(name)
         if cache is not None:
