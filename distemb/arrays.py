@@ -34,17 +34,21 @@ DENSE_INIT = ("shape", "dtype")
 KEYED_INIT = ("keys",)
 
 
-def check_init_func(init_func: Callable, takes: Sequence[str]) -> None:
+def check_init_func(init_func: Callable, takes: Sequence[str], what: str = "init_func") -> None:
     """TypeError, at construction, when ``init_func`` cannot be called with the
     arguments ``takes`` names (a dense table's ``(shape, dtype)`` or a keyed table's
-    ``(keys)``), naming the signature expected and the one it has.
+    ``(keys)``), naming the argument (``what``: a table's ``init_func``, a store's
+    ``init``), the signature expected and the one it has.
 
     Callables whose signature Python cannot read (some builtins) are accepted.
+
+    Raises:
+        TypeError: ``init_func`` is not callable, or takes other arguments.
     """
     if init_func is None:
         return
     if not callable(init_func):
-        raise TypeError(f"init_func: expected a callable init_func({', '.join(takes)}) -> "
+        raise TypeError(f"{what}: expected a callable {what}({', '.join(takes)}) -> "
                         f"rows, got {type(init_func).__name__}")
     try:
         sig = inspect.signature(init_func)
@@ -57,5 +61,5 @@ def check_init_func(init_func: Callable, takes: Sequence[str]) -> None:
         has = tuple(p for p in sig.parameters)
         hint = (f" (that is the signature of a {'keyed' if other == KEYED_INIT else 'dense'}"
                 " table's initialiser)") if len(has) == len(other) else ""
-        raise TypeError(f"init_func: expected init_func({', '.join(takes)}) -> rows, got a "
+        raise TypeError(f"{what}: expected {what}({', '.join(takes)}) -> rows, got a "
                         f"function that takes ({', '.join(has)}){hint}") from None

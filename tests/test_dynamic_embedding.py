@@ -304,6 +304,26 @@ def test_initialiser_of_the_wrong_signature_is_refused_at_construction(ctx, make
             DistEmbedding(10, 4, name="bad-init", context=ctx, init_func=lambda keys: keys)
 
 
+@pytest.mark.parametrize("kind", ["hash", "dense", "file"])
+def test_a_store_refuses_an_initialiser_of_the_dense_signature_at_construction(kind, tmp_path):
+    """As the table specs do: a DGL-style init(shape, dtype) given to a store object is
+    refused naming ``init``, before anything is made (it used to fail at the first lookup
+    with a raw TypeError, a hash store keeping the key with a zero row)."""
+    from distemb.stores import DenseStore, FileStore, HashStore
+
+    def dgl_init(shape, dtype):
+        return torch.zeros(shape, dtype=dtype)
+
+    make = {"hash": lambda: HashStore(4, init=dgl_init),
+            "dense": lambda: DenseStore(10, 4, init=dgl_init),
+            "file": lambda: FileStore(tmp_path / "f", num_rows=10, dim=4, init=dgl_init)}[kind]
+    with pytest.raises(TypeError, match=r"init: expected init\(keys\) -> rows, got a function "
+                                        r"that takes \(shape, dtype\) \(that is the signature "
+                                        r"of a dense table's initialiser\)"):
+        make()
+    assert not (tmp_path / "f").exists()
+
+
 # --- one table class for every storage (issue 21, item 5) -------------------------------
 
 def _dense_init(shape, dtype):

@@ -101,6 +101,8 @@ class FileStore(DenseStore):
         StoreError: ``path`` is not a writable directory, the disk is too full, or the
             existing store there does not match ``num_rows``/``dim``/``dtype``.
         ValueError: a new store without a ``num_rows`` (0 or more) and a positive ``dim``.
+        TypeError: ``init`` cannot be called as ``init(keys)`` (a dense table's
+            ``init(shape, dtype)``, say); refused before the directory is touched.
 
     Example:
         >>> import tempfile
@@ -115,6 +117,7 @@ class FileStore(DenseStore):
 
     def __init__(self, path, num_rows=None, dim=None, dtype="float32", init=None,
                  rounding="nearest", preallocate=True):
+        check_init_func(init, KEYED_INIT, "init")
         self.path = os.fspath(path)
         self.preallocate = bool(preallocate)
         self._maps = {}

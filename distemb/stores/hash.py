@@ -52,6 +52,8 @@ class HashStore(RowStore):
 
     Raises:
         ValueError: ``capacity`` < 1, an unknown ``evict``, ``low_water`` outside (0, 1].
+        TypeError: ``init`` cannot be called as ``init(keys)`` (a dense table's
+            ``init(shape, dtype)``, say).
 
     Example:
         >>> s = HashStore(2, capacity=2)
@@ -75,6 +77,7 @@ class HashStore(RowStore):
         if not isinstance(low_water, (int, float)) or not 0.0 < low_water <= 1.0:
             raise ValueError(f"low_water: expected a float in (0, 1], got {low_water!r}")
         self.low_water = float(low_water)
+        check_init_func(init, KEYED_INIT, "init")
         self._init = init
         self._index = HashIndex(reserve, native=native)
         rows = max(16, int(reserve))
