@@ -29,6 +29,29 @@ def check_shape(what: str, have, want, error: Type[Exception] = ValueError) -> N
         raise error(f"{what} has shape {tuple(have)}, expected {tuple(want)}")
 
 
+def check_values_shape(name: str, have, ids_shape, row_shape) -> Shape:
+    """The shape ``(num_ids,) + row_shape`` of the values written to rows ``ids`` of table
+    ``name`` (``t[ids] = values``), when their shape ``have`` is the ids' shape + the row
+    shape (as torch indexing takes it) or that flat shape (a row per id, as DGL's
+    ``push`` takes it). Values of another shape with as many elements (a transposed
+    batch) are never reshaped: that would scramble them.
+
+    Raises:
+        ValueError: another shape, naming ``values``, the shapes expected and the one got.
+    """
+    have, ids_shape, row_shape = tuple(have), tuple(ids_shape), tuple(row_shape)
+    num_ids = 1
+    for n in ids_shape:
+        num_ids *= int(n)
+    flat = (num_ids,) + row_shape
+    shaped = ids_shape + row_shape
+    if have not in (flat, shaped):
+        also = f" (the ids' shape + the row shape) or {flat}" if shaped != flat else ""
+        raise ValueError(f"values: expected shape {shaped}{also} for {num_ids} ids of "
+                         f"{name!r}, got {have}")
+    return flat
+
+
 #: The two initialiser signatures: a dense table's shards, a keyed table's keys.
 DENSE_INIT = ("shape", "dtype")
 KEYED_INIT = ("keys",)

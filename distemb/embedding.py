@@ -309,7 +309,11 @@ class DistEmbedding:
         return self._tensor.store
 
     def upsert(self, keys, rows) -> None:
-        """Insert or overwrite the rows of ``keys`` (their optimizer state is kept)."""
+        """Insert or overwrite the rows of ``keys`` (their optimizer state is kept).
+
+        Raises:
+            ValueError: ``rows`` not shaped as ``keys`` + (dim,), nor as one row per key.
+        """
         self.weight[keys] = rows
 
     def remove(self, keys) -> int:

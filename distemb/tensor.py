@@ -114,7 +114,8 @@ class DistTensor(NamedRows):
     in 16 bits, but reads and writes them as float32: ``t[ids]`` returns float32 rows,
     ``t[ids] = v`` takes float32 (or the tensor's own dtype) and rounds to nearest-even.
 
-    ``t[ids]`` takes integer ids of any shape or a ``slice`` of rows.
+    ``t[ids]`` takes integer ids of any shape or a ``slice`` of rows; ``t[ids] = v``
+    takes ``v`` shaped as the ids + the row shape, or (number of ids,) + the row shape.
 
     Raises:
         CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
@@ -215,9 +216,16 @@ class DistTensor(NamedRows):
         return self.lookup(ids)[1]
 
     def __setitem__(self, ids: Tensor, values: Tensor) -> None:
-        flat, _ = self._client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
+        """Write ``values`` to rows ``ids`` (a duplicate id: its last row wins).
+
+        Raises:
+            ValueError: ``values`` not shaped as ``ids`` + the row shape, nor as
+                (number of ids,) + the row shape.
+            TypeError: ``values`` of another dtype than the tensor's (or float32).
+        """
+        flat, shape = self._client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
         self._client.push(self._name, flat,
-                          self._client.values_in(self._name, values, self._ctx.F, len(flat)))
+                          self._client.values_in(self._name, values, self._ctx.F, shape))
 
     def __len__(self):
         return self._shape[0]
@@ -382,10 +390,12 @@ class StoreTensor(NamedRows):
         return self.lookup(idx)[1]
 
     def __setitem__(self, idx, values):
+        """Upsert ``values`` as the rows of keys ``idx`` (as :meth:`DistTensor.__setitem__`
+        takes them)."""
         F = self._ctx.F
-        flat, _ = self._client.ids_in(self._name, idx, F)
+        flat, shape = self._client.ids_in(self._name, idx, F)
         self._client.push(self._name, flat,
-                          self._client.values_in(self._name, values, F, len(flat)))
+                          self._client.values_in(self._name, values, F, shape))
 
     @property
     def shape(self):

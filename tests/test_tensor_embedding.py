@@ -42,6 +42,30 @@ def test_dist_tensor_bad_input(ctx):
         DistTensor((10, 3), torch.float32, context=ctx, part_policy=range_policy(5))
 
 
+@pytest.mark.parametrize("kind", ["dense", "hash"])
+def test_upsert_takes_rows_shaped_as_the_ids_and_never_reshapes_others(ctx, kind):
+    """``emb.upsert(keys, rows)`` / ``weight[keys] = rows``: rows shaped as the keys +
+    (dim,), or one row per key, as torch indexing and DGL's push take them. A transposed
+    batch (as many elements) used to be reshaped into scrambled rows; torch refuses it."""
+    emb = DistEmbedding(10 if kind == "dense" else None, 4, name="up", context=ctx)
+    keys, rows = torch.tensor([1, 2]), torch.arange(8.0).view(2, 4)
+    with pytest.raises(RuntimeError):
+        torch.zeros(10, 4)[keys] = rows.T  # the oracle refuses it too
+    with pytest.raises(ValueError, match=r"values: expected shape \(2, 4\) for 2 ids of "
+                                         r"'up', got \(4, 2\)"):
+        emb.upsert(keys, rows.T)
+    with pytest.raises(ValueError, match=r"values: expected shape \(2, 4\) .* got \(8,\)"):
+        emb.weight[keys] = torch.arange(8.0)
+    if kind == "hash":
+        assert emb.size() == 0  # nothing inserted
+    else:
+        assert emb.get(keys).tolist() == [[0.0] * 4] * 2  # nothing written
+    emb.weight[keys.view(2, 1)] = rows.view(2, 1, 4)  # the keys' shape + the row shape
+    assert torch.equal(emb.get(keys), rows)
+    emb.weight[keys.view(1, 2)] = rows + 1  # one row per key
+    assert torch.equal(emb.weight[keys.view(1, 2)], (rows + 1).view(1, 2, 4))
+
+
 def test_same_name_attaches_and_anonymous_is_freed(ctx):
     a = DistTensor((4, 2), torch.float32, name="shared", context=ctx, persistent=True)
     a[torch.tensor([1])] = torch.ones(1, 2)

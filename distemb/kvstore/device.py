@@ -36,7 +36,7 @@ from typing import Sequence, Tuple
 import numpy as np
 import torch
 
-from distemb.arrays import Array, Rows, Tensor, UniqueIds
+from distemb.arrays import Array, Rows, Tensor, UniqueIds, check_values_shape
 from distemb.errors import KVStoreError, PartitionError
 from distemb.kernels import cuda, half
 from distemb.kernels.cuda import cuda_device
@@ -255,18 +255,15 @@ class DeviceKVClient(DeviceKeyedTables, KVClient):
         flat = t.reshape(-1).to(self.device, torch.int64).contiguous()
         return flat, tuple(t.shape)
 
-    def values_in(self, name, values, F, num_ids):
+    def values_in(self, name, values, F, ids_shape):
         if self.is_keyed(name):
-            return self._keyed_values_in(name, values, num_ids)
+            return self._keyed_values_in(name, values, ids_shape)
         meta = self._meta_of(name)
         t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
         got = str(t.dtype).replace("torch.", "")
         if got != meta.dtype and got != half.row_dtype(meta.dtype):  # float32: rounded
             raise TypeError(f"values: expected dtype {meta.dtype} for {name!r}, got {got}")
-        want = (num_ids,) + tuple(meta.shape[1:])
-        if t.numel() != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
-                             f"got {tuple(t.shape)}")
+        want = check_values_shape(name, t.shape, ids_shape, meta.shape[1:])
         return t.to(self.device).reshape(want)
 
     def rows_out(self, rows, F):

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from distemb.arrays import check_values_shape
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.types import DataMeta
@@ -154,18 +155,20 @@ class KeyedTables:
         arr = self.tensor_in(ids, F)
         return keys_array(arr, "ids"), tuple(arr.shape)
 
-    def values_in(self, name, values, F, num_ids):
+    def values_in(self, name, values, F, ids_shape):
+        """Rows for keys of shape ``ids_shape``: float32, shaped as the keys + (dim,) or
+        (number of keys, dim).
+
+        Raises:
+            TypeError: not float32. ValueError: another shape.
+        """
         if not self.is_keyed(name):
-            return super().values_in(name, values, F, num_ids)
+            return super().values_in(name, values, F, ids_shape)
         arr = self.tensor_in(values, F)
         got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
         if got != "float32":
             raise TypeError(f"values: expected dtype float32 for {name!r}, got {got}")
-        want = (num_ids, self.dim(name))
-        if int(np.prod(arr.shape)) != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
-                             f"got {tuple(arr.shape)}")
-        return arr.reshape(want)
+        return arr.reshape(check_values_shape(name, arr.shape, ids_shape, (self.dim(name),)))
 
     # -- optimizer state and checkpoints: state columns travel with their rows ----------
 
