@@ -63,6 +63,26 @@ def test_dynamic_table_in_bfloat16(ctx):
         DynamicEmbedding(4, dtype="int8", context=ctx)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["dense", "hash", "file"])
+def test_rows_in_the_table_s_own_dtype_are_written(ctx, tmp_path, kind, dtype):
+    """``weight[ids] = rows`` takes float32 rows or rows of the table's own dtype, whatever
+    the table's kind (a float16 hash or file table refused float16 rows)."""
+    from distemb.stores.spec import FileTableSpec
+
+    emb = {"dense": lambda: DistEmbedding(10, 4, name="own", context=ctx, dtype=dtype),
+           "hash": lambda: DynamicEmbedding(4, name="own", context=ctx, dtype=dtype),
+           "file": lambda: StoreEmbedding(FileTableSpec(str(tmp_path), 10, 4, dtype=dtype,
+                                                        preallocate=False),
+                                          name="own", context=ctx)}[kind]()
+    rows = torch.tensor([[0.5, 1.5, -2.0, 3.0]])
+    emb.weight[torch.tensor([1])] = rows.to(emb.dtype)
+    emb.weight[torch.tensor([2])] = rows
+    assert emb.get(torch.tensor([1, 2])).tolist() == [rows[0].tolist()] * 2
+    with pytest.raises(TypeError, match=r"values: expected dtype .*got float64"):
+        emb.weight[torch.tensor([3])] = rows.double()
+
+
 def _small_steps(ctx, rounding, steps=100):
     """Rows at 1.0, SGD steps of 1e-3 (an eighth of a bfloat16 ulp at 1.0) for ``steps``."""
     store = DenseStore(64, 8, dtype="bfloat16", init=lambda k: np.ones((len(k), 8), np.float32),

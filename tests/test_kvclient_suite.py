@@ -481,6 +481,25 @@ def test_values_are_rows_shaped_as_the_ids_or_one_per_id_never_reshaped(client):
                 client.values_in(name, bad, F, shape)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_keyed_table_takes_rows_in_its_own_dtype(client, dtype):
+    """``values_in`` of a keyed table with 16-bit rows takes float32 rows or rows of its own
+    dtype (exact in float32), as an array table's does; float16 rows were refused."""
+    from distemb.backend import pytorch as F
+    from distemb.stores.spec import HashTableSpec
+
+    client.create_table("hv", HashTableSpec(3, dtype=dtype))
+    rows = torch.tensor([[0.5, 1.0, -2.0]])
+    _, shape = client.ids_in("hv", torch.tensor([7]), F)
+    for values in (rows, rows.to(getattr(torch, dtype))):
+        got = client.values_in("hv", values, F, shape)
+        assert str(got.dtype).endswith("float32")
+        np.testing.assert_array_equal(np.asarray(client.to_host(got)), rows.numpy())
+    with pytest.raises(TypeError, match=rf"values: expected dtype float32 \(or {dtype}\) for "
+                                        r"'hv', got float64"):
+        client.values_in("hv", rows.double(), F, shape)
+
+
 def test_bad_ids_are_refused_with_their_names(client, table):
     """Keys outside a fixed key space, reserved keys of a hash index, and (keyed tables;
     an array table's ids are int64 by the KVClient contract) non-integer keys."""

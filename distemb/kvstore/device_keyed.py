@@ -201,14 +201,16 @@ class DeviceKeyedTables:
 
     def _keyed_values_in(self, name, values, ids_shape):
         """float32 rows for keys of shape ``ids_shape`` of ``name``, on the device, shaped
-        as the keys + (dim,) or (number of keys, dim).
+        as the keys + (dim,) or (number of keys, dim): float32 values, or values in the
+        table's own 16-bit dtype (exact in float32).
 
         Raises:
-            TypeError: not float32. ValueError: another shape.
+            TypeError: another dtype. ValueError: another shape.
         """
         t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
-        if t.dtype != torch.float32:
-            raise TypeError(f"values: expected dtype float32 for {name!r}, got "
-                            f"{str(t.dtype).replace('torch.', '')}")
+        got, own = str(t.dtype).replace("torch.", ""), self.storage_dtype(name)
+        if got != "float32" and got != own:
+            also = f" (or {own})" if own != "float32" else ""
+            raise TypeError(f"values: expected dtype float32{also} for {name!r}, got {got}")
         want = check_values_shape(name, t.shape, ids_shape, (self.dim(name),))
-        return t.to(self.device).reshape(want)
+        return t.to(self.device, torch.float32).reshape(want)

@@ -156,18 +156,23 @@ class KeyedTables:
         return keys_array(arr, "ids"), tuple(arr.shape)
 
     def values_in(self, name, values, F, ids_shape):
-        """Rows for keys of shape ``ids_shape``: float32, shaped as the keys + (dim,) or
-        (number of keys, dim).
+        """float32 rows for keys of shape ``ids_shape``, shaped as the keys + (dim,) or
+        (number of keys, dim): float32 values, or values in the table's own 16-bit dtype
+        (exact in float32; rounded on store as float32 rows are), as an array table's.
 
         Raises:
-            TypeError: not float32. ValueError: another shape.
+            TypeError: another dtype. ValueError: another shape.
         """
         if not self.is_keyed(name):
             return super().values_in(name, values, F, ids_shape)
         arr = self.tensor_in(values, F)
         got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
+        own = self.storage_dtype(name)
+        if got != "float32" and got != own:
+            also = f" (or {own})" if own != "float32" else ""
+            raise TypeError(f"values: expected dtype float32{also} for {name!r}, got {got}")
         if got != "float32":
-            raise TypeError(f"values: expected dtype float32 for {name!r}, got {got}")
+            arr = arr.astype(np.float32)
         return arr.reshape(check_values_shape(name, arr.shape, ids_shape, (self.dim(name),)))
 
     # -- optimizer state and checkpoints: state columns travel with their rows ----------
