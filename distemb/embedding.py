@@ -67,7 +67,8 @@ class DistEmbedding:
             None for a table of any int64 key (a hash table: rows made on first lookup by
             ``init_func(keys)``, removable, evictable).
         embedding_dim: length of each row.
-        name: KVStore name; tables of the same name share storage.
+        name: KVStore name, a non-empty str (None: a fresh anonymous name); tables of
+            the same name share storage.
         init_func: ``init_func(shape, dtype)`` initialises each shard (zeros when None,
             as in DGL).
         part_policy: sharding of the rows (default: even ranges over the servers; a
@@ -116,7 +117,8 @@ class DistEmbedding:
             (``part_policy`` but on a file table's spec, a GPU ``device`` but for a
             hash table) or that contradicts its ``storage``.
         TypeError: ``init_func`` of the wrong signature (``(shape, dtype)`` for dense
-            rows, ``(keys)`` for a keyed table), or a ``storage`` of another type.
+            rows, ``(keys)`` for a keyed table), a ``storage`` of another type, or a
+            ``name`` that is not a str (an empty one is a ValueError).
 
     Example:
         >>> import torch

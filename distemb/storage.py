@@ -11,7 +11,7 @@ Example:
     'users'
 """
 from distemb.context import current_context
-from distemb.rules import check_table_name
+from distemb.rules import check_name, check_table_name
 from distemb.stores import RowStore
 from distemb.stores.spec import SPECS, FileTableSpec, HashTableSpec
 from distemb.tensor import StoreTensor
@@ -23,12 +23,14 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
     store client; the arguments are :class:`~distemb.embedding.DistEmbedding`'s.
 
     Raises:
-        ValueError: an argument the storage contradicts (its dim, dtype, key count), a
-            partition policy on a store that cannot take one, a GPU device for a
-            store other than a hash table, or an ``init_func`` beside a storage with its
-            own.
-        TypeError: ``storage`` is neither a RowStore nor a table spec.
+        ValueError: an empty ``name``; an argument the storage contradicts (its dim,
+            dtype, key count), a partition policy on a store that cannot take one, a GPU
+            device for a store other than a hash table, or an ``init_func`` beside a
+            storage with its own.
+        TypeError: ``storage`` is neither a RowStore nor a table spec; a ``name`` that
+            is not a str.
     """
+    check_name(name)
     if part_policy is not None:
         if not isinstance(storage, FileTableSpec):
             kind = "hash" if storage is None else getattr(storage, "kind",

@@ -7,6 +7,7 @@ Where the rows live is the business of the tensor's KVClient (DESIGN.md, placeme
 tensor hands the caller's tensors to ``client.ids_in``/``values_in`` and the pulled rows
 to ``client.rows_out``, on one path for every placement.
 """
+import operator
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -16,7 +17,7 @@ from distemb.context import current_context
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy, range_policy
-from distemb.rules import check_table_name, state_name, state_owner
+from distemb.rules import check_name, check_table_name, state_name, state_owner
 
 # DGL's optimizers name their state "<table>_sum" (Adagrad) and "<table>_mem",
 # "<table>_power", "<table>_step" (Adam); code written for DGL attaches to those names.
@@ -36,16 +37,33 @@ def _resolve_name(client: KVClient, name: Optional[str]) -> Optional[str]:
     return name
 
 
-def _check_shape(shape) -> Shape:
-    if isinstance(shape, int):
-        shape = (shape,)
+def _dim(s, shape) -> int:
+    """One entry of ``shape`` as an int: an int (numpy's, a 0-d integer tensor), never a
+    float truncated, a bool or a str read as digits."""
     try:
-        shape = tuple(int(s) for s in shape)
+        if isinstance(s, (bool, np.bool_, str, bytes)):
+            raise TypeError
+        return operator.index(s)
     except TypeError:
-        raise TypeError(f"shape: expected a tuple of ints, got {shape!r}") from None
-    if not shape or shape[0] <= 0 or any(s < 0 for s in shape[1:]):
-        raise ValueError(f"shape: expected a non-empty tuple with shape[0] > 0, got {shape}")
-    return shape
+        raise TypeError(f"shape: expected an int or a tuple of ints, got {shape!r} "
+                        f"({type(s).__name__} {s!r} is not an int)") from None
+
+
+def _check_shape(shape) -> Shape:
+    """``shape`` as a tuple of ints (an int alone is one dimension).
+
+    Raises:
+        TypeError: an entry that is not an int (a float is not truncated, a str is not
+            read as digits, a bool is not a count).
+        ValueError: no dimension, or a first one <= 0 or another < 0.
+    """
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        dims = (_dim(shape, shape),)
+    else:
+        dims = tuple(_dim(s, shape) for s in shape)
+    if not dims or dims[0] <= 0 or any(s < 0 for s in dims[1:]):
+        raise ValueError(f"shape: expected a non-empty tuple with shape[0] > 0, got {dims}")
+    return dims
 
 
 class NamedRows:
@@ -87,10 +105,10 @@ class DistTensor(NamedRows):
     """A tensor sharded by rows across the KVStore, addressed by global row ids.
 
     Args:
-        shape: (rows, ...) of the whole tensor.
+        shape: (rows, ...) of the whole tensor: ints (an int alone: one dimension).
         dtype: element type (torch, numpy or string dtype).
-        name: KVStore name; an existing tensor of that name (same shape and dtype) is
-            attached instead of created. Anonymous when None. DGL's names of optimizer
+        name: KVStore name, a non-empty str; an existing tensor of that name (same shape
+            and dtype) is attached instead of created. Anonymous when None. DGL's names of optimizer
             state (``"<table>_sum"``, ``"_mem"``, ``"_power"``, ``"_step"``) attach to that
             state when no tensor of the name itself exists (a compatibility alias).
         init_func: ``init_func(shape, dtype)`` returns the initial values of one shard.
@@ -121,7 +139,10 @@ class DistTensor(NamedRows):
         CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
             run here (not built, CPU-only torch or no GPU; the message says which).
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
-        TypeError: ``part_policy`` is not a distemb policy (DGL's: see distemb.dgl).
+        TypeError: ``part_policy`` is not a distemb policy (DGL's: see distemb.dgl); a
+            ``shape`` that is not ints (a float, a str, a bool); a ``name`` that is not
+            a str.
+        ValueError: an empty ``name`` (None makes an anonymous tensor).
 
     Example:
         >>> import torch
@@ -139,6 +160,7 @@ class DistTensor(NamedRows):
     def __init__(self, shape, dtype, name: Optional[str] = None, init_func=None,
                  part_policy: Optional[PartitionPolicy] = None, persistent: bool = False,
                  context=None, device=None, rounding_seed: Optional[int] = None):
+        check_name(name)
         ctx = context or current_context()
         self._ctx, F = ctx, ctx.F
         self._client = ctx.client_for(device)

@@ -1,4 +1,5 @@
 """DistTensor and DistEmbedding: lookups, traces, naming, and every bad input."""
+import re
 import warnings
 
 import numpy as np
@@ -38,6 +39,17 @@ def test_dist_tensor_bad_input(ctx):
         DistTensor((10, 3), "complex64", context=ctx)
     with pytest.raises(ValueError, match="shape: expected a non-empty tuple"):
         DistTensor((0, 3), torch.float32, context=ctx)
+    # a shape is ints: never truncated (10.9 rows were 10) nor read as digits ("10" was
+    # (1, 0)), as DistEmbedding refuses a float num_embeddings
+    for shape, bad in (((10.9, 4.7), "float 10.9"), ("10", "str '10'"), ((10, 4.0), "float 4.0"),
+                       ((True, 3), "bool True"), ((10, None), "NoneType None"),
+                       (10.0, "float 10.0")):
+        with pytest.raises(TypeError, match=rf"shape: expected an int or a tuple of ints, got "
+                                            rf"{re.escape(repr(shape))} \({bad} is not an int\)"):
+            DistTensor(shape, torch.float32, context=ctx)
+    assert ctx.client.names() == ["t"]
+    for shape in (np.int64(5), (np.int64(5), 2), torch.Size([5, 2]), (torch.tensor(5), 2)):
+        assert DistTensor(shape, torch.float32, context=ctx).shape in ((5,), (5, 2))
     with pytest.raises(ValueError, match="part_policy: node~_N has 5 ids, but shape\\[0\\] is 10"):
         DistTensor((10, 3), torch.float32, context=ctx, part_policy=range_policy(5))
 
@@ -64,6 +76,34 @@ def test_upsert_takes_rows_shaped_as_the_ids_and_never_reshapes_others(ctx, kind
     assert torch.equal(emb.get(keys), rows)
     emb.weight[keys.view(1, 2)] = rows + 1  # one row per key
     assert torch.equal(emb.weight[keys.view(1, 2)], (rows + 1).view(1, 2, 4))
+
+
+@pytest.mark.parametrize("make", ["DistTensor", "DistEmbedding", "keyed DistEmbedding",
+                                  "DynamicEmbedding", "StoreEmbedding"])
+def test_a_name_is_a_non_empty_str_or_none(ctx, make):
+    """A name of another type was an AttributeError or TypeError naming neither the
+    argument nor what it takes (a tuple was accepted), and "" made an anonymous table
+    though only None means one; both refused by name, nothing made."""
+    from distemb.dynamic import DynamicEmbedding, StoreEmbedding
+    from distemb.stores import HashStore
+
+    table = {"DistTensor": lambda name: DistTensor((10, 4), torch.float32, name=name,
+                                                   context=ctx),
+             "DistEmbedding": lambda name: DistEmbedding(10, 4, name=name, context=ctx),
+             "keyed DistEmbedding": lambda name: DistEmbedding(None, 4, name=name,
+                                                               context=ctx),
+             "DynamicEmbedding": lambda name: DynamicEmbedding(4, name=name, context=ctx),
+             "StoreEmbedding": lambda name: StoreEmbedding(HashStore(4), name=name,
+                                                           context=ctx)}[make]
+    for name, got in ((5, "int 5"), (("a", "b"), r"tuple \('a', 'b'\)"), (b"t", "bytes b't'")):
+        with pytest.raises(TypeError, match=rf"name: expected a str \(or None for an anonymous "
+                                            rf"table\), got {got}"):
+            table(name)
+    with pytest.raises(ValueError, match=r"name: expected a non-empty str \(None for an "
+                                         r"anonymous table\), got ''"):
+        table("")
+    assert ctx.client.names() == []
+    assert table(None).name and table("t").name == "t"
 
 
 def test_same_name_attaches_and_anonymous_is_freed(ctx):
