@@ -73,4 +73,4 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
     # a GPU's client holds hash tables with their rows there (the index on the host)
     client = ctx.client_for(device) if on_device else ctx.client
     make(client, name)
-    return StoreTensor(client, name, ctx, storage.dtype, part_policy)
+    return StoreTensor(client, name, ctx, storage.dtype, part_policy, num_rows=fixed)

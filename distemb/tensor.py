@@ -367,6 +367,10 @@ class DistTensor(NamedRows):
 class StoreTensor(NamedRows):
     """The rows of a store-backed table: ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
 
+    On a table of the fixed keys 0..N-1 (a file table, a dense store) ``t[a:b]`` is the
+    rows a..b-1, as a DistTensor's; a hash table's keys are not a range, so it refuses a
+    slice.
+
     Args:
         client: the table's client, one holding keyed tables (:mod:`distemb.kvstore.keyed`).
         name: the table's name in it.
@@ -374,6 +378,8 @@ class StoreTensor(NamedRows):
         dtype: the rows' storage dtype name (they are read and written as float32).
         part_policy: the partition policy a file table was given (None: its store's own
             routing).
+        num_rows: N for a table of the fixed keys 0..N-1 (a file table, a dense store),
+            whose rows a ``slice`` selects as a DistTensor's; None for a hash table.
 
     Example:
         >>> import torch
@@ -384,17 +390,34 @@ class StoreTensor(NamedRows):
         tensor([[1., 1.]])
     """
 
-    def __init__(self, client, name, context, dtype="float32", part_policy=None):
+    def __init__(self, client, name, context, dtype="float32", part_policy=None,
+                 num_rows=None):
         self._client, self._name, self._ctx = client, name, context
         self._dim = client.dim(name)
         self._dtype = dtype
         self._policy = part_policy
+        self._num_rows = num_rows
+
+    def _keys_of(self, idx):
+        """A ``slice`` means the keys it selects of a table of the fixed keys 0..N-1
+        (``t[0:n // 2]``, as a DistTensor's rows).
+
+        Raises:
+            TypeError: a slice of a hash table: its keys are not a range.
+        """
+        if not isinstance(idx, slice):
+            return idx
+        if self._num_rows is None:
+            raise TypeError(f"ids: {self._name!r} is a hash table, whose keys are not a "
+                            f"range: a slice selects nothing; pass the keys (an integer "
+                            f"tensor), got {idx!r}")
+        return np.arange(*idx.indices(self._num_rows), dtype=np.int64)
 
     def lookup(self, ids, client=None):
         """The flat int64 keys and their rows, shaped as ``ids`` + (dim,) (as DistTensor).
 
         Args:
-            ids: integer keys, any shape.
+            ids: integer keys, any shape, or a ``slice`` of a table of fixed keys.
             client: the client (or a view of it) placing the rows; the table's by default.
         """
         client = client or self._client
@@ -405,7 +428,7 @@ class StoreTensor(NamedRows):
     def lookup_ids(self, ids, client=None):
         """The flat int64 keys and the shape of their rows (as DistTensor's)."""
         client = client or self._client
-        flat, shape = client.ids_in(self._name, ids, self._ctx.F)
+        flat, shape = client.ids_in(self._name, self._keys_of(ids), self._ctx.F)
         return flat, tuple(shape) + (self._dim,)
 
     def __getitem__(self, idx):
@@ -415,7 +438,7 @@ class StoreTensor(NamedRows):
         """Upsert ``values`` as the rows of keys ``idx`` (as :meth:`DistTensor.__setitem__`
         takes them)."""
         F = self._ctx.F
-        flat, shape = self._client.ids_in(self._name, idx, F)
+        flat, shape = self._client.ids_in(self._name, self._keys_of(idx), F)
         self._client.push(self._name, flat,
                           self._client.values_in(self._name, values, F, shape))
 

@@ -423,6 +423,40 @@ def test_storage_arguments_are_checked_by_name(ctx, tmp_path):
         DistEmbedding(None, 2, context=ctx, storage="hash")
 
 
+@pytest.mark.parametrize("storage", ["file spec", "dense store", "hash"])
+def test_a_slice_of_weight_selects_the_fixed_keys_and_is_refused_for_a_hash_table(ctx,
+                                                                                 tmp_path,
+                                                                                 storage):
+    """``weight[a:b]`` on a table of the fixed keys 0..N-1 is the rows a..b-1, as a dense
+    table's DistTensor takes it (it failed with 'expected integer keys ... dtype=object');
+    a hash table's keys are not a range: refused, saying to pass the keys."""
+    from distemb.stores import DenseStore
+    from distemb.stores.spec import FileTableSpec
+
+    emb = {"file spec": lambda: DistEmbedding(None, 2, name="s", context=ctx, storage=(
+               FileTableSpec(str(tmp_path), 10, 2, preallocate=False))),
+           "dense store": lambda: DistEmbedding(None, 2, name="s", context=ctx,
+                                                storage=DenseStore(10, 2)),
+           "hash": lambda: DynamicEmbedding(2, name="s", context=ctx)}[storage]()
+    if storage == "hash":
+        for use in (lambda: emb.weight[0:3],
+                    lambda: emb.weight.__setitem__(slice(0, 3), torch.ones(3, 2))):
+            with pytest.raises(TypeError, match=r"ids: 's' is a hash table, whose keys are not "
+                                                r"a range: a slice selects nothing; pass the "
+                                                r"keys \(an integer tensor\), got slice\(0, 3"):
+                use()
+        assert emb.size() == 0
+        return
+    dense = DistEmbedding(10, 2, name="dense", context=ctx)
+    rows = torch.arange(6.0).view(3, 2)
+    for table in (emb, dense):
+        table.weight[2:5] = rows
+        table.weight[8:] = rows[:2] + 10
+    for sl in (slice(0, 10), slice(2, 5), slice(None, None, 3), slice(-2, None)):
+        assert torch.equal(emb.weight[sl], dense.weight[sl]), sl
+    assert torch.equal(emb.weight[2:5], rows)
+
+
 def test_closing_one_store_table_leaves_the_others(ctx, tmp_path):
     from distemb.dynamic import StoreEmbedding
     from distemb.stores import FileStore
