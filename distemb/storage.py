@@ -29,6 +29,7 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
             storage with its own.
         TypeError: ``storage`` is neither a RowStore nor a table spec; a ``name`` that
             is not a str.
+        DistEmbError: the context is closed.
     """
     check_name(name)
     if part_policy is not None:
@@ -69,8 +70,9 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
         raise ValueError(f"num_embeddings: the storage holds {what}; expected "
                          f"{fixed if fixed else None}, got {num_embeddings!r}")
     ctx = context or current_context()
+    # a GPU's client holds hash tables with their rows there (the index on the host); a
+    # closed context has no client: refused before a store is made
+    client = ctx.client_for(device)
     name = check_table_name(name or ctx.new_name(kind))
-    # a GPU's client holds hash tables with their rows there (the index on the host)
-    client = ctx.client_for(device) if on_device else ctx.client
     make(client, name)
     return StoreTensor(client, name, ctx, storage.dtype, part_policy, num_rows=fixed)

@@ -106,6 +106,39 @@ def test_a_name_is_a_non_empty_str_or_none(ctx, make):
     assert table(None).name and table("t").name == "t"
 
 
+def test_a_closed_context_makes_no_table_and_its_tables_say_it_is_closed(tmp_path):
+    """A closed context made tables (a file table made there kept its directory locked:
+    closing the context again does nothing); every table kind is refused saying the
+    context is closed, nothing made, and a table of it used afterwards says so too (it
+    said its name was unknown)."""
+    from distemb.context import DistContext
+    from distemb.dynamic import DynamicEmbedding, StoreEmbedding
+    from distemb.errors import DistEmbError
+    from distemb.stores.spec import FileTableSpec
+
+    ctx = DistContext.embedded()
+    dense = DistEmbedding(10, 2, name="d", context=ctx)
+    keyed = DynamicEmbedding(2, name="h", context=ctx)
+    ctx.close()
+    for make in (lambda: DistTensor((4, 2), torch.float32, name="t", context=ctx),
+                 lambda: DistEmbedding(10, 2, name="e", context=ctx),
+                 lambda: DistEmbedding(None, 2, name="k", context=ctx),
+                 lambda: DynamicEmbedding(2, name="k", context=ctx),
+                 lambda: StoreEmbedding(FileTableSpec(str(tmp_path / "f"), 10, 2),
+                                        name="f", context=ctx)):
+        with pytest.raises(DistEmbError, match=r"context: DistContext\(role='embedded'.*\) "
+                                               r"is closed: it makes no tables"):
+            make()
+    assert not (tmp_path / "f").exists()
+    ids = torch.tensor([1])
+    for use in (lambda: dense(ids), lambda: dense.weight.__setitem__(ids, torch.ones(1, 2)),
+                lambda: keyed(ids), lambda: keyed.size(), lambda: keyed.upsert(ids, torch.ones(1, 2))):
+        with pytest.raises(KVStoreError, match=r"name '[dh]': this LocalKVClient is closed "
+                                               r"\(its context was closed, and its tables "
+                                               r"with it\)"):
+            use()
+
+
 def test_same_name_attaches_and_anonymous_is_freed(ctx):
     a = DistTensor((4, 2), torch.float32, name="shared", context=ctx, persistent=True)
     a[torch.tensor([1])] = torch.ones(1, 2)

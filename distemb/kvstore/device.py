@@ -44,7 +44,8 @@ from distemb.kernels.cuda_half import CudaHalfOps
 from distemb.kvstore.device_keyed import DeviceKeyedTables
 from distemb.kvstore.id_check import IdCheck
 from distemb.kvstore.placement import PlacedAsInner
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore.types import (DataMeta, KVClient, check_new_name, check_rounding,
+                                   unknown_name)
 from distemb.rules import rule_of, state_name
 
 
@@ -163,8 +164,7 @@ class DeviceKVClient(DeviceKeyedTables, KVClient):
         try:
             return self._tables[name]
         except KeyError:
-            raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self._meta)[:10]})") from None
+            raise unknown_name(self, name, "in the KVStore", self._meta) from None
 
     def pull(self, name, ids):
         """Rows ``ids`` (int64 tensor on the device) of ``name``, a new tensor there.
@@ -233,6 +233,7 @@ class DeviceKVClient(DeviceKeyedTables, KVClient):
         for name in list(self._meta):
             self.delete_data(name)
         self._keyed.close()
+        self.closed = True
 
     # -- placement: arrays are torch tensors on self.device -----------------------------
 

@@ -33,7 +33,7 @@ import numpy as np
 from distemb.arrays import check_values_shape
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore.types import DataMeta
+from distemb.kvstore.types import DataMeta, unknown_name
 from distemb.rules import rule_of, state_name
 
 #: (N,) int64 keys of a keyed table.
@@ -288,8 +288,8 @@ class ShardedKeyedTables(KeyedTables):
         try:
             return self._specs[name]
         except KeyError:
-            raise KVStoreError(f"name {name!r} is not a table on a row store in the KVStore "
-                               f"(known: {sorted(self._specs)[:10]})") from None
+            raise unknown_name(self, name, "a table on a row store in the KVStore",
+                               self._specs) from None
 
     def add_table(self, name, store):
         """Refused: a store object lives in this process, not where the shards live.
