@@ -457,6 +457,39 @@ def test_a_slice_of_weight_selects_the_fixed_keys_and_is_refused_for_a_hash_tabl
     assert torch.equal(emb.weight[2:5], rows)
 
 
+@pytest.mark.parametrize("kind", ["hash", "dense", "file"])
+def test_a_store_object_backs_one_table_and_a_closed_one_none(ctx, tmp_path, kind):
+    """"The table owns it now": a second table on the same store object shared its rows
+    and optimizer-state columns (closing one table left the other on a closed store),
+    and a closed store was taken; both refused where a store becomes a table, naming the
+    table that holds it."""
+    from distemb.dynamic import StoreEmbedding
+    from distemb.stores import DenseStore, FileStore, HashStore
+
+    def make(i):
+        return {"hash": lambda: HashStore(2), "dense": lambda: DenseStore(4, 2),
+                "file": lambda: FileStore(tmp_path / str(i), num_rows=4, dim=2)}[kind]()
+
+    store = make(0)
+    a = StoreEmbedding(store, name="a", context=ctx)
+    cls = type(store).__name__
+    with pytest.raises(StoreError, match=rf"store: the {cls} given to table 'b' already "
+                                         rf"holds table 'a' \(a store backs one table"):
+        StoreEmbedding(store, name="b", context=ctx)
+    assert ctx.client.names() == ["a"]
+    a.upsert(torch.tensor([1]), torch.ones(1, 2))  # a's own, untouched by the refusal
+    assert a.get(torch.tensor([1])).tolist() == [[1.0, 1.0]]
+    a.close()
+    closed = make(1)
+    closed.close()
+    for s in (store, closed):  # closed with its table, or by its user
+        assert s.closed
+        with pytest.raises(StoreError, match=rf"store: the {cls} given to table 'c' is "
+                                             r"closed"):
+            StoreEmbedding(s, name="c", context=ctx)
+    assert ctx.client.names() == []
+
+
 def test_closing_one_store_table_leaves_the_others(ctx, tmp_path):
     from distemb.dynamic import StoreEmbedding
     from distemb.stores import FileStore

@@ -209,7 +209,8 @@ class KeyedTables:
 
     @abstractmethod
     def add_table(self, name: str, store) -> None:
-        """Hold the RowStore ``store`` as keyed table ``name`` (embedded only)."""
+        """Hold the RowStore ``store`` as keyed table ``name`` (embedded only); the store
+        backs this table alone (:meth:`~distemb.stores.types.RowStore.claim`)."""
 
     @abstractmethod
     def dim(self, name: str) -> int:

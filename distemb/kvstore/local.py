@@ -190,12 +190,14 @@ class LocalKVClient(KeyedTables, KVClient):
 
         Raises:
             KVStoreError: ``name`` exists (a table of any kind).
+            StoreError: ``store`` is closed, or already backs a table (named).
         """
         self._add(name, store, None)
 
     def _add(self, name, store, spec):
         if name in self._keyed or name in self._meta or self.server.has(name, self.PART):
             raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        store.claim(name)
         self.server.add_table(name, self.PART, store, spec)
         self._keyed.append(name)
 

@@ -183,3 +183,4 @@ class DenseStore(RowStore):
     def close(self):
         self.flush()
         self._cols = {}
+        self.closed = True

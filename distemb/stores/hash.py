@@ -279,6 +279,7 @@ class HashStore(RowStore):
 
     def close(self):
         self._cols = {}
+        self.closed = True
 
 
 @dataclass(frozen=True)
