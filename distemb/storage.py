@@ -11,6 +11,7 @@ Example:
     'users'
 """
 from distemb.context import current_context
+from distemb.enums import Rounding
 from distemb.rules import check_name, check_table_name
 from distemb.stores import RowStore
 from distemb.stores.spec import SPECS, FileTableSpec, HashTableSpec
@@ -24,7 +25,7 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
 
     Raises:
         ValueError: an empty ``name``; an argument the storage contradicts (its dim,
-            dtype, key count), a partition policy on a store that cannot take one, a GPU
+            dtype, rounding, key count), a partition policy on a store that cannot take one, a GPU
             device for a store other than a hash table, or an ``init_func`` beside a
             storage with its own.
         TypeError: ``storage`` is neither a RowStore nor a table spec; a ``name`` that
@@ -65,6 +66,11 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
         raise ValueError(f"storage: holds rows of dim {storage.dim}, embedding_dim is {dim}")
     if dtype != "float32" and dtype != storage.dtype:
         raise ValueError(f"dtype: the storage holds {storage.dtype} rows, got dtype {dtype!r}")
+    # as dtype: the default ('nearest') means the storage's own rounding
+    stored = Rounding.parse(storage.rounding, "rounding", ValueError)
+    if rounding is not Rounding.NEAREST and rounding is not stored:
+        raise ValueError(f"rounding: the storage rounds {stored.value!r}, got rounding "
+                         f"{rounding.value!r}")
     if num_embeddings is not None and num_embeddings != fixed:
         what = f"the keys 0..{fixed - 1}" if fixed else "any int64 key"
         raise ValueError(f"num_embeddings: the storage holds {what}; expected "

@@ -109,3 +109,35 @@ def test_rounding_argument_errors(ctx):
         DenseStore(4, 2, dtype="float16", rounding="stochastic")
     with pytest.raises(ValueError, match="rounding: must be one of"):
         DynamicEmbedding(2, dtype="bfloat16", rounding="up", context=ctx)
+
+
+def test_rounding_of_a_table_on_row_stores_is_the_storage_s_and_a_seed_is_refused(ctx,
+                                                                                tmp_path):
+    """``rounding=`` and ``rounding_seed=`` were ignored for a table on row stores. A
+    rounding that contradicts the storage's is refused as a contradicting dtype is (the
+    default, 'nearest', means the storage's own); a seed is refused, saying why: a store
+    rounds from seed 0, and the spec a server makes its stores from carries no seed."""
+    from distemb.stores.spec import FileTableSpec, HashTableSpec
+
+    for storage in (HashTableSpec(4, dtype="bfloat16"), DenseStore(10, 4, dtype="bfloat16"),
+                    FileTableSpec(str(tmp_path), 10, 4, dtype="bfloat16", preallocate=False)):
+        with pytest.raises(ValueError, match=r"rounding: the storage rounds 'nearest', got "
+                                             r"rounding 'stochastic'"):
+            DistEmbedding(None, 4, dtype=torch.bfloat16, rounding="stochastic",
+                          storage=storage, context=ctx)
+    assert ctx.client.names() == [] and not list(tmp_path.iterdir())
+    stochastic = HashTableSpec(4, dtype="bfloat16", rounding="stochastic")
+    for kw in ({"rounding": "stochastic"}, {}):  # the storage's own, or the default
+        emb = DistEmbedding(None, 4, dtype=torch.bfloat16, storage=stochastic,
+                            context=ctx, **kw)
+        assert emb.store.rounding.value == "stochastic"
+    emb = DistEmbedding(None, 4, rounding="stochastic", storage=stochastic, context=ctx)
+    assert emb.dtype == torch.bfloat16  # checked against the storage's dtype, not float32
+    emb = DistEmbedding(None, 4, dtype=torch.bfloat16, rounding="stochastic", context=ctx)
+    assert emb.store.rounding.value == "stochastic"  # a hash table made from the arguments
+    for storage in (None, stochastic, DenseStore(10, 4, dtype="bfloat16")):
+        with pytest.raises(ValueError, match=r"rounding_seed: a table on row stores takes no "
+                                             r"seed .*the table spec .* carries none.*got "
+                                             r"rounding_seed=7"):
+            DistEmbedding(None, 4, dtype=torch.bfloat16, rounding="stochastic",
+                          rounding_seed=7, storage=storage, context=ctx)
