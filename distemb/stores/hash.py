@@ -253,9 +253,10 @@ class HashStore(RowStore):
             rank = np.where(last == protect, np.iinfo(np.int64).max, rank)
             excess = min(excess, int((last != protect).sum()))
             if excess < self._index.size - int(target_size):
-                log.warning("HashStore: %d keys of one lookup exceed the capacity %s; "
-                            "holding %d keys", int((last == protect).sum()),
-                            self._capacity, self._index.size - excess)
+                log.warning("HashStore: %d keys of one lookup exceed the capacity's "
+                            "low-water target of %d keys (low_water %s x capacity %s); "
+                            "holding %d keys", int((last == protect).sum()), target_size,
+                            self.low_water, self._capacity, self._index.size - excess)
         if excess <= 0:
             return np.empty(0, np.int64)
         victims = live[np.argpartition(rank, excess - 1)[:excess]]
