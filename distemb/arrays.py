@@ -6,6 +6,7 @@ Nothing is checked by these names: they document contracts that the functions us
 them validate.
 """
 import inspect
+import operator
 from typing import Any, Callable, Sequence, Tuple, Type
 
 Array = Any
@@ -27,6 +28,36 @@ def check_shape(what: str, have, want, error: Type[Exception] = ValueError) -> N
     """Raise ``error`` naming ``what`` when shape ``have`` is not ``want``."""
     if tuple(have) != tuple(want):
         raise error(f"{what} has shape {tuple(have)}, expected {tuple(want)}")
+
+
+def _dim(s, shape) -> int:
+    """One entry of ``shape`` as an int (numpy's, a 0-d integer tensor): never a float
+    truncated, a str read as digits or a bool (Python's, numpy's or torch's) as a count."""
+    try:
+        if isinstance(s, (bool, str, bytes)) or \
+                str(getattr(s, "dtype", "")) in ("bool", "torch.bool"):
+            raise TypeError
+        return operator.index(s)
+    except TypeError:
+        raise TypeError(f"shape: expected an int or a tuple of ints, got {shape!r} "
+                        f"({type(s).__name__} {s!r} is not an int)") from None
+
+
+def check_table_shape(shape) -> Shape:
+    """A table's ``shape`` as a tuple of ints (an int alone is one dimension).
+
+    Raises:
+        TypeError: an entry that is not an int (a float is not truncated, a str is not
+            read as digits, a bool is not a count).
+        ValueError: no dimension, or a first one <= 0 or another < 0.
+    """
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        dims = (_dim(shape, shape),)
+    else:
+        dims = tuple(_dim(s, shape) for s in shape)
+    if not dims or dims[0] <= 0 or any(s < 0 for s in dims[1:]):
+        raise ValueError(f"shape: expected a non-empty tuple with shape[0] > 0, got {dims}")
+    return dims
 
 
 def check_values_shape(name: str, have, ids_shape, row_shape) -> Shape:

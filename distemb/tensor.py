@@ -7,12 +7,12 @@ Where the rows live is the business of the tensor's KVClient (DESIGN.md, placeme
 tensor hands the caller's tensors to ``client.ids_in``/``values_in`` and the pulled rows
 to ``client.rows_out``, on one path for every placement.
 """
-import operator
 from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from distemb.arrays import DENSE_INIT, GlobalIds, Shape, Tensor, check_init_func
+from distemb.arrays import (DENSE_INIT, GlobalIds, Shape, Tensor, check_init_func,
+                            check_table_shape)
 from distemb.context import current_context
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import KVClient
@@ -35,35 +35,6 @@ def _resolve_name(client: KVClient, name: Optional[str]) -> Optional[str]:
             if client.data_meta(alias) is not None:
                 return alias
     return name
-
-
-def _dim(s, shape) -> int:
-    """One entry of ``shape`` as an int: an int (numpy's, a 0-d integer tensor), never a
-    float truncated, a bool or a str read as digits."""
-    try:
-        if isinstance(s, (bool, np.bool_, str, bytes)):
-            raise TypeError
-        return operator.index(s)
-    except TypeError:
-        raise TypeError(f"shape: expected an int or a tuple of ints, got {shape!r} "
-                        f"({type(s).__name__} {s!r} is not an int)") from None
-
-
-def _check_shape(shape) -> Shape:
-    """``shape`` as a tuple of ints (an int alone is one dimension).
-
-    Raises:
-        TypeError: an entry that is not an int (a float is not truncated, a str is not
-            read as digits, a bool is not a count).
-        ValueError: no dimension, or a first one <= 0 or another < 0.
-    """
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        dims = (_dim(shape, shape),)
-    else:
-        dims = tuple(_dim(s, shape) for s in shape)
-    if not dims or dims[0] <= 0 or any(s < 0 for s in dims[1:]):
-        raise ValueError(f"shape: expected a non-empty tuple with shape[0] > 0, got {dims}")
-    return dims
 
 
 class NamedRows:
@@ -108,9 +79,10 @@ class DistTensor(NamedRows):
         shape: (rows, ...) of the whole tensor: ints (an int alone: one dimension).
         dtype: element type (torch, numpy or string dtype).
         name: KVStore name, a non-empty str; an existing tensor of that name (same shape
-            and dtype) is attached instead of created. Anonymous when None. DGL's names of optimizer
-            state (``"<table>_sum"``, ``"_mem"``, ``"_power"``, ``"_step"``) attach to that
-            state when no tensor of the name itself exists (a compatibility alias).
+            and dtype) is attached instead of created. Anonymous when None. DGL's names
+            of optimizer state (``"<table>_sum"``, ``"_mem"``, ``"_power"``, ``"_step"``)
+            attach to that state when no tensor of the name itself exists (a
+            compatibility alias).
         init_func: ``init_func(shape, dtype)`` returns the initial values of one shard.
         part_policy: how rows are sharded (default: even ranges over the servers).
         persistent: keep the data after the objects of it are garbage collected. A
@@ -164,7 +136,7 @@ class DistTensor(NamedRows):
         ctx = context or current_context()
         self._ctx, F = ctx, ctx.F
         self._client = ctx.client_for(device)
-        self._shape = _check_shape(shape)
+        self._shape = check_table_shape(shape)
         self._dtype = F.dtype_name(dtype)
         if part_policy is None:
             part_policy = range_policy(self._shape[0], ctx.num_servers)
