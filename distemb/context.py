@@ -134,11 +134,16 @@ class DistContext:
             The :class:`~distemb.kvstore.KVClient` holding such tables.
 
         Raises:
-            DistEmbError: a GPU-resident table in a context that is not embedded, or
+            DistEmbError: the context is closed (its clients with it: it makes no
+                tables); a GPU-resident table in a context that is not embedded, or
                 whose backend is not pytorch.
             ValueError: ``device`` is neither 'cpu' nor a CUDA device.
             CudaUnavailableError: the CUDA kernels cannot run here (it says why).
         """
+        if self.closed:
+            raise DistEmbError(f"context: {self!r} is closed: it makes no tables (a table "
+                               "made there would never be released); make them on an open "
+                               "context (DistContext.embedded(), or distemb.initialize())")
         if device is None or str(device) == "cpu":
             return self.client
         if self.role != Role.EMBEDDED:

@@ -44,8 +44,8 @@ class StoreEmbedding(DistEmbedding):
     (a file table's shards hold ranges of its keys, under ``path/part-<p>-of-<S>``).
 
     Args:
-        store: the RowStore holding rows and optimizer state (the table owns it now),
-            or a table spec.
+        store: the RowStore holding rows and optimizer state (the table owns it now: it
+            backs no other table, and is closed with this one), or a table spec.
         name: the table's name (fresh when None).
         context: the :class:`~distemb.context.DistContext` (default: the current one).
         trace_limit: as :class:`~distemb.embedding.DistEmbedding`.
@@ -54,6 +54,7 @@ class StoreEmbedding(DistEmbedding):
         KVStoreError: a store object in a cluster's context (it lives in one process:
             pass a spec, or use :class:`DynamicEmbedding`, a hash store per server).
         TypeError: ``store`` is neither a RowStore nor a table spec.
+        StoreError: a closed store, or one that already backs a table (named).
 
     Example:
         >>> import tempfile, torch

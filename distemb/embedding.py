@@ -53,6 +53,17 @@ def _positive_int(value, what):
     return value
 
 
+def _check_no_seed(rounding_seed):
+    """ValueError unless ``rounding_seed`` is the default 0, for a table on row stores:
+    its stores round stochastically from seed 0, and a table spec (what a server makes
+    its stores from) carries no seed; one would be ignored."""
+    if rounding_seed != 0:
+        raise ValueError(f"rounding_seed: a table on row stores takes no seed (its stores "
+                         f"round stochastically from seed 0, and the table spec servers "
+                         f"make them from carries none); leave it at 0, or use a dense "
+                         f"table, got rounding_seed={rounding_seed!r}")
+
+
 class DistEmbedding:
     """A learnable table of ``num_embeddings`` rows, sparsely updated by distemb optimizers.
 
@@ -67,7 +78,8 @@ class DistEmbedding:
             None for a table of any int64 key (a hash table: rows made on first lookup by
             ``init_func(keys)``, removable, evictable).
         embedding_dim: length of each row.
-        name: KVStore name; tables of the same name share storage.
+        name: KVStore name, a non-empty str (None: a fresh anonymous name); tables of
+            the same name share storage.
         init_func: ``init_func(shape, dtype)`` initialises each shard (zeros when None,
             as in DGL).
         part_policy: sharding of the rows (default: even ranges over the servers; a
@@ -95,11 +107,13 @@ class DistEmbedding:
         rounding: a :class:`~distemb.enums.Rounding` or its value: 'nearest' (ties to
             even, deterministic) or 'stochastic' (bfloat16 only: rounds up or down with
             probability by distance, so updates under half a bfloat16 ulp survive in
-            expectation).
-        rounding_seed: the stochastic rounding's seed. The random bits are a hash of
-            (seed, partition, update call, local row, column): a run is reproducible for
-            the same seed, partitioning and sequence of steps, whatever the thread count
-            and whether the table is embedded or on servers.
+            expectation). With a ``storage``, the storage's rounding: the default means
+            it, another value must be it.
+        rounding_seed: the stochastic rounding's seed (dense tables). The random bits
+            are a hash of (seed, partition, update call, local row, column): a run is
+            reproducible for the same seed, partitioning and sequence of steps, whatever
+            the thread count and whether the table is embedded or on servers. A table on
+            row stores rounds from seed 0 and refuses another (its spec carries none).
         storage: where the rows live when not in dense shards: a
             :class:`~distemb.stores.RowStore` object (embedded only), or a table spec of
             :data:`~distemb.stores.spec.SPECS` (``HashTableSpec``, ``FileTableSpec``: each
@@ -116,7 +130,8 @@ class DistEmbedding:
             (``part_policy`` but on a file table's spec, a GPU ``device`` but for a
             hash table) or that contradicts its ``storage``.
         TypeError: ``init_func`` of the wrong signature (``(shape, dtype)`` for dense
-            rows, ``(keys)`` for a keyed table), or a ``storage`` of another type.
+            rows, ``(keys)`` for a keyed table), a ``storage`` of another type, or a
+            ``name`` that is not a str (an empty one is a ValueError).
 
     Example:
         >>> import torch
@@ -144,7 +159,8 @@ class DistEmbedding:
             raise ValueError(f"dtype: expected one of {list(ROW_DTYPES)} (or torch's), got "
                              f"{dtype!r}")
         rounding = Rounding.parse(rounding, "rounding", ValueError)
-        if rounding is Rounding.STOCHASTIC and dtype_name != "bfloat16":
+        # a given storage's rows are of its dtype: its rounding is checked against it
+        if rounding is Rounding.STOCHASTIC and dtype_name != "bfloat16" and storage is None:
             raise ValueError(f"rounding: 'stochastic' is for bfloat16 rows, got dtype "
                              f"{dtype_name!r}")
         self._trace_limit = _positive_int(trace_limit, "trace_limit")
@@ -153,6 +169,7 @@ class DistEmbedding:
                 raise ValueError("persistent: a table on row stores lives until its context "
                                  "closes or close() is called; persistent=False (DGL's "
                                  "lifetime) is for dense tables")
+            _check_no_seed(rounding_seed)
             self._tensor = store_tensor(num_embeddings, embedding_dim, name, init_func,
                                          part_policy, context, device, dtype_name, rounding,
                                          storage, type(self).__name__.lower())
@@ -309,7 +326,11 @@ class DistEmbedding:
         return self._tensor.store
 
     def upsert(self, keys, rows) -> None:
-        """Insert or overwrite the rows of ``keys`` (their optimizer state is kept)."""
+        """Insert or overwrite the rows of ``keys`` (their optimizer state is kept).
+
+        Raises:
+            ValueError: ``rows`` not shaped as ``keys`` + (dim,), nor as one row per key.
+        """
         self.weight[keys] = rows
 
     def remove(self, keys) -> int:

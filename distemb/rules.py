@@ -263,6 +263,24 @@ def state_name(table: str, state: str) -> str:
     return f"{table}{STATE_SEP}{state}"
 
 
+def check_name(name: Optional[str]) -> Optional[str]:
+    """``name`` as a table's constructor takes it: a non-empty str, or None (anonymous).
+
+    Raises:
+        TypeError: not a str (a tuple, an int: names are compared and sent as text).
+        ValueError: the empty str (None, not "", asks for an anonymous table).
+    """
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a str (or None for an anonymous table), got "
+                        f"{type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError("name: expected a non-empty str (None for an anonymous table), "
+                         "got ''")
+    return name
+
+
 def check_table_name(name: str) -> str:
     """``name`` for a new table; ValueError when it holds the reserved ``"~opt~"`` that
     names optimizer state (:func:`state_name`): a table so named would be taken for the

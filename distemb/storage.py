@@ -11,7 +11,8 @@ Example:
     'users'
 """
 from distemb.context import current_context
-from distemb.rules import check_table_name
+from distemb.enums import Rounding
+from distemb.rules import check_name, check_table_name
 from distemb.stores import RowStore
 from distemb.stores.spec import SPECS, FileTableSpec, HashTableSpec
 from distemb.tensor import StoreTensor
@@ -23,12 +24,15 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
     store client; the arguments are :class:`~distemb.embedding.DistEmbedding`'s.
 
     Raises:
-        ValueError: an argument the storage contradicts (its dim, dtype, key count), a
-            partition policy on a store that cannot take one, a GPU device for a
-            store other than a hash table, or an ``init_func`` beside a storage with its
-            own.
-        TypeError: ``storage`` is neither a RowStore nor a table spec.
+        ValueError: an empty ``name``; an argument the storage contradicts (its dim,
+            dtype, rounding, key count), a partition policy on a store that cannot take one, a GPU
+            device for a store other than a hash table, or an ``init_func`` beside a
+            storage with its own.
+        TypeError: ``storage`` is neither a RowStore nor a table spec; a ``name`` that
+            is not a str.
+        DistEmbError: the context is closed.
     """
+    check_name(name)
     if part_policy is not None:
         if not isinstance(storage, FileTableSpec):
             kind = "hash" if storage is None else getattr(storage, "kind",
@@ -62,13 +66,19 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
         raise ValueError(f"storage: holds rows of dim {storage.dim}, embedding_dim is {dim}")
     if dtype != "float32" and dtype != storage.dtype:
         raise ValueError(f"dtype: the storage holds {storage.dtype} rows, got dtype {dtype!r}")
+    # as dtype: the default ('nearest') means the storage's own rounding
+    stored = Rounding.parse(storage.rounding, "rounding", ValueError)
+    if rounding is not Rounding.NEAREST and rounding is not stored:
+        raise ValueError(f"rounding: the storage rounds {stored.value!r}, got rounding "
+                         f"{rounding.value!r}")
     if num_embeddings is not None and num_embeddings != fixed:
         what = f"the keys 0..{fixed - 1}" if fixed else "any int64 key"
         raise ValueError(f"num_embeddings: the storage holds {what}; expected "
                          f"{fixed if fixed else None}, got {num_embeddings!r}")
     ctx = context or current_context()
+    # a GPU's client holds hash tables with their rows there (the index on the host); a
+    # closed context has no client: refused before a store is made
+    client = ctx.client_for(device)
     name = check_table_name(name or ctx.new_name(kind))
-    # a GPU's client holds hash tables with their rows there (the index on the host)
-    client = ctx.client_for(device) if on_device else ctx.client
     make(client, name)
-    return StoreTensor(client, name, ctx, storage.dtype, part_policy)
+    return StoreTensor(client, name, ctx, storage.dtype, part_policy, num_rows=fixed)

@@ -11,12 +11,13 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from distemb.arrays import DENSE_INIT, GlobalIds, Shape, Tensor, check_init_func
+from distemb.arrays import (DENSE_INIT, GlobalIds, Shape, Tensor, check_init_func,
+                            check_table_shape)
 from distemb.context import current_context
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore import KVClient
 from distemb.partition import PartitionPolicy, range_policy
-from distemb.rules import check_table_name, state_name, state_owner
+from distemb.rules import check_name, check_table_name, state_name, state_owner
 
 # DGL's optimizers name their state "<table>_sum" (Adagrad) and "<table>_mem",
 # "<table>_power", "<table>_step" (Adam); code written for DGL attaches to those names.
@@ -34,18 +35,6 @@ def _resolve_name(client: KVClient, name: Optional[str]) -> Optional[str]:
             if client.data_meta(alias) is not None:
                 return alias
     return name
-
-
-def _check_shape(shape) -> Shape:
-    if isinstance(shape, int):
-        shape = (shape,)
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"shape: expected a tuple of ints, got {shape!r}") from None
-    if not shape or shape[0] <= 0 or any(s < 0 for s in shape[1:]):
-        raise ValueError(f"shape: expected a non-empty tuple with shape[0] > 0, got {shape}")
-    return shape
 
 
 class NamedRows:
@@ -87,12 +76,13 @@ class DistTensor(NamedRows):
     """A tensor sharded by rows across the KVStore, addressed by global row ids.
 
     Args:
-        shape: (rows, ...) of the whole tensor.
+        shape: (rows, ...) of the whole tensor: ints (an int alone: one dimension).
         dtype: element type (torch, numpy or string dtype).
-        name: KVStore name; an existing tensor of that name (same shape and dtype) is
-            attached instead of created. Anonymous when None. DGL's names of optimizer
-            state (``"<table>_sum"``, ``"_mem"``, ``"_power"``, ``"_step"``) attach to that
-            state when no tensor of the name itself exists (a compatibility alias).
+        name: KVStore name, a non-empty str; an existing tensor of that name (same shape
+            and dtype) is attached instead of created. Anonymous when None. DGL's names
+            of optimizer state (``"<table>_sum"``, ``"_mem"``, ``"_power"``, ``"_step"``)
+            attach to that state when no tensor of the name itself exists (a
+            compatibility alias).
         init_func: ``init_func(shape, dtype)`` returns the initial values of one shard.
         part_policy: how rows are sharded (default: even ranges over the servers).
         persistent: keep the data after the objects of it are garbage collected. A
@@ -114,13 +104,17 @@ class DistTensor(NamedRows):
     in 16 bits, but reads and writes them as float32: ``t[ids]`` returns float32 rows,
     ``t[ids] = v`` takes float32 (or the tensor's own dtype) and rounds to nearest-even.
 
-    ``t[ids]`` takes integer ids of any shape or a ``slice`` of rows.
+    ``t[ids]`` takes integer ids of any shape or a ``slice`` of rows; ``t[ids] = v``
+    takes ``v`` shaped as the ids + the row shape, or (number of ids,) + the row shape.
 
     Raises:
         CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
             run here (not built, CPU-only torch or no GPU; the message says which).
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
-        TypeError: ``part_policy`` is not a distemb policy (DGL's: see distemb.dgl).
+        TypeError: ``part_policy`` is not a distemb policy (DGL's: see distemb.dgl); a
+            ``shape`` that is not ints (a float, a str, a bool); a ``name`` that is not
+            a str.
+        ValueError: an empty ``name`` (None makes an anonymous tensor).
 
     Example:
         >>> import torch
@@ -138,10 +132,11 @@ class DistTensor(NamedRows):
     def __init__(self, shape, dtype, name: Optional[str] = None, init_func=None,
                  part_policy: Optional[PartitionPolicy] = None, persistent: bool = False,
                  context=None, device=None, rounding_seed: Optional[int] = None):
+        check_name(name)
         ctx = context or current_context()
         self._ctx, F = ctx, ctx.F
         self._client = ctx.client_for(device)
-        self._shape = _check_shape(shape)
+        self._shape = check_table_shape(shape)
         self._dtype = F.dtype_name(dtype)
         if part_policy is None:
             part_policy = range_policy(self._shape[0], ctx.num_servers)
@@ -215,9 +210,16 @@ class DistTensor(NamedRows):
         return self.lookup(ids)[1]
 
     def __setitem__(self, ids: Tensor, values: Tensor) -> None:
-        flat, _ = self._client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
+        """Write ``values`` to rows ``ids`` (a duplicate id: its last row wins).
+
+        Raises:
+            ValueError: ``values`` not shaped as ``ids`` + the row shape, nor as
+                (number of ids,) + the row shape.
+            TypeError: ``values`` of another dtype than the tensor's (or float32).
+        """
+        flat, shape = self._client.ids_in(self._name, self._rows_of(ids), self._ctx.F)
         self._client.push(self._name, flat,
-                          self._client.values_in(self._name, values, self._ctx.F, len(flat)))
+                          self._client.values_in(self._name, values, self._ctx.F, shape))
 
     def __len__(self):
         return self._shape[0]
@@ -337,6 +339,10 @@ class DistTensor(NamedRows):
 class StoreTensor(NamedRows):
     """The rows of a store-backed table: ``t[keys]`` looks up, ``t[keys] = rows`` upserts.
 
+    On a table of the fixed keys 0..N-1 (a file table, a dense store) ``t[a:b]`` is the
+    rows a..b-1, as a DistTensor's; a hash table's keys are not a range, so it refuses a
+    slice.
+
     Args:
         client: the table's client, one holding keyed tables (:mod:`distemb.kvstore.keyed`).
         name: the table's name in it.
@@ -344,6 +350,8 @@ class StoreTensor(NamedRows):
         dtype: the rows' storage dtype name (they are read and written as float32).
         part_policy: the partition policy a file table was given (None: its store's own
             routing).
+        num_rows: N for a table of the fixed keys 0..N-1 (a file table, a dense store),
+            whose rows a ``slice`` selects as a DistTensor's; None for a hash table.
 
     Example:
         >>> import torch
@@ -354,17 +362,34 @@ class StoreTensor(NamedRows):
         tensor([[1., 1.]])
     """
 
-    def __init__(self, client, name, context, dtype="float32", part_policy=None):
+    def __init__(self, client, name, context, dtype="float32", part_policy=None,
+                 num_rows=None):
         self._client, self._name, self._ctx = client, name, context
         self._dim = client.dim(name)
         self._dtype = dtype
         self._policy = part_policy
+        self._num_rows = num_rows
+
+    def _keys_of(self, idx):
+        """A ``slice`` means the keys it selects of a table of the fixed keys 0..N-1
+        (``t[0:n // 2]``, as a DistTensor's rows).
+
+        Raises:
+            TypeError: a slice of a hash table: its keys are not a range.
+        """
+        if not isinstance(idx, slice):
+            return idx
+        if self._num_rows is None:
+            raise TypeError(f"ids: {self._name!r} is a hash table, whose keys are not a "
+                            f"range: a slice selects nothing; pass the keys (an integer "
+                            f"tensor), got {idx!r}")
+        return np.arange(*idx.indices(self._num_rows), dtype=np.int64)
 
     def lookup(self, ids, client=None):
         """The flat int64 keys and their rows, shaped as ``ids`` + (dim,) (as DistTensor).
 
         Args:
-            ids: integer keys, any shape.
+            ids: integer keys, any shape, or a ``slice`` of a table of fixed keys.
             client: the client (or a view of it) placing the rows; the table's by default.
         """
         client = client or self._client
@@ -375,17 +400,19 @@ class StoreTensor(NamedRows):
     def lookup_ids(self, ids, client=None):
         """The flat int64 keys and the shape of their rows (as DistTensor's)."""
         client = client or self._client
-        flat, shape = client.ids_in(self._name, ids, self._ctx.F)
+        flat, shape = client.ids_in(self._name, self._keys_of(ids), self._ctx.F)
         return flat, tuple(shape) + (self._dim,)
 
     def __getitem__(self, idx):
         return self.lookup(idx)[1]
 
     def __setitem__(self, idx, values):
+        """Upsert ``values`` as the rows of keys ``idx`` (as :meth:`DistTensor.__setitem__`
+        takes them)."""
         F = self._ctx.F
-        flat, _ = self._client.ids_in(self._name, idx, F)
+        flat, shape = self._client.ids_in(self._name, self._keys_of(idx), F)
         self._client.push(self._name, flat,
-                          self._client.values_in(self._name, values, F, len(flat)))
+                          self._client.values_in(self._name, values, F, shape))
 
     @property
     def shape(self):

@@ -289,6 +289,14 @@ def test_table_lives_while_any_object_of_it_does(embedded):
     assert torch.equal(second.weight[0:4], torch.full((4, 2), 5.0))
 
 
+def test_a_shape_that_is_not_ints_is_refused_by_name_as_in_the_core(embedded):
+    """The mirror looks the shape's rows up among DGL's policies first; a float shape
+    failed there ('float' object is not subscriptable) before the core named it."""
+    for shape in (10.9, (10.9, 2), "10"):
+        with pytest.raises(TypeError, match=r"shape: expected an int or a tuple of ints"):
+            dist.DistTensor(shape, torch.float32, "floaty")
+
+
 @pytest.mark.parametrize("make", [
     lambda **kw: dist.DistEmbedding(4, 2, persistent=True, **kw),  # DGL mirror, opted in
     lambda **kw: distemb.DistEmbedding(4, 2, **kw),                 # core: persistent

@@ -304,6 +304,26 @@ def test_initialiser_of_the_wrong_signature_is_refused_at_construction(ctx, make
             DistEmbedding(10, 4, name="bad-init", context=ctx, init_func=lambda keys: keys)
 
 
+@pytest.mark.parametrize("kind", ["hash", "dense", "file"])
+def test_a_store_refuses_an_initialiser_of_the_dense_signature_at_construction(kind, tmp_path):
+    """As the table specs do: a DGL-style init(shape, dtype) given to a store object is
+    refused naming ``init``, before anything is made (it used to fail at the first lookup
+    with a raw TypeError, a hash store keeping the key with a zero row)."""
+    from distemb.stores import DenseStore, FileStore, HashStore
+
+    def dgl_init(shape, dtype):
+        return torch.zeros(shape, dtype=dtype)
+
+    make = {"hash": lambda: HashStore(4, init=dgl_init),
+            "dense": lambda: DenseStore(10, 4, init=dgl_init),
+            "file": lambda: FileStore(tmp_path / "f", num_rows=10, dim=4, init=dgl_init)}[kind]
+    with pytest.raises(TypeError, match=r"init: expected init\(keys\) -> rows, got a function "
+                                        r"that takes \(shape, dtype\) \(that is the signature "
+                                        r"of a dense table's initialiser\)"):
+        make()
+    assert not (tmp_path / "f").exists()
+
+
 # --- one table class for every storage (issue 21, item 5) -------------------------------
 
 def _dense_init(shape, dtype):
@@ -401,6 +421,73 @@ def test_storage_arguments_are_checked_by_name(ctx, tmp_path):
             str(tmp_path), 4, 2, preallocate=False), dtype="bfloat16")
     with pytest.raises(TypeError, match="storage: expected a RowStore, or a table spec"):
         DistEmbedding(None, 2, context=ctx, storage="hash")
+
+
+@pytest.mark.parametrize("storage", ["file spec", "dense store", "hash"])
+def test_a_slice_of_weight_selects_the_fixed_keys_and_is_refused_for_a_hash_table(ctx,
+                                                                                 tmp_path,
+                                                                                 storage):
+    """``weight[a:b]`` on a table of the fixed keys 0..N-1 is the rows a..b-1, as a dense
+    table's DistTensor takes it (it failed with 'expected integer keys ... dtype=object');
+    a hash table's keys are not a range: refused, saying to pass the keys."""
+    from distemb.stores import DenseStore
+    from distemb.stores.spec import FileTableSpec
+
+    emb = {"file spec": lambda: DistEmbedding(None, 2, name="s", context=ctx, storage=(
+               FileTableSpec(str(tmp_path), 10, 2, preallocate=False))),
+           "dense store": lambda: DistEmbedding(None, 2, name="s", context=ctx,
+                                                storage=DenseStore(10, 2)),
+           "hash": lambda: DynamicEmbedding(2, name="s", context=ctx)}[storage]()
+    if storage == "hash":
+        for use in (lambda: emb.weight[0:3],
+                    lambda: emb.weight.__setitem__(slice(0, 3), torch.ones(3, 2))):
+            with pytest.raises(TypeError, match=r"ids: 's' is a hash table, whose keys are not "
+                                                r"a range: a slice selects nothing; pass the "
+                                                r"keys \(an integer tensor\), got slice\(0, 3"):
+                use()
+        assert emb.size() == 0
+        return
+    dense = DistEmbedding(10, 2, name="dense", context=ctx)
+    rows = torch.arange(6.0).view(3, 2)
+    for table in (emb, dense):
+        table.weight[2:5] = rows
+        table.weight[8:] = rows[:2] + 10
+    for sl in (slice(0, 10), slice(2, 5), slice(None, None, 3), slice(-2, None)):
+        assert torch.equal(emb.weight[sl], dense.weight[sl]), sl
+    assert torch.equal(emb.weight[2:5], rows)
+
+
+@pytest.mark.parametrize("kind", ["hash", "dense", "file"])
+def test_a_store_object_backs_one_table_and_a_closed_one_none(ctx, tmp_path, kind):
+    """"The table owns it now": a second table on the same store object shared its rows
+    and optimizer-state columns (closing one table left the other on a closed store),
+    and a closed store was taken; both refused where a store becomes a table, naming the
+    table that holds it."""
+    from distemb.dynamic import StoreEmbedding
+    from distemb.stores import DenseStore, FileStore, HashStore
+
+    def make(i):
+        return {"hash": lambda: HashStore(2), "dense": lambda: DenseStore(4, 2),
+                "file": lambda: FileStore(tmp_path / str(i), num_rows=4, dim=2)}[kind]()
+
+    store = make(0)
+    a = StoreEmbedding(store, name="a", context=ctx)
+    cls = type(store).__name__
+    with pytest.raises(StoreError, match=rf"store: the {cls} given to table 'b' already "
+                                         rf"holds table 'a' \(a store backs one table"):
+        StoreEmbedding(store, name="b", context=ctx)
+    assert ctx.client.names() == ["a"]
+    a.upsert(torch.tensor([1]), torch.ones(1, 2))  # a's own, untouched by the refusal
+    assert a.get(torch.tensor([1])).tolist() == [[1.0, 1.0]]
+    a.close()
+    closed = make(1)
+    closed.close()
+    for s in (store, closed):  # closed with its table, or by its user
+        assert s.closed
+        with pytest.raises(StoreError, match=rf"store: the {cls} given to table 'c' is "
+                                             r"closed"):
+            StoreEmbedding(s, name="c", context=ctx)
+    assert ctx.client.names() == []
 
 
 def test_closing_one_store_table_leaves_the_others(ctx, tmp_path):

@@ -6,6 +6,7 @@ hold at least every flushed step (here: every completed step, since the page cac
 survives a process) and match a table trained in memory on the same batches.
 """
 import os
+import re
 import signal
 import stat
 import sys
@@ -122,6 +123,24 @@ def test_sigkill_loses_no_completed_step(ctx, tmp_path):
     for name in ("weight", "sum"):
         np.testing.assert_array_equal(on_disk[name], want[name])
     assert not np.array_equal(on_disk["weight"], replay(ctx, flushed)["weight"])
+
+
+@pytest.mark.parametrize("field", ["num_rows", "dim", "dtype", "columns"])
+def test_metadata_lacking_a_field_is_refused_naming_the_file_and_the_field(tmp_path, field):
+    """A meta.json without one of its fields was a raw KeyError; the store is refused
+    naming both, and the directory is left unlocked (it opens once the file is whole)."""
+    import json
+
+    FileStore(tmp_path / "t", num_rows=10, dim=2).close()
+    meta_path = tmp_path / "t" / "meta.json"
+    whole = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({k: v for k, v in whole.items() if k != field}))
+    with pytest.raises(StoreError, match=rf"path: {re.escape(str(meta_path))} lacks the "
+                                         rf"field\(s\) \['{field}'\] of a FileStore's "
+                                         r"metadata"):
+        FileStore(tmp_path / "t")
+    meta_path.write_text(json.dumps(whole))
+    FileStore(tmp_path / "t").close()
 
 
 def test_a_second_opener_of_the_directory_is_refused(tmp_path):

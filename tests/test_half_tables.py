@@ -63,6 +63,26 @@ def test_dynamic_table_in_bfloat16(ctx):
         DynamicEmbedding(4, dtype="int8", context=ctx)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["dense", "hash", "file"])
+def test_rows_in_the_table_s_own_dtype_are_written(ctx, tmp_path, kind, dtype):
+    """``weight[ids] = rows`` takes float32 rows or rows of the table's own dtype, whatever
+    the table's kind (a float16 hash or file table refused float16 rows)."""
+    from distemb.stores.spec import FileTableSpec
+
+    emb = {"dense": lambda: DistEmbedding(10, 4, name="own", context=ctx, dtype=dtype),
+           "hash": lambda: DynamicEmbedding(4, name="own", context=ctx, dtype=dtype),
+           "file": lambda: StoreEmbedding(FileTableSpec(str(tmp_path), 10, 4, dtype=dtype,
+                                                        preallocate=False),
+                                          name="own", context=ctx)}[kind]()
+    rows = torch.tensor([[0.5, 1.5, -2.0, 3.0]])
+    emb.weight[torch.tensor([1])] = rows.to(emb.dtype)
+    emb.weight[torch.tensor([2])] = rows
+    assert emb.get(torch.tensor([1, 2])).tolist() == [rows[0].tolist()] * 2
+    with pytest.raises(TypeError, match=r"values: expected dtype .*got float64"):
+        emb.weight[torch.tensor([3])] = rows.double()
+
+
 def _small_steps(ctx, rounding, steps=100):
     """Rows at 1.0, SGD steps of 1e-3 (an eighth of a bfloat16 ulp at 1.0) for ``steps``."""
     store = DenseStore(64, 8, dtype="bfloat16", init=lambda k: np.ones((len(k), 8), np.float32),
@@ -89,3 +109,35 @@ def test_rounding_argument_errors(ctx):
         DenseStore(4, 2, dtype="float16", rounding="stochastic")
     with pytest.raises(ValueError, match="rounding: must be one of"):
         DynamicEmbedding(2, dtype="bfloat16", rounding="up", context=ctx)
+
+
+def test_rounding_of_a_table_on_row_stores_is_the_storage_s_and_a_seed_is_refused(ctx,
+                                                                                tmp_path):
+    """``rounding=`` and ``rounding_seed=`` were ignored for a table on row stores. A
+    rounding that contradicts the storage's is refused as a contradicting dtype is (the
+    default, 'nearest', means the storage's own); a seed is refused, saying why: a store
+    rounds from seed 0, and the spec a server makes its stores from carries no seed."""
+    from distemb.stores.spec import FileTableSpec, HashTableSpec
+
+    for storage in (HashTableSpec(4, dtype="bfloat16"), DenseStore(10, 4, dtype="bfloat16"),
+                    FileTableSpec(str(tmp_path), 10, 4, dtype="bfloat16", preallocate=False)):
+        with pytest.raises(ValueError, match=r"rounding: the storage rounds 'nearest', got "
+                                             r"rounding 'stochastic'"):
+            DistEmbedding(None, 4, dtype=torch.bfloat16, rounding="stochastic",
+                          storage=storage, context=ctx)
+    assert ctx.client.names() == [] and not list(tmp_path.iterdir())
+    stochastic = HashTableSpec(4, dtype="bfloat16", rounding="stochastic")
+    for kw in ({"rounding": "stochastic"}, {}):  # the storage's own, or the default
+        emb = DistEmbedding(None, 4, dtype=torch.bfloat16, storage=stochastic,
+                            context=ctx, **kw)
+        assert emb.store.rounding.value == "stochastic"
+    emb = DistEmbedding(None, 4, rounding="stochastic", storage=stochastic, context=ctx)
+    assert emb.dtype == torch.bfloat16  # checked against the storage's dtype, not float32
+    emb = DistEmbedding(None, 4, dtype=torch.bfloat16, rounding="stochastic", context=ctx)
+    assert emb.store.rounding.value == "stochastic"  # a hash table made from the arguments
+    for storage in (None, stochastic, DenseStore(10, 4, dtype="bfloat16")):
+        with pytest.raises(ValueError, match=r"rounding_seed: a table on row stores takes no "
+                                             r"seed .*the table spec .* carries none.*got "
+                                             r"rounding_seed=7"):
+            DistEmbedding(None, 4, dtype=torch.bfloat16, rounding="stochastic",
+                          rounding_seed=7, storage=storage, context=ctx)

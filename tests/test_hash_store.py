@@ -78,6 +78,18 @@ def test_a_lookup_larger_than_capacity_keeps_its_keys(native, caplog):
     assert "exceed the capacity" in caplog.text
 
 
+def test_a_lookup_past_the_low_water_target_is_logged_with_that_target(native, caplog):
+    """The log said the keys of one lookup 'exceed the capacity 40' when they exceeded
+    only the low-water target (32 of 40) an automatic eviction goes down to."""
+    s = HashStore(2, capacity=40, low_water=0.8, native=native)
+    s.lookup(np.arange(10))
+    s.lookup(np.arange(100, 135))  # 45 keys > 40: evict down to 32, sparing these 35
+    assert s.size() == 35
+    assert ("35 keys of one lookup exceed the capacity's low-water target of 32 keys "
+            "(low_water 0.8 x capacity 40); holding 35 keys") in caplog.text
+    assert "exceed the capacity 40" not in caplog.text
+
+
 def test_access_counts(native):
     s = HashStore(2, native=native)
     s.lookup(np.array([5, 6]))

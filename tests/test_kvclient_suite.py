@@ -14,6 +14,7 @@ dynamic-cluster oracle: gradients are dyadic, so sums are exact in any order).
 import dataclasses
 import functools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -452,6 +453,51 @@ def test_coalesce_sums_each_ids_gradient_whatever_the_order(client, ids):
     np.testing.assert_array_equal(got_ids[:k], want.indices()[0].numpy())
     np.testing.assert_array_equal(np.asarray(client.to_host(got[1]))[:k],
                                   want.values().numpy())
+
+
+def test_values_are_rows_shaped_as_the_ids_or_one_per_id_never_reshaped(client):
+    """The placement half's ``values_in`` (``t[ids] = values``), on an array and a keyed
+    table: values shaped as the ids + the row shape, or (number of ids,) + the row shape
+    (DGL's push), come back one row per id in the order of the flat ids; values of any
+    other shape with as many elements (a transposed batch, a flat vector) are refused
+    naming ``values`` and both shapes, where they used to be reshaped (scrambled)."""
+    from distemb.backend import pytorch as F
+    from distemb.partition import range_policy
+    from distemb.stores.spec import HashTableSpec
+
+    client.init_data("vd", (6, 3), "float32", range_policy(6, client.num_servers))
+    client.create_table("vk", HashTableSpec(3))
+    rows = torch.arange(12, dtype=torch.float32).reshape(2, 2, 3)
+    for name in ("vd", "vk"):
+        _, shape = client.ids_in(name, torch.tensor([[1, 2], [4, 5]]), F)
+        for values in (rows, rows.reshape(4, 3)):
+            got = np.asarray(client.to_host(client.values_in(name, values, F, shape)))
+            np.testing.assert_array_equal(got, rows.reshape(4, 3).numpy())
+        for bad in (rows.reshape(4, 3).T.contiguous(), rows.reshape(-1), rows.reshape(2, 6)):
+            with pytest.raises(ValueError, match=rf"values: expected shape \(2, 2, 3\) "
+                                                 rf"\(the ids' shape \+ the row shape\) or "
+                                                 rf"\(4, 3\) for 4 ids of '{name}', got "
+                                                 rf"{re.escape(str(tuple(bad.shape)))}"):
+                client.values_in(name, bad, F, shape)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_keyed_table_takes_rows_in_its_own_dtype(client, dtype):
+    """``values_in`` of a keyed table with 16-bit rows takes float32 rows or rows of its own
+    dtype (exact in float32), as an array table's does; float16 rows were refused."""
+    from distemb.backend import pytorch as F
+    from distemb.stores.spec import HashTableSpec
+
+    client.create_table("hv", HashTableSpec(3, dtype=dtype))
+    rows = torch.tensor([[0.5, 1.0, -2.0]])
+    _, shape = client.ids_in("hv", torch.tensor([7]), F)
+    for values in (rows, rows.to(getattr(torch, dtype))):
+        got = client.values_in("hv", values, F, shape)
+        assert str(got.dtype).endswith("float32")
+        np.testing.assert_array_equal(np.asarray(client.to_host(got)), rows.numpy())
+    with pytest.raises(TypeError, match=rf"values: expected dtype float32 \(or {dtype}\) for "
+                                        r"'hv', got float64"):
+        client.values_in("hv", rows.double(), F, shape)
 
 
 def test_bad_ids_are_refused_with_their_names(client, table):

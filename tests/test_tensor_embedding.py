@@ -1,4 +1,5 @@
 """DistTensor and DistEmbedding: lookups, traces, naming, and every bad input."""
+import re
 import warnings
 
 import numpy as np
@@ -38,8 +39,105 @@ def test_dist_tensor_bad_input(ctx):
         DistTensor((10, 3), "complex64", context=ctx)
     with pytest.raises(ValueError, match="shape: expected a non-empty tuple"):
         DistTensor((0, 3), torch.float32, context=ctx)
+    # a shape is ints: never truncated (10.9 rows were 10) nor read as digits ("10" was
+    # (1, 0)), as DistEmbedding refuses a float num_embeddings
+    for shape, bad in (((10.9, 4.7), 10.9), ("10", "10"), ((10, 4.0), 4.0), ((True, 3), True),
+                       ((10, None), None), ((np.bool_(True), 3), np.bool_(True)),
+                       (10.0, 10.0)):
+        said = re.escape(f"got {shape!r} ({type(bad).__name__} {bad!r} is not an int)")
+        with pytest.raises(TypeError, match=rf"shape: expected an int or a tuple of ints, {said}"):
+            DistTensor(shape, torch.float32, context=ctx)
+    assert ctx.client.names() == ["t"]
+    for shape in (np.int64(5), (np.int64(5), 2), torch.Size([5, 2]), (torch.tensor(5), 2)):
+        assert DistTensor(shape, torch.float32, context=ctx).shape in ((5,), (5, 2))
     with pytest.raises(ValueError, match="part_policy: node~_N has 5 ids, but shape\\[0\\] is 10"):
         DistTensor((10, 3), torch.float32, context=ctx, part_policy=range_policy(5))
+
+
+@pytest.mark.parametrize("kind", ["dense", "hash"])
+def test_upsert_takes_rows_shaped_as_the_ids_and_never_reshapes_others(ctx, kind):
+    """``emb.upsert(keys, rows)`` / ``weight[keys] = rows``: rows shaped as the keys +
+    (dim,), or one row per key, as torch indexing and DGL's push take them. A transposed
+    batch (as many elements) used to be reshaped into scrambled rows; torch refuses it."""
+    emb = DistEmbedding(10 if kind == "dense" else None, 4, name="up", context=ctx)
+    keys, rows = torch.tensor([1, 2]), torch.arange(8.0).view(2, 4)
+    with pytest.raises(RuntimeError):
+        torch.zeros(10, 4)[keys] = rows.T  # the oracle refuses it too
+    with pytest.raises(ValueError, match=r"values: expected shape \(2, 4\) for 2 ids of "
+                                         r"'up', got \(4, 2\)"):
+        emb.upsert(keys, rows.T)
+    with pytest.raises(ValueError, match=r"values: expected shape \(2, 4\) .* got \(8,\)"):
+        emb.weight[keys] = torch.arange(8.0)
+    if kind == "hash":
+        assert emb.size() == 0  # nothing inserted
+    else:
+        assert emb.get(keys).tolist() == [[0.0] * 4] * 2  # nothing written
+    emb.weight[keys.view(2, 1)] = rows.view(2, 1, 4)  # the keys' shape + the row shape
+    assert torch.equal(emb.get(keys), rows)
+    emb.weight[keys.view(1, 2)] = rows + 1  # one row per key
+    assert torch.equal(emb.weight[keys.view(1, 2)], (rows + 1).view(1, 2, 4))
+
+
+@pytest.mark.parametrize("make", ["DistTensor", "DistEmbedding", "keyed DistEmbedding",
+                                  "DynamicEmbedding", "StoreEmbedding"])
+def test_a_name_is_a_non_empty_str_or_none(ctx, make):
+    """A name of another type was an AttributeError or TypeError naming neither the
+    argument nor what it takes (a tuple was accepted), and "" made an anonymous table
+    though only None means one; both refused by name, nothing made."""
+    from distemb.dynamic import DynamicEmbedding, StoreEmbedding
+    from distemb.stores import HashStore
+
+    table = {"DistTensor": lambda name: DistTensor((10, 4), torch.float32, name=name,
+                                                   context=ctx),
+             "DistEmbedding": lambda name: DistEmbedding(10, 4, name=name, context=ctx),
+             "keyed DistEmbedding": lambda name: DistEmbedding(None, 4, name=name,
+                                                               context=ctx),
+             "DynamicEmbedding": lambda name: DynamicEmbedding(4, name=name, context=ctx),
+             "StoreEmbedding": lambda name: StoreEmbedding(HashStore(4), name=name,
+                                                           context=ctx)}[make]
+    for name, got in ((5, "int 5"), (("a", "b"), r"tuple \('a', 'b'\)"), (b"t", "bytes b't'")):
+        with pytest.raises(TypeError, match=rf"name: expected a str \(or None for an anonymous "
+                                            rf"table\), got {got}"):
+            table(name)
+    with pytest.raises(ValueError, match=r"name: expected a non-empty str \(None for an "
+                                         r"anonymous table\), got ''"):
+        table("")
+    assert ctx.client.names() == []
+    assert table(None).name and table("t").name == "t"
+
+
+def test_a_closed_context_makes_no_table_and_its_tables_say_it_is_closed(tmp_path):
+    """A closed context made tables (a file table made there kept its directory locked:
+    closing the context again does nothing); every table kind is refused saying the
+    context is closed, nothing made, and a table of it used afterwards says so too (it
+    said its name was unknown)."""
+    from distemb.context import DistContext
+    from distemb.dynamic import DynamicEmbedding, StoreEmbedding
+    from distemb.errors import DistEmbError
+    from distemb.stores.spec import FileTableSpec
+
+    ctx = DistContext.embedded()
+    dense = DistEmbedding(10, 2, name="d", context=ctx)
+    keyed = DynamicEmbedding(2, name="h", context=ctx)
+    ctx.close()
+    for make in (lambda: DistTensor((4, 2), torch.float32, name="t", context=ctx),
+                 lambda: DistEmbedding(10, 2, name="e", context=ctx),
+                 lambda: DistEmbedding(None, 2, name="k", context=ctx),
+                 lambda: DynamicEmbedding(2, name="k", context=ctx),
+                 lambda: StoreEmbedding(FileTableSpec(str(tmp_path / "f"), 10, 2),
+                                        name="f", context=ctx)):
+        with pytest.raises(DistEmbError, match=r"context: DistContext\(role='embedded'.*\) "
+                                               r"is closed: it makes no tables"):
+            make()
+    assert not (tmp_path / "f").exists()
+    ids = torch.tensor([1])
+    for use in (lambda: dense(ids), lambda: dense.weight.__setitem__(ids, torch.ones(1, 2)),
+                lambda: keyed(ids), lambda: keyed.size(),
+                lambda: keyed.upsert(ids, torch.ones(1, 2))):
+        with pytest.raises(KVStoreError, match=r"name '[dh]': this LocalKVClient is closed "
+                                               r"\(its context was closed, and its tables "
+                                               r"with it\)"):
+            use()
 
 
 def test_same_name_attaches_and_anonymous_is_freed(ctx):

@@ -71,7 +71,8 @@ class DistTensor(_tensor.DistTensor):
                  persistent=False, is_gdata=True, attach=True, **kwargs):
         policy = convert_policy(part_policy)
         if policy is None:
-            rows = shape if isinstance(shape, int) else shape[0]
+            # the rows as given: a shape that is not ints is refused (named) by the core
+            rows = shape[0] if isinstance(shape, (tuple, list)) and shape else shape
             policy = dgl_policy_for(rows)
         super().__init__(shape, dtype, name=name, init_func=init_func, part_policy=policy,
                          persistent=persistent, **kwargs)

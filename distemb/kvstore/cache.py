@@ -236,6 +236,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         """Close the wrapped client (keywords go to its ``close``)."""
         self._tables.clear()
         self.inner.close(**kw)
+        self.closed = True
 
     def view_on(self, device):
         """Itself on the host; on a GPU, a view of the cache (rows still come through it)."""

@@ -425,6 +425,7 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
             if self._own_group:
                 dist.destroy_process_group()
         self._group = None
+        self.closed = True
 
     # -- what this mode does not do yet: refused, never bypassed --------------------------
 

@@ -36,7 +36,7 @@ from typing import Sequence, Tuple
 import numpy as np
 import torch
 
-from distemb.arrays import Array, Rows, Tensor, UniqueIds
+from distemb.arrays import Array, Rows, Tensor, UniqueIds, check_values_shape
 from distemb.errors import KVStoreError, PartitionError
 from distemb.kernels import cuda, half
 from distemb.kernels.cuda import cuda_device
@@ -44,7 +44,8 @@ from distemb.kernels.cuda_half import CudaHalfOps
 from distemb.kvstore.device_keyed import DeviceKeyedTables
 from distemb.kvstore.id_check import IdCheck
 from distemb.kvstore.placement import PlacedAsInner
-from distemb.kvstore.types import DataMeta, KVClient, check_new_name, check_rounding
+from distemb.kvstore.types import (DataMeta, KVClient, check_new_name, check_rounding,
+                                   unknown_name)
 from distemb.rules import rule_of, state_name
 
 
@@ -163,8 +164,7 @@ class DeviceKVClient(DeviceKeyedTables, KVClient):
         try:
             return self._tables[name]
         except KeyError:
-            raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self._meta)[:10]})") from None
+            raise unknown_name(self, name, "in the KVStore", self._meta) from None
 
     def pull(self, name, ids):
         """Rows ``ids`` (int64 tensor on the device) of ``name``, a new tensor there.
@@ -233,6 +233,7 @@ class DeviceKVClient(DeviceKeyedTables, KVClient):
         for name in list(self._meta):
             self.delete_data(name)
         self._keyed.close()
+        self.closed = True
 
     # -- placement: arrays are torch tensors on self.device -----------------------------
 
@@ -255,18 +256,15 @@ class DeviceKVClient(DeviceKeyedTables, KVClient):
         flat = t.reshape(-1).to(self.device, torch.int64).contiguous()
         return flat, tuple(t.shape)
 
-    def values_in(self, name, values, F, num_ids):
+    def values_in(self, name, values, F, ids_shape):
         if self.is_keyed(name):
-            return self._keyed_values_in(name, values, num_ids)
+            return self._keyed_values_in(name, values, ids_shape)
         meta = self._meta_of(name)
         t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
         got = str(t.dtype).replace("torch.", "")
         if got != meta.dtype and got != half.row_dtype(meta.dtype):  # float32: rounded
             raise TypeError(f"values: expected dtype {meta.dtype} for {name!r}, got {got}")
-        want = (num_ids,) + tuple(meta.shape[1:])
-        if t.numel() != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
-                             f"got {tuple(t.shape)}")
+        want = check_values_shape(name, t.shape, ids_shape, meta.shape[1:])
         return t.to(self.device).reshape(want)
 
     def rows_out(self, rows, F):

@@ -344,6 +344,7 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         self.flush()
         self._tables.clear()
         self.inner.close(**kw)
+        self.closed = True
 
     def lookup(self, name, ids) -> torch.Tensor:
         """Rows ``ids`` (host int64) on the cache's device; misses are fetched and admitted.

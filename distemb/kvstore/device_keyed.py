@@ -28,6 +28,7 @@ Example:
 import numpy as np
 import torch
 
+from distemb.arrays import check_values_shape
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.local import LocalKVClient
@@ -198,18 +199,18 @@ class DeviceKeyedTables:
             raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {t.dtype}")
         return self._host_keys(t.reshape(-1).to(torch.int64)), tuple(t.shape)
 
-    def _keyed_values_in(self, name, values, num_ids):
-        """float32 rows for ``num_ids`` keys of ``name``, on the device.
+    def _keyed_values_in(self, name, values, ids_shape):
+        """float32 rows for keys of shape ``ids_shape`` of ``name``, on the device, shaped
+        as the keys + (dim,) or (number of keys, dim): float32 values, or values in the
+        table's own 16-bit dtype (exact in float32).
 
         Raises:
-            TypeError: not float32. ValueError: not ``num_ids`` rows of the table's dim.
+            TypeError: another dtype. ValueError: another shape.
         """
         t = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
-        if t.dtype != torch.float32:
-            raise TypeError(f"values: expected dtype float32 for {name!r}, got "
-                            f"{str(t.dtype).replace('torch.', '')}")
-        want = (num_ids, self.dim(name))
-        if t.numel() != want[0] * want[1]:
-            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
-                             f"got {tuple(t.shape)}")
-        return t.to(self.device).reshape(want)
+        got, own = str(t.dtype).replace("torch.", ""), self.storage_dtype(name)
+        if got != "float32" and got != own:
+            also = f" (or {own})" if own != "float32" else ""
+            raise TypeError(f"values: expected dtype float32{also} for {name!r}, got {got}")
+        want = check_values_shape(name, t.shape, ids_shape, (self.dim(name),))
+        return t.to(self.device, torch.float32).reshape(want)

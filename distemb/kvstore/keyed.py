@@ -30,9 +30,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from distemb.arrays import check_values_shape
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore.types import DataMeta
+from distemb.kvstore.types import DataMeta, unknown_name
 from distemb.rules import rule_of, state_name
 
 #: (N,) int64 keys of a keyed table.
@@ -154,18 +155,25 @@ class KeyedTables:
         arr = self.tensor_in(ids, F)
         return keys_array(arr, "ids"), tuple(arr.shape)
 
-    def values_in(self, name, values, F, num_ids):
+    def values_in(self, name, values, F, ids_shape):
+        """float32 rows for keys of shape ``ids_shape``, shaped as the keys + (dim,) or
+        (number of keys, dim): float32 values, or values in the table's own 16-bit dtype
+        (exact in float32; rounded on store as float32 rows are), as an array table's.
+
+        Raises:
+            TypeError: another dtype. ValueError: another shape.
+        """
         if not self.is_keyed(name):
-            return super().values_in(name, values, F, num_ids)
+            return super().values_in(name, values, F, ids_shape)
         arr = self.tensor_in(values, F)
         got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
+        own = self.storage_dtype(name)
+        if got != "float32" and got != own:
+            also = f" (or {own})" if own != "float32" else ""
+            raise TypeError(f"values: expected dtype float32{also} for {name!r}, got {got}")
         if got != "float32":
-            raise TypeError(f"values: expected dtype float32 for {name!r}, got {got}")
-        want = (num_ids, self.dim(name))
-        if int(np.prod(arr.shape)) != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
-                             f"got {tuple(arr.shape)}")
-        return arr.reshape(want)
+            arr = arr.astype(np.float32)
+        return arr.reshape(check_values_shape(name, arr.shape, ids_shape, (self.dim(name),)))
 
     # -- optimizer state and checkpoints: state columns travel with their rows ----------
 
@@ -201,7 +209,8 @@ class KeyedTables:
 
     @abstractmethod
     def add_table(self, name: str, store) -> None:
-        """Hold the RowStore ``store`` as keyed table ``name`` (embedded only)."""
+        """Hold the RowStore ``store`` as keyed table ``name`` (embedded only); the store
+        backs this table alone (:meth:`~distemb.stores.types.RowStore.claim`)."""
 
     @abstractmethod
     def dim(self, name: str) -> int:
@@ -280,8 +289,8 @@ class ShardedKeyedTables(KeyedTables):
         try:
             return self._specs[name]
         except KeyError:
-            raise KVStoreError(f"name {name!r} is not a table on a row store in the KVStore "
-                               f"(known: {sorted(self._specs)[:10]})") from None
+            raise unknown_name(self, name, "a table on a row store in the KVStore",
+                               self._specs) from None
 
     def add_table(self, name, store):
         """Refused: a store object lives in this process, not where the shards live.

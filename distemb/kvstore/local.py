@@ -8,7 +8,7 @@ from distemb.kvstore import snapshot
 from distemb.kvstore.keyed import KeyedTables
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
-                                   check_rounding)
+                                   check_rounding, unknown_name)
 
 
 def init_shard(init_func, shape, dtype, name):
@@ -165,6 +165,7 @@ class LocalKVClient(KeyedTables, KVClient):
         """Drop every table; keyed tables' stores are flushed and closed."""
         for name in list(self._meta) + list(self._keyed):
             self.delete_data(name)
+        self.closed = True
 
     # -- keyed tables (see distemb.kvstore.keyed) ---------------------------------------
 
@@ -189,19 +190,21 @@ class LocalKVClient(KeyedTables, KVClient):
 
         Raises:
             KVStoreError: ``name`` exists (a table of any kind).
+            StoreError: ``store`` is closed, or already backs a table (named).
         """
         self._add(name, store, None)
 
     def _add(self, name, store, spec):
         if name in self._keyed or name in self._meta or self.server.has(name, self.PART):
             raise KVStoreError(f"name {name!r} already exists in the KVStore")
+        store.claim(name)
         self.server.add_table(name, self.PART, store, spec)
         self._keyed.append(name)
 
     def _table(self, name):
         if name not in self._keyed:
-            raise KVStoreError(f"name {name!r} is not a table on a row store in the KVStore "
-                               f"(known: {sorted(self._keyed)[:10]})")
+            raise unknown_name(self, name, "a table on a row store in the KVStore",
+                               self._keyed)
         return self.server.table(name, self.PART)
 
     def store(self, name):

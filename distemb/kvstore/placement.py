@@ -25,7 +25,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from distemb import kernels
-from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds
+from distemb.arrays import (Array, GlobalIds, Rows, Shape, Tensor, UniqueIds,
+                            check_values_shape)
 from distemb.kernels import half
 
 
@@ -63,12 +64,18 @@ class HostPlacement:
         self._meta_of(name).policy.check_ids(flat, f"ids of {name!r}")
         return flat, tuple(arr.shape)
 
-    def values_in(self, name: str, values: Tensor, F, num_ids: int) -> Array:
-        """Values for ``num_ids`` rows of ``name`` as an array of this client.
+    def values_in(self, name: str, values: Tensor, F, ids_shape: Shape) -> Array:
+        """Values for the rows of ids of shape ``ids_shape`` (as :meth:`ids_in` returned
+        it) of ``name``, as an array of this client: one row per id, in the order of the
+        flat ids.
+
+        Args:
+            values: shaped as the ids + the row shape, or (number of ids,) + the row
+                shape (:func:`~distemb.arrays.check_values_shape`).
 
         Raises:
             TypeError: the dtype is not the tensor's.
-            ValueError: the number of elements does not fit ``num_ids`` rows.
+            ValueError: values of another shape.
         """
         meta = self._meta_of(name)
         arr = self.tensor_in(values, F)
@@ -80,11 +87,7 @@ class HostPlacement:
                             f"got {got}")
         if got != rows:
             arr = arr.astype(rows)  # a half table's own dtype: exact in float32
-        want = (num_ids,) + tuple(meta.shape[1:])
-        if int(np.prod(arr.shape)) != int(np.prod(want)):
-            raise ValueError(f"values: expected shape {want} for {num_ids} ids, "
-                             f"got {tuple(arr.shape)}")
-        return arr.reshape(want)
+        return arr.reshape(check_values_shape(name, arr.shape, ids_shape, meta.shape[1:]))
 
     def rows_out(self, rows: Array, F) -> Tensor:
         """Pulled rows as a backend tensor (zero-copy on the host)."""
@@ -182,8 +185,8 @@ class PlacedAsInner:
     def ids_in(self, name, ids, F):
         return self.inner.ids_in(name, ids, F)
 
-    def values_in(self, name, values, F, num_ids):
-        return self.inner.values_in(name, values, F, num_ids)
+    def values_in(self, name, values, F, ids_shape):
+        return self.inner.values_in(name, values, F, ids_shape)
 
     def rows_out(self, rows, F):
         return self.inner.rows_out(rows, F)

@@ -417,6 +417,11 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routi
         if self.cfg.num_trainers > 1:
             self._call({0: Barrier(rank=self.rank)})
 
+    @property
+    def closed(self):
+        """True once :meth:`close` ran (the tables stay on the servers)."""
+        return self._closed
+
     def close(self, goodbye=True):
         """Disconnect; with ``goodbye``, first tell every server this trainer is done.
 

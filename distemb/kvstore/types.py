@@ -137,6 +137,9 @@ class KVClient(HostPlacement, ABC):
     #: Whether every trainer takes part in a checkpoint, each writing and reading its own
     #: shards (collective clients); False: one trainer saves and loads for all.
     all_ranks_checkpoint = False
+    #: True once :meth:`close` ran: the client's tables (an embedded one's rows) are gone,
+    #: and a name it no longer knows is reported as such (:func:`unknown_name`).
+    closed = False
 
     # -- storage ---------------------------------------------------------------------
 
@@ -362,8 +365,7 @@ class KVClient(HostPlacement, ABC):
         """The DataMeta of ``name``; KVStoreError when absent."""
         meta = self.data_meta(name)
         if meta is None:
-            raise KVStoreError(f"name {name!r} is not in the KVStore "
-                               f"(known: {sorted(self.names())[:10]})")
+            raise unknown_name(self, name, "in the KVStore", self.names())
         return meta
 
     def barrier(self) -> None:
@@ -371,6 +373,17 @@ class KVClient(HostPlacement, ABC):
 
     def close(self) -> None:
         """Release connections and, for an embedded store, its memory."""
+
+def unknown_name(client: KVClient, name: str, what: str, known) -> KVStoreError:
+    """The error of a name ``client`` does not hold: that the client is closed when it is
+    (its context closed, its tables gone with it), else that ``name`` is not ``what``,
+    with some of the ``known`` names."""
+    if client.closed:
+        return KVStoreError(f"name {name!r}: this {type(client).__name__} is closed (its "
+                            "context was closed, and its tables with it); make tables on "
+                            "an open context")
+    return KVStoreError(f"name {name!r} is not {what} (known: {sorted(known)[:10]})")
+
 
 def refuse_store(client: KVClient, name: str, store: str, why: str) -> KVStoreError:
     """The error of a placement that cannot hold a table on a kind of store, naming both.

@@ -1,6 +1,7 @@
 """DenseStore: one numpy array per column, keys 0..N-1 are the slots (today's shard)."""
 import numpy as np
 
+from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.errors import StoreError
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kernels.hashtable import keys_array
@@ -35,6 +36,8 @@ class DenseStore(RowStore):
 
     Raises:
         ValueError: ``num_rows`` or ``dim`` not a positive int, another dtype.
+        TypeError: ``init`` cannot be called as ``init(keys)`` (a dense table's
+            ``init(shape, dtype)``, say).
 
     Example:
         >>> s = DenseStore(3, 2, init=lambda k: np.repeat(k[:, None], 2, 1).astype("f4"))
@@ -48,6 +51,7 @@ class DenseStore(RowStore):
         self.num_rows = check_dim(num_rows, "num_rows")
         self.dim = check_dim(dim)
         self.dtype = check_float_dtype(dtype)
+        check_init_func(init, KEYED_INIT, "init")
         self._set_rounding(rounding)
         self._cols, self._shapes = {}, {}
         self._set(WEIGHT, self._new_array(WEIGHT, (self.dim,), self.dtype, 0.0, False),
@@ -179,3 +183,4 @@ class DenseStore(RowStore):
     def close(self):
         self.flush()
         self._cols = {}
+        self.closed = True

@@ -41,6 +41,8 @@ from distemb.stores.types import WEIGHT, check_dim, check_float_dtype
 
 FORMAT = "distemb-file-store"
 META = "meta.json"
+#: What meta.json must hold besides its format (a store reopens from them).
+META_FIELDS = ("num_rows", "dim", "dtype", "columns")
 LOCK = ".lock"  # flock'ed by the one FileStore that has the directory open; holds its pid
 
 
@@ -98,9 +100,12 @@ class FileStore(DenseStore):
             disk fails here and not as a SIGBUS in a later write.
 
     Raises:
-        StoreError: ``path`` is not a writable directory, the disk is too full, or the
-            existing store there does not match ``num_rows``/``dim``/``dtype``.
+        StoreError: ``path`` is not a writable directory, the disk is too full, the
+            existing store there does not match ``num_rows``/``dim``/``dtype``, or its
+            ``meta.json`` is not a FileStore's or lacks a field (named).
         ValueError: a new store without a ``num_rows`` (0 or more) and a positive ``dim``.
+        TypeError: ``init`` cannot be called as ``init(keys)`` (a dense table's
+            ``init(shape, dtype)``, say); refused before the directory is touched.
 
     Example:
         >>> import tempfile
@@ -115,6 +120,7 @@ class FileStore(DenseStore):
 
     def __init__(self, path, num_rows=None, dim=None, dtype="float32", init=None,
                  rounding="nearest", preallocate=True):
+        check_init_func(init, KEYED_INIT, "init")
         self.path = os.fspath(path)
         self.preallocate = bool(preallocate)
         self._maps = {}
@@ -170,9 +176,14 @@ class FileStore(DenseStore):
                 meta = json.load(f)
         except (OSError, ValueError) as e:
             raise StoreError(f"path: {meta_path} is not a FileStore's metadata ({e})") from None
-        if meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
             raise StoreError(f"path: {meta_path} is not a FileStore's metadata "
-                             f"(format {meta.get('format')!r})")
+                             f"(format {got!r})")
+        missing = [f for f in META_FIELDS if f not in meta]
+        if missing:
+            raise StoreError(f"path: {meta_path} lacks the field(s) {missing} of a "
+                             "FileStore's metadata")
         for what, want, got in (("num_rows", num_rows, meta["num_rows"]),
                                 ("dim", dim, meta["dim"])):
             if want is not None and want != got:

@@ -52,6 +52,8 @@ class HashStore(RowStore):
 
     Raises:
         ValueError: ``capacity`` < 1, an unknown ``evict``, ``low_water`` outside (0, 1].
+        TypeError: ``init`` cannot be called as ``init(keys)`` (a dense table's
+            ``init(shape, dtype)``, say).
 
     Example:
         >>> s = HashStore(2, capacity=2)
@@ -75,6 +77,7 @@ class HashStore(RowStore):
         if not isinstance(low_water, (int, float)) or not 0.0 < low_water <= 1.0:
             raise ValueError(f"low_water: expected a float in (0, 1], got {low_water!r}")
         self.low_water = float(low_water)
+        check_init_func(init, KEYED_INIT, "init")
         self._init = init
         self._index = HashIndex(reserve, native=native)
         rows = max(16, int(reserve))
@@ -270,9 +273,10 @@ class HashStore(RowStore):
             rank = np.where(last == protect, np.iinfo(np.int64).max, rank)
             excess = min(excess, int((last != protect).sum()))
             if excess < self._index.size - int(target_size):
-                log.warning("HashStore: %d keys of one lookup exceed the capacity %s; "
-                            "holding %d keys", int((last == protect).sum()),
-                            self._capacity, self._index.size - excess)
+                log.warning("HashStore: %d keys of one lookup exceed the capacity's "
+                            "low-water target of %d keys (low_water %s x capacity %s); "
+                            "holding %d keys", int((last == protect).sum()), target_size,
+                            self.low_water, self._capacity, self._index.size - excess)
         if excess <= 0:
             return np.empty(0, np.int64)
         victims = live[np.argpartition(rank, excess - 1)[:excess]]
@@ -296,6 +300,7 @@ class HashStore(RowStore):
 
     def close(self):
         self._cols = {}
+        self.closed = True
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,30 @@ class RowStore(abc.ABC):
     persistent = False
     #: True when the store holds a fixed key set 0..N-1 (dense, file): no remove, no evict.
     fixed_keys = False
+    #: True once :meth:`close` ran: the arrays are released, no table takes the store.
+    closed = False
+    #: The table this store backs (set by :meth:`claim`), None while it backs none.
+    owner: Optional[str] = None
+
+    def claim(self, table: str) -> None:
+        """Make this store the one of table ``table`` (a client's ``add_table`` calls it
+        where a store becomes a table): a store backs one table, which closes it when
+        the table goes.
+
+        Raises:
+            StoreError: the store is closed, or it already backs a table (named): two
+                tables on one store would share its rows and optimizer-state columns.
+        """
+        if self.closed:
+            raise StoreError(f"store: the {type(self).__name__} given to table {table!r} is "
+                             "closed (by its table, or by close()); make a new store (a "
+                             "FileStore reopens its files: FileStore(path))")
+        if self.owner is not None:
+            raise StoreError(f"store: the {type(self).__name__} given to table {table!r} "
+                             f"already holds table {self.owner!r} (a store backs one table: "
+                             "two would share its rows and optimizer state); use that "
+                             "table, or give this one a store of its own")
+        self.owner = table
 
     # ---- what implementations provide -------------------------------------------------
 
@@ -177,7 +201,8 @@ class RowStore(abc.ABC):
         """Make every completed write durable (file stores); no-op in memory."""
 
     def close(self) -> None:
-        """Flush and release the arrays; the store is unusable afterwards."""
+        """Flush and release the arrays; the store is unusable afterwards (and
+        :attr:`closed`)."""
 
     def nbytes(self) -> int:
         """Bytes held: every column plus the index and bookkeeping."""
