@@ -20,7 +20,7 @@ import torch
 from distemb.dynamic import StoreEmbedding
 from distemb.errors import StoreError
 from distemb.optim import SparseAdagrad
-from distemb.stores import DenseStore, FileStore, key_uniform
+from distemb.stores import DenseStore, FileStore, key_normal, key_uniform
 from tests.mp_helper import ProcessGroup
 
 
@@ -174,3 +174,21 @@ def test_a_new_table_s_directory_and_files_are_private_to_their_user(tmp_path):
     assert len(files) == 2
     for f in files:
         assert stat.S_IMODE(os.stat(tmp_path / "t" / f).st_mode) == 0o600, f
+
+
+def test_a_creation_whose_init_fails_leaves_no_store(tmp_path):
+    """The metadata is written last: a creation that failed is made again by the next
+    open (its init runs), never reopened as a store of zeros."""
+    path = str(tmp_path / "t")
+
+    def bad(keys):
+        raise RuntimeError("init failed")
+
+    with pytest.raises(RuntimeError, match="init failed"):
+        FileStore(path, num_rows=10, dim=4, init=bad)
+    good = key_normal(4, std=1.0)
+    s = FileStore(path, num_rows=10, dim=4, init=good)
+    try:
+        np.testing.assert_array_equal(s.gather(np.arange(10)), good(np.arange(10)))
+    finally:
+        s.close()

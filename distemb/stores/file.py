@@ -166,9 +166,12 @@ class FileStore(DenseStore):
         self._cols, self._shapes = {}, {}
         self._set(WEIGHT, self._new_array(WEIGHT, (self.dim,), self.dtype, 0.0, False),
                   (self.dim,))
-        self._write_meta()
         if init is not None:
             fill_rows(self._cols[WEIGHT], init, encode=self.encode)
+            self.flush()
+        # last: until the metadata is there, the directory holds no store, so a creation
+        # that failed (an init that raised) or was interrupted is made again, not reopened
+        self._write_meta()
 
     def _reopen(self, meta_path, num_rows, dim, dtype):
         try:
