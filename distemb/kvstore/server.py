@@ -270,7 +270,7 @@ class KVServer:
         """Checkpoint records of ``shards`` (``[(part, start, step)]``: an array table's
         parts with their key progressions, a keyed table's shard with ``(0, 1)``) of
         table ``name``, its optimizer state with it (see :meth:`ShardTable.save
-        <distemb.kvstore.shard.ShardTable.save>`)."""
+        <distemb.kvstore.shard_checkpoint.ShardCheckpoint.save>`)."""
         return [self.table(name, part).save(directory, save_id, name, columns, start, step)
                 for part, start, step in shards]
 
@@ -279,7 +279,7 @@ class KVServer:
         ``entry``, all or nothing: every shard is checked before any is written.
 
         Raises:
-            KVStoreError: see :meth:`ShardTable.load <distemb.kvstore.shard.ShardTable.load>`.
+            KVStoreError: see :meth:`ShardTable.load <distemb.kvstore.shard_checkpoint.ShardCheckpoint.load>`.
         """
         tables = [(self.table(name, part), start, step) for part, start, step in shards]
         passes = [{}] if len(tables) == 1 else [{"apply": False}, {"verify": False}]
