@@ -242,11 +242,9 @@ class ShardTable(ShardCheckpoint):
             versions.
         """
         with self.write():
-            at = self._held(keys)
+            at = self.store.update(rule, keys, grads, hyper, num_threads)
             if at is None:
-                self.store.update(rule, keys, grads, hyper, num_threads)
                 return self.bump(keys, contributions)
-            self.store.update(rule, keys[at], grads[at], hyper, num_threads)
             before = self.bump(keys[at], contributions if np.ndim(contributions) == 0
                                else np.asarray(contributions)[at])
         if before is None:
@@ -254,14 +252,6 @@ class ShardTable(ShardCheckpoint):
         out = np.full(len(keys), -1, np.int64)
         out[at] = before
         return out
-
-    def _held(self, keys):
-        """Positions of the ``keys`` this shard's store holds, or None when it holds them
-        all (always, for fixed keys). The caller holds the write lock."""
-        if self.store.fixed_keys or not len(keys):
-            return None
-        at = np.flatnonzero(self.store.find(keys) >= 0)
-        return None if len(at) == len(keys) else at
 
     def update_later(self, rule, keys, grads, hyper, num_threads=1):
         """:meth:`update` (of one trainer's gradients) in two halves: the write lock is
@@ -278,10 +268,8 @@ class ShardTable(ShardCheckpoint):
 
         def apply():
             try:
-                at = self._held(keys)  # a key gone since its lookup: as in update
-                ks, gs = (keys, grads) if at is None else (keys[at], grads[at])
-                self.store.update(rule, ks, gs, hyper, num_threads)
-                self.bump(ks)
+                at = self.store.update(rule, keys, grads, hyper, num_threads)
+                self.bump(keys if at is None else keys[at])  # a key gone: as in update
             finally:
                 writing.__exit__(None, None, None)
         return (None if counter is None else int(counter[0])), apply

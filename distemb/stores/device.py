@@ -124,15 +124,18 @@ class DeviceHashStore(HashStore):
         self._write_slots(column, self._slots_to_write(keys, column), values)
 
     def update(self, rule, keys, grads, hyper, num_threads=1):
-        """Apply ``rule`` to unique ``keys``, which the store holds (as
-        :meth:`RowStore.update <distemb.stores.types.RowStore.update>`), on the device;
-        ``grads`` are float32 rows on any device."""
-        slots = self._on_device(self.slots(keys))
+        """Apply ``rule`` to unique ``keys`` on the device, skipping keys not held (as
+        :meth:`RowStore.update <distemb.stores.types.RowStore.update>`, whose return value
+        this is); ``grads`` are float32 rows on any device."""
+        slots, at = self._held_slots(keys)
         if not isinstance(grads, torch.Tensor):
             grads = torch.from_numpy(np.ascontiguousarray(grads))
+        if at is not None:
+            grads = grads[torch.from_numpy(at).to(grads.device)]
         grads = grads.to(self.device, torch.float32).contiguous()
         states = {s.name: self.column(s.name) for s in rule.states}
-        rule.apply(self.ops, self.column(WEIGHT), states, slots, grads, hyper)
+        rule.apply(self.ops, self.column(WEIGHT), states, self._on_device(slots), grads, hyper)
+        return at
 
     def read_rows(self, column, slots):
         arr = self.column(column)

@@ -270,20 +270,40 @@ class RowStore(abc.ABC):
         rows = self.column(column)[slots]
         return self.decode(rows) if column == WEIGHT else rows
 
-    def update(self, rule, keys: Keys, grads: Rows, hyper, num_threads: int = 1) -> None:
-        """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``,
-        which the store holds (an update never inserts: a key removed or evicted since its
-        lookup stays gone; :meth:`ShardTable.update
-        <distemb.kvstore.shard.ShardTable.update>` drops its gradient). The rule gets the
-        weight and state columns and the slots: the kernels never see keys.
+    def update(self, rule, keys: Keys, grads: Rows, hyper,
+               num_threads: int = 1) -> Optional[np.ndarray]:
+        """Apply update ``rule`` (a :class:`~distemb.rules.UpdateRule`) to unique ``keys``.
+        The rule gets the weight and state columns and the slots: the kernels never see
+        keys.
+
+        An update never inserts: a key the store does not hold (removed or evicted since
+        the lookup its gradient came from) is skipped, its gradient dropped, so a removal
+        holds, and so does a capacity.
+
+        Returns:
+            positions in ``keys`` of the keys updated, or None when every key was.
 
         Raises:
             StoreError: a state column the rule needs is missing (no optimizer set up).
-            MissingKeyError: a key the store does not hold.
         """
-        slots = self.slots(keys)
+        slots, at = self._held_slots(keys)
+        if at is not None:
+            grads = grads[at]
         states = {s.name: self.column(s.name) for s in rule.states}
         rule.apply(self.ops, self.column(WEIGHT), states, slots, grads, hyper, num_threads)
+        return at
+
+    def _held_slots(self, keys: Keys) -> Tuple[Slots, Optional[np.ndarray]]:
+        """(slots of the held ``keys``, their positions or None when all are held): one
+        pass over the index, as the lookup's."""
+        if self.fixed_keys:
+            return self.slots(keys), None
+        slots = self.find(keys)
+        held = slots >= 0
+        if held.all():
+            return slots, None
+        at = np.flatnonzero(held)
+        return slots[at], at
 
     def export(self) -> Tuple[Keys, Dict[str, np.ndarray]]:
         """(keys ascending, {column: rows of those keys}) of everything held (the weight
