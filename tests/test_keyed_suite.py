@@ -238,6 +238,35 @@ def test_a_checkpoint_load_replaces_the_keys(client, tmp_path):
         np.testing.assert_array_equal(after[1][c], before[1][c])
 
 
+def test_a_checkpoint_past_the_capacity_is_refused_before_anything_changes(placement,
+                                                                          tmp_path):
+    """A load of more saved keys than a shard holds at most is refused in its checking
+    pass, naming the capacity; the table keeps its keys and rows. (A cache that owns its
+    rows refuses a capacity: test_capacity_evicts_with_the_state_and_spares_the_last_lookup.)"""
+    client = placement.client
+    if placement.refuser == "DeviceCachedKVClient":
+        with pytest.raises(KVStoreError, match="a hash store with a capacity"):
+            hash_table(client, tmp_path, capacity=4)
+        return
+    big = hash_table(client, tmp_path)
+    keys = big.key_of(np.arange(N))
+    client.pull(big.name, keys)
+    path = str(tmp_path / "ck")
+    checkpoint.save_items(path, [(client, big.name)], {"note": "suite"})
+    client.delete_data(big.name)
+    small = Table("hash-key", N, D, str(tmp_path))
+    small.name = big.name  # the same table, made again with a capacity
+    small.spec = HashTableSpec(D, init=small.init, capacity=4)
+    small.make(client)
+    client.pull(small.name, keys[:2])
+    before = client.export(small.name)
+    with pytest.raises(KVStoreError, match="capacity"):
+        checkpoint.restore(path, client, [small.name])
+    after = client.export(small.name)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1]["weight"], before[1]["weight"])
+
+
 @WITH_FILES
 def test_bfloat16_rows_round_to_nearest_even(client, tmp_path):
     for kind in ("hash_bf16-key", "file_bf16-range"):
