@@ -125,7 +125,7 @@ class Rounding(Choice):
 
 
 class CachePolicy(Choice):
-    """Which rows a trainer cache evicts (distemb.kvstore.cache)."""
+    """Which rows a trainer cache evicts (distemb.kvstore.caches.trainer)."""
 
     # Keeps every row it fetches; evicts the least recently used.
     LRU = "lru"

@@ -343,7 +343,7 @@ def export(tables, rank: int, num_trainers: int):
         return tables.export()
     client = distemb.current_context().client
     client.barrier()
-    if hasattr(client, "invalidate"):  # a trainer cache (distemb.kvstore.cache)
+    if hasattr(client, "invalidate"):  # a trainer cache (distemb.kvstore.caches.trainer)
         client.invalidate()
     # every trainer reads: in collective mode a read takes every rank
     emb = tables.export()

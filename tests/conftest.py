@@ -45,10 +45,10 @@ from mp_helper import ProcessGroup, cluster_dict, write_json
 from distemb.config import load_cluster_config, parse_cache_config, parse_cluster_config
 from distemb.context import DistContext
 from distemb.kvstore import LocalKVClient
-from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.caches.trainer import CachedKVClient
 from distemb.kvstore.collective import CollectiveKVClient
 from distemb.kvstore.device import DeviceKVClient
-from distemb.kvstore.device_cache import DeviceCachedKVClient
+from distemb.kvstore.caches.device import DeviceCachedKVClient
 from distemb.kernels import cuda
 from distemb.kvstore.remote import RemoteKVClient
 

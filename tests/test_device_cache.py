@@ -1,4 +1,4 @@
-"""The GPU cache of hot rows and optimizer state (distemb.kvstore.device_cache).
+"""The GPU cache of hot rows and optimizer state (distemb.kvstore.caches.device).
 
 Oracles: torch.optim on nn.Embedding(sparse=True), and the same job without the cache
 (host table, rows looked up onto the device, sums made there, updates on the host). On
@@ -20,7 +20,7 @@ from distemb.errors import ConfigError, DistEmbError, KVStoreError
 from distemb.kernels import cuda
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore import device as device_kv
-from distemb.kvstore.device_cache import CacheOnDevice, DeviceCachedKVClient
+from distemb.kvstore.caches.device import CacheOnDevice, DeviceCachedKVClient
 from distemb.optim import SparseAdagrad, SparseAdam
 from distemb.partition import range_policy
 from distemb.rules import state_name

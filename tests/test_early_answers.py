@@ -1,5 +1,5 @@
 """A co-located server answers a trainer's update before it applies it
-(distemb/kvstore/early.py). The oracle is the reference update rule applied in order:
+(distemb/kvstore/server/early.py). The oracle is the reference update rule applied in order:
 a lookup right after an update, while the server may still be writing it, returns the
 updated rows; an update that fails after its answer is raised at the next request and
 leaves the server serving.
@@ -15,7 +15,7 @@ from distemb.config import parse_cluster_config
 from distemb.errors import KVStoreError
 from distemb.kernels import reference
 from distemb.kvstore import early
-from distemb.kvstore.early import may_answer_early
+from distemb.kvstore.server.early import may_answer_early
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper

@@ -26,12 +26,12 @@ from distemb.tensor import DistTensor
 from distemb.errors import KVStoreError, TransportError
 from distemb.kernels import half
 from distemb.kvstore import LocalKVClient
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.partition import range_policy
 from distemb.transport.base import HEADER, encode_head, parse_descriptors, parse_header
 from distemb.transport.messages import Create, Pull, Push
-from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.caches.trainer import CachedKVClient
 from tests.conftest import CACHES, Cluster, zipf_ids
 from tests.test_optim_oracle import CASES
 

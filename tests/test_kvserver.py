@@ -32,7 +32,7 @@ def test_server_rejects_unknown_rule_and_shard():
 
 
 def _exact_service(num_trainers):
-    from distemb.kvstore.service import KVService
+    from distemb.kvstore.server.service import KVService
     from distemb.transport.messages import Create
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=num_trainers,
                     timeout_s=30)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from distemb.errors import KVStoreError
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.rules import (RULES, AdagradHyper, AdamHyper, FtrlHyper, RuleName, SGDHyper,
                            rule_of)
 from distemb.transport.messages import Create, OptInit, Service, Update

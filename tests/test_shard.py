@@ -10,8 +10,8 @@ import pytest
 from mp_helper import memory_files
 
 from distemb.errors import KVStoreError
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.shard import VERSION, ShardTable
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.shard import VERSION, ShardTable
 from distemb.rules import AdagradHyper, SGDHyper, state_name
 from distemb.stores import DenseStore, FileStore, HashStore
 
@@ -159,7 +159,7 @@ def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
     VersionedPull of T's last row with state 'evil' read outside the 1-row array. The
     second Create is refused and the pull names the missing state; the service goes on
     serving."""
-    from distemb.kvstore.service import KVService
+    from distemb.kvstore.server.service import KVService
     from distemb.transport.messages import Create, Pull, Service, VersionedPull
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
 
@@ -185,7 +185,7 @@ def test_reserved_state_names_and_non_finite_initial_state_are_refused():
     import math
 
     import distemb
-    from distemb.kvstore.service import KVService
+    from distemb.kvstore.server.service import KVService
     from distemb.stores.spec import HashTableSpec
     from distemb.transport.messages import Create, OptInit, Service
     from test_hostile import SpecCreate
@@ -239,7 +239,7 @@ def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop():
     """The server's arena knows its arrays by identity: the shard a ShardTable holds must
     be the arena's own array, or co-located trainers get no segment (and read over
     sockets) and a dropped table's memory file is never released (its memory stays)."""
-    from distemb.kvstore.service import KVService
+    from distemb.kvstore.server.service import KVService
     from distemb.transport.messages import Create, Drop, OptInit, Service, ShmInfo
     from distemb.transport.shm import ShmArena
     arena = ShmArena("idjob", 0)

@@ -22,8 +22,8 @@ from mp_helper import memory_files, shm_files
 from distemb.errors import PartitionError, TransportError
 from distemb.kernels import reference
 from distemb.kvstore.remote import RemoteKVClient
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.stores.file import FileTableSpec

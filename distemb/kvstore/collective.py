@@ -2,7 +2,7 @@
 
 No servers: rank ``r`` of a ``W``-process job (torchrun, mpirun, or a group the user
 made) holds, in its own in-process :class:`~distemb.kvstore.server.KVServer` (one
-:class:`~distemb.kvstore.shard.ShardTable` per shard), the partitions ``p`` of every dense
+:class:`~distemb.kvstore.server.shard.ShardTable` per shard), the partitions ``p`` of every dense
 table with ``p % W == r`` (the default policy has one range per rank; any partition policy
 works, as with servers) and a store of every keyed table holding the keys its router
 sends to ``r`` (:mod:`~distemb.kvstore.collective_keyed`). The ranks exchange rows over
@@ -58,12 +58,12 @@ import torch.distributed as dist
 from distemb import kernels
 from distemb.errors import KVStoreError
 from distemb.kernels import half
-from distemb.kvstore import snapshot
+from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.exchange import PULL, PUSH, UPDATE, Exchange, Payload, Routed, padded
 from distemb.kvstore.collective_keyed import CollectiveKeyedTables
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.local import init_shard
-from distemb.kvstore.server import KVServer
+from distemb.kvstore.server.kvserver import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding)
 from distemb.routers import PolicyRouter

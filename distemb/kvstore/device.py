@@ -5,7 +5,7 @@ device. :class:`HostTableOnDevice` is a view of a host client (embedded or remot
 looked-up rows go to a GPU and whose gradients are summed there, so only the unique rows'
 sums cross back; :class:`RowsOnDevice` is a view of a device client whose rows are copied
 to another device; :class:`CacheOnDevice` is the lookup view of a device cache
-(:mod:`distemb.kvstore.device_cache`). Views wrap a client and change only the placement
+(:mod:`distemb.kvstore.caches.device`). Views wrap a client and change only the placement
 half of the interface (see :mod:`distemb.kvstore.types`): storage goes to the wrapped
 client.
 
@@ -434,12 +434,12 @@ class RowsOnDevice(ClientView):
 
 class CacheOnDevice(ClientView):
     """Lookups onto the device through a device cache
-    (:class:`~distemb.kvstore.device_cache.DeviceCachedKVClient`).
+    (:class:`~distemb.kvstore.caches.device.DeviceCachedKVClient`).
 
     Rows come from the cache (misses fetched and admitted), gradients are summed on the
     device and handed back to the cache client's ``push_update`` as device tensors. The
     cache is any client with ``lookup``, ``device_ops`` and ``cache_device`` (this
-    module sits below :mod:`distemb.kvstore.device_cache`, which makes this view).
+    module sits below :mod:`distemb.kvstore.caches.device`, which makes this view).
 
     Args:
         cache: the cache client.
@@ -448,7 +448,7 @@ class CacheOnDevice(ClientView):
         >>> from distemb.config import parse_cache_config
         >>> from distemb.kernels.cuda import CudaUnavailableError
         >>> from distemb.kvstore import LocalKVClient
-        >>> from distemb.kvstore.device_cache import DeviceCachedKVClient
+        >>> from distemb.kvstore.caches.device import DeviceCachedKVClient
         >>> try:
         ...     kv = DeviceCachedKVClient(LocalKVClient(), parse_cache_config({"rows": 8}))
         ...     assert isinstance(kv.view_on("cuda"), CacheOnDevice)

@@ -4,9 +4,9 @@ import numpy as np
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore import snapshot
+from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.keyed import KeyedTables
-from distemb.kvstore.server import KVServer
+from distemb.kvstore.server.kvserver import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding, unknown_name)
 
@@ -41,7 +41,7 @@ class LocalKVClient(KeyedTables, KVClient):
 
     Array tables (``init_data``: rows 0..N-1 of a partition policy, one shard per
     partition) and keyed tables (``create_table``/``add_table``: one
-    :class:`~distemb.kvstore.shard.ShardTable` over the table's row store, see
+    :class:`~distemb.kvstore.server.shard.ShardTable` over the table's row store, see
     :mod:`distemb.kvstore.keyed`) live side by side in one
     :class:`~distemb.kvstore.server.KVServer`, one namespace, and are read, written and
     updated through its shards alike (a keyed table's state by its name too).
@@ -123,7 +123,7 @@ class LocalKVClient(KeyedTables, KVClient):
     def init_optimizer(self, name, rule, options):
         """Optimizer state of table ``name``: state arrays sharded like an array table,
         state columns in a keyed table's store (see
-        :meth:`~distemb.kvstore.shard.ShardTable.init_states`)."""
+        :meth:`~distemb.kvstore.server.shard.ShardTable.init_states`)."""
         if not self.is_keyed(name):
             return super().init_optimizer(name, rule, options)
         self.server.attach_states(name, self.PART,

@@ -13,7 +13,7 @@ gathered straight from their memory files (no round trip); writes still go to th
 server, the only writer of its rows, but their arrays travel through this trainer's
 request slot (:class:`~distemb.transport.slots.RequestSlot`): the frame on the socket
 only says where they lie (:mod:`distemb.kvstore.remote_shm`). Such a server answers an
-update before it applies it (:mod:`distemb.kvstore.early`).
+update before it applies it (:mod:`distemb.kvstore.server.early`).
 
 ``init_data`` and ``init_optimizer`` are collective, as in DGL: every trainer calls them
 in the same order (DistEmbedding/optimizer construction does), the first creator's
@@ -32,10 +32,10 @@ from distemb.kernels import half
 from distemb.enums import Consistency
 from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
                             TransportError)
-from distemb.kvstore import snapshot
+from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
                                    check_rounding)
-from distemb.kvstore.early import Applying
+from distemb.kvstore.server.early import Applying
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.remote_versions import HeldReplies, VersionedPulls
 from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables

@@ -6,7 +6,7 @@ one namespace: reads, writes, updates and checkpoints are that client's, for eve
 is here is a keyed table's creation and key management. :mod:`distemb.kvstore.keyed` has
 what keyed tables do differently at every client.
 
-Each server holds one store per table (:mod:`distemb.kvstore.catalog`), made there
+Each server holds one store per table (:mod:`distemb.kvstore.server.catalog`), made there
 from the table's spec, with the keys the table's router (:mod:`distemb.routers`) gives
 it: a dynamic table (:class:`~distemb.stores.hash.HashTableSpec`) has a hash store per
 server holding the keys ``k`` for which ``key_partition(k, num_servers)`` names it

@@ -3,7 +3,7 @@
 A mixin of :class:`~distemb.kvstore.remote.RemoteKVClient` (it uses that client's
 connections, request slots, mapped shards and its one ``_call``): reads of co-located
 shards straight from their memory files (never torn: the seqlock, and beside an update
-answered early, :class:`~distemb.kvstore.early.Applying`), and updates and pushes
+answered early, :class:`~distemb.kvstore.server.early.Applying`), and updates and pushes
 handed over in the trainer's request slot (docs/cluster.md, "Transports").
 
 Example (a trainer on the machine of server 0, under ``distemb-launch``)::
@@ -67,7 +67,7 @@ class SharedMemoryPaths:
     def _gather(self, shard, local, sid, name, part):
         """Rows ``local`` of a mapped shard of ``name`` (server ``sid``'s), never torn;
         None if writes kept it busy. Beside this trainer's update of it that the server
-        answered early, while it is applied (:class:`~distemb.kvstore.early.Applying`)."""
+        answered early, while it is applied (:class:`~distemb.kvstore.server.early.Applying`)."""
         rows = self._applying.gather(sid, name, part, shard, local, self._copy_rows)
         return rows if rows is not None else \
             shard.read(lambda a: self._copy_rows(a, local))

@@ -2,7 +2,7 @@
 
 A mixin of :class:`~distemb.kvstore.remote.RemoteKVClient` (it uses that client's
 routing and its one ``_call``), kept apart because only
-:class:`~distemb.kvstore.cache.CachedKVClient` asks for it: the servers keep a version per
+:class:`~distemb.kvstore.caches.trainer.CachedKVClient` asks for it: the servers keep a version per
 row (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`), the cache sends
 the versions it holds and gets back the rows, and optionally their optimizer state, that
 differ.

@@ -39,7 +39,7 @@ from distemb import kernels
 from distemb.kernels import half
 from distemb.arrays import Array, GlobalIds, Rows, Shape, Tensor, UniqueIds, check_shape
 from distemb.errors import KVStoreError
-from distemb.kvstore import snapshot
+from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.placement import HostPlacement
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper, rule_of, state_init, state_name
@@ -254,7 +254,7 @@ class KVClient(HostPlacement, ABC):
                    columns: Sequence[str]) -> dict:
         """Write ``columns`` of table ``name`` (``"weight"`` and optimizer states by their
         short names) into checkpoint ``directory`` as records of save ``save_id``
-        (:mod:`distemb.kvstore.snapshot`); the manifest is the caller's.
+        (:mod:`distemb.kvstore.checkpoint.snapshot`); the manifest is the caller's.
 
         The default pulls the rows in blocks into one record; clients that own their
         shards (embedded, servers, collective ranks) write one record per shard, where

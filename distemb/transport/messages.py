@@ -275,7 +275,7 @@ class Update(RowsMessage):
     trainer cache holds (-1: not held; any other negative: held, version unknown). The
     reply then carries, instead of versions, what keeps the held copies equal to the
     owner's rows after the step (:meth:`KVService._held_reply
-    <distemb.kvstore.service.KVService._held_reply>`): the positions of held rows written
+    <distemb.kvstore.server.service.KVService._held_reply>`): the positions of held rows written
     outside the step since (drop them), and the positions, new versions and summed
     gradients of held rows other trainers' gradients reached in the step.
     """
@@ -379,7 +379,7 @@ class _ShardsMessage(Message):
 
 class Save(_ShardsMessage):
     """Write these shards into checkpoint ``directory`` as records of save ``save_id``
-    (:mod:`distemb.kvstore.snapshot`); the reply's ``records`` are the manifest's."""
+    (:mod:`distemb.kvstore.checkpoint.snapshot`); the reply's ``records`` are the manifest's."""
 
     SERVICE = Service.SAVE
     FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "starts": int_list,

@@ -1,5 +1,5 @@
-"""ShardCheckpoint: how a :class:`~distemb.kvstore.shard.ShardTable` writes and reads
-its checkpoint records (the format is :mod:`distemb.kvstore.snapshot`'s).
+"""ShardCheckpoint: how a :class:`~distemb.kvstore.server.shard.ShardTable` writes and reads
+its checkpoint records (the format is :mod:`distemb.kvstore.checkpoint.snapshot`'s).
 
 An array table's rows are saved as the keys of its policy's progression; a store's with
 its keys (as the table's keys, by its router). A load is all or nothing, and a store of
@@ -7,7 +7,7 @@ any key takes the saved keys its router gives it, as many as its capacity allows
 
 Example:
     >>> import tempfile
-    >>> from distemb.kvstore.shard import ShardTable
+    >>> from distemb.kvstore.server.shard import ShardTable
     >>> from distemb.stores import DenseStore, HashStore
     >>> d = tempfile.mkdtemp()
     >>> a = ShardTable(DenseStore(3, 2))
@@ -21,13 +21,13 @@ Example:
 import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
-from distemb.kvstore import snapshot
+from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.limits import check_fits
 from distemb.stores.types import WEIGHT
 
 
 class ShardCheckpoint:
-    """Mixin of :class:`~distemb.kvstore.shard.ShardTable`: its :meth:`save` and
+    """Mixin of :class:`~distemb.kvstore.server.shard.ShardTable`: its :meth:`save` and
     :meth:`load` (it has ``store``, ``router``, ``part``, ``arrays``, the locks, the
     versions and the columns)."""
 
@@ -46,7 +46,7 @@ class ShardCheckpoint:
 
     def save(self, directory, save_id, name, columns=None, start=0, step=1):
         """Write ``columns`` (None: every one) of this shard of table ``name`` as a
-        checkpoint record (:func:`~distemb.kvstore.snapshot.write_shard`).
+        checkpoint record (:func:`~distemb.kvstore.checkpoint.snapshot.write_shard`).
 
         An array table's row ``k`` is the table's key ``start + k * step`` (its policy's
         progression); each block is copied under the read lock, so a save runs beside
@@ -81,18 +81,18 @@ class ShardCheckpoint:
     def load(self, directory, entry, columns=None, start=0, step=1, verify=True, apply=True,
              name="the shard"):
         """Fill ``columns`` (None: every one) of this shard from a table's checkpoint
-        entry (:func:`~distemb.kvstore.snapshot.table_entry`), all or nothing.
+        entry (:func:`~distemb.kvstore.checkpoint.snapshot.table_entry`), all or nothing.
 
         An array table's rows are keys ``start + k * step`` and must be covered exactly
         once. A store takes the saved keys its router gives this shard (all of them
         without a router); one that inserts holds the checkpoint's keys only afterwards.
         Every version changes (cached copies of the rows are void). ``verify`` and
         ``apply`` split the load into its checking and writing passes (a load of several
-        shards checks them all first: :func:`~distemb.kvstore.snapshot.load_shard`).
+        shards checks them all first: :func:`~distemb.kvstore.checkpoint.snapshot.load_shard`).
         ``name`` names the table in errors.
 
         Raises:
-            KVStoreError: see :func:`~distemb.kvstore.snapshot.load_shard`; a load that
+            KVStoreError: see :func:`~distemb.kvstore.checkpoint.snapshot.load_shard`; a load that
                 would not fit in memory.
         """
         cols = self._saved_columns(columns)

@@ -36,8 +36,8 @@ import numpy as np
 from distemb import kernels
 from distemb.errors import KVStoreError, PartitionError, StoreError
 from distemb.kernels import half
-from distemb.kvstore.rwlock import RWLock
-from distemb.kvstore.shard_checkpoint import ShardCheckpoint
+from distemb.kvstore.server.rwlock import RWLock
+from distemb.kvstore.server.shard_checkpoint import ShardCheckpoint
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 

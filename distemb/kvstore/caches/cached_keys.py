@@ -1,7 +1,7 @@
 """CachedKeys: what only keyed tables have, for a cache that owns copies of their rows.
 
 A cache that is the one writer of the rows it holds (the device cache,
-:mod:`distemb.kvstore.device_cache`) passes a keyed table's key management and whole-table
+:mod:`distemb.kvstore.caches.device`) passes a keyed table's key management and whole-table
 moves to the client it wraps, settling its own copies first, so every call sees the
 current rows:
 
@@ -64,7 +64,7 @@ class CachedKeys:
     ``inner``. Listed before the client's other bases.
 
     Example:
-        >>> from distemb.kvstore.device_cache import DeviceCachedKVClient
+        >>> from distemb.kvstore.caches.device import DeviceCachedKVClient
         >>> issubclass(DeviceCachedKVClient, CachedKeys)
         True
     """

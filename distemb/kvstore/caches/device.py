@@ -23,19 +23,19 @@ a second trainer updating the same row on its server would be lost at write-back
 would train on a stale row). Keeping that exact needs the owner to hand out ownership
 of rows (leases, with other trainers' pushes forwarded or refused), which the servers
 do not do; writing every update through instead (the versioned protocol of
-:mod:`distemb.kvstore.cache`) would send every gradient across PCIe and the network
+:mod:`distemb.kvstore.caches.trainer`) would send every gradient across PCIe and the network
 each step, which is what the host trainer cache already does. So a cluster of several
 trainers is refused (``num_trainers``); there, use the trainer cache
 (``cache`` in the cluster config) with ``emb(ids, device="cuda")`` lookups.
 
 Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
-:class:`~distemb.kvstore.table_cache.TableCache`, on the host; rows and state are torch tensors
+:class:`~distemb.kvstore.caches.table.TableCache`, on the host; rows and state are torch tensors
 on the device, touched by torch indexing and the device's kernels (:mod:`distemb.kernels.
 cuda`, or a CPU stand-in in tests). Keyed tables (hash, file: any int64 key) are cached
 as dense ones, with a hashed slot map; their key management and whole-table moves settle
 the cached copies first, and a hash table with a capacity (its store evicts on its own,
 and could drop a row only the cache holds) is refused, naming both
-(:mod:`distemb.kvstore.cached_keys`). Other tables than float32 rows pass through (half
+(:mod:`distemb.kvstore.caches.cached_keys`). Other tables than float32 rows pass through (half
 tables too: their owner rounds every update to 16 bits).
 """
 from typing import Dict, Optional
@@ -49,8 +49,8 @@ from distemb.kernels import cuda
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore import device as device_kv
 from distemb.kvstore.device import CacheOnDevice
-from distemb.kvstore.cached_keys import CachedKeys
-from distemb.kvstore.table_cache import TableCache
+from distemb.kvstore.caches.cached_keys import CachedKeys
+from distemb.kvstore.caches.table import TableCache
 from distemb.kvstore.placement import PlacedAsInner
 from distemb.kvstore.types import KVClient
 from distemb.rules import rule_of, state_name, state_owner
@@ -401,7 +401,7 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
     def _admit(self, name, cache, uniq, new, slots, cached, rows, victims=None):
         """Put rows ``uniq[new]`` (fetched as ``rows``) in slots, writing victims back
         (``victims``: LFU's choice, :meth:`TableCache.worth_keeping
-        <distemb.kvstore.table_cache.TableCache.worth_keeping>`)."""
+        <distemb.kvstore.caches.table.TableCache.worth_keeping>`)."""
         if not len(new):
             return
         before = cache.map.ids.copy()  # admit() evicts: the victims' ids are needed

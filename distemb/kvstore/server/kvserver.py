@@ -1,6 +1,6 @@
 """KVServer: owns named shards and runs the pull, push and update handlers.
 
-A shard is one partition of one named tensor: a :class:`~distemb.kvstore.shard.ShardTable`
+A shard is one partition of one named tensor: a :class:`~distemb.kvstore.server.shard.ShardTable`
 over a :class:`~distemb.stores.dense.DenseStore` whose weight column is the array the
 server was given, with the table's optimizer-state arrays (``"<table>~opt~<state>"``)
 held as columns of the same store. The server uses
@@ -29,7 +29,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
-from distemb.kvstore.shard import VERSION_EPOCH, ShardTable
+from distemb.kvstore.server.shard import VERSION_EPOCH, ShardTable
 from distemb.rules import Hyper, rule_of, state_name, state_owner
 from distemb.stores.dense import DenseStore
 from distemb.stores.types import WEIGHT
@@ -37,7 +37,7 @@ from distemb.stores.types import WEIGHT
 class KVServer:
     """Holds shards ``(name, part) -> array`` and applies requests to them.
 
-    Each table's shard is one :class:`~distemb.kvstore.shard.ShardTable`; the shards of
+    Each table's shard is one :class:`~distemb.kvstore.server.shard.ShardTable`; the shards of
     its optimizer state (named ``state_name(table, state)``) are columns of that table's
     store, so they share its lock, seqlock and row versions.
 
@@ -181,13 +181,13 @@ class KVServer:
                                f"{name!r}") from None
 
     def table(self, name, part):
-        """The :class:`~distemb.kvstore.shard.ShardTable` of shard ``part`` of ``name``
+        """The :class:`~distemb.kvstore.server.shard.ShardTable` of shard ``part`` of ``name``
         (a state's name gives its table's)."""
         return self._entry(name, part)[0]
 
     def row_dtype(self, name, part):
         """The dtype of shard ``part`` of ``name``'s rows in requests and replies: a
-        table's :attr:`~distemb.kvstore.shard.ShardTable.wire_dtype`, a state's own."""
+        table's :attr:`~distemb.kvstore.server.shard.ShardTable.wire_dtype`, a state's own."""
         table, column = self._entry(name, part)
         return table.wire_dtype if column == WEIGHT else table.store.column(column).dtype
 
@@ -205,13 +205,13 @@ class KVServer:
 
     def pull(self, name, part, local_ids, out=None, access=True):
         """Rows ``local_ids`` of the shard, into ``out`` when given (see
-        :meth:`ShardTable.pull <distemb.kvstore.shard.ShardTable.pull>`)."""
+        :meth:`ShardTable.pull <distemb.kvstore.server.shard.ShardTable.pull>`)."""
         table, column = self._entry(name, part)
         return table.pull(local_ids, column, out, self.num_threads, access)
 
     def versions(self, name, part, local_ids, insert=True):
         """Write counters of rows ``local_ids`` of shard ``part`` of ``name`` (see
-        :meth:`ShardTable.versions <distemb.kvstore.shard.ShardTable.versions>`).
+        :meth:`ShardTable.versions <distemb.kvstore.server.shard.ShardTable.versions>`).
 
         A row's version changes with every write of the row or of its optimizer state;
         an update adds the number of trainers' gradients it applied (sync_exact sums).
@@ -255,7 +255,7 @@ class KVServer:
         """:meth:`update` in two halves (one trainer's gradients): checked, and the shard
         locked for writing with its seqlock counters odd, now; applied, and the lock
         released, by the function it returns (see :meth:`ShardTable.update_later
-        <distemb.kvstore.shard.ShardTable.update_later>`).
+        <distemb.kvstore.server.shard.ShardTable.update_later>`).
 
         Returns:
             (the weight's seqlock counter while locked, or None when it has none; apply).
@@ -270,7 +270,7 @@ class KVServer:
         """Checkpoint records of ``shards`` (``[(part, start, step)]``: an array table's
         parts with their key progressions, a keyed table's shard with ``(0, 1)``) of
         table ``name``, its optimizer state with it (see :meth:`ShardTable.save
-        <distemb.kvstore.shard_checkpoint.ShardCheckpoint.save>`)."""
+        <distemb.kvstore.server.shard_checkpoint.ShardCheckpoint.save>`)."""
         return [self.table(name, part).save(directory, save_id, name, columns, start, step)
                 for part, start, step in shards]
 
@@ -279,7 +279,7 @@ class KVServer:
         ``entry``, all or nothing: every shard is checked before any is written.
 
         Raises:
-            KVStoreError: see :meth:`ShardTable.load <distemb.kvstore.shard_checkpoint.ShardCheckpoint.load>`.
+            KVStoreError: see :meth:`ShardTable.load <distemb.kvstore.server.shard_checkpoint.ShardCheckpoint.load>`.
         """
         tables = [(self.table(name, part), start, step) for part, start, step in shards]
         passes = [{}] if len(tables) == 1 else [{"apply": False}, {"verify": False}]

@@ -6,7 +6,7 @@ written to ``<file>.tmp``, fsynced and renamed; its file name carries the save's
 a digest of its name, never user text. A reader opens only regular files (a FIFO cannot
 block it), checks the size against the record, allocates no block larger than the
 machine can hold, and checks every block's CRC as it reads it. Records and manifests
-are :mod:`distemb.kvstore.snapshot`'s.
+are :mod:`distemb.kvstore.checkpoint.snapshot`'s.
 
 Example:
     >>> import numpy as np, tempfile

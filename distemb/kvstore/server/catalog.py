@@ -1,7 +1,7 @@
 """Catalog: the tables one server holds, and the requests that make, drop, checkpoint
 and manage them.
 
-Every table a server holds is a :class:`~distemb.kvstore.shard.ShardTable` per shard in
+Every table a server holds is a :class:`~distemb.kvstore.server.shard.ShardTable` per shard in
 its :class:`~distemb.kvstore.server.KVServer`, made one of two ways by one ``Create``:
 
 - array tables: shards of rows 0..N-1 the trainers route by a partition policy, their
@@ -13,15 +13,15 @@ its :class:`~distemb.kvstore.server.KVServer`, made one of two ways by one ``Cre
   keys, which its ShardTable checks against the router before the store sees them.
 
 Both kinds take optimizer state (``OptInit``), are dropped (``Drop``) and checkpointed
-(``Save``/``Load``, :mod:`distemb.kvstore.snapshot`) by the same requests; a table made
+(``Save``/``Load``, :mod:`distemb.kvstore.checkpoint.snapshot`) by the same requests; a table made
 from a spec also has its keys managed (``Get`` without inserting, ``Remove``, ``Info``
 with eviction, ``Export``). Their rows are read, written and updated by the row requests
-of :class:`~distemb.kvstore.service.KVService`. Every request is decoded and checked by
+of :class:`~distemb.kvstore.server.service.KVService`. Every request is decoded and checked by
 :mod:`distemb.transport.messages` first; any failure becomes an error reply.
 
 Example:
     >>> import numpy as np
-    >>> from distemb.kvstore.server import KVServer
+    >>> from distemb.kvstore.server.kvserver import KVServer
     >>> from distemb.stores.spec import HashTableSpec
     >>> from distemb.transport.messages import Create, Get
     >>> srv = KVServer()
@@ -41,7 +41,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kernels.half import dtype_name, storage_dtype
-from distemb.kvstore import snapshot
+from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.limits import check_disk, check_fits, check_request
 from distemb.rules import check_table_name, rule_of, state_init, state_name, state_owner
 from distemb.stores.spec import spec_from_fields

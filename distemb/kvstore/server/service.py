@@ -35,11 +35,11 @@ from distemb import kernels
 from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, TransportError
 from distemb.kernels.half import dtype_name
-from distemb.kvstore.catalog import WEIGHT_DTYPES, Catalog
-from distemb.kvstore.early import answer_early, may_answer_early
-from distemb.kvstore.exact import ExactSteps, held_reply
+from distemb.kvstore.server.catalog import WEIGHT_DTYPES, Catalog
+from distemb.kvstore.server.early import answer_early, may_answer_early
+from distemb.kvstore.server.exact import ExactSteps, held_reply
 from distemb.kvstore.limits import check_request
-from distemb.kvstore.server import KVServer  # noqa: F401 (the docstring example uses it)
+from distemb.kvstore.server.kvserver import KVServer  # noqa: F401 (the docstring example uses it)
 from distemb.rules import rule_of, state_name
 from distemb.schema import default_of
 from distemb.transport.base import FLAG_NO_REPLY, MAX_MESSAGE_BYTES, EarlyReply, Session
@@ -167,7 +167,7 @@ class KVService:
     def _rows(self, m):
         """(part, store keys, slice) per part of a rows message: an array table's local
         ids range-checked, a spec'd table's keys checked against its router and mapped
-        (:meth:`~distemb.kvstore.shard.ShardTable.local_keys`)."""
+        (:meth:`~distemb.kvstore.server.shard.ShardTable.local_keys`)."""
         out, start = [], 0
         for part, n in zip(m.parts, m.counts):
             sl = slice(start, start + n)

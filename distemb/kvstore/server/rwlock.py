@@ -1,6 +1,6 @@
 """RWLock: many readers or one writer, writers first.
 
-The lock of every shard (:class:`~distemb.kvstore.shard.ShardTable`): pulls hold it
+The lock of every shard (:class:`~distemb.kvstore.server.shard.ShardTable`): pulls hold it
 shared, so they run in parallel; pushes and updates hold it exclusive; a writer waiting
 keeps new readers out, so updates never starve behind a stream of pulls.
 

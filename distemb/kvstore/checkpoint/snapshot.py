@@ -2,7 +2,7 @@
 
 A checkpoint is a directory. Every shard of every table is one *record*: a segment file
 per column (the weight and each optimizer state), plus one of the shard's keys when its
-keys are not fixed. A segment (:mod:`distemb.kvstore.segments`) holds rows in the
+keys are not fixed. A segment (:mod:`distemb.kvstore.checkpoint.segments`) holds rows in the
 shard's order, in bounded blocks with a CRC-32 per block; the key of row ``k`` is the
 keys segment's ``k``-th key, or, for a fixed key set, ``start + k * step`` (a range
 partition has step 1, a hash partition step P). Names carry the save's id, so a new
@@ -40,7 +40,7 @@ import numpy as np
 from distemb.errors import KVStoreError
 from distemb.kernels import half
 from distemb.kvstore.limits import check_fits
-from distemb.kvstore.segments import Segment, write_segment
+from distemb.kvstore.checkpoint.segments import Segment, write_segment
 from distemb.rules import state_name, state_owner
 from distemb.stores.types import WEIGHT
 

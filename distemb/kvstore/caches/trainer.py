@@ -4,7 +4,7 @@ Graph mini-batches touch a few hot rows most of the time (power-law degrees), so
 trainer keeps a copy of them. The cache is a view of the remote client (storage calls,
 key management and coalescing go to it); it changes how rows of float32 (N, D) tables,
 dense or keyed (any int64 key: the slot map and pull counts are then hashed,
-:mod:`distemb.kvstore.table_cache`), are pulled and what happens after an update:
+:mod:`distemb.kvstore.caches.table`), are pulled and what happens after an update:
 
 - Each cached row is held with its optimizer state and the *version* its owning server
   gave it (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`: a
@@ -41,7 +41,7 @@ Modes (:class:`~distemb.config.CacheConfig`):
   ``2 (s - 1) lr`` of its owner's (tests/test_cache_cluster.py).
 
 Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
-counts how often each row was pulled lately (halved every :data:`~distemb.kvstore.table_cache.DECAY` pulls) and keeps
+counts how often each row was pulled lately (halved every :data:`~distemb.kvstore.caches.table.DECAY` pulls) and keeps
 a new row pulled twice lately in a free slot or in place of a row seen less often
 (TinyLFU admission): rows it does not keep come without their optimizer state, so a
 cold row costs what it costs without a cache. A cache whose copies served under 2% of
@@ -60,7 +60,7 @@ import numpy as np
 from distemb import kernels
 from distemb.config import CacheConfig
 from distemb.enums import Consistency
-from distemb.kvstore.table_cache import TableCache, unique_inverse
+from distemb.kvstore.caches.table import TableCache, unique_inverse
 from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.placement import PlacedAsInner
