@@ -2,10 +2,10 @@
 
 One table class for every storage: dense rows 0..N-1 (the default), any int64 key
 (``num_embeddings=None``: a hash table that grows and evicts) or any row store
-(``storage=``: a store object, or a spec such as a file-backed table). The rows are a
-:class:`~distemb.tensor.DistTensor` or a :class:`~distemb.tensor.StoreTensor`, which
-answer the key-management calls (``size``, ``contains``, ``get``, ``remove``,
-``evict``, ``export``, ...) each for its kind: what a kind cannot do is refused naming it.
+(``storage=``: a store object, or a spec such as a file-backed table). The rows are one
+:class:`~distemb.tensor.DistTensor`, which answers the key-management calls (``size``,
+``contains``, ``get``, ``remove``, ``evict``, ``export``, ...) for every table: what a
+table's store cannot do is refused naming it.
 """
 import json
 import os
@@ -171,8 +171,8 @@ class DistEmbedding:
                                  "lifetime) is for dense tables")
             _check_no_seed(rounding_seed)
             self._tensor = store_tensor(num_embeddings, embedding_dim, name, init_func,
-                                         part_policy, context, device, dtype_name, rounding,
-                                         storage, type(self).__name__.lower())
+                                        part_policy, context, device, dtype_name, rounding,
+                                        storage)
         else:
             _positive_int(num_embeddings, "num_embeddings")
             seed = rounding_seed if rounding is Rounding.STOCHASTIC else None

@@ -10,7 +10,9 @@ import pytest
 
 from distemb import checkpoint
 from distemb.errors import KVStoreError
-from distemb.kvstore import LocalKVClient, segments
+from distemb.kvstore import LocalKVClient
+from distemb.kvstore.checkpoint import segments
+from distemb.kvstore.checkpoint.shards import load_shard
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 
@@ -59,17 +61,17 @@ def test_segments_that_miss_rows_or_ask_for_huge_blocks_change_nothing(tmp_path)
     shard = one.server.table("w", 0)
     half = dict(entry, shards=entry["shards"][:1])  # rows 0..4 only
     with pytest.raises(KVStoreError, match="covers row 5 of the 10 asked for 0 times"):
-        shard.load(ck, half, None, 0, 1)
+        load_shard(shard, ck, half)
     twice = dict(entry, shards=entry["shards"][:1] * 2)  # rows 0..4 twice, 5..9 never
     with pytest.raises(KVStoreError, match="covers row 0 of the 10 asked for 2 times"):
-        shard.load(ck, twice, None, 0, 1)
+        load_shard(shard, ck, twice)
     np.testing.assert_array_equal(one.pull("w", np.arange(10)), live)
     big = dict(entry, shards=[dict(r, columns={"weight": dict(
         r["columns"]["weight"], segment=dict(r["columns"]["weight"]["segment"],
                                              block_rows=1 << 40, crc32=[0]))})
         for r in entry["shards"]])
     with pytest.raises(KVStoreError, match="block_rows .* is more than a save"):
-        kv.server.table("w", 0).load(ck, big, None, 0, 1)
+        load_shard(kv.server.table("w", 0), ck, big)
     np.testing.assert_array_equal(kv.pull("w", np.arange(10)), live)
 
 

@@ -238,8 +238,9 @@ def test_world_of_one_pulls_pushes_and_trains_as_embedded(ctx):
 
 def test_not_yet_in_collective_mode_is_refused(ctx):
     emb = DistEmbedding(10, 3, name="refused", context=ctx)
-    with pytest.raises(KVStoreError, match="a store object lives in one process, and this "
-                                           "client's tables are sharded over its ranks"):
+    with pytest.raises(KVStoreError, match="CollectiveKVClient: cannot hold table 'given' on "
+                                           "a HashStore object: a store object lives in one "
+                                           "process, and this client's tables are sharded"):
         StoreEmbedding(HashStore(4), name="given", context=ctx)
     with pytest.raises(KVStoreError, match="onto 'cuda' is not available in collective"):
         emb(torch.tensor([1]), device="cuda")

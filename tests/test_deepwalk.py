@@ -173,9 +173,11 @@ def cuda_twin(monkeypatch):
     """Make device='cuda' give distemb tables on the CPU running the CUDA kernels' twin."""
     from cpu_cuda_twin import CpuCudaTwin
     from distemb.kvstore import device as device_kv
+    from distemb.kvstore import views as views_kv
 
     ops = CpuCudaTwin()
     monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(views_kv, "cuda_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(device_kv.DeviceKVClient, "ops", ops)
     return ops
 

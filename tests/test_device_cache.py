@@ -20,6 +20,7 @@ from distemb.errors import ConfigError, DistEmbError, KVStoreError
 from distemb.kernels import cuda
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore import device as device_kv
+from distemb.kvstore import views as views_kv
 from distemb.kvstore.caches.device import CacheOnDevice, DeviceCachedKVClient
 from distemb.optim import SparseAdagrad, SparseAdam
 from distemb.partition import range_policy
@@ -40,7 +41,8 @@ def twin(monkeypatch):
     """device='cuda' means the CPU, running CpuCudaTwin (for the cache and the view)."""
     ops = CpuCudaTwin()
     monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
-    monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", ops)
+    monkeypatch.setattr(views_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(views_kv.HostTableOnDevice, "ops", ops)
     monkeypatch.setattr(DeviceCachedKVClient, "device_ops", ops)
     return ops
 

@@ -14,7 +14,7 @@ from mp_helper import cluster_dict
 from distemb.config import parse_cluster_config
 from distemb.errors import KVStoreError
 from distemb.kernels import reference
-from distemb.kvstore import early
+from distemb.kvstore.server import early
 from distemb.kvstore.server.early import may_answer_early
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
@@ -98,8 +98,8 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, mon
             else:
                 reference.sgd_update(weight, ids, grads, hyper.lr)
             np.testing.assert_allclose(got, weight[look], rtol=1e-6, atol=1e-6)
-        assert kv._applying.beside > 0, "no lookup ran beside an update: a void test"
-        assert bool(kv._applying._marks) is (marks == "bool per row")
+        assert kv.servers.applying.beside > 0, "no lookup ran beside an update: a void test"
+        assert bool(kv.servers.applying._marks) is (marks == "bool per row")
     finally:
         kv.delete_data("early")
         kv.close(goodbye=False)

@@ -16,6 +16,8 @@ import pytest
 
 from mp_helper import ProcessGroup, cluster_dict, memory_files, shm_files, write_json
 
+from distemb.partition import layout_policy
+from distemb.stores.dense import DenseSpec
 from distemb.config import parse_cluster_config
 from distemb.errors import TransportError
 from distemb.kvstore.remote import RemoteKVClient
@@ -84,8 +86,7 @@ class Server:
 def SpecCreate(name, flags=0, **fields):
     """The Create of table ``name`` from a spec's fields (``spec.fields()``, each one a
     keyword: fuzzers replace them one by one)."""
-    return Create(name=name, flags=flags, dtype="", row_shape=[], parts=[], part_rows=[],
-                  spec=fields)
+    return Create(name=name, flags=flags, spec=fields)
 
 
 def ask(conn, msg):
@@ -147,21 +148,18 @@ def test_tables_the_server_cannot_hold_are_refused_and_leave_no_shared_memory(tm
         srv = Server(tmp_path, group, shared_memory=True)
         conn = srv.connect()
         before = srv.shm_files()
-        err = ask(conn, Create(name="overflow", dtype="float32", row_shape=[1 << 30],
-                               parts=[0, 1 << 20], part_rows=[1, 1 << 40]))
+        err = ask(conn, Create.of_spec("overflow", DenseSpec((1 << 41, 1 << 15))))
         assert err.service == Service.ERROR and "more than" in err.fields["message"]
         # 2 TiB on this machine: refused with the bytes asked for and the bytes left.
-        err = ask(conn, Create(name="huge", dtype="float32", row_shape=[128], parts=[0],
-                               part_rows=[1 << 32]))
+        err = ask(conn, Create.of_spec("huge", DenseSpec((1 << 32, 128))))
         msg = err.fields["message"]
         assert "needs 2,199,023,255,552 bytes" in msg and "left in" in msg, msg
         # A small first shard and a huge second one: nothing is allocated at all.
-        err = ask(conn, Create(name="half", dtype="float32", row_shape=[4], parts=[0, 1],
-                               part_rows=[10, 1 << 38]))
+        uneven = layout_policy(("range", (0, 10, 10 + (1 << 38))), 10 + (1 << 38))
+        err = ask(conn, Create.of_spec("half", DenseSpec((10 + (1 << 38), 4), policy=uneven)))
         assert "needs 4,398,046,511,264 bytes" in err.fields["message"], err.fields
         assert srv.shm_files() == before
-        reply = ask(conn, Create(name="ok", dtype="float32", row_shape=[4], parts=[0],
-                                 part_rows=[10]))
+        reply = ask(conn, Create.of_spec("ok", DenseSpec((10, 4), "float32")))
         assert reply.service == Service.REPLY and len(srv.shm_files()) == len(before) + 1
         assert ask(conn, Drop(name="ok")).service == Service.REPLY
         srv.finish(group)

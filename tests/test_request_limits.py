@@ -14,6 +14,7 @@ import pytest
 from mp_helper import ProcessGroup
 from test_hostile import Server, SpecCreate, ask, closed
 
+from distemb.stores.dense import DenseSpec
 from distemb.kvstore.limits import check_request
 from distemb.stores.spec import FileTableSpec, HashTableSpec
 from distemb.transport.base import HEADER, MAGIC, VERSION
@@ -43,8 +44,7 @@ def test_requests_over_the_limit_are_refused_before_the_server_allocates(tmp_pat
     with ProcessGroup() as group:
         srv = Server(tmp_path, group, max_message_bytes=MIB)
         conn = srv.connect()
-        assert ask(conn, Create(name="wide", dtype="float32", row_shape=[WIDE], parts=[0],
-                                part_rows=[8])).service == Service.REPLY  # 2 MiB: a table
+        assert ask(conn, Create.of_spec("wide", DenseSpec((8, WIDE), "float32"))).service == Service.REPLY  # 2 MiB: a table
         ids = np.arange(5, dtype=np.int64)  # 5 rows of 256 KiB: 1.25 MiB
         for msg in (Pull(name="wide", parts=[0], counts=[5], ids=ids),
                     VersionedPull(name="wide", parts=[0], counts=[5], ids=ids,

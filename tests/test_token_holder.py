@@ -34,8 +34,10 @@ from test_hostile import Server, SpecCreate, ask
 from test_shm_writes import HOSTILE_FDS, hostile_fd, sealed
 
 from distemb import checkpoint
+from distemb.stores.dense import DenseSpec
 from distemb.kernels.half import BFLOAT16
-from distemb.kvstore import LocalKVClient, segments
+from distemb.kvstore import LocalKVClient
+from distemb.kvstore.checkpoint import segments
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
@@ -513,8 +515,7 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         srv = Server(tmp_path, group, shared_memory=True, timeout_s=2.0)
         holder = Holder(srv)
         # The attacked tables, made by the holder itself (valid requests).
-        holder.ok(Create(name="keep", dtype="float32", row_shape=[DIM], parts=[0],
-                         part_rows=[ROWS]))
+        holder.ok(Create.of_spec("keep", DenseSpec((ROWS, DIM), "float32")))
         holder.ok(Push(name="keep", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                        values=rng.standard_normal((ROWS, DIM)).astype(np.float32)))
         holder.ok(OptInit(name="keep", rule="adagrad",
@@ -522,8 +523,7 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         holder.ok(Update(name="keep", rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10},
                          seq=1, exact=False, parts=[0], counts=[3], ids=ids(0, 4, 9),
                          grads=rng.standard_normal((3, DIM)).astype(np.float32)))
-        holder.ok(Create(name="half", dtype="bfloat16", row_shape=[DIM], parts=[0],
-                         part_rows=[ROWS]))
+        holder.ok(Create.of_spec("half", DenseSpec((ROWS, DIM), "bfloat16")))
         holder.ok(Push(name="half", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                        values=np.arange(ROWS * DIM, dtype=np.uint16).reshape(ROWS, DIM)
                        .view(BFLOAT16)))

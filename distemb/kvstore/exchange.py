@@ -247,6 +247,110 @@ class Exchange:
         return Received(self.all_to_all(describe(op, names), buf, sizes, sizes_in), sizes_in)
 
 
+    # -- the routed rounds of a call: each table's ids to their owners ------------------
+
+    def send(self, op, names, routes, columns, flags=None, label=None):
+        """One round: to each rank, the counts of ids of every table (and ``flags``, one
+        int64 per table, when given), each table's ids, then each table's rows of every
+        column of ``columns`` (a list of arrays per table, in the caller's id order; the
+        same number, dtypes and row shapes on every rank).
+
+        Args:
+            routes: a :class:`Routed` per table.
+            label: what the header names (default: ``names``).
+
+        Returns:
+            per table ``(ids received in rank order, [each column's rows received], ids
+            from each rank)``, and the (tables, W) flags each rank sent (zeros without
+            ``flags``).
+        """
+        w, n = self.world_size, len(names)
+        payload = Payload(w)
+        for d in range(w):
+            payload.add(d, np.array([r.counts[d] for r in routes], np.int64))
+            if flags is not None:
+                payload.add(d, np.asarray(flags, np.int64))
+            for r in routes:
+                payload.add(d, r.of(d, r.ids))
+        taken = [[c[r.pos] for c in cols] for r, cols in zip(routes, columns)]
+        for d in range(w):
+            for r, cols in zip(routes, taken):
+                for c in cols:
+                    payload.add(d, r.of(d, c))
+        got = self.round(op, names if label is None else label, payload)
+        counts = np.empty((n, w), np.int64)
+        sent = np.zeros((n, w), np.int64)
+        ids = [[] for _ in range(n)]
+        for src in range(w):
+            counts[:, src] = got.take(src, np.int64, (n,))
+            if flags is not None:
+                sent[:, src] = got.take(src, np.int64, (n,))
+            for t in range(n):
+                ids[t].append(got.take(src, np.int64, (counts[t, src],)))
+        rows = [[[] for _ in cols] for cols in taken]
+        for src in range(w):
+            for t, cols in enumerate(taken):
+                for j, c in enumerate(cols):
+                    rows[t][j].append(got.take(src, c.dtype, (counts[t, src],) + c.shape[1:]))
+        out = [(np.concatenate(ids[t]), [np.concatenate(c) for c in rows[t]], counts[t])
+               for t in range(n)]
+        return out, sent
+
+    def ask(self, op, names, routes, answer, reply, label=None):
+        """A call that sends each table's ids to their owners and brings one answer row
+        per id back: three rounds for all the tables (header, ids, answers).
+
+        Args:
+            routes: a :class:`Routed` per table.
+            answer: ``answer(t, ids from every rank in rank order)`` -> the owner's answer
+                rows for them, in order.
+            reply: ``reply(t)`` -> (dtype, row shape) of table ``t``'s answers.
+            label: what the header names (default: ``names``).
+
+        Returns:
+            per table, the answers in the order of its ids.
+        """
+        label = names if label is None else label
+        got, _ = self.send(op, names, routes, [[] for _ in names], label=label)
+        shapes = [reply(t) for t in range(len(names))]
+        payload = Payload(self.world_size)
+        answers = [answer(t, ids) for t, (ids, _, _) in enumerate(got)]
+        for src in range(self.world_size):
+            for (_, _, counts), rows in zip(got, answers):
+                lo = int(counts[:src].sum())
+                payload.add(src, rows[lo:lo + counts[src]])
+        sizes = [sum(padded(int(r.counts[d]) * np.dtype(dt).itemsize *
+                            int(np.prod(shape, dtype=np.int64)))
+                     for r, (dt, shape) in zip(routes, shapes))
+                 for d in range(self.world_size)]
+        back = self.reply(op, label, payload, sizes)
+        out = []
+        for r, (dt, shape) in zip(routes, shapes):
+            rows = np.empty((int(r.counts.sum()),) + tuple(shape), dt)
+            if len(r.pos):
+                rows[r.pos] = np.concatenate([back.take(d, dt, (int(r.counts[d]),) + shape)
+                                              for d in range(self.world_size)])
+            out.append(rows)
+        return out
+
+    def everyone(self, what, name, arrays):
+        """Send ``arrays`` (this rank's) to every rank: each rank's, in rank order (a
+        header round, so ranks in other calls raise)."""
+        payload = Payload(self.world_size)
+        head = np.array([len(a) for a in arrays], np.int64)
+        for d in range(self.world_size):
+            payload.add(d, head)
+            for a in arrays:
+                payload.add(d, a)
+        got = self.round(KEYS, [f"{what} of", name], payload)
+        out = []
+        for src in range(self.world_size):
+            n = got.take(src, np.int64, (len(arrays),))
+            out.append([got.take(src, a.dtype, (int(k),) + a.shape[1:]).copy()
+                        for a, k in zip(arrays, n)])
+        return out
+
+
 def join_process_group(timeout_s=60.0):
     """Make the default process group (gloo) from torchrun's environment unless one
     exists: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Returns

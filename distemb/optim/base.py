@@ -136,10 +136,8 @@ class SparseOptimizer(torch.optim.Optimizer):
             order = sorted(names, key=lambda s: s != "row_step")  # DGL: step, mem, power
             tensors = []
             for sname in order:
-                meta = emb.kvstore.data_meta(names[sname])
-                tensors.append(DistTensor(meta.shape, meta.dtype, name=names[sname],
-                                          part_policy=emb.part_policy,
-                                          context=emb.weight.context, device=emb.device))
+                tensors.append(DistTensor.attach(names[sname], emb.weight.context,
+                                                 emb.device))
             out[emb.name] = tensors[0] if len(tensors) == 1 else tuple(tensors)
         return out
 
@@ -206,10 +204,10 @@ class SparseOptimizer(torch.optim.Optimizer):
         return dict(emb.optm_state or {})
 
     def state_dict(self):
-        """Steps, state tensors (whole, as torch tensors) and param_groups.
+        """Steps, state (every key's, as torch tensors) and param_groups.
 
-        A table on a row store (DynamicEmbedding) keys its state: its entry has
-        ``"keys"`` (int64) and one array of rows per state, in that order.
+        Every table's entry has its ``"step"``, ``"keys"`` (int64, ascending) and one
+        array of rows per state, in that order.
         """
         state = {}
         for emb in self._embs:

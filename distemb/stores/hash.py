@@ -366,6 +366,7 @@ class HashTableSpec:
                              f"dim is {self.dim}")
 
     kind = "hash"
+    portable = True
     fixed_keys = False
     persistent = False
 
@@ -377,8 +378,15 @@ class HashTableSpec:
         """Keys one of ``num_shards`` shards holds at most (None: unbounded)."""
         return None if self.capacity is None else -(-self.capacity // num_shards)
 
-    def make_store(self, part=0, num_parts=1):
-        """A fresh :class:`HashStore` for shard ``part`` of ``num_parts``."""
+    num_keys = None  # any int64 key
+
+    @property
+    def row_shape(self):
+        return (self.dim,)
+
+    def make_store(self, part=0, num_parts=1, allocator=None):
+        """A fresh :class:`HashStore` for shard ``part`` of ``num_parts`` (its columns
+        grow: it takes no allocator)."""
         return HashStore(self.dim, dtype=self.dtype, init=self.init,
                          capacity=self.shard_capacity(num_parts), evict=self.evict,
                          low_water=self.low_water, rounding=self.rounding)
@@ -394,7 +402,8 @@ class HashTableSpec:
         return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
                 "init_args": params, "capacity": self.capacity or 0, "evict": self.evict,
                 "low_water": self.low_water, "rounding": self.rounding, "num_rows": 0,
-                "path": "", "preallocate": 0, "partition": None}
+                "path": "", "preallocate": 0, "partition": None, "row_shape": [self.dim],
+                "seed": -1}
 
     @classmethod
     def from_fields(cls, f):

@@ -2,7 +2,7 @@
 host table (embedded, or on the servers of a one-trainer job).
 
 ``emb(ids, device="cuda")`` on a host table copies every looked-up row across PCIe and
-the summed gradients back (:class:`~distemb.kvstore.device.HostTableOnDevice`). With this
+the summed gradients back (:class:`~distemb.kvstore.views.HostTableOnDevice`). With this
 cache the rows a trainer touches most often live on the device, with their optimizer
 state: a lookup gathers hits there and copies only the misses in, and ``opt.step()``
 updates cached rows there with the device kernels, running the same fused rules of
@@ -29,14 +29,13 @@ trainers is refused (``num_trainers``); there, use the trainer cache
 (``cache`` in the cluster config) with ``emb(ids, device="cuda")`` lookups.
 
 Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
-:class:`~distemb.kvstore.caches.table.TableCache`, on the host; rows and state are torch tensors
-on the device, touched by torch indexing and the device's kernels (:mod:`distemb.kernels.
-cuda`, or a CPU stand-in in tests). Keyed tables (hash, file: any int64 key) are cached
-as dense ones, with a hashed slot map; their key management and whole-table moves settle
-the cached copies first, and a hash table with a capacity (its store evicts on its own,
-and could drop a row only the cache holds) is refused, naming both
-(:mod:`distemb.kvstore.caches.cached_keys`). Other tables than float32 rows pass through (half
-tables too: their owner rounds every update to 16 bits).
+:class:`~distemb.kvstore.caches.table.TableCache`, on the host; rows and state are torch
+tensors on the device, touched by torch indexing and the device's kernels. Every table
+of float32 rows is cached the same way, its slot map by id (keys 0..N-1) or hashed (any
+int64 key); key management and whole-table moves settle the cached copies first, and a
+table whose store evicts on its own (a hash table with a capacity: it could drop a row
+only the cache holds) is refused, naming both (:func:`keeps_its_keys`). Tables of other
+rows pass through (16-bit rows too: their owner rounds every update).
 """
 from typing import Dict, Optional
 
@@ -45,56 +44,18 @@ import torch
 
 from distemb.config import CacheConfig, check_device_cache
 from distemb.enums import CachePolicy
+from distemb.errors import KVStoreError
 from distemb.kernels import cuda
-from distemb.kernels.hashtable import table_keys
-from distemb.kvstore import device as device_kv
-from distemb.kvstore.device import CacheOnDevice
-from distemb.kvstore.caches.cached_keys import CachedKeys
-from distemb.kvstore.caches.table import TableCache
-from distemb.kvstore.placement import PlacedAsInner
+from distemb.kvstore.caches.device_rows import DeviceRows, host_ids, keeps_its_keys, slots_of
+from distemb.kvstore.tables import refuse_fixed
 from distemb.kvstore.types import KVClient
+from distemb.kvstore import views
+from distemb.kvstore.views import CacheOnDevice
+from distemb.kvstore.wrapper import Wrapper
 from distemb.rules import rule_of, state_name, state_owner
 
 
-class DeviceRows:
-    """The cached rows of one table on the device: values, state, dirty flags, slots.
-
-    Args:
-        num_rows, dim: the table's shape; capacity: cached rows; device: where they live.
-        rule: the table's update rule, or None before an optimizer made its state.
-
-    Example:
-        >>> rows = DeviceRows(100, 4, 10, "cpu", "adagrad")
-        >>> tuple(rows.values.shape), sorted(rows.states), rows.dirty.any()
-        ((10, 4), ['sum'], False)
-    """
-
-    def __init__(self, num_rows: int, dim: int, capacity: int, device, rule=None):
-        # dim 0: the TableCache keeps only the slot bookkeeping; rows live in self.values
-        self.map = TableCache(num_rows, 0, capacity)
-        self.rule = None if rule is None else rule_of(rule)
-        self.values = torch.zeros((capacity, dim), dtype=torch.float32, device=device)
-        self.states = {}
-        for spec in (self.rule.states if self.rule else ()):
-            self.states[spec.name] = torch.zeros((capacity,) + spec.shape(dim),
-                                                 dtype=getattr(torch, spec.dtype),
-                                                 device=device)
-        self.dirty = np.zeros(capacity, bool)
-
-
-def _slots(cache: DeviceRows, keys) -> np.ndarray:
-    """Cache slots of ``keys`` held (every held slot when None), unique."""
-    slots = np.flatnonzero(cache.map.held) if keys is None else cache.map.slot_of.get(keys)
-    return np.unique(slots[slots >= 0])
-
-
-def _host_ids(ids) -> np.ndarray:
-    if isinstance(ids, torch.Tensor):
-        return ids.cpu().numpy().astype(np.int64, copy=False)
-    return np.ascontiguousarray(ids, dtype=np.int64)
-
-
-class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
+class DeviceCachedKVClient(Wrapper):
     """A device cache of hot rows and optimizer state in front of a host client.
 
     The client of host tables (``DistContext.embedded(device_cache=...)`` or a cluster
@@ -136,35 +97,19 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         check_device_cache(config, inner.num_trainers)
         self.device = None  # the storage half holds numpy arrays (see the class docstring)
         if torch.device(device).type == "cuda" or ops is None:
-            self.cache_device = device_kv.cuda_device(device)
+            self.cache_device = views.cuda_device(device)
         else:  # a test's stand-in: ``ops`` runs the device kernels on this device
             self.cache_device = torch.device(device)
         if ops is not None:
             self.device_ops = ops
-        self.inner, self.config = inner, config
-        self.num_servers, self.num_threads = inner.num_servers, inner.num_threads
+        super().__init__(inner)
+        self.config = config
         self._tables: Dict[str, Optional[DeviceRows]] = {}
-        self._init_cached_keys()
         self._tick = 0
         self._stats = dict(lookups=0, rows=0, unique_rows=0, hit_rows=0, miss_rows=0,
                            admitted_rows=0, written_back_rows=0, device_updated_rows=0,
                            host_updated_rows=0, h2d_bytes=0, d2h_bytes=0)
         self._view = CacheOnDevice(self)
-
-    # -- pass-through storage ----------------------------------------------------------
-
-    @property
-    def ops(self):
-        return self.inner.ops
-
-    def data_meta(self, name):
-        return self.inner.data_meta(name)
-
-    def names(self):
-        return self.inner.names()
-
-    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
 
     def view_on(self, device):
         """The cache's view for the cache's device; itself for None (and 'cpu').
@@ -175,7 +120,7 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         """
         if device is None or (str(device) == "cpu" and self.cache_device.type != "cpu"):
             return self
-        dev = device_kv.cuda_device(device) if str(device).startswith("cuda") else \
+        dev = views.cuda_device(device) if str(device).startswith("cuda") else \
             torch.device(device)
         if dev != self.cache_device:
             raise ValueError(f"device: this context's device cache is on "
@@ -194,12 +139,11 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
     # -- the cache -----------------------------------------------------------------------
 
     def _cacheable(self, name) -> bool:
+        """Float32 (N, D) rows (a half store rounds every update: not cached)."""
         if state_owner(name) is not None:
             return False
-        if self.inner.is_keyed(name):  # rows cross as float32; a half store rounds them
-            return self.inner.storage_dtype(name) == "float32"
-        meta = self.inner.data_meta(name)
-        return meta is not None and meta.dtype == "float32" and len(meta.shape) == 2
+        table = self.inner.table(name)
+        return table.dtype == "float32" and len(table.row_shape) == 1
 
     def _table(self, name) -> Optional[DeviceRows]:
         """The cache of ``name``, made on first use; None for tensors it does not cache."""
@@ -208,18 +152,68 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         return self._tables[name]
 
     def _new_rows(self, name, rule):
-        if self.inner.is_keyed(name):  # any int64 key: a hashed slot map
-            num_rows, dim, bound = None, self.inner.dim(name), self.key_bound(name)
-        else:
-            meta = self.inner.data_meta(name)
-            num_rows, dim = meta.shape[0], meta.shape[1]
-            bound = num_rows
-        row_bytes = 4 * dim
+        table = self.inner.table(name)  # keys 0..N-1 by id; any int64 key: hashed
+        row_bytes = 4 * table.dim
         for spec in (rule_of(rule).states if rule is not None else ()):
-            row_bytes += int(np.prod(spec.shape(dim), dtype=np.int64)) * \
+            row_bytes += int(np.prod(spec.shape(table.dim), dtype=np.int64)) * \
                 np.dtype(spec.dtype).itemsize
-        cap = self.config.capacity(bound, row_bytes)
-        return DeviceRows(num_rows, dim, cap, self.cache_device, rule)
+        cap = self.config.capacity(table.num_keys or np.iinfo(np.int64).max, row_bytes)
+        return DeviceRows(table.num_keys, table.dim, cap, self.cache_device, rule)
+
+    # -- tables and their keys: the wrapped client's, the cached copies settled first ---
+
+    def create_table(self, name, spec):
+        """Make table ``name`` in the wrapped client.
+
+        Raises:
+            KVStoreError: its store evicts on its own (a capacity), or the cache is sized
+                as a ``fraction`` of a table whose keys have no bound (naming both).
+        """
+        keeps_its_keys(self, name, spec)
+        if spec.num_keys is None and self.config.fraction is not None:
+            raise KVStoreError(f"{type(self).__name__}: cannot hold table {name!r} on a store "
+                               "of any int64 key: 'fraction' is a share of a table's rows, "
+                               "and this table's keys have no bound; give the cache 'rows' "
+                               "or 'bytes'")
+        self.inner.create_table(name, spec)
+
+    def get(self, name, keys):
+        self._write_back_copies(name, host_ids(keys))
+        return self.inner.get(name, keys)
+
+    def export(self, name, columns=None):
+        self._write_back_copies(name)
+        return self.inner.export(name, columns)
+
+    def remove(self, name, keys):
+        self._forget_copies(name, host_ids(keys), write_back=False)
+        return self.inner.remove(name, keys)
+
+    def evict(self, name, target_size, policy=None):
+        """The store's eviction, by its LRU/LFU order once the cached keys' uses are told:
+        each group of cached keys is looked up in turn, least used first (the cache holds
+        the keys used last, so an LRU order is the uncached one; an LFU count gains one
+        per cached key). The evicted keys' copies are forgotten."""
+        self.inner.table(name)
+        refuse_fixed(self.inner.table(name), "evict")
+        self._write_back_copies(name)
+        for keys in self._copies_by_use(name):
+            self.inner.pull(name, keys)
+        evicted = self.inner.evict(name, target_size, policy)
+        self._forget_copies(name, evicted, write_back=False)
+        return evicted
+
+    def import_(self, name, keys, columns):
+        self._forget_copies(name, host_ids(keys), write_back=True)
+        self.inner.import_(name, keys, columns)
+
+    def table_state(self, name, state_names):
+        self._write_back_copies(name)
+        return self.inner.table_state(name, state_names)
+
+    def load_table_state(self, name, state_names, entry):
+        self._forget_copies(name, None, write_back=True)
+        self.inner.load_table_state(name, state_names, entry)
 
     def _write_back(self, name, cache: DeviceRows, slots: np.ndarray,
                     ids: Optional[np.ndarray] = None) -> None:
@@ -251,13 +245,13 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         """
         for table in ([state_owner(name) or name] if name is not None else list(self._tables)):
             self._write_back_copies(table)
-        if name is not None and self.inner.is_keyed(name):
+        if name is not None and state_owner(name) is None:
             self.inner.flush(name)
 
     def _write_back_copies(self, name, keys=None):
         cache = self._tables.get(name)
         if cache is not None:
-            self._write_back(name, cache, _slots(cache, keys))
+            self._write_back(name, cache, slots_of(cache, keys))
 
     def _copies_by_use(self, name):
         cache = self._tables.get(name)
@@ -272,7 +266,7 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
     def _forget_copies(self, name, keys, write_back):
         cache = self._tables.get(name)
         if cache is not None:
-            slots = _slots(cache, keys)
+            slots = slots_of(cache, keys)
             if write_back:
                 self._write_back(name, cache, slots)
             cache.map.evict(slots)
@@ -309,7 +303,7 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         src = cache.values if owner is None else cache.states.get(name.partition("~opt~")[2])
         if src is None:
             return out
-        slots = cache.map.slot_of.get(_host_ids(ids))
+        slots = cache.map.slot_of.get(host_ids(ids))
         at = np.flatnonzero(slots >= 0)
         at = at[cache.dirty[slots[at]]]
         if len(at):
@@ -323,7 +317,7 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
 
     def push(self, name, ids, values):
         """Write rows: cached copies of them are written back and forgotten first."""
-        self._forget_copies(state_owner(name) or name, _host_ids(ids), write_back=True)
+        self._forget_copies(state_owner(name) or name, host_ids(ids), write_back=True)
         self.inner.push(name, ids, values)
 
     def save_table(self, name, directory, save_id, columns):
@@ -344,7 +338,6 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         self.flush()
         self._tables.clear()
         self.inner.close(**kw)
-        self.closed = True
 
     def lookup(self, name, ids) -> torch.Tensor:
         """Rows ``ids`` (host int64) on the cache's device; misses are fetched and admitted.
@@ -356,11 +349,10 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
             rows = self.pull(name, ids)  # a state tensor's dirty rows are in the cache
             self._stats["h2d_bytes"] += rows.nbytes
             return torch.from_numpy(np.ascontiguousarray(rows)).to(self.cache_device)
-        if self.inner.is_keyed(name):  # integer keys, none the slot map reserves
-            ids = table_keys(_host_ids(ids) if isinstance(ids, torch.Tensor) else ids, "ids")
-        else:  # the slot map indexes by id: ids outside the table are refused, named
-            ids = _host_ids(ids)
-            self.inner.data_meta(name).policy.check_ids(ids, f"ids of {name!r}")
+        # the slot map indexes by id (keys 0..N-1) or hashes them (any key but two):
+        # keys it cannot hold are refused, named
+        ids = host_ids(ids)
+        self.inner.table(name).router.check(ids, f"ids of {name!r}")
         m, st = cache.map, self._stats
         uniq, inverse = np.unique(ids, return_inverse=True)
         self._tick += 1
@@ -430,22 +422,22 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
         """
         impl = rule_of(rule)
         cache = self._tables.get(name)
-        host_ids = _host_ids(ids)
+        keys = host_ids(ids)
         if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
-            self._stats["d2h_bytes"] += host_ids.nbytes
+            self._stats["d2h_bytes"] += keys.nbytes
         if cache is None or cache.rule is None or cache.rule.name != impl.name:
             if cache is not None:  # another rule than the cached state's: the owner's
                 # copied first: a remote client may have summed into its request slot,
                 # which the write-back's requests reuse
                 grads = np.array(self._host_grads(grads))
-                self._forget_copies(name, host_ids, write_back=True)
-            self.inner.push_update(name, host_ids, self._host_grads(grads), rule, hyper)
+                self._forget_copies(name, keys, write_back=True)
+            self.inner.push_update(name, keys, self._host_grads(grads), rule, hyper)
             return
-        slots = cache.map.slot_of.get(host_ids)
+        slots = cache.map.slot_of.get(keys)
         hit = np.flatnonzero(slots >= 0)
         miss = np.flatnonzero(slots < 0)
         if len(hit):
-            g = grads if len(hit) == len(host_ids) else grads[self._index(grads, hit)]
+            g = grads if len(hit) == len(keys) else grads[self._index(grads, hit)]
             if not isinstance(g, torch.Tensor):
                 g = torch.from_numpy(np.ascontiguousarray(g))
                 self._stats["h2d_bytes"] += g.numel() * 4
@@ -456,8 +448,8 @@ class DeviceCachedKVClient(CachedKeys, PlacedAsInner, KVClient):
             cache.dirty[slots[hit]] = True
             self._stats["device_updated_rows"] += len(hit)
         if len(miss):
-            g = grads if len(miss) == len(host_ids) else grads[self._index(grads, miss)]
-            self.inner.push_update(name, host_ids[miss], self._host_grads(g), rule, hyper)
+            g = grads if len(miss) == len(keys) else grads[self._index(grads, miss)]
+            self.inner.push_update(name, keys[miss], self._host_grads(g), rule, hyper)
             self._stats["host_updated_rows"] += len(miss)
 
     def _index(self, grads, positions):

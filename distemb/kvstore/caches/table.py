@@ -169,7 +169,7 @@ class TableCache:
     Args:
         num_rows: rows 0..num_rows-1 of a dense table, or None for a keyed table (any
             int64 key: its slot map and pull counts are hashed,
-            :mod:`distemb.kvstore.cache_keys`).
+            :class:`HashSlots`, :class:`SketchCounts`).
         dim: its row width; capacity: cached rows.
         states: {state name: (row shape, dtype)} of the table's update rule.
     """

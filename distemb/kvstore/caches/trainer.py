@@ -60,18 +60,19 @@ import numpy as np
 from distemb import kernels
 from distemb.config import CacheConfig
 from distemb.enums import Consistency
-from distemb.kvstore.caches.table import TableCache, unique_inverse
 from distemb.errors import KVStoreError
-from distemb.kernels.hashtable import table_keys
-from distemb.kvstore.placement import PlacedAsInner
+from distemb.kvstore.caches.table import TableCache, unique_inverse
+from distemb.kvstore.caches.versions import pull_versioned, push_update_held
+from distemb.kvstore.placement import HostPlacement
 from distemb.kvstore.types import KVClient
+from distemb.kvstore.wrapper import Wrapper
 from distemb.rules import rule_of, state_owner
 
 #: The version of a cached copy someone else may have changed (bounded staleness): it is
 #: refetched, with its state, at its next validation. Servers' versions are >= 0, and
 #: -1/-2 mean "not held" in a versioned pull.
 UNKNOWN = -3
-class CachedKVClient(PlacedAsInner, KVClient):
+class CachedKVClient(Wrapper):
     """A cache of hot rows in front of a :class:`~distemb.kvstore.remote.RemoteKVClient`.
 
     Owns ``inner`` (closing the cache closes it). Tables other than float32 (N, D) and
@@ -95,100 +96,44 @@ class CachedKVClient(PlacedAsInner, KVClient):
     """
 
     def __init__(self, inner: KVClient, config: CacheConfig):
-        if not (hasattr(inner, "pull_versioned") and hasattr(inner, "push_update_versions")):
+        if not (hasattr(inner, "servers") and hasattr(inner, "update_requests")):
             raise TypeError(f"inner: expected a client whose servers version rows (a "
                             f"RemoteKVClient), got {type(inner).__name__}")
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
-        self.inner, self.config = inner, config
-        self.num_servers, self.num_threads = inner.num_servers, inner.num_threads
-        self.num_trainers = inner.num_trainers
+        super().__init__(inner)
+        self.config = config
         self._tables: Dict[str, Optional[TableCache]] = {}
         self._tick = 0
         self._stats = dict(pulls=0, rows=0, unique_rows=0, hit_rows=0, fetched_rows=0,
                            bytes_pulled=0, bytes_sent=0, evicted_replicas=0, summed_rows=0)
 
-    # -- pass-through storage -----------------------------------------------------------
-
     @property
     def consistency(self):
         return self.inner.consistency
 
-    @property
-    def ops(self):
-        return self.inner.ops
+    # -- what the cache settles before the wrapped client's calls ------------------------
 
-    def data_meta(self, name):
-        return self.inner.data_meta(name)
+    def create_table(self, name, spec):
+        """Make table ``name`` (see the wrapped client's).
 
-    def names(self):
-        return self.inner.names()
+        Raises:
+            KVStoreError: the cache's size is a ``fraction`` of a table's rows and the
+                table sets no bound on its keys (the table is not made).
+        """
+        self._check_bounded(name, spec.num_keys or spec.capacity)
+        self.inner.create_table(name, spec)
 
-    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
+    def _check_bounded(self, name, bound):
+        if bound is None and self.config.fraction is not None:
+            raise KVStoreError(f"cache of {name!r}: 'fraction' is a share of a table's rows, "
+                               "and this table takes any int64 key without bound; give the "
+                               "cache 'rows' or 'bytes', or the table a capacity")
 
     def delete_data(self, name):
         self.inner.delete_data(name)
         self._tables.pop(name, None)
         self._tables.pop(state_owner(name), None)
-
-    def barrier(self):
-        self.inner.barrier()
-
-    # -- keyed tables: the inner client's, its key management passed through -----------
-
-    def is_keyed(self, name):
-        return self.inner.is_keyed(name)
-
-    def keyed_names(self):
-        return self.inner.keyed_names()
-
-    def row_dim(self, name):
-        return self.inner.row_dim(name)
-
-    def create_table(self, name, spec):
-        """Make keyed table ``name`` (see the inner client's).
-
-        Raises:
-            KVStoreError: the cache's size is a ``fraction`` of a table's rows and the
-                spec sets no bound on its keys (the table is not made).
-        """
-        self._check_bounded(name, spec.capacity)
-        self.inner.create_table(name, spec)
-
-    def add_table(self, name, store):
-        self._check_bounded(name, store.capacity)
-        self.inner.add_table(name, store)
-
-    def _check_bounded(self, name, capacity):
-        if capacity is None and self.config.fraction is not None:
-            raise KVStoreError(f"cache of {name!r}: 'fraction' is a share of a table's "
-                               "rows, and this table takes any int64 key without bound; "
-                               "give the cache 'rows' or 'bytes', or the table a capacity")
-
-    def dim(self, name):
-        return self.inner.dim(name)
-
-    def storage_dtype(self, name):
-        return self.inner.storage_dtype(name)
-
-    def size(self, name):
-        return self.inner.size(name)
-
-    def capacity(self, name):
-        return self.inner.capacity(name)
-
-    def contains(self, name, keys):
-        return self.inner.contains(name, keys)
-
-    def get(self, name, keys):
-        return self.inner.get(name, keys)
-
-    def export(self, name, columns=None):
-        return self.inner.export(name, columns)
-
-    def flush(self, name):
-        self.inner.flush(name)
 
     def remove(self, name, keys):
         removed = self.inner.remove(name, keys)
@@ -211,20 +156,10 @@ class CachedKVClient(PlacedAsInner, KVClient):
         if cache is not None:
             cache.forget(np.asarray(keys, dtype=np.int64))
 
-    def table_state(self, name, state_names):
-        if self.is_keyed(name):
-            return self.inner.table_state(name, state_names)
-        return super().table_state(name, state_names)
-
     def load_table_state(self, name, state_names, entry):
-        if self.is_keyed(name):
-            self.inner.load_table_state(name, state_names, entry)
-            return self.invalidate(name) if name in self._tables else None
-        return super().load_table_state(name, state_names, entry)
-
-    def save_table(self, name, directory, save_id, columns):
-        """The owners write their shards: every update was written through to them."""
-        return self.inner.save_table(name, directory, save_id, columns)
+        self.inner.load_table_state(name, state_names, entry)
+        if name in self._tables:
+            self.invalidate(name)
 
     def load_table(self, name, directory, entry, columns):
         """The owners load; every cached copy of the table is void."""
@@ -236,11 +171,10 @@ class CachedKVClient(PlacedAsInner, KVClient):
         """Close the wrapped client (keywords go to its ``close``)."""
         self._tables.clear()
         self.inner.close(**kw)
-        self.closed = True
 
     def view_on(self, device):
         """Itself on the host; on a GPU, a view of the cache (rows still come through it)."""
-        return KVClient.view_on(self, device)
+        return HostPlacement.view_on(self, device)
 
     def stats(self):
         """Counters since construction: rows asked, rows served without data, bytes.
@@ -260,26 +194,24 @@ class CachedKVClient(PlacedAsInner, KVClient):
         """The cache of ``name``, made on first use; None for tables it does not cache."""
         if name in self._tables and rule is None:
             return self._tables[name]
-        keyed = self.is_keyed(name)
-        if keyed:  # float32 rows on the wire; a half store rounds updates: not cached
-            num_rows, dim = self.inner.capacity(name), self.inner.dim(name)
-            dtype, ndim = self.inner.storage_dtype(name), 2
-        else:
-            meta = self._meta_of(name)
-            num_rows, dim, dtype, ndim = meta.shape[0], meta.shape[-1], meta.dtype, \
-                len(meta.shape)
         cache = None
-        if dtype == "float32" and ndim == 2 and state_owner(name) is None:
-            states, row_bytes = {}, 4 * dim
-            if rule is not None:
-                for spec in rule_of(rule).states:
-                    shape = spec.shape(dim)
-                    states[spec.name] = (shape, np.dtype(spec.dtype))
-                    row_bytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
-            self._check_bounded(name, num_rows)
-            cap = self.config.capacity(num_rows or np.iinfo(np.int64).max, row_bytes)
-            cache = TableCache(None if keyed else num_rows, dim, cap, states,
-                               None if rule is None else rule_of(rule).name)
+        if state_owner(name) is None:
+            table = self.inner.table(name)
+            # float32 (N, D) rows: a half store rounds every update, not cached
+            if table.dtype == "float32" and len(table.row_shape) == 1:
+                states, row_bytes = {}, 4 * table.dim
+                if rule is not None:
+                    for spec in rule_of(rule).states:
+                        shape = spec.shape(table.dim)
+                        states[spec.name] = (shape, np.dtype(spec.dtype))
+                        row_bytes += int(np.prod(shape, dtype=np.int64)) * \
+                            np.dtype(spec.dtype).itemsize
+                bound = table.num_keys or table.spec.capacity
+                self._check_bounded(name, bound)
+                cap = self.config.capacity(bound or np.iinfo(np.int64).max, row_bytes)
+                # keys 0..N-1: arrays by id; any int64 key: hashed (TableCache)
+                cache = TableCache(table.num_keys, table.dim, cap, states,
+                                   None if rule is None else rule_of(rule).name)
         self._tables[name] = cache
         return cache
 
@@ -298,11 +230,8 @@ class CachedKVClient(PlacedAsInner, KVClient):
         cache = self._table(name)
         if cache is None:
             return self.inner.pull(name, ids)
-        if self.is_keyed(name):
-            ids = table_keys(ids)  # integers, none of the hash index's reserved keys
-        else:
-            ids = np.ascontiguousarray(ids, dtype=np.int64)
-            self._meta_of(name).policy.check_ids(ids, f"ids of {name!r}")
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        self.inner.table(name).router.check(ids, f"ids of {name!r}")
         uniq, inverse = unique_inverse(ids)
         self._tick += 1
         cache.count(uniq)
@@ -332,8 +261,8 @@ class CachedKVClient(PlacedAsInner, KVClient):
             return rows[inverse]
         asked = np.flatnonzero(ask)
         if len(asked):
-            pos, vers, rows, states = self.inner.pull_versioned(name, uniq[asked], have[asked],
-                                                                list(cache.states))
+            pos, vers, rows, states = pull_versioned(self.inner, name, uniq[asked],
+                                                     have[asked], list(cache.states))
         else:  # every row fresh enough (bounded staleness): no request at all
             pos, vers = np.empty(0, np.int64), np.empty(0, np.int64)
             rows = np.empty((0, cache.values.shape[1]), np.float32)
@@ -412,7 +341,7 @@ class CachedKVClient(PlacedAsInner, KVClient):
         if self.consistency == Consistency.SYNC_EXACT:
             have = np.full(len(ids), -1, np.int64)
             have[mine] = cache.version[at]
-            held = self.inner.push_update_versions(name, ids, grads, rule, hyper, have=have)
+            held = push_update_held(self.inner, name, ids, grads, rule, hyper, have)
             cache.step += 1
             return self._apply_held(cache, impl, checked, slots, mine, grads, held)
         if len(at):

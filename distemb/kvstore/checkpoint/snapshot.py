@@ -129,14 +129,15 @@ class Target:
         return cls(select, count)
 
     @classmethod
-    def owned(cls, owns, to_local=None, limit=None):
+    def owned(cls, owns, to_local=None, limit=None, count=None):
         """Keys where ``owns(keys)`` is True, as ``to_local(keys)`` (or themselves); at
-        most ``limit`` of them (a store's capacity; None: any number)."""
+        most ``limit`` of them (a store's capacity; None: any number). With ``count``,
+        the places are a fixed key set 0..count-1, each to be covered exactly once."""
         def select(keys):
             mask = np.asarray(owns(keys), dtype=bool)
             mine = keys[mask]
             return mask, (to_local(mine) if to_local is not None and len(mine) else mine)
-        return cls(select, limit=limit)
+        return cls(select, count, limit)
 
 
 # -- reading --------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """KVServer: owns named shards and runs the pull, push and update handlers.
 
-A shard is one partition of one named tensor: a :class:`~distemb.kvstore.server.shard.ShardTable`
-over a :class:`~distemb.stores.dense.DenseStore` whose weight column is the array the
-server was given, with the table's optimizer-state arrays (``"<table>~opt~<state>"``)
-held as columns of the same store. The server uses
-numpy only (it never imports torch): embedded, it lives inside the trainer process and
-its arrays are shared zero-copy with torch; in a cluster it runs in its own process.
+A shard is one part of one table: a :class:`~distemb.kvstore.server.shard.ShardTable`
+over the store its spec makes (:mod:`distemb.stores.spec`: dense rows, a hash table, a
+file), with the table's optimizer state (``"<table>~opt~<state>"``) as columns of the
+same store. The server uses numpy only (it never imports torch): embedded, it lives
+inside the trainer process and its arrays are shared zero-copy with torch; in a cluster
+it runs in its own process.
 
 Concurrency: the ShardTable's reader/writer lock guards a shard and its optimizer
 state. Pulls hold it shared, pushes and updates exclusive, so a pull never sees a row
@@ -16,8 +16,10 @@ shard's seqlock counters odd while it runs (see :mod:`distemb.transport.shm`).
 
 Example:
     >>> import numpy as np
+    >>> from distemb.stores.dense import DenseSpec
     >>> srv = KVServer()
-    >>> srv.create("w", 0, np.zeros((4, 2), np.float32))
+    >>> spec = DenseSpec((4, 2))
+    >>> _ = srv.create_table("w", spec, spec.router(), [0])
     >>> srv.push("w", 0, np.array([1]), np.ones((1, 2), np.float32))
     >>> srv.pull("w", 0, np.array([1, 0])).tolist()
     [[1.0, 1.0], [0.0, 0.0]]
@@ -27,15 +29,14 @@ from typing import Optional
 
 import numpy as np
 
-from distemb.errors import KVStoreError, StoreError
-from distemb.kernels import half
+from distemb.errors import KVStoreError
+from distemb.kvstore.checkpoint.shards import load_shard, save_shard
 from distemb.kvstore.server.shard import VERSION_EPOCH, ShardTable
-from distemb.rules import Hyper, rule_of, state_name, state_owner
-from distemb.stores.dense import DenseStore
+from distemb.rules import Hyper, rule_of, state_name
 from distemb.stores.types import WEIGHT
 
 class KVServer:
-    """Holds shards ``(name, part) -> array`` and applies requests to them.
+    """Holds shards ``(name, part) -> ShardTable`` and applies requests to them.
 
     Each table's shard is one :class:`~distemb.kvstore.server.shard.ShardTable`; the shards of
     its optimizer state (named ``state_name(table, state)``) are columns of that table's
@@ -54,74 +55,43 @@ class KVServer:
         self._meta_lock = threading.Lock()  # the two dicts above and the epoch count
         self._epochs = 0
 
-    def create(self, name, part, array, owner=None, version=None, rounding_seed=None):
-        """Own ``array`` as shard ``part`` of ``name``.
-
-        Args:
-            owner: the table whose shard ``part`` this one is optimizer state of (by
-                default the table :func:`~distemb.rules.state_owner` names, when this
-                server holds its shard): the array becomes a column of that table's
-                store, so an update of both is one critical section.
-            version: a 1-element int64 array this server makes odd while it writes the
-                shard (the counter of a shared-memory shard), or None.
-            rounding_seed: for a bfloat16 shard, round its updates stochastically from
-                this seed (mixed with ``part``); None rounds half rows to nearest-even.
-
-        Half-precision shards (``numpy.float16``, or :data:`~distemb.kernels.half.BFLOAT16`
-        bits) are updated by the half kernels: float32 maths and state, rounded on store.
+    def create_table(self, name, spec, router, parts, allocator=None, make=None):
+        """Make shards ``parts`` of table ``name`` from ``spec`` (each store made by
+        ``spec.make_store``, its columns through ``allocator`` where the store takes one,
+        or by ``make(part)`` where its holder makes it: a device client's; the
+        ShardTables route by ``router``), all or none; returns their ShardTables.
 
         Raises:
-            KVStoreError: the shard exists, or a state's rows differ from its table's.
+            KVStoreError: a shard exists. StoreError: a store cannot be made, or a given
+                store backs another table (those made are closed again).
         """
-        key = (name, part)
-        owner = owner or state_owner(name)
+        made = []
+        try:
+            for part in parts:
+                kw = {} if allocator is None else {"allocator": allocator}
+                store = make(part) if make is not None else \
+                    spec.make_store(part, router.num_parts, **kw)
+                made.append(store)
+                store.claim(name)
+        except BaseException:
+            for store in made:
+                if store.owner == name:
+                    store.close()
+            raise
         with self._meta_lock:
-            if key in self._shards:
-                raise KVStoreError(f"shard {part} of {name!r} already exists on server "
+            taken = [p for p in parts if (name, p) in self._shards]
+            if taken:
+                for store in made:
+                    store.close()
+                raise KVStoreError(f"shard {taken[0]} of {name!r} already exists on server "
                                    f"{self.server_id}")
-            table = self._tables.get((owner, part)) if owner else None
-            if table is not None:
-                column = name[len(state_name(owner, "")):]
-                with table.write():
-                    try:
-                        table.store.adopt_column(column, array)
-                    except StoreError as e:
-                        raise KVStoreError(f"shard {part} of {name!r}: {e} (the rows of "
-                                           f"shard {part} of {owner!r})") from None
-            else:
-                if rounding_seed is None:
-                    store = DenseStore.from_array(array)
-                else:
-                    store = DenseStore.from_array(array, "stochastic",
-                                                  half.shard_seed(rounding_seed, part))
-                table, column = ShardTable(store, part=part, arrays=True), WEIGHT
-                self._tables[key] = table
-            self._shards[key] = (table, column)
-            if version is not None:
-                table.set_counter(column, version)
-
-    def add_table(self, name, part, store, spec=None, router=None):
-        """Hold ``store`` as shard ``part`` of table ``name``; returns its ShardTable.
-
-        Args:
-            store: a :class:`~distemb.stores.types.RowStore` (made from ``spec``, or a
-                user's); it is closed when the shard is dropped.
-            spec: the spec it was made from, or None.
-            router: the table's router when requests carry the table's keys (a server's
-                shard of a spec'd table), or None (the holder routes: one shard holds
-                every key).
-
-        Raises:
-            KVStoreError: the shard exists.
-        """
-        with self._meta_lock:
-            if (name, part) in self._shards:
-                raise KVStoreError(f"shard {part} of {name!r} already exists on server "
-                                   f"{self.server_id}")
-            table = ShardTable(store, spec, router, part)
-            self._tables[(name, part)] = table
-            self._shards[(name, part)] = (table, WEIGHT)
-        return table
+            tables = []
+            for part, store in zip(parts, made):
+                table = ShardTable(store, router, part, spec)
+                self._tables[(name, part)] = table
+                self._shards[(name, part)] = (table, WEIGHT)
+                tables.append(table)
+        return tables
 
     def attach_states(self, name, part, states):
         """Name the state columns ``states`` of table ``name``'s store (made by the store
@@ -134,43 +104,34 @@ class KVServer:
                 self._shards[(state_name(name, state), part)] = (table, state)
 
     def drop(self, name):
-        """Forget every shard of table ``name`` and of its optimizer state."""
-        for name_, part in self.shards_of(name):
-            self.drop_shard(name_, part)
-
-    def shards_of(self, name):
-        """``[(name, part)]`` of every shard of table ``name`` held here, its optimizer
-        state's first (a table's state dies with it)."""
-        keys = [k for k in list(self._shards) if k[0] == name or state_owner(k[0]) == name]
-        return sorted(keys, key=lambda k: k[0] == name)
+        """Forget every shard of table ``name`` (its optimizer state with it: columns of
+        its stores, which are closed; a file store keeps its files)."""
+        for part in self.parts_of(name):
+            self.drop_shard(name, part)
 
     def drop_shard(self, name, part):
-        """Forget shard ``part`` of ``name`` (no-op when absent). Dropping a table's own
-        shard while state shards of it remain keeps their arrays (their holder frees
-        them: :meth:`shards_of` lists them first)."""
+        """Forget shard ``part`` of ``name`` (no-op when absent): a table's closes its store
+        and forgets its state's names; a state's drops that column of the table's store."""
         with self._meta_lock:
             entry = self._shards.pop((name, part), None)
             if entry is None:
                 return
             table, column = entry
             table.set_counter(column, None)
-            if column == WEIGHT:
+            if column == WEIGHT:  # its store is closed with it (a file flushes)
                 self._tables.pop((name, part), None)
-                if not table.arrays:  # its store is closed with it (a file flushes)
-                    for key in [k for k, (t, _) in self._shards.items() if t is table]:
-                        del self._shards[key]
-                    with table.write():
-                        table.store.close()
-            elif table.arrays:
+                for key in [k for k, (t, _) in self._shards.items() if t is table]:
+                    del self._shards[key]
+                with table.write():
+                    table.store.close()
+            else:
                 with table.write():
                     table.store.drop_column(column)
 
     def close(self):
-        """Close the stores of tables other than array tables (a file store flushes and
-        unlocks its directory): the holder is exiting. Array shards are their holder's to
-        free."""
-        for name, part in [k for k, (t, c) in list(self._shards.items())
-                           if c == WEIGHT and not t.arrays]:
+        """Close every store (a file store flushes and unlocks its directory): the holder
+        is exiting."""
+        for name, part in [k for k, (t, c) in list(self._shards.items()) if c == WEIGHT]:
             self.drop_shard(name, part)
 
     def _entry(self, name, part):
@@ -266,26 +227,24 @@ class KVServer:
         table, impl, hyper = self._update_of(name, part, rule, hyper)
         return table.update_later(impl, local_ids, grads, hyper, self.num_threads)
 
-    def save(self, name, shards, directory, save_id, columns=None):
-        """Checkpoint records of ``shards`` (``[(part, start, step)]``: an array table's
-        parts with their key progressions, a keyed table's shard with ``(0, 1)``) of
-        table ``name``, its optimizer state with it (see :meth:`ShardTable.save
-        <distemb.kvstore.server.shard_checkpoint.ShardCheckpoint.save>`)."""
-        return [self.table(name, part).save(directory, save_id, name, columns, start, step)
-                for part, start, step in shards]
+    def save(self, name, parts, directory, save_id, columns=None):
+        """Checkpoint records of shards ``parts`` of table ``name``, its optimizer state
+        with it (:func:`~distemb.kvstore.checkpoint.shards.save_shard`)."""
+        return [save_shard(self.table(name, part), directory, save_id, name, columns)
+                for part in parts]
 
-    def load(self, name, shards, directory, entry, columns=None):
-        """Fill ``shards`` (as :meth:`save`'s) of table ``name`` from its checkpoint
-        ``entry``, all or nothing: every shard is checked before any is written.
+    def load(self, name, parts, directory, entry, columns=None):
+        """Fill shards ``parts`` of table ``name`` from its checkpoint ``entry``, all or
+        nothing: every shard is checked before any is written.
 
         Raises:
-            KVStoreError: see :meth:`ShardTable.load <distemb.kvstore.server.shard_checkpoint.ShardCheckpoint.load>`.
+            KVStoreError: see :func:`~distemb.kvstore.checkpoint.shards.load_shard`.
         """
-        tables = [(self.table(name, part), start, step) for part, start, step in shards]
+        tables = [self.table(name, part) for part in parts]
         passes = [{}] if len(tables) == 1 else [{"apply": False}, {"verify": False}]
         for kw in passes:  # one shard checks before it writes on its own
-            for table, start, step in tables:
-                table.load(directory, entry, columns, start, step, name=name, **kw)
+            for table in tables:
+                load_shard(table, directory, entry, columns, name=name, **kw)
 
     def _update_of(self, name, part, rule, hyper):
         """(table, rule, checked hyperparameters) of an update of shard ``part``."""

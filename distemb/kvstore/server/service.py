@@ -16,10 +16,10 @@ Consistency of ``UPDATE`` (chosen by the trainers, see ``ClusterConfig.consisten
 
 Example:
     >>> import numpy as np
+    >>> from distemb.stores.dense import DenseSpec
     >>> from distemb.transport.messages import Create, Pull
     >>> svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
-    >>> _ = svc.handle(Create(name="w", dtype="float32", row_shape=[2], parts=[0],
-    ...                       part_rows=[3]).encode())
+    >>> _ = svc.handle(Create.of_spec("w", DenseSpec((3, 2))).encode())
     >>> svc.handle(Pull(name="w", parts=[0], counts=[1], ids=np.array([2])).encode()).arrays[0]
     array([[0., 0.]], dtype=float32)
 """
@@ -35,7 +35,8 @@ from distemb import kernels
 from distemb.config import ClusterConfig
 from distemb.errors import KVStoreError, TransportError
 from distemb.kernels.half import dtype_name
-from distemb.kvstore.server.catalog import WEIGHT_DTYPES, Catalog
+from distemb.kvstore.server.catalog import Catalog
+from distemb.stores.dense import WEIGHT_DTYPES
 from distemb.kvstore.server.early import answer_early, may_answer_early
 from distemb.kvstore.server.exact import ExactSteps, held_reply
 from distemb.kvstore.limits import check_request
@@ -165,8 +166,8 @@ class KVService:
                                f"{session.rank}; it may only speak for that rank")
 
     def _rows(self, m):
-        """(part, store keys, slice) per part of a rows message: an array table's local
-        ids range-checked, a spec'd table's keys checked against its router and mapped
+        """(part, store keys, slice) per part of a rows message: the table's keys checked
+        against its router and mapped to each shard's store keys
         (:meth:`~distemb.kvstore.server.shard.ShardTable.local_keys`)."""
         out, start = [], 0
         for part, n in zip(m.parts, m.counts):

@@ -1,8 +1,9 @@
 """ShardTable: one shard of one table, a RowStore and everything that guards it.
 
-Every shard a process holds is one ShardTable, whatever its store: a dense array (or
-several, its optimizer state as columns beside the weight), a hash table, a file. The
-store says where the rows are; the ShardTable owns what the server needs around them:
+Every shard a process holds is one ShardTable, whatever its store: a dense array (its
+optimizer state as columns beside the weight), a hash table, a file. The store says
+where the rows are, the table's router which keys are the shard's; the ShardTable owns
+what the server needs around them:
 
 - a reader/writer lock: pulls hold it shared, pushes and updates exclusive, so a pull
   never sees a row between an update's read and its write, and pulls run in parallel;
@@ -22,8 +23,9 @@ lookup may grow its arrays or evict) take the write lock for lookups too.
 Example:
     >>> import numpy as np
 
+    >>> from distemb.routers import KeyHashRouter
     >>> from distemb.stores import HashStore
-    >>> t = ShardTable(HashStore(2))
+    >>> t = ShardTable(HashStore(2), KeyHashRouter(1))
     >>> v = t.versions(np.array([2**40]), first=0)  # the key is inserted, above version 0
     >>> t.push(np.array([2**40]), np.ones((1, 2), np.float32))
     >>> (t.versions(np.array([2**40]), first=None) - v).tolist(), t.pull(np.array([2**40])).tolist()
@@ -33,11 +35,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from distemb import kernels
 from distemb.errors import KVStoreError, PartitionError, StoreError
-from distemb.kernels import half
 from distemb.kvstore.server.rwlock import RWLock
-from distemb.kvstore.server.shard_checkpoint import ShardCheckpoint
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 
@@ -48,39 +47,35 @@ VERSION = "~version"
 VERSION_EPOCH = 1 << 40
 
 
-class ShardTable(ShardCheckpoint):
+class ShardTable:
     """One shard: ``store`` (a :class:`~distemb.stores.types.RowStore`), its lock, seqlock
     counters and row versions; see the module docstring.
 
     Args:
         store: the shard's rows and optimizer-state columns.
-        spec: the table spec the store was made from (:mod:`distemb.stores.spec`), or
-            None for an array table (its holder allocated the arrays: a partition of a
-            table whose client routes ids by a partition policy).
-        router: for a table made from a spec, its :class:`~distemb.routers.Router`:
-            requests then carry the table's keys, which must be this shard's.
-        part: the shard's partition (the server's id for a spec'd table).
-        arrays: True when the store holds its holder's arrays as they are (an array
-            table: any dtype, rows read and written raw, ids range-checked by
-            :meth:`local_keys`); False for a store that keys, checks and encodes its own
-            rows (every store made from a spec or given by a user), read and written
-            through the :class:`~distemb.stores.types.RowStore` methods as float32 rows.
+        router: the table's :class:`~distemb.routers.Router`: requests carry the table's
+            keys, which must be this shard's (:meth:`local_keys`), and checkpoints and
+            exports give the table's keys back.
+        part: the shard's number among the router's shards.
+        spec: the table spec the store was made from (:mod:`distemb.stores.spec`).
 
     Example:
+        >>> from distemb.routers import PolicyRouter
         >>> from distemb.stores import DenseStore
-        >>> t = ShardTable(DenseStore(4, 2))
+        >>> t = ShardTable(DenseStore(4, 2), PolicyRouter.ranges(4, 1))
         >>> t.pull(np.array([3])).shape
         (1, 2)
     """
 
-    def __init__(self, store, spec=None, router=None, part=0, arrays=False):
-        self.store, self.spec, self.router, self.part = store, spec, router, part
-        self.arrays = arrays
+    def __init__(self, store, router, part=0, spec=None):
+        self.store, self.router, self.part, self.spec = store, router, part, spec
         self.lock = RWLock()
         self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
         self._tracked = False
         self._high = 0  # >= every version issued (a store that inserts: new rows go above)
+        # the router's store keys are the table's keys: request ids need no mapping
+        self._identity = router.num_parts == 1 and router.progression(0) == (0, 1)
 
     @property
     def inserts_on_read(self):
@@ -149,25 +144,23 @@ class ShardTable(ShardCheckpoint):
     # -- keys of requests -------------------------------------------------------------
 
     def local_keys(self, ids, what):
-        """The store keys of request ids ``ids`` (int64); ``what`` names the shard in errors.
-
-        Ids of an array table are its local row ids, each checked against its rows. Ids
-        of a spec'd table are the table's keys: each must be this shard's by the table's
-        router (a trainer that routed with another server count would lose its rows to
-        every other trainer), then they map to the store's keys.
+        """The store keys of request ids ``ids`` (the table's keys, int64); ``what`` names
+        the shard in errors. Each must be this shard's by the table's router (a trainer
+        that routed with another server count would lose its rows to every other
+        trainer), then they map to the store's keys.
 
         Raises:
-            PartitionError: a local id out of range, or a key outside the table's key space.
+            PartitionError: a key outside a fixed key space.
+            ValueError: a key a hash index reserves.
             KVStoreError: a key another shard owns.
         """
-        if not len(ids) or not (self.arrays or self.router):
-            return ids  # a store keys and checks its own
-        if self.router is None:
-            rows = self.store.capacity
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= rows:
-                raise PartitionError(f"id {lo if lo < 0 else hi} of {what} is out of range "
-                                     f"(expected 0 <= id < {rows})")
+        if not len(ids):
+            return ids
+        if self._identity:
+            try:
+                self.router.check(ids, f"ids of {what}")
+            except PartitionError as e:
+                raise PartitionError(str(e)) from None
             return ids
         try:
             owner = self.router.part_of(ids)
@@ -175,57 +168,28 @@ class ShardTable(ShardCheckpoint):
             raise PartitionError(f"{what}: {e}") from None
         if (owner != self.part).any():
             bad = int(np.flatnonzero(owner != self.part)[0])
-            raise KVStoreError(f"key {int(ids[bad])} of {what} belongs to server "
-                               f"{int(owner[bad])}, not server {self.part} (the trainer "
+            raise KVStoreError(f"key {int(ids[bad])} of {what} belongs to shard "
+                               f"{int(owner[bad])}, not shard {self.part} (the trainer "
                                "routed it for another number of servers)")
         return self.router.to_local(self.part, ids)
 
     # -- rows -------------------------------------------------------------------------
 
     def pull(self, keys, column=WEIGHT, out=None, num_threads=1, access=True):
-        """Rows ``keys`` of ``column``, into ``out`` when given.
-
-        An array table's rows come in its storage dtype, except that half rows are
-        decoded to float32 (in the gather, one pass) when ``out`` is float32. Another
-        store's weight rows are a lookup (a hash store finds or inserts them and counts
-        the access; without ``access``, one :meth:`versions` counted already), float32,
-        or as stored into an ``out`` of another dtype (the wire's); its state rows must
-        exist.
-        """
-        if not self.arrays:
-            with self.write() if self.inserts_on_read else self.read():
-                stored = out is not None and out.dtype != np.float32
-                if column == WEIGHT:
-                    rows = self.store.lookup(keys, stored=stored) if access else \
-                        self.store.gather(keys, stored=stored)
-                else:
-                    rows = self.store.gather(keys, column, insert=False)
-            if out is None:
-                return rows
-            out[...] = rows
-            return out
-        arr = self.store.column(column)
-        with self.read():
-            if out is not None and out.dtype == np.float32 and arr.dtype != np.float32:
-                return half.gather_rows(arr, keys, out, num_threads)
-            if arr.dtype == np.float32 and arr.ndim == 2:
-                return kernels.gather_rows(arr, keys, out, num_threads)
-            if out is None:
-                return arr[keys]
-            np.take(arr, keys, axis=0, out=out)
-            return out
+        """Rows ``keys`` of ``column``, into ``out`` when given
+        (:meth:`RowStore.read <distemb.stores.types.RowStore.read>`: the weight is a
+        training lookup, a hash store's inserting absent keys and counting the access
+        unless ``access`` is False; half rows decoded to float32 unless ``out`` has their
+        storage dtype, as the wire does)."""
+        inserting = self.inserts_on_read and column == WEIGHT
+        with self.write() if inserting else self.read():
+            return self.store.read(keys, column, out, num_threads, access)
 
     def push(self, keys, values, column=WEIGHT):
         """Write (upsert) rows ``keys`` of ``column``; float32 weight values into half rows
         are rounded to nearest-even."""
         with self.write():
-            if not self.arrays:
-                self.store.scatter(keys, values, column)
-            else:
-                arr = self.store.column(column)
-                if arr.dtype != values.dtype and half.is_half(half.dtype_name(arr)):
-                    values = half.encode(values, half.dtype_name(arr))
-                arr[keys] = values
+            self.store.scatter(keys, values, column)
             self.bump(keys)
 
     def update(self, rule, keys, grads, hyper, num_threads=1, contributions=1):
@@ -276,13 +240,6 @@ class ShardTable(ShardCheckpoint):
 
     # -- keys -------------------------------------------------------------------------
 
-    def _refuse_fixed(self, what, name):
-        """StoreError for ``what`` (removal, eviction) of a store of fixed keys."""
-        if self.store.fixed_keys:
-            kind = self.spec.kind if self.spec is not None else type(self.store).__name__
-            raise StoreError(f"{what}: {name!r} is a {kind} table, which holds fixed keys "
-                             f"0..N-1; only tables of any key (hash tables) {what} keys")
-
     def _columns_of(self, columns, name):
         missing = [c for c in columns if c not in self.columns()]
         if missing:
@@ -308,9 +265,8 @@ class ShardTable(ShardCheckpoint):
         """Remove store keys with their state; how many were held.
 
         Raises:
-            StoreError: the store holds fixed keys.
+            StoreError: the store holds fixed keys (it says so).
         """
-        self._refuse_fixed("remove", name)
         with self.write():
             return self.store.remove(keys)
 
@@ -319,9 +275,8 @@ class ShardTable(ShardCheckpoint):
         returns the evicted store keys.
 
         Raises:
-            StoreError: the store holds fixed keys.
+            StoreError: the store holds fixed keys (it says so).
         """
-        self._refuse_fixed("evict", name)
         with self.write():
             return self.store.evict(target_size, policy)
 
@@ -339,7 +294,7 @@ class ShardTable(ShardCheckpoint):
             keys = self.store.keys()[start:None if count is None else start + count]
             slots = self.store.slots(keys) if len(keys) else np.empty(0, np.int64)
             rows = {c: self.store.read_rows(c, slots) for c in cols}
-        return (keys if self.router is None else self.router.to_global(self.part, keys)), rows
+        return self.router.to_global(self.part, keys), rows
 
     # -- versions ---------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 A lookup's gather validates its ids on the device (:func:`distemb.kernels.cuda.
 gather_rows_checked`): a bad id reads zeros and is counted in the table's flags (count,
 smallest, largest), which are copied to pinned host memory behind the gather. The next
-call that finds the copy landed reports them (:mod:`distemb.kvstore.device`).
+call that finds the copy landed reports them (:class:`~distemb.stores.device.DeviceDenseStore`).
 """
 import torch
 
