@@ -328,6 +328,11 @@ class DistTensor(NamedRows):
         return self._policy
 
     @property
+    def fixed_rows(self) -> int:
+        """N: the table's keys are 0..N-1."""
+        return self._shape[0]
+
+    @property
     def device(self):
         """The torch device of the rows, or None when they are numpy arrays on the host."""
         return self._client.device
@@ -422,6 +427,11 @@ class StoreTensor(NamedRows):
     @property
     def part_policy(self):
         return self._policy
+
+    @property
+    def fixed_rows(self) -> Optional[int]:
+        """N for a table of the fixed keys 0..N-1 (a file table), None for a hash table."""
+        return self._num_rows
 
     @property
     def device(self):
