@@ -8,15 +8,24 @@ ends the last bag); ``per_sample_weights`` scale each id's row (sum mode);
 ``padding_idx`` is an id whose entries count for nothing (its row is neither looked up
 nor updated); an empty bag gives zeros.
 
-How: the ids are deduplicated once (their ascending unique ids and, for every id, its
-place among them); the unique rows are looked up through the table's own lookup path
-(one pull, on any placement); one ``embedding_bag`` pass over those (U, D) rows reduces
-every bag. No (B, L, D) tensor of every id's row is made, and the backward leaves on the
-unique rows their gradients already summed per id (each weighted by its per-sample
-weight, or divided by its bag's size for a mean). The table's trace then holds one lookup
-of ascending unique ids whose gradient is summed: the client's duplicate sum has nothing
-to add and hands it to the fused update as it is. The pass is torch's own op, on the
-device the rows were looked up onto.
+How: the ids are deduplicated once, by one sort (their ascending unique ids, each id's
+place among them, and the entries grouped by id); the unique rows are looked up through
+the table's own lookup path (one pull, on any placement); one ``embedding_bag`` pass
+over those (U, D) rows reduces every bag. No (B, L, D) tensor of every id's row is made.
+The backward is a pooled lookup too: each unique id's gradient is the sum of the
+upstream rows of the bags it is in (weighted, or divided by the bag's size for a mean),
+one ``embedding_bag`` pass over the (B, D) upstream gradient with the entries grouped
+by id, which the sort already did (torch's own backward sorts them again and zero-fills
+a buffer first: 1.4-1.5x slower, one CPU core, bags of 20 zipf ids). Max mode's
+gradient goes to each bag's arg-max row, ties to the first as torch's. So the table's
+trace holds one lookup of ascending unique ids whose gradients are summed, which the
+client's duplicate sum hands to the fused update as they are.
+
+Every pass is torch's own op on the device the rows were looked up onto, balanced by
+rows: an id's entries are summed in chunks of at most :data:`CHUNK` (a hot id of a zipf
+batch owns thousands of entries; summed as one bag, one GPU thread group would add them
+all while the others idle), then its chunks, in fixed orders: deterministic, no atomics
+(max mode's gradient is scattered with ``index_add_``, which on a GPU is atomic).
 
 Example:
     >>> import torch
@@ -33,10 +42,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as nnf
 
+from torch.autograd.function import once_differentiable
+
 from distemb.arrays import Rows, Tensor, UniqueIds
 from distemb.enums import BagMode
 
 INT64 = (-2 ** 63, 2 ** 63 - 1)
+#: Most entries of one id summed as one bag in the backward (see the module docstring).
+CHUNK = 64
+#: torch.embedding_bag's mode numbers.
+MODE_CODE = {BagMode.SUM: 0, BagMode.MEAN: 1, BagMode.MAX: 2}
 
 
 def _integer_tensor(x, what: str) -> torch.Tensor:
@@ -95,13 +110,16 @@ class Bags:
         [[20.0], [1.0]]
     """
 
-    def __init__(self, unique: UniqueIds, inverse: Tensor, offsets: Optional[Tensor],
-                 mode: BagMode, weights: Optional[Tensor], include_last_offset: bool,
-                 padding: Optional[int]):
+    def __init__(self, unique: UniqueIds, inverse: Tensor, order: Tensor, counts: Tensor,
+                 padding: Optional[int], offsets: Tensor, mode: BagMode,
+                 weights: Optional[Tensor], include_last_offset: bool):
         self.unique = unique
-        self._inverse, self._offsets, self._mode = inverse, offsets, mode
+        # inverse: (N,) each entry's place in unique (the padding id's: len(unique), the
+        # zero row pool() appends); order: the entries but the padding id's, grouped by
+        # id in ascending order (stable), counts[u] of them for unique[u].
+        self._inverse, self._order, self._counts = inverse, order, counts
+        self._padding, self._offsets, self._mode = padding, offsets, mode
         self._weights, self._include_last = weights, include_last_offset
-        self._padding = padding  # the place of the zero row pool() appends, or None
 
     @classmethod
     def of(cls, ids: Tensor, offsets: Optional[Tensor] = None, mode="sum",
@@ -160,38 +178,161 @@ class Bags:
                 raise ValueError(f"per_sample_weights: expected the ids' shape "
                                  f"{tuple(ids.shape)}, got {tuple(w.shape)}")
             per_sample_weights = w
-        padding_idx = _padding_id(padding_idx, num_rows)
-        unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64), sorted=True,
-                                       return_inverse=True)
-        padding = None
-        if padding_idx is not None and len(unique):
-            at = int(torch.searchsorted(unique, torch.tensor(padding_idx,
-                                                              device=unique.device)))
-            if at < len(unique) and int(unique[at]) == padding_idx:
-                is_pad = inverse == at
-                inverse = inverse - (inverse > at).to(inverse.dtype)
-                unique = torch.cat([unique[:at], unique[at + 1:]])
-                padding = len(unique)
-                inverse[is_pad] = padding
-        return cls(unique, inverse.reshape(ids.shape), offsets, mode, per_sample_weights,
-                   include_last_offset, padding)
+        flat = ids.reshape(-1).to(torch.int64)
+        if ids.dim() == 2:  # B bags of L ids
+            offsets = torch.arange(ids.shape[0], device=ids.device) * ids.shape[1]
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+        return cls(*_dedup(flat, _padding_id(padding_idx, num_rows)),
+                   offsets.to(ids.device), mode, per_sample_weights, include_last_offset)
 
     def pool(self, rows: Rows) -> Tensor:
         """One row per bag, reduced from ``rows``, the (U, D) rows of :attr:`unique`.
 
         Returns:
             (B, D) rows, on the device and of the dtype of ``rows``; autograd leaves on
-            ``rows`` their gradients summed per unique id.
+            ``rows`` their gradients summed per unique id (and on per-sample weights that
+            require one, theirs).
         """
         dev = rows.device
-        weight = rows if self._padding is None else \
-            torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
         weights = None if self._weights is None else self._weights.to(dev, rows.dtype)
-        return nnf.embedding_bag(self._inverse.to(dev), weight,
-                                 None if self._offsets is None else self._offsets.to(dev),
-                                 mode=self._mode.value, per_sample_weights=weights,
-                                 include_last_offset=self._include_last,
-                                 padding_idx=self._padding)
+        return _Pool.apply(rows, weights, self._on(dev))
+
+    def _on(self, device) -> "Bags":
+        """These bags with their index tensors on ``device``."""
+        if self._inverse.device == device:
+            return self
+        return Bags(self.unique, self._inverse.to(device), self._order.to(device),
+                    self._counts.to(device), self._padding, self._offsets.to(device),
+                    self._mode, self._weights, self._include_last)
+
+    def _bag_of_entries(self) -> Tensor:
+        """(N,) the bag of each entry."""
+        n = self._inverse.numel()
+        ends = self._offsets[1:] if self._include_last else \
+            torch.cat([self._offsets[1:], self._offsets.new_tensor([n])])
+        starts = self._offsets[:-1] if self._include_last else self._offsets
+        return torch.repeat_interleave(torch.arange(len(starts), device=starts.device),
+                                       ends - starts, output_size=n)
+
+    def row_gradients(self, grad: Tensor, sizes: Tensor, arg_max: Tensor) -> Tensor:
+        """(U, D): each unique id's gradient, from the (B, D) gradient of the bags.
+
+        Args:
+            grad: the pooled rows' gradient.
+            sizes: (B,) entries of each bag but padding (torch.embedding_bag's).
+            arg_max: (B, D) each bag's arg-max row per column (max mode).
+        """
+        u, dim = len(self._counts), grad.shape[1]
+        if self._mode is BagMode.MAX:
+            grad = grad.masked_fill((sizes == 0)[:, None], 0)  # an empty bag's arg is 0
+            out = grad.new_zeros((u + 1, dim))  # + the padding row's place
+            cols = torch.arange(dim, device=grad.device)
+            out.view(-1).index_add_(0, (arg_max.clamp(min=0) * dim + cols).reshape(-1),
+                                    grad.reshape(-1))
+            return out[:u]
+        if self._mode is BagMode.MEAN:
+            grad = grad / sizes.clamp(min=1).to(grad.dtype)[:, None]
+        src = self._bag_of_entries()[self._order]
+        weights = None if self._weights is None else \
+            self._weights.to(grad.device, grad.dtype)[self._order]
+        return _segment_sums(grad, src, self._counts, weights)
+
+    def weight_gradients(self, grad: Tensor, table: Tensor) -> Tensor:
+        """(N,) each per-sample weight's gradient: its row dot its bag's gradient
+        (``table``: the rows pooled, the padding row zero)."""
+        return (grad[self._bag_of_entries()] * table[self._inverse]).sum(-1)
+
+
+class _Pool(torch.autograd.Function):
+    """The pooled rows of :class:`Bags`; backward: :meth:`Bags.row_gradients`."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, bags):
+        table = rows if bags._padding is None else \
+            torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
+        out, _, sizes, arg_max = torch.embedding_bag(
+            table, bags._inverse, bags._offsets, False, MODE_CODE[bags._mode], False,
+            weights, bags._include_last, bags._padding)
+        ctx.bags, ctx.sizes, ctx.arg_max = bags, sizes, arg_max
+        ctx.table = table if ctx.needs_input_grad[1] else None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        bags, grad = ctx.bags, grad.contiguous()
+        rows = bags.row_gradients(grad, ctx.sizes, ctx.arg_max) \
+            if ctx.needs_input_grad[0] else None
+        weights = bags.weight_gradients(grad, ctx.table) if ctx.needs_input_grad[1] else None
+        return rows, weights, None
+
+
+def _dedup(flat: Tensor, padding_id: Optional[int]):
+    """``(unique, inverse, order, counts, padding)`` of flat ids (see :class:`Bags`), by
+    one stable sort; ``padding``: the place of the padding id's zero row, or None."""
+    keys, order = torch.sort(flat, stable=True)
+    unique, counts = torch.unique_consecutive(keys, return_counts=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.repeat_interleave(
+        torch.arange(len(unique), device=flat.device), counts, output_size=len(flat))
+    if padding_id is None or not len(unique):
+        return unique, inverse, order, counts, None
+    at = int(torch.searchsorted(unique, unique.new_tensor(padding_id)))
+    if at == len(unique) or int(unique[at]) != padding_id:
+        return unique, inverse, order, counts, None
+    lo = int(counts[:at].sum())
+    hi = lo + int(counts[at])
+    is_pad = inverse == at
+    inverse = inverse - (inverse > at).to(inverse.dtype)
+    unique = torch.cat([unique[:at], unique[at + 1:]])
+    inverse[is_pad] = len(unique)
+    return (unique, inverse, torch.cat([order[:lo], order[hi:]]),
+            torch.cat([counts[:at], counts[at + 1:]]), len(unique))
+
+
+def _exclusive_cumsum(x: Tensor) -> Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _segment_sums(rows: Tensor, src: Tensor, counts: Tensor,
+                  weights: Optional[Tensor]) -> Tensor:
+    """(U, D): row u the sum of ``rows[src[j]]`` (times ``weights[j]``) over segment u of
+    ``src``, segments consecutive, ``counts[u]`` entries each; a segment of more than
+    :data:`CHUNK` entries in chunks of at most CHUNK (module docstring)."""
+    first = counts.clamp(max=CHUNK)
+    extra = counts - first
+    first_start = _exclusive_cumsum(first)
+    if not bool(extra.any()):
+        return torch.embedding_bag(rows, src, first_start, False, 0, False, weights,
+                                   False, None)[0]
+    # Each segment's first CHUNK entries first, as one bag each; then the rest of the
+    # long ones, in chunks of CHUNK: bags U.. of the same pass.
+    n, u = len(src), len(counts)
+    seg = torch.repeat_interleave(torch.arange(u, device=src.device), counts, output_size=n)
+    rank = torch.arange(n, device=src.device) - _exclusive_cumsum(counts)[seg]
+    extra_start = int(first.sum()) + _exclusive_cumsum(extra)
+    place = torch.where(rank < CHUNK, first_start[seg] + rank, extra_start[seg] + rank - CHUNK)
+    moved = torch.empty_like(src)
+    moved[place] = src
+    if weights is not None:
+        w = torch.empty_like(weights)
+        w[place] = weights
+        weights = w
+    long = torch.nonzero(extra).squeeze(1)
+    chunks = (extra[long] + CHUNK - 1) // CHUNK
+    chunk_seg = torch.repeat_interleave(long, chunks)
+    chunk_first = _exclusive_cumsum(chunks)
+    k = torch.arange(len(chunk_seg), device=src.device) - \
+        torch.repeat_interleave(chunk_first, chunks)
+    sums = torch.embedding_bag(rows, moved, torch.cat([first_start, extra_start[chunk_seg] +
+                                                        k * CHUNK]),
+                               False, 0, False, weights, False, None)[0]
+    out = sums[:u]
+    out.index_add_(0, long, torch.embedding_bag(
+        sums[u:], torch.arange(len(chunk_seg), device=src.device), chunk_first, False, 0,
+        False, None, False, None)[0])
+    return out
 
 
 def _padding_id(padding_idx, num_rows: Optional[int]) -> Optional[int]:

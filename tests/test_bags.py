@@ -23,7 +23,7 @@ from conftest import zipf_ids
 from suite_tables import Table
 from test_optim_oracle import CASES, assert_within
 
-from distemb.bags import Bags
+from distemb.bags import CHUNK, Bags
 from distemb.embedding import DistEmbedding
 from distemb.optim import SparseAdagrad
 
@@ -152,28 +152,47 @@ def test_max_ties_go_to_the_bags_first_row_holding_the_max(ctx):
     assert got[5].tolist() == [1.0, 1.0] and got[2].tolist() == [0.0, 0.0]
 
 
-def test_one_lookup_of_unique_ids_with_summed_gradients(ctx):
+@pytest.mark.parametrize("mode", ["sum", "weighted", "mean", "max"])
+def test_one_lookup_of_unique_ids_with_summed_gradients(ctx, mode):
     """The trace holds one lookup of the ascending unique ids and their (U, D) rows,
-    never a row per id, and its gradient is each id's sum (the oracle: the coalesced
-    sparse gradient of nn.EmbeddingBag); per-sample weights get their gradient too."""
+    never a row per id, and its gradient is each id's sum (the oracle: nn.EmbeddingBag's
+    sparse gradient, coalesced; max mode's dense one at the ids looked up), ids seen
+    around and far past CHUNK times included (summed in chunks); per-sample weights get
+    their gradient too (the padding id's entries none)."""
     rng = np.random.default_rng(3)
-    ids, offsets, weights = bag_batch(rng, "offsets", ROWS, bags=64, length=20)
+    counts = [1, 2, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK + 5, 700]
+    ids = np.repeat(rng.permutation(ROWS)[:len(counts)], counts)
+    ids = np.concatenate([ids, rng.integers(0, ROWS, 600), np.full(40, PAD)])
+    ids = torch.from_numpy(rng.permutation(ids))
+    lengths = rng.integers(0, 18, 200)
+    lengths[-1] = len(ids) - lengths[:-1].sum()
+    assert lengths[-1] > 0 and (lengths == 0).any()
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]))
     w0 = initial_rows(3)
     emb = DistEmbedding(ROWS, DIM, name="once", context=ctx)
     emb.weight[torch.arange(ROWS)] = w0
-    ours_w = weights.clone().requires_grad_()
-    up = torch.randn(64, DIM)
-    (emb.bag(ids, offsets, per_sample_weights=ours_w) * up).sum().backward()
-    ref = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+    weights = torch.from_numpy(rng.uniform(-1, 2, len(ids)).astype(np.float32)) \
+        if mode == "weighted" else None
+    mode = "sum" if mode == "weighted" else mode
+    ours_w = None if weights is None else weights.clone().requires_grad_()
+    up = torch.randn(len(offsets), DIM, generator=torch.Generator().manual_seed(3))
+    (emb.bag(ids, offsets, mode=mode, per_sample_weights=ours_w, padding_idx=PAD)
+     * up).sum().backward()
+    ref = torch.nn.EmbeddingBag(ROWS, DIM, mode=mode, sparse=mode != "max", padding_idx=PAD)
     ref.weight.data.copy_(w0)
-    ref_w = weights.clone().requires_grad_()
+    ref_w = None if weights is None else weights.clone().requires_grad_()
     (ref(ids, offsets, per_sample_weights=ref_w) * up).sum().backward()
+    looked = torch.unique(ids)
+    looked = looked[looked != PAD]
+    want = ref.weight.grad.coalesce() if mode != "max" else \
+        torch.sparse_coo_tensor(looked[None], ref.weight.grad[looked]).coalesce()
     (lookup,) = emb.trace
-    want = ref.weight.grad.coalesce()
     np.testing.assert_array_equal(np.asarray(lookup.ids), want.indices()[0].numpy())
-    assert tuple(lookup.rows.shape) == (len(torch.unique(ids)), DIM) < (len(ids), DIM)
+    assert tuple(lookup.rows.shape) == (len(looked), DIM) < (len(ids), DIM)
     torch.testing.assert_close(lookup.rows.grad, want.values(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours_w.grad, ref_w.grad, rtol=1e-5, atol=1e-5)
+    if weights is not None:
+        torch.testing.assert_close(ours_w.grad, ref_w.grad, rtol=1e-5, atol=1e-5)
+        assert (ours_w.grad[ids == PAD] == 0).all()
 
 
 def test_bags_without_autograd_record_nothing(ctx):
