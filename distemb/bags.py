@@ -39,6 +39,7 @@ Example:
 import operator
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as nnf
 
@@ -74,7 +75,8 @@ def _check_offsets(offsets, n: int, include_last_offset: bool) -> torch.Tensor:
         raise ValueError("offsets: with include_last_offset=True the last offset ends the "
                          "last bag, so at least one is needed, got none")
     if len(off):
-        first, last = int(off[0]), int(off[-1])
+        host = off.detach().cpu().numpy()  # (B,) checked at numpy's cost per call
+        first, last = int(host[0]), int(host[-1])
         if first != 0:
             raise ValueError(f"offsets: the first bag must start at 0, got offsets[0]="
                              f"{first}")
@@ -83,11 +85,11 @@ def _check_offsets(offsets, n: int, include_last_offset: bool) -> torch.Tensor:
             raise ValueError(f"offsets: expected offsets[-1] {want} (the number of ids"
                              f"{'; it ends the last bag' if include_last_offset else ''}), "
                              f"got offsets[-1]={last}")
-        steps = off[1:] < off[:-1]
-        if bool(steps.any()):
-            i = int(steps.nonzero()[0]) + 1
+        down = np.flatnonzero(host[1:] < host[:-1])
+        if len(down):
+            i = int(down[0]) + 1
             raise ValueError(f"offsets: expected non-decreasing offsets, got offsets[{i}]="
-                             f"{int(off[i])} after {int(off[i - 1])}")
+                             f"{int(host[i])} after {int(host[i - 1])}")
     return off.to(torch.int64)
 
 
