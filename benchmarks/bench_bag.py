@@ -23,7 +23,10 @@ linear read-out (it never drives rows toward subnormal floats). Each contender c
 through the same pool of pre-drawn batches; contenders are timed in turns (one repeat
 each, then the next repeat), a repeat's time is the median of its ``--steps`` steps, a
 cell the median of the repeats, and ratios are same-run: the baseline's median step
-time over the contender's.
+time over the contender's. Each step is timed twice: wall-clock, and the CPU time of this
+thread (``time.thread_time``; every contender runs in this one thread), which leaves out
+the time other processes held the core: on a machine shared with other jobs, the
+wall-clock ratio moves with their load, the CPU-time ratio much less.
 
 Example:
     OMP_WAIT_POLICY=passive python benchmarks/bench_bag.py --threads 1
@@ -103,22 +106,25 @@ def contenders(args, mode, ids, offsets, upstream, tag):
 
 
 def time_turns(steps, args):
-    """{name: median over repeats of the median step time}, timed in turns."""
-    times = {name: [] for name in steps}
+    """{name: (wall, cpu)}: medians over repeats of the median step time, in turns."""
+    times = {name: ([], []) for name in steps}
     k = 0
     for name, step in steps.items():  # warm-up: first touches, allocator, state
         for j in range(args.warmup):
             step(j)
     for _ in range(args.repeats):
         for name, step in steps.items():
-            calls = []
+            wall, cpu = [], []
             for j in range(args.steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 step(k + j)
-                calls.append(time.perf_counter() - t0)
-            times[name].append(statistics.median(calls))
+                wall.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+            times[name][0].append(statistics.median(wall))
+            times[name][1].append(statistics.median(cpu))
         k += args.steps
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(w), statistics.median(c))
+            for name, (w, c) in times.items()}
 
 
 def parse_args(argv=None):
@@ -153,19 +159,22 @@ def main(argv=None):
           f"length={args.length} ids/step={len(ids[0])} unique/step={unique:.0f} "
           f"threads={args.threads} repeats={args.repeats} steps={args.steps} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
-    print(f"# CPU: {cpu_name()}; median step time in ms; ratio: the baseline's time over "
-          f"the contender's, same run")
+    print(f"# CPU: {cpu_name()}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+          f"; median step times in ms, wall-clock and CPU; ratios: the baseline's time "
+          f"over the contender's, same run")
     print()
-    print("| mode | contender          | step ms | vs torch EmbeddingBag |")
-    print("|------|--------------------|---------|-----------------------|")
+    print("| mode | contender          | step ms | CPU ms | vs torch EmbeddingBag | by CPU |")
+    print("|------|--------------------|---------|--------|-----------------------|--------|")
     for i, mode in enumerate(args.modes):
         steps, close = contenders(args, mode, ids, offsets, upstream, i)
         got = time_turns(steps, args)
         steps.clear()
         close()
-        base = got["torch EmbeddingBag"]
-        for name, t in got.items():
-            print(f"| {mode:<4} | {name:<18} | {t * 1e3:7.2f} | {base / t:20.2f}x |")
+        base, base_cpu = got["torch EmbeddingBag"]
+        for name, (t, c) in got.items():
+            print(f"| {mode:<4} | {name:<18} | {t * 1e3:7.2f} | {c * 1e3:6.2f} | "
+                  f"{base / t:20.2f}x | {base_cpu / c:5.2f}x |")
+    print(f"# load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

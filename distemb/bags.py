@@ -49,6 +49,7 @@ from distemb.arrays import Rows, Tensor, UniqueIds
 from distemb.enums import BagMode
 
 INT64 = (-2 ** 63, 2 ** 63 - 1)
+INT32 = (-2 ** 31, 2 ** 31 - 1)
 #: Most entries of one id summed as one bag in the backward (see the module docstring).
 CHUNK = 64
 #: torch.embedding_bag's mode numbers.
@@ -273,8 +274,13 @@ class _Pool(torch.autograd.Function):
 def _dedup(flat: Tensor, padding_id: Optional[int]):
     """``(unique, inverse, order, counts, padding)`` of flat ids (see :class:`Bags`), by
     one stable sort; ``padding``: the place of the padding id's zero row, or None."""
-    keys, order = torch.sort(flat, stable=True)
+    low, high = torch.aminmax(flat) if len(flat) else (flat.new_zeros(()),) * 2
+    if INT32[0] <= int(low) and int(high) <= INT32[1]:  # sorted as int32: 1.8x faster
+        keys, order = torch.sort(flat.to(torch.int32), stable=True)
+    else:
+        keys, order = torch.sort(flat, stable=True)
     unique, counts = torch.unique_consecutive(keys, return_counts=True)
+    unique = unique.to(torch.int64)
     inverse = torch.empty_like(order)
     inverse[order] = torch.repeat_interleave(
         torch.arange(len(unique), device=flat.device), counts, output_size=len(flat))
@@ -309,19 +315,19 @@ def _segment_sums(rows: Tensor, src: Tensor, counts: Tensor,
         return torch.embedding_bag(rows, src, first_start, False, 0, False, weights,
                                    False, None)[0]
     # Each segment's first CHUNK entries first, as one bag each; then the rest of the
-    # long ones, in chunks of CHUNK: bags U.. of the same pass.
+    # long ones (few segments), in chunks of CHUNK: bags U.. of the same pass. The rest
+    # is marked by +1 / -1 at its ends and a running sum, in stable order.
     n, u = len(src), len(counts)
-    seg = torch.repeat_interleave(torch.arange(u, device=src.device), counts, output_size=n)
-    rank = torch.arange(n, device=src.device) - _exclusive_cumsum(counts)[seg]
-    extra_start = int(first.sum()) + _exclusive_cumsum(extra)
-    place = torch.where(rank < CHUNK, first_start[seg] + rank, extra_start[seg] + rank - CHUNK)
-    moved = torch.empty_like(src)
-    moved[place] = src
-    if weights is not None:
-        w = torch.empty_like(weights)
-        w[place] = weights
-        weights = w
     long = torch.nonzero(extra).squeeze(1)
+    ends = torch.cumsum(counts, 0)[long]
+    edges = torch.zeros(n + 1, dtype=torch.int32, device=src.device)
+    edges[ends - extra[long]] = 1
+    edges[ends] = -1
+    rest = torch.cumsum(edges[:n], 0, dtype=torch.int32).bool()
+    moved = torch.cat([src[~rest], src[rest]])
+    if weights is not None:
+        weights = torch.cat([weights[~rest], weights[rest]])
+    extra_start = int(first.sum()) + _exclusive_cumsum(extra)
     chunks = (extra[long] + CHUNK - 1) // CHUNK
     chunk_seg = torch.repeat_interleave(long, chunks)
     chunk_first = _exclusive_cumsum(chunks)

@@ -200,7 +200,8 @@ def load(checkpoint, table: Optional[str] = None, *, dtype=torch.float32,
         keys 0..N-1; :class:`KeyedEmbedding` for a hash table.
 
     Raises:
-        KVStoreError: not a checkpoint, a corrupt or missing segment, rows not covered
+        KVStoreError: not a checkpoint directory (a single ``.npz`` file of the format
+            before version 2 is not read), a corrupt or missing segment, rows not covered
             exactly once, or rows that do not fit in memory (pass ``mmap``) or on the
             disk of ``mmap``.
         ValueError: no such table (the message lists them), several tables and no
@@ -208,6 +209,10 @@ def load(checkpoint, table: Optional[str] = None, *, dtype=torch.float32,
             table that takes none.
     """
     directory = os.path.abspath(os.fspath(checkpoint))
+    if os.path.isfile(directory):
+        raise KVStoreError(f"checkpoint: {directory} is a file (a single-file checkpoint of "
+                           f"the format before version 2?); load it into its table with "
+                           f"opt.load() and save it again to serve it")
     manifest = snapshot.read_manifest(directory)
     names = sorted(n for n in manifest["tensors"] if state_owner(n) is None)
     if table is None:

@@ -227,6 +227,9 @@ def test_what_cannot_be_served_is_refused_naming_it(ctx, tmp_path):
             serving.load(ck, **kwargs)
     with pytest.raises(KVStoreError, match="not a distemb checkpoint"):
         serving.load(tmp_path)
+    (tmp_path / "old.npz").write_bytes(b"PK")
+    with pytest.raises(KVStoreError, match=r"old.npz is a file \(a single-file checkpoint"):
+        serving.load(tmp_path / "old.npz")
     with pytest.raises(ValueError, match="offsets, per_sample_weights: this module"):
         serving.load(ck, "b")(torch.tensor([5]), torch.tensor([0]))
     manifest = json.loads((ck / "manifest.json").read_text())
