@@ -209,6 +209,21 @@ class Bags:
                     self._counts.to(device), self._padding, self._offsets.to(device),
                     self._mode, self._weights, self._include_last)
 
+    def reduce(self, rows: Rows, weights: Optional[Tensor]):
+        """The forward pass of :meth:`pool`, without autograd.
+
+        Returns:
+            ``(pooled rows (B, D), the rows pooled (the padding id's zero row appended),
+            each bag's entries but padding (B,), each bag's arg-max row per column (B, D;
+            max mode))``.
+        """
+        table = rows if self._padding is None else \
+            torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
+        out, _, sizes, arg_max = torch.embedding_bag(
+            table, self._inverse, self._offsets, False, MODE_CODE[self._mode], False,
+            weights, self._include_last, self._padding)
+        return out, table, sizes, arg_max
+
     def _bag_of_entries(self) -> Tensor:
         """(N,) the bag of each entry."""
         n = self._inverse.numel()
@@ -252,11 +267,7 @@ class _Pool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weights, bags):
-        table = rows if bags._padding is None else \
-            torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
-        out, _, sizes, arg_max = torch.embedding_bag(
-            table, bags._inverse, bags._offsets, False, MODE_CODE[bags._mode], False,
-            weights, bags._include_last, bags._padding)
+        out, table, sizes, arg_max = bags.reduce(rows, weights)
         ctx.bags, ctx.sizes, ctx.arg_max = bags, sizes, arg_max
         ctx.table = table if ctx.needs_input_grad[1] else None
         return out
