@@ -163,8 +163,8 @@ def main(argv=None):
           f"; median step times in ms, wall-clock and CPU; ratios: the baseline's time "
           f"over the contender's, same run")
     print()
-    print("| mode | contender          | step ms | CPU ms | vs torch EmbeddingBag | by CPU |")
-    print("|------|--------------------|---------|--------|-----------------------|--------|")
+    print("| mode | contender          | step ms |  CPU ms | vs torch EmbeddingBag | by CPU |")
+    print("|------|--------------------|---------|---------|-----------------------|--------|")
     for i, mode in enumerate(args.modes):
         steps, close = contenders(args, mode, ids, offsets, upstream, i)
         got = time_turns(steps, args)
@@ -172,7 +172,7 @@ def main(argv=None):
         close()
         base, base_cpu = got["torch EmbeddingBag"]
         for name, (t, c) in got.items():
-            print(f"| {mode:<4} | {name:<18} | {t * 1e3:7.2f} | {c * 1e3:6.2f} | "
+            print(f"| {mode:<4} | {name:<18} | {t * 1e3:7.2f} | {c * 1e3:7.2f} | "
                   f"{base / t:20.2f}x | {base_cpu / c:5.2f}x |")
     print(f"# load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
