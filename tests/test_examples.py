@@ -27,7 +27,7 @@ def run_example(tmp_path, name, *args, timeout=300):
 
 def test_every_example_is_run_here():
     tested = {"quickstart.py", "dynamic_table.py", "dynamic_cluster.py", "half_rows.py",
-              "file_table.py"}
+              "file_table.py", "pooled_lookups.py", "serving.py"}
     assert set(f for f in os.listdir(EXAMPLES) if f.endswith(".py")) == tested
 
 
@@ -60,6 +60,25 @@ def test_file_table_reopens_its_rows(tmp_path):
     out = run_example(tmp_path, "file_table.py", str(path))
     assert str(path) in out, out
     assert os.path.isdir(path) and os.listdir(path)
+
+
+def test_pooled_lookups_learn_and_pool_as_said(tmp_path):
+    out = run_example(tmp_path, "pooled_lookups.py")
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first / 5, out
+    traced, looked = map(int, re.search(r"traced ids per step (\d+) of (\d+)", out).groups())
+    assert traced < looked == 32768, out  # one row per unique id, not per id
+    assert "weighted bag equal: True, padding-only bag: 0.0" in out, out
+    assert "max bags (4, 16)" in out, out
+
+
+def test_serving_gives_the_training_rows(tmp_path):
+    out = run_example(tmp_path, "serving.py")
+    for line in ("tables: ['items', 'users']", "Embedding equal to training rows: True",
+                 "EmbeddingBag torch.bfloat16 (2, 16)", "exported equal: True",
+                 "trained row equal: True", "unseen key gets its initial row: True"):
+        assert line in out, out
+    assert re.search(r"KeyedEmbedding \d+ keys", out), out
 
 
 def test_dynamic_cluster_runs_embedded(tmp_path):
