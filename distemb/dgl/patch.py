@@ -9,7 +9,11 @@ and partition books as they are), and:
 - ``dgl.distributed.initialize`` runs DGL's, then joins distemb's job
   (:func:`distemb.dgl.job.join_trainer`); ``exit_client`` leaves it, then runs DGL's;
 - ``DistGraphServer.start`` also runs distemb's server beside DGL's
-  (:class:`distemb.dgl.job.ServerBeside`).
+  (:class:`distemb.dgl.job.ServerBeside`);
+- the processes this one starts inherit a job token made for them when none is set
+  (:func:`distemb.dgl.job.make_token_for_children`): servers and trainers started from
+  one parent, as DGL's tests start them, need no variable set by hand. Processes
+  started separately, as DGL's launcher starts them, still need the token given.
 
 DGL's own graph data (``DistGraph.ndata``, made inside DGL) stays DGL's. A ``from
 dgl.distributed import DistEmbedding`` executed *before* :func:`patch` keeps DGL's class:
@@ -122,6 +126,7 @@ def patch():
     """
     if _originals:
         return
+    job.make_token_for_children()
     for obj, attr, new in _targets():
         original = getattr(obj, attr)
         _originals[(obj, attr)] = original
