@@ -1,0 +1,185 @@
+"""Node2Vec: PyG's model, its table a distemb table on any placement.
+
+PyG's ``torch_geometric.nn.Node2Vec`` keeps an ``nn.Embedding(sparse=True)`` in one
+process and walks with pyg-lib. This one has PyG's constructor and methods
+(``forward``, ``loader``, ``pos_sample``, ``neg_sample``, ``sample``, ``loss``,
+``test``) and draws the same walks and negatives from torch's generator, but:
+
+- its table is a :class:`~distemb.embedding.DistEmbedding` (``model.embedding``): in this
+  process, on servers or sharded over a collective job, trained by a distemb optimizer
+  (``distemb.SparseAdam([model.embedding], lr=0.01)`` where PyG's example uses
+  ``torch.optim.SparseAdam(list(model.parameters()), lr=0.01)``);
+- it walks with :class:`~distemb.pyg.walks.RandomWalker` (plain torch), so pyg-lib is
+  not needed;
+- :meth:`loss` looks every node of a batch up once and computes PyG's loss and its
+  gradients in one compiled pass (:func:`distemb.losses.skipgram_loss`), instead of four
+  lookups whose rows autograd materialises, so the gradients reach the optimizer
+  already summed per node.
+
+The loss is PyG's: ``mean(-log s(h_start . h_rest))`` over the positive pairs plus
+``mean(-log s(-h_start . h_rest))`` over the negative ones, without PyG's ``1e-15``
+inside the log (which matters only where a score is beyond about +-34).
+
+Example:
+    >>> import torch, distemb
+    >>> from distemb.pyg import Node2Vec
+    >>> edge_index = torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]])
+    >>> model = Node2Vec(edge_index, embedding_dim=4, walk_length=3, context_size=2,
+    ...                  name="doc-n2v")
+    >>> opt = distemb.SparseAdam([model.embedding], lr=0.01)
+    >>> for pos_rw, neg_rw in model.loader(batch_size=2, shuffle=True):
+    ...     opt.zero_grad(); loss = model.loss(pos_rw, neg_rw); loss.backward(); opt.step()
+    >>> model
+    Node2Vec(3, 4)
+"""
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch.utils.data import DataLoader
+
+from distemb.embedding import DistEmbedding
+from distemb.integrations.pyg import torch_geometric
+from distemb.losses import skipgram_loss
+from distemb.pyg.walks import RandomWalker
+
+__all__ = ["Node2Vec"]
+
+_utils = torch_geometric.utils
+
+
+def _normal(shape, dtype):
+    """``nn.Embedding``'s initialisation (PyG's ``reset_parameters``): N(0, 1)."""
+    return torch.randn(shape).to(dtype)
+
+
+class Node2Vec(torch.nn.Module):
+    """PyG's ``Node2Vec`` on a distemb table.
+
+    Args:
+        edge_index, embedding_dim, walk_length, context_size, walks_per_node, p, q,
+            num_negative_samples, num_nodes: as PyG's ``Node2Vec``.
+        sparse: accepted for PyG's signature; a distemb table is always updated sparsely
+            (only the rows a batch looked up), whatever it says.
+        name: the table's distemb name (None: a fresh anonymous one); tables of one name
+            share rows, so every trainer of a job names it the same.
+        context: the :class:`~distemb.context.DistContext` (default: the current one).
+        part_policy: how the table's rows are sharded (default: even ranges).
+        dtype: how its rows are stored (float32, or torch.bfloat16 / torch.float16).
+
+    Raises:
+        ValueError: ``walk_length`` < ``context_size``, or a size that is not a positive
+            int.
+
+    Example:
+        >>> import torch
+        >>> from distemb.pyg import Node2Vec
+        >>> m = Node2Vec(torch.tensor([[0, 1], [1, 0]]), 2, walk_length=2, context_size=2)
+        >>> pos_rw, neg_rw = m.sample(torch.tensor([0]))
+        >>> pos_rw.shape, neg_rw.shape, float(m.loss(pos_rw, neg_rw)) > 0
+        (torch.Size([2, 2]), torch.Size([2, 2]), True)
+    """
+
+    def __init__(self, edge_index: torch.Tensor, embedding_dim: int, walk_length: int,
+                 context_size: int, walks_per_node: int = 1, p: float = 1.0, q: float = 1.0,
+                 num_negative_samples: int = 1, num_nodes: Optional[int] = None,
+                 sparse: bool = False, *, name: Optional[str] = None, context=None,
+                 part_policy=None, dtype=torch.float32):
+        super().__init__()
+        for arg, value in (("embedding_dim", embedding_dim), ("walk_length", walk_length),
+                           ("context_size", context_size), ("walks_per_node", walks_per_node),
+                           ("num_negative_samples", num_negative_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg}: expected a positive int, got {value!r}")
+        if walk_length < context_size:
+            raise ValueError(f"walk_length: expected >= context_size ({context_size}), got "
+                             f"{walk_length}")
+        self.num_nodes = _utils.num_nodes.maybe_num_nodes(edge_index, num_nodes)
+        row, col = _utils.sort_edge_index(edge_index, num_nodes=self.num_nodes).cpu()
+        self.rowptr, self.col = torch_geometric.index.index2ptr(row, self.num_nodes), col
+        self.walker = RandomWalker(self.rowptr, self.col)
+        self.EPS = 1e-15  # PyG's attribute; the fused loss needs none (see the module)
+        self.embedding_dim = embedding_dim
+        self.walk_length = walk_length - 1
+        self.context_size = context_size
+        self.walks_per_node = walks_per_node
+        self.p, self.q = p, q
+        self.num_negative_samples = num_negative_samples
+        self.embedding = DistEmbedding(self.num_nodes, embedding_dim, name=name,
+                                       init_func=_normal, part_policy=part_policy,
+                                       context=context, dtype=dtype)
+
+    def reset_parameters(self):
+        """Draw every row again from N(0, 1) (PyG's ``reset_parameters``)."""
+        self.embedding.weight[slice(0, self.num_nodes)] = \
+            _normal((self.num_nodes, self.embedding_dim), torch.float32)
+
+    def forward(self, batch: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The rows of the nodes in ``batch`` (every node when None), traced for the
+        optimizer while autograd records."""
+        if batch is None:
+            batch = torch.arange(self.num_nodes)
+        return self.embedding(batch)
+
+    def loader(self, **kwargs) -> DataLoader:
+        """PyG's: a DataLoader over the node ids whose batches are :meth:`sample`'s."""
+        return DataLoader(range(self.num_nodes), collate_fn=self.sample, **kwargs)
+
+    def _windows(self, rw: torch.Tensor) -> torch.Tensor:
+        num_walks_per_rw = 1 + self.walk_length + 1 - self.context_size
+        return torch.cat([rw[:, j:j + self.context_size] for j in range(num_walks_per_rw)],
+                         dim=0)
+
+    def pos_sample(self, batch: torch.Tensor) -> torch.Tensor:
+        """Every window of ``context_size`` nodes of ``walks_per_node`` walks from each
+        node of ``batch`` (PyG's, walked by :class:`~distemb.pyg.walks.RandomWalker`)."""
+        batch = batch.repeat(self.walks_per_node)
+        rw = self.walker(batch, self.walk_length, self.p, self.q)
+        return self._windows(rw)
+
+    def neg_sample(self, batch: torch.Tensor) -> torch.Tensor:
+        """Windows of uniformly drawn nodes after each node of ``batch`` (PyG's)."""
+        batch = batch.repeat(self.walks_per_node * self.num_negative_samples)
+        rw = torch.randint(self.num_nodes, (batch.size(0), self.walk_length),
+                           dtype=batch.dtype, device=batch.device)
+        rw = torch.cat([batch.view(-1, 1), rw], dim=-1)
+        return self._windows(rw)
+
+    def sample(self, batch: Union[List[int], torch.Tensor]
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(positive windows, negative windows) of ``batch`` (PyG's)."""
+        if not isinstance(batch, torch.Tensor):
+            batch = torch.tensor(batch)
+        return self.pos_sample(batch), self.neg_sample(batch)
+
+    def loss(self, pos_rw: torch.Tensor, neg_rw: torch.Tensor) -> torch.Tensor:
+        """PyG's loss of positive and negative windows (see the module): each node looked
+        up once, the loss and its gradients in one fused pass per kind of window."""
+        ids = torch.cat([pos_rw.reshape(-1), neg_rw.reshape(-1)])
+        nodes, where = torch.unique(ids, return_inverse=True)
+        rows = self.embedding(nodes)
+        pos = where[:pos_rw.numel()].view(pos_rw.shape)
+        neg = where[pos_rw.numel():].view(neg_rw.shape)
+        return (self._pairs_loss(rows, rows, pos) +     # -log s(h . c)
+                self._pairs_loss(rows, -rows, neg))     # -log s(-h . c) = -log s(h . -c)
+
+    @staticmethod
+    def _pairs_loss(rows, context_rows, windows):
+        """Mean of ``-log s(rows[w0] . context_rows[wj])`` over every window w, j >= 1."""
+        rest = windows.size(1) - 1
+        centers = windows[:, :1].expand(-1, rest).reshape(-1)
+        others = windows[:, 1:].reshape(-1)
+        none = torch.empty((len(centers), 0), dtype=torch.int64)
+        return skipgram_loss(rows, context_rows, centers, others, none)
+
+    def test(self, train_z: torch.Tensor, train_y: torch.Tensor, test_z: torch.Tensor,
+             test_y: torch.Tensor, solver: str = "lbfgs", *args, **kwargs) -> float:
+        """PyG's: the accuracy of a logistic regression fit on (train_z, train_y), scored
+        on (test_z, test_y) (needs scikit-learn)."""
+        from sklearn.linear_model import LogisticRegression  # optional, as in PyG
+
+        clf = LogisticRegression(*args, solver=solver, **kwargs).fit(
+            train_z.detach().cpu().numpy(), train_y.detach().cpu().numpy())
+        return clf.score(test_z.detach().cpu().numpy(), test_y.detach().cpu().numpy())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.num_nodes}, {self.embedding_dim})"
