@@ -11,14 +11,15 @@ process and walks with pyg-lib. This one has PyG's constructor and methods
   ``torch.optim.SparseAdam(list(model.parameters()), lr=0.01)``);
 - it walks with :class:`~distemb.pyg.walks.RandomWalker` (plain torch), so pyg-lib is
   not needed;
-- :meth:`loss` looks every node of a batch up once and computes PyG's loss and its
-  gradients in one compiled pass (:func:`distemb.losses.skipgram_loss`), instead of four
-  lookups whose rows autograd materialises, so the gradients reach the optimizer
-  already summed per node.
+- :meth:`loss` looks every node of a batch up once (PyG looks the rows up four times,
+  one per pair and window) and hands the optimizer one gradient row per node (PyG's
+  ``SparseAdam`` sorts and sums one row per looked-up position first).
 
-The loss is PyG's: ``mean(-log s(h_start . h_rest))`` over the positive pairs plus
-``mean(-log s(-h_start . h_rest))`` over the negative ones, without PyG's ``1e-15``
-inside the log (which matters only where a score is beyond about +-34).
+The loss is PyG's float32 expression: ``mean(-log(s(h_start . h_rest) + 1e-15))`` over
+the positive pairs plus ``mean(-log(1 - s(h_start . h_rest) + 1e-15))`` over the
+negative ones, including where float32 rounds it (a negative pair whose score passes
+about 16.6 rounds ``s`` to 1: its loss is ``-log(1e-15)`` and its gradient zero, in PyG
+and here), so training follows PyG's step by step.
 
 Example:
     >>> import torch, distemb
@@ -39,7 +40,6 @@ from torch.utils.data import DataLoader
 
 from distemb.embedding import DistEmbedding
 from distemb.integrations.pyg import torch_geometric
-from distemb.losses import skipgram_loss
 from distemb.pyg.walks import RandomWalker
 
 __all__ = ["Node2Vec"]
@@ -50,6 +50,58 @@ _utils = torch_geometric.utils
 def _normal(shape, dtype):
     """``nn.Embedding``'s initialisation (PyG's ``reset_parameters``): N(0, 1)."""
     return torch.randn(shape).to(dtype)
+
+
+def _pairs(windows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(first node, other node) of every pair a window makes: its first node with each
+    of the others."""
+    rest = windows.size(1) - 1
+    return windows[:, :1].expand(-1, rest).reshape(-1), windows[:, 1:].reshape(-1)
+
+
+def _scores(rows: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """``h_start . h_rest`` of every pair of ``windows`` (row indices), as PyG's loss
+    lays them out: window-major, then position in the window."""
+    first = rows.index_select(0, windows[:, 0])
+    rest = rows.index_select(0, windows[:, 1:].reshape(-1)).view(
+        windows.size(0), windows.size(1) - 1, rows.size(1))
+    return torch.bmm(rest, first.unsqueeze(2)).view(-1)
+
+
+class _WindowLoss(torch.autograd.Function):
+    """PyG's Node2Vec loss on rows of unique nodes, its gradients summed per row.
+
+    Forward is PyG's float32 expression, ``-log(s(x) + eps)`` averaged over the positive
+    pairs plus ``-log(1 - s(x) + eps)`` over the negative ones, with each score ``x`` one
+    batched product instead of a broadcast product and sum. Backward is what autograd
+    computes for that expression, pair by pair (``dL/dx``: ``-(1 - s) s / (s + eps) / P``
+    and ``(1 - s) s / (1 - s + eps) / N``: zero, as in PyG, where float32 rounds ``s`` to
+    1), then summed into the rows in one sparse product, so no (pairs, dim) gradient is
+    materialised and the optimizer receives one row per node.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, pos, neg, eps):
+        x_pos, x_neg = _scores(rows, pos), _scores(rows, neg)
+        s_pos, s_neg = torch.sigmoid(x_pos), torch.sigmoid(x_neg)
+        loss = -torch.log(s_pos + eps).mean() - torch.log(1 - s_neg + eps).mean()
+        c_pos = -((1 - s_pos) * s_pos) / (s_pos + eps) / max(len(x_pos), 1)
+        c_neg = ((1 - s_neg) * s_neg) / (1 - s_neg + eps) / max(len(x_neg), 1)
+        a_pos, b_pos = _pairs(pos)
+        a_neg, b_neg = _pairs(neg)
+        a, b, c = torch.cat([a_pos, a_neg]), torch.cat([b_pos, b_neg]), torch.cat([c_pos, c_neg])
+        # d loss / d rows = M rows with M[a, b] += c and M[b, a] += c, pair by pair
+        ctx.pairs = torch.sparse_coo_tensor(torch.stack([torch.cat([a, b]), torch.cat([b, a])]),
+                                            torch.cat([c, c]), (len(rows), len(rows)))
+        ctx.save_for_backward(rows)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (rows,) = ctx.saved_tensors
+        grad = torch.sparse.mm(ctx.pairs, rows.detach())
+        ctx.pairs = None
+        return grad * grad_out, None, None, None
 
 
 class Node2Vec(torch.nn.Module):
@@ -97,7 +149,7 @@ class Node2Vec(torch.nn.Module):
         row, col = _utils.sort_edge_index(edge_index, num_nodes=self.num_nodes).cpu()
         self.rowptr, self.col = torch_geometric.index.index2ptr(row, self.num_nodes), col
         self.walker = RandomWalker(self.rowptr, self.col)
-        self.EPS = 1e-15  # PyG's attribute; the fused loss needs none (see the module)
+        self.EPS = 1e-15
         self.embedding_dim = embedding_dim
         self.walk_length = walk_length - 1
         self.context_size = context_size
@@ -152,24 +204,14 @@ class Node2Vec(torch.nn.Module):
         return self.pos_sample(batch), self.neg_sample(batch)
 
     def loss(self, pos_rw: torch.Tensor, neg_rw: torch.Tensor) -> torch.Tensor:
-        """PyG's loss of positive and negative windows (see the module): each node looked
-        up once, the loss and its gradients in one fused pass per kind of window."""
+        """PyG's loss of positive and negative windows, with PyG's float32 maths (see the
+        module): every node looked up once, the gradients summed per node."""
         ids = torch.cat([pos_rw.reshape(-1), neg_rw.reshape(-1)])
         nodes, where = torch.unique(ids, return_inverse=True)
         rows = self.embedding(nodes)
         pos = where[:pos_rw.numel()].view(pos_rw.shape)
         neg = where[pos_rw.numel():].view(neg_rw.shape)
-        return (self._pairs_loss(rows, rows, pos) +     # -log s(h . c)
-                self._pairs_loss(rows, -rows, neg))     # -log s(-h . c) = -log s(h . -c)
-
-    @staticmethod
-    def _pairs_loss(rows, context_rows, windows):
-        """Mean of ``-log s(rows[w0] . context_rows[wj])`` over every window w, j >= 1."""
-        rest = windows.size(1) - 1
-        centers = windows[:, :1].expand(-1, rest).reshape(-1)
-        others = windows[:, 1:].reshape(-1)
-        none = torch.empty((len(centers), 0), dtype=torch.int64)
-        return skipgram_loss(rows, context_rows, centers, others, none)
+        return _WindowLoss.apply(rows, pos, neg, self.EPS)
 
     def test(self, train_z: torch.Tensor, train_y: torch.Tensor, test_z: torch.Tensor,
              test_y: torch.Tensor, solver: str = "lbfgs", *args, **kwargs) -> float:
