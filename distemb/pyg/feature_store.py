@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from distemb.context import current_context
 from distemb.embedding import ROW_DTYPES, DistEmbedding, grouped_lookup
 from distemb.integrations.pyg import torch_geometric
 from distemb.tensor import DistTensor
@@ -38,11 +39,11 @@ Table = Union[DistTensor, DistEmbedding]
 __all__ = ["DistFeatureStore", "table_name"]
 
 
-def table_name(prefix: str, key: Key) -> str:
-    """The distemb name of the table a store with ``prefix`` makes for ``key``:
-    ``"<prefix>:<group_name!r>:<attr_name!r>"`` (one name per key, and back)."""
+def table_name(prefix: str, key: Key, generation: int = 0) -> str:
+    """The distemb name of the ``generation``-th table a store with ``prefix`` makes for
+    ``key``: ``"<prefix>:<group_name!r>:<attr_name!r>:<generation>"``."""
     group, attr = key
-    return f"{prefix}:{group!r}:{attr!r}"
+    return f"{prefix}:{group!r}:{attr!r}:{generation}"
 
 
 def _rows(table: Table):
@@ -85,10 +86,13 @@ class DistFeatureStore(torch_geometric.data.FeatureStore):
     bfloat16, float16), otherwise a DistTensor of its shape and dtype (labels, 1-d or
     3-d features). It has ``index.max() + 1`` rows when put with an index (rows not
     written read as zeros), ``len(tensor)`` rows otherwise, and the distemb name
-    :func:`table_name` ``(prefix, key)``. Making a table is collective, as in DGL (see
-    DistTensor): with several trainers, each puts the same new pairs in the same order.
-    :meth:`remove_tensor` forgets a pair; a table the store made is deleted with it
-    (DGL's lifetime rule), a table given to the constructor is left to its owner.
+    :func:`table_name` ``(prefix, key, n)`` (the store's n-th table of that key). Making
+    a table is collective, as in DGL (see DistTensor): with several trainers, each makes
+    its stores and puts the same new pairs in the same order. :meth:`remove_tensor`
+    forgets a pair; the rows of a table the store made stay in its context until the
+    context closes (a table deleted when its last object is garbage collected would
+    make its trainers meet at a different point each, as cycles are collected), and a
+    table given to the constructor is left to its owner.
 
     ``multi_get_tensor`` (what PyG's loaders call once per mini-batch) reads the rows of
     every DistEmbedding-backed pair at once (:func:`distemb.embedding.grouped_lookup`:
@@ -96,7 +100,9 @@ class DistFeatureStore(torch_geometric.data.FeatureStore):
 
     Args:
         tables: ``{(group_name, attr_name): table}`` of tables to serve.
-        prefix: the first part of the names of the tables this store makes.
+        prefix: the first part of the names of the tables this store makes (default: a
+            fresh ``"pyg-<n>"`` of the context, the same on every trainer that makes its
+            stores in the same order).
         context: the :class:`~distemb.context.DistContext` of the tables it makes
             (default: the current one).
         tensor_attr_cls: PyG's ``TensorAttr`` class or a subclass of it (as PyG's).
@@ -114,13 +120,15 @@ class DistFeatureStore(torch_geometric.data.FeatureStore):
         tensor([[0., 0.]])
     """
 
-    def __init__(self, tables: Optional[Mapping[Key, Table]] = None, prefix: str = "pyg",
-                 context=None, tensor_attr_cls=None):
+    def __init__(self, tables: Optional[Mapping[Key, Table]] = None,
+                 prefix: Optional[str] = None, context=None, tensor_attr_cls=None):
         super().__init__(tensor_attr_cls)
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"prefix: expected a non-empty str, got {prefix!r}")
-        self._prefix, self._context = prefix, context
+        if prefix is not None and (not isinstance(prefix, str) or not prefix):
+            raise ValueError(f"prefix: expected a non-empty str (or None), got {prefix!r}")
+        self._context = context or current_context()
+        self._prefix = prefix or self._context.new_name("pyg")
         self._tables: Dict[Key, Table] = {}
+        self._made: Dict[Key, int] = {}  # tables made per key: the next one's generation
         for key, table in (tables or {}).items():
             if not (isinstance(key, tuple) and len(key) == 2):
                 raise TypeError(f"tables: expected (group_name, attr_name) keys, got {key!r}")
@@ -181,13 +189,15 @@ class DistFeatureStore(torch_geometric.data.FeatureStore):
                              "got an empty index")
         else:
             num_rows = int(index.max()) + 1
-        name = table_name(self._prefix, key)
+        generation = self._made.get(key, 0)
+        self._made[key] = generation + 1
+        name = table_name(self._prefix, key, generation)
         dtype = str(tensor.dtype).replace("torch.", "")
         if tensor.dim() == 2 and dtype in ROW_DTYPES:
-            return DistEmbedding(num_rows, tensor.shape[1], name=name, persistent=False,
+            return DistEmbedding(num_rows, tensor.shape[1], name=name, persistent=True,
                                  dtype=tensor.dtype, context=self._context)
         return DistTensor((num_rows,) + tuple(tensor.shape[1:]), tensor.dtype, name=name,
-                          persistent=False, context=self._context)
+                          persistent=True, context=self._context)
 
     def _get_tensor(self, attr: TensorAttr) -> torch.Tensor:
         table = self._table(attr)
@@ -216,7 +226,8 @@ class DistFeatureStore(torch_geometric.data.FeatureStore):
         return out
 
     def _remove_tensor(self, attr: TensorAttr) -> bool:
-        """Forget the key (its table, if this store made it, goes with its last object)."""
+        """Forget the key (a table this store made keeps its rows until its context
+        closes)."""
         return self._tables.pop(self.key(attr), None) is not None
 
     def _get_tensor_size(self, attr: TensorAttr) -> Optional[Tuple[int, ...]]:
