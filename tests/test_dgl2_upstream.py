@@ -17,9 +17,10 @@ import sys
 
 import pytest
 
-from mp_helper import ProcessGroup
-from test_dgl_upstream import (UPSTREAM, _objects_env, _sbm_partition, joined, run_dgl_pytest,
-                               servers_started, upstream_env)
+from mp_helper import ROOT, ProcessGroup, child_env, free_port
+from test_dgl_launcher import sshd  # noqa: F401  (the fixture: an sshd on 127.0.0.1)
+from test_dgl_upstream import (LOGGING, UPSTREAM, _objects_env, _sbm_partition, joined,
+                               run_dgl_pytest, servers_started, upstream_env)
 
 pytest.importorskip("dgl")
 
@@ -182,3 +183,41 @@ def test_train_dist_transductive_standalone_like_dgl(tmp_path):
         assert patched == (which == "distemb"), out[-3000:]
     assert accs["dgl"] > 0.8, accs
     assert abs(accs["distemb"] - accs["dgl"]) <= 0.05, accs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_train_dist_transductive_under_dgl_240s_launcher(tmp_path, sshd):  # noqa: F811
+    """DGL 2.4.0's own tools/launch.py (unedited: its trainers run under
+    ``torch.distributed.run``, which sets RANK, WORLD_SIZE and LOCAL_RANK and passes no
+    ``--local-rank``) over ssh on 127.0.0.1 runs 2.4.0's train_dist_transductive.py in
+    distributed mode: 1 server, 2 trainers. The script makes a gloo default process group
+    after ``initialize`` (for DDP); distemb's job runs beside it: both trainers join as
+    ranks 0 and 1 of 2 and the job learns the graph (the 1.1.3 launcher cannot run this
+    example at all: case 15 of docs/dgl.md)."""
+    part_config = _sbm_partition(tmp_path)
+    ip_config = tmp_path / "ip_config.txt"
+    ip_config.write_text(f"127.0.0.1 {free_port(4)}\n")
+    port, bindir = sshd
+    script = os.path.join(UPSTREAM2, "train_dist_transductive.py")
+    trainer = (f"{sys.executable} {script} --graph_name sbm --ip_config {ip_config} "
+               f"--part_config {part_config} --num_epochs 6 --eval_every 6 --batch_size 100 "
+               "--num_hidden 16 --sparse_lr 0.05 --lr 0.01 --fan_out 10,25 --dgl_sparse")
+    # ssh passes no environment: the token goes through --extra_envs; DGL's launcher
+    # passes its own PYTHONPATH on (distemb's log on, for the assertions below)
+    extra = [f"DISTEMB_JOB_TOKEN={secrets.token_hex(16)}", "DGLBACKEND=pytorch",
+             "OMP_WAIT_POLICY=passive"]
+    argv = [sys.executable, os.path.join(UPSTREAM2, "launch.py"), "--extra_envs", *extra,
+            "--workspace", str(tmp_path), "--ssh_port", str(port), "--num_trainers", "2",
+            "--num_servers", "1", "--num_omp_threads", "1", "--ip_config", str(ip_config),
+            "--part_config", part_config, trainer]
+    env = child_env(PATH=bindir + os.pathsep + os.environ["PATH"], DGLBACKEND="pytorch",
+                    PYTHONPATH=os.pathsep.join([LOGGING, ROOT]))
+    with ProcessGroup() as group:
+        group.spawn(argv, env=env, cwd=str(tmp_path), session=True, expect=None)
+        (out,) = group.wait_all(timeout=840).values()
+    assert "Traceback" not in out, out[-4000:]
+    assert sorted(joined(out)) == [(0, 2), (1, 2)], out[-4000:]
+    assert len(servers_started(out)) == 1, out[-4000:]
+    accs = [float(a) for a in re.findall(r"Test Acc (\d\.\d+)", out)]
+    assert len(accs) == 2 and min(accs) > 0.8, out[-4000:]
