@@ -70,7 +70,8 @@ def _train(data):
 
 
 
-@pytest.fixture(params=["embedded", pytest.param("tcp2x2", marks=pytest.mark.multiprocess)])
+@pytest.fixture(params=["embedded", "collective1",
+                        pytest.param("tcp2x2", marks=pytest.mark.multiprocess)])
 def where(request, clusters):
     placement = make_placement(request.param, clusters)
     yield placement

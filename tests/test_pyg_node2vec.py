@@ -6,7 +6,8 @@ pyg-lib's compiled ``random_walk``, which is not on PyPI: in this test only, dis
 plain-torch walker stands in for it (``torch.ops.pyg.random_walk``), so both models see
 the same walks from the same seed. Both start from PyG's initial rows, train on the same
 windows, and must agree within 1e-5 after every step (loss and every row), embedded and
-with the table on two servers with two trainers (each taking half of every batch, its
+with the table in a collective job (one rank) and on two servers with two trainers (each
+taking half of every batch, its
 loss scaled by its share, so the servers' sum is PyG's mean over the whole batch).
 """
 import numpy as np
@@ -33,9 +34,11 @@ def _graph():
     return torch.stack([torch.cat([src, dst]), torch.cat([dst, src])])  # undirected
 
 
-@pytest.fixture(params=["embedded", pytest.param("tcp2x2", marks=pytest.mark.multiprocess)])
+@pytest.fixture(params=["embedded", "collective1",
+                        pytest.param("tcp2x2", marks=pytest.mark.multiprocess)])
 def where(request, clusters):
-    """The embedded placement, and two trainers of a job on two servers (tests/conftest.py)."""
+    """Embedded, a collective job of one rank, and two trainers of a job on two servers
+    (tests/conftest.py's placements)."""
     placement = make_placement(request.param, clusters)
     yield placement
     kv = placement.client
