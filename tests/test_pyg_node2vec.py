@@ -5,10 +5,10 @@ The oracle is PyG 2.8's ``torch_geometric.nn.Node2Vec`` (its code unedited) trai
 pyg-lib's compiled ``random_walk``, which is not on PyPI: in this test only, distemb's
 plain-torch walker stands in for it (``torch.ops.pyg.random_walk``), so both models see
 the same walks from the same seed. Both start from PyG's initial rows, train on the same
-windows, and must agree within 1e-5 after every step (loss and every row), embedded and
-with the table in a collective job (one rank) and on two servers with two trainers (each
-taking half of every batch, its
-loss scaled by its share, so the servers' sum is PyG's mean over the whole batch).
+windows, and must agree within 1e-5 after every step (loss and every row): embedded, in
+a collective job of one rank, and on two servers with two trainers (each taking half of
+every batch, its loss scaled by its share, so the servers' sum is PyG's mean over the
+whole batch).
 """
 import numpy as np
 import pytest
