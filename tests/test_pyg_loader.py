@@ -3,8 +3,9 @@
 Oracle: PyG's own in-memory run, ``NeighborLoader(Data(x, edge_index, y))``, a PyG
 ``GraphSAGE`` and ``torch.optim.Adam``. The same run with the features and labels in a
 :class:`distemb.pyg.DistFeatureStore` (the graph in PyG's ``LocalGraphStore``) must see
-the same batches (seeds, nodes, features, labels) and the same loss at every step, and
-end with the same parameters: embedded, and on each of the two trainers of a job whose
+the same batches (the same seeds and nodes, each node's own features and label) and the
+same loss at every step, and end with the same parameters, within 1e-5 (PyG's graph
+store may list a batch's neighbours in another order, which reorders float sums only): embedded, and on each of the two trainers of a job whose
 tables live on two servers. Batches are shuffled by a seeded generator of each loader,
 and the neighbourhoods are full (``-1``): trainers run as threads of one process here,
 where torch's global generator (which the neighbour sampler draws from) is shared.
@@ -99,12 +100,17 @@ def test_neighbor_loader_on_distemb_features_equals_the_in_memory_run(where):
         return _train((store, graph))
 
     for rank, (seen, losses, params) in enumerate(where.run(job)):
-        for step, ((n_id, bx, by), (w_id, wx, wy)) in enumerate(zip(seen, want_seen)):
-            assert torch.equal(n_id, w_id), (rank, step)
-            assert torch.equal(bx, wx) and torch.equal(by, wy), (rank, step)
-        assert losses == want_losses, rank
+        for step, ((n_id, bx, by), (w_id, _, _)) in enumerate(zip(seen, want_seen)):
+            # the same seeds first and the same nodes; PyG's graph store may order the
+            # neighbours differently (PyG's own test_custom_neighbor_loader says so)
+            assert torch.equal(n_id[:32], w_id[:32]), (rank, step)
+            assert torch.equal(n_id.sort()[0], w_id.sort()[0]), (rank, step)
+            assert torch.equal(bx, x[n_id]) and torch.equal(by, y[n_id]), (rank, step)
+        # the model is invariant to that order: only float sums are reordered
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses),
+                                   rtol=0, atol=1e-5)
         for got, want in zip(params, want_params):
-            assert torch.equal(got, want), rank
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_multi_get_reads_every_float_table_in_one_grouped_lookup(monkeypatch):
