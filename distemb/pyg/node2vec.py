@@ -109,8 +109,9 @@ class Node2Vec(torch.nn.Module):
     """PyG's ``Node2Vec`` on a distemb table.
 
     Args:
-        edge_index, embedding_dim, walk_length, context_size, walks_per_node, p, q,
-            num_negative_samples, num_nodes: as PyG's ``Node2Vec``.
+        edge_index: the graph; it and the arguments after it up to ``num_nodes``
+            (``embedding_dim``, ``walk_length``, ``context_size``, ``walks_per_node``,
+            ``p``, ``q``, ``num_negative_samples``) are PyG's ``Node2Vec``'s.
         sparse: accepted for PyG's signature; a distemb table is always updated sparsely
             (only the rows a batch looked up), whatever it says.
         name: the table's distemb name (None: a fresh anonymous one); tables of one name
