@@ -27,7 +27,8 @@ def run_example(tmp_path, name, *args, timeout=300):
 
 def test_every_example_is_run_here():
     tested = {"quickstart.py", "dynamic_table.py", "dynamic_cluster.py", "half_rows.py",
-              "file_table.py", "pooled_lookups.py", "serving.py"}
+              "file_table.py", "pooled_lookups.py", "serving.py",
+              "pyg_feature_store.py", "pyg_node2vec.py"}
     assert set(f for f in os.listdir(EXAMPLES) if f.endswith(".py")) == tested
 
 
@@ -103,3 +104,26 @@ def test_dynamic_cluster_runs_under_distemb_launch(tmp_path):
     assert re.search(r"\d+ keys over 2 server\(s\)", out), out
     assert out.count("keys over") == 1, out  # rank 0 reports
     assert os.path.exists(tmp_path / "dynamic-cluster-2" / "manifest.json")
+
+
+def _has_neighbor_sampler():
+    try:
+        from torch_geometric.typing import WITH_PYG_LIB, WITH_TORCH_SPARSE
+    except ImportError:
+        return False
+    return WITH_PYG_LIB or WITH_TORCH_SPARSE
+
+
+@pytest.mark.skipif(not _has_neighbor_sampler(),
+                    reason="no neighbour sampler: make installs torch-sparse")
+def test_pyg_feature_store_feeds_neighbor_loader(tmp_path):
+    out = run_example(tmp_path, "pyg_feature_store.py")
+    accs = [float(a) for a in re.findall(r"train accuracy ([\d.]+)", out)]
+    assert len(accs) == 5 and accs[-1] > 0.6, out  # 4 classes, features + homophily
+    assert """tables: ["example:None:'x':0", "example:None:'y':0"]""" in out, out
+
+
+def test_pyg_node2vec_separates_the_clubs(tmp_path):
+    out = run_example(tmp_path, "pyg_node2vec.py")
+    accs = [float(a) for a in re.findall(r"club accuracy ([\d.]+)", out)]
+    assert len(accs) == 3 and accs[-1] >= 0.8, out

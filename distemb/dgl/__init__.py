@@ -25,7 +25,7 @@ Example:
     True
 """
 from distemb import context as _context
-from distemb.dgl import job, optim
+from distemb.dgl import dgl2, job, optim
 from distemb.dgl.patch import dgl_own, is_patched, patch, unpatch
 from distemb.dgl.tables import (DistEmbedding, DistTensor, EdgePartitionPolicy,
                                 NodePartitionPolicy, PartitionPolicy, convert_policy,
@@ -34,7 +34,7 @@ from distemb.integrations.dgl import dgl as _dgl
 
 __all__ = ["DistEmbedding", "DistTensor", "PartitionPolicy", "NodePartitionPolicy",
            "EdgePartitionPolicy", "initialize", "exit_client", "optim", "convert_policy",
-           "dgl_policy_for", "patch", "unpatch", "is_patched", "job"]
+           "dgl_policy_for", "patch", "unpatch", "is_patched", "job", "dgl2"]
 
 
 def initialize(ip_config=None, mode=None, **kwargs):
@@ -51,13 +51,17 @@ def initialize(ip_config=None, mode=None, **kwargs):
     (:func:`distemb.initialize` with ``mode="collective"``; ``timeout_s`` is its one
     keyword). DGL's ``DistGraph`` needs DGL's servers, so it is not available then.
 
+    DGL 2.x's ``use_graphbolt=False`` is accepted (and dropped); ``True`` is refused:
+    there is no GraphBolt here (:mod:`distemb.dgl.dgl2`).
+
     Returns:
         the :class:`~distemb.context.DistContext`.
 
     Raises:
-        DistEmbError: ``mode`` is neither None nor ``"collective"``, or the collective
-            job cannot start (see :func:`distemb.initialize`).
+        DistEmbError: ``mode`` is neither None nor ``"collective"``, the collective job
+            cannot start (see :func:`distemb.initialize`), or ``use_graphbolt=True``.
     """
+    kwargs = dgl2.without_graphbolt(kwargs, "initialize")
     if mode is not None:
         return _context.initialize(mode=mode, **kwargs)
     dgl_own(_dgl.distributed, "initialize")(ip_config, **kwargs)
