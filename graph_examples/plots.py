@@ -91,7 +91,8 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
         path: output .png path; parent directories are created.
         losses: loss per logged step.
         embeddings: (N, D) tensor or array.
-        labels: (N,) classes, -1 for unlabelled; None draws every point alike.
+        labels: (N,) classes, -1 for unlabelled; None (or no labelled node) draws every
+            point alike.
         method: 'tsne' (default) or 'pca'.
         max_points: seeded subsample size for the projection, so t-SNE stays quick;
             with labels, shared equally by the shown classes.
@@ -113,6 +114,8 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
     if labels is not None and len(labels) != n:
         raise ValueError(f"labels: expected {n} entries (one per embedding), got {len(labels)}")
     y = None if labels is None else _as_numpy(labels)
+    if y is not None and not (y >= 0).any():
+        y = None  # no node has a label: every point alike
     shown = None if y is None else largest_classes(y, top_classes)
     rng = np.random.default_rng(seed)
     if y is None:
