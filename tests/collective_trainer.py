@@ -10,7 +10,8 @@ fifth step the last rank looks nothing up (it still takes part in the exchanges)
 writes each table's rows and optimizer state (``opt.state_dict()``, pulled collectively)
 to OUT_DIR/<table>.npz. ``--die-at S``: the last rank (or ``--die-rank R``) exits
 abruptly at step S; the others must raise KVStoreError naming it (they print it and exit
-3). ``--mismatch``: rank 1
+3). ``--fewer-steps N``: the last rank takes N steps only, then closes distemb and exits 0;
+the others must raise KVStoreError saying so. ``--mismatch``: rank 1
 defines a table with another row length; ``--apart``: rank 0 alone reads a row before
 training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` after
 training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
@@ -313,6 +314,8 @@ def main(args):
     world, rank = ctx.num_trainers, ctx.rank
     dying = world - 1 if args.die_rank is None else args.die_rank
     die_at = args.die_at if rank == dying else None
+    short = args.fewer_steps is not None and rank == world - 1
+    steps = args.fewer_steps if short else args.steps
     try:
         if args.mismatch:
             DistEmbedding(NUM, D + (rank == 1), name="mismatched", context=ctx)
@@ -324,9 +327,13 @@ def main(args):
             for k, opt in all_optimizers(opts, group).items():
                 opt.load(os.path.join(args.load, k))
         calls = getattr(ctx.client, "exchanges", 0)
-        train(embs, opts, args.steps, [rank], world, die_at, args.start, group,
+        train(embs, opts, steps, [rank], world, die_at, args.start, group,
               not args.every_step)
         calls = getattr(ctx.client, "exchanges", 0) - calls
+        if short:  # done early: closes distemb and exits as a finished script does
+            print(f"rank {rank} of {world}: done after {steps} steps", flush=True)
+            distemb.shutdown()
+            return
         if args.save:
             for k, opt in all_optimizers(opts, group).items():
                 opt.save(os.path.join(args.save, k))
@@ -358,6 +365,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--die-rank", type=int)
+    parser.add_argument("--fewer-steps", type=int)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--save")

@@ -420,6 +420,8 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
         for name in list(self._meta) + self.keyed_names():
             self.delete_data(name)
         self.server.close()
+        if self._group is not None:
+            self._x.leave()  # a rank still in a call hears that this one closed
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             if self._own_group:
