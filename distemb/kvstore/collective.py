@@ -65,8 +65,13 @@ from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.local import init_shard
 from distemb.kvstore.server import KVServer
 from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
-                                   check_rounding)
+                                   check_rounding, refuse_non_finite)
 from distemb.routers import PolicyRouter
+
+
+#: The flag of a table in a step's round whose gradients on the sending rank are not
+#: finite (1: it has gradients, 0: none).
+_NOT_FINITE = 2
 
 
 class CollectiveKVClient(CollectiveKeyedTables, KVClient):
@@ -345,16 +350,21 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
     def apply_gradients(self, tables, F):
         """Every table of a step in one round: each rank sums its own duplicates
         (:meth:`coalesce`), sends the sums to their owners with one flag per table (it had
-        gradients); each owner sums every rank's contributions per id in rank order and
-        applies the rule once. A table steps when any rank had gradients for it, as one
-        process stepping on the concatenated batch would."""
-        sums = [self.coalesce(t.name, t.ids, t.grads, F) for t in tables]
+        gradients, or gradients that are not finite); each owner sums every rank's
+        contributions per id in rank order and applies the rule once. A table steps when
+        any rank had gradients for it, as one process stepping on the concatenated batch
+        would; when any rank's gradients of any table are not finite, every rank refuses
+        the whole step (NonFiniteGradientError) before applying anything."""
+        sums = [self.coalesce(t.name, t.ids, t.grads, F) if t.finite else None
+                for t in tables]
         return self._update([t.name for t in tables], sums, [t.rule for t in tables],
-                            [t.hyper for t in tables])
+                            [t.hyper for t in tables], [t.finite for t in tables])
 
-    def _update(self, names, sums, rules, hypers):
+    def _update(self, names, sums, rules, hypers, finite=None):
         """The round of :meth:`apply_gradients`: ``sums`` per table (unique ids, summed
-        rows) or None (no gradients here). Returns per table whether any rank had some."""
+        rows) or None (no gradients here, or ``finite`` says they are not finite).
+        Returns per table whether any rank had some."""
+        finite = [True] * len(names) if finite is None else finite
         cols, routes = [], []
         for name, summed in zip(names, sums):
             if summed is None:
@@ -362,7 +372,12 @@ class CollectiveKVClient(CollectiveKeyedTables, KVClient):
             routes.append(self._routed(name, summed[0]))
             cols.append([np.ascontiguousarray(summed[1], np.float32)])
         got, flags = self._send(UPDATE, names, routes, cols,
-                                flags=[s is not None for s in sums])
+                                flags=[_NOT_FINITE if not f else s is not None
+                                       for s, f in zip(sums, finite)])
+        ranks = sorted({int(r) for f in flags for r in np.flatnonzero(f == _NOT_FINITE)})
+        # every rank refuses, before any update
+        refuse_non_finite([n for n, f in zip(names, flags) if (f == _NOT_FINITE).any()],
+                          f" (from rank(s) {ranks})" if ranks else "")
         for name, (ids, (rows,), _), rule, hyper in zip(names, got, rules, hypers):
             if len(ids):
                 uniq, summed = kernels.dedup_sum(ids, rows, num_threads=self.num_threads)
