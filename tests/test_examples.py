@@ -62,6 +62,12 @@ def test_file_table_reopens_its_rows(tmp_path):
     assert os.path.isdir(path) and os.listdir(path)
 
 
+def test_file_table_without_a_directory_leaves_nothing_behind(tmp_path):
+    out = run_example(tmp_path, "file_table.py")  # TMPDIR is tmp_path
+    assert "distemb-table-" in out, out
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("distemb-table-")]
+
+
 def test_dynamic_cluster_runs_embedded(tmp_path):
     out = run_example(tmp_path, "dynamic_cluster.py")
     assert re.search(r"\d+ keys over 1 server\(s\)", out), out
