@@ -93,6 +93,10 @@ class SparseAdam(SparseOptimizer):
     """``torch.optim.SparseAdam``: lazy Adam on the rows a batch touched.
 
     Args:
+        params: the DistEmbeddings to optimise.
+        lr: learning rate (>= 0).
+        betas: decay rates of the first and second moment estimates, each in [0, 1).
+        eps: added to the denominator, where ``torch.optim.SparseAdam`` adds it.
         step_mode: ``'global'`` (default, torch's semantics: one step count per table,
             incremented each ``step()`` that table got gradients, used for every row's
             bias correction) or ``'per_row'`` (each row counts its own updates, as DGL's
