@@ -249,18 +249,21 @@ def _death_signal_setter(sig):
 #: Most bytes a relay reads from a child at once.
 RELAY_CHUNK = 1 << 16
 _LINE_ENDS = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)?")
+_BARE_ENDS = (b"\n", b"\r", b"\r\n")
 
 
-def _relay(stream, prefix, out, lock):
+def _relay(stream, prefix, out, lock, lines):
     """Copy ``stream`` to ``out`` as the child writes it, with ``prefix`` at the start of
     every line.
 
     Bytes go on as soon as they arrive, without waiting for a line end: a progress bar
     (tqdm redraws its line after a carriage return) shows while the child runs, and a
-    carriage return starts a prefixed line again.
+    carriage return starts a prefixed line again. ``lines`` (shared by the relays of one
+    ``out``, under ``lock``) says whose line is unfinished there: another child's output
+    ends it first, and its owner's next bytes start a new prefixed line.
     """
     fd = stream.fileno()
-    at_start, after_cr = True, False
+    at_start = True
     while True:
         try:
             chunk = os.read(fd, RELAY_CHUNK)
@@ -268,15 +271,22 @@ def _relay(stream, prefix, out, lock):
             break
         if not chunk:
             break
-        parts = []
-        for piece in _LINE_ENDS.findall(chunk):
-            if not piece:
-                continue
-            if at_start and not (after_cr and piece == b"\n"):  # a CRLF cut in two
-                parts.append(prefix)
-            parts.append(piece)
-            at_start, after_cr = piece.endswith((b"\n", b"\r")), piece.endswith(b"\r")
         with lock:
+            parts = []
+            if lines.get("open") not in (None, fd):  # another child's line: end it
+                parts.append(b"\n")
+                lines.setdefault("cut", set()).add(lines["open"])
+            if fd in lines.get("cut", ()):
+                lines["cut"].discard(fd)
+                at_start = True
+            for piece in _LINE_ENDS.findall(chunk):
+                if not piece:
+                    continue
+                if at_start and piece not in _BARE_ENDS:  # no prefix for a bare line end
+                    parts.append(prefix)
+                parts.append(piece)
+                at_start = piece.endswith((b"\n", b"\r"))
+            lines["open"] = None if parts[-1].endswith(b"\n") else fd
             try:
                 out.write(b"".join(parts))
                 out.flush()
@@ -300,6 +310,7 @@ class Supervisor:
         self.servers, self.trainers = [], []
         self._labels, self._relays = [], []
         self._lock = threading.Lock()
+        self._lines = {}  # per output: whose line is unfinished there (see _relay)
 
     def start(self, argv, env, server, label=None, local=True, ssh=False):
         sig = signal.SIGTERM if server else signal.SIGKILL
@@ -320,8 +331,9 @@ class Supervisor:
         for p, label in self._labels:
             prefix = f"[{label}]: ".encode()
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_relay, args=(stream, prefix, out.buffer,
-                                                          self._lock), daemon=True)
+                t = threading.Thread(target=_relay, args=(
+                    stream, prefix, out.buffer, self._lock,
+                    self._lines.setdefault(id(out), {})), daemon=True)
                 t.start()
                 self._relays.append(t)
 

@@ -267,3 +267,36 @@ def test_help_shows_every_default(capsys):
                  f"(default: {default_of(ClusterConfig, 'timeout_s')})",
                  "removed when the job ends"):
         assert text in out, text
+
+
+def test_relays_keep_each_childs_lines_apart_and_prefixed():
+    """Child 0 leaves a line unfinished (a progress bar), child 1 writes a line: child 0's
+    line is ended first, and its next bytes start a new prefixed line."""
+    import io
+    import threading
+
+    from distemb.launch import _relay
+
+    out, lock, lines = io.BytesIO(), threading.Lock(), {}
+    pipes = [os.pipe() for _ in range(2)]
+    relays = [threading.Thread(target=_relay, args=(os.fdopen(r, "rb", buffering=0),
+                                                    f"[c{i}]: ".encode(), out, lock, lines))
+              for i, (r, _) in enumerate(pipes)]
+    for t in relays:
+        t.start()
+
+    def write(i, data):
+        os.write(pipes[i][1], data)
+        deadline = time.monotonic() + 10
+        while data not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    write(0, b" 10%")
+    write(1, b"hello\n")
+    write(0, b"\r 20%")
+    write(0, b"\n")
+    for _, w in pipes:
+        os.close(w)
+    for t in relays:
+        t.join(10)
+    assert out.getvalue() == b"[c0]:  10%\n[c1]: hello\n\r[c0]:  20%\n", out.getvalue()
