@@ -34,6 +34,7 @@ import ipaddress
 import os
 import re
 import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -248,6 +249,8 @@ def _death_signal_setter(sig):
 
 #: Most bytes a relay reads from a child at once.
 RELAY_CHUNK = 1 << 16
+#: How long a relay waits for the rest of a line before it forwards its start.
+PARTIAL_WAIT_S = 0.1
 _LINE_ENDS = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)?")
 _BARE_ENDS = (b"\n", b"\r", b"\r\n")
 
@@ -256,43 +259,62 @@ def _relay(stream, prefix, out, lock, lines):
     """Copy ``stream`` to ``out`` as the child writes it, with ``prefix`` at the start of
     every line.
 
-    Bytes go on as soon as they arrive, without waiting for a line end: a progress bar
-    (tqdm redraws its line after a carriage return) shows while the child runs, and a
-    carriage return starts a prefixed line again. ``lines`` (shared by the relays of one
-    ``out``, under ``lock``) says whose line is unfinished there: another child's output
-    ends it first, and its owner's next bytes start a new prefixed line.
+    Whole lines go on as they arrive; the start of a line not yet ended goes on once the
+    child has written nothing more for :data:`PARTIAL_WAIT_S` (a progress bar, which tqdm
+    redraws after a carriage return, shows while the child runs; a line printed in
+    several writes, as an unbuffered ``print`` does, stays whole). ``lines`` (shared by
+    the relays of one ``out``, under ``lock``) says whose line is unfinished there:
+    another child's output ends it first, and its owner's next bytes start a new prefixed
+    line.
     """
     fd = stream.fileno()
-    at_start = True
+    state = {"at_start": True}
+    pending = b""
     while True:
         try:
-            chunk = os.read(fd, RELAY_CHUNK)
-        except OSError:
+            ready = select.select([fd], [], [], PARTIAL_WAIT_S if pending else None)[0]
+            chunk = os.read(fd, RELAY_CHUNK) if ready else None
+        except (OSError, ValueError):
             break
-        if not chunk:
+        if chunk == b"":
             break
-        with lock:
-            parts = []
-            if lines.get("open") not in (None, fd):  # another child's line: end it
-                parts.append(b"\n")
-                lines.setdefault("cut", set()).add(lines["open"])
-            if fd in lines.get("cut", ()):
-                lines["cut"].discard(fd)
-                at_start = True
-            for piece in _LINE_ENDS.findall(chunk):
-                if not piece:
-                    continue
-                if at_start and piece not in _BARE_ENDS:  # no prefix for a bare line end
-                    parts.append(prefix)
-                parts.append(piece)
-                at_start = piece.endswith((b"\n", b"\r"))
-            lines["open"] = None if parts[-1].endswith(b"\n") else fd
-            try:
-                out.write(b"".join(parts))
-                out.flush()
-            except (OSError, ValueError):
-                pass  # our own output is gone: keep draining so the child never blocks
+        if chunk is None:  # quiet for a while: what there is of the line goes on
+            _emit(pending, fd, prefix, out, lock, lines, state)
+            pending = b""
+            continue
+        data = pending + chunk
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            _emit(data[:cut], fd, prefix, out, lock, lines, state)
+        pending = data[cut:]
+    if pending:
+        _emit(pending, fd, prefix, out, lock, lines, state)
     stream.close()
+
+
+def _emit(data, fd, prefix, out, lock, lines, state):
+    """Write ``data`` of the child reading on ``fd`` to ``out`` (see :func:`_relay`)."""
+    with lock:
+        parts = []
+        if lines.get("open") not in (None, fd):  # another child's line: end it
+            parts.append(b"\n")
+            lines.setdefault("cut", set()).add(lines["open"])
+        if fd in lines.get("cut", ()):
+            lines["cut"].discard(fd)
+            state["at_start"] = True
+        for piece in _LINE_ENDS.findall(data):
+            if not piece:
+                continue
+            if state["at_start"] and piece not in _BARE_ENDS:  # no prefix for a bare end
+                parts.append(prefix)
+            parts.append(piece)
+            state["at_start"] = piece.endswith((b"\n", b"\r"))
+        lines["open"] = None if parts[-1].endswith(b"\n") else fd
+        try:
+            out.write(b"".join(parts))
+            out.flush()
+        except (OSError, ValueError):
+            pass  # our own output is gone: keep draining so the child never blocks
 
 
 class Supervisor:

@@ -48,12 +48,14 @@ from distemb.stores import key_normal
 from distemb.stores.spec import FileTableSpec
 
 NUM, D, B = 300, 8, 64
-OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05),
-              "adagrad": lambda e: SparseAdagrad([e], lr=0.1),
-              "rowwise": lambda e: SparseRowWiseAdagrad([e], lr=0.1),
-              "adam": lambda e: SparseAdam([e], lr=0.01),
-              "adam_row": lambda e: SparseAdam([e], lr=0.01, step_mode="per_row"),
-              "ftrl": lambda e: SparseFtrl([e], lr=0.1, l1_regularization_strength=0.01)}
+OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05, check_finite=True),
+              "adagrad": lambda e: SparseAdagrad([e], lr=0.1, check_finite=True),
+              "rowwise": lambda e: SparseRowWiseAdagrad([e], lr=0.1, check_finite=True),
+              "adam": lambda e: SparseAdam([e], lr=0.01, check_finite=True),
+              "adam_row": lambda e: SparseAdam([e], lr=0.01, step_mode="per_row",
+                                               check_finite=True),
+              "ftrl": lambda e: SparseFtrl([e], lr=0.1, l1_regularization_strength=0.01,
+                                           check_finite=True)}
 #: Tables sharded by id modulo 2 W + 1 partitions (rank r holds those p % W == r; the
 #: others: one range per rank).
 HASHED = ("adagrad_hash",)

@@ -242,7 +242,7 @@ def refused_step_job(t, steps, bad=None, poisoned=None, half_at=None):
     (state names, the refusals' messages)."""
     def job(ctx, rank, num_trainers):
         emb = t.embedding(ctx)
-        opt = SparseAdam([emb], lr=0.01)
+        opt = SparseAdam([emb], lr=0.01, check_finite=True)
         ctx.client.barrier()
         per, said = B // num_trainers, []
         for step in steps:

@@ -219,7 +219,7 @@ def test_a_step_with_a_non_finite_gradient_changes_no_table(bad):
     init = lambda s, d: torch.randn(s, generator=torch.Generator().manual_seed(1)).to(d)
     embs = [DistEmbedding(ROWS, DIM, name=n, context=c, init_func=init)
             for n, c in zip("ab", ctxs)]
-    opt = SparseAdam(embs, lr=0.01)
+    opt = SparseAdam(embs, lr=0.01, check_finite=True)
     ref = [torch.nn.Embedding(ROWS, DIM, sparse=True) for _ in embs]
     for r in ref:
         r.weight.data.copy_(init((ROWS, DIM), torch.float32))
@@ -246,3 +246,13 @@ def test_a_step_with_a_non_finite_gradient_changes_no_table(bad):
                                    atol=1e-7)
     for c in ctxs:
         c.close()
+
+
+
+def test_the_finite_check_is_off_by_default_and_takes_a_bool():
+    emb = DistEmbedding(ROWS, DIM, context=DistContext.embedded(num_threads=1))
+    for make in OPTIMIZERS.values():
+        assert make([emb]).check_finite is False
+    assert SparseSGD([emb], lr=0.1, check_finite=True).check_finite is True
+    with pytest.raises(TypeError, match="check_finite: expected True or False, got 1"):
+        SparseAdagrad([emb], lr=0.1, check_finite=1)
