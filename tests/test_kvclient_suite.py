@@ -611,3 +611,38 @@ def test_checkpoint_of_the_client_round_trips(client, table, tmp_path):
     checkpoint.restore(path, client, [t.name])
     np.testing.assert_array_equal(t.rows(client), t.rounded(vals))
 
+
+
+@pytest.mark.multiprocess
+def test_several_tables_are_read_in_one_round_trip_per_server(clusters):
+    """``pull_many`` (a grouped lookup, a PyG feature store's multi-get) sends each server
+    its Pulls of every table back to back and reads the replies after: one round trip per
+    server for all the tables, the rows those of table-by-table pulls."""
+    from distemb.partition import range_policy
+    from distemb.stores.spec import HashTableSpec
+    kv = clusters("tcp").client()
+    try:
+        kv.init_data("m-dense", (10, 3), "float32", range_policy(10, 2))
+        kv.init_data("m-half", (10, 2), "bfloat16", range_policy(10, 2))
+        kv.create_table("m-hash", HashTableSpec(4))
+        kv.push("m-dense", np.arange(10), np.arange(30, dtype=np.float32).reshape(10, 3))
+        kv.push("m-half", np.arange(10), np.full((10, 2), 1.5, np.float32))
+        asks = [("m-dense", np.array([9, 0, 5])), ("m-hash", np.array([2 ** 40, -3, 7, 8])),
+                ("m-half", np.array([1, 8])), ("m-dense", np.array([4]))]
+        want = [kv.pull(n, i) for n, i in asks]
+        calls, real = [], kv.servers.call
+
+        def counted(requests, **kw):
+            calls.append({sid: len(m) if isinstance(m, list) else 1
+                          for sid, m in requests.items()})
+            return real(requests, **kw)
+        kv.servers.call = counted
+        got = kv.pull_many(asks)
+        kv.servers.call = real
+        assert calls == [{0: 4, 1: 3}] or calls == [{1: 3, 0: 4}], calls
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        for name in ("m-dense", "m-half", "m-hash"):
+            kv.delete_data(name)
+    finally:
+        kv.close(goodbye=False)

@@ -79,16 +79,20 @@ class Servers:
         """Send ``{server id: message}`` to all, then read every reply.
 
         Args:
-            requests: {server id: message}.
+            requests: {server id: message, or a list of messages}: a list goes to its
+                server back to back, its replies read in order (one round trip for all,
+                as a lookup of several tables on the servers is; its arrays travel in the
+                frames, never in the request slot, which one request at a time uses).
             wait: False for asynchronous updates (no reply is sent or read).
-            on_reply: ``on_reply(sid, frame)`` for each successful reply frame; it may
-                raise KVStoreError to report a malformed reply (collected like a server's).
+            on_reply: ``on_reply(sid, frame)`` for each successful reply frame (in order,
+                for a list); it may raise KVStoreError to report a malformed reply
+                (collected like a server's).
             while_waiting: work to do after sending, before reading (e.g. shared-memory
                 gathers while the remote rows travel).
             timeout: seconds to wait for each reply to begin (default: the connection's).
 
         Returns:
-            {server id: Reply}.
+            {server id: Reply, or the list of Replies of a list}.
 
         Raises:
             KVStoreError, PartitionError, StoreError, MissingKeyError, ValueError: a
@@ -97,35 +101,42 @@ class Servers:
         """
         if self.closed:
             raise KVStoreError("this RemoteKVClient is closed")
-        for sid, msg in requests.items():
+        for sid, msgs in requests.items():
             self.applying.settle(sid, timeout)  # its slot is free, its failure raised
-            if not wait:
-                msg.flags |= FLAG_NO_REPLY
-            frame = self._frame_for(sid, msg, wait)
-            try:
-                self._conns[sid].send(frame)
-            finally:
-                close_fds(frame)  # a new request slot's descriptor: the server has its own
+            for msg in msgs if isinstance(msgs, list) else [msgs]:
+                if not wait:
+                    msg.flags |= FLAG_NO_REPLY
+                frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
+                try:
+                    self._conns[sid].send(frame)
+                finally:
+                    close_fds(frame)  # a new slot's descriptor: the server has its own
         if while_waiting is not None:
             while_waiting()
         if not wait:
             return {}
         replies, failed = {}, []
-        for sid in requests:
-            frame = self._conns[sid].recv(timeout)
-            if frame.service == Service.ERROR:
-                failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
-            elif frame.service != Service.REPLY:
-                raise TransportError(f"server {sid}: unexpected reply service {frame.service}")
-            else:
-                try:
-                    if on_reply is not None:
-                        on_reply(sid, frame)  # it takes the descriptors it keeps
-                    replies[sid] = Reply.decode(frame)
-                except KVStoreError as e:
-                    failed.append((type(e).__name__, str(e)))
-                finally:
-                    close_fds(frame)
+        for sid, msgs in requests.items():
+            for _ in msgs if isinstance(msgs, list) else [msgs]:
+                frame = self._conns[sid].recv(timeout)
+                if frame.service == Service.ERROR:
+                    failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
+                elif frame.service != Service.REPLY:
+                    raise TransportError(f"server {sid}: unexpected reply service "
+                                         f"{frame.service}")
+                else:
+                    try:
+                        if on_reply is not None:
+                            on_reply(sid, frame)  # it takes the descriptors it keeps
+                        reply = Reply.decode(frame)
+                        if isinstance(msgs, list):
+                            replies.setdefault(sid, []).append(reply)
+                        else:
+                            replies[sid] = reply
+                    except KVStoreError as e:
+                        failed.append((type(e).__name__, str(e)))
+                    finally:
+                        close_fds(frame)
         if failed:
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
