@@ -56,11 +56,11 @@ class Servers:
     def __init__(self, cfg, rank, connections=None, num_threads=1):
         self.rank, self.num_threads = rank, num_threads
         self.count = len(cfg.servers)
-        self._conns = list(connections) if connections is not None else \
+        self.connections = list(connections) if connections is not None else \
             open_connections(cfg, rank)
         self.mapped = {}  # (table, part) -> ShmShard of a co-located server's rows
         self._slots = {}
-        self.applying = Applying(self._conns)
+        self.applying = Applying(self.connections)
         self.closed = False
         hello = {sid: Hello(rank=rank, token=cfg.job_token or "") for sid in range(self.count)}
         self.info = [r.fields for r in self.call(hello).values()]
@@ -70,7 +70,7 @@ class Servers:
                                    f"of {info.get('num_servers')}, the config lists "
                                    f"{self.count} servers")
         # Servers on this machine's local sockets hand over (and take) shared memory.
-        self.local = {sid for sid, conn in enumerate(self._conns) if conn.passes_fds and
+        self.local = {sid for sid, conn in enumerate(self.connections) if conn.passes_fds and
                       self.info[sid].get("shared_memory")}
         # Updates and pushes to them hand their arrays over in a request slot.
         self._slots = {sid: RequestSlot(cfg.job_id, rank, sid) for sid in self.local}
@@ -108,7 +108,7 @@ class Servers:
                     msg.flags |= FLAG_NO_REPLY
                 frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
                 try:
-                    self._conns[sid].send(frame)
+                    self.connections[sid].send(frame)
                 finally:
                     close_fds(frame)  # a new slot's descriptor: the server has its own
         if while_waiting is not None:
@@ -118,7 +118,7 @@ class Servers:
         replies, failed = {}, []
         for sid, msgs in requests.items():
             for _ in msgs if isinstance(msgs, list) else [msgs]:
-                frame = self._conns[sid].recv(timeout)
+                frame = self.connections[sid].recv(timeout)
                 if frame.service == Service.ERROR:
                     failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
                 elif frame.service != Service.REPLY:
@@ -232,5 +232,5 @@ class Servers:
             self.mapped.clear()
             for slot in self._slots.values():
                 slot.close()
-            for conn in self._conns:
+            for conn in self.connections:
                 conn.close()
