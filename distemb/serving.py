@@ -2,7 +2,8 @@
 
 :func:`load` reads one table of a checkpoint directory (:mod:`distemb.kvstore.checkpoint.snapshot`'s
 format, of any version: written by one process, by any number of servers or of
-collective ranks, for any store kind) without a KVClient, a context or an optimizer:
+collective ranks, for any store kind; a full save and the incremental saves after it,
+replayed in order) without a KVClient, a context or an optimizer:
 
 - a table of the fixed keys 0..N-1 (a dense or a file table) becomes a frozen
   ``torch.nn.Embedding`` (``torch.nn.EmbeddingBag`` with ``mode=``): torch's own modules,
@@ -47,7 +48,7 @@ from distemb.bags import Bags
 from distemb.enums import BagMode
 from distemb.errors import KVStoreError, MissingKeyError
 from distemb.kernels.hashtable import HashIndex, keys_array
-from distemb.kvstore.checkpoint import snapshot
+from distemb.kvstore.checkpoint import chain, snapshot
 from distemb.kvstore.limits import check_fits, free_space
 from distemb.rules import state_owner
 from distemb.stores.types import WEIGHT
@@ -201,8 +202,8 @@ def load(checkpoint, table: Optional[str] = None, *, dtype=torch.float32,
 
     Raises:
         KVStoreError: not a checkpoint directory (a single ``.npz`` file of the format
-            before version 2 is not read), a corrupt or missing segment, rows not covered
-            exactly once, or rows that do not fit in memory (pass ``mmap``) or on the
+            before version 2 is not read), a corrupt or missing segment, a save of its
+            chain missing or out of order, rows not covered exactly once, or rows that do not fit in memory (pass ``mmap``) or on the
             disk of ``mmap``.
         ValueError: no such table (the message lists them), several tables and no
             ``table``, an unknown ``dtype`` or ``mode``; ``default`` or ``mmap`` for a
@@ -213,8 +214,8 @@ def load(checkpoint, table: Optional[str] = None, *, dtype=torch.float32,
         raise KVStoreError(f"checkpoint: {directory} is a file (a single-file checkpoint of "
                            f"the format before version 2?); load it into its table with "
                            f"opt.load() and save it again to serve it")
-    manifest = snapshot.read_manifest(directory)
-    names = sorted(n for n in manifest["tensors"] if state_owner(n) is None)
+    saves = chain.read_chain(directory)
+    names = sorted(n for n in saves[-1]["tensors"] if state_owner(n) is None)
     if table is None:
         if len(names) != 1:
             raise ValueError(f"table: {directory} holds {len(names)} tables {names[:10]}; "
@@ -225,7 +226,7 @@ def load(checkpoint, table: Optional[str] = None, *, dtype=torch.float32,
                          f"{table!r}")
     tdtype = _dtype(dtype)
     mode = None if mode is None else BagMode.parse(mode, "mode", ValueError)
-    entry = snapshot.table_entry(manifest, table, directory)
+    entry = chain.chain_entry(saves, table, directory)
     rows, dim = _shape(entry, table)
     if rows is None:  # a hash table: any int64 key
         if mmap is not None:
@@ -291,7 +292,7 @@ def _read_fixed(directory, entry, n, dim, dtype, mmap, table):
 
 def _read_keyed(directory, entry, dim, dtype, table):
     """(keys, rows) of a hash table's entry, in the order the records hold them."""
-    n = snapshot.entry_rows(entry)
+    n = snapshot.entry_keys(entry)
     check_fits(n * (dim * torch.tensor([], dtype=dtype).element_size() + 8 +
                     INDEX_BYTES_PER_KEY), f"the {n:,} keys and rows of {table!r}")
     keys = np.empty(n, np.int64)

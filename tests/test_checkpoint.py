@@ -52,7 +52,8 @@ def test_embedded_round_trip_and_reshard_to_hash_partitions(tmp_path):
     checkpoint.save(tmp_path / "ck", src, ["w", "w~opt~row_step"], {"steps": {"w": 3}})
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     # one entry per table: a record per shard, a segment per column (weight and state)
-    assert list(manifest["tensors"]) == ["w"] and manifest["version"] == 3
+    assert list(manifest["tensors"]) == ["w"] and manifest["version"] == 4
+    assert manifest["parent"] is None and manifest["links"] == []  # a full save
     shards = manifest["tensors"]["w"]["shards"]
     assert [s["part"] for s in shards] == [0, 1] and [s["count"] for s in shards] == [500, 500]
     assert all(sorted(s["columns"]) == ["row_step", "weight"] and s["keys"] is None

@@ -350,14 +350,15 @@ class CollectiveKVClient(LocalKVClient):
 
     # -- checkpoints: every rank writes and reads its own shards ----------------------
 
-    def save_table(self, name, directory, save_id, columns):
+    def save_table(self, name, directory, save_id, columns, parent=None):
         """Collective: every rank writes its shards of ``name`` as records of rank 0's
-        save ``save_id``; every rank gets the entry with the records of all."""
-        save_id = self._x.gather_objects(f"save of {name!r}", save_id)[0]
-        return super().save_table(name, directory, save_id, columns)
+        save ``save_id`` (a delta of rank 0's ``parent``); every rank gets the entry with
+        the records of all."""
+        save_id, parent = self._x.gather_objects(f"save of {name!r}", (save_id, parent))[0]
+        return super().save_table(name, directory, save_id, columns, parent)
 
-    def _save(self, table, directory, save_id, columns):
-        recs = super()._save(table, directory, save_id, columns)
+    def _save(self, table, directory, save_id, columns, parent):
+        recs = super()._save(table, directory, save_id, columns, parent)
         return sorted((r for rs in self._x.gather_objects(f"save of {table.name!r}", recs)
                        for r in rs), key=lambda r: r["part"])
 

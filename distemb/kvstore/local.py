@@ -195,8 +195,9 @@ class LocalKVClient(TableClient):
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def _save(self, table, directory, save_id, columns):
-        return self.server.save(table.name, self.held(table), directory, save_id, columns)
+    def _save(self, table, directory, save_id, columns, parent):
+        return self.server.save(table.name, self.held(table), directory, save_id, columns,
+                                parent)
 
     def _load(self, table, directory, entry, columns):
         self.server.load(table.name, self.held(table), directory, entry, columns)

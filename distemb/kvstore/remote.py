@@ -400,10 +400,11 @@ class RemoteKVClient(TableClient):
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def _save(self, table, directory, save_id, columns):
+    def _save(self, table, directory, save_id, columns, parent):
         """Every server writes its own shards, all at once (in parallel)."""
         replies = self._call({sid: Save(name=table.name, parts=parts, directory=directory,
-                                        save_id=save_id, columns=columns)
+                                        save_id=save_id, columns=columns,
+                                        parent=parent or "")
                               for sid, parts in self._shards(table).items()},
                              timeout=IO_TIMEOUT_S)
         return [rec for sid in sorted(replies) for rec in replies[sid].fields["records"]]

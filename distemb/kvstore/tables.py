@@ -408,9 +408,9 @@ class TableClient(KVClient):
                         self.stored_rows(table, c, columns[c], len(keys)))
 
     def save_table(self, name: str, directory: str, save_id: str,
-                   columns: Sequence[str]) -> dict:
+                   columns: Sequence[str], parent: Optional[str] = None) -> dict:
         table = self.tables.table(name)
-        records = self._save(table, directory, save_id, list(columns))
+        records = self._save(table, directory, save_id, list(columns), parent)
         return snapshot.new_entry((table.num_keys,) + table.row_shape, table.dtype,
                                   records, table.policy)
 
@@ -421,8 +421,10 @@ class TableClient(KVClient):
         self._load(table, directory, entry, list(columns))
 
     @abstractmethod
-    def _save(self, table: Table, directory: str, save_id: str, columns: List[str]) -> list:
-        """Every shard's checkpoint record of ``table`` (written where it lives)."""
+    def _save(self, table: Table, directory: str, save_id: str, columns: List[str],
+              parent: Optional[str]) -> list:
+        """Every shard's checkpoint record of ``table`` (written where it lives; a delta
+        since save ``parent`` when given)."""
 
     @abstractmethod
     def _load(self, table: Table, directory: str, entry: dict, columns: List[str]) -> None:

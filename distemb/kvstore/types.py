@@ -388,14 +388,19 @@ class KVClient(HostPlacement, ABC):
 
     @abstractmethod
     def save_table(self, name: str, directory: str, save_id: str,
-                   columns: Sequence[str]) -> dict:
+                   columns: Sequence[str], parent: Optional[str] = None) -> dict:
         """Write ``columns`` of table ``name`` (``"weight"`` and optimizer states by their
         short names) into checkpoint ``directory`` as records of save ``save_id``
         (:mod:`distemb.kvstore.checkpoint.snapshot`), each shard where it lives; the
-        manifest is the caller's.
+        manifest is the caller's. With ``parent``, each shard writes a delta: its rows
+        changed since save ``parent`` and the keys removed since
+        (:mod:`distemb.kvstore.checkpoint.chain`).
 
         Returns:
             the table's manifest entry.
+
+        Raises:
+            KVStoreError: with ``parent``, a shard that did not make or load that save.
         """
 
     @abstractmethod

@@ -90,8 +90,8 @@ class Wrapper(KVClient):
     def load_table_state(self, name, state_names, entry):
         self.inner.load_table_state(name, state_names, entry)
 
-    def save_table(self, name, directory, save_id, columns):
-        return self.inner.save_table(name, directory, save_id, columns)
+    def save_table(self, name, directory, save_id, columns, parent=None):
+        return self.inner.save_table(name, directory, save_id, columns, parent)
 
     def load_table(self, name, directory, entry, columns):
         self.inner.load_table(name, directory, entry, columns)

@@ -280,7 +280,7 @@ class SparseOptimizer(torch.optim.Optimizer):
         ctx = self._embs[0].weight.context
         return ctx.client, ctx.rank == 0
 
-    def save(self, path):
+    def save(self, path, incremental=False):
         """Save every table's rows and this optimizer's state as checkpoint ``path``.
 
         Collective, as DGL's: every trainer calls it. After a barrier (every trainer's
@@ -288,7 +288,19 @@ class SparseOptimizer(torch.optim.Optimizer):
         their shards, then the manifest), and a second barrier keeps every rank waiting
         until it is complete. A save on rank 0 only waits at the barrier for the others.
         In collective mode every rank writes its own shards and rank 0 the manifest.
+
+        With ``incremental=True``, after a full save (or a load) of ``path``, only the
+        rows changed since the last save there, and the keys removed or evicted since,
+        are written, as a delta that :meth:`load` replays after the saves before it
+        (:mod:`distemb.kvstore.checkpoint.chain`); crash-safe as a full save is.
+
+        Raises:
+            DistEmbError: an incremental save where no checkpoint is, of other tables or
+                optimizer state than the last save there, or of tables that did not make
+                or load that save (make a full save).
         """
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental: expected a bool, got {incremental!r:.40}")
         client, writer = self._collective()
         client.barrier()
         if writer or client.all_ranks_checkpoint:  # collective: each rank its own shards
@@ -300,11 +312,12 @@ class SparseOptimizer(torch.optim.Optimizer):
             checkpoint.save_items(path, items,
                                   {"optimizer": type(self).__name__, "rule": self.rule,
                                    "steps": self._steps, "param_groups": groups},
-                                  writer=writer)
+                                  writer=writer, incremental=incremental)
         client.barrier()
 
     def load(self, path):
-        """Restore rows and state saved by :meth:`save` (the tables may be resharded).
+        """Restore rows and state saved by :meth:`save` (the tables may be resharded): a
+        full save and every incremental save after it, in order.
 
         Collective: every trainer calls it, with any number of trainers (not necessarily
         the number that saved). Every rank reads the step counts and hyperparameters;

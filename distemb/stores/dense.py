@@ -288,6 +288,7 @@ class DenseSpec:
     rounding_seed: Optional[int] = None
 
     kind = "dense"
+    sink = None  # its keys are fixed: nothing is evicted
     portable = True
     fixed_keys = True
     persistent = False
@@ -383,7 +384,8 @@ class DenseSpec:
                 "rounding": self.rounding, "num_rows": self.shape[0], "path": "",
                 "preallocate": 0, "partition": _jsonable(policy_layout(self.policy)),
                 "row_shape": list(self.shape[1:]),
-                "seed": -1 if self.rounding_seed is None else self.rounding_seed}
+                "seed": -1 if self.rounding_seed is None else self.rounding_seed,
+                "sink": ""}
 
     @classmethod
     def from_fields(cls, f):

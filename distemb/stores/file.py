@@ -366,6 +366,7 @@ class FileTableSpec:
     partition: Optional[tuple] = None
 
     kind = "file"
+    sink = None  # its keys are fixed: nothing is evicted
     portable = True
     fixed_keys = True
     persistent = True
@@ -465,7 +466,7 @@ class FileTableSpec:
                 "preallocate": int(self.preallocate),
                 "partition": None if self.partition is None else json.loads(
                     json.dumps(self.partition)),  # as the wire has it: lists
-                "row_shape": [self.dim], "seed": -1}
+                "row_shape": [self.dim], "seed": -1, "sink": ""}
 
     @classmethod
     def from_fields(cls, f):

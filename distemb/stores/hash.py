@@ -14,6 +14,7 @@ demand; with a ``capacity``, a lookup that grows the store past it evicts down t
 never evicting the keys of that lookup.
 """
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -239,6 +240,17 @@ class HashStore(RowStore):
         return self._capacity
 
     def remove(self, keys):
+        return self._drop(keys_array(keys), evicted=False)
+
+    def _drop(self, keys, evicted):
+        """Remove ``keys`` (told to :attr:`on_remove` first); how many were held."""
+        if self.on_remove is not None:
+            slots = self._index.find(keys)
+            held = np.flatnonzero(slots >= 0)
+            _, first = np.unique(keys[held], return_index=True)
+            held = held[np.sort(first)]  # each key once, in the order given
+            if len(held):
+                self.on_remove(keys[held], slots[held], evicted)
         slots = self._index.remove(keys)
         freed = slots[slots >= 0]
         self._slot_key[freed] = FREE
@@ -253,7 +265,8 @@ class HashStore(RowStore):
             protect: a tick whose keys are never evicted (the lookup in progress).
 
         Returns:
-            The evicted keys (int64), their rows and state gone with them.
+            The evicted keys (int64), the first to go (least recent, or least frequent)
+            first, their rows and state gone with them.
         """
         if isinstance(target_size, bool) or not isinstance(target_size, (int, np.integer)) \
                 or target_size < 0:
@@ -279,9 +292,10 @@ class HashStore(RowStore):
                             self.low_water, self._capacity, self._index.size - excess)
         if excess <= 0:
             return np.empty(0, np.int64)
-        victims = live[np.argpartition(rank, excess - 1)[:excess]]
+        first = np.argpartition(rank, excess - 1)[:excess]
+        victims = live[first[np.argsort(rank[first], kind="stable")]]  # first to go first
         keys = self._slot_key[victims].copy()
-        self.remove(keys)
+        self._drop(keys, evicted=True)
         return keys
 
     def load_factor(self):
@@ -317,9 +331,15 @@ class HashTableSpec:
         evict: ``"lru"`` or ``"lfu"``.
         low_water: fraction of the capacity an automatic eviction goes down to.
         rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 rows).
+        sink: where every row an eviction removes goes, with its optimizer state, in
+            order (:mod:`distemb.kvstore.checkpoint.sink`): None (nowhere), a callable
+            ``sink(keys, {column: rows})`` (embedded or on a collective rank; not sent to
+            servers) or a directory (made if missing; each holder writes its shards'
+            evictions there, servers too).
 
     Raises:
         ValueError: a field out of its domain (named, with the value).
+        TypeError: a sink that is neither a callable nor a path.
 
     Example:
         >>> from distemb.stores import key_normal
@@ -335,6 +355,7 @@ class HashTableSpec:
     evict: str = "lru"
     low_water: float = 1.0
     rounding: str = "nearest"
+    sink: Optional[object] = None
 
     def differences(self, other: "HashTableSpec") -> str:
         """What differs between this spec and ``other`` apart from the initialiser
@@ -342,7 +363,7 @@ class HashTableSpec:
         if not isinstance(other, HashTableSpec):
             return f"kind {self.kind!r}, got kind {getattr(other, 'kind', other)!r}"
         out = []
-        for field in ("dim", "dtype", "capacity", "evict", "low_water", "rounding"):
+        for field in ("dim", "dtype", "capacity", "evict", "low_water", "rounding", "sink"):
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 out.append(f"{field} {mine!r}, got {field} {theirs!r}")
@@ -361,6 +382,11 @@ class HashTableSpec:
             raise ValueError(f"low_water: expected a float in (0, 1], got {lw!r}")
         set_(self, "low_water", float(lw))
         check_init_func(self.init, KEYED_INIT)
+        if self.sink is not None and not callable(self.sink):
+            if not isinstance(self.sink, (str, os.PathLike)) or not os.fspath(self.sink):
+                raise TypeError(f"sink: expected None, a callable sink(keys, columns) or a "
+                                f"directory, got {self.sink!r:.60}")
+            set_(self, "sink", os.path.abspath(os.fspath(self.sink)))
         if isinstance(self.init, KeyInit) and self.init.dim != self.dim:
             raise ValueError(f"init_func: makes rows of dim {self.init.dim}, the table's "
                              f"dim is {self.dim}")
@@ -396,14 +422,20 @@ class HashTableSpec:
 
         Raises:
             TypeError: ``init`` is a plain function: servers cannot run it; use
-                :func:`~distemb.stores.key_normal` or ``key_uniform``.
+                :func:`~distemb.stores.key_normal` or ``key_uniform``. ``sink`` is a
+                callable: servers cannot call it; give a directory.
         """
+        if callable(self.sink):
+            raise TypeError(f"sink: {self.sink!r:.60} is a function of this process; a "
+                            "server cannot call it: give a directory, where each server "
+                            "writes its shards' evicted rows (distemb.checkpoint."
+                            "read_evicted reads them)")
         kind, params = init_fields(self.init, self.dim)
         return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
                 "init_args": params, "capacity": self.capacity or 0, "evict": self.evict,
                 "low_water": self.low_water, "rounding": self.rounding, "num_rows": 0,
                 "path": "", "preallocate": 0, "partition": None, "row_shape": [self.dim],
-                "seed": -1}
+                "seed": -1, "sink": self.sink or ""}
 
     @classmethod
     def from_fields(cls, f):
@@ -414,6 +446,6 @@ class HashTableSpec:
         """
         try:
             return cls(f["dim"], f["dtype"], init_of_fields(f), f["capacity"] or None, f["evict"],
-                       f["low_water"], f["rounding"])
+                       f["low_water"], f["rounding"], f["sink"] or None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"table spec: missing or invalid field ({e})") from None

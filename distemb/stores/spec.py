@@ -67,6 +67,7 @@ class GivenStore:
 
     portable = False
     init = None
+    sink = None
 
     def __init__(self, store):
         self.store = store

@@ -93,6 +93,11 @@ class RowStore(abc.ABC):
     closed = False
     #: The table this store backs (set by :meth:`claim`), None while it backs none.
     owner: Optional[str] = None
+    #: Told of keys about to leave a store that removes them: ``on_remove(keys, slots,
+    #: evicted)``, the distinct keys held, their slots (rows still readable there) and
+    #: whether an eviction (not a removal) takes them. Its shard sets it (a delta
+    #: checkpoint's tombstones, a sink of evicted rows); if it raises, the keys stay.
+    on_remove: Optional[Callable[[Keys, Slots, bool], None]] = None
 
     def claim(self, table: str) -> None:
         """Make this store the one of table ``table`` (a client's ``add_table`` calls it

@@ -196,7 +196,7 @@ SPEC_FIELDS = {"kind": text, "dim": int_value, "dtype": text, "init": text,
                "init_args": scalar_dict, "capacity": int_value, "evict": text,
                "low_water": real, "rounding": text, "num_rows": int_value, "path": text,
                "preallocate": int_value, "partition": layout, "row_shape": int_list,
-               "seed": int_value}
+               "seed": int_value, "sink": lambda v: v == "" or abs_path(v)}
 
 
 def spec_fields(v):
@@ -355,10 +355,13 @@ class _ShardsMessage(Message):
 
 class Save(_ShardsMessage):
     """Write these shards into checkpoint ``directory`` as records of save ``save_id``
-    (:mod:`distemb.kvstore.checkpoint.snapshot`); the reply's ``records`` are the manifest's."""
+    (:mod:`distemb.kvstore.checkpoint.snapshot`), or, with a ``parent`` save, as a delta
+    of it; the reply's ``records`` are the manifest's."""
 
     SERVICE = Service.SAVE
-    FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "columns": text_list}
+    FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "columns": text_list,
+              "parent": text}
+    DEFAULTS = {"columns": [], "parent": ""}
 
 
 class Load(_ShardsMessage):

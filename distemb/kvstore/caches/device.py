@@ -320,9 +320,9 @@ class DeviceCachedKVClient(Wrapper):
         self._forget_copies(state_owner(name) or name, host_ids(ids), write_back=True)
         self.inner.push(name, ids, values)
 
-    def save_table(self, name, directory, save_id, columns):
+    def save_table(self, name, directory, save_id, columns, parent=None):
         self.flush(name)
-        return self.inner.save_table(name, directory, save_id, columns)
+        return self.inner.save_table(name, directory, save_id, columns, parent)
 
     def load_table(self, name, directory, entry, columns):
         self._drop(name)

@@ -55,38 +55,108 @@ def _progression(table):
     return table.router.progression(table.part) if table.store.fixed_keys else None
 
 
-def save_shard(table, directory, save_id, name, columns=None):
+def save_shard(table, directory, save_id, name, columns=None, parent=None):
     """Write ``columns`` (None: every one) of shard ``table`` of table ``name`` as one
-    checkpoint record (:func:`~distemb.kvstore.checkpoint.snapshot.write_shard`).
+    checkpoint record (:func:`~distemb.kvstore.checkpoint.snapshot.write_shard`), and
+    mark the save (:class:`~distemb.kvstore.checkpoint.changes.Changes`) once its rows
+    have versions.
+
+    With ``parent``, the record is a delta: the rows (every column) whose version moved
+    since save ``parent``, which this shard made or loaded, with their keys, and the
+    keys removed or evicted since as tombstones.
 
     Returns:
         the record.
+
+    Raises:
+        KVStoreError: a column the shard lacks; a ``parent`` this shard did not make or
+            load, or that holds fewer columns.
     """
     cols = saved_columns(table, columns)
+    if parent is not None:
+        return _save_delta(table, directory, save_id, name, cols, parent)
     store = table.store
     prog = _progression(table)
     if prog is not None:
-        def block_of(col):
-            def read(lo, hi):
-                with table.read():  # rows never move: each block consistent on its own
-                    return store.read_rows(col, np.arange(lo, hi, dtype=np.int64),
-                                           stored=True)
-            return read
-        return snapshot.write_shard(
+        with table.read():  # rows written from here on are in the next delta
+            snap = _snapshot(table)
+        record = snapshot.write_shard(
             directory, save_id, name, table.part, store.capacity,
-            {c: (shape, dtype, block_of(c)) for c, (shape, dtype) in cols.items()},
+            {c: (shape, dtype, _rows_of(table, c, None, locked=False))
+             for c, (shape, dtype) in cols.items()},
             start=prog[0], step=prog[1])
-    with table.read():  # a store's slots move as it inserts: still for the whole save
-        keys = store.keys()
-        slots = store.slots(keys) if len(keys) else np.empty(0, np.int64)
+    else:
+        with table.read():  # a store's slots move as it inserts: still for the whole save
+            snap = _snapshot(table)
+            keys = store.keys()
+            slots = store.slots(keys) if len(keys) else np.empty(0, np.int64)
+            saved = table.router.to_global(table.part, keys)
+            record = snapshot.write_shard(
+                directory, save_id, name, table.part, len(keys),
+                {c: (shape, dtype, _rows_of(table, c, slots, locked=True))
+                 for c, (shape, dtype) in cols.items()},
+                keys=lambda lo, hi: saved[lo:hi])
+    if snap is not None:
+        table.changes.mark(save_id, snap, cols)
+    return record
+
+
+def _snapshot(table):
+    """The shard's versions and removal log now (None while rows have no versions); the
+    caller holds its lock."""
+    versions = table.row_versions()
+    return None if versions is None else table.changes.snapshot(versions)
+
+
+def _rows_of(table, column, slots, locked):
+    """``read_block(lo, hi)`` of rows ``slots[lo:hi]`` (None: slots lo..hi-1) of
+    ``column`` as stored; unless ``locked`` (the caller holds the lock for the whole
+    save), each block under the read lock (rows that never move: each block consistent
+    on its own)."""
+    store = table.store
+
+    def read(lo, hi):
+        at = np.arange(lo, hi, dtype=np.int64) if slots is None else slots[lo:hi]
+        if locked:
+            return store.read_rows(column, at, stored=True)
+        with table.read():
+            return store.read_rows(column, at, stored=True)
+    return read
+
+
+def _save_delta(table, directory, save_id, name, cols, parent):
+    """The delta record of ``table`` since save ``parent`` (see :func:`save_shard`)."""
+    store = table.store
+    with table.read():
+        mark = table.changes.since(parent, cols, f"shard {table.part} of {name!r}")
+        versions = table.row_versions()
+        if store.fixed_keys:  # its keys are its slots, which never move
+            slots = np.flatnonzero(versions != mark.versions)
+            keys = slots
+        else:
+            held = store.keys()
+            at = store.slots(held) if len(held) else np.empty(0, np.int64)
+            before = np.full(len(at), -1, np.int64)  # a slot past the mark's: a new row
+            inside = at < len(mark.versions)
+            before[inside] = mark.versions[at[inside]]
+            changed = versions[at] != before
+            keys, slots = held[changed], at[changed]
+        snap = table.changes.snapshot(versions)
+        tombstones = table.changes.removed_since(mark)
         saved = table.router.to_global(table.part, keys)
 
-        def block_of(col):
-            return lambda lo, hi: store.read_rows(col, slots[lo:hi], stored=True)
-        return snapshot.write_shard(
-            directory, save_id, name, table.part, len(keys),
-            {c: (shape, dtype, block_of(c)) for c, (shape, dtype) in cols.items()},
-            keys=lambda lo, hi: saved[lo:hi])
+        def write(locked):
+            return snapshot.write_shard(
+                directory, save_id, name, table.part, len(saved),
+                {c: (shape, dtype, _rows_of(table, c, slots, locked))
+                 for c, (shape, dtype) in cols.items()},
+                keys=lambda lo, hi: saved[lo:hi], tombstones=tombstones)
+        if not store.fixed_keys:  # a store's slots move as it inserts: still for the save
+            record = write(locked=True)
+    if store.fixed_keys:  # rows never move: each block under the lock on its own
+        record = write(locked=False)
+    table.changes.mark(save_id, snap, cols, keep=parent)
+    return record
 
 
 def _target(table):
@@ -117,7 +187,9 @@ def load_shard(table, directory, entry, columns=None, verify=True, apply=True,
 
     ``verify`` and ``apply`` split the load into its checking and writing passes (a load
     of several shards checks them all first). Every version changes (cached copies of
-    the rows are void). ``name`` names the table in errors.
+    the rows are void). A load of every column of a chain's entry marks its last save
+    (an incremental save may follow it); any load forgets the marks before it. ``name``
+    names the table in errors.
 
     Raises:
         KVStoreError: see :func:`~distemb.kvstore.checkpoint.snapshot.load_shard`; a key
@@ -130,10 +202,10 @@ def load_shard(table, directory, entry, columns=None, verify=True, apply=True,
         # Before a block is read: this shard's share of the saved keys (a hash routes
         # 1/parts of them here) must fit, so a checkpoint far bigger than the machine is
         # refused, not half read.
-        share = -(-snapshot.entry_rows(entry) // table.router.num_parts)
+        share = -(-snapshot.entry_keys(entry) // table.router.num_parts)
         check_fits(share * (8 + sum(4 * int(np.prod(s, dtype=object))
                                     for s, _ in cols.values())),
-                   f"load of {snapshot.entry_rows(entry):,} keys into {name!r}")
+                   f"load of {snapshot.entry_keys(entry):,} keys into {name!r}")
     if not apply:
         snapshot.load_shard(directory, entry, cols, target, None, apply=False)
         return
@@ -143,8 +215,14 @@ def load_shard(table, directory, entry, columns=None, verify=True, apply=True,
             store.scatter(keys, rows, col)
         except StoreError as e:
             raise KVStoreError(f"checkpoint: {e}") from None
+    table.changes.forget()  # the rows are replaced: no earlier save describes them
     with table.write():  # all or nothing: every check passes before a row is written
         snapshot.load_shard(directory, entry, cols, target, write,
                             replace=None if store.fixed_keys else
                             lambda: store.remove(store.keys()), verify=verify)
     table.bump_all()
+    if entry.get("save_id") is not None and set(cols) == set(table.columns()):
+        with table.read():
+            snap = _snapshot(table)
+        if snap is not None:
+            table.changes.mark(entry["save_id"], snap, cols)

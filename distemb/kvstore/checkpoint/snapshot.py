@@ -10,6 +10,14 @@ save never touches the files of the previous one. ``manifest.json`` (written las
 :mod:`distemb.checkpoint`) lists each table's entry (shape, dtype, records); a
 checkpoint without it is not a checkpoint.
 
+An incremental save is a *delta*: a record per shard of the rows that changed since its
+parent save (with their keys, whatever the shard's keys) and a segment of *tombstones*,
+the keys removed or evicted since. A table's entry read from a chain of saves
+(:mod:`distemb.kvstore.checkpoint.chain`) holds the base's records in ``"shards"`` and
+each delta's in ``"deltas"``, oldest first; :func:`load_shard` loads the newest row of
+every key no later save removed, in one checking and one writing pass, as it loads a
+full save.
+
 A record loads into any shard of any table whose rows match: the loading shard says
 which keys it holds (:class:`Target`: a fixed progression of keys, or whatever its
 router owns), and reads from each record only the blocks holding some of them. So a
@@ -46,15 +54,18 @@ from distemb.stores.types import WEIGHT
 
 MANIFEST = "manifest.json"
 FORMAT = "distemb-checkpoint"
-VERSION = 3
+VERSION = 4  # 4: incremental saves (records with tombstones, manifests with a parent)
 MAX_MANIFEST_BYTES = 256 << 20
 #: The segment of a record holding the shard's keys (when they are not fixed).
 KEYS = "keys"
+#: The segment of a delta's record holding the keys removed or evicted since its parent.
+TOMBSTONES = "tombstones"
 #: Row dtypes a load converts between (to float32 exactly, to half rounded to nearest-even).
 CONVERTIBLE = ("float32", "bfloat16", "float16")
 
 
-def write_shard(directory, save_id, name, part, count, columns, keys=None, start=0, step=1):
+def write_shard(directory, save_id, name, part, count, columns, keys=None, start=0, step=1,
+                tombstones=None):
     """Write one shard of table ``name`` as a record: a segment per column, and one of
     its keys when they are not fixed.
 
@@ -63,16 +74,21 @@ def write_shard(directory, save_id, name, part, count, columns, keys=None, start
         columns: ``{column: (row_shape, dtype, read_block)}`` (see :func:`write_segment`).
         keys: ``read_block(lo, hi)`` of the shard's int64 keys in row order, or None when
             row ``k``'s key is ``start + k * step``.
+        tombstones: a delta's int64 keys removed since its parent (None: a full save).
 
     Returns:
         the record: ``{"part", "count", "keys": segment or None, "columns": {column:
-        {"shape", "dtype", "segment"}}}``.
+        {"shape", "dtype", "segment"}}}``, and a delta's ``"tombstones": segment``.
     """
     s0, st = (0, 1) if keys is not None else (start, step)
     record = {"part": int(part), "count": int(count), KEYS: None, "columns": {}}
     if keys is not None:
         record[KEYS] = write_segment(directory, save_id, f"{name}\x00{KEYS}", part, 0, 1,
                                      (count,), "int64", keys)
+    if tombstones is not None:
+        record[TOMBSTONES] = write_segment(
+            directory, save_id, f"{name}\x00{TOMBSTONES}", part, 0, 1, (len(tombstones),),
+            "int64", lambda lo, hi: tombstones[lo:hi])
     for col, (shape, dtype, read) in columns.items():
         seg = write_segment(directory, save_id, f"{name}\x00{col}", part, s0, st,
                             (count,) + tuple(shape), dtype, read)
@@ -94,7 +110,7 @@ def entry_files(entry):
     out = []
     for rec in entry.get("shards") or ():
         if isinstance(rec, dict):
-            segs = [rec.get(KEYS)] + [c.get("segment") for c in
+            segs = [rec.get(KEYS), rec.get(TOMBSTONES)] + [c.get("segment") for c in
                                       (rec.get("columns") or {}).values() if isinstance(c, dict)]
             out += [s["file"] for s in segs if isinstance(s, dict) and "file" in s]
     return out
@@ -139,19 +155,44 @@ class Target:
             return mask, (to_local(mine) if to_local is not None and len(mine) else mine)
         return cls(select, count, limit)
 
+    def without(self, shadow):
+        """This target less the saved keys ``shadow`` (sorted, distinct): those a newer
+        save of a chain wrote or removed, whose rows here are out of date."""
+        if not len(shadow):
+            return self
+        select = self.select
+
+        def newest(keys):
+            mask, local = select(keys)
+            keep = ~_within(keys[mask], shadow)
+            mask = np.array(mask, dtype=bool)
+            mask[mask] = keep
+            return mask, local[keep]
+        return Target(newest, self.count, self.limit)
+
+
+def _within(keys, sorted_keys):
+    """Bool per key of ``keys``: whether it is in ``sorted_keys`` (sorted, distinct)."""
+    if not len(sorted_keys) or not len(keys):
+        return np.zeros(len(keys), bool)
+    at = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return sorted_keys[at] == keys
+
 
 # -- reading --------------------------------------------------------------------------
 
 
-def _records(entry):
-    """The shard records of a (normalised) entry, each checked for its shape."""
-    shards = entry.get("shards") if isinstance(entry, dict) else None
+def _records(shards, what="the table's entry", delta=False):
+    """Shard records ``shards`` (of the base, or of a ``delta``: keys always saved),
+    each checked for its shape; ``what`` names them in errors."""
     if not isinstance(shards, list):
-        raise KVStoreError("checkpoint: the table's entry lists no shards")
+        raise KVStoreError(f"checkpoint: {what} lists no shards")
     for i, rec in enumerate(shards):
         ok = isinstance(rec, dict) and isinstance(rec.get("count"), int) and \
             not isinstance(rec["count"], bool) and rec["count"] >= 0 and \
             (rec.get(KEYS) is None or isinstance(rec.get(KEYS), dict)) and \
+            (isinstance(rec.get(KEYS), dict) or not delta) and \
+            (rec.get(TOMBSTONES) is None or isinstance(rec.get(TOMBSTONES), dict)) and \
             isinstance(rec.get("columns"), dict) and all(
                 isinstance(c, dict) and isinstance(c.get("shape"), list) and
                 all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
@@ -159,9 +200,51 @@ def _records(entry):
                 isinstance(c.get("dtype"), str) and isinstance(c.get("segment"), dict)
                 for c in rec["columns"].values())
         if not ok:
-            raise KVStoreError(f"checkpoint: shard record {i} is malformed "
+            raise KVStoreError(f"checkpoint: shard record {i} of {what} is malformed "
                                f"({str(rec)[:80]!r})")
     return shards
+
+
+def _saved_keys(directory, rec, seg):
+    """The int64 keys of segment ``seg`` (``KEYS`` or ``TOMBSTONES``) of record ``rec``,
+    every block CRC-checked."""
+    n = rec["count"] if seg == KEYS else rec[seg].get("count")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise KVStoreError(f"checkpoint: the {seg} of shard record {rec.get('part')!r:.20} "
+                           f"count {n!r:.20} keys; expected an integer >= 0")
+    check_fits(8 * n, f"checkpoint: the {n:,} {seg} of shard record {rec.get('part')}")
+    s = Segment(directory, rec[seg], "int64", (), n)
+    try:
+        return s.read_all()
+    finally:
+        s.close()
+
+
+def _links(directory, entry, target):
+    """``[(records, target)]`` of a table entry, the base first, then its deltas in
+    order (:mod:`distemb.kvstore.checkpoint.chain`): each link's target leaves out the
+    keys a later link wrote or removed, so every key is read from the newest link that
+    holds it, and not at all once removed."""
+    if not isinstance(entry, dict):
+        raise KVStoreError("checkpoint: the table's entry is malformed")
+    deltas = entry.get("deltas") or []
+    if not isinstance(deltas, list):
+        raise KVStoreError("checkpoint: the table's entry has malformed deltas")
+    links = [_records(entry.get("shards"), "the table's entry")] + \
+        [_records(d, f"delta {k}", delta=True) for k, d in enumerate(deltas, 1)]
+    out, shadow = [], np.empty(0, np.int64)
+    for k in range(len(links) - 1, -1, -1):
+        out.append((links[k], target.without(shadow)))
+        if k == 0:
+            break
+        newer = [shadow]
+        for rec in links[k]:
+            for seg in (KEYS, TOMBSTONES):
+                if rec.get(seg) is not None:
+                    keys = _saved_keys(directory, rec, seg)
+                    newer.append(keys[target.select(keys)[0]])
+        shadow = np.unique(np.concatenate(newer))
+    return out[::-1]
 
 
 def _check_columns(records, columns):
@@ -191,49 +274,43 @@ def _convert(rows, saved, live):
     return half.encode(rows, live) if half.is_half(live) else rows
 
 
-def _pass(directory, records, columns, target, write=None):
-    """One pass over what ``target`` holds of ``records``' columns: every block it needs
-    read and CRC-checked, each handed to ``write(column, places, rows)`` when given.
+def _pass(directory, links, columns, write=None):
+    """One pass over what each link's target holds of its records' columns (``links``:
+    :func:`_links`): every block it needs read and CRC-checked, each handed to
+    ``write(column, places, rows)`` when given.
 
     Returns:
         for a checking pass (no ``write``): of a target of fixed keys, how many times
         each of its keys was covered; of another, how many keys it takes. Else None.
     """
-    covered = np.zeros(target.count, np.int64) \
-        if target.count is not None and write is None else None
+    count = links[0][1].count
+    covered = np.zeros(count, np.int64) if count is not None and write is None else None
     taken = 0
-    for rec in records:
-        n = rec["count"]
-        keys = None
-        if rec[KEYS] is not None:
-            check_fits(8 * n, f"checkpoint: the {n:,} keys of shard record {rec.get('part')}")
-            seg = Segment(directory, rec[KEYS], "int64", (), n)
-            try:
-                keys = seg.read_all()
-            finally:
-                seg.close()
-        # the weight first: into a store that inserts, it makes the keys the states fill
-        for i, col in enumerate(sorted(columns, key=lambda c: c != WEIGHT)):
-            c = rec["columns"].get(col)
-            if c is None:
-                continue
-            seg = Segment(directory, c["segment"], c["dtype"], c["shape"], n)
-            if keys is not None:
-                keys_of = lambda lo, hi: keys[lo:hi]  # noqa: E731
-            else:
-                keys_of = lambda lo, hi, s=seg: \
-                    s.start + np.arange(lo, hi, dtype=np.int64) * s.step  # noqa: E731
-            try:
-                for local, rows in seg.blocks(keys_of, target):
-                    if write is None:
-                        if covered is not None:
-                            np.add.at(covered, local, 1)
-                        elif i == 0:
-                            taken += len(local)
-                    else:
-                        write(col, local, _convert(rows, c["dtype"], columns[col][1]))
-            finally:
-                seg.close()
+    for records, target in links:
+        for rec in records:
+            keys = _saved_keys(directory, rec, KEYS) if rec[KEYS] is not None else None
+            # the weight first: into a store that inserts, it makes the keys the states fill
+            for i, col in enumerate(sorted(columns, key=lambda c: c != WEIGHT)):
+                c = rec["columns"].get(col)
+                if c is None:
+                    continue
+                seg = Segment(directory, c["segment"], c["dtype"], c["shape"], rec["count"])
+                if keys is not None:
+                    keys_of = lambda lo, hi: keys[lo:hi]  # noqa: E731
+                else:
+                    keys_of = lambda lo, hi, s=seg: \
+                        s.start + np.arange(lo, hi, dtype=np.int64) * s.step  # noqa: E731
+                try:
+                    for local, rows in seg.blocks(keys_of, target):
+                        if write is None:
+                            if covered is not None:
+                                np.add.at(covered, local, 1)
+                            elif i == 0:
+                                taken += len(local)
+                        else:
+                            write(col, local, _convert(rows, c["dtype"], columns[col][1]))
+                finally:
+                    seg.close()
     return None if write is not None else taken if covered is None else covered
 
 
@@ -244,11 +321,14 @@ def load_shard(directory, entry, columns, target, write, replace=None, verify=Tr
     Every record, every segment and every block the shard needs is read and checked
     (CRC-32, sizes, and for a shard of fixed keys that each key is covered exactly once,
     for every column) before ``write`` sees the first row; the blocks are then read a
-    second time to write them, so a refused load leaves the shard as it was.
+    second time to write them, so a refused load leaves the shard as it was. An entry
+    read from a chain of saves gives each key's row from the newest save that wrote it,
+    unless a later one removed it.
 
     Args:
         directory: the checkpoint directory.
-        entry: the table's entry (:func:`table_entry`).
+        entry: the table's entry (:func:`table_entry`, or a chain's:
+            :func:`~distemb.kvstore.checkpoint.chain.chain_entry`).
         columns: ``{column: (row_shape, dtype)}`` to load, as the live shard holds them
             (rows are converted between float32, bfloat16 and float16).
         target: the shard's keys (:class:`Target`).
@@ -264,10 +344,11 @@ def load_shard(directory, entry, columns, target, write, replace=None, verify=Tr
             missing, short or corrupt segment, or keys of a fixed shard not covered
             exactly once.
     """
-    records = _records(entry)
-    _check_columns(records, columns)
+    links = _links(directory, entry, target)
+    for records, _ in links:
+        _check_columns(records, columns)
     for col in columns if verify else ():
-        covered = _pass(directory, records, {col: columns[col]}, target)
+        covered = _pass(directory, links, {col: columns[col]})
         if target.count is None:
             if target.limit is not None and covered > target.limit:
                 raise KVStoreError(f"checkpoint: {covered:,} saved keys go to a shard that "
@@ -283,7 +364,7 @@ def load_shard(directory, entry, columns, target, write, replace=None, verify=Tr
         return
     if replace is not None:
         replace()
-    _pass(directory, records, columns, target, write)
+    _pass(directory, links, columns, write)
 
 
 # -- the manifest -------------------------------------------------------------------
@@ -293,14 +374,15 @@ def manifest_path(directory):
     return os.path.join(directory, MANIFEST)
 
 
-def read_manifest(directory):
-    """The manifest of checkpoint ``directory``, checked for its format.
+def read_manifest(directory, file=MANIFEST):
+    """The manifest of checkpoint ``directory`` (or its ``file``: an earlier save of its
+    chain), checked for its format and version.
 
     Raises:
-        KVStoreError: no manifest (not a checkpoint, or a save that never finished), or
-            one that is not a distemb checkpoint's.
+        KVStoreError: no manifest (not a checkpoint, or a save that never finished), one
+            that is not a distemb checkpoint's, or one of a newer version.
     """
-    path = manifest_path(directory)
+    path = os.path.join(directory, file)
     try:
         # O_NONBLOCK: a FIFO in its place cannot block the server; only a regular file is
         # read, and no more than the limit of it (a link to /dev/zero never ends).
@@ -313,10 +395,14 @@ def read_manifest(directory):
         manifest = json.loads(data.decode("utf-8"))
     except (OSError, ValueError) as e:
         raise KVStoreError(f"{directory}: not a distemb checkpoint (no readable "
-                           f"{MANIFEST}: {e})") from None
+                           f"{file}: {e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or \
             not isinstance(manifest.get("tensors"), dict):
-        raise KVStoreError(f"{directory}: {MANIFEST} is not a distemb checkpoint's")
+        raise KVStoreError(f"{directory}: {file} is not a distemb checkpoint's")
+    version = manifest.get("version", VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or version > VERSION:
+        raise KVStoreError(f"{directory}: {file} is of format version {version!r}; this "
+                           f"distemb reads versions up to {VERSION} (upgrade it)")
     return manifest
 
 
@@ -365,7 +451,19 @@ def table_entry(manifest, name, directory):
             "shards": list(records.values())}
 
 
-def entry_rows(entry):
-    """The rows a table entry holds in all (for memory checks before a load)."""
-    return sum(r["count"] for r in entry.get("shards") or () if isinstance(r, dict) and
+def _rows(records):
+    return sum(r["count"] for r in records or () if isinstance(r, dict) and
                isinstance(r.get("count"), int) and not isinstance(r["count"], bool))
+
+
+def entry_rows(entry):
+    """The rows a table entry's full save holds in all (a table of fixed keys: its
+    rows)."""
+    return _rows(entry.get("shards"))
+
+
+def entry_keys(entry):
+    """The most keys a table entry holds (its full save's rows and every delta's; for
+    memory checks before a load)."""
+    return entry_rows(entry) + sum(_rows(d) for d in entry.get("deltas") or ()
+                                   if isinstance(d, list))

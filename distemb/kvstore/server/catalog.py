@@ -41,7 +41,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kernels.half import dtype_name, storage_dtype
-from distemb.kvstore.checkpoint import snapshot
+from distemb.kvstore.checkpoint import chain
 from distemb.kvstore.limits import check_disk, check_fits, check_request
 from distemb.rules import check_table_name, rule_of, state_owner
 from distemb.stores.dense import WEIGHT_DTYPES
@@ -262,11 +262,11 @@ class Catalog:
 
     def save(self, m, session):
         return Reply(fields={"records": self.server.save(
-            m.name, self._parts(m), m.directory, m.save_id, m.columns or None)})
+            m.name, self._parts(m), m.directory, m.save_id, m.columns or None,
+            m.parent or None)})
 
     def load(self, m, session):
-        entry = snapshot.table_entry(snapshot.read_manifest(m.directory), m.name,
-                                     m.directory)
+        entry = chain.chain_entry(chain.read_chain(m.directory), m.name, m.directory)
         self.server.load(m.name, self._parts(m), m.directory, entry, m.columns or None)
 
     def _keys(self, m):

@@ -31,6 +31,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kvstore.checkpoint.shards import load_shard, save_shard
+from distemb.kvstore.checkpoint.sink import make_sink
 from distemb.kvstore.server.shard import VERSION_EPOCH, ShardTable
 from distemb.rules import Hyper, rule_of, state_name
 from distemb.stores.types import WEIGHT
@@ -87,7 +88,8 @@ class KVServer:
                                    f"{self.server_id}")
             tables = []
             for part, store in zip(parts, made):
-                table = ShardTable(store, router, part, spec)
+                table = ShardTable(store, router, part, spec,
+                                   make_sink(spec.sink, name, part))
                 self._tables[(name, part)] = table
                 self._shards[(name, part)] = (table, WEIGHT)
                 tables.append(table)
@@ -227,11 +229,20 @@ class KVServer:
         table, impl, hyper = self._update_of(name, part, rule, hyper)
         return table.update_later(impl, local_ids, grads, hyper, self.num_threads)
 
-    def save(self, name, parts, directory, save_id, columns=None):
+    def save(self, name, parts, directory, save_id, columns=None, parent=None):
         """Checkpoint records of shards ``parts`` of table ``name``, its optimizer state
-        with it (:func:`~distemb.kvstore.checkpoint.shards.save_shard`)."""
-        return [save_shard(self.table(name, part), directory, save_id, name, columns)
-                for part in parts]
+        with it (:func:`~distemb.kvstore.checkpoint.shards.save_shard`): of every row, or
+        with ``parent``, of the rows changed since that save (a delta).
+
+        From the first save or load on, rows have versions: what a delta is made of."""
+        self._track(name, parts)
+        return [save_shard(self.table(name, part), directory, save_id, name, columns,
+                           parent) for part in parts]
+
+    def _track(self, name, parts):
+        """Give the rows of shards ``parts`` of ``name`` versions (no-op once they have)."""
+        for part in parts:
+            self.versions(name, part, np.empty(0, np.int64), insert=False)
 
     def load(self, name, parts, directory, entry, columns=None):
         """Fill shards ``parts`` of table ``name`` from its checkpoint ``entry``, all or
@@ -241,6 +252,7 @@ class KVServer:
             KVStoreError: see :func:`~distemb.kvstore.checkpoint.shards.load_shard`.
         """
         tables = [self.table(name, part) for part in parts]
+        self._track(name, parts)
         passes = [{}] if len(tables) == 1 else [{"apply": False}, {"verify": False}]
         for kw in passes:  # one shard checks before it writes on its own
             for table in tables:

@@ -16,6 +16,10 @@ what the server needs around them:
   version is evicted with the row, and a key inserted (or inserted again after its
   removal) starts above every version the shard has issued: a copy of an evicted row
   never matches the version of the row that replaced it.
+- what changed since its last saves (:class:`~distemb.kvstore.checkpoint.changes.Changes`:
+  the versions then, and the keys removed since), which an incremental checkpoint
+  writes; and, for a store that evicts, the sink its evictions hand their rows to
+  (:mod:`distemb.kvstore.checkpoint.sink`).
 
 Concurrency: one writer per row (DESIGN.md). Stores that insert on read (a hash store's
 lookup may grow its arrays or evict) take the write lock for lookups too.
@@ -36,6 +40,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from distemb.errors import KVStoreError, PartitionError, StoreError
+from distemb.kvstore.checkpoint.changes import Changes
 from distemb.kvstore.server.rwlock import RWLock
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
@@ -58,6 +63,8 @@ class ShardTable:
             exports give the table's keys back.
         part: the shard's number among the router's shards.
         spec: the table spec the store was made from (:mod:`distemb.stores.spec`).
+        sink: where the rows an eviction removes go (:func:`~distemb.kvstore.checkpoint.
+            sink.make_sink`), or None.
 
     Example:
         >>> from distemb.routers import PolicyRouter
@@ -67,8 +74,12 @@ class ShardTable:
         (1, 2)
     """
 
-    def __init__(self, store, router, part=0, spec=None):
+    def __init__(self, store, router, part=0, spec=None, sink=None):
         self.store, self.router, self.part, self.spec = store, router, part, spec
+        self.sink = sink
+        self.changes = Changes()
+        if not store.fixed_keys:
+            store.on_remove = self._leaving
         self.lock = RWLock()
         self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
@@ -140,6 +151,17 @@ class ShardTable:
                                       keep=self.store.persistent)
         self.bump_all()
         return [s.name for s in specs]
+
+    def _leaving(self, keys, slots, evicted):
+        """The store is about to remove ``keys`` (at ``slots``; the write lock is held):
+        an eviction's rows and state go to the sink first; the keys are logged for the
+        next incremental checkpoint."""
+        if evicted and self.sink is not None:
+            self.sink.write(self.router.to_global(self.part, keys),
+                            {c: (shape, dtype, self.store.read_rows(c, slots, stored=True))
+                             for c, (shape, dtype) in self.columns().items()})
+        if self.changes.tracking:
+            self.changes.removed(self.router.to_global(self.part, keys))
 
     # -- keys of requests -------------------------------------------------------------
 
@@ -296,6 +318,11 @@ class ShardTable:
     def tracks_versions(self):
         """Whether rows have versions yet (made by the first :meth:`versions` call)."""
         return self._tracked
+
+    def row_versions(self):
+        """Every row's version by slot (the live array: the caller holds the lock), or
+        None while rows have none."""
+        return self._version_array() if self._tracked else None
 
     def _version_array(self):
         if self._fixed_versions is not None:
