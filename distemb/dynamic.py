@@ -115,11 +115,17 @@ class DynamicEmbedding(StoreEmbedding):
             CUDA device (embedded contexts only): rows and optimizer state are then
             tensors on that GPU, updated there, and the key index stays on the host
             (:class:`~distemb.stores.device.DeviceHashStore`).
+        sink: where every row an eviction removes goes with its optimizer state, in
+            order: None, a callable ``sink(keys, {column: rows})`` (embedded, or on a
+            collective rank) or a directory (anywhere; servers write there;
+            :func:`distemb.checkpoint.read_evicted` reads it), as
+            :class:`~distemb.stores.hash.HashTableSpec` takes it.
 
     Raises:
         ValueError: ``embedding_dim`` or ``capacity`` not a positive int, an unknown
             ``evict`` policy.
-        TypeError: in a cluster, an ``init_func`` that is not a key initialiser spec.
+        TypeError: in a cluster, an ``init_func`` that is not a key initialiser spec, or
+            a ``sink`` that is a function.
         CudaUnavailableError: ``device`` is a CUDA device and the CUDA kernels cannot
             run here (it says why).
         DistEmbError: ``device`` is a CUDA device in a trainer context of a cluster.
@@ -135,8 +141,8 @@ class DynamicEmbedding(StoreEmbedding):
 
     def __init__(self, embedding_dim, name=None, init_func=None, capacity=None,
                  evict="lru", low_water=1.0, dtype="float32", rounding="nearest",
-                 context=None, trace_limit=DEFAULT_TRACE_LIMIT, device=None):
+                 context=None, trace_limit=DEFAULT_TRACE_LIMIT, device=None, sink=None):
         spec = HashTableSpec(embedding_dim, dtype=dtype, init=init_func, capacity=capacity,
-                             evict=evict, low_water=low_water, rounding=rounding)
+                             evict=evict, low_water=low_water, rounding=rounding, sink=sink)
         DistEmbedding.__init__(self, None, spec.dim, name=name, context=context,
                                trace_limit=trace_limit, storage=spec, device=device)

@@ -292,6 +292,16 @@ class DeviceDenseStore(RowStore):
                    hyper)
         return None
 
+    def new_versions(self, first):
+        """The row versions on the device, where update ids are (no update waits to bump
+        them), with one slot past the rows: the ids the device's dedup pads with (N)
+        bump it, as the kernels skip them."""
+        return torch.full((self.num_rows + 1,), int(first), dtype=torch.int64,
+                          device=self.device)
+
+    def host_versions(self, versions):
+        return versions[:self.num_rows].cpu().numpy()
+
     def column(self, name):
         try:
             return self._cols[name]

@@ -292,7 +292,7 @@ class HashStore(RowStore):
                             self.low_water, self._capacity, self._index.size - excess)
         if excess <= 0:
             return np.empty(0, np.int64)
-        first = np.argpartition(rank, excess - 1)[:excess]
+        first = np.sort(np.argpartition(rank, excess - 1)[:excess])
         victims = live[first[np.argsort(rank[first], kind="stable")]]  # first to go first
         keys = self._slot_key[victims].copy()
         self._drop(keys, evicted=True)

@@ -213,6 +213,18 @@ class RowStore(abc.ABC):
         """Bytes held: every column plus the index and bookkeeping."""
         return int(sum(self.column(c).nbytes for c in self.columns()))
 
+    def new_versions(self, first: int):
+        """The row versions of a store of fixed keys (its shard's write counters,
+        indexed by key), every one ``first``: made where its keys are, so the shard
+        bumps them with the keys of its writes. Host memory: an int64 array of
+        :attr:`capacity`."""
+        return np.full(self.capacity, first, np.int64)
+
+    def host_versions(self, versions) -> np.ndarray:
+        """Versions made by :meth:`new_versions` (or a version column) as a host int64
+        array, one per slot."""
+        return versions
+
     def open_column(self, name: str) -> Optional[int]:
         """A new read-only descriptor of the file that holds column ``name``'s rows as
         :meth:`column` has them (from offset 0), for another process on this machine to

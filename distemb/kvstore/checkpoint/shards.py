@@ -150,7 +150,8 @@ def _save_delta(table, directory, save_id, name, cols, parent):
                 directory, save_id, name, table.part, len(saved),
                 {c: (shape, dtype, _rows_of(table, c, slots, locked))
                  for c, (shape, dtype) in cols.items()},
-                keys=lambda lo, hi: saved[lo:hi], tombstones=tombstones)
+                keys=lambda lo, hi: saved[lo:hi],
+                tombstones=tombstones if len(tombstones) else None)
         if not store.fixed_keys:  # a store's slots move as it inserts: still for the save
             record = write(locked=True)
     if store.fixed_keys:  # rows never move: each block under the lock on its own

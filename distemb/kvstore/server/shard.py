@@ -320,9 +320,9 @@ class ShardTable:
         return self._tracked
 
     def row_versions(self):
-        """Every row's version by slot (the live array: the caller holds the lock), or
-        None while rows have none."""
-        return self._version_array() if self._tracked else None
+        """Every row's version by slot, a host array (the caller holds the lock; a
+        store's in host memory is the live array), or None while rows have none."""
+        return self.store.host_versions(self._version_array()) if self._tracked else None
 
     def _version_array(self):
         if self._fixed_versions is not None:
@@ -340,7 +340,7 @@ class ShardTable:
             with self.lock.write():
                 if not self._tracked:
                     if self.store.fixed_keys:
-                        self._fixed_versions = np.full(self.store.capacity, first, np.int64)
+                        self._fixed_versions = self.store.new_versions(first)
                     else:
                         self.store.add_column(VERSION, (), "int64", fill=first)
                     self._high = first
@@ -371,7 +371,8 @@ class ShardTable:
         before = arr[slots]
         bumped = before + by
         arr[slots] = bumped
-        self._high = max(self._high, int(bumped.max()))
+        if not self.store.fixed_keys:  # where a store that inserts starts new rows
+            self._high = max(self._high, int(bumped.max()))
         return before
 
     def bump_all(self):
