@@ -108,7 +108,7 @@ class DistContext:
         """
         # Imported here: it imports torch, which server processes must never load.
         from distemb.kvstore.collective import CollectiveKVClient
-        from distemb.kvstore.exchange import join_process_group
+        from distemb.transport.collective import join_process_group
 
         made = join_process_group(timeout_s)
         nt = num_threads or default_num_threads()

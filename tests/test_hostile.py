@@ -203,7 +203,7 @@ def _array(rng):
 def hostile_message(rng):
     """A message of a random request class with some fields and arrays made hostile."""
     valid = {
-        Create: dict(dtype="float32", row_shape=[4], parts=[0], part_rows=[8]),
+        Create: dict(spec=DenseSpec((8, 4)).fields()),
         Pull: dict(parts=[0], counts=[2], ids=np.array([0, 1])),
         Push: dict(parts=[0], counts=[1], ids=np.array([0]),
                    values=np.ones((1, 4), np.float32)),

@@ -7,7 +7,7 @@ sends to ``r`` for a hash or file table), in its own in-process
 :class:`~distemb.kvstore.server.kvserver.KVServer`: an embedded
 :class:`~distemb.kvstore.local.LocalKVClient` of its shards. The ranks exchange rows
 over their own gloo group with ``all_to_all_single``, as torchrec and SOK do
-(:mod:`distemb.kvstore.exchange`):
+(:mod:`distemb.transport.collective`):
 
 - ``pull``: a header (operation, tables, sequence number, bytes for each owner) is
   exchanged first, then the ids go to their owners, each owner gathers its rows (a hash
@@ -63,7 +63,7 @@ from distemb import kernels
 from distemb.errors import KVStoreError, MissingKeyError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore.exchange import KEYS, PULL, PUSH, UPDATE, Exchange, Routed
+from distemb.transport.collective import KEYS, PULL, PUSH, UPDATE, Exchange, Routed
 from distemb.kvstore.local import LocalKVClient, column_name
 from distemb.kvstore.server.kvserver import KVServer
 from distemb.stores.init import KeyInit, ShardInit
@@ -107,6 +107,7 @@ class CollectiveKVClient(LocalKVClient):
     """
 
     sharded = True
+    shard_holders = "ranks"
     #: ``opt.save``/``opt.load`` run on every rank (checkpoint.save_items' ``writer``).
     all_ranks_checkpoint = True
 

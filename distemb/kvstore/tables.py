@@ -243,8 +243,10 @@ class TableClient(KVClient):
     ``size``, ``contains``, ``get``, ``export``).
     """
 
-    #: Whether this client's shards live in other processes (a spec must travel there).
+    #: Whether this client's shards live in other processes (a spec must travel there),
+    #: and what those are called in errors.
     sharded = False
+    shard_holders = "servers"
 
     def create_table(self, name: str, spec) -> None:
         """Make table ``name`` from a table spec (:mod:`distemb.stores.spec`), or attach
@@ -283,8 +285,8 @@ class TableClient(KVClient):
         if self.sharded and not spec.portable:
             raise refuse_store(self, name, f"a {spec.kind} object",
                                "a store object lives in one process, and this client's "
-                               "tables are sharded over other processes; pass a table spec "
-                               "instead (e.g. DynamicEmbedding, or "
+                               f"tables are sharded over its {self.shard_holders}; pass a "
+                               "table spec instead (e.g. DynamicEmbedding, or "
                                "StoreEmbedding(FileTableSpec(...))): each of them makes its "
                                "own shard's store from it")
 
@@ -337,15 +339,10 @@ class TableClient(KVClient):
         return np.ascontiguousarray(values).reshape((n,) + tuple(shape))
 
     def pull(self, name: str, ids: GlobalIds):
-        """Rows ``ids`` of ``name`` (a table, or its optimizer state by name) as a new
-        array (len(ids),) + row shape (float32 for a half-precision table). A lookup of
-        a hash table inserts absent keys and counts the access for eviction."""
         table, column = self.tables.rows(name)
         return self._read(table, column, ids)
 
     def push(self, name: str, ids: GlobalIds, values) -> None:
-        """Write ``values`` into rows ``ids`` of ``name`` (upsert; last write wins for
-        duplicates); float32 values of a half table round to nearest-even."""
         table, column = self.tables.rows(name)
         self._write(table, column, ids, self.stored_rows(table, column, values, len(ids)))
 
@@ -358,17 +355,6 @@ class TableClient(KVClient):
         """Write ``rows``, as stored, into rows ``ids`` of ``column``."""
 
     def init_optimizer(self, name: str, rule, options: Dict[str, float]) -> Dict[str, str]:
-        """Create the optimizer state of table ``name`` for update rule ``rule``: columns
-        of its stores, made fresh (a new optimizer starts fresh, as torch's), except on a
-        persistent store (a file table reopened to resume keeps its state).
-
-        Returns:
-            dict state name -> KVStore name of that state.
-
-        Raises:
-            KVStoreError: no table ``name``, no rule ``rule``, or rows an optimizer cannot
-                update.
-        """
         table = self.tables.table(name)
         if table.dtype not in WEIGHT_DTYPES or len(table.row_shape) != 1:
             raise KVStoreError(f"optimizer of {name!r}: needs a 2-d table of "
@@ -383,23 +369,11 @@ class TableClient(KVClient):
         """Make the state columns of ``rule`` in every shard of ``table``."""
 
     def remove(self, name: str, keys) -> int:
-        """Remove ``keys`` with their state; how many were present.
-
-        Raises:
-            StoreError: the table holds fixed keys (:func:`refuse_fixed`).
-        """
         table = self.tables.table(name)
         refuse_fixed(table, "remove")
         return self._remove(table, keys_array(keys))
 
     def evict(self, name: str, target_size: int, policy=None) -> np.ndarray:
-        """Evict keys by ``policy`` (default: the table's) down to ``target_size`` (split
-        evenly over the shards, each by its own order); returns the evicted keys.
-
-        Raises:
-            StoreError: the table holds fixed keys (:func:`refuse_fixed`).
-            ValueError: a ``target_size`` that is not an int >= 0.
-        """
         table = self.tables.table(name)
         refuse_fixed(table, "evict")
         if isinstance(target_size, bool) or not isinstance(target_size, (int, np.integer)) \
@@ -416,12 +390,6 @@ class TableClient(KVClient):
         """Evict every shard of a table of any key down to its share of ``target_size``."""
 
     def import_(self, name: str, keys, columns: Dict[str, np.ndarray]) -> None:
-        """Upsert ``keys`` with rows of each of ``columns`` (what :meth:`export` gave), the
-        weight first (it inserts absent keys; state columns then overwrite).
-
-        Raises:
-            StoreError: an unknown column, or rows of the wrong count.
-        """
         table = self.tables.table(name)
         keys = keys_array(keys, "keys")
         have = table.columns()
@@ -441,14 +409,6 @@ class TableClient(KVClient):
 
     def save_table(self, name: str, directory: str, save_id: str,
                    columns: Sequence[str]) -> dict:
-        """Write ``columns`` of table ``name`` (``"weight"`` and optimizer states by their
-        short names) into checkpoint ``directory`` as records of save ``save_id``
-        (:mod:`distemb.kvstore.checkpoint.snapshot`), each shard where it lives; the
-        manifest is the caller's.
-
-        Returns:
-            the table's manifest entry.
-        """
         table = self.tables.table(name)
         records = self._save(table, directory, save_id, list(columns))
         return snapshot.new_entry((table.num_keys,) + table.row_shape, table.dtype,
@@ -456,14 +416,6 @@ class TableClient(KVClient):
 
     def load_table(self, name: str, directory: str, entry: dict,
                    columns: Sequence[str]) -> None:
-        """Fill ``columns`` of table ``name`` from its checkpoint ``entry`` (saved by any
-        number of shards, under any partitioning or router), all or nothing: every shard
-        reads the saved keys it holds (a table of any key then holds the checkpoint's).
-
-        Raises:
-            KVStoreError: a column not saved or saved with other rows, a corrupt or
-                missing segment, or rows not covered exactly once.
-        """
         table = self.tables.table(name)
         check_entry_rows(entry, table, directory)
         self._load(table, directory, entry, list(columns))

@@ -191,10 +191,6 @@ class KVClient(HostPlacement, ABC):
         """Row length of table ``name``."""
         return self.tables.table(name).dim
 
-    def _meta_of(self, name: str) -> DataMeta:
-        """The DataMeta of ``name``; KVStoreError when absent."""
-        return self.tables.rows(name)[0].meta(self.tables.rows(name)[1])
-
     @abstractmethod
     def delete_data(self, name: str) -> None:
         """Drop table ``name`` and its shards (no-op when absent); a table on a store

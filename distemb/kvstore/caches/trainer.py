@@ -61,6 +61,7 @@ from distemb import kernels
 from distemb.config import CacheConfig
 from distemb.enums import Consistency
 from distemb.errors import KVStoreError
+from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.caches.table import TableCache, unique_inverse
 from distemb.kvstore.caches.versions import pull_versioned, push_update_held
 from distemb.kvstore.placement import HostPlacement
@@ -230,7 +231,7 @@ class CachedKVClient(Wrapper):
         cache = self._table(name)
         if cache is None:
             return self.inner.pull(name, ids)
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        ids = keys_array(ids, "ids")
         self.inner.table(name).router.check(ids, f"ids of {name!r}")
         uniq, inverse = unique_inverse(ids)
         self._tick += 1

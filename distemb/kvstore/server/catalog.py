@@ -160,16 +160,17 @@ class Catalog:
     def _check_room(self, name, spec, router, parts):
         """Refuse, before anything is made, a table this machine cannot hold: a dense
         table's shards in memory, a preallocated file table's on disk."""
-        rows = sum(router.part_size(p) for p in parts) if spec.fixed_keys else 0
-        if rows * spec.dim > MAX_ELEMENTS:  # Python ints: no overflow
-            raise KVStoreError(f"table {name!r}: {rows:,} rows of {spec.dim} elements on "
-                               f"server {self.server_id}, more than {MAX_ELEMENTS}")
-        nbytes = rows * spec.dim * storage_dtype(spec.dtype).itemsize
-        if spec.kind == "file":
+        sizes = [router.part_size(p) for p in parts] if spec.fixed_keys else []
+        nbytes = sum(sizes) * spec.dim * storage_dtype(spec.dtype).itemsize
+        if spec.persistent:  # rows in files on disk
             if spec.preallocate:  # its columns' blocks, reserved now
                 check_disk(nbytes, f"file table {name!r}", _existing(spec.path))
-        elif spec.fixed_keys:
-            check_fits(nbytes, f"table {name!r} ({len(parts)} shard(s))")
+            return
+        for part, n in zip(parts, sizes):  # rows in memory
+            if n * spec.dim > MAX_ELEMENTS:  # Python ints: no overflow
+                raise KVStoreError(f"shard {part} of {name!r}: {n:,} rows of {spec.dim} "
+                                   f"elements, more than {MAX_ELEMENTS:,}")
+        check_fits(nbytes, f"table {name!r} ({len(parts)} shard(s))")
 
     def _spec_of(self, name):
         """The spec of table ``name`` made here, or None (the table is known by its spec

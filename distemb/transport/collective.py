@@ -1,4 +1,5 @@
-"""Exchange: the all-to-all of a collective job, with its header, payloads and failures.
+"""The transport of a collective job: its all-to-all exchange over torch.distributed, with
+its header, payloads and failures.
 
 Every storage call of :class:`~distemb.kvstore.collective.CollectiveKVClient` is one or
 two rounds of an exchange over the client's own gloo group:
