@@ -63,7 +63,8 @@ docs: $(STAMP)
 demo: $(STAMP)
 	$(PY) graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet
 
-# The side-by-side measurements (each prints its table; see benchmarks/README.md).
+# The side-by-side measurements: each prints its table and writes its run into
+# benchmarks/results/<script>.json, which docs/performance.md reads (benchmarks/README.md).
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_kvstore.py --dgl
