@@ -37,6 +37,7 @@ from distemb import kernels
 BASE_TORCH = "torch Adagrad"
 BASE_DGL = "DGL SparseAdagrad"
 SAME_RULE = {"distemb Adagrad": "torch Adagrad", "distemb Adam": "torch SparseAdam"}
+FINITE_ON = "distemb Adagrad, finite check"
 ZIPF_A = 1.1  # ~57% unique ids in a batch of 4096 from 1M rows
 
 
@@ -73,6 +74,7 @@ def build(args, dist, threads, batches, upstream, tag):
     """Every contender for one (distribution, thread count)."""
     out = [bs.distemb_step(name, batches, upstream, args.rows, threads, tag)
            for name in bs.DISTEMB_OPTIMIZERS]
+    out.append(bs.distemb_finite_check_on(out[list(bs.DISTEMB_OPTIMIZERS).index("Adagrad")]))
     out += [bs.torch_step("Adagrad", batches, upstream, args.rows),
             bs.torch_step("SparseAdam", batches, upstream, args.rows)]
     if args.dgl:
@@ -196,6 +198,10 @@ def print_table(dist, threads, res, spreads=None, processes=1):
               f"| {ratio(res, name, BASE_TORCH) if step else '':>8} | {same:>18} "
               f"| {ratio(res, name, BASE_DGL) if step else '':>7} | {roof:>11} "
               f"| {spr:>6} |")
+    if FINITE_ON in res:
+        print(f"\ndistemb Adagrad with check_finite=True (step() refuses NaN and infinite "
+              f"gradients): {ratio(res, FINITE_ON, 'distemb Adagrad')} the calls/s of the "
+              f"same step without it (the default)")
     sys.stdout.flush()
 
 
@@ -278,6 +284,11 @@ def name_figures(rec, dist, threads, res):
             rec.figure(f"{key}_vs_dgl.{dist}.{threads}t",
                        res[f"distemb {name}"][0] / res[BASE_DGL][0], "{:.2f}x",
                        f"distemb {name} steps/s over DGL SparseAdagrad's, {where}")
+    if FINITE_ON in res:
+        rec.figure(f"finite_check_vs_off.{dist}.{threads}t",
+                   res[FINITE_ON][0] / res["distemb Adagrad"][0], "{:.2f}x",
+                   f"distemb Adagrad with check_finite=True: its steps/s over the same step "
+                   f"without the check, {where}")
     rec.figure(f"adagrad_update_of_roofline.{dist}.{threads}t",
                res["kernel adagrad_update"][0] / res["roofline rmw w,s (w[r]-=0*g)"][0],
                "{:.0%}", f"the fused Adagrad kernel's rate over a read-modify-write pass, {where}")

@@ -231,6 +231,16 @@ def test_bench_graphsage(tmp_path):
     assert figure(rec, "max_loss_diff.adagrad") < 1e-4  # the same model, trained alike
 
 
+@needs_dgl
+def test_bench_node2vec(tmp_path):
+    pytest.importorskip("torch_geometric", reason="PyG is not installed (the pyg extra)")
+    out, rec = run(tmp_path, "bench_node2vec.py", "--dataset", "karate", "--batches", "2",
+                   "--turn", "1", "--batch-size", "16")
+    assert "Node2Vec on karate" in out and "largest difference" in out
+    assert figure(rec, "step_speedup.pyg") == 1.0
+    assert figure(rec, "max_loss_diff") < 1e-4  # the same model on the same batches
+
+
 GPU_SCRIPTS = {
     "bench_gpu_step.py": ["--rows", "4096", "--dim", "8", "--batch", "256", "--rounds", "1",
                           "--per-round", "2", "--optimizers", "adagrad", "--ids", "zipf"],

@@ -66,8 +66,14 @@ from distemb.kernels.hashtable import keys_array
 from distemb.transport.collective import KEYS, PULL, PUSH, UPDATE, Exchange, Routed
 from distemb.kvstore.local import LocalKVClient, column_name
 from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.types import refuse_non_finite
 from distemb.stores.init import KeyInit, ShardInit
 from distemb.stores.types import WEIGHT
+
+
+#: The flag of a table in a step's round whose gradients on the sending rank are not
+#: finite (1: it has gradients, 0: none).
+_NOT_FINITE = 2
 
 
 def signature(name, spec, exists):
@@ -231,16 +237,21 @@ class CollectiveKVClient(LocalKVClient):
     def apply_gradients(self, tables, F):
         """Every table of a step in one round: each rank sums its own duplicates
         (:meth:`coalesce`), sends the sums to their owners with one flag per table (it had
-        gradients); each owner sums every rank's contributions per id in rank order and
-        applies the rule once. A table steps when any rank had gradients for it, as one
-        process stepping on the concatenated batch would."""
-        sums = [self.coalesce(t.name, t.ids, t.grads, F) for t in tables]
+        gradients, or gradients that are not finite); each owner sums every rank's
+        contributions per id in rank order and applies the rule once. A table steps when
+        any rank had gradients for it, as one process stepping on the concatenated batch
+        would; when any rank's gradients of any table are not finite, every rank refuses
+        the whole step (NonFiniteGradientError) before applying anything."""
+        sums = [self.coalesce(t.name, t.ids, t.grads, F) if t.finite else None
+                for t in tables]
         return self._update([t.name for t in tables], sums, [t.rule for t in tables],
-                            [t.hyper for t in tables])
+                            [t.hyper for t in tables], [t.finite for t in tables])
 
-    def _update(self, names, sums, rules, hypers):
+    def _update(self, names, sums, rules, hypers, finite=None):
         """The round of :meth:`apply_gradients`: ``sums`` per table (unique ids, summed
-        rows) or None (no gradients here). Returns per table whether any rank had some."""
+        rows) or None (no gradients here, or ``finite`` says they are not finite).
+        Returns per table whether any rank had some."""
+        finite = [True] * len(names) if finite is None else finite
         cols, routes, tables = [], [], [self.tables.table(n) for n in names]
         for table, summed in zip(tables, sums):
             if summed is None:
@@ -248,7 +259,12 @@ class CollectiveKVClient(LocalKVClient):
             routes.append(self._routed(table, summed[0]))
             cols.append([np.ascontiguousarray(summed[1], np.float32)])
         got, flags = self._x.send(UPDATE, names, routes, cols,
-                                  flags=[s is not None for s in sums])
+                                  flags=[_NOT_FINITE if not f else s is not None
+                                         for s, f in zip(sums, finite)])
+        ranks = sorted({int(r) for f in flags for r in np.flatnonzero(f == _NOT_FINITE)})
+        # every rank refuses, before any update
+        refuse_non_finite([n for n, f in zip(names, flags) if (f == _NOT_FINITE).any()],
+                          f" (from rank(s) {ranks})" if ranks else "")
         for table, (ids, (rows,), _), rule, hyper in zip(tables, got, rules, hypers):
             if len(ids):
                 uniq, summed = kernels.dedup_sum(ids, rows, num_threads=self.num_threads)
@@ -355,6 +371,8 @@ class CollectiveKVClient(LocalKVClient):
         at exit ("terminate called without an active exception")."""
         super().close()
         self.server.close()
+        if self._group is not None:
+            self._x.leave()  # a rank still in a call hears that this one closed
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             if self._own_group:

@@ -43,7 +43,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.arrays import GlobalIds, Rows, Shape, Tensor, UniqueIds
-from distemb.errors import KVStoreError, StoreError
+from distemb.errors import KVStoreError, NonFiniteGradientError, StoreError
 from distemb.kvstore.placement import HostPlacement
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper
@@ -81,6 +81,26 @@ class TableGradients(NamedTuple):
     grads: Sequence[Tensor]     # one (N_i, D) gradient per lookup, any device
     rule: str                   # the update rule (a RuleName or its value)
     hyper: Hyper                # its hyperparameters, should the table step
+    finite: bool = True         # no NaN or infinity among grads (False: refuse the step)
+
+
+def refuse_non_finite(bad: Sequence[str], ranks: str = "") -> None:
+    """Raise before anything of a step is applied when tables' gradients are not finite
+    (``TableGradients.finite``, which the optimizer computes).
+
+    Args:
+        bad: the names of those tables (none: nothing to refuse).
+        ranks: where their gradients came from, for the message ("" where it is here).
+
+    Raises:
+        NonFiniteGradientError: ``bad`` is not empty; the message names every table.
+    """
+    if bad:
+        raise NonFiniteGradientError(
+            f"step(): the gradients of table(s) {bad}{ranks} hold NaN or infinity; the step "
+            "is refused (no row or optimizer state of any table changed) and its gradients "
+            "are dropped. Look for the loss or input that diverged (a lower learning rate, "
+            "gradient clipping)")
 
 
 def refuse_store(client, name: str, store: str, why: str) -> KVStoreError:
@@ -251,7 +271,19 @@ class KVClient(HostPlacement, ABC):
         Returns:
             per table, whether it stepped: it had gradients (here, or on any trainer of a
             collective job), so the optimizer counts the step.
+
+        Raises:
+            NonFiniteGradientError: a table's gradients are not finite (``finite``), before
+                any table is pushed.
         """
+        if not all(t.finite for t in tables):
+            # Nothing of this trainer's step is applied; a client whose servers wait for
+            # every trainer's share of a step (sync_exact) still sends its share, empty.
+            for t in tables:
+                empty = self.coalesce(t.name, [], [], F)
+                if empty is not None:
+                    self.push_update(t.name, empty[0], empty[1], t.rule, t.hyper)
+            refuse_non_finite([t.name for t in tables if not t.finite])
         stepped = []
         for t in tables:
             summed = self.coalesce(t.name, t.ids, t.grads, F)

@@ -156,16 +156,10 @@ class ShardTable:
         """
         if not len(ids):
             return ids
+        self.router.check(ids, f"ids of {what}")
         if self._identity:
-            try:
-                self.router.check(ids, f"ids of {what}")
-            except PartitionError as e:
-                raise PartitionError(str(e)) from None
             return ids
-        try:
-            owner = self.router.part_of(ids)
-        except PartitionError as e:
-            raise PartitionError(f"{what}: {e}") from None
+        owner = self.router.part_of(ids)
         if (owner != self.part).any():
             bad = int(np.flatnonzero(owner != self.part)[0])
             raise KVStoreError(f"key {int(ids[bad])} of {what} belongs to shard "
