@@ -64,8 +64,8 @@ from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.caches.table import TableCache, unique_inverse
 from distemb.kvstore.caches.versions import pull_versioned, push_update_held
-from distemb.kvstore.placement import HostPlacement
 from distemb.kvstore.types import KVClient
+from distemb.kvstore.views import view_on_host
 from distemb.kvstore.wrapper import Wrapper
 from distemb.rules import rule_of, state_owner
 
@@ -175,7 +175,7 @@ class CachedKVClient(Wrapper):
 
     def view_on(self, device):
         """Itself on the host; on a GPU, a view of the cache (rows still come through it)."""
-        return HostPlacement.view_on(self, device)
+        return view_on_host(self, device)
 
     def stats(self):
         """Counters since construction: rows asked, rows served without data, bytes.
