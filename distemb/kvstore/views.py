@@ -117,6 +117,7 @@ class RowsOnDevice(Wrapper):
     Gradients come back to the table's device, where its client sums and applies them.
 
     Example:
+        >>> import torch
         >>> from distemb.backend import load_backend
         >>> from distemb.kvstore.device import DeviceKVClient
         >>> from distemb.partition import range_policy
