@@ -106,12 +106,14 @@ class ShardCheckpoint:
                                 verify=verify, apply=apply)
             return
         limit = self.store.capacity  # a hash store's; None: unbounded
+        replaces = not self.store.fixed_keys
         if self.router is None:
-            target = snapshot.Target.owned(lambda k: np.ones(len(k), bool), limit=limit)
+            target = snapshot.Target.owned(lambda k: np.ones(len(k), bool), limit=limit,
+                                           replaces=replaces)
         else:
             target = snapshot.Target.owned(lambda k: self.router.owns(self.part, k),
                                            lambda k: self.router.to_local(self.part, k),
-                                           limit)
+                                           limit, replaces)
         if verify and not self.store.fixed_keys:
             # Before a block is read: this shard's share of the saved keys (a hash routes
             # 1/parts of them here) must fit, so a checkpoint far bigger than the machine
@@ -128,6 +130,6 @@ class ShardCheckpoint:
             snapshot.load_shard(
                 directory, entry, cols, target,
                 lambda col, keys, rows: self.store.scatter(keys, rows, col),
-                replace=None if self.store.fixed_keys else
-                lambda: self.store.remove(self.store.keys()), verify=verify)
+                replace=(lambda: self.store.remove(self.store.keys())) if replaces else None,
+                verify=verify)
         self.bump_all()
