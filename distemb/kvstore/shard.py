@@ -154,10 +154,12 @@ class ShardTable(ShardCheckpoint):
         Ids of an array table are its local row ids, each checked against its rows. Ids
         of a spec'd table are the table's keys: each must be this shard's by the table's
         router (a trainer that routed with another server count would lose its rows to
-        every other trainer), then they map to the store's keys.
+        every other trainer), then they map to the store's keys, each one the store can
+        hold (:meth:`~distemb.stores.types.RowStore.check_keys`).
 
         Raises:
-            PartitionError: a local id out of range, or a key outside the table's key space.
+            PartitionError: a local id out of range, or a key outside the table's key space
+                (a key a hash store reserves among them).
             KVStoreError: a key another shard owns.
         """
         if not len(ids) or not (self.arrays or self.router):
@@ -178,7 +180,12 @@ class ShardTable(ShardCheckpoint):
             raise KVStoreError(f"key {int(ids[bad])} of {what} belongs to server "
                                f"{int(owner[bad])}, not server {self.part} (the trainer "
                                "routed it for another number of servers)")
-        return self.router.to_local(self.part, ids)
+        local = self.router.to_local(self.part, ids)
+        try:  # here, not at the store: an exact update is queued before the store sees it
+            self.store.check_keys(local, f"keys of {what}")
+        except ValueError as e:
+            raise PartitionError(str(e)) from None
+        return local
 
     # -- rows -------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.enums import EvictPolicy, Rounding
 from distemb.errors import MissingKeyError, StoreError
 from distemb.kernels.half import storage_dtype
-from distemb.kernels.hashtable import RESERVED_KEYS, HashIndex, keys_array
+from distemb.kernels.hashtable import RESERVED_KEYS, HashIndex, keys_array, table_keys
 from distemb.routers import KeyHashRouter
 from distemb.stores.init import KeyInit, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
@@ -156,6 +156,9 @@ class HashStore(RowStore):
     def find(self, keys):
         """Slots of ``keys``, -1 where absent (nothing inserted, no access counted)."""
         return self._index.find(keys)
+
+    def check_keys(self, keys, what="keys"):
+        table_keys(keys, what)
 
     def access(self, keys):
         """Slots of ``keys`` (inserted when absent), counted as an access for eviction.

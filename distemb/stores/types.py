@@ -136,6 +136,11 @@ class RowStore(abc.ABC):
     def find(self, keys: Keys) -> Slots:
         """Slots of ``keys``, -1 where absent: nothing inserted, no access counted."""
 
+    def check_keys(self, keys: Keys, what: str = "keys") -> None:
+        """ValueError naming ``what`` when ``keys`` hold a key this store can never hold
+        (a hash store: the two its index reserves), so a request is refused before it is
+        queued; nothing is looked up. A store of fixed keys range-checks in :meth:`slots`."""
+
     @abc.abstractmethod
     def column(self, name: str) -> np.ndarray:
         """The array of column ``name`` (rows indexed by slot; shared, not copied).
