@@ -33,7 +33,6 @@ Example:
     ...           ids=np.array([2**60, 5])), None).arrays[0].tolist()
     [True, False]
 """
-import math
 import os
 import threading
 
@@ -195,16 +194,14 @@ class Catalog:
     def opt_init(self, m, session):
         self.check_name(m.name)  # optimizer state has no optimizer of its own
         impl = rule_of(m.rule)
-        bad = {k: v for k, v in m.options.items() if not math.isfinite(v)}
-        if bad:  # an initial state of NaN or inf would poison every row it touches
-            raise KVStoreError(f"OptInit.options: expected finite numbers, got {bad}")
+        options = impl.options_from(m.options)  # known to the rule, finite
         table = self._spec_table(m.name)
         if table is not None:  # its store makes its state columns (and may keep them)
             if list(m.parts) != [self.server_id]:  # a spec'd table's one shard is the server's
                 raise KVStoreError(f"OptInit of dynamic table {m.name!r}: parts must be "
                                    f"[{self.server_id}], got {m.parts[:8]}")
             with self._lock:
-                states = table.init_states(impl.name.value, m.options)
+                states = table.init_states(impl.name.value, options)
                 self.server.attach_states(m.name, self.server_id, states)
             return
         with self._lock:
@@ -219,7 +216,7 @@ class Catalog:
                 for spec in impl.states:
                     shape = (weight.shape[0],) + spec.shape(weight.shape[1])
                     wanted.append((state_name(m.name, spec.name), part, shape, spec.dtype,
-                                   state_init(spec, (1,) * len(shape), m.options), m.name))
+                                   state_init(spec, (1,) * len(shape), options), m.name))
             for part in m.parts:  # every part checked: cached copies of the state are void
                 self.server.bump_all(m.name, part)
             for sname, part, *_ in wanted:  # a fresh optimizer starts from fresh state

@@ -186,10 +186,12 @@ class KeyedTables:
         return {"keys": keys, **cols}
 
     def load_table_state(self, name, state_names, entry):
-        """Upsert what :meth:`table_state` gave (keys absent here are inserted).
+        """Write back what :meth:`table_state` gave, to keys the table holds (restore
+        their rows first: a key's state belongs with its row).
 
         Raises:
-            KVStoreError: ``entry`` lacks the keys or a state.
+            KVStoreError: ``entry`` lacks the keys or a state, or names keys the table
+                does not hold (nothing is written).
         """
         if not self.is_keyed(name):
             return super().load_table_state(name, state_names, entry)
@@ -197,8 +199,14 @@ class KeyedTables:
         if missing:
             raise KVStoreError(f"state_dict: table {name!r} lacks {missing} (a store "
                                f"table's state is keyed: 'keys' and one array per state)")
-        self.import_(name, keys_array(np.asarray(entry["keys"]), "keys"),
-                     {s: np.ascontiguousarray(np.asarray(entry[s])) for s in state_names})
+        keys = keys_array(np.asarray(entry["keys"]), "keys")
+        absent = keys[~np.asarray(self.contains(name, keys), bool)]
+        if len(absent):
+            raise KVStoreError(f"state_dict: {len(absent)} key(s) of table {name!r} are not "
+                               f"in it, e.g. {absent[:5].tolist()}; restore their rows first "
+                               "(import_ or a checkpoint), then the optimizer's state")
+        self.import_(name, keys, {s: np.ascontiguousarray(np.asarray(entry[s]))
+                                  for s in state_names})
 
     # -- the keyed half a client implements ---------------------------------------------
 
