@@ -282,7 +282,7 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routi
     def init_optimizer(self, name, rule, options):
         shards = self._shards(name)
         impl = rule_of(rule)
-        opts = {k: float(v) for k, v in options.items()}
+        opts = impl.options_from(options)  # every rank refuses, before the barrier
         # Collective: everyone is here before rank 0 resets the state, and nobody steps
         # before it has (a fresh optimizer starts from fresh state, as torch's does).
         self.barrier()

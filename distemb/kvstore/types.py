@@ -195,11 +195,14 @@ class KVClient(HostPlacement, ABC):
             dict state name -> KVStore name of that state tensor.
 
         Raises:
-            KVStoreError: no table ``name`` or no rule ``rule``.
+            KVStoreError: no table ``name``, no rule ``rule``, or an option of
+                ``options`` the rule's states do not start from (or not finite).
         """
         meta = self._meta_of(name)
+        impl = rule_of(rule)
+        options = impl.options_from(options)
         names = {}
-        for spec in rule_of(rule).states:
+        for spec in impl.states:
             sname = state_name(name, spec.name)
             self.delete_data(sname)
             shape = (meta.shape[0],) + spec.shape(meta.shape[1])
