@@ -85,10 +85,19 @@ def start_job(group, tmp_path, extra=(), env=None):
             "2", "--num-trainers", "2", "--config-out", str(cfg_path), "--timeout", "30",
             *extra, "--", sys.executable, "-c", TRAINER]
     launcher = group.spawn(argv, env=env, expect=None)
-    out, ready = lines_of(launcher.stdout), {}
-    deadline = time.monotonic() + 60
+    out, ready, seen = lines_of(launcher.stdout), {}, []
+    # Until both trainers are ready or the launcher gives up (bounded by the test's
+    # timeout): a start-up is slow on a loaded machine (four Python processes took over
+    # 60 s at load 20), which is not what these tests are about.
     while len(ready) < 2:
-        line = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            line = out.get(timeout=0.5)
+        except queue.Empty:
+            assert launcher.poll() is None, (f"the launcher exited {launcher.returncode} "
+                                             f"before both trainers were ready:\n"
+                                             + "".join(seen[-40:]))
+            continue
+        seen.append(line)
         if "READY" in line:
             prefix, _, rest = line.partition(": READY ")
             ready[prefix] = [int(w) for w in rest.split()]
