@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import distemb  # noqa: E402
 from distemb.config import parse_cache_config, parse_cluster_config  # noqa: E402
 from distemb.context import DistContext  # noqa: E402
-from distemb.kvstore.cache import CachedKVClient  # noqa: E402
+from distemb.kvstore.caches.trainer import CachedKVClient  # noqa: E402
 from distemb.kvstore.remote import RemoteKVClient  # noqa: E402
 from distemb.partition import range_policy  # noqa: E402
 from distemb.transport import tcp  # noqa: E402

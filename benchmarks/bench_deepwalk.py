@@ -159,6 +159,7 @@ def main(argv=None):
     if args.profile:
         dw_args = deepwalk.parse_args(["--dataset", args.dataset, "--quiet", "--lr",
                                        str(args.lr), *rest])
+        deepwalk.resolve_batch_size(dw_args, ds.graph)
         parts = profile_step(ds.graph, dw_args, args.profile)
         print(f"distemb step parts on {args.dataset}, {args.profile} steps of "
               f"{dw_args.batch_size} pairs, loss {dw_args.loss}, threads={args.threads}:")
@@ -174,6 +175,7 @@ def main(argv=None):
                                        "--max-steps", str(args.max_steps), *rest,
                                        "--backend", "torch" if method == "torch" else "distemb",
                                        *(["--loss", "torch"] if method == "torch" else [])])
+        deepwalk.resolve_batch_size(dw_args, ds.graph)  # gensim's walks: the same batches
         cpu = time.process_time()  # every thread of the process: sampler, gensim's producer
         if method == "gensim":
             emb, seconds = gensim_embeddings(ds.graph, dw_args, args.threads)

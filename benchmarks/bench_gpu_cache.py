@@ -1,4 +1,4 @@
-"""The GPU cache (distemb.kvstore.device_cache) against the host table without it.
+"""The GPU cache (distemb.kvstore.caches.device) against the host table without it.
 
 One step: ``rows = emb(ids, device=DEV)``, ``(rows ** 2).sum().backward()``,
 ``SparseAdagrad.step()`` on a host table (embedded), D=128 by default. Contenders, each
@@ -47,7 +47,7 @@ from distemb.config import parse_cache_config  # noqa: E402
 from distemb.context import DistContext  # noqa: E402
 from distemb.kernels import cuda  # noqa: E402
 from distemb.kvstore import LocalKVClient  # noqa: E402
-from distemb.kvstore.device_cache import DeviceCachedKVClient  # noqa: E402
+from distemb.kvstore.caches.device import DeviceCachedKVClient  # noqa: E402
 
 CONTENDERS = {"host": None,
               "lru-5%": {"policy": "lru", "fraction": 0.05},

@@ -7,7 +7,7 @@ machine, the same seeds in every job:
 
 - ``exact``: a trainer cache in exact mode (results as without a cache);
 - ``staleness s``: the same cache with bounded staleness ``s`` (a cached row may miss up
-  to ``s - 1`` steps of other trainers' updates; see distemb/kvstore/cache.py);
+  to ``s - 1`` steps of other trainers' updates; see distemb/kvstore/caches/trainer.py);
 - ``exact, seed k`` (``--noise-seed``): the exact job with other seeds (walks,
   negatives, initial rows): how much the F1 moves between runs that are equally right,
   the scale the staleness effect is judged against.

@@ -1,6 +1,6 @@
 """Checkpoints that scale out: every shard written where it lives, a manifest last.
 
-A checkpoint is a directory (see :mod:`distemb.kvstore.snapshot` for its format, one
+A checkpoint is a directory (see :mod:`distemb.kvstore.checkpoint.snapshot` for its format, one
 for every kind of table): one record per shard of every table, a segment file per
 column (weight and optimizer states) plus one of its keys when they are not fixed,
 written by the process holding that shard (each server writes its own, in parallel,
@@ -37,8 +37,8 @@ import numpy as np
 
 from distemb.arrays import check_shape
 from distemb.errors import DistEmbError
-from distemb.kvstore.segments import SEGMENT_FILE
-from distemb.kvstore.snapshot import (FORMAT, MANIFEST, VERSION, entry_files, manifest_path,
+from distemb.kvstore.checkpoint.segments import SEGMENT_FILE
+from distemb.kvstore.checkpoint.snapshot import (FORMAT, MANIFEST, VERSION, entry_files, manifest_path,
                                       read_manifest, table_entry)
 from distemb.rules import state_name, state_owner
 from distemb.stores.types import WEIGHT

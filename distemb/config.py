@@ -178,7 +178,7 @@ def _fraction(value, path):
 
 @dataclass(frozen=True)
 class CacheConfig(Schema):
-    """A trainer-side cache of hot rows in front of the servers (distemb.kvstore.cache).
+    """A trainer-side cache of hot rows in front of the servers (distemb.kvstore.caches.trainer).
 
     Give exactly one of ``rows``, ``bytes`` and ``fraction``: the capacity of each
     table's cache. Build it with :func:`parse_cache_config` (validated; errors name the
@@ -270,10 +270,10 @@ class ClusterConfig(Schema):
     part_config: Optional[str] = option(None, help="partition config path",
                                         validator=non_empty)
     cache: Optional[CacheConfig] = option(None, help="trainer-side cache of hot rows "
-                                          "(distemb.kvstore.cache); None: off")
+                                          "(distemb.kvstore.caches.trainer); None: off")
     device_cache: Optional[CacheConfig] = option(
         None, help="a GPU cache of hot rows and their optimizer state in front of the "
-        "tables, for emb(ids, device='cuda') (distemb.kvstore.device_cache); exact, one "
+        "tables, for emb(ids, device='cuda') (distemb.kvstore.caches.device); exact, one "
         "trainer only; None: off")
     version: int = option(1, help="schema version (1)", validator=equal_to(1))
 
@@ -295,7 +295,7 @@ def check_device_cache(config, num_trainers=1, path="device_cache"):
     """ConfigError unless a GPU cache can be exact here: staleness 0, one trainer.
 
     Why one trainer: the GPU cache writes a row back to its owner only at eviction, so it
-    must be the row's one writer (distemb.kvstore.device_cache says more).
+    must be the row's one writer (distemb.kvstore.caches.device says more).
     """
     if config.staleness:
         raise ConfigError(f"{path}.staleness: the device cache is exact only (must be 0), "

@@ -25,7 +25,7 @@ from distemb.config import (CacheConfig, check_device_cache, default_num_threads
 from distemb.enums import Consistency, Role
 from distemb.errors import DistEmbError
 from distemb.kvstore import LocalKVClient
-from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.caches.trainer import CachedKVClient
 from distemb.kvstore.remote import RemoteKVClient
 
 
@@ -60,7 +60,7 @@ class DistContext:
             device_cache: a :class:`~distemb.config.CacheConfig` or its mapping
                 (``{"fraction": 0.05, "policy": "lfu"}``): keep each table's hot rows
                 and their optimizer state on ``cache_device``, for ``emb(ids,
-                device=cache_device)`` (:mod:`distemb.kvstore.device_cache`); None: off.
+                device=cache_device)`` (:mod:`distemb.kvstore.caches.device`); None: off.
             cache_device: the CUDA device of that cache.
 
         Raises:
@@ -86,7 +86,7 @@ class DistContext:
         wrap = (lambda c: c) if cfg.device_cache is None else \
             _device_cache(cfg.device_cache, "cuda", cfg.num_trainers)
         client = RemoteKVClient(cfg, rank, num_threads=nt, consistency=consistency)
-        if cfg.cache is not None:  # hot rows kept by this trainer (distemb.kvstore.cache)
+        if cfg.cache is not None:  # hot rows kept by this trainer (distemb.kvstore.caches.trainer)
             client = CachedKVClient(client, cfg.cache)
         return cls(wrap(client), backend=backend, role=Role.TRAINER, rank=rank,
                    num_trainers=cfg.num_trainers, num_threads=nt)
@@ -108,7 +108,7 @@ class DistContext:
         """
         # Imported here: it imports torch, which server processes must never load.
         from distemb.kvstore.collective import CollectiveKVClient
-        from distemb.kvstore.exchange import join_process_group
+        from distemb.transport.collective import join_process_group
 
         made = join_process_group(timeout_s)
         nt = num_threads or default_num_threads()
@@ -210,7 +210,7 @@ def _device_cache(config, device, num_trainers):
     # Imported here: the device cache imports torch, which server processes (that import
     # this module) must never load.
     from distemb.kvstore import device as device_kv
-    from distemb.kvstore.device_cache import DeviceCachedKVClient
+    from distemb.kvstore.caches.device import DeviceCachedKVClient
 
     if not isinstance(config, CacheConfig):
         config = parse_cache_config(config, "device_cache")

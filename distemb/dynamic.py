@@ -4,8 +4,8 @@ Both are thin: ``DynamicEmbedding(dim, ...)`` is ``DistEmbedding(None, dim,
 storage=HashTableSpec(dim, ...))`` and ``StoreEmbedding(store)`` is ``DistEmbedding(None,
 store.dim, storage=store)``; the table, its lookups, key management and checkpoints are
 :class:`~distemb.embedding.DistEmbedding`'s. ``step()`` sums duplicate gradients and
-hands them to the table's client (its keyed tables: :mod:`distemb.kvstore.keyed`),
-which runs the rule on the store's columns. Every optimizer works unchanged, with the
+hands them to the table's client (:mod:`distemb.kvstore.tables`: one path for every
+table), which runs the rule on the store's columns. Every optimizer works unchanged, with the
 same kernels: a dynamic table whose keys are 0..N-1 gives bit-identical rows to a dense
 table.
 
@@ -114,7 +114,7 @@ class DynamicEmbedding(StoreEmbedding):
         device: where the rows live: None or 'cpu' (host memory, or the servers), or a
             CUDA device (embedded contexts only): rows and optimizer state are then
             tensors on that GPU, updated there, and the key index stays on the host
-            (:mod:`distemb.kvstore.device_keyed`).
+            (:class:`~distemb.stores.device.DeviceHashStore`).
 
     Raises:
         ValueError: ``embedding_dim`` or ``capacity`` not a positive int, an unknown

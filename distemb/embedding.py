@@ -2,10 +2,10 @@
 
 One table class for every storage: dense rows 0..N-1 (the default), any int64 key
 (``num_embeddings=None``: a hash table that grows and evicts) or any row store
-(``storage=``: a store object, or a spec such as a file-backed table). The rows are a
-:class:`~distemb.tensor.DistTensor` or a :class:`~distemb.tensor.StoreTensor`, which
-answer the key-management calls (``size``, ``contains``, ``get``, ``remove``,
-``evict``, ``export``, ...) each for its kind: what a kind cannot do is refused naming it.
+(``storage=``: a store object, or a spec such as a file-backed table). The rows are one
+:class:`~distemb.tensor.DistTensor`, which answers the key-management calls (``size``,
+``contains``, ``get``, ``remove``, ``evict``, ``export``, ...) for every table: what a
+table's store cannot do is refused naming it.
 """
 import json
 import os
@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from distemb.arrays import GlobalIds, Rows, Tensor, UniqueIds
+from distemb.bags import Bags
 from distemb.enums import Rounding
 from distemb.errors import StoreError, TraceOverflowError
 from distemb.kernels.hashtable import keys_array
@@ -171,8 +172,8 @@ class DistEmbedding:
                                  "lifetime) is for dense tables")
             _check_no_seed(rounding_seed)
             self._tensor = store_tensor(num_embeddings, embedding_dim, name, init_func,
-                                         part_policy, context, device, dtype_name, rounding,
-                                         storage, type(self).__name__.lower())
+                                        part_policy, context, device, dtype_name, rounding,
+                                        storage)
         else:
             _positive_int(num_embeddings, "num_embeddings")
             seed = rounding_seed if rounding is Rounding.STOCHASTIC else None
@@ -198,6 +199,36 @@ class DistEmbedding:
         client = self.kvstore.view_on(device)  # the reason a device is unusable, before a copy
         ids, rows = self._tensor.lookup(idx, client)
         return self._record(ids, rows, client)
+
+    def bag(self, ids: Tensor, offsets: Optional[Tensor] = None, mode: str = "sum",
+            per_sample_weights: Optional[Tensor] = None, include_last_offset: bool = False,
+            padding_idx: Optional[int] = None, device: Any = None) -> Tensor:
+        """Pooled rows: one per bag of ids, as ``torch.nn.functional.embedding_bag``
+        (:mod:`distemb.bags`: one dedup, one gather-and-reduce pass over the unique rows).
+
+        Traced as one lookup of the bags' unique ids, whose gradients backward sums.
+
+        Args:
+            ids: 2-D (B, L), one bag per row; or 1-D, cut into bags at ``offsets``.
+            offsets: 1-D ids' bag starts, (B,), or (B + 1,) with ``include_last_offset``.
+            mode: 'sum', 'mean' or 'max' (:class:`~distemb.enums.BagMode`).
+            per_sample_weights: a weight per id, shaped as ``ids`` (mode 'sum').
+            include_last_offset: the last offset ends the last bag.
+            padding_idx: an id left out of every bag (its row neither read nor updated).
+            device: where the pooled rows go (as :meth:`__call__`'s).
+
+        Returns:
+            (B, D) float32 rows (an empty bag's are zeros).
+
+        Raises:
+            ValueError, TypeError: see :meth:`distemb.bags.Bags.of`.
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+        """
+        client = self.kvstore.view_on(device)
+        bags = Bags.of(ids, offsets, mode, per_sample_weights, include_last_offset,
+                       padding_idx, self._tensor.fixed_rows)
+        flat, rows = self._tensor.lookup(bags.unique, client)
+        return bags.pool(self._record(flat, rows, client))
 
     def _record(self, ids: GlobalIds, rows: Tensor, client: KVClient) -> Tensor:
         """``rows``, traced (with ``ids`` and the client that placed them) while autograd

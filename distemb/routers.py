@@ -27,6 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from distemb.kernels.hashtable import keys_array, table_keys
 from distemb.partition import PartitionPolicy, key_partition, range_policy
 
 #: {shard: (positions in the request, the global keys it holds)}.
@@ -63,10 +64,16 @@ class Router(abc.ABC):
         """Keys 0..N-1 of a fixed key space: N; None for any int64 key."""
         return None
 
-    def check(self, keys: np.ndarray) -> None:
-        """PartitionError for a key outside a fixed key space."""
+    def check(self, keys: np.ndarray, what: str = "keys") -> None:
+        """Refuse keys this table cannot hold: PartitionError for a key outside a fixed
+        key space (ValueError for a key a hash index reserves)."""
         if self.num_keys is not None:
             self.part_of(keys)
+
+    def progression(self, part: int) -> Optional[Tuple[int, int]]:
+        """(start, step) when store key ``k`` of shard ``part`` is the table's key
+        ``start + step * k`` (a checkpoint then needs no keys segment), else None."""
+        return None
 
     def inside(self, keys: np.ndarray) -> np.ndarray:
         """Bool mask: the keys inside the key space (all of them for any int64 key)."""
@@ -88,7 +95,7 @@ class Router(abc.ABC):
     def split(self, keys: np.ndarray) -> Split:
         """Group ``keys`` by shard: {shard: (positions in ``keys``, its keys)}; positions
         ascend within each (one shard touched: all of them, in order)."""
-        keys = np.asarray(keys, np.int64)
+        keys = keys_array(keys)
         if not len(keys):
             return {}
         if self.num_parts == 1:
@@ -113,6 +120,7 @@ class KeyHashRouter(Router):
         self.num_parts = int(num_parts)
 
     def part_of(self, keys):
+        self.check(keys)
         return key_partition(keys, self.num_parts)
 
     def to_local(self, part, keys):
@@ -120,6 +128,10 @@ class KeyHashRouter(Router):
 
     def to_global(self, part, local):
         return local
+
+    def check(self, keys, what="keys"):
+        """ValueError for a key the hash index reserves (every other int64 key goes)."""
+        table_keys(keys, what)
 
     def __repr__(self):
         return f"KeyHashRouter({self.num_parts})"
@@ -180,13 +192,24 @@ class PolicyRouter(Router):
         """Keys shard ``part`` holds."""
         return int(self._sizes[part]) if self._folded else self.policy.get_part_size(part)
 
-    def check(self, keys):
-        self.policy.check_ids(np.asarray(keys, np.int64), "keys")
+    def check(self, keys, what="keys"):
+        self.policy.check_ids(np.asarray(keys, np.int64), what)
 
     def part_of(self, keys):
         self.check(keys)
+        if self.num_parts == 1:  # every key is in the one shard: no search
+            return np.zeros(len(keys), np.int64)
         owner = self.policy.to_partid(keys)
         return owner % self.num_parts if self._folded else owner
+
+    def progression(self, part):
+        if self._folded:
+            return None
+        try:
+            start, step, _ = self.policy.id_progression(part)
+        except NotImplementedError:
+            return None
+        return int(start), int(step)
 
     def to_local(self, part, keys):
         if self.policy.ids_are_local():  # one partition numbered as the keys: no search

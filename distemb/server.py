@@ -29,8 +29,8 @@ import time
 from distemb.config import default_num_threads, load_cluster_config
 from distemb.enums import Transport
 from distemb.errors import DistEmbError
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.transport import tcp
 from distemb.transport.connections import local_address
 from distemb.transport.shm import ShmArena

@@ -1,4 +1,4 @@
-"""What a table's ``storage=`` makes: the :class:`~distemb.tensor.StoreTensor` of a
+"""What a table's ``storage=`` makes: the :class:`~distemb.tensor.DistTensor` of a
 table on row stores (a hash table by default, a file table's spec, a spec of any
 registered store, or a store object), checked against the table's other arguments.
 
@@ -6,22 +6,21 @@ Example:
     >>> from distemb.context import DistContext
     >>> from distemb.enums import Rounding
     >>> t = store_tensor(None, 4, "users", None, None, DistContext.embedded(), None,
-    ...                  "float32", Rounding.NEAREST, None, "hash")
+    ...                  "float32", Rounding.NEAREST, None)
     >>> t.name
     'users'
 """
-from distemb.context import current_context
 from distemb.enums import Rounding
-from distemb.rules import check_name, check_table_name
+from distemb.rules import check_name
 from distemb.stores import RowStore
-from distemb.stores.spec import SPECS, FileTableSpec, HashTableSpec
-from distemb.tensor import StoreTensor
+from distemb.stores.spec import SPECS, FileTableSpec, GivenStore, HashTableSpec
+from distemb.tensor import DistTensor
 
 
 def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, device,
-                  dtype, rounding, storage, kind):
-    """The StoreTensor of a table on row stores, made (or attached) in the context's
-    store client; the arguments are :class:`~distemb.embedding.DistEmbedding`'s.
+                 dtype, rounding, storage):
+    """The DistTensor of a table on row stores, made (or attached) in the context's
+    client; the arguments are :class:`~distemb.embedding.DistEmbedding`'s.
 
     Raises:
         ValueError: an empty ``name``; an argument the storage contradicts (its dim,
@@ -53,15 +52,12 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
         raise ValueError("init_func: a table on a given storage uses the storage's own "
                          "initialiser; pass it to the spec (or store) instead")
     if isinstance(storage, RowStore):
-        make = lambda client, name: client.add_table(name, storage)  # noqa: E731
-        fixed = storage.size() if storage.fixed_keys else None
-    elif isinstance(storage, tuple(SPECS.values())):
-        make = lambda client, name: client.create_table(name, storage)  # noqa: E731
-        fixed = getattr(storage, "num_rows", None) if storage.fixed_keys else None
-    else:
+        storage = GivenStore(storage)
+    elif not isinstance(storage, tuple(SPECS.values())):
         raise TypeError(f"storage: expected a RowStore, or a table spec of "
                         f"{sorted(c.__name__ for c in SPECS.values())}, got "
                         f"{type(storage).__name__}")
+    fixed = storage.num_keys
     if storage.dim != dim:
         raise ValueError(f"storage: holds rows of dim {storage.dim}, embedding_dim is {dim}")
     if dtype != "float32" and dtype != storage.dtype:
@@ -75,10 +71,6 @@ def store_tensor(num_embeddings, dim, name, init_func, part_policy, context, dev
         what = f"the keys 0..{fixed - 1}" if fixed else "any int64 key"
         raise ValueError(f"num_embeddings: the storage holds {what}; expected "
                          f"{fixed if fixed else None}, got {num_embeddings!r}")
-    ctx = context or current_context()
     # a GPU's client holds hash tables with their rows there (the index on the host); a
     # closed context has no client: refused before a store is made
-    client = ctx.client_for(device)
-    name = check_table_name(name or ctx.new_name(kind))
-    make(client, name)
-    return StoreTensor(client, name, ctx, storage.dtype, part_policy, num_rows=fixed)
+    return DistTensor.of_spec(storage, name, context, device, part_policy)

@@ -19,7 +19,7 @@ import distemb
 from distemb.config import parse_cache_config
 from distemb.context import DistContext
 from distemb.kernels import reference
-from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.caches.trainer import CachedKVClient
 from distemb.partition import range_policy
 from distemb.stores import key_normal
 

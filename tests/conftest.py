@@ -45,15 +45,16 @@ from mp_helper import ProcessGroup, cluster_dict, write_json
 from distemb.config import load_cluster_config, parse_cache_config, parse_cluster_config
 from distemb.context import DistContext
 from distemb.kvstore import LocalKVClient
-from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.caches.trainer import CachedKVClient
 from distemb.kvstore.collective import CollectiveKVClient
 from distemb.kvstore.device import DeviceKVClient
-from distemb.kvstore.device_cache import DeviceCachedKVClient
+from distemb.kvstore.caches.device import DeviceCachedKVClient
 from distemb.kernels import cuda
 from distemb.kvstore.remote import RemoteKVClient
 
-# DGL's own files, run by tests/test_dgl_upstream.py in their own processes.
-collect_ignore = ["dgl_upstream"]
+# DGL's (1.1.3, 2.4.0) and PyG's own files, run by tests/test_dgl_upstream.py,
+# tests/test_dgl2_upstream.py and tests/test_pyg_upstream.py in their own processes.
+collect_ignore = ["dgl_upstream", "dgl2_upstream", "pyg_upstream"]
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
 #: Trainer caches of the suite's placements.

@@ -14,7 +14,7 @@ from distemb.context import DistContext
 from distemb.enums import CachePolicy
 from distemb.errors import ConfigError
 from distemb.kvstore import LocalKVClient
-from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.caches.trainer import CachedKVClient
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper
 
@@ -160,7 +160,7 @@ def test_a_cluster_config_with_a_cache_gives_trainers_a_cached_client(clusters, 
 def test_a_cached_key_of_minus_one_is_not_a_free_slot():
     """-1 is a key of a keyed table like any other: the slot holding it is not free (it
     was, when free slots were those with id -1, so key -1's row was overwritten)."""
-    from distemb.kvstore.table_cache import TableCache
+    from distemb.kvstore.caches.table import TableCache
 
     cache = TableCache(None, 2, 2)
     slots = cache.admit(np.array([-1, 5], np.int64), np.empty(0, np.int64))
@@ -185,7 +185,7 @@ def test_lfu_displaces_a_colder_cached_row_and_keeps_a_hotter_one():
     """Full cache: the new rows, hottest first, are paired with sampled cached rows,
     coldest first; a new row pulled more often than its partner takes its slot, one
     pulled less often does not."""
-    from distemb.kvstore.table_cache import TableCache
+    from distemb.kvstore.caches.table import TableCache
 
     cache = TableCache(100, 2, 2)
     for _ in range(3):
@@ -208,7 +208,7 @@ def test_a_cache_that_serves_nothing_empties_itself_and_pulls_plainly(pair):
     """Every row pulled twice and never again: LFU keeps each at its second pull and no
     copy is ever used. After a window of DECAY pulls the cache empties itself and keeps
     nothing for IDLE pulls: its pulls are plain ones (rows only), still exact."""
-    from distemb.kvstore.table_cache import DECAY, IDLE
+    from distemb.kvstore.caches.table import DECAY, IDLE
 
     cached, other = pair(CacheConfig(policy="lfu", rows=8))
     for k in range(DECAY):

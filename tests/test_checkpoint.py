@@ -47,7 +47,8 @@ def test_embedded_round_trip_and_reshard_to_hash_partitions(tmp_path):
     steps = np.arange(1000, dtype=np.int64)
     src = LocalKVClient()
     fill(src, "w", a, range_policy(1000, 2))
-    fill(src, "w~opt~row_step", steps, range_policy(1000, 2), "int64")
+    src.init_optimizer("w", "adam_row_step", {})  # its state: columns of w's stores
+    src.push("w~opt~row_step", np.arange(1000), steps)
     checkpoint.save(tmp_path / "ck", src, ["w", "w~opt~row_step"], {"steps": {"w": 3}})
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     # one entry per table: a record per shard, a segment per column (weight and state)
@@ -59,7 +60,7 @@ def test_embedded_round_trip_and_reshard_to_hash_partitions(tmp_path):
     assert manifest["steps"] == {"w": 3} and manifest["tensors"]["w"]["dtype"] == "float32"
     dst = LocalKVClient()
     dst.init_data("w", (1000, 8), "float32", hash_policy(1000, 3))
-    dst.init_data("w~opt~row_step", (1000,), "int64", hash_policy(1000, 3))
+    dst.init_optimizer("w", "adam_row_step", {})
     checkpoint.restore(tmp_path / "ck", dst, ["w", "w~opt~row_step"])
     np.testing.assert_array_equal(dst.pull("w", np.arange(1000)), a)
     np.testing.assert_array_equal(dst.pull("w~opt~row_step", np.arange(1000)), steps)
@@ -101,7 +102,7 @@ def test_corrupt_truncated_or_mismatched_checkpoints_are_refused(tmp_path):
         checkpoint.restore(tmp_path / "ck", fewer, ["w"])
     stateful = LocalKVClient()
     stateful.init_data("w", (100, 4), "float32", range_policy(100))
-    stateful.init_data("w~opt~sum", (100, 4), "float32", range_policy(100))
+    stateful.init_optimizer("w", "adagrad", {})
     with pytest.raises(DistEmbError, match="column 'sum' was not saved"):
         checkpoint.restore(tmp_path / "ck", stateful, ["w", "w~opt~sum"])
     os.truncate(tmp_path / "ck" / seg, 8)

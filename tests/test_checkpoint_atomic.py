@@ -12,7 +12,9 @@ import pytest
 
 from distemb import checkpoint
 from distemb.errors import KVStoreError
-from distemb.kvstore import LocalKVClient, segments, snapshot
+from distemb.kvstore import LocalKVClient
+from distemb.kvstore.checkpoint import segments, snapshot
+from distemb.kvstore.checkpoint.shards import load_shard
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper
 from distemb.stores import FileStore, HashStore
@@ -62,17 +64,17 @@ def test_segments_that_miss_rows_or_ask_for_huge_blocks_change_nothing(tmp_path)
     shard = one.server.table("w", 0)
     half = dict(entry, shards=entry["shards"][:1])  # rows 0..4 only
     with pytest.raises(KVStoreError, match="covers row 5 of the 10 asked for 0 times"):
-        shard.load(ck, half, None, 0, 1)
+        load_shard(shard, ck, half)
     twice = dict(entry, shards=entry["shards"][:1] * 2)  # rows 0..4 twice, 5..9 never
     with pytest.raises(KVStoreError, match="covers row 0 of the 10 asked for 2 times"):
-        shard.load(ck, twice, None, 0, 1)
+        load_shard(shard, ck, twice)
     np.testing.assert_array_equal(one.pull("w", np.arange(10)), live)
     big = dict(entry, shards=[dict(r, columns={"weight": dict(
         r["columns"]["weight"], segment=dict(r["columns"]["weight"]["segment"],
                                              block_rows=1 << 40, crc32=[0]))})
         for r in entry["shards"]])
     with pytest.raises(KVStoreError, match="block_rows .* is more than a save"):
-        kv.server.table("w", 0).load(ck, big, None, 0, 1)
+        load_shard(kv.server.table("w", 0), ck, big)
     np.testing.assert_array_equal(kv.pull("w", np.arange(10)), live)
 
 
@@ -129,10 +131,8 @@ def _table(kind, tmp_path):
 
 def _state(kv):
     """Every key, row and state row of "t", as bytes."""
-    if kv.is_keyed("t"):
-        keys, cols = kv.export("t")
-        return [keys.tobytes()] + [cols[c].tobytes() for c in sorted(cols)]
-    return [kv.pull(n, np.arange(N)).tobytes() for n in ("t", "t~opt~sum")]
+    keys, cols = kv.export("t")
+    return [keys.tobytes()] + [cols[c].tobytes() for c in sorted(cols)]
 
 
 def _record(d, part, keys, columns=("weight", "sum")):
@@ -161,7 +161,7 @@ def _load(kv, directory, columns=("weight", "sum")):
     """Load "t" from ``directory`` as a server's Load of its one shard does (the embedded
     client's own check of the row count left out, as a token holder leaves it out)."""
     entry = snapshot.table_entry(snapshot.read_manifest(directory), "t", directory)
-    kv.server.load("t", [(0, 0, 1)], str(directory), entry, list(columns))
+    kv.server.load("t", [0], str(directory), entry, list(columns))
 
 
 KEYS = np.arange(N, dtype=np.int64)

@@ -44,7 +44,7 @@ def test_pulls_never_see_a_torn_row_during_concurrent_updates(tmp_path, shm, tab
             spec = FileTableSpec(str(tmp_path / "w"), num_rows=ROWS, dim=DIM,
                                  preallocate=False)
             both([writer, reader], lambda c: c.create_table("w", spec))
-            assert (("w", 0) in reader._shm) == shm  # read in place where co-located
+            assert (("w", 0) in reader.servers.mapped) == shm  # read in place where co-located
         else:
             both([writer, reader], lambda c: c.init_data("w", (ROWS, DIM), "float32",
                                                         range_policy(ROWS)))

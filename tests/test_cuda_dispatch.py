@@ -21,6 +21,7 @@ from distemb.errors import DistEmbError, PartitionError
 from distemb.kernels import cuda
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore import device as device_kv
+from distemb.kvstore import views as views_kv
 from distemb.optim import SparseAdagrad, SparseAdam
 from distemb.tensor import DistTensor
 from tests.test_optim_oracle import CASES, assert_within, run_both
@@ -108,8 +109,9 @@ def twin(monkeypatch):
     """Make device='cuda' give a DeviceKVClient on the CPU running CpuCudaTwin."""
     ops = CpuCudaTwin()
     monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(views_kv, "cuda_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(device_kv.DeviceKVClient, "ops", ops)
-    monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", ops)
+    monkeypatch.setattr(views_kv.HostTableOnDevice, "ops", ops)
     return ops
 
 
@@ -140,11 +142,11 @@ def test_host_table_looked_up_on_device_matches_torch_oracle(ctx, twin, case):
 def test_host_table_view_keeps_storage_with_the_host_client(ctx, twin):
     emb = DistEmbedding(5, 2, name="viewed", context=ctx)
     view = emb.kvstore.view_on("cuda")
-    assert isinstance(view, device_kv.HostTableOnDevice) and view.inner is ctx.client
+    assert isinstance(view, views_kv.HostTableOnDevice) and view.inner is ctx.client
     assert emb.kvstore.view_on(None) is emb.kvstore and emb.kvstore.view_on("cpu") is emb.kvstore
     emb(torch.tensor([4, 4]), device="cuda").sum().backward()
     lookup = emb.trace[0]
-    assert isinstance(lookup.client, device_kv.HostTableOnDevice)
+    assert isinstance(lookup.client, views_kv.HostTableOnDevice)
     assert isinstance(lookup.ids, np.ndarray)  # ids stay host ids: the host client pushes
     client, uniq, summed = emb.coalesced_gradients()
     assert client is lookup.client and uniq.tolist() == [4] and summed.tolist() == [[2.0, 2.0]]
@@ -265,3 +267,43 @@ def test_gpu_table_rows_and_trace_stay_on_the_gpu(ctx, gpu):
     rows = emb(torch.tensor([1, 2, 2]))
     assert rows.device == gpu and emb.trace[0][0].device == gpu
     assert emb.kvstore.ops is cuda
+
+
+@pytest.mark.multiprocess
+def test_a_remote_hash_table_looked_up_onto_a_device_never_asks_for_its_size(
+        clusters, twin, monkeypatch):
+    """A step of a hash table on servers looked up onto a GPU sums its gradients there
+    with the table's key space (any int64 key), never its key count: HostTableOnDevice
+    took it from data_meta, which asked every server for the table's size on every step."""
+    from distemb import DynamicEmbedding
+    from distemb.stores import key_normal
+    kv = clusters("tcp").client()
+    asked = []
+    monkeypatch.setattr(kv, "size", lambda name: asked.append(name) or 0)
+    try:
+        ctx = DistContext(kv, backend="pytorch", role="trainer", num_threads=1)
+        emb = DynamicEmbedding(4, name="on-device", init_func=key_normal(4), context=ctx)
+        opt = SparseAdagrad([emb], lr=0.5)
+        for _ in range(3):
+            emb(torch.tensor([2 ** 40, -3, 2 ** 40]), device="cuda").sum().backward()
+            opt.step()
+        assert twin.calls["dedup_sum"] == 3, "the gradients were not summed on the device"
+        assert asked == [], f"a step asked the servers for the table's size {len(asked)} times"
+        emb.close()
+    finally:
+        kv.close(goodbye=False)
+
+
+def test_a_device_table_checks_its_keys_by_its_own_router(twin):
+    """ids_in of a GPU-resident hash table refuses the keys its index reserves, naming the
+    table (its keyed half ignored the table it was asked for)."""
+    from cpu_cuda_twin import CpuCudaHalfTwin
+    from distemb.backend import load_backend
+    from distemb.stores.hash import HashTableSpec
+    kv = device_kv.DeviceKVClient("cpu", ops=twin, half_ops=CpuCudaHalfTwin)
+    kv.create_table("h", HashTableSpec(2))
+    F = load_backend("pytorch")
+    with pytest.raises(ValueError, match="ids of 'h': .* reserved"):
+        kv.ids_in("h", torch.tensor([5, -2 ** 63]), F)
+    assert kv.ids_in("h", torch.tensor([[5, -2 ** 63 + 2]]), F)[1] == (1, 2)
+    kv.close()

@@ -43,9 +43,10 @@ def test_device_half_table_tracks_the_float32_oracle(case, dtype):
     ctx = _device_ctx()
     try:
         ours, want, w0 = _train(ctx, case, dtype)
-        ops = ctx.client._table_ops[f"half-{case}-{dtype}"]
-        assert isinstance(ops, CpuCudaHalfTwin) and ops.calls["half_gather_rows_checked"] >= 50
-        assert ctx.client._tables[f"half-{case}-{dtype}"].dtype == getattr(torch, dtype)
+        store = ctx.client.store(f"half-{case}-{dtype}")
+        assert isinstance(store.ops, CpuCudaHalfTwin)
+        assert store.ops.calls["half_gather_rows_checked"] >= 50
+        assert store.column("weight").dtype == getattr(torch, dtype)
     finally:
         ctx.close()
     err = float((ours - want).abs().max() / want.abs().max())

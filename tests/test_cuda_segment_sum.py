@@ -21,6 +21,7 @@ from distemb.embedding import DistEmbedding
 from distemb.errors import PartitionError
 from distemb.kernels import cuda
 from distemb.kvstore import device as device_kv
+from distemb.kvstore import views as views_kv
 from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
 
 C = cuda.SUM_CHUNK
@@ -145,6 +146,7 @@ def twin(monkeypatch):
     """Make device='cuda' give a DeviceKVClient on the CPU running CpuCudaTwin."""
     ops = CpuCudaTwin()
     monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(views_kv, "cuda_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(device_kv.DeviceKVClient, "ops", ops)
     return ops
 

@@ -1,4 +1,4 @@
-"""The GPU cache of hot rows and optimizer state (distemb.kvstore.device_cache).
+"""The GPU cache of hot rows and optimizer state (distemb.kvstore.caches.device).
 
 Oracles: torch.optim on nn.Embedding(sparse=True), and the same job without the cache
 (host table, rows looked up onto the device, sums made there, updates on the host). On
@@ -20,7 +20,8 @@ from distemb.errors import ConfigError, DistEmbError, KVStoreError
 from distemb.kernels import cuda
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore import device as device_kv
-from distemb.kvstore.device_cache import CacheOnDevice, DeviceCachedKVClient
+from distemb.kvstore import views as views_kv
+from distemb.kvstore.caches.device import CacheOnDevice, DeviceCachedKVClient
 from distemb.optim import SparseAdagrad, SparseAdam
 from distemb.partition import range_policy
 from distemb.rules import state_name
@@ -40,7 +41,8 @@ def twin(monkeypatch):
     """device='cuda' means the CPU, running CpuCudaTwin (for the cache and the view)."""
     ops = CpuCudaTwin()
     monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
-    monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", ops)
+    monkeypatch.setattr(views_kv, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(views_kv.HostTableOnDevice, "ops", ops)
     monkeypatch.setattr(DeviceCachedKVClient, "device_ops", ops)
     return ops
 

@@ -188,7 +188,7 @@ def test_bad_input(ctx):
     with pytest.raises(ValueError, match="dim"):
         DynamicEmbedding(0, context=ctx)
     emb = DynamicEmbedding(2, name="bad", context=ctx)
-    with pytest.raises(TypeError, match="ids: expected integer keys"):
+    with pytest.raises(TypeError, match="ids: expected an integer tensor"):
         emb(torch.tensor([1.0]))
     with pytest.raises(DistEmbError, match="not in the store"):
         emb.get(torch.tensor([3]))
@@ -211,10 +211,12 @@ def test_dynamic_table_looked_up_onto_a_device_trains_its_own_keys(ctx, monkeypa
     from cpu_cuda_twin import CpuCudaTwin
     from distemb.kernels import cuda
     from distemb.kvstore import device as device_kv
+    from distemb.kvstore import views as views_kv
 
     if kernels == "twin":
         monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
-        monkeypatch.setattr(device_kv.HostTableOnDevice, "ops", CpuCudaTwin())
+        monkeypatch.setattr(views_kv, "cuda_device", lambda device: torch.device("cpu"))
+        monkeypatch.setattr(views_kv.HostTableOnDevice, "ops", CpuCudaTwin())
     elif not cuda.cuda_available():
         pytest.skip("no usable GPU here: the CPU stand-in case covers the same path")
     emb = DynamicEmbedding(2, name="dyn-dev", context=ctx)
@@ -242,10 +244,12 @@ def test_a_dynamic_table_on_a_gpu_trains_as_the_host_table_bit_for_bit(
     from distemb import kernels as host_kernels
     from distemb.kernels import cuda
     from distemb.kvstore import device as device_kv
+    from distemb.kvstore import views as views_kv
     from distemb.optim import SparseAdam
 
     if kernels == "twin":
         monkeypatch.setattr(device_kv, "cuda_device", lambda device: torch.device("cpu"))
+        monkeypatch.setattr(views_kv, "cuda_device", lambda device: torch.device("cpu"))
         monkeypatch.setattr(device_kv.DeviceKVClient, "ops", CpuCudaTwin())
         monkeypatch.setattr(device_kv.DeviceKVClient, "half_ops", CpuCudaHalfTwin)
     elif not cuda.cuda_available():
@@ -429,8 +433,12 @@ def test_a_dense_table_answers_key_management_or_refuses_by_name(ctx):
         emb.remove(torch.tensor([1]))
     with pytest.raises(StoreError, match="fixed keys 0..9"):
         emb.evict(5)
-    with pytest.raises(AttributeError, match="dense table"):
-        emb.store
+    assert emb.store.fixed_keys and emb.store.size() == 10  # one shard: its DenseStore
+    from distemb.partition import range_policy
+    sharded = DistEmbedding(10, 2, name="two-parts", part_policy=range_policy(10, 2),
+                            context=ctx)
+    with pytest.raises(AttributeError, match="2 shards"):
+        sharded.store
 
 
 def test_storage_arguments_are_checked_by_name(ctx, tmp_path):
@@ -542,3 +550,25 @@ def test_closing_one_store_table_leaves_the_others(ctx, tmp_path):
     b.upsert(torch.tensor([2]), torch.ones(1, 2))
     assert b.get(torch.tensor([2])).tolist() == [[1.0, 1.0]]
     assert FileStore(tmp_path / "a").gather(np.array([1])).tolist() == [[1.0, 1.0]]
+
+
+def test_a_tables_export_and_import_take_the_states_they_are_given(ctx):
+    """``weight.export(states)`` gives the weight and the states named, and
+    ``weight.import_(keys, columns, states)`` refuses a column it was not given, for every
+    table (a table on row stores exported every column and imported any, whatever
+    ``states`` said)."""
+    for emb in (DynamicEmbedding(2, name="ex-hash", context=ctx),
+                DistEmbedding(10, 2, name="ex-dense", context=ctx)):
+        opt = SparseAdagrad([emb], lr=0.1)
+        emb(torch.tensor([1, 3])).sum().backward()
+        opt.step()
+        keys, cols = emb.weight.export({})
+        assert sorted(cols) == ["weight"], emb.name
+        keys, cols = emb.weight.export(emb.optm_state)
+        assert sorted(cols) == ["sum", "weight"] and cols["sum"].shape == (len(keys), 2)
+        with pytest.raises(StoreError, match=r"\['sum'\] not in table .* create the "
+                                             "optimizer first"):
+            emb.weight.import_(keys, {"sum": cols["sum"]}, {})
+        emb.weight.import_(keys, {"sum": cols["sum"] + 1}, emb.optm_state)
+        np.testing.assert_array_equal(emb.weight.export(emb.optm_state)[1]["sum"],
+                                      cols["sum"] + 1)

@@ -1,5 +1,5 @@
 """A co-located server answers a trainer's update before it applies it
-(distemb/kvstore/early.py). The oracle is the reference update rule applied in order:
+(distemb/kvstore/server/early.py). The oracle is the reference update rule applied in order:
 a lookup right after an update, while the server may still be writing it, returns the
 updated rows; an update that fails after its answer is raised at the next request and
 leaves the server serving.
@@ -14,8 +14,8 @@ from mp_helper import cluster_dict
 from distemb.config import parse_cluster_config
 from distemb.errors import KVStoreError
 from distemb.kernels import reference
-from distemb.kvstore import early
-from distemb.kvstore.early import may_answer_early
+from distemb.kvstore.server import early
+from distemb.kvstore.server.early import may_answer_early
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
@@ -98,8 +98,8 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, mon
             else:
                 reference.sgd_update(weight, ids, grads, hyper.lr)
             np.testing.assert_allclose(got, weight[look], rtol=1e-6, atol=1e-6)
-        assert kv._applying.beside > 0, "no lookup ran beside an update: a void test"
-        assert bool(kv._applying._marks) is (marks == "bool per row")
+        assert kv.servers.applying.beside > 0, "no lookup ran beside an update: a void test"
+        assert bool(kv.servers.applying._marks) is (marks == "bool per row")
     finally:
         kv.delete_data("early")
         kv.close(goodbye=False)

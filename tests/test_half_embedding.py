@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from distemb import SparseAdagrad, SparseSGD
+from distemb.stores.dense import DenseSpec
 from distemb.checkpoint import read_meta, restore, save
 from distemb.context import DistContext
 from distemb.embedding import DistEmbedding
@@ -26,12 +27,12 @@ from distemb.tensor import DistTensor
 from distemb.errors import KVStoreError, TransportError
 from distemb.kernels import half
 from distemb.kvstore import LocalKVClient
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.partition import range_policy
 from distemb.transport.base import HEADER, encode_head, parse_descriptors, parse_header
 from distemb.transport.messages import Create, Pull, Push
-from distemb.kvstore.cache import CachedKVClient
+from distemb.kvstore.caches.trainer import CachedKVClient
 from tests.conftest import CACHES, Cluster, zipf_ids
 from tests.test_optim_oracle import CASES
 
@@ -197,8 +198,7 @@ def _tensors(state_dict):
 
 def test_the_wire_carries_two_byte_rows_and_checks_them():
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
-    assert svc.handle(Create(name="w", dtype="bfloat16", row_shape=[8], parts=[0],
-                             part_rows=[10]).encode()).service != 101
+    assert svc.handle(Create.of_spec("w", DenseSpec((10, 8), "bfloat16")).encode()).service != 101
     rows = half.encode(np.full((2, 8), 1.5, np.float32), "bfloat16")
     push = Push(name="w", parts=[0], counts=[2], ids=np.array([3, 4]), values=rows)
     assert svc.handle(push.encode()).service != 101
@@ -216,9 +216,8 @@ def test_the_wire_carries_two_byte_rows_and_checks_them():
     header = parse_header(head[:HEADER.size], 1 << 30)
     specs = parse_descriptors(io.BytesIO(head[HEADER.size:]).read, header)
     assert specs[1] == (half.BFLOAT16, (2, 8)) and header.payload_len == 2 * 8 + 2 * 8 * 2
-    with pytest.raises(TransportError, match="rounding_seed"):
-        Create.decode(Create(name="w", dtype="bfloat16", row_shape=[8], parts=[0],
-                             part_rows=[10], rounding_seed=-5).encode())
+    with pytest.raises(ValueError, match="rounding_seed"):  # a seed of bfloat16 rows only
+        DenseSpec.from_fields(dict(DenseSpec((10, 8), "float16").fields(), seed=5))
 
 
 @pytest.mark.multiprocess

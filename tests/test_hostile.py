@@ -16,6 +16,8 @@ import pytest
 
 from mp_helper import ProcessGroup, cluster_dict, memory_files, shm_files, write_json
 
+from distemb.partition import layout_policy
+from distemb.stores.dense import DenseSpec
 from distemb.config import parse_cluster_config
 from distemb.errors import TransportError
 from distemb.kvstore.remote import RemoteKVClient
@@ -84,8 +86,7 @@ class Server:
 def SpecCreate(name, flags=0, **fields):
     """The Create of table ``name`` from a spec's fields (``spec.fields()``, each one a
     keyword: fuzzers replace them one by one)."""
-    return Create(name=name, flags=flags, dtype="", row_shape=[], parts=[], part_rows=[],
-                  spec=fields)
+    return Create(name=name, flags=flags, spec=fields)
 
 
 def ask(conn, msg):
@@ -142,26 +143,35 @@ def test_forged_ranks_and_strangers_are_refused(tmp_path):
         srv.finish(group)
 
 
+def test_a_trainer_whose_config_has_no_token_is_told_so_not_a_wrong_token(tmp_path):
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group)
+        raw = {k: v for k, v in srv.raw.items() if k != "job_token"}
+        with pytest.raises(Exception, match=r"Hello: no job token, and this server's job has "
+                                            r"one: the process's cluster config has no "
+                                            r"job_token") as err:
+            RemoteKVClient(parse_cluster_config(raw), 1)
+        assert "wrong job token" not in str(err.value)
+        srv.finish(group)
+
+
 def test_tables_the_server_cannot_hold_are_refused_and_leave_no_shared_memory(tmp_path):
     with ProcessGroup() as group:
         srv = Server(tmp_path, group, shared_memory=True)
         conn = srv.connect()
         before = srv.shm_files()
-        err = ask(conn, Create(name="overflow", dtype="float32", row_shape=[1 << 30],
-                               parts=[0, 1 << 20], part_rows=[1, 1 << 40]))
+        err = ask(conn, Create.of_spec("overflow", DenseSpec((1 << 41, 1 << 15))))
         assert err.service == Service.ERROR and "more than" in err.fields["message"]
         # 2 TiB on this machine: refused with the bytes asked for and the bytes left.
-        err = ask(conn, Create(name="huge", dtype="float32", row_shape=[128], parts=[0],
-                               part_rows=[1 << 32]))
+        err = ask(conn, Create.of_spec("huge", DenseSpec((1 << 32, 128))))
         msg = err.fields["message"]
         assert "needs 2,199,023,255,552 bytes" in msg and "left in" in msg, msg
         # A small first shard and a huge second one: nothing is allocated at all.
-        err = ask(conn, Create(name="half", dtype="float32", row_shape=[4], parts=[0, 1],
-                               part_rows=[10, 1 << 38]))
+        uneven = layout_policy(("range", (0, 10, 10 + (1 << 38))), 10 + (1 << 38))
+        err = ask(conn, Create.of_spec("half", DenseSpec((10 + (1 << 38), 4), policy=uneven)))
         assert "needs 4,398,046,511,264 bytes" in err.fields["message"], err.fields
         assert srv.shm_files() == before
-        reply = ask(conn, Create(name="ok", dtype="float32", row_shape=[4], parts=[0],
-                                 part_rows=[10]))
+        reply = ask(conn, Create.of_spec("ok", DenseSpec((10, 4), "float32")))
         assert reply.service == Service.REPLY and len(srv.shm_files()) == len(before) + 1
         assert ask(conn, Drop(name="ok")).service == Service.REPLY
         srv.finish(group)
@@ -205,7 +215,7 @@ def _array(rng):
 def hostile_message(rng):
     """A message of a random request class with some fields and arrays made hostile."""
     valid = {
-        Create: dict(dtype="float32", row_shape=[4], parts=[0], part_rows=[8]),
+        Create: dict(spec=DenseSpec((8, 4)).fields()),
         Pull: dict(parts=[0], counts=[2], ids=np.array([0, 1])),
         Push: dict(parts=[0], counts=[1], ids=np.array([0]),
                    values=np.ones((1, 4), np.float32)),

@@ -86,7 +86,7 @@ def test_capacity_evicts_with_the_state_and_spares_the_last_lookup(placement, tm
         with pytest.raises(KVStoreError, match="DeviceCachedKVClient: cannot hold table .* on "
                                                "a hash store with a capacity"):
             hash_table(client, tmp_path, capacity=4, evict="lru")
-        assert not client.keyed_names()
+        assert not client.names()
         return
     t = hash_table(client, tmp_path, capacity=4, evict="lru")
     client.init_optimizer(t.name, "adagrad", {})
@@ -388,7 +388,8 @@ def test_a_server_refuses_keys_another_server_owns(clusters):
         kv.create_table("routed", HashTableSpec(2))
         keys = np.arange(50, dtype=np.int64)
         theirs = keys[key_partition(keys, 2) == 1][:1]
-        with pytest.raises(KVStoreError, match=f"key {int(theirs[0])} .* belongs to server 1"):
+        with pytest.raises(KVStoreError, match=f"key {int(theirs[0])} .* belongs to shard 1, "
+                                               "not shard 0"):
             kv._call({0: Pull(name="routed", parts=[0], counts=[1], ids=theirs)})
         assert kv.size("routed") == 0
         kv.delete_data("routed")
@@ -409,7 +410,7 @@ def test_half_rows_of_a_keyed_table_cross_the_wire_in_two_bytes(clusters, tmp_pa
             keys = t.key_of(np.arange(4))
             vals = np.array([[1.0, 1.00390625, 1.01171875]] * 4, np.float32)
             kv.push(t.name, keys, vals)  # rounded here, 2 bytes a value on the wire
-            sid, k = next((s, k) for s, (_, k) in kv._routers[t.name].split(keys).items())
+            sid, k = next((s, k) for s, (_, k) in kv.table(t.name).router.split(keys).items())
             reply = kv._call({sid: Pull(name=t.name, parts=[sid], counts=[len(k)],
                                         ids=k)})[sid]
             (got,) = reply.arrays

@@ -5,14 +5,20 @@ import pytest
 
 from distemb.errors import KVStoreError
 from distemb.kvstore import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.service import KVService
 from distemb.rules import SGDHyper
+from distemb.stores.dense import DenseSpec
+
+
+def _dense(srv, name, shape, parts=(0,)):
+    spec = DenseSpec(shape)
+    return srv.create_table(name, spec, spec.router(), list(parts))
 
 
 def test_server_pull_push_update_in_place():
     srv = KVServer(num_threads=2)
-    w = np.zeros((4, 2), np.float32)
-    srv.create("w", 0, w)
+    table, = _dense(srv, "w", (4, 2))
+    w = table.store.column("weight")
     srv.push("w", 0, np.array([3]), np.ones((1, 2), np.float32))
     srv.update("w", 0, np.array([3]), np.ones((1, 2), np.float32), "sgd", SGDHyper(lr=0.5))
     assert w[3].tolist() == [0.5, 0.5], "the server must update its shard in place"
@@ -23,22 +29,21 @@ def test_server_pull_push_update_in_place():
 
 def test_server_rejects_unknown_rule_and_shard():
     srv = KVServer()
-    srv.create("w", 0, np.zeros((2, 2), np.float32))
+    _dense(srv, "w", (2, 2))
     with pytest.raises(KVStoreError, match="rule: expected one of"):
         srv.update("w", 0, np.array([0]), np.ones((1, 2), np.float32), "lion", SGDHyper(lr=0.5))
     with pytest.raises(KVStoreError, match="no shard 1 of 'w'"):
         srv.pull("w", 1, np.array([0]))
     with pytest.raises(KVStoreError, match="already exists"):
-        srv.create("w", 0, np.zeros((2, 2), np.float32))
+        _dense(srv, "w", (2, 2))
 
 
 def _exact_service(num_trainers):
-    from distemb.kvstore.service import KVService
+    from distemb.kvstore.server.service import KVService
     from distemb.transport.messages import Create
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=num_trainers,
                     timeout_s=30)
-    svc.handle(Create(name="w", dtype="float32", row_shape=[1], parts=[0],
-                      part_rows=[1]).encode())
+    svc.handle(Create.of_spec("w", DenseSpec((1, 1))).encode())
     return svc
 
 

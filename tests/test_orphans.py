@@ -258,7 +258,7 @@ def test_a_job_launched_over_ssh_runs_to_completion_under_its_guards(tmp_path):
 
 HANGING_SERVER = """
 import sys, time
-import distemb.kvstore.server as kvserver
+import distemb.kvstore.server.kvserver as kvserver
 from distemb import server
 
 def hang_in_close(self):  # a shutdown that never ends (what the test plants)

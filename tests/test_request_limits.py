@@ -14,6 +14,7 @@ import pytest
 from mp_helper import ProcessGroup
 from test_hostile import Server, SpecCreate, ask, closed
 
+from distemb.stores.dense import DenseSpec
 from distemb.kvstore.limits import check_request
 from distemb.stores.spec import FileTableSpec, HashTableSpec
 from distemb.transport.base import HEADER, MAGIC, VERSION
@@ -43,8 +44,7 @@ def test_requests_over_the_limit_are_refused_before_the_server_allocates(tmp_pat
     with ProcessGroup() as group:
         srv = Server(tmp_path, group, max_message_bytes=MIB)
         conn = srv.connect()
-        assert ask(conn, Create(name="wide", dtype="float32", row_shape=[WIDE], parts=[0],
-                                part_rows=[8])).service == Service.REPLY  # 2 MiB: a table
+        assert ask(conn, Create.of_spec("wide", DenseSpec((8, WIDE), "float32"))).service == Service.REPLY  # 2 MiB: a table
         ids = np.arange(5, dtype=np.int64)  # 5 rows of 256 KiB: 1.25 MiB
         for msg in (Pull(name="wide", parts=[0], counts=[5], ids=ids),
                     VersionedPull(name="wide", parts=[0], counts=[5], ids=ids,
@@ -71,9 +71,10 @@ def test_requests_over_the_limit_are_refused_before_the_server_allocates(tmp_pat
             ask(conn, Push(name="dyn", parts=[0], counts=[1], ids=ids[k:k + 1],
                            values=np.full((1, WIDE), k, np.float32)))
         assert ask(conn, Info(name="dyn")).fields["size"] == 5
-        assert refused(ask(conn, Get(name="dyn", mode="get", column="weight", ids=ids)))
-        assert refused(ask(conn, Export(name="dyn", start=0, count=10, columns=[])))
-        part = ask(conn, Export(name="dyn", start=2, count=10, columns=[]))
+        assert refused(ask(conn, Get(name="dyn", mode="get", column="weight", parts=[0],
+                                     counts=[5], ids=ids)))
+        assert refused(ask(conn, Export(name="dyn", part=0, start=0, count=10, columns=[])))
+        part = ask(conn, Export(name="dyn", part=0, start=2, count=10, columns=[]))
         assert part.service == Service.REPLY and part.arrays[1].shape == (3, WIDE)
         assert part.arrays[1][:, 0].tolist() == [2.0, 3.0, 4.0]
         # A file table whose shard the disk cannot hold, preallocated: refused up front.
@@ -135,8 +136,7 @@ def test_a_keyed_checkpoint_bigger_than_the_machine_is_refused_before_it_is_read
         conn = srv.connect()
         assert ask(conn, SpecCreate(name="dyn", **HashTableSpec(4).fields())
                    ).service == Service.REPLY
-        frame = ask(conn, Load(name="dyn", directory=str(tmp_path / "ck"), parts=[0], starts=[],
-                               steps=[]))
+        frame = ask(conn, Load(name="dyn", directory=str(tmp_path / "ck"), parts=[0]))
         assert refused(frame, "load of 137,438,953,472 keys into 'dyn': needs"), frame.fields
         assert ask(conn, Info(name="dyn")).fields["size"] == 0
         srv.finish(group)
@@ -169,7 +169,7 @@ def test_a_segment_whose_blocks_exceed_the_machine_is_refused_before_one_is_read
             srv.init_data("w", 10, 4)
             srv.real.push("w", np.arange(10), np.full((10, 4), 3.0, np.float32))
             conn = srv.connect()
-            frame = ask(conn, Load(name="w", directory=ck, parts=[0], starts=[0], steps=[1]))
+            frame = ask(conn, Load(name="w", directory=ck, parts=[0]))
             assert refused(frame, "a block of 274,877,906,944 rows: needs 4,398,046,511,104 "
                                   "bytes"), frame.fields
             np.testing.assert_array_equal(srv.real.pull("w", np.arange(10)),

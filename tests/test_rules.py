@@ -7,9 +7,10 @@ touched (over the real request path of a KVService).
 import numpy as np
 import pytest
 
+from distemb.stores.dense import DenseSpec
 from distemb.errors import KVStoreError
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.rules import (RULES, AdagradHyper, AdamHyper, FtrlHyper, RuleName, SGDHyper,
                            rule_of)
 from distemb.transport.messages import Create, OptInit, Service, Update
@@ -50,7 +51,7 @@ def test_wrong_hyper_type_and_unknown_rule_are_refused():
 
 def test_server_refuses_a_bad_hyper_before_touching_rows():
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
-    svc.handle(Create(name="w", dtype="float32", row_shape=[2], parts=[0], part_rows=[3]).encode())
+    svc.handle(Create.of_spec("w", DenseSpec((3, 2), "float32")).encode())
     svc.handle(OptInit(name="w", rule="adagrad", options={}, parts=[0]).encode())
     update = Update(name="w", rule="adagrad", hyper={"clr": 1.0}, seq=1, exact=False,
                     parts=[0], counts=[1], ids=np.array([1]), grads=np.ones((1, 2), np.float32))

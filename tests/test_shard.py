@@ -10,10 +10,13 @@ import pytest
 from mp_helper import memory_files
 
 from distemb.errors import KVStoreError
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.shard import VERSION, ShardTable
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.shard import VERSION, ShardTable
+from distemb.routers import KeyHashRouter, PolicyRouter
 from distemb.rules import AdagradHyper, SGDHyper, state_name
 from distemb.stores import DenseStore, FileStore, HashStore
+from distemb.stores.dense import DenseSpec
+from distemb.transport.messages import Create
 
 
 def _stores(tmp_path):
@@ -21,10 +24,25 @@ def _stores(tmp_path):
             "file": FileStore(str(tmp_path / "f"), 8, 2)}
 
 
+def _shard(store):
+    """The ShardTable of a table whose one shard is ``store``."""
+    router = PolicyRouter.ranges(store.size(), 1) if store.fixed_keys else KeyHashRouter(1)
+    return ShardTable(store, router)
+
+
+def _dense(srv, name, shape, rule=None):
+    """Table ``name`` of ``shape`` in one shard of ``srv`` (its state of ``rule`` too)."""
+    spec = DenseSpec(shape)
+    table, = srv.create_table(name, spec, spec.router(), [0])
+    if rule is not None:
+        srv.attach_states(name, 0, table.init_states(rule, {}))
+    return table
+
+
 @pytest.mark.parametrize("kind", ["dense", "hash", "file"])
 def test_versions_start_at_first_and_count_writes(tmp_path, kind):
     store = _stores(tmp_path)[kind]
-    t = ShardTable(store)
+    t = _shard(store)
     keys = np.array([1, 5, 7])
     with t.write():
         store.scatter(keys, np.ones((3, 2), np.float32))
@@ -44,7 +62,7 @@ def test_versions_start_at_first_and_count_writes(tmp_path, kind):
 
 def test_a_hash_rows_version_is_evicted_with_the_row():
     store = HashStore(2)
-    t = ShardTable(store)
+    t = _shard(store)
     store.lookup(np.array([10, 20, 30]))
     first = 7 << 40
     t.versions(np.array([10]), first)
@@ -68,7 +86,7 @@ def test_a_copy_of_an_evicted_row_never_matches_the_row_that_replaced_it():
     update would bring the new row back to v and the cache would take a stale copy for
     current (versions are all a cache compares)."""
     store = HashStore(2)
-    t = ShardTable(store)
+    t = _shard(store)
     held = t.versions(np.array([10]), 1 << 40)[0]
     for _ in range(3):
         t.push(np.array([10]), np.ones((1, 2), np.float32))
@@ -85,7 +103,7 @@ def test_a_copy_of_an_evicted_row_never_matches_the_row_that_replaced_it():
 
 
 def test_seqlock_counters_are_odd_while_a_write_runs():
-    t = ShardTable(DenseStore(4, 2))
+    t = _shard(DenseStore(4, 2))
     w, s = np.zeros(1, np.int64), np.zeros(1, np.int64)
     t.set_counter("weight", w)
     t.set_counter("sum", s)
@@ -98,7 +116,7 @@ def test_seqlock_counters_are_odd_while_a_write_runs():
 
 
 def test_a_writer_excludes_readers():
-    t = ShardTable(DenseStore(4, 2))
+    t = _shard(DenseStore(4, 2))
     seen = []
     inside = threading.Event()
 
@@ -119,9 +137,7 @@ def test_a_writer_excludes_readers():
 
 def test_server_state_shards_are_columns_of_their_table():
     srv = KVServer()
-    srv.create("T", 0, np.zeros((5, 2), np.float32))
-    srv.create(state_name("T", "sum"), 0, np.zeros((5, 2), np.float32))
-    table = srv.table("T", 0)
+    table = _dense(srv, "T", (5, 2), "adagrad")
     assert srv.table(state_name("T", "sum"), 0) is table
     assert "sum" in table.store.columns()
     # a write of the state voids cached copies of the table's rows
@@ -133,22 +149,13 @@ def test_server_state_shards_are_columns_of_their_table():
     assert srv.has("T", 0)
 
 
-def test_a_state_with_other_rows_than_its_table_is_refused():
-    # a token holder's Create "T~opt~evil" of 1 x 65536 must not pair with T's 100000 rows
-    srv = KVServer()
-    srv.create("T", 0, np.zeros((100, 4), np.float32))
-    with pytest.raises(KVStoreError, match="expected 100 rows"):
-        srv.create(state_name("T", "evil"), 0, np.zeros((1, 65536), np.float32))
-    assert not srv.has(state_name("T", "evil"), 0)
-
-
 def test_update_of_a_state_name_or_with_missing_state_is_refused():
     srv = KVServer()
-    srv.create("T", 0, np.zeros((5, 2), np.float32))
+    table = _dense(srv, "T", (5, 2))
     with pytest.raises(KVStoreError, match="no shard 0 of 'T~opt~sum'"):
         srv.update("T", 0, np.array([1]), np.ones((1, 2), np.float32), "adagrad",
                    AdagradHyper(clr=0.1, eps=1e-10))
-    srv.create(state_name("T", "sum"), 0, np.zeros((5, 2), np.float32))
+    srv.attach_states("T", 0, table.init_states("adagrad", {}))
     with pytest.raises(KVStoreError, match="optimizer state"):
         srv.update(state_name("T", "sum"), 0, np.array([1]), np.ones((1, 2), np.float32),
                    "sgd", SGDHyper(lr=0.1))
@@ -157,19 +164,17 @@ def test_update_of_a_state_name_or_with_missing_state_is_refused():
 def test_a_state_column_has_its_tables_rows_so_a_versioned_pull_stays_inside():
     """Issue 18's crash: Create T (100000 x 4), Create 'T~opt~evil' (1 x 65536), then a
     VersionedPull of T's last row with state 'evil' read outside the 1-row array. The
-    second Create is refused and the pull names the missing state; the service goes on
-    serving."""
-    from distemb.kvstore.service import KVService
-    from distemb.transport.messages import Create, Pull, Service, VersionedPull
+    second Create is refused by its reserved name (optimizer state is made by OptInit
+    alone, as columns of its table's stores: their rows are the table's) and the pull
+    names the missing state; the service goes on serving."""
+    from distemb.kvstore.server.service import KVService
+    from distemb.transport.messages import Pull, Service, VersionedPull
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
 
     def ask(msg):
         return svc.handle(msg.encode())
-    assert ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0],
-                      part_rows=[100000])).service == Service.REPLY
-    bad = ask(Create(name="T~opt~evil", dtype="float32", row_shape=[65536], parts=[0],
-                     part_rows=[1]))
-    # refused by its reserved name on the wire (and by its rows, KVServer.create, above)
+    assert ask(Create.of_spec("T", DenseSpec((100000, 4)))).service == Service.REPLY
+    bad = ask(Create.of_spec("T~opt~evil", DenseSpec((1, 65536))))
     assert bad.service == Service.ERROR and "reserved" in bad.fields["message"]
     pulled = ask(VersionedPull(name="T", parts=[0], counts=[1], ids=np.array([99999]),
                                have=np.array([-2]), states=["evil"]))
@@ -185,22 +190,20 @@ def test_reserved_state_names_and_non_finite_initial_state_are_refused():
     import math
 
     import distemb
-    from distemb.kvstore.service import KVService
+    from distemb.kvstore.server.service import KVService
     from distemb.stores.spec import HashTableSpec
-    from distemb.transport.messages import Create, OptInit, Service
+    from distemb.transport.messages import OptInit, Service
     from test_hostile import SpecCreate
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
 
     def ask(msg):
         return svc.handle(msg.encode())
-    for msg in (Create(name="a~opt~b", dtype="float32", row_shape=[4], parts=[0],
-                       part_rows=[5]),
+    for msg in (Create.of_spec("a~opt~b", DenseSpec((5, 4))),
                 SpecCreate(name="d~opt~sum", **HashTableSpec(4).fields())):
         r = ask(msg)
         assert r.service == Service.ERROR and "reserved" in r.fields["message"], r.fields
     assert not svc.server.parts_of("a~opt~b") and not svc.server.parts_of("d~opt~sum")
-    assert ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0],
-                      part_rows=[5])).service == Service.REPLY
+    assert ask(Create.of_spec("T", DenseSpec((5, 4)))).service == Service.REPLY
     for value in (math.nan, math.inf, -math.inf):
         r = ask(OptInit(name="T", rule="adagrad", parts=[0],
                         options={"initial_accumulator_value": value}))
@@ -221,13 +224,10 @@ def test_dropping_a_table_frees_its_arrays_and_its_optimizer_states():
     every array (a server kept a deleted table's weight alive through its states)."""
     import weakref
     srv = KVServer()
-    w, s = np.zeros((1000, 8), np.float32), np.zeros((1000, 8), np.float32)
-    refs = [weakref.ref(w), weakref.ref(s)]
-    srv.create("T", 0, w)
-    srv.create(state_name("T", "sum"), 0, s)
-    srv.create("U", 0, np.zeros((3, 2), np.float32))
-    del w, s
-    assert srv.shards_of("T") == [(state_name("T", "sum"), 0), ("T", 0)]
+    table = _dense(srv, "T", (1000, 8), "adagrad")
+    refs = [weakref.ref(table.store.column("weight")), weakref.ref(table.store.column("sum"))]
+    _dense(srv, "U", (3, 2))
+    del table
     srv.drop("T")
     gc.collect()
     assert [r() for r in refs] == [None, None]
@@ -239,8 +239,8 @@ def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop():
     """The server's arena knows its arrays by identity: the shard a ShardTable holds must
     be the arena's own array, or co-located trainers get no segment (and read over
     sockets) and a dropped table's memory file is never released (its memory stays)."""
-    from distemb.kvstore.service import KVService
-    from distemb.transport.messages import Create, Drop, OptInit, Service, ShmInfo
+    from distemb.kvstore.server.service import KVService
+    from distemb.transport.messages import Drop, OptInit, Service, ShmInfo
     from distemb.transport.shm import ShmArena
     arena = ShmArena("idjob", 0)
     svc = KVService(KVServer(), 0, 1, 1, arena=arena)
@@ -249,12 +249,13 @@ def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop():
         reply = svc.handle(msg.encode())
         assert reply.service == Service.REPLY, reply.fields
         return reply
-    ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0], part_rows=[50]))
+    ask(Create.of_spec("T", DenseSpec((50, 4))))
     ask(OptInit(name="T", rule="adagrad", options={}, parts=[0]))
-    for n in ("T", state_name("T", "sum")):
-        reply = ask(ShmInfo(name=n, parts=[0]))
-        assert reply.fields["segments"] == [True] and len(reply.fds) == 1, reply.fields
-        os.close(reply.fds[0])
+    reply = ask(ShmInfo(name="T", parts=[0]))  # the rows, which trainers read in place
+    assert reply.fields["segments"] == [True] and len(reply.fds) == 1, reply.fields
+    os.close(reply.fds[0])
+    reply = ask(ShmInfo(name=state_name("T", "sum"), parts=[0]))  # read over the socket
+    assert reply.fields["segments"] == [False] and not reply.fds, reply.fields
     assert memory_files(os.getpid(), "idjob") == ["distemb-idjob-s0-0",
                                                      "distemb-idjob-s0-1"]
     ask(Drop(name="T"))
@@ -266,7 +267,7 @@ def test_a_servers_shm_shards_are_found_by_identity_and_freed_on_drop():
 def test_versions_of_keys_that_grow_a_hash_store_are_read_after_the_growth():
     """A versioned pull of new keys inserts them; when that grows the store's arrays, the
     versions come from the grown column (a trainer cache asks for versions of new keys)."""
-    t = ShardTable(HashStore(2))
+    t = _shard(HashStore(2))
     first = 1 << 40
     t.versions(np.arange(4), first)
     got = t.versions(np.arange(100, 100 + 5000), None)  # grows every column many times
@@ -280,7 +281,7 @@ def test_versions_of_keys_that_grow_a_hash_store_are_read_after_the_growth():
 
 def _service():
     """An in-process server's service, and ``ask(message) -> reply frame``."""
-    from distemb.kvstore.service import KVService
+    from distemb.kvstore.server.service import KVService
     svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
     return svc, lambda msg: svc.handle(msg.encode())
 
@@ -288,10 +289,9 @@ def _service():
 def test_an_optimizer_option_the_rule_does_not_read_is_refused_naming_it():
     """Issue 37: an OptInit option that no state of the rule starts from is refused,
     named, before any state is made (it was ignored, as unknown hyperparameters are not)."""
-    from distemb.transport.messages import Create, OptInit, Service
+    from distemb.transport.messages import OptInit, Service
     svc, ask = _service()
-    assert ask(Create(name="T", dtype="float32", row_shape=[4], parts=[0],
-                      part_rows=[5])).service == Service.REPLY
+    assert ask(Create.of_spec("T", DenseSpec((5, 4)))).service == Service.REPLY
     for rule, options, bad in (
             ("adagrad", {"initial_accumulator_value": 0.1, "bogus": 1.0}, "bogus"),
             ("sgd", {"initial_accumulator_value": 0.1}, "initial_accumulator_value"),
@@ -300,7 +300,7 @@ def test_an_optimizer_option_the_rule_does_not_read_is_refused_naming_it():
         assert r.service == Service.ERROR, (rule, options)
         assert f"options.{bad}: unknown option of rule {rule!r}" in r.fields["message"], \
             r.fields["message"]
-        assert svc.server.shards_of("T") == [("T", 0)]  # no state made
+        assert list(svc.server.table("T", 0).columns()) == ["weight"]  # no state made
 
 
 def test_a_spec_whose_initialiser_contradicts_its_dim_is_refused_naming_it():

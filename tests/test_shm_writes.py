@@ -19,18 +19,19 @@ import pytest
 
 from mp_helper import memory_files, shm_files
 
+from distemb.stores.dense import DenseSpec
 from distemb.errors import PartitionError, TransportError
 from distemb.kernels import reference
 from distemb.kvstore.remote import RemoteKVClient
-from distemb.kvstore.server import KVServer
-from distemb.kvstore.service import KVService
+from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.stores.file import FileTableSpec
 from distemb.stores.spec import HashTableSpec
 from distemb.transport.base import Connection, Session
 from distemb.transport.connections import local_address, open_connections
-from distemb.transport.messages import InShm, Push, Service
+from distemb.transport.messages import Create, InShm, Push, Service
 from distemb.transport.shm import SEALS, ShmArena, attach
 from distemb.transport.slots import RequestSlot, SlotReader
 
@@ -207,7 +208,7 @@ def test_server_without_shared_memory_rejects_in_shm_requests():
 def test_server_applies_pushes_from_a_slot_handed_over_once():
     arena = ShmArena("jobx", 0)
     svc = KVService(KVServer(), 0, 1, 1, arena=arena)
-    svc.server.create("w", 0, np.zeros((4, 2), np.float32))
+    svc.handle(Create.of_spec("w", DenseSpec((4, 2))).encode())
     slot, session = RequestSlot("jobx", 0, 0), Session(peer="test", trusted=True)
 
     def push(ids, values, hand_over=True):
@@ -369,7 +370,7 @@ def test_colocated_file_table_rows_are_read_in_place(clusters, tmp_path):
     rng = np.random.default_rng(8)
     try:
         kv.create_table("f", FileTableSpec(str(tmp_path / "f"), num_rows=rows, dim=d))
-        assert sorted(k for k in kv._shm if k[0] == "f") == [("f", 0), ("f", 1)]
+        assert sorted(k for k in kv.servers.mapped if k[0] == "f") == [("f", 0), ("f", 1)]
         weight = rng.standard_normal((rows, d)).astype(np.float32)
         kv.push("f", np.arange(rows), weight)
         kv.init_optimizer("f", "adagrad", {"initial_accumulator_value": 0.0})
@@ -395,7 +396,7 @@ def test_colocated_file_table_rows_are_read_in_place(clusters, tmp_path):
         assert len(mapped) == 2, mapped  # the two servers' counters, nothing else
     finally:
         kv.delete_data("f")
-    assert not [k for k in kv._shm if k[0] == "f"]
+    assert not [k for k in kv.servers.mapped if k[0] == "f"]
     gc.collect()
     assert not mapped & set(memory_files(os.getpid(), cluster.cfg.job_id))
     for proc in cluster.servers:

@@ -40,8 +40,10 @@ from test_hostile import Server, SpecCreate, ask
 from test_shm_writes import HOSTILE_FDS, hostile_fd, sealed
 
 from distemb import checkpoint
+from distemb.stores.dense import DenseSpec
 from distemb.kernels.half import BFLOAT16
-from distemb.kvstore import LocalKVClient, segments
+from distemb.kvstore import LocalKVClient
+from distemb.kvstore.checkpoint import segments
 from distemb.partition import range_policy
 from distemb.stores import HashStore
 from distemb.stores.spec import HashTableSpec
@@ -64,6 +66,15 @@ def ids(*v):
 
 def grads(n, dim=DIM, dtype=np.float32):
     return np.ones((n, dim), dtype)
+
+
+def dense_fields(**edit):
+    """The spec fields of the dense table "keep", with ``edit``; a ``partition`` of None
+    means one range over ``num_rows`` (a layout must cover the table's rows)."""
+    fields = dict(DenseSpec((ROWS, DIM), "float32").fields(), **edit)
+    if fields["partition"] is None:
+        fields["partition"] = ["range", [0, fields["num_rows"]]]
+    return fields
 
 
 # Every request kind: a base that would be valid (against the tables "keep", "half" and
@@ -98,16 +109,22 @@ KINDS = {
     Hello: (dict(rank=1, token=None),
             [{"rank": 0}, {"rank": 5}, {"rank": -1}, {"token": "0" * 32}, {"token": ""},
              {"rank": 1 << 62}, {"rank": "1"}]),
-    Create: (dict(name="keep", dtype="float32", row_shape=[DIM], parts=[0], part_rows=[ROWS]),
+    Create: (dict(name="keep", spec=dense_fields()),
              [{"name": n} for n in BAD_NAMES[2:4] + ["", "x" * 300, "\x00"]] +
-             [{"dtype": d} for d in ("float128", "object", "", "int64", "<f4")] +
-             [{"row_shape": s} for s in ([DIM + 1], [0], [1 << 30, 1 << 30], [-1], [1] * 4)] +
-             [{"part_rows": r} for r in ([ROWS + 1], [1 << 40], [0, 1], [-1])] +
-             [{"name": "new", "part_rows": [1 << 38]}, {"name": "new", "row_shape": [1 << 20],
-                                                      "part_rows": [1 << 20]},
-              {"name": "new", "parts": [0, 1], "part_rows": [1, 1 << 40]},
-              {"name": "dyn"}, {"name": "half", "dtype": "float32"},
-              {"rounding_seed": -2}, {"rounding_seed": 5}]),
+             [{"spec": dense_fields(dtype=d)} for d in ("float128", "object", "", "int64",
+                                                        "<f4")] +
+             [{"spec": dense_fields(row_shape=s)} for s in ([DIM + 1], [0], [1 << 30, 1 << 30],
+                                                           [-1], [1] * 4)] +
+             [{"spec": dense_fields(num_rows=r)} for r in (ROWS + 1, 1 << 40, 0, -1)] +
+             [{"name": "new", "spec": dense_fields(num_rows=1 << 38, partition=None)},
+              {"name": "new", "spec": dense_fields(row_shape=[1 << 20], num_rows=1 << 20,
+                                                   partition=None)},
+              {"name": "new", "spec": dense_fields(num_rows=(1 << 40) + 1,
+                                                   partition=["range", [0, 1, (1 << 40) + 1]])},
+              {"name": "new", "spec": dense_fields(partition=["range", [0, 4]])},
+              {"name": "dyn"}, {"name": "half", "spec": dense_fields(dtype="float32")},
+              {"spec": dense_fields(seed=-2)}, {"spec": dense_fields(seed=5)},
+              {"spec": dense_fields(kind="nope")}, {"spec": dense_fields(capacity=5)}]),
     # (a state is dropped by its name: a client drops every tensor it lists, states too)
     Drop: (dict(name="nope"), [{"name": n} for n in ("", "x" * 300, "\x00", "a\nb")]),
     Pull: (dict(name="keep", parts=[0], counts=[2], ids=ids(0, 9)), rows_mutations(2, None)),
@@ -141,18 +158,15 @@ KINDS = {
               [{"parts": [1]}, {"parts": [1 << 40]}, {"parts": [-1]}, {"parts": [0, 3]}]),
     Bye: (dict(rank=1), [{"rank": 0}, {"rank": -1}, {"rank": 2}, {"rank": 1 << 40},
                          {"rank": True}]),
-    Save: (dict(name="keep", directory="<tmp>", save_id="0123abcd", parts=[0], starts=[0],
-                steps=[1]),
+    Save: (dict(name="keep", directory="<tmp>", save_id="0123abcd", parts=[0]),
            [{"name": n} for n in BAD_NAMES[:2]] +
            [{"save_id": s} for s in ("../../x", "", "ZZZZZZZZ", "a" * 300, "/etc/x")] +
            [{"directory": d} for d in ("relative", "", "/proc/nope", "/dev/null")] +
-           [{"parts": [1]}, {"steps": [0]}, {"steps": [-1]}, {"starts": [0, 1]},
-            {"parts": [0, 0], "starts": [0, 0], "steps": [1, 1, 1]},
+           [{"parts": [1]}, {"parts": [0, 0]}, {"parts": [1 << 40]}, {"parts": [-1]},
             {"columns": ["nope"]}, {"columns": ["weight", "weight"]}, {"columns": "weight"},
-            {"columns": ["~version"]}, {"columns": ["x" * 300]}, {"name": "dyn"},
-            {"starts": [], "steps": []}, {"name": "keep~opt~sum"},
-            {"name": "dyn", "starts": [], "steps": [], "parts": [1]},
-            {"name": "dyn", "starts": [], "steps": [], "columns": ["nope"]}]),
+            {"columns": ["~version"]}, {"columns": ["x" * 300]},
+            {"name": "keep~opt~sum"}, {"name": "dyn", "parts": [1]},
+            {"name": "dyn", "columns": ["nope"]}]),
     VersionedPull: (dict(name="keep", parts=[0], counts=[2], ids=ids(0, 9), have=ids(-2, -2),
                          states=["sum"]),
                     rows_mutations(2, "have") +
@@ -174,39 +188,36 @@ KINDS = {
                    {"name": "new", "capacity": 1 << 40, "preallocate": 1 << 40},
                    {"name": "new", "kind": "dense", "num_rows": 1 << 40},
                    {"name": "new", "dim": 1 << 16, "preallocate": 1 << 30}]),
-    Get: (dict(name="dyn", mode="get", column="weight", ids=KEYS[:2]),
+    Get: (dict(name="dyn", mode="get", column="weight", parts=[0], counts=[2], ids=KEYS[:2]),
                 [{"name": n} for n in BAD_NAMES] +
                 [{"mode": m} for m in ("nope", "", None)] +
                 [{"column": c} for c in ("nope", "~version", "", "x" * 300)] +
-                [{"ids": i} for i in BAD_IDS[5:] + [ids(999), ids(-5)]]),
-    Remove: (dict(name="dyn", ids=ids(1 << 50)),
+                [{"ids": i} for i in BAD_IDS[5:] + [ids(999, 998), ids(-5, -6)]] +
+                [{"parts": [1]}, {"parts": [0, 1], "counts": [1, 1]}, {"counts": [3]}]),
+    Remove: (dict(name="dyn", parts=[0], counts=[1], ids=ids(1 << 50)),
                   [{"name": n} for n in BAD_NAMES] +
-                  [{"ids": i} for i in BAD_IDS[5:]] + [{"name": "keep", "ids": ids(1)}]),
+                  [{"ids": i} for i in BAD_IDS[5:]] + [{"name": "keep", "ids": ids(1)},
+                                                       {"parts": [1]}, {"counts": [2]}]),
     Info: (dict(name="dyn", evict_to=-1, policy=""),
                 [{"name": n} for n in BAD_NAMES] +
-                [{"name": "keep"}, {"name": "keep", "evict_to": 0}, {"evict_to": "x"},
+                [{"name": "keep", "evict_to": 0}, {"evict_to": "x"},
                  {"evict_to": 0, "policy": "nope"}, {"evict_to": 1 << 62, "policy": "x"}]),
-    Export: (dict(name="dyn", start=0, count=10, columns=[]),
+    Export: (dict(name="dyn", part=0, start=0, count=10, columns=[]),
                   [{"name": n} for n in BAD_NAMES] +
                   [{"start": -1}, {"count": 0}, {"count": -1}, {"columns": ["nope"]},
                    {"columns": ["weight", "x" * 300]}, {"columns": "weight"},
-                   {"name": "keep"}]),
-    Load: (dict(name="keep", directory="<ck_keep:crc_last>", parts=[0], starts=[0], steps=[1]),
+                   {"part": 1}, {"part": -1}, {"part": 1 << 40}]),
+    Load: (dict(name="keep", directory="<ck_keep:crc_last>", parts=[0]),
            [{"name": n} for n in BAD_NAMES] +
-           [{"directory": "<ck_keep>", "parts": [1]}, {"directory": "<ck_keep>", "steps": [0]},
-            {"directory": "<ck_keep>", "starts": [1]},
-            {"directory": "<ck_keep>", "steps": [2]},
-            {"directory": "<ck_keep>", "parts": [0, 1], "starts": [0, 10], "steps": [1, 1]},
+           [{"directory": "<ck_keep>", "parts": [1]}, {"directory": "<ck_keep>", "parts": [-1]},
+            {"directory": "<ck_keep>", "parts": [0, 0]},
+            {"directory": "<ck_keep>", "parts": [1 << 40]},
             {"directory": "<ck_keep>", "name": "half"},
             {"directory": "<ck_keep>", "name": "dyn"},
-            {"directory": "<ck_keep>", "starts": [1 << 62]},
             {"directory": "<ck_keep>", "columns": ["sum"]},
             {"directory": "<ck_keep>", "columns": ["nope"]},
             {"directory": "<ck_keep>", "columns": ["~version"]},
-            {"directory": "<ck_keep>", "starts": [], "steps": []},
-            {"directory": "<ck_dyn>", "name": "dyn", "starts": [], "steps": [],
-             "parts": [1]},
-            {"directory": "<ck_keep>", "name": "dyn", "starts": [], "steps": []}]),
+            {"directory": "<ck_dyn>", "name": "dyn", "parts": [1]}]),
 }
 
 
@@ -234,8 +245,8 @@ NAMED = {
                                                            "int64 of shape (2,)"),
                     ({"name": "dyn", "ids": ids(3, 11), "have": np.zeros((2, 3), np.int64)},
                      "VersionedPull.have")],
-    Load: [({"directory": "<ck_dyn>", "name": "dyn", "starts": [], "steps": [],
-             "columns": ["sum"]}, "loads the weight too")],
+    Load: [({"directory": "<ck_dyn>", "name": "dyn", "columns": ["sum"]},
+            "loads the weight too")],
 }
 #: What the refusal of a load of each of these damaged checkpoints must name.
 NAMED_DAMAGE = {
@@ -522,7 +533,7 @@ class Holder:
         for name in ("keep", "keep~opt~sum", "half"):
             rows = self.ok(Pull(name=name, parts=[0], counts=[ROWS], ids=np.arange(ROWS)))
             out[name] = (rows.arrays[0].dtype, rows.arrays[0].tobytes())
-        exp = self.ok(Export(name="dyn", start=0, count=1000, columns=[]))
+        exp = self.ok(Export(name="dyn", part=0, start=0, count=1000, columns=[]))
         order = np.argsort(exp.arrays[0])
         out["dyn"] = [exp.fields["columns"]] + [a[order].tobytes() for a in exp.arrays]
         info = self.ok(Info(name="dyn"))
@@ -579,8 +590,7 @@ def messages_of(cls, rng, paths, tmp_path, token):
             yield (cls(**dict(base, directory=paths[key], columns=["weight"])),
                    NAMED_DAMAGE.get(key))
         for key in sorted(k for k in paths if k.startswith("<ck_dyn:")):
-            yield (cls(**dict(base, name="dyn", directory=paths[key], starts=[], steps=[])),
-                   NAMED_DAMAGE.get(key))
+            yield cls(**dict(base, name="dyn", directory=paths[key])), NAMED_DAMAGE.get(key)
 
 
 def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkeypatch):
@@ -591,8 +601,7 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         srv = Server(tmp_path, group, shared_memory=True, timeout_s=2.0)
         holder = Holder(srv)
         # The attacked tables, made by the holder itself (valid requests).
-        holder.ok(Create(name="keep", dtype="float32", row_shape=[DIM], parts=[0],
-                         part_rows=[ROWS]))
+        holder.ok(Create.of_spec("keep", DenseSpec((ROWS, DIM), "float32")))
         holder.ok(Push(name="keep", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                        values=rng.standard_normal((ROWS, DIM)).astype(np.float32)))
         holder.ok(OptInit(name="keep", rule="adagrad",
@@ -600,8 +609,7 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         holder.ok(Update(name="keep", rule="adagrad", hyper={"clr": 0.1, "eps": 1e-10},
                          seq=1, exact=False, parts=[0], counts=[3], ids=ids(0, 4, 9),
                          grads=rng.standard_normal((3, DIM)).astype(np.float32)))
-        holder.ok(Create(name="half", dtype="bfloat16", row_shape=[DIM], parts=[0],
-                         part_rows=[ROWS]))
+        holder.ok(Create.of_spec("half", DenseSpec((ROWS, DIM), "bfloat16")))
         holder.ok(Push(name="half", parts=[0], counts=[ROWS], ids=np.arange(ROWS),
                        values=np.arange(ROWS * DIM, dtype=np.uint16).reshape(ROWS, DIM)
                        .view(BFLOAT16)))

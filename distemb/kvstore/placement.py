@@ -8,7 +8,8 @@ tensors, ``coalesce`` sums the gradients of duplicate ids on the client's own de
 its own kernels, and ``view_on(device)`` is the client through which rows are looked up
 onto ``device`` (itself, or a thin wrapper). :class:`HostPlacement` is it for host clients
 (every KVClient inherits it; device clients override it, :mod:`distemb.kvstore.device`);
-:class:`PlacedAsInner` is it for a client wrapping another without moving its rows.
+a client wrapping another without moving its rows hands it on
+(:class:`~distemb.kvstore.wrapper.Wrapper`).
 
 Example:
     >>> import torch
@@ -33,7 +34,7 @@ from distemb.kernels import half
 class HostPlacement:
     """The placement half of :class:`~distemb.kvstore.types.KVClient` for host clients
     (numpy arrays in this process's memory, or on servers); it uses the client's
-    ``_meta_of``, ``row_dim`` and ``num_threads``."""
+    ``tables``, ``row_dim`` and ``num_threads``."""
 
     def from_host(self, array: np.ndarray) -> Array:
         """A numpy array as an array of this client (the array itself for host clients)."""
@@ -48,7 +49,9 @@ class HostPlacement:
         return F.to_numpy(x) if F.is_tensor(x) else np.asarray(x)
 
     def ids_in(self, name: str, ids: Tensor, F) -> Tuple[GlobalIds, Shape]:
-        """Ids of any shape as flat int64 ids of this client, checked against the policy.
+        """Ids of any shape as flat int64 keys of this client, checked by the table's
+        router (ids 0..N-1 of a fixed key space, any int64 key but the two a hash index
+        reserves).
 
         Returns:
             (flat ids, the shape of ``ids``).
@@ -56,12 +59,14 @@ class HostPlacement:
         Raises:
             TypeError: ``ids`` is not an integer tensor.
             PartitionError: an id is out of range (the message names it and the table).
+            ValueError: a key a hash index reserves.
         """
+        table = self.tables.rows(name)[0]
         arr = self.tensor_in(ids, F)
         if arr.dtype.kind not in "iu":
             raise TypeError(f"ids: expected an integer tensor (int32 or int64), got {arr.dtype}")
         flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
-        self._meta_of(name).policy.check_ids(flat, f"ids of {name!r}")
+        table.router.check(flat, f"ids of {name!r}")
         return flat, tuple(arr.shape)
 
     def values_in(self, name: str, values: Tensor, F, ids_shape: Shape) -> Array:
@@ -71,23 +76,25 @@ class HostPlacement:
 
         Args:
             values: shaped as the ids + the row shape, or (number of ids,) + the row
-                shape (:func:`~distemb.arrays.check_values_shape`).
+                shape (:func:`~distemb.arrays.check_values_shape`): the table's dtype, or
+                float32 for 16-bit rows (rounded to nearest-even on store).
 
         Raises:
-            TypeError: the dtype is not the tensor's.
+            TypeError: another dtype.
             ValueError: values of another shape.
         """
-        meta = self._meta_of(name)
+        table, column = self.tables.rows(name)
+        row_shape, dtype = table.columns()[column]
         arr = self.tensor_in(values, F)
         got = F.dtype_of(arr) if F.is_tensor(arr) else arr.dtype.name
-        rows = half.row_dtype(meta.dtype)  # float32 for half tables: rounded on store
-        if got != meta.dtype and got != rows:
-            also = f" (or {rows})" if rows != meta.dtype else ""
-            raise TypeError(f"values: expected dtype {meta.dtype}{also} for {name!r}, "
+        rows = half.row_dtype(dtype)  # float32 for half tables: rounded on store
+        if got != dtype and got != rows:
+            also = f" (or {rows})" if rows != dtype else ""
+            raise TypeError(f"values: expected dtype {dtype}{also} for {name!r}, "
                             f"got {got}")
         if got != rows:
             arr = arr.astype(rows)  # a half table's own dtype: exact in float32
-        return arr.reshape(check_values_shape(name, arr.shape, ids_shape, meta.shape[1:]))
+        return arr.reshape(check_values_shape(name, arr.shape, ids_shape, row_shape))
 
     def rows_out(self, rows: Array, F) -> Tensor:
         """Pulled rows as a backend tensor (zero-copy on the host)."""
@@ -144,7 +151,7 @@ class HostPlacement:
         Args:
             device: None or 'cpu' (this client itself), or a CUDA device: a view that
                 copies looked-up rows there and sums their gradients there, moving only
-                the sums back (:class:`~distemb.kvstore.device.HostTableOnDevice`).
+                the sums back (:class:`~distemb.kvstore.views.HostTableOnDevice`).
 
         Raises:
             CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
@@ -154,7 +161,7 @@ class HostPlacement:
             return self
         # Imported on demand: the device module imports torch, which server processes
         # (that import this module) must never load.
-        from distemb.kvstore.device import HostTableOnDevice
+        from distemb.kvstore.views import HostTableOnDevice
 
         return HostTableOnDevice.of(self, device)
 
@@ -162,34 +169,3 @@ class HostPlacement:
 def _ascending_unique(ids: np.ndarray) -> bool:
     """Whether ``ids`` are strictly ascending (so unique, in dedup_sum's order)."""
     return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
-
-
-class PlacedAsInner:
-    """Mixin of a client wrapping another (``self.inner``) without moving its rows: the
-    placement half (ids, values and rows in and out, the duplicate sum) is the wrapped
-    client's. Listed before :class:`KVClient` in the bases, so these win over its host
-    defaults; a view that changes placement overrides them again.
-    """
-
-    inner: HostPlacement  # the wrapped KVClient
-
-    def from_host(self, array):
-        return self.inner.from_host(array)
-
-    def to_host(self, array):
-        return self.inner.to_host(array)
-
-    def tensor_in(self, x, F):
-        return self.inner.tensor_in(x, F)
-
-    def ids_in(self, name, ids, F):
-        return self.inner.ids_in(name, ids, F)
-
-    def values_in(self, name, values, F, ids_shape):
-        return self.inner.values_in(name, values, F, ids_shape)
-
-    def rows_out(self, rows, F):
-        return self.inner.rows_out(rows, F)
-
-    def coalesce(self, name, ids, grads, F):
-        return self.inner.coalesce(name, ids, grads, F)

@@ -1,22 +1,19 @@
 """RemoteKVClient: the KVClient of a trainer whose tables live in server processes.
 
-Partition ``p`` of an array table belongs to server ``p % num_servers``; a keyed table
-has a store on every server, its keys placed by its router
-(:mod:`distemb.kvstore.remote_keyed`). Reads, writes, updates and checkpoints take one
-path for both: each request is split by owning server (``_route``) and sent to all of
-them before any reply is read, so servers work
-concurrently; an update costs one round trip per server per step (the optimizer has
-already deduplicated and coalesced the rows). With shared memory on, a server on this
-trainer's machine is spoken to over its local (Unix-domain) socket, which hands over
-shared memory as file descriptors (:mod:`distemb.transport.shm`): rows of its shards are
-gathered straight from their memory files (no round trip); writes still go to the owning
-server, the only writer of its rows, but their arrays travel through this trainer's
-request slot (:class:`~distemb.transport.slots.RequestSlot`): the frame on the socket
-only says where they lie (:mod:`distemb.kvstore.remote_shm`). Such a server answers an
-update before it applies it (:mod:`distemb.kvstore.early`).
+Every table is one path: its router puts each key on a shard, shard ``p`` on server
+``p % num_servers`` (:mod:`distemb.kvstore.routes`); every server makes its shards'
+stores from the table's spec (:mod:`distemb.kvstore.server.catalog`): a dense table's
+partitions in shared memory when the server has it, a hash store holding the keys its
+router gives it, a file table's range of keys. Reads, writes, updates, checkpoints and
+key management are split by owning server and sent to all of them before any reply is
+read (:class:`~distemb.kvstore.servers.Servers`), so servers work concurrently; an
+update costs one round trip per server per step (the optimizer has already deduplicated
+and coalesced the rows). Rows of co-located servers whose rows never move (a dense
+shard's memory file, a file table's file) are gathered where they lie, and such a server
+answers an update before it applies it (:mod:`distemb.kvstore.server.early`).
 
-``init_data`` and ``init_optimizer`` are collective, as in DGL: every trainer calls them
-in the same order (DistEmbedding/optimizer construction does), the first creator's
+``create_table`` and ``init_optimizer`` are collective, as in DGL: every trainer calls
+them in the same order (table and optimizer construction does), the first creator's
 initial values win, and they return once every trainer has the table.
 
 Example (servers started by ``distemb-launch``)::
@@ -25,42 +22,28 @@ Example (servers started by ``distemb-launch``)::
     client.init_data("emb", (1000, 16), "float32", range_policy(1000, client.num_servers))
     rows = client.pull("emb", np.arange(10))
 """
-
 import numpy as np
 
+from distemb.enums import Consistency, EvictPolicy
+from distemb.errors import KVStoreError
 from distemb.kernels import half
-from distemb.enums import Consistency
-from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
-                            TransportError)
-from distemb.kvstore import snapshot
-from distemb.kvstore.types import (DataMeta, KVClient, check_entry_rows, check_new_name,
-                                   check_rounding)
-from distemb.kvstore.early import Applying
-from distemb.kvstore.local import init_shard
-from distemb.kvstore.remote_versions import HeldReplies, VersionedPulls
-from distemb.kvstore.remote_keyed import IO_TIMEOUT_S, RemoteKeyedTables
-from distemb.kvstore.remote_routes import Route, Routing, take_rows
-from distemb.kvstore.remote_shm import SharedMemoryPaths
-from distemb.rules import rule_of, state_name
-from distemb.transport.connections import open_connections
-from distemb.transport.base import FLAG_NO_REPLY, close_fds
-from distemb.transport.messages import (Barrier, Bye, Create, Drop, Hello, Load, OptInit,
-                                        Pull, Push, Reply, Save, Service, Update)
-from distemb.transport.slots import RequestSlot
+from distemb.kernels.hashtable import keys_array
+from distemb.kvstore.local import column_name
+from distemb.kvstore.routes import Route, route, shards_by_server, take_rows
+from distemb.kvstore.servers import Servers
+from distemb.kvstore.tables import TableClient, Tables
+from distemb.rules import rule_of
+from distemb.stores.types import WEIGHT
+from distemb.transport.messages import (Barrier, Create, Drop, Export, Get, Info, Load,
+                                        OptInit, Pull, Push, Remove, Save, Update)
 
-INIT_CHUNK_BYTES = 64 << 20
-#: Error kinds a server reports that reach the user as their own type (else KVStoreError).
-ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
-          "MissingKeyError": MissingKeyError}
+#: Bytes of rows per export request (well under any frame limit).
+PAGE_BYTES = 16 << 20
+IO_TIMEOUT_S = 6 * 3600.0  # a server writing or reading a checkpoint of a huge table
 
 
-class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routing,
-                     KVClient):
-    """KVClient over a cluster of KVStore servers.
-
-    Array tables (``init_data``) are partitioned by their policy; keyed tables
-    (``create_table``) are a row store per server, keys routed by the table's router
-    (:mod:`distemb.kvstore.remote_keyed`).
+class RemoteKVClient(TableClient):
+    """KVClient over a cluster of KVStore servers (see the module docstring).
 
     Args:
         cfg: the job's :class:`~distemb.config.ClusterConfig`.
@@ -75,268 +58,192 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routi
         ServerUnavailableError: a server cannot be reached within ``cfg.timeout_s``.
     """
 
+    sharded = True
+
     def __init__(self, cfg, rank, connections=None, num_threads=1, consistency=None):
         if not 0 <= rank < cfg.num_trainers:
             raise KVStoreError(f"rank: expected 0..{cfg.num_trainers - 1}, got {rank}")
         self.cfg, self.rank, self.num_threads = cfg, rank, num_threads
-        self.num_servers, self.num_trainers = len(cfg.servers), cfg.num_trainers
+        self.num_trainers = cfg.num_trainers
         self.consistency = Consistency.parse(consistency or cfg.consistency, "consistency",
                                              KVStoreError)
-        self._conns = list(connections) if connections is not None else \
-            open_connections(cfg, rank)
-        self._meta, self._shm, self._seq, self._slots = {}, {}, {}, {}
-        self._applying = Applying(self._conns)
-        self._closed = False
-        self._init_remote_keyed()
-        hello = {sid: Hello(rank=rank, token=cfg.job_token or "")
-                 for sid in range(self.num_servers)}
-        self.server_info = [r.fields for r in self._call(hello).values()]
-        for sid, info in enumerate(self.server_info):
-            if info.get("server_id") != sid or info.get("num_servers") != self.num_servers:
-                raise KVStoreError(f"server {sid}: answers as server {info.get('server_id')} "
-                                   f"of {info.get('num_servers')}, the config lists "
-                                   f"{self.num_servers} servers")
-        # Servers on this machine's local sockets hand over (and take) shared memory.
-        self._local = {sid for sid, conn in enumerate(self._conns) if conn.passes_fds and
-                       self.server_info[sid].get("shared_memory")}
-        # Updates and pushes to them hand their arrays over in a request slot.
-        self._slots = {sid: RequestSlot(cfg.job_id, rank, sid) for sid in self._local}
+        self.servers = Servers(cfg, rank, connections, num_threads)
+        self.num_servers = self.servers.count
+        self.tables = Tables(self)
+        self._seq = {}
 
-    # -- plumbing -----------------------------------------------------------------------
+    @property
+    def server_info(self):
+        """What each server said of itself in its Hello reply."""
+        return self.servers.info
 
-    def _call(self, requests, wait=True, on_reply=None, while_waiting=None, timeout=None):
-        """Send ``{server id: message}`` to all, then read every reply.
+    @property
+    def closed(self):
+        """True once :meth:`close` ran (the tables stay on the servers)."""
+        return self.servers.closed
 
-        The one send-then-collect routine of this client: every request goes out before
-        any reply is read (servers work concurrently), and every reply is read even after
-        an error, so the connections stay in step.
+    def _call(self, requests, **kw):
+        return self.servers.call(requests, **kw)
 
-        Args:
-            requests: {server id: message}.
-            wait: False for asynchronous updates (no reply is sent or read).
-            on_reply: ``on_reply(sid, frame)`` for each successful reply frame; it may
-                raise KVStoreError to report a malformed reply (collected like a server's).
-            while_waiting: work to do after sending, before reading (e.g. shared-memory
-                gathers while the remote rows travel).
-            timeout: seconds to wait for each reply to begin (default: the connection's).
+    def _shards(self, table):
+        return shards_by_server(table.router, self.num_servers)
 
-        Returns:
-            {server id: Reply}.
+    # -- tables -----------------------------------------------------------------------
+
+    def create_table(self, name, spec):
+        """Make table ``name`` on the servers (collective, as DGL's ``init_data``): every
+        server makes the stores of its shards from ``spec``; returns once every trainer
+        has it.
 
         Raises:
-            KVStoreError or PartitionError: a server answered with an error (the first
-                one, after all replies were read).
-            ServerUnavailableError: a server died or timed out.
+            TypeError: the spec's initialiser is a plain function servers cannot run.
+            KVStoreError: ``name`` exists here or on the servers with another spec.
         """
-        self._check_open()
-        for sid, msg in requests.items():
-            self._applying.settle(sid, timeout)  # its slot is free, its failure raised
-            if not wait:
-                msg.flags |= FLAG_NO_REPLY
-            frame = self._frame_for(sid, msg, wait)
-            try:
-                self._conns[sid].send(frame)
-            finally:
-                close_fds(frame)  # a new request slot's descriptor: the server has its own
-        if while_waiting is not None:
-            while_waiting()
-        if not wait:
-            return {}
-        replies, failed = {}, []
-        for sid in requests:
-            frame = self._conns[sid].recv(timeout)
-            if frame.service == Service.ERROR:
-                failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
-            elif frame.service != Service.REPLY:
-                raise TransportError(f"server {sid}: unexpected reply service {frame.service}")
-            else:
-                try:
-                    if on_reply is not None:
-                        on_reply(sid, frame)  # it takes the descriptors it keeps
-                    replies[sid] = Reply.decode(frame)
-                except KVStoreError as e:
-                    failed.append((type(e).__name__, str(e)))
-                finally:
-                    close_fds(frame)
-        if failed:
-            kind, message = failed[0]
-            raise ERRORS.get(kind, KVStoreError)(message)
-        return replies
-
-    def _check_open(self):
-        if self._closed:
-            raise KVStoreError("this RemoteKVClient is closed")
-
-    # -- KVClient -----------------------------------------------------------------------
-
-    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
-        if self.is_keyed(name):
-            raise KVStoreError(f"name {name!r} already exists in the KVStore")
-        check_new_name(self._meta, name)
-        check_rounding(dtype, rounding_seed)
-        by = self._parts_by_server(policy)
-        seed = -1 if rounding_seed is None else int(rounding_seed)
-        replies = self._call({sid: Create(name=name, dtype=dtype, row_shape=list(shape[1:]),
-                                          parts=parts, part_rows=[policy.get_part_size(p)
-                                                                  for p in parts],
-                                          rounding_seed=seed)
-                              for sid, parts in by.items()})
-        self._meta[name] = DataMeta(tuple(shape), dtype, policy)
-        if init_func is not None:
-            for sid, parts in by.items():
-                for part in set(parts) - set(replies[sid].fields["existed"]):
-                    self._init_shard(name, sid, part, policy, init_func, shape, dtype)
+        if name in self.tables:
+            return super().create_table(name, spec)
+        super().create_table(name, spec)
         self.barrier()
-        self._map_shm(name, by)
+        table = self.tables.table(name)
+        if spec.fixed_keys:  # rows that never move: co-located shards are read in place
+            self.servers.map(name, self._shards(table))
 
-    def _init_shard(self, name, sid, part, policy, init_func, shape, dtype):
-        sshape = (policy.get_part_size(part),) + tuple(shape[1:])
-        arr = init_shard(init_func, sshape, dtype, name)
-        step = max(1, INIT_CHUNK_BYTES // max(1, arr[:1].nbytes))
-        for s in range(0, sshape[0], step):
-            chunk = arr[s:s + step]
-            self._call({sid: Push(name=name, parts=[part], counts=[len(chunk)],
-                                  ids=np.arange(s, s + len(chunk), dtype=np.int64),
-                                  values=chunk)})
+    def _make(self, name, spec, router):
+        replies = self.servers.all(lambda sid: Create.of_spec(name, spec))
+        return {p for p in range(router.num_parts)
+                if not replies[p % self.num_servers].fields["existed"]}
 
     def delete_data(self, name):
-        if not (self.is_keyed(name) or name in self._meta):
+        if self.tables.drop(name) is None:
             return
-        servers = self._shards(name)
-        if self.is_keyed(name):
-            self._routers.pop(name)
-            self._forget(name)
-        else:
-            del self._meta[name]
-        for key in [k for k in self._shm if k[0] == name]:
-            del self._shm[key]
-        self._call({sid: Drop(name=name) for sid in servers})
+        self.servers.forget(name)
+        self.servers.all(lambda sid: Drop(name=name))
 
-    def pull(self, name, ids):
-        self._check_open()
-        table, shape, dtype = self._rows(name)
-        return self._read(table, self._checked_ids(table, ids), lambda r: Pull(
-            name=name, parts=r.parts, counts=r.counts, ids=r.ids), shape,
-            half.row_dtype(dtype), half.storage_dtype(dtype), mapped=table == name)
+    # -- rows -------------------------------------------------------------------------
 
-    def _read(self, table, ids, ask, row_shape, dtype, wire, mapped=False):
-        """Rows of ``ids`` of ``table``, asked of their servers with ``ask(route)``, in
-        the order of ``ids``; replies carry rows of dtype ``wire`` (half rows, decoded
-        here into ``dtype``). With ``mapped``, the rows of shards mapped from co-located
-        servers are copied from there while the others travel (unless writes keep a
-        shard busy: then its server is asked)."""
-        routes, shm = self._route(table, ids, skip_shm=mapped and bool(self._shm))
+    def _read(self, table, column, ids):
+        return self._read_many([(table, column, ids)])[0]
 
-        def mapped_rows(part, sent):  # None while writes keep the shard busy
-            return self._gather(self._shm[(table, part)], self._shard_rows(table, part, sent),
-                                part % self.num_servers, table, part)
-        if not routes and len(shm) == 1:  # every row in one mapped shard: no copy of them
-            rows = mapped_rows(shm[0][0], shm[0][2])
-            if rows is not None and rows.dtype == np.dtype(dtype):
-                return rows
-        out = np.empty((len(ids),) + tuple(row_shape), dtype)
+    def pull_many(self, requests):
+        """Rows of every ``(table, ids)`` of ``requests`` in one round trip per server:
+        each server gets its Pulls of every table back to back (a PyG feature store's
+        multi-get, a grouped lookup)."""
+        return self._read_many([self.tables.rows(n) + (ids,) for n, ids in requests])
+
+    def _read_many(self, requests):
+        """Rows of each ``(table, column, ids)``, asked of their servers, in the order of
+        its ids; replies carry rows as stored (half rows decoded here). The rows of
+        shards mapped from co-located servers are copied from there while the others
+        travel (unless writes keep a shard busy: then its server is asked)."""
+        plans = []
+        for table, column, ids in requests:
+            shape, dtype = table.columns()[column]
+            mapped = {p for (n, p) in self.servers.mapped if n == table.name} \
+                if column == WEIGHT else ()
+            routes, shm = route(table.router, ids, self.num_servers, mapped)
+            plans.append((table, column_name(table, column), tuple(shape),
+                          half.storage_dtype(dtype), half.row_dtype(dtype), routes, shm))
+
+        def mapped_rows(table, part, sent):  # None while writes keep the shard busy
+            return self.servers.gather(table.name, part, table.router.to_local(part, sent))
+        if len(plans) == 1 and not plans[0][5] and len(plans[0][6]) == 1:
+            table, _, _, _, rows_dtype, _, ((part, _, sent),) = plans[0]
+            rows = mapped_rows(table, part, sent)  # every row in one mapped shard: no copy
+            if rows is not None and rows.dtype == np.dtype(rows_dtype):
+                return [rows]
+        outs = [np.empty((len(ids),) + p[2], p[4]) for p, (_, _, ids) in zip(plans, requests)]
         busy = []
 
         def copy_shm():
-            for part, pos, sent in shm:
-                rows = mapped_rows(part, sent)
-                if rows is None:
-                    busy.append((part, pos, sent))
-                else:
-                    out[pos] = rows
+            for k, (table, *_, shm) in enumerate(plans):
+                for part, pos, sent in shm:
+                    rows = mapped_rows(table, part, sent)
+                    if rows is None:
+                        busy.append((k, part, pos, sent))
+                    else:
+                        outs[k][pos] = rows
 
-        def ask_all(routes, while_waiting=None):
+        def ask_all(asked, while_waiting=None):  # asked: {sid: [(plan, route)]}
+            seen = {sid: 0 for sid in asked}
+
             def take(sid, frame):
-                route = routes[sid]
+                k, r = asked[sid][seen[sid]]
+                seen[sid] += 1
+                table, _, shape, wire = plans[k][:4]
                 got = frame.arrays[0] if len(frame.arrays) == 1 else None
-                if got is None or got.shape != (len(route.ids),) + tuple(row_shape) or \
-                        got.dtype != wire:
+                if got is None or got.shape != (len(r.ids),) + shape or got.dtype != wire:
                     raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype "
-                                       f"for {table!r}")
-                out[route.positions] = half.as_rows(got)
-            self._call({sid: ask(r) for sid, r in routes.items()}, on_reply=take,
-                       while_waiting=while_waiting)
+                                       f"for {table.name!r}")
+                outs[k][r.positions] = half.as_rows(got)
+            msgs = {sid: [Pull(name=plans[k][1], parts=r.parts, counts=r.counts, ids=r.ids)
+                          for k, r in lst] for sid, lst in asked.items()}
+            self._call({sid: m if len(m) > 1 else m[0] for sid, m in msgs.items()},
+                       on_reply=take, while_waiting=while_waiting)
 
-        ask_all(routes, copy_shm)
-        for part, pos, sent in busy:  # writes kept these busy: asked of their server
-            ask_all({part % self.num_servers: Route([part], [len(sent)], sent, pos)})
-        return out
+        asked = {}
+        for k, plan in enumerate(plans):
+            for sid, r in plan[5].items():
+                asked.setdefault(sid, []).append((k, r))
+        ask_all(asked, copy_shm)
+        for k, part, pos, sent in busy:  # writes kept these busy: asked of their server
+            ask_all({part % self.num_servers: [(k, Route([part], [len(sent)], sent, pos))]})
+        return outs
 
-    def push(self, name, ids, values):
-        table, shape, dtype = self._rows(name)
-        ids = self._checked_ids(table, ids)
-        values = np.ascontiguousarray(values, dtype=half.row_dtype(dtype)).reshape(
-            (len(ids),) + shape)
-        if half.is_half(dtype):  # rounded here: 16 bits on the wire
-            values = half.encode(values, dtype)
-        self._write(name, table, ids, values)
+    def _write(self, table, column, ids, rows):
+        """Write ``rows``, as stored, to rows ``ids``; a co-located server takes them
+        from the request slot."""
+        kvname = column_name(table, column)
+        routes, _ = route(table.router, ids, self.num_servers)
+        self._call({sid: Push(name=kvname, parts=r.parts, counts=r.counts, ids=r.ids,
+                              values=take_rows(rows, r.positions))
+                    for sid, r in routes.items()})
 
-    def _write(self, name, table, ids, values):
-        """Write ``values``, as stored, to rows ``ids`` of ``name`` (a table, or its
-        state) in ``table``'s shards; a co-located server takes them from the request
-        slot."""
-        routes, _ = self._route(table, ids)
-        self._call({sid: Push(name=name, parts=r.parts, counts=r.counts, ids=r.ids,
-                              values=take_rows(values, r.positions)) for sid, r in routes.items()})
-
-    def init_optimizer(self, name, rule, options):
-        shards = self._shards(name)
-        impl = rule_of(rule)
-        opts = impl.options_from(options)  # every rank refuses, before the barrier
+    def _init_states(self, table, rule, options):
+        opts = {k: float(v) for k, v in options.items()}
         # Collective: everyone is here before rank 0 resets the state, and nobody steps
         # before it has (a fresh optimizer starts from fresh state, as torch's does).
         self.barrier()
         if self.rank == 0:
-            self._call({sid: OptInit(name=name, rule=impl.name.value, options=opts, parts=parts)
-                        for sid, parts in shards.items()})
+            self._call({sid: OptInit(name=table.name, rule=rule_of(rule).name.value,
+                                     options=opts, parts=parts)
+                        for sid, parts in self._shards(table).items()})
         self.barrier()
-        self._seq[name] = 0
-        if self.is_keyed(name):
-            return self._state_names(name, rule)
-        meta = self._meta_of(name)
-        names = {}
-        for spec in impl.states:
-            sname = state_name(name, spec.name)
-            self._meta[sname] = DataMeta((meta.shape[0],) + spec.shape(meta.shape[1]),
-                                         spec.dtype, meta.policy)
-            names[spec.name] = sname
-        return names
+        self._seq[table.name] = 0
 
     def push_update(self, name, ids, grads, rule, hyper):
         self.push_update_versions(name, ids, grads, rule, hyper, versions=False)
 
-    def push_update_versions(self, name, ids, grads, rule, hyper, versions=True, have=None):
-        """:meth:`push_update`, returning what a trainer cache needs after it.
+    def update_requests(self, name, ids, grads, rule, hyper, versions=False, have=None):
+        """The Update requests of one step of table ``name`` by server, with their routes.
 
         Args:
-            versions: answer the rows' versions after the update.
-            have: (sync_exact only) the version of each row the cache holds, -1 for rows
-                it does not (see :class:`~distemb.transport.messages.Update`).
+            versions: the replies carry the rows' versions after the update.
+            have: (sync_exact only) the version of each row a trainer cache holds, -1
+                for rows it does not (see :class:`~distemb.transport.messages.Update`).
 
         Returns:
-            with ``have``, a :class:`~distemb.kvstore.remote_versions.HeldRows`; else
-            int64 versions, one per id (see :meth:`KVServer.versions
-            <distemb.kvstore.server.KVServer.versions>`), or None when ``versions`` is
-            False or the consistency is async (no reply).
+            ({sid: Update}, {sid: Route}).
 
         Raises:
             KVStoreError: ``have`` without sync_exact consistency.
         """
+        table = self.tables.table(name)
         impl = rule_of(rule)
         fields = impl.check_hyper(hyper).fields()
-        ids = self._checked_ids(name, ids, policy=False)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
         grads = np.ascontiguousarray(grads, dtype=np.float32)
-        routes, _ = self._route(name, ids)
-        exact = self._check_have(have)
+        routes, _ = route(table.router, ids, self.num_servers)
+        exact = self.consistency == Consistency.SYNC_EXACT
+        if have is not None and not exact:
+            raise KVStoreError(f"have: the held rows' versions go with sync_exact updates "
+                               f"only (a step summed at the owner); consistency is "
+                               f"{self.consistency.value!r}")
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
-        wait = self.consistency != Consistency.ASYNC
-        want = versions and wait and have is None
 
         def update(parts, counts, sent, rows, held=None):
             return Update(name=name, rule=impl.name.value, hyper=fields, seq=seq, exact=exact,
-                          versions=want, parts=parts, counts=counts, ids=sent, grads=rows,
-                          have=held)
+                          versions=versions, parts=parts, counts=counts, ids=sent,
+                          grads=rows, have=held)
 
         requests = {sid: update(r.parts, r.counts, r.ids, take_rows(grads, r.positions),
                                 None if have is None else take_rows(have, r.positions))
@@ -344,63 +251,38 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routi
         if exact:
             # Every owning server hears from every trainer each step, even with no rows,
             # so it knows when the step's contributions are complete.
-            for sid in self._shards(name):
+            for sid in self._shards(table):
                 requests.setdefault(sid, update([], [], np.empty(0, np.int64),
                                                 np.empty((0, grads.shape[1]), np.float32)))
-        if have is not None:
-            held = HeldReplies({sid: r.positions for sid, r in routes.items()},
-                               grads.shape[1])
-            self._call(requests, on_reply=held.take)
-            return held.result()
+        return requests, routes
+
+    def push_update_versions(self, name, ids, grads, rule, hyper, versions=True):
+        """:meth:`push_update`, returning the rows' versions after it (a trainer cache's
+        check of its copies): int64, one per id (see :meth:`KVServer.versions
+        <distemb.kvstore.server.kvserver.KVServer.versions>`), or None when ``versions``
+        is False or the consistency is async (no reply)."""
+        wait = self.consistency != Consistency.ASYNC
+        want = versions and wait
+        requests, routes = self.update_requests(name, ids, grads, rule, hyper, want)
         out = np.empty(len(ids), np.int64) if want else None
 
         def take(sid, frame):
             if sid not in routes:
                 return
-            route = routes[sid]
-            if len(frame.arrays) != 1 or frame.arrays[0].shape != route.positions.shape:
+            r = routes[sid]
+            if len(frame.arrays) != 1 or frame.arrays[0].shape != r.positions.shape:
                 raise KVStoreError(f"server {sid}: update reply without the rows' versions")
-            out[route.positions] = frame.arrays[0]
+            out[r.positions] = frame.arrays[0]
 
         def applying(sid, frame):  # a co-located server may answer before it applies
             if sid in routes:  # every early answer is noted: its outcome frame follows
                 r = routes[sid]
                 part = r.parts[0] if len(r.parts) == 1 else None
-                self._applying.note(sid, name, part, frame, self._shard_rows(name, part, r.ids))
+                local = self.tables.table(name).router.to_local(part, r.ids) \
+                    if part is not None else r.ids
+                self.servers.applying.note(sid, name, part, frame, local)
         self._call(requests, wait=wait, on_reply=take if want else applying)
         return out
-
-    def _shard_requests(self, cls, name, **fields):
-        """{server id: ``cls`` naming its shards of table ``name``} (with an array table's
-        partitions, the ids each one holds: a progression ``start + step * local``)."""
-        policy = None if self.is_keyed(name) else self._meta_of(name).policy
-        requests = {}
-        for sid, parts in self._shards(name).items():
-            prog = [policy.id_progression(p) for p in parts] if policy else []
-            requests[sid] = cls(name=name, parts=parts, starts=[p[0] for p in prog],
-                                steps=[p[1] for p in prog], **fields)
-        return requests
-
-    def save_table(self, name, directory, save_id, columns):
-        """Every server writes its own shards of ``name``, all at once (in parallel)."""
-        replies = self._call(self._shard_requests(Save, name, directory=directory,
-                                                  save_id=save_id, columns=list(columns)),
-                             timeout=IO_TIMEOUT_S)
-        records = [rec for sid in sorted(replies) for rec in replies[sid].fields["records"]]
-        if self.is_keyed(name):
-            spec = self._spec(name)
-            rows = getattr(spec, "num_rows", None) if spec.fixed_keys else None
-            return snapshot.new_entry((rows, spec.dim), spec.dtype, records)
-        meta = self._meta_of(name)
-        return snapshot.new_entry(meta.shape, meta.dtype, records, meta.policy)
-
-    def load_table(self, name, directory, entry, columns):
-        """Every server reads, from the checkpoint's records, the rows it owns (a keyed
-        table's shards: the keys its router gives them, which replace theirs)."""
-        if not self.is_keyed(name):
-            check_entry_rows(entry, self._meta_of(name).shape[0], name, directory)
-        self._call(self._shard_requests(Load, name, directory=directory,
-                                        columns=list(columns)), timeout=IO_TIMEOUT_S)
 
     def coalesce(self, name, ids, grads, F):
         """As the host clients; in sync_exact mode an empty step still pushes (nothing).
@@ -413,31 +295,132 @@ class RemoteKVClient(SharedMemoryPaths, RemoteKeyedTables, VersionedPulls, Routi
             return np.empty(0, np.int64), np.empty((0, self.row_dim(name)), np.float32)
         return summed
 
+    def _sum_buffer(self, name, n, dim):
+        """With the whole table on one co-located server: a buffer in its request slot.
+
+        The summed gradients are then handed to the server where they were summed, with
+        no copy (``push_update`` follows ``coalesce`` before any other request).
+        """
+        sids = list(self._shards(self.tables.table(name)))
+        buf = self.servers.slot_buffer(sids[0], (max(n, 1), dim)) if len(sids) == 1 else None
+        return buf if buf is not None else super()._sum_buffer(name, n, dim)
+
+    # -- keys -------------------------------------------------------------------------
+
+    def _info(self, name, evict_to=None, policy=None):
+        self.tables.table(name)
+        share = [-1] * self.num_servers
+        if evict_to is not None:
+            if isinstance(evict_to, bool) or not isinstance(evict_to, (int, np.integer)) or \
+                    evict_to < 0:
+                raise ValueError(f"target_size: expected an int >= 0, got {evict_to!r}")
+            share = [evict_to // self.num_servers + (sid < evict_to % self.num_servers)
+                     for sid in range(self.num_servers)]
+        pol = "" if policy is None else EvictPolicy.parse(policy, "policy", ValueError).value
+        return self.servers.all(lambda sid: Info(name=name, evict_to=share[sid], policy=pol))
+
+    def size(self, name):
+        table = self.tables.table(name)
+        if table.num_keys is not None:  # a fixed key space: nobody need be asked
+            return table.num_keys
+        return int(sum(r.fields["size"] for r in self._info(name).values()))
+
+    def _ask(self, table, keys, make, row_shape, dtype):
+        """One answer row per key of ``table`` from its servers, ``make(route)`` the
+        request; in the order of ``keys``."""
+        routes, _ = route(table.router, keys, self.num_servers)
+        out = np.empty((len(keys),) + tuple(row_shape), dtype)
+
+        def take(sid, frame):
+            got = frame.arrays[0] if len(frame.arrays) == 1 else None
+            if got is None or got.shape != (len(routes[sid].ids),) + tuple(row_shape):
+                raise KVStoreError(f"server {sid}: reply of the wrong shape for "
+                                   f"{table.name!r}")
+            out[routes[sid].positions] = got
+        self._call({sid: make(r) for sid, r in routes.items()}, on_reply=take)
+        return out
+
+    def contains(self, name, keys):
+        """Whether each key is held (False outside a fixed key space, asked of no one)."""
+        table = self.tables.table(name)
+        keys = keys_array(keys)
+        out = table.router.inside(keys)
+        out[out] = self._ask(table, keys[out], lambda r: Get(
+            name=name, mode="contains", column=WEIGHT, parts=r.parts, counts=r.counts,
+            ids=r.ids), (), np.bool_)
+        return out
+
+    def get(self, name, keys):
+        table = self.tables.table(name)
+        return self._ask(table, keys_array(keys), lambda r: Get(
+            name=name, mode="get", column=WEIGHT, parts=r.parts, counts=r.counts,
+            ids=r.ids), table.row_shape, np.float32)
+
+    def _remove(self, table, keys):
+        routes, _ = route(table.router, keys, self.num_servers)
+        replies = self._call({sid: Remove(name=table.name, parts=r.parts, counts=r.counts,
+                                          ids=r.ids) for sid, r in routes.items()})
+        return int(sum(r.fields["removed"] for r in replies.values()))
+
+    def _evict(self, table, target_size, policy):
+        """Each server evicts down to its share of ``target_size`` by its own LRU/LFU
+        order (the order is per server: no global ranking crosses the network)."""
+        replies = self._info(table.name, target_size, policy)
+        return np.concatenate([replies[sid].arrays[0] for sid in sorted(replies)])
+
+    def export(self, name, columns=None):
+        table = self.tables.table(name)
+        cols = list(columns) if columns is not None else list(table.columns())
+        missing = [c for c in cols if c not in table.columns()]
+        if missing:
+            raise KVStoreError(f"columns: {missing} not in table {name!r} (has "
+                               f"{sorted(table.columns())})")
+        asked = cols or [WEIGHT]  # an export names its columns (none: every one)
+        row_bytes = 8 + sum(4 * int(np.prod(table.columns()[c][0])) for c in asked)
+        keys, rows = [], {c: [] for c in cols}
+        for sid, parts in self._shards(table).items():
+            for part in parts:
+                start = 0
+                while True:
+                    r = self._call({sid: Export(name=name, part=part, start=start,
+                                                count=max(1, PAGE_BYTES // row_bytes),
+                                                columns=asked)})[sid]
+                    if len(r.arrays) != 1 + len(asked):
+                        raise KVStoreError(f"server {sid}: export reply of the wrong shape")
+                    keys.append(r.arrays[0])
+                    for c, a in zip(asked, r.arrays[1:]):
+                        if c in rows:
+                            rows[c].append(a)
+                    start += len(r.arrays[0])
+                    if start >= r.fields["total"] or not len(r.arrays[0]):
+                        break
+        allkeys = np.concatenate(keys) if keys else np.empty(0, np.int64)
+        order = np.argsort(allkeys, kind="stable")
+        return allkeys[order], {c: np.concatenate(a)[order] for c, a in rows.items()}
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def _save(self, table, directory, save_id, columns):
+        """Every server writes its own shards, all at once (in parallel)."""
+        replies = self._call({sid: Save(name=table.name, parts=parts, directory=directory,
+                                        save_id=save_id, columns=columns)
+                              for sid, parts in self._shards(table).items()},
+                             timeout=IO_TIMEOUT_S)
+        return [rec for sid in sorted(replies) for rec in replies[sid].fields["records"]]
+
+    def _load(self, table, directory, entry, columns):
+        """Every server reads, from the checkpoint's records, the keys its shards hold."""
+        self._call({sid: Load(name=table.name, parts=parts, directory=directory,
+                              columns=columns)
+                    for sid, parts in self._shards(table).items()}, timeout=IO_TIMEOUT_S)
+
     def barrier(self):
         if self.cfg.num_trainers > 1:
             self._call({0: Barrier(rank=self.rank)})
-
-    @property
-    def closed(self):
-        """True once :meth:`close` ran (the tables stay on the servers)."""
-        return self._closed
 
     def close(self, goodbye=True):
         """Disconnect; with ``goodbye``, first tell every server this trainer is done.
 
         Servers exit once every trainer has said goodbye. Tables stay on the servers.
         """
-        if self._closed:
-            return
-        try:
-            if goodbye:
-                self._call({sid: Bye(rank=self.rank) for sid in range(self.num_servers)})
-        except TransportError:
-            pass  # a server already gone needs no goodbye
-        finally:
-            self._closed = True
-            self._shm.clear()
-            for slot in self._slots.values():
-                slot.close()
-            for conn in self._conns:
-                conn.close()
+        self.servers.close(goodbye)

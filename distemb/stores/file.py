@@ -36,7 +36,7 @@ from distemb.kernels.half import storage_dtype
 from distemb.partition import layout_policy, policy_layout
 from distemb.stores.dense import DenseStore, fill_rows
 from distemb.routers import PolicyRouter
-from distemb.stores.init import KeyInit, init_fields, init_of_fields
+from distemb.stores.init import KeyInit, ShardKeys, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, check_dim, check_float_dtype
 
 FORMAT = "distemb-file-store"
@@ -117,6 +117,10 @@ class FileStore(DenseStore):
     """
 
     persistent = True
+
+    @property
+    def row_shape(self):
+        return (self.dim,)
 
     def __init__(self, path, num_rows=None, dim=None, dtype="float32", init=None,
                  rounding="nearest", preallocate=True):
@@ -315,17 +319,6 @@ def _free_bytes(path):
         return "unknown"
 
 
-class _Shard:
-    """A key initialiser seen from one shard: its store key k is the table's key
-    ``router.to_global(part, k)``."""
-
-    def __init__(self, init, router, part):
-        self.init, self.router, self.part = init, router, part
-
-    def __call__(self, keys):
-        return self.init(self.router.to_global(self.part, keys))
-
-
 @dataclass(frozen=True)
 class FileTableSpec:
     """A table of keys 0..N-1 on memory-mapped files, one FileStore per shard.
@@ -373,6 +366,7 @@ class FileTableSpec:
     partition: Optional[tuple] = None
 
     kind = "file"
+    portable = True
     fixed_keys = True
     persistent = True
     capacity = None
@@ -439,15 +433,24 @@ class FileTableSpec:
             return f"-hash{arg}"
         return "-ranges" + hashlib.sha1(json.dumps(list(arg)).encode()).hexdigest()[:10]
 
-    def make_store(self, part=0, num_parts=1):
-        """The FileStore of shard ``part`` of ``num_parts`` (made or reopened).
+    @property
+    def num_keys(self):
+        return self.num_rows
+
+    @property
+    def row_shape(self):
+        return (self.dim,)
+
+    def make_store(self, part=0, num_parts=1, allocator=None):
+        """The FileStore of shard ``part`` of ``num_parts`` (made or reopened; its rows
+        are in files: it takes no allocator).
 
         Raises:
             StoreError: the directory is not writable, the disk is full, or it holds a
                 store of another shape.
         """
         router = self.router(num_parts)
-        init = None if self.init is None else _Shard(self.init, router, part)
+        init = None if self.init is None else ShardKeys(self.init, router, part)
         return FileStore(os.path.join(self.path, f"part-{part}-of-{num_parts}"
                                                  f"{self._layout_tag(num_parts)}"),
                          num_rows=router.part_size(part), dim=self.dim, dtype=self.dtype,
@@ -461,7 +464,8 @@ class FileTableSpec:
                 "rounding": self.rounding, "num_rows": self.num_rows, "path": self.path,
                 "preallocate": int(self.preallocate),
                 "partition": None if self.partition is None else json.loads(
-                    json.dumps(self.partition))}  # as the wire has it: lists
+                    json.dumps(self.partition)),  # as the wire has it: lists
+                "row_shape": [self.dim], "seed": -1}
 
     @classmethod
     def from_fields(cls, f):

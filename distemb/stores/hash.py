@@ -23,7 +23,7 @@ from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.enums import EvictPolicy, Rounding
 from distemb.errors import MissingKeyError, StoreError
 from distemb.kernels.half import storage_dtype
-from distemb.kernels.hashtable import RESERVED_KEYS, HashIndex, keys_array, table_keys
+from distemb.kernels.hashtable import RESERVED_KEYS, HashIndex, keys_array
 from distemb.routers import KeyHashRouter
 from distemb.stores.init import KeyInit, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, RowStore, check_dim, check_float_dtype
@@ -156,9 +156,6 @@ class HashStore(RowStore):
     def find(self, keys):
         """Slots of ``keys``, -1 where absent (nothing inserted, no access counted)."""
         return self._index.find(keys)
-
-    def check_keys(self, keys, what="keys"):
-        table_keys(keys, what)
 
     def access(self, keys):
         """Slots of ``keys`` (inserted when absent), counted as an access for eviction.
@@ -380,6 +377,7 @@ class HashTableSpec:
                              f"dim is {self.dim}")
 
     kind = "hash"
+    portable = True
     fixed_keys = False
     persistent = False
 
@@ -391,8 +389,15 @@ class HashTableSpec:
         """Keys one of ``num_shards`` shards holds at most (None: unbounded)."""
         return None if self.capacity is None else -(-self.capacity // num_shards)
 
-    def make_store(self, part=0, num_parts=1):
-        """A fresh :class:`HashStore` for shard ``part`` of ``num_parts``."""
+    num_keys = None  # any int64 key
+
+    @property
+    def row_shape(self):
+        return (self.dim,)
+
+    def make_store(self, part=0, num_parts=1, allocator=None):
+        """A fresh :class:`HashStore` for shard ``part`` of ``num_parts`` (its columns
+        grow: it takes no allocator)."""
         return HashStore(self.dim, dtype=self.dtype, init=self.init,
                          capacity=self.shard_capacity(num_parts), evict=self.evict,
                          low_water=self.low_water, rounding=self.rounding)
@@ -408,7 +413,8 @@ class HashTableSpec:
         return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
                 "init_args": params, "capacity": self.capacity or 0, "evict": self.evict,
                 "low_water": self.low_water, "rounding": self.rounding, "num_rows": 0,
-                "path": "", "preallocate": 0, "partition": None}
+                "path": "", "preallocate": 0, "partition": None, "row_shape": [self.dim],
+                "seed": -1}
 
     @classmethod
     def from_fields(cls, f):

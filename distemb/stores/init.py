@@ -182,6 +182,46 @@ def init_from_spec(kind, params):
         raise ValueError(f"init parameters of {kind!r}: {e} (got {sorted(params)})") from None
 
 
+class ShardInit:
+    """A table's initialiser of whole partitions, ``init(shape, dtype) -> rows`` (DGL's
+    ``init_func``): called once per partition of a fixed-key table with that partition's
+    shape, where the function lives (the client that makes the table writes the rows; a
+    Python function does not travel to servers).
+
+    Example:
+        >>> init = ShardInit(lambda shape, dtype: np.ones(shape, dtype))
+        >>> init((2, 3), "float32").sum()
+        6.0
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, shape, dtype):
+        return self.fn(shape, dtype)
+
+    def __eq__(self, other):
+        return isinstance(other, ShardInit) and other.fn is self.fn
+
+    def __hash__(self):
+        return hash(id(self.fn))
+
+    def __repr__(self):
+        return f"ShardInit({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+class ShardKeys:
+    """A key initialiser seen from one shard: its store key ``k`` is the table's key
+    ``router.to_global(part, k)``, whose row it gets (so a key's row does not depend on
+    the shard holding it)."""
+
+    def __init__(self, init, router, part):
+        self.init, self.router, self.part = init, router, part
+
+    def __call__(self, keys):
+        return self.init(self.router.to_global(self.part, keys))
+
+
 def init_fields(init, dim):
     """(kind, params) of a key initialiser (None: zeros) a server can rebuild, for a
     table spec's fields; TypeError for anything else (a Python function)."""

@@ -81,7 +81,7 @@ class RowStore(abc.ABC):
     def ops(self):
         """The kernels of the weight column: :mod:`distemb.kernels` for float32 rows, the
         half-precision twin otherwise (with stochastic rounding when asked)."""
-        if self.dtype == "float32":
+        if not half.is_half(self.dtype):
             return kernels
         return self._stochastic_ops or half
     #: True when the rows outlive the process (a file store): optimizer state columns are
@@ -135,11 +135,6 @@ class RowStore(abc.ABC):
     @abc.abstractmethod
     def find(self, keys: Keys) -> Slots:
         """Slots of ``keys``, -1 where absent: nothing inserted, no access counted."""
-
-    def check_keys(self, keys: Keys, what: str = "keys") -> None:
-        """ValueError naming ``what`` when ``keys`` hold a key this store can never hold
-        (a hash store: the two its index reserves), so a request is refused before it is
-        queued; nothing is looked up. A store of fixed keys range-checks in :meth:`slots`."""
 
     @abc.abstractmethod
     def column(self, name: str) -> np.ndarray:
@@ -227,20 +222,42 @@ class RowStore(abc.ABC):
 
         Weight rows come as float32, or with ``stored`` in the storage dtype (half rows
         as 2 bytes, for the wire: the trainer decodes them)."""
-        return self._gather_slots(self.slots(keys, insert=insert), column, stored)
+        return self.gather_slots(self.slots(keys, insert=insert), column, stored=stored)
 
-    def _gather_slots(self, slots, column=WEIGHT, stored=False):
+    def read(self, keys: Keys, column: str = WEIGHT, out: Optional[np.ndarray] = None,
+             num_threads: int = 1, access: bool = True) -> np.ndarray:
+        """Rows of ``keys`` in ``column`` (into ``out`` when given): a training lookup of
+        the weight (:meth:`access`; without ``access`` absent keys are still inserted, the
+        access not counted), the rows of held keys for any other column.
+
+        Weight rows come as float32 when ``out`` is None or float32, else as stored (half
+        rows travel in 16 bits)."""
+        if column == WEIGHT:
+            slots = self.access(keys) if access else self.slots(keys, insert=True)
+        else:
+            slots = self.slots(keys, insert=False)
+        stored = out is not None and out.dtype != np.float32
+        return self.gather_slots(slots, column, out, num_threads, stored)
+
+    def gather_slots(self, slots: Slots, column: str = WEIGHT,
+                     out: Optional[np.ndarray] = None, num_threads: int = 1,
+                     stored: bool = False) -> np.ndarray:
+        """Rows ``slots`` of ``column`` (into ``out`` when given; the weight as float32
+        unless ``stored``), with the gather kernels where the rows are float or half."""
         arr = self.column(column)
-        if column == WEIGHT and not stored:
-            return self.ops.gather_rows(arr, slots)
+        if column == WEIGHT and not stored and half.is_half(self.dtype):
+            return self.ops.gather_rows(arr, slots, out, num_threads)
         if arr.dtype == np.float32 and arr.ndim == 2:
-            return kernels.gather_rows(arr, slots)
-        return arr[slots]
+            return kernels.gather_rows(arr, slots, out, num_threads)
+        if out is None:
+            return arr[slots]
+        np.take(arr, slots, axis=0, out=out)
+        return out
 
     def lookup(self, keys: Keys, stored: bool = False) -> Rows:
         """Weight rows of ``keys`` for a training lookup (float32, or as stored with
         ``stored``): see :meth:`access`."""
-        return self._gather_slots(self.access(keys), stored=stored)
+        return self.gather_slots(self.access(keys), stored=stored)
 
     def access(self, keys: Keys) -> Slots:
         """Slots of ``keys`` for a training lookup: absent keys are inserted, and a store
@@ -269,11 +286,11 @@ class RowStore(abc.ABC):
         self.column(column)[slots] = self.encode(values) \
             if column == WEIGHT and np.ndim(values) else values
 
-    def read_rows(self, column: str, slots: Slots) -> np.ndarray:
-        """Rows ``slots`` of ``column`` as a new host array (the weight as float32): what
-        exports and checkpoints write."""
+    def read_rows(self, column: str, slots: Slots, stored: bool = False) -> np.ndarray:
+        """Rows ``slots`` of ``column`` as a new host array (the weight as float32, or as
+        stored with ``stored``): what exports and checkpoints write."""
         rows = self.column(column)[slots]
-        return self.decode(rows) if column == WEIGHT else rows
+        return self.decode(rows) if column == WEIGHT and not stored else rows
 
     def update(self, rule, keys: Keys, grads: Rows, hyper,
                num_threads: int = 1) -> Optional[np.ndarray]:
@@ -320,13 +337,14 @@ class RowStore(abc.ABC):
     def encode(self, rows):
         """float32 ``rows`` in the weight column's storage dtype (rounded to nearest-even);
         rows already in it (half rows off the wire) as they are."""
-        if self.dtype == "float32" or np.asarray(rows).dtype == half.storage_dtype(self.dtype):
+        if not half.is_half(self.dtype) or \
+                np.asarray(rows).dtype == half.storage_dtype(self.dtype):
             return rows
         return half.encode(rows, self.dtype)
 
     def decode(self, stored):
-        """Weight rows as stored -> float32."""
-        return stored if self.dtype == "float32" else half.decode(stored)
+        """Weight rows as stored -> float32 (other dtypes as they are)."""
+        return half.decode(stored) if half.is_half(self.dtype) else stored
 
     def import_(self, keys: Keys, columns: Dict[str, np.ndarray]) -> None:
         """Upsert rows ``keys`` of every column in ``columns`` (what :meth:`export` gave),

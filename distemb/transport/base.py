@@ -227,7 +227,7 @@ class EarlyReply:
     calls ``finish()`` (which does the rest and never raises) and sends the frame it
     returns, the outcome (a Reply, or an Error the peer raises at its next request).
 
-    A co-located trainer's update is answered this way (:mod:`distemb.kvstore.early`),
+    A co-located trainer's update is answered this way (:mod:`distemb.kvstore.server.early`),
     so the trainer's next step runs while the server applies it.
     """
 

@@ -195,7 +195,8 @@ def layout(v):
 SPEC_FIELDS = {"kind": text, "dim": int_value, "dtype": text, "init": text,
                "init_args": scalar_dict, "capacity": int_value, "evict": text,
                "low_water": real, "rounding": text, "num_rows": int_value, "path": text,
-               "preallocate": int_value, "partition": layout}
+               "preallocate": int_value, "partition": layout, "row_shape": int_list,
+               "seed": int_value}
 
 
 def spec_fields(v):
@@ -204,44 +205,23 @@ def spec_fields(v):
 
 
 class Create(Message):
-    """Make a table's shards on this server, one of two ways:
-
-    - an array table (no ``spec``): shards ``parts`` of ``part_rows`` rows of
-      ``row_shape`` and ``dtype``, allocated by the server (in shared memory when it has
-      it) and routed by the trainers' partition policy; ``rounding_seed`` >= 0 rounds a
-      bfloat16 table's updates stochastically from that seed (-1: nearest-even);
-    - a table made from a spec (``spec``: the fields of a spec of
-      :data:`~distemb.stores.spec.SPECS`, its ``kind`` picking which): this server's
-      store, made here, holding the keys the spec's router gives it; the array fields
-      are then empty.
-
-    An existing table must match what is asked.
+    """Make a table's shards on this server from its spec (``spec``: the fields of a
+    spec of :data:`~distemb.stores.spec.SPECS`, its ``kind`` picking which): the stores
+    of the shards the spec's router puts on this server (shard ``p`` on server
+    ``p % num_servers``), made here. An existing table must have the same spec.
     """
 
     SERVICE = Service.CREATE
-    FIELDS = {"dtype": text, "row_shape": int_list, "parts": int_list, "part_rows": int_list,
-              "rounding_seed": int_value, "spec": spec_fields}
-    DEFAULTS = {"rounding_seed": -1, "spec": {}}
+    FIELDS = {"spec": spec_fields}
 
     def check(self):
-        if self.spec:
-            if self.dtype or self.row_shape or self.parts or self.part_rows or \
-                    self.rounding_seed != -1:
-                raise TransportError("Create: a table made from a spec has no dtype, "
-                                     "row_shape, parts, part_rows or rounding_seed of its own")
-            return
-        if len(self.parts) != len(self.part_rows) or len(self.row_shape) > 3:
-            raise TransportError("Create: parts and part_rows must be equal-length, "
-                                 "row_shape at most 3 dims")
-        if self.rounding_seed < -1:
-            raise TransportError(f"Create.rounding_seed: expected -1 or a seed >= 0, got "
-                                 f"{self.rounding_seed}")
+        if not self.spec:
+            raise TransportError("Create: expected the fields of a table spec, got none")
 
     @classmethod
     def of_spec(cls, name, spec):
         """The Create of table ``name`` made from ``spec`` (its :meth:`fields`)."""
-        return cls(name=name, dtype="", row_shape=[], parts=[], part_rows=[],
-                   spec=spec.fields())
+        return cls(name=name, spec=spec.fields())
 
 
 class Drop(Message):
@@ -274,8 +254,8 @@ class Update(RowsMessage):
     ``have`` (optional, int64, one per id; ``exact`` only): the version of each row a
     trainer cache holds (-1: not held; any other negative: held, version unknown). The
     reply then carries, instead of versions, what keeps the held copies equal to the
-    owner's rows after the step (:meth:`KVService._held_reply
-    <distemb.kvstore.service.KVService._held_reply>`): the positions of held rows written
+    owner's rows after the step (:func:`~distemb.kvstore.server.exact.held_reply`):
+    the positions of held rows written
     outside the step since (drop them), and the positions, new versions and summed
     gradients of held rows other trainers' gradients reached in the step.
     """
@@ -361,19 +341,15 @@ class InShm(Message):
 
 class _ShardsMessage(Message):
     """Names shards ``parts`` of a table and its ``columns`` (the weight and optimizer
-    states; empty: every column). An array table's part ``i`` holds the keys
-    ``starts[i] + steps[i] * k``; a table made from a spec names no progressions (its
-    router maps keys)."""
+    states; empty: every column); the table's router says which keys each holds."""
 
     DEFAULTS = {"columns": []}
 
     def check(self):
         what = type(self).__name__
-        if self.starts or self.steps:
-            if not len(self.parts) == len(self.starts) == len(self.steps) or \
-                    any(s < 1 for s in self.steps):
-                raise TransportError(f"{what}: parts, starts and steps must be "
-                                     f"equal-length, steps >= 1")
+        if len(set(self.parts)) != len(self.parts):
+            raise TransportError(f"{what}.parts: expected distinct parts, got "
+                                 f"{self.parts[:8]}")
         if len(set(self.columns)) != len(self.columns):
             raise TransportError(f"{what}.columns: expected distinct names, got "
                                  f"{self.columns}")
@@ -381,11 +357,10 @@ class _ShardsMessage(Message):
 
 class Save(_ShardsMessage):
     """Write these shards into checkpoint ``directory`` as records of save ``save_id``
-    (:mod:`distemb.kvstore.snapshot`); the reply's ``records`` are the manifest's."""
+    (:mod:`distemb.kvstore.checkpoint.snapshot`); the reply's ``records`` are the manifest's."""
 
     SERVICE = Service.SAVE
-    FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "starts": int_list,
-              "steps": int_list, "columns": text_list}
+    FIELDS = {"directory": abs_path, "save_id": text, "parts": int_list, "columns": text_list}
 
 
 class Load(_ShardsMessage):
@@ -393,8 +368,7 @@ class Load(_ShardsMessage):
     all or nothing."""
 
     SERVICE = Service.LOAD
-    FIELDS = {"directory": abs_path, "parts": int_list, "starts": int_list,
-              "steps": int_list, "columns": text_list}
+    FIELDS = {"directory": abs_path, "parts": int_list, "columns": text_list}
 
 
 class Reply(Message):
@@ -426,36 +400,28 @@ class Error(Message):
     FIELDS = {"kind": text, "message": lambda v: isinstance(v, str)}
 
 
-class KeysMessage(Message):
-    """A request on the keys of a table made from a spec: ``ids`` are the table's keys
-    (any int64 for a hash table, 1-d), which the table's router must give this server."""
-
-    ARRAYS = ("ids",)
-
-    def check(self):
-        what = type(self).__name__
-        if self.ids.dtype != ID_DTYPE or self.ids.ndim != 1:
-            raise TransportError(f"{what}.ids: expected 1-d int64 keys, got {self.ids.dtype} "
-                                 f"{self.ids.ndim}-d")
-
-
-class Get(KeysMessage):
+class Get(RowsMessage):
     """Rows of ``column`` for keys without inserting or counting them: ``get`` fails on
     an absent key, ``contains`` answers a bool per key (a lookup, which inserts, is a
-    :class:`Pull`)."""
+    :class:`Pull`). ``ids`` are the table's keys, grouped by shard as a Pull's."""
 
     SERVICE = Service.GET
-    FIELDS = {"mode": choice("get", "contains"), "column": text}
+    FIELDS = {"mode": choice("get", "contains"), "column": text, "parts": int_list,
+              "counts": int_list}
+    ARRAYS = ("ids",)
 
 
-class Remove(KeysMessage):
-    """Remove keys and their state; the reply's ``removed`` counts those present."""
+class Remove(RowsMessage):
+    """Remove keys and their state (grouped by shard as a Pull's); the reply's
+    ``removed`` counts those present."""
 
     SERVICE = Service.REMOVE
+    FIELDS = {"parts": int_list, "counts": int_list}
+    ARRAYS = ("ids",)
 
 
 class Info(Message):
-    """Size, capacity and columns of this server's shard of table ``name``; first, with
+    """Size, capacity and columns of this server's shards of table ``name``; first, with
     ``evict_to`` >= 0, evict (by ``policy``, or the table's when empty) down to it."""
 
     SERVICE = Service.INFO
@@ -464,11 +430,12 @@ class Info(Message):
 
 
 class Export(Message):
-    """Keys ``start .. start+count-1`` (in ascending key order) of this server's shard,
-    with their rows of ``columns`` (every column when empty)."""
+    """Keys ``start .. start+count-1`` (in ascending store-key order) of shard ``part``,
+    as the table's keys, with their rows of ``columns`` (every column when empty)."""
 
     SERVICE = Service.EXPORT
-    FIELDS = {"start": int_value, "count": int_value, "columns": text_list}
+    FIELDS = {"part": int_value, "start": int_value, "count": int_value,
+              "columns": text_list}
 
     def check(self):
         if self.start < 0 or self.count < 1:

@@ -1,0 +1,405 @@
+"""CachedKVClient: a trainer-side cache of hot rows in front of a RemoteKVClient.
+
+Graph mini-batches touch a few hot rows most of the time (power-law degrees), so a
+trainer keeps a copy of them. The cache is a view of the remote client (storage calls,
+key management and coalescing go to it); it changes how rows of float32 (N, D) tables,
+dense or keyed (any int64 key: the slot map and pull counts are then hashed,
+:mod:`distemb.kvstore.caches.table`), are pulled and what happens after an update:
+
+- Each cached row is held with its optimizer state and the *version* its owning server
+  gave it (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`: a
+  per-row counter every write of the row or its state changes).
+- A pull sends the ids with the versions held (one request per server, as before); the
+  server returns only the rows whose version differs, with their state. So hot rows
+  cost 16 bytes each instead of a row.
+- ``push_update`` still sends the update to the owner (one writer per row: the server's
+  copy is the reference), and also applies it to the cached copy with the same rule and
+  kernels. In sync_exact the update names the held rows with their versions, and the
+  owner answers, after summing the step, the summed gradient of each held row other
+  trainers' gradients reached too (applied to the copy instead of the cache's own) and
+  which copies were written outside the step (dropped): rows every trainer writes every
+  step stay cached. Otherwise the server answers the rows' versions after the update: a
+  copy is kept only if its version moved by exactly one (nobody else's gradient reached
+  the row meanwhile). The per-row maths does not depend on which other rows are
+  updated, so the copy is bit-identical to the server's.
+
+Modes (:class:`~distemb.config.CacheConfig`):
+
+- *exact* (``staleness=0``, the default): every pull validates every cached row, so
+  results are identical to no cache in every consistency mode (tested bit for bit with
+  2 servers x 2 trainers). Savings come from rows no one else changed since this
+  trainer last saw them (all of them with one trainer; with several in sync_exact, also
+  those the others changed only in steps where this trainer changed them too) and from
+  sending each of a batch's rows once.
+- *bounded staleness* ``s`` (HET's relaxation): a cached row validated less than ``s``
+  steps ago is used without asking its server, so it may lack up to ``s - 1`` steps of
+  other trainers' updates (this trainer's own updates are in it). Updates are still
+  written through to the owner every step, so HET's rule (accumulated updates flushed at
+  eviction and at least every ``s`` steps) holds with a flush interval of one step and
+  nothing pending at eviction; a copy whose version shows someone else's write is
+  refetched at its next validation. With Adagrad in ``sync_exact`` a row used is within
+  ``2 (s - 1) lr`` of its owner's (tests/test_cache_cluster.py).
+
+Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
+counts how often each row was pulled lately (halved every :data:`~distemb.kvstore.caches.table.DECAY` pulls) and keeps
+a new row pulled twice lately in a free slot or in place of a row seen less often
+(TinyLFU admission): rows it does not keep come without their optimizer state, so a
+cold row costs what it costs without a cache. A cache whose copies served under 2% of
+the rows asked over a window empties itself and keeps nothing for a while (its pulls
+and updates are plain ones: ids it cannot help cost little more than no cache).
+Capacity per table: rows, bytes (row plus optimizer state) or a fraction of the table.
+
+Example (servers started by ``distemb-launch``)::
+
+    client = CachedKVClient(RemoteKVClient(cfg, rank), parse_cache_config({"fraction": 0.1}))
+"""
+from typing import Dict, Optional
+
+import numpy as np
+
+from distemb import kernels
+from distemb.config import CacheConfig
+from distemb.enums import Consistency
+from distemb.errors import KVStoreError
+from distemb.kernels.hashtable import keys_array
+from distemb.kvstore.caches.table import TableCache, unique_inverse
+from distemb.kvstore.caches.versions import pull_versioned, push_update_held
+from distemb.kvstore.placement import HostPlacement
+from distemb.kvstore.types import KVClient
+from distemb.kvstore.wrapper import Wrapper
+from distemb.rules import rule_of, state_owner
+
+#: The version of a cached copy someone else may have changed (bounded staleness): it is
+#: refetched, with its state, at its next validation. Servers' versions are >= 0, and
+#: -1/-2 mean "not held" in a versioned pull.
+UNKNOWN = -3
+class CachedKVClient(Wrapper):
+    """A cache of hot rows in front of a :class:`~distemb.kvstore.remote.RemoteKVClient`.
+
+    Owns ``inner`` (closing the cache closes it). Tables other than float32 (N, D) and
+    optimizer state tensors pass straight through.
+
+    Args:
+        inner: the remote client (it must offer ``pull_versioned`` and
+            ``push_update_versions``).
+        config: a :class:`~distemb.config.CacheConfig`.
+
+    Raises:
+        TypeError: ``inner`` cannot validate cached rows, or ``config`` is not a CacheConfig.
+
+    Example::
+
+        kv = CachedKVClient(RemoteKVClient(cfg, 0), parse_cache_config({"policy": "lfu",
+                                                                   "rows": 10_000}))
+        kv.init_data("w", (10**6, 64), "float32", range_policy(10**6, kv.num_servers))
+        rows = kv.pull("w", np.array([3, 3, 7]))     # misses: rows come with versions
+        kv.stats()["hit_rows"]
+    """
+
+    def __init__(self, inner: KVClient, config: CacheConfig):
+        if not (hasattr(inner, "servers") and hasattr(inner, "update_requests")):
+            raise TypeError(f"inner: expected a client whose servers version rows (a "
+                            f"RemoteKVClient), got {type(inner).__name__}")
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        super().__init__(inner)
+        self.config = config
+        self._tables: Dict[str, Optional[TableCache]] = {}
+        self._tick = 0
+        self._stats = dict(pulls=0, rows=0, unique_rows=0, hit_rows=0, fetched_rows=0,
+                           bytes_pulled=0, bytes_sent=0, evicted_replicas=0, summed_rows=0)
+
+    @property
+    def consistency(self):
+        return self.inner.consistency
+
+    # -- what the cache settles before the wrapped client's calls ------------------------
+
+    def create_table(self, name, spec):
+        """Make table ``name`` (see the wrapped client's).
+
+        Raises:
+            KVStoreError: the cache's size is a ``fraction`` of a table's rows and the
+                table sets no bound on its keys (the table is not made).
+        """
+        self._check_bounded(name, spec.num_keys or spec.capacity)
+        self.inner.create_table(name, spec)
+
+    def _check_bounded(self, name, bound):
+        if bound is None and self.config.fraction is not None:
+            raise KVStoreError(f"cache of {name!r}: 'fraction' is a share of a table's rows, "
+                               "and this table takes any int64 key without bound; give the "
+                               "cache 'rows' or 'bytes', or the table a capacity")
+
+    def delete_data(self, name):
+        self.inner.delete_data(name)
+        self._tables.pop(name, None)
+        self._tables.pop(state_owner(name), None)
+
+    def remove(self, name, keys):
+        removed = self.inner.remove(name, keys)
+        self._forget(name, keys)
+        return removed
+
+    def evict(self, name, target_size, policy=None):
+        evicted = self.inner.evict(name, target_size, policy)
+        self._forget(name, evicted)
+        return evicted
+
+    def import_(self, name, keys, columns):
+        self.inner.import_(name, keys, columns)
+        self._forget(name, keys)
+
+    def _forget(self, name, keys):
+        """Cached copies of ``keys`` are void (the server's versions would tell at the
+        next validation; a bounded-staleness copy must not wait for it)."""
+        cache = self._tables.get(name)
+        if cache is not None:
+            cache.forget(np.asarray(keys, dtype=np.int64))
+
+    def load_table_state(self, name, state_names, entry):
+        self.inner.load_table_state(name, state_names, entry)
+        if name in self._tables:
+            self.invalidate(name)
+
+    def load_table(self, name, directory, entry, columns):
+        """The owners load; every cached copy of the table is void."""
+        self.inner.load_table(name, directory, entry, columns)
+        if name in self._tables:
+            self.invalidate(name)
+
+    def close(self, **kw):
+        """Close the wrapped client (keywords go to its ``close``)."""
+        self._tables.clear()
+        self.inner.close(**kw)
+
+    def view_on(self, device):
+        """Itself on the host; on a GPU, a view of the cache (rows still come through it)."""
+        return HostPlacement.view_on(self, device)
+
+    def stats(self):
+        """Counters since construction: rows asked, rows served without data, bytes.
+
+        ``bytes_pulled`` counts every array of the pull replies (rows, states, versions,
+        positions); ``bytes_sent`` the ids and versions of the pull requests;
+        ``evicted_replicas`` the cached copies found void after an update (another
+        writer's gradient reached them outside what the owner answered for);
+        ``summed_rows`` the held rows kept current with the owner's summed gradient
+        (sync_exact: other trainers wrote them in the same step).
+        """
+        return dict(self._stats)
+
+    # -- the cache ----------------------------------------------------------------------
+
+    def _table(self, name, rule=None) -> Optional[TableCache]:
+        """The cache of ``name``, made on first use; None for tables it does not cache."""
+        if name in self._tables and rule is None:
+            return self._tables[name]
+        cache = None
+        if state_owner(name) is None:
+            table = self.inner.table(name)
+            # float32 (N, D) rows: a half store rounds every update, not cached
+            if table.dtype == "float32" and len(table.row_shape) == 1:
+                states, row_bytes = {}, 4 * table.dim
+                if rule is not None:
+                    for spec in rule_of(rule).states:
+                        shape = spec.shape(table.dim)
+                        states[spec.name] = (shape, np.dtype(spec.dtype))
+                        row_bytes += int(np.prod(shape, dtype=np.int64)) * \
+                            np.dtype(spec.dtype).itemsize
+                bound = table.num_keys or table.spec.capacity
+                self._check_bounded(name, bound)
+                cap = self.config.capacity(bound or np.iinfo(np.int64).max, row_bytes)
+                # keys 0..N-1: arrays by id; any int64 key: hashed (TableCache)
+                cache = TableCache(table.num_keys, table.dim, cap, states,
+                                   None if rule is None else rule_of(rule).name)
+        self._tables[name] = cache
+        return cache
+
+    def init_optimizer(self, name, rule, options):
+        names = self.inner.init_optimizer(name, rule, options)
+        self._table(name, rule=rule)  # fresh: cached copies of the old state are void
+        return names
+
+    def push(self, name, ids, values):
+        self.inner.push(name, ids, values)
+        cache = self._tables.get(state_owner(name) or name)
+        if cache is not None:
+            cache.forget(np.asarray(ids, dtype=np.int64))
+
+    def pull(self, name, ids):
+        cache = self._table(name)
+        if cache is None:
+            return self.inner.pull(name, ids)
+        ids = keys_array(ids, "ids")
+        self.inner.table(name).router.check(ids, f"ids of {name!r}")
+        uniq, inverse = unique_inverse(ids)
+        self._tick += 1
+        cache.count(uniq)
+        slots = cache.slot_of.get(uniq)
+        cached = slots >= 0
+        ask = np.ones(len(uniq), bool)
+        if self.config.staleness:
+            ask[cached] = cache.step - cache.checked[slots[cached]] >= self.config.staleness
+        # -2: not held, will be kept (fetch its state too); -1: passes through.
+        have = np.full(len(uniq), -1, np.int64)
+        have[cached] = cache.version[slots[cached]]
+        new = np.flatnonzero(~cached)
+        victims = None
+        if cache.idle:  # it could not help these ids lately (TableCache.served)
+            keep_new = np.zeros(len(new), bool)
+        elif self.config.policy == "lru":
+            keep_new = np.ones(len(new), bool)
+        else:
+            keep_new, victims = cache.worth_keeping(uniq[new], slots[cached])
+        have[new[keep_new]] = -2
+        if not cached.any() and not keep_new.any():
+            # Nothing held or to keep (a cache that cannot help these ids): a plain pull
+            # of each row once, no versions either way.
+            rows = self.inner.pull(name, uniq)
+            self._count(ids, uniq, np.arange(len(uniq)), [], [rows], sent=8 * len(uniq))
+            cache.served(0, len(uniq))
+            return rows[inverse]
+        asked = np.flatnonzero(ask)
+        if len(asked):
+            pos, vers, rows, states = pull_versioned(self.inner, name, uniq[asked],
+                                                     have[asked], list(cache.states))
+        else:  # every row fresh enough (bounded staleness): no request at all
+            pos, vers = np.empty(0, np.int64), np.empty(0, np.int64)
+            rows = np.empty((0, cache.values.shape[1]), np.float32)
+            states = [np.empty((0,) + a.shape[1:], a.dtype) for a in cache.states.values()]
+        got = asked[pos]
+        self._count(ids, uniq, got, asked, [pos, vers, rows] + list(states))
+        cache.checked[slots[ask & cached]] = cache.step
+        out = np.empty((len(uniq), cache.values.shape[1]), np.float32)
+        with_state = have[got] != -1  # states came for these fetched rows, in order
+        refresh = cached[got]
+        sub = refresh[with_state]
+        self._store(cache, slots[got[refresh]], vers[refresh], rows[refresh],
+                    [st[sub] for st in states])
+        admit = ~refresh & with_state
+        if admit.any():
+            fresh = cache.admit(uniq[got[admit]], slots[cached], victims)
+            k = len(fresh)
+            sub = admit[with_state]
+            self._store(cache, fresh, vers[admit][:k], rows[admit][:k],
+                        [st[sub][:k] for st in states])
+            slots[got[admit][:k]] = fresh
+        passing = slots[got] < 0
+        out[got[passing]] = rows[passing]
+        in_cache = slots >= 0
+        out[in_cache] = cache.values[slots[in_cache]]
+        if self.config.policy == "lru":
+            cache.stamp[slots[in_cache]] = self._tick
+        cache.served(len(uniq) - len(got), len(uniq))
+        return out[inverse]
+
+    def _count(self, ids, uniq, got, asked, arrays, sent=None):
+        st = self._stats
+        st["pulls"] += 1
+        st["rows"] += len(ids)
+        st["unique_rows"] += len(uniq)
+        st["fetched_rows"] += len(got)
+        st["hit_rows"] += len(uniq) - len(got)
+        st["bytes_sent"] += 16 * len(asked) if sent is None else sent
+        st["bytes_pulled"] += sum(a.nbytes for a in arrays) if len(got) else 0
+
+    def _store(self, cache, slots, versions, rows, states):
+        if not len(slots):
+            return
+        cache.values[slots] = rows
+        for sname, arr in zip(cache.states, states):
+            cache.states[sname][slots] = arr
+        cache.version[slots] = versions
+        cache.checked[slots] = cache.step
+
+    def push_update(self, name, ids, grads, rule, hyper):
+        """Send the update to the owner; keep the cached copies equal to the owner's rows.
+
+        In sync_exact the update names the rows held (with their versions) and the owner
+        answers, for those, which copies are void and the summed gradients of those other
+        trainers' gradients reached too: every held copy gets the step's own update (its
+        own gradient, or the owner's sum), so rows written by several trainers at once
+        stay cached. Otherwise the owner answers the rows' versions and a copy someone
+        else's gradient reached is dropped (or, with staleness, kept until revalidated).
+        """
+        cache = self._tables.get(name)
+        impl = rule_of(rule)
+        if cache is None or cache.rule != impl.name:
+            self.inner.push_update(name, ids, grads, rule, hyper)
+            if cache is not None:
+                cache.forget(np.asarray(ids, dtype=np.int64))
+            return
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        slots = cache.slot_of.get(ids)
+        mine = np.flatnonzero(slots >= 0)
+        if not len(mine):  # no copy to keep current: a plain update
+            self.inner.push_update(name, ids, grads, rule, hyper)
+            cache.step += 1
+            return
+        at = slots[mine]
+        checked = impl.check_hyper(hyper)
+        if self.consistency == Consistency.SYNC_EXACT:
+            have = np.full(len(ids), -1, np.int64)
+            have[mine] = cache.version[at]
+            held = push_update_held(self.inner, name, ids, grads, rule, hyper, have)
+            cache.step += 1
+            return self._apply_held(cache, impl, checked, slots, mine, grads, held)
+        if len(at):
+            # The same rule and kernels as the owner: bit-identical per row.
+            impl.apply(kernels, cache.values, cache.states, at,
+                       np.ascontiguousarray(grads[mine]), checked, self.num_threads)
+        versions = self.inner.push_update_versions(name, ids, grads, rule, hyper)
+        cache.step += 1
+        if versions is None:  # async: no answer; the next validation tells
+            cache.version[at] = np.where(cache.version[at] >= 0, cache.version[at] + 1,
+                                         UNKNOWN)
+            return
+        ok = versions[mine] == cache.version[at] + 1
+        cache.version[at[ok]] = versions[mine][ok]
+        self._void(cache, at[~ok])  # someone else's gradient reached these rows
+
+    def _apply_held(self, cache, impl, hyper, slots, mine, grads, held):
+        """Apply one exact step to the held copies ``slots[mine]`` (see push_update)."""
+        step = np.ascontiguousarray(grads[mine])
+        where = np.full(len(slots), -1, np.int64)  # update position -> row of ``step``
+        where[mine] = np.arange(len(mine))
+        step[where[held.summed]] = held.sums
+        self._stats["summed_rows"] += len(held.summed)
+        keep = np.ones(len(mine), bool)
+        if len(held.drop) and not self.config.staleness:
+            keep[where[held.drop]] = False
+        at = slots[mine]
+        # The same rule and kernels as the owner, on the same gradient: bit-identical.
+        impl.apply(kernels, cache.values, cache.states, at[keep] if len(held.drop) else at,
+                   step[keep] if len(held.drop) else step, hyper, self.num_threads)
+        cache.version[at] += 1
+        cache.version[slots[held.summed]] = held.versions
+        self._void(cache, slots[held.drop])
+
+    def _void(self, cache, slots):
+        """Copies in ``slots`` lack another writer's update: dropped, or (bounded
+        staleness) used until their next validation refetches them."""
+        self._stats["evicted_replicas"] += len(slots)
+        if self.config.staleness:
+            cache.version[slots] = UNKNOWN
+        else:
+            cache.evict(slots)
+
+    def invalidate(self, name=None):
+        """Forget every cached row (of table ``name``, or of all tables).
+
+        The next pulls read the owners. In bounded-staleness mode a cached row may lack up
+        to ``s - 1`` steps of other trainers' updates; call this (after a barrier) before
+        reading a final model, e.g. to export or evaluate it.
+
+        Args:
+            name: a table, or None for every table.
+
+        Raises:
+            KeyError: ``name`` is not a table this cache has seen.
+        """
+        caches = self._tables.values() if name is None else [self._tables[name]]
+        for cache in caches:
+            if cache is not None:
+                cache.evict(np.flatnonzero(cache.held))

@@ -1,0 +1,236 @@
+"""Servers: a trainer's connections to the servers of its job, and what moves on them.
+
+One object per cluster trainer (its :class:`~distemb.kvstore.remote.RemoteKVClient`'s):
+
+- :meth:`Servers.call` sends requests to several servers and then reads every reply
+  (servers work concurrently; every reply is read even after an error, so the
+  connections stay in step): the one send-then-collect routine of a trainer;
+- with shared memory on, a server on this trainer's machine is spoken to over its local
+  (Unix-domain) socket, which hands over shared memory as file descriptors
+  (:mod:`distemb.transport.shm`): the rows of its shards are gathered straight from their
+  memory files or the files of a file table (:meth:`Servers.gather`, never torn: the
+  seqlock, and beside an update answered early, :class:`~distemb.kvstore.server.early.
+  Applying`); writes still go to the owning server, the only writer of its rows, but
+  their arrays travel through this trainer's request slot
+  (:class:`~distemb.transport.slots.RequestSlot`): the frame on the socket only says
+  where they lie.
+
+Example (servers started by ``distemb-launch``)::
+
+    servers = Servers(load_cluster_config(os.environ["DISTEMB_CONFIG"]), rank=0)
+    servers.call({0: Barrier(rank=0)})
+"""
+import numpy as np
+
+from distemb import kernels
+from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
+                            TransportError)
+from distemb.kernels import half
+from distemb.kvstore.server.early import Applying
+from distemb.transport.base import FLAG_NO_REPLY, MAX_FDS, close_fds
+from distemb.transport.connections import open_connections
+from distemb.transport.messages import Bye, Hello, InShm, Reply, Service, ShmInfo
+from distemb.transport.shm import attach_all
+from distemb.transport.slots import RequestSlot
+
+#: Error kinds a server reports that reach the user as their own type (else KVStoreError).
+ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
+          "MissingKeyError": MissingKeyError, "ValueError": ValueError}
+
+
+class Servers:
+    """A trainer's connections to its job's servers (see the module docstring).
+
+    Args:
+        cfg: the job's :class:`~distemb.config.ClusterConfig`.
+        rank: this trainer's rank.
+        connections: one :class:`~distemb.transport.base.Connection` per server (default:
+            :func:`~distemb.transport.connections.open_connections`).
+        num_threads: OpenMP threads of shared-memory gathers.
+
+    Raises:
+        ServerUnavailableError: a server cannot be reached within ``cfg.timeout_s``.
+        KVStoreError: a server answers as another server, or refuses the Hello.
+    """
+
+    def __init__(self, cfg, rank, connections=None, num_threads=1):
+        self.rank, self.num_threads = rank, num_threads
+        self.count = len(cfg.servers)
+        self.connections = list(connections) if connections is not None else \
+            open_connections(cfg, rank)
+        self.mapped = {}  # (table, part) -> ShmShard of a co-located server's rows
+        self._slots = {}
+        self.applying = Applying(self.connections)
+        self.closed = False
+        hello = {sid: Hello(rank=rank, token=cfg.job_token or "") for sid in range(self.count)}
+        self.info = [r.fields for r in self.call(hello).values()]
+        for sid, info in enumerate(self.info):
+            if info.get("server_id") != sid or info.get("num_servers") != self.count:
+                raise KVStoreError(f"server {sid}: answers as server {info.get('server_id')} "
+                                   f"of {info.get('num_servers')}, the config lists "
+                                   f"{self.count} servers")
+        # Servers on this machine's local sockets hand over (and take) shared memory.
+        self.local = {sid for sid, conn in enumerate(self.connections) if conn.passes_fds and
+                      self.info[sid].get("shared_memory")}
+        # Updates and pushes to them hand their arrays over in a request slot.
+        self._slots = {sid: RequestSlot(cfg.job_id, rank, sid) for sid in self.local}
+
+    def call(self, requests, wait=True, on_reply=None, while_waiting=None, timeout=None):
+        """Send ``{server id: message}`` to all, then read every reply.
+
+        Args:
+            requests: {server id: message, or a list of messages}: a list goes to its
+                server back to back, its replies read in order (one round trip for all,
+                as a lookup of several tables on the servers is; its arrays travel in the
+                frames, never in the request slot, which one request at a time uses).
+            wait: False for asynchronous updates (no reply is sent or read).
+            on_reply: ``on_reply(sid, frame)`` for each successful reply frame (in order,
+                for a list); it may raise KVStoreError to report a malformed reply
+                (collected like a server's).
+            while_waiting: work to do after sending, before reading (e.g. shared-memory
+                gathers while the remote rows travel).
+            timeout: seconds to wait for each reply to begin (default: the connection's).
+
+        Returns:
+            {server id: Reply, or the list of Replies of a list}.
+
+        Raises:
+            KVStoreError, PartitionError, StoreError, MissingKeyError, ValueError: a
+                server answered with an error (the first one, after all replies were read).
+            ServerUnavailableError: a server died or timed out.
+        """
+        if self.closed:
+            raise KVStoreError("this RemoteKVClient is closed")
+        for sid, msgs in requests.items():
+            self.applying.settle(sid, timeout)  # its slot is free, its failure raised
+            for msg in msgs if isinstance(msgs, list) else [msgs]:
+                if not wait:
+                    msg.flags |= FLAG_NO_REPLY
+                frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
+                try:
+                    self.connections[sid].send(frame)
+                finally:
+                    close_fds(frame)  # a new slot's descriptor: the server has its own
+        if while_waiting is not None:
+            while_waiting()
+        if not wait:
+            return {}
+        replies, failed = {}, []
+        for sid, msgs in requests.items():
+            for _ in msgs if isinstance(msgs, list) else [msgs]:
+                frame = self.connections[sid].recv(timeout)
+                if frame.service == Service.ERROR:
+                    failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
+                elif frame.service != Service.REPLY:
+                    raise TransportError(f"server {sid}: unexpected reply service "
+                                         f"{frame.service}")
+                else:
+                    try:
+                        if on_reply is not None:
+                            on_reply(sid, frame)  # it takes the descriptors it keeps
+                        reply = Reply.decode(frame)
+                        if isinstance(msgs, list):
+                            replies.setdefault(sid, []).append(reply)
+                        else:
+                            replies[sid] = reply
+                    except KVStoreError as e:
+                        failed.append((type(e).__name__, str(e)))
+                    finally:
+                        close_fds(frame)
+        if failed:
+            kind, message = failed[0]
+            raise ERRORS.get(kind, KVStoreError)(message)
+        return replies
+
+    def all(self, make, timeout=None):
+        """:meth:`call` of ``make(sid)`` on every server."""
+        return self.call({sid: make(sid) for sid in range(self.count)}, timeout=timeout)
+
+    def _frame_for(self, sid, msg, wait):
+        """The frame of ``msg``; an update or push to a co-located server goes through
+        its request slot (the frame carries the slot's descriptor when it is new).
+
+        Only when the reply is awaited: the slot is reused by the next request, so the
+        server must be done with it first (asynchronous updates travel in the frame).
+        """
+        frame = msg.encode()
+        slot = self._slots.get(sid) if wait else None
+        if slot is None or frame.service not in (Service.UPDATE, Service.PUSH):
+            return frame
+        layout = slot.write(frame.arrays)
+        out = InShm(name=frame.name, flags=frame.flags, service=frame.service,
+                    fields=frame.fields, size=slot.size, layout=layout).encode()
+        fd = slot.take_fd()
+        if fd is not None:
+            out.fds.append(fd)
+        return out
+
+    # -- the rows of co-located servers -------------------------------------------------
+
+    def map(self, name, parts_by_server):
+        """Map the shards of table ``name`` that servers on this machine hold in shared
+        memory or in files (``{server id: its parts}``)."""
+        local = {sid: parts for sid, parts in parts_by_server.items() if sid in self.local}
+        for at in range(0, max(map(len, local.values()), default=0), MAX_FDS):
+            asked = {sid: p[at:at + MAX_FDS] for sid, p in local.items() if p[at:at + MAX_FDS]}
+            fds = {}
+
+            def take(sid, frame):
+                fds[sid] = frame.fds[:]
+                frame.fds.clear()
+            replies = self.call({sid: ShmInfo(name=name, parts=parts)
+                                 for sid, parts in asked.items()}, on_reply=take)
+            for sid, reply in replies.items():
+                f = reply.fields
+                shards = attach_all(fds[sid], f["segments"], f["shapes"],
+                                    [half.storage_dtype(dt) for dt in f["dtypes"]],
+                                    f.get("files"))
+                self.mapped.update({(name, part): shard
+                                    for part, shard in zip(asked[sid], shards)
+                                    if shard is not None})
+
+    def forget(self, name):
+        """Unmap the shards of table ``name``."""
+        for key in [k for k in self.mapped if k[0] == name]:
+            del self.mapped[key]
+
+    def gather(self, name, part, local):
+        """Rows ``local`` (store keys) of mapped shard ``part`` of ``name``, never torn;
+        None if writes kept it busy. Beside this trainer's update of it that the server
+        answered early, while it is applied (:class:`~distemb.kvstore.server.early.
+        Applying`)."""
+        shard = self.mapped[(name, part)]
+        sid = part % self.count
+        rows = self.applying.gather(sid, name, part, shard, local, self._copy_rows)
+        return rows if rows is not None else \
+            shard.read(lambda a: self._copy_rows(a, local))
+
+    def _copy_rows(self, a, local):
+        if a.dtype == np.float32 and a.ndim == 2:
+            return kernels.gather_rows(a, local, None, self.num_threads)
+        if half.is_half(half.dtype_name(a)):  # decoded in the gather
+            return half.gather_rows(a, local, None, self.num_threads)
+        return a[local]
+
+    def slot_buffer(self, sid, shape):
+        """A buffer of float32 ``shape`` in the request slot of co-located server ``sid``
+        (an update handed over from it needs no copy), or None."""
+        slot = self._slots.get(sid)
+        return None if slot is None else slot.view(shape, np.float32)
+
+    def close(self, goodbye=True):
+        """Disconnect; with ``goodbye``, first tell every server this trainer is done."""
+        if self.closed:
+            return
+        try:
+            if goodbye:
+                self.all(lambda sid: Bye(rank=self.rank))
+        except TransportError:
+            pass  # a server already gone needs no goodbye
+        finally:
+            self.closed = True
+            self.mapped.clear()
+            for slot in self._slots.values():
+                slot.close()
+            for conn in self.connections:
+                conn.close()
