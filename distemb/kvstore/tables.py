@@ -30,6 +30,7 @@ from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.types import DataMeta, KVClient, refuse_store
+from distemb.kvstore.views import view_on_host
 from distemb.partition import PartitionPolicy
 from distemb.routers import Router
 from distemb.rules import rule_of, state_name, state_owner
@@ -242,6 +243,9 @@ class TableClient(KVClient):
     ``_remove``, ``_evict``, ``_save``, ``_load``, and ``delete_data``, ``push_update``,
     ``size``, ``contains``, ``get``, ``export``).
     """
+
+    def view_on(self, device):
+        return view_on_host(self, device)
 
     #: Whether this client's shards live in other processes (a spec must travel there),
     #: and what those are called in errors.

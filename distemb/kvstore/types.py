@@ -420,6 +420,17 @@ class KVClient(HostPlacement, ABC):
                 missing segment, or rows not covered exactly once.
         """
 
+    @abstractmethod
+    def view_on(self, device) -> "KVClient":
+        """The client through which rows of this client's tables are looked up onto
+        ``device``: itself for its own device (None, 'cpu' for host clients), else a view
+        that places the rows there (:mod:`distemb.kvstore.views`).
+
+        Raises:
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+            ValueError: ``device`` is not a device.
+        """
+
     def barrier(self) -> None:
         """Wait for every trainer (no-op with one)."""
 

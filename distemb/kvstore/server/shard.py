@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from distemb.errors import KVStoreError, PartitionError, StoreError
+from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore.server.rwlock import RWLock
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
