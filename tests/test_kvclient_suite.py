@@ -93,7 +93,8 @@ def test_updates_match_torch_optim(client, table, rule):
     nn.Embedding over 10 steps of duplicate-heavy ids (summed as torch sums them)."""
     t = table
     np.testing.assert_array_equal(t.rows(client), t.initial())  # every key held
-    names = client.init_optimizer(t.name, rule, {"initial_accumulator_value": 0.0})
+    names = client.init_optimizer(t.name, rule, {"initial_accumulator_value": 0.0}
+                                  if rule == "adagrad" else {})  # what each rule reads
     ref = torch.nn.Embedding(N, D, sparse=True)
     ref.weight.data.copy_(torch.from_numpy(t.initial()))
     opt = _torch_opt(rule, [ref.weight])
@@ -116,6 +117,23 @@ def test_updates_match_torch_optim(client, table, rule):
     for sname in names:
         np.testing.assert_allclose(state[sname], opt.state[ref.weight][TORCH_STATE[sname]],
                                    rtol=1e-4, atol=1e-6, err_msg=sname)
+
+
+def test_an_option_no_state_of_the_rule_reads_is_refused_naming_it(client, table):
+    """Every placement refuses an optimizer option the rule's states do not start from
+    (a server ignored it, an embedded store still does not read it), before any state
+    changes; the rule's own option is taken."""
+    t = table
+    np.testing.assert_array_equal(t.rows(client), t.initial())  # every key held
+    names = client.init_optimizer(t.name, "adagrad", {"initial_accumulator_value": 0.5})
+    for rule, options, bad in (("adagrad", {"initial_accumulator_value": 0.1, "bogus": 1.0},
+                                "bogus"),
+                               ("sgd", {"initial_accumulator_value": 0.1},
+                                "initial_accumulator_value")):
+        with pytest.raises(KVStoreError, match=f"options.{bad}: unknown option of rule "
+                                               f"'{rule}'"):
+            client.init_optimizer(t.name, rule, options)
+    np.testing.assert_array_equal(t.state(client, names)["sum"], np.full((N, D), 0.5))
 
 
 def test_ftrl_matches_the_reference_rule(client, table):

@@ -364,7 +364,9 @@ class TableClient(KVClient):
             raise KVStoreError(f"optimizer of {name!r}: needs a 2-d table of "
                                f"{'/'.join(WEIGHT_DTYPES)}, it has rows {table.row_shape} "
                                f"{table.dtype}")
-        rule_of(rule)  # an unknown rule is refused before any state is made
+        # an unknown rule, or an option its states do not start from, is refused before
+        # any state is made (a cluster's every rank, before its barrier)
+        options = rule_of(rule).options_from(options)
         self._init_states(table, rule, options)
         return self.tables.set_states(name, rule)
 
