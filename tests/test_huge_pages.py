@@ -144,12 +144,17 @@ def test_shards_and_their_maps_ask_for_huge_pages(shard_and_view):
 @pytest.fixture
 def shmem_allows_huge_pages():
     """Shared memory may be on huge pages for the test: the machine's setting if it
-    allows them, else ``advise`` for the test's duration (root only), restored after."""
+    allows them; else, only where DISTEMB_TEST_SET_SHMEM=1 opts in (a test must not
+    change the machine), ``advise`` for the test's duration (root only), restored after."""
     from distemb.pages import SHMEM_ENABLED, shmem_setting
     before = shmem_setting()
     if before in ("advise", "within_size", "always", "force"):
         yield
         return
+    if os.environ.get("DISTEMB_TEST_SET_SHMEM") != "1":
+        pytest.skip(f"shmem_enabled is {before!r}: the test would write {SHMEM_ENABLED}, "
+                    "a kernel setting of the whole machine; DISTEMB_TEST_SET_SHMEM=1 "
+                    "lets it (as root, restored after)")
     if not os.access(SHMEM_ENABLED, os.W_OK):
         pytest.skip(f"shmem_enabled is {before!r} and not writable here (not root)")
     with open(SHMEM_ENABLED, "w") as f:
