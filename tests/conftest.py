@@ -394,20 +394,36 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 #: The compiled kernels once per CPU build (csrc/cpu_kernels.h), then their numpy twins.
 KERNEL_IMPLS = ["compiled-baseline", "compiled-avx2", "compiled-avx512", "reference"]
+#: The compiled kernels on the build this CPU picks, then their numpy twins.
+MODEL_IMPLS = ["compiled", "reference"]
 
 
 @pytest.fixture(params=KERNEL_IMPLS)
 def kernel_impl(request):
     """Run the test with the compiled kernels under each CPU build (baseline, AVX2,
-    AVX-512) and again with their numpy twins.
+    AVX-512) and again with their numpy twins: for the kernels' own oracles.
 
-    A compiled run skips where the extension is not loaded (not built, or the whole suite
-    is rerun with DISTEMB_NO_EXT=1, as ``make test`` does), or where this CPU lacks its
-    build.
+    A compiled run skips where the extension is not loaded (not built, or DISTEMB_NO_EXT=1
+    as in ``make test``'s twin pass), or where this CPU lacks its build.
     """
+    yield from _kernels_of(request.param)
+
+
+@pytest.fixture(params=MODEL_IMPLS)
+def model_impl(request):
+    """Run the test with the compiled kernels (the build this CPU picks) and again with
+    their numpy twins: for oracles of whole models and optimizers. Every build gives the
+    same bits, kernel by kernel (tests/test_cpu_isa.py, tests/test_half_isa.py), so a
+    model built from those kernels needs no run per build."""
+    yield from _kernels_of(request.param)
+
+
+def _kernels_of(param):
+    """Run the test's block on the kernels ``param`` names ('compiled', 'reference',
+    'compiled-<isa>'), or skip naming why they are not here."""
     from distemb import kernels
 
-    impl, _, isa = request.param.partition("-")
+    impl, _, isa = param.partition("-")
     if impl == "compiled" and not kernels.HAS_EXT:
         pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT=1 or not built): "
                     "the reference run covers this case")
@@ -416,7 +432,7 @@ def kernel_impl(request):
                     f"{kernels.available_cpu_isas()})")
     with kernels.implementation(impl), \
             (kernels.cpu_isa(isa) if isa else contextlib.nullcontext()):
-        yield request.param
+        yield param
 
 
 @pytest.fixture
