@@ -31,7 +31,6 @@ job's servers, read from ``$DISTEMB_CONFIG``.
 """
 import contextlib
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -293,8 +292,9 @@ class Placement:
             return [f.result(timeout=120) for f in futures]
 
 
-def make_placement(name, clusters):
-    """The :class:`Placement` called ``name`` (see :data:`PLACEMENTS`)."""
+def make_placement(name, clusters, tmp_dir=None):
+    """The :class:`Placement` called ``name`` (see :data:`PLACEMENTS`); ``tmp_dir``: where
+    a collective job of one rank meets (its rendezvous file)."""
     if name == "mpi":
         return Placement(name, RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
                                               int(os.environ["DISTEMB_RANK"])))
@@ -304,7 +304,7 @@ def make_placement(name, clusters):
     if base in ("embedded", "device_cache", "device_cache_cuda"):
         inner = LocalKVClient()
     elif base == "collective1":  # a collective job of one rank, in this process
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rdv",
+        dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/rdv",
                                 rank=0, world_size=1)
         return Placement(name, CollectiveKVClient(timeout_s=60, own_group=True))
     elif base in ("device_table", "device_table_cuda"):
@@ -349,9 +349,10 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture
-def placement(request, clusters):
+def placement(request, clusters, tmp_path_factory):
     """A placement of each kind; remote ones talk to module-scoped server processes."""
-    where = make_placement(request.param, clusters)
+    rendezvous = tmp_path_factory.mktemp("rdv") if request.param == "collective1" else None
+    where = make_placement(request.param, clusters, rendezvous)
     yield where
     kv = where.client
     try:
@@ -380,12 +381,88 @@ def mpi_goodbye():
                        int(os.environ["DISTEMB_RANK"])).close(goodbye=True)
 
 
+#: Test modules whose subject is code that picks the compiled or the twin implementation
+#: (distemb/kernels/: ``HAS_EXT``, ``implementation()``, ``native=``, ``half._impl()``) or
+#: calls it below every placement (the stores, the shard type): the twin pass
+#: (``DISTEMB_NO_EXT=1 pytest -m twin``) runs them, with the client suite on the
+#: embedded placement. (tests/test_no_extension.py, the import and command-line smoke
+#: run without the extension, sets its processes' switch itself: it runs once.) Everything
+#: else reaches the kernels only through those modules, whose dispatch validates the
+#: same way for both and whose two implementations the kernel tests hold to the same
+#: oracles, so it cannot behave differently on the twin.
+TWIN_MODULES = {
+    "test_kernels", "test_half_kernels", "test_hashtable", "test_losses", "test_ftrl",
+    # the kernels, the hash index, the fused loss; the stores, the shard type
+    "test_store_suite", "test_hash_store", "test_shard",
+    "test_dynamic_embedding",  # its own HAS_EXT branch (an inexact twin comparison)
+}
+#: Client suite modules: their tests on the embedded placement (the stores' and rules'
+#: calls into the kernels, in this process) run again on the twin.
+SUITE_MODULES = {"test_kvclient_suite", "test_keyed_suite"}
+#: Parameters that already run both implementations in the compiled pass.
+BOTH_IMPLS = {"kernel_impl", "model_impl", "native"}
+
+
+def _runs_on_the_twin(item):
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if BOTH_IMPLS & set(params) or BOTH_IMPLS & set(item.fixturenames):
+        return False  # its reference case ran in the compiled pass
+    if module in SUITE_MODULES:
+        return params.get("placement") == "embedded"
+    return module in TWIN_MODULES
+
+
+#: Process-heavy tests (each starts many Python processes with torch and DGL): the
+#: parallel run (pytest-xdist, ``--dist loadgroup``) keeps each lane on one worker, so
+#: at most this many of them run at once on a 2-core machine, and queues them first
+#: (longest first). DGL's own tests share /tmp/dist_graph, so they share a lane.
+HEAVY_LANES = {
+    "test_dgl_upstream": "heavy-dgl", "test_dgl_launcher": "heavy-dgl",
+    "test_mpi": "heavy-jobs", "test_collective": "heavy-jobs",
+    "test_cache_cluster": "heavy-jobs", "test_orphans": "heavy-jobs",
+}
+
+
+def _xdist_group(item):
+    """The xdist group of ``item``: its heavy lane; else, where it shares a module-scoped
+    fixture (a server cluster of one kind, a compiled emulator), its module (and cluster
+    kind), so the fixture is made once; else none (any worker, one test at a time)."""
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    if module in HEAVY_LANES:
+        return HEAVY_LANES[module]
+    shared = [name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+              if defs and defs[-1].scope in ("module", "package")]
+    if not shared:
+        return None
+    if shared == ["clusters"]:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        base = str(params.get("placement", "clusters")).split("+")[0]
+        if "placement" in params and base not in CLUSTERS:
+            return None  # an in-process placement: it spawns nothing
+        return f"{module}:{base}"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Remote placements of the suite spawn processes: mark them multiprocess."""
+    """Remote placements of the suite spawn processes: mark them multiprocess. Mark what
+    the twin pass runs (``twin``) and group tests for parallel workers (``xdist_group``);
+    heavy lanes first."""
     for item in items:
         if "placement" in getattr(item, "fixturenames", ()) and \
                 any(k in item.nodeid for k in ("tcp", "shm1x1", "mpi")):
             item.add_marker(pytest.mark.multiprocess)
+        if not isinstance(item, pytest.Function):
+            continue
+        if _runs_on_the_twin(item):
+            item.add_marker(pytest.mark.twin)
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    heavy = set(HEAVY_LANES)
+    items.sort(key=lambda i: getattr(i, "module", None) is None or
+               i.module.__name__.rsplit(".", 1)[-1] not in heavy)
 
 
 os.environ.setdefault("DGLBACKEND", "pytorch")
