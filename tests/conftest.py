@@ -437,29 +437,31 @@ def _xdist_group(item):
         return None
     if shared == ["clusters"]:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        base = str(params.get("placement", "clusters")).split("+")[0]
-        if "placement" in params and base not in CLUSTERS:
-            return None  # an in-process placement: it spawns nothing
-        return f"{module}:{base}"
+        if "clusters" in item._fixtureinfo.argnames or "placement" not in params:
+            return f"{module}:clusters"  # asks for clusters itself: of any kind
+        base = str(params["placement"]).split("+")[0]
+        return f"{module}:{base}" if base in CLUSTERS else None  # else: spawns nothing
     return module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
+def pytest_itemcollected(item):
     """Remote placements of the suite spawn processes: mark them multiprocess. Mark what
-    the twin pass runs (``twin``) and group tests for parallel workers (``xdist_group``);
-    heavy lanes first."""
-    for item in items:
-        if "placement" in getattr(item, "fixturenames", ()) and \
-                any(k in item.nodeid for k in ("tcp", "shm1x1", "mpi")):
-            item.add_marker(pytest.mark.multiprocess)
-        if not isinstance(item, pytest.Function):
-            continue
-        if _runs_on_the_twin(item):
-            item.add_marker(pytest.mark.twin)
-        group = _xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    the twin pass runs (``twin``) and group tests for parallel workers (``xdist_group``,
+    read by xdist's own collection hook, which must see them)."""
+    if "placement" in getattr(item, "fixturenames", ()) and \
+            any(k in item.nodeid for k in ("tcp", "shm1x1", "mpi")):
+        item.add_marker(pytest.mark.multiprocess)
+    if not isinstance(item, pytest.Function):
+        return
+    if _runs_on_the_twin(item):
+        item.add_marker(pytest.mark.twin)
+    group = _xdist_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_modifyitems(items):
+    """The heavy lanes first: the parallel run queues groups in this order."""
     heavy = set(HEAVY_LANES)
     items.sort(key=lambda i: getattr(i, "module", None) is None or
                i.module.__name__.rsplit(".", 1)[-1] not in heavy)
