@@ -240,7 +240,8 @@ def test_not_yet_in_collective_mode_is_refused(ctx):
     emb = DistEmbedding(10, 3, name="refused", context=ctx)
     with pytest.raises(KVStoreError, match="CollectiveKVClient: cannot hold table 'given' on "
                                            "a HashStore object: a store object lives in one "
-                                           "process, and this client's tables are sharded"):
+                                           "process, and this client's tables are sharded "
+                                           "over its ranks"):
         StoreEmbedding(HashStore(4), name="given", context=ctx)
     with pytest.raises(KVStoreError, match="onto 'cuda' is not available in collective"):
         emb(torch.tensor([1]), device="cuda")

@@ -388,7 +388,8 @@ def test_a_server_refuses_keys_another_server_owns(clusters):
         kv.create_table("routed", HashTableSpec(2))
         keys = np.arange(50, dtype=np.int64)
         theirs = keys[key_partition(keys, 2) == 1][:1]
-        with pytest.raises(KVStoreError, match=f"key {int(theirs[0])} .* belongs to server 1"):
+        with pytest.raises(KVStoreError, match=f"key {int(theirs[0])} .* belongs to shard 1, "
+                                               "not shard 0"):
             kv._call({0: Pull(name="routed", parts=[0], counts=[1], ids=theirs)})
         assert kv.size("routed") == 0
         kv.delete_data("routed")

@@ -107,6 +107,7 @@ class CollectiveKVClient(LocalKVClient):
     """
 
     sharded = True
+    shard_holders = "ranks"
     #: ``opt.save``/``opt.load`` run on every rank (checkpoint.save_items' ``writer``).
     all_ranks_checkpoint = True
 

@@ -243,8 +243,10 @@ class TableClient(KVClient):
     ``size``, ``contains``, ``get``, ``export``).
     """
 
-    #: Whether this client's shards live in other processes (a spec must travel there).
+    #: Whether this client's shards live in other processes (a spec must travel there),
+    #: and what those are called in errors.
     sharded = False
+    shard_holders = "servers"
 
     def create_table(self, name: str, spec) -> None:
         """Make table ``name`` from a table spec (:mod:`distemb.stores.spec`), or attach
@@ -283,8 +285,8 @@ class TableClient(KVClient):
         if self.sharded and not spec.portable:
             raise refuse_store(self, name, f"a {spec.kind} object",
                                "a store object lives in one process, and this client's "
-                               "tables are sharded over other processes; pass a table spec "
-                               "instead (e.g. DynamicEmbedding, or "
+                               f"tables are sharded over its {self.shard_holders}; pass a "
+                               "table spec instead (e.g. DynamicEmbedding, or "
                                "StoreEmbedding(FileTableSpec(...))): each of them makes its "
                                "own shard's store from it")
 
