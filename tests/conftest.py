@@ -28,6 +28,13 @@ gets fresh clients and drops its tables afterwards.
 With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
 trainer of an ``mpirun`` job) the one placement is a RemoteKVClient over MPI to the
 job's servers, read from ``$DISTEMB_CONFIG``.
+
+``make test`` runs the suite on parallel workers (pytest-xdist, ``--dist loadgroup``;
+:func:`pytest_itemcollected` groups what shares a cluster or runs many processes), then,
+with ``DISTEMB_NO_EXT=1``, the tests marked ``twin`` (:data:`TWIN_MODULES`: what can
+differ without the compiled kernels). Model-level oracles take ``model_impl`` (compiled
+on this CPU's build, and the twin), the kernels' own oracles ``kernel_impl`` (every
+build, and the twin).
 """
 import contextlib
 import os
