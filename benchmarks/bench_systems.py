@@ -66,6 +66,7 @@ def _user_step(emb, opt, batches, upstream):
         loss = (rows * upstream).sum()
         loss.backward()
         opt.step()
+    run.opt = opt
     return run
 
 
@@ -77,6 +78,24 @@ def distemb_step(opt_name, batches, upstream, num_rows, num_threads, tag):
     opt = DISTEMB_OPTIMIZERS[opt_name]([emb])
     return Contender(f"distemb {opt_name}", "step", _user_step(emb, opt, batches, upstream),
                      upstream.shape[0], ctx.close, threads=num_threads)
+
+
+def distemb_finite_check_on(adagrad):
+    """The step of contender ``adagrad`` (``distemb_step("Adagrad", ...)``) on its own
+    table and optimizer, with the optimizer's check of the gradients for NaN and infinity
+    (``check_finite=True``; off by default): timed in turns with it, the ratio is the
+    check's cost alone, whatever memory the table landed on."""
+    step = adagrad.run
+    opt = step.opt
+
+    def run(k):
+        opt.check_finite = True
+        try:
+            step(k)
+        finally:
+            opt.check_finite = False
+    return Contender("distemb Adagrad, finite check", "step", run, adagrad.rows_per_call,
+                     threads=adagrad.threads)
 
 
 def torch_step(opt_name, batches, upstream, num_rows):

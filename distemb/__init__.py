@@ -15,7 +15,7 @@ import importlib
 
 from distemb import malloc
 from distemb.errors import (BackendError, ConfigError, DistEmbError, KVStoreError,
-                            PartitionError, TraceOverflowError)
+                            NonFiniteGradientError, PartitionError, TraceOverflowError)
 from distemb.partition import (EdgePartitionPolicy, HashPartitionBook, NodePartitionPolicy,
                                PartitionPolicy, RangePartitionBook, load_dgl_partition_config,
                                load_policy_config)
@@ -45,7 +45,7 @@ _LAZY = {
 
 __all__ = sorted(["DistContext", "current_context", "initialize", "shutdown", "DistEmbError",
                   "BackendError", "ConfigError", "KVStoreError", "PartitionError",
-                  "TraceOverflowError", "EdgePartitionPolicy", "HashPartitionBook",
+                  "TraceOverflowError", "NonFiniteGradientError", "EdgePartitionPolicy", "HashPartitionBook",
                   "NodePartitionPolicy", "PartitionPolicy", "RangePartitionBook",
                   "load_dgl_partition_config", "load_policy_config", *_LAZY])
 

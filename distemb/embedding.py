@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from distemb.arrays import GlobalIds, Rows, Tensor, UniqueIds
+from distemb.bags import Bags
 from distemb.enums import Rounding
 from distemb.errors import StoreError, TraceOverflowError
 from distemb.kernels.hashtable import keys_array
@@ -198,6 +199,36 @@ class DistEmbedding:
         client = self.kvstore.view_on(device)  # the reason a device is unusable, before a copy
         ids, rows = self._tensor.lookup(idx, client)
         return self._record(ids, rows, client)
+
+    def bag(self, ids: Tensor, offsets: Optional[Tensor] = None, mode: str = "sum",
+            per_sample_weights: Optional[Tensor] = None, include_last_offset: bool = False,
+            padding_idx: Optional[int] = None, device: Any = None) -> Tensor:
+        """Pooled rows: one per bag of ids, as ``torch.nn.functional.embedding_bag``
+        (:mod:`distemb.bags`: one dedup, one gather-and-reduce pass over the unique rows).
+
+        Traced as one lookup of the bags' unique ids, whose gradients backward sums.
+
+        Args:
+            ids: 2-D (B, L), one bag per row; or 1-D, cut into bags at ``offsets``.
+            offsets: 1-D ids' bag starts, (B,), or (B + 1,) with ``include_last_offset``.
+            mode: 'sum', 'mean' or 'max' (:class:`~distemb.enums.BagMode`).
+            per_sample_weights: a weight per id, shaped as ``ids`` (mode 'sum').
+            include_last_offset: the last offset ends the last bag.
+            padding_idx: an id left out of every bag (its row neither read nor updated).
+            device: where the pooled rows go (as :meth:`__call__`'s).
+
+        Returns:
+            (B, D) float32 rows (an empty bag's are zeros).
+
+        Raises:
+            ValueError, TypeError: see :meth:`distemb.bags.Bags.of`.
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+        """
+        client = self.kvstore.view_on(device)
+        bags = Bags.of(ids, offsets, mode, per_sample_weights, include_last_offset,
+                       padding_idx, self._tensor.fixed_rows)
+        flat, rows = self._tensor.lookup(bags.unique, client)
+        return bags.pool(self._record(flat, rows, client))
 
     def _record(self, ids: GlobalIds, rows: Tensor, client: KVClient) -> Tensor:
         """``rows``, traced (with ``ids`` and the client that placed them) while autograd
@@ -396,13 +427,20 @@ class DistEmbedding:
         The optimizer's step counts and hyperparameters are in ``opt.state_dict()``.
         """
         data = self.export()
+        arrays = {f"c/{k}": v for k, v in data.items()}
+        arrays["meta"] = np.frombuffer(json.dumps(
+            {"format": SAVE_FORMAT, "dim": self.embedding_dim,
+             "columns": sorted(data)}).encode(), np.uint8)
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
-                np.savez(f, **{f"c/{k}": v for k, v in data.items()},
-                         meta=np.frombuffer(json.dumps(
-                             {"format": SAVE_FORMAT, "dim": self.embedding_dim,
-                              "columns": sorted(data)}).encode(), np.uint8))
+            # np.savez's layout, with the zip writer closed before its file, also when a
+            # write fails (a full disk): np.savez leaves it to the garbage collector,
+            # whose close() then fails on the closed file ("seek of closed file").
+            with open(tmp, "wb") as f, zipfile.ZipFile(f, "w", allowZip64=True) as z:
+                for name, array in arrays.items():
+                    with z.open(f"{name}.npy", "w", force_zip64=True) as out:
+                        np.lib.format.write_array(out, np.asanyarray(array),
+                                                  allow_pickle=False)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -1,5 +1,5 @@
 """Closed sets of choices (a leaf module): consistency, role, transport, partition kind,
-book, eviction policy, rounding, cache policy.
+book, eviction policy, rounding, cache policy, bag mode.
 
 Every member is a ``str`` equal to, hashing and formatting as its value, so JSON, the
 CLI, environment variables and dict keys see the plain string (``"sync"``) while code
@@ -132,3 +132,15 @@ class CachePolicy(Choice):
     # Counts recent pulls of every row; keeps a new row only in a free slot or in place of
     # a row pulled less often (TinyLFU admission), evicting the least often pulled.
     LFU = "lfu"
+
+
+class BagMode(Choice):
+    """How a bag of looked-up rows is reduced to one row (``emb.bag``, as
+    ``torch.nn.EmbeddingBag``'s ``mode``)."""
+
+    # The rows summed, each times its per-sample weight when weights are given.
+    SUM = "sum"
+    # The rows' mean (an empty bag: zeros); padding entries count for nothing.
+    MEAN = "mean"
+    # The elementwise maximum; a tie goes to the bag's first row holding it, as torch's.
+    MAX = "max"

@@ -29,6 +29,12 @@ class KVStoreError(DistEmbError):
     """A key-value store request failed (unknown name, shape mismatch, server error)."""
 
 
+class NonFiniteGradientError(DistEmbError, ValueError):
+    """A step's gradients hold NaN or infinity: the step is refused before any row or
+    optimizer state changes (on every trainer of a collective job); its gradients are
+    dropped."""
+
+
 class TraceOverflowError(DistEmbError):
     """An embedding's gradient trace grew past its bound: step()/zero_grad() was never called."""
 

@@ -5,8 +5,10 @@
 ``ip.txt`` has DGL's format: one ``IP [port]`` per machine, ``#`` comments. S servers and
 T trainers run on every machine (DGL's per-machine counts); server ``k`` of machine ``m``
 listens on ``port + k`` (port default 30050) and has id ``m * S + k``; trainer ranks are
-``m * T + k``. The launcher writes ONE validated cluster config (JSON) and gives every
-process its path in ``$DISTEMB_CONFIG`` with ``$DISTEMB_ROLE``/``$DISTEMB_RANK``;
+``m * T + k``. The launcher writes ONE validated cluster config (JSON; by default into a
+fresh private temporary directory, removed when the job ends; ``--config-out PATH`` on a
+shared file system for a job on several machines) and gives every process its path in
+``$DISTEMB_CONFIG`` with ``$DISTEMB_ROLE``/``$DISTEMB_RANK``;
 trainers also get ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` so
 dense layers can use ``torch.distributed`` (DDP).
 
@@ -30,11 +32,15 @@ import ctypes
 import hashlib
 import ipaddress
 import os
+import re
 import secrets
+import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -241,16 +247,74 @@ def _death_signal_setter(sig):
     return setter
 
 
-def _relay(stream, prefix, out, lock):
-    """Copy ``stream``'s lines to ``out``, each prefixed, whole lines at a time."""
-    for line in iter(stream.readline, b""):
-        with lock:
-            try:
-                out.write(prefix + line)
-                out.flush()
-            except (OSError, ValueError):
-                pass  # our own output is gone: keep draining so the child never blocks
+#: Most bytes a relay reads from a child at once.
+RELAY_CHUNK = 1 << 16
+#: How long a relay waits for the rest of a line before it forwards its start.
+PARTIAL_WAIT_S = 0.1
+_LINE_ENDS = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)?")
+_BARE_ENDS = (b"\n", b"\r", b"\r\n")
+
+
+def _relay(stream, prefix, out, lock, lines):
+    """Copy ``stream`` to ``out`` as the child writes it, with ``prefix`` at the start of
+    every line.
+
+    Whole lines go on as they arrive; the start of a line not yet ended goes on once the
+    child has written nothing more for :data:`PARTIAL_WAIT_S` (a progress bar, which tqdm
+    redraws after a carriage return, shows while the child runs; a line printed in
+    several writes, as an unbuffered ``print`` does, stays whole). ``lines`` (shared by
+    the relays of one ``out``, under ``lock``) says whose line is unfinished there:
+    another child's output ends it first, and its owner's next bytes start a new prefixed
+    line.
+    """
+    fd = stream.fileno()
+    state = {"at_start": True}
+    pending = b""
+    while True:
+        try:
+            ready = select.select([fd], [], [], PARTIAL_WAIT_S if pending else None)[0]
+            chunk = os.read(fd, RELAY_CHUNK) if ready else None
+        except (OSError, ValueError):
+            break
+        if chunk == b"":
+            break
+        if chunk is None:  # quiet for a while: what there is of the line goes on
+            _emit(pending, fd, prefix, out, lock, lines, state)
+            pending = b""
+            continue
+        data = pending + chunk
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            _emit(data[:cut], fd, prefix, out, lock, lines, state)
+        pending = data[cut:]
+    if pending:
+        _emit(pending, fd, prefix, out, lock, lines, state)
     stream.close()
+
+
+def _emit(data, fd, prefix, out, lock, lines, state):
+    """Write ``data`` of the child reading on ``fd`` to ``out`` (see :func:`_relay`)."""
+    with lock:
+        parts = []
+        if lines.get("open") not in (None, fd):  # another child's line: end it
+            parts.append(b"\n")
+            lines.setdefault("cut", set()).add(lines["open"])
+        if fd in lines.get("cut", ()):
+            lines["cut"].discard(fd)
+            state["at_start"] = True
+        for piece in _LINE_ENDS.findall(data):
+            if not piece:
+                continue
+            if state["at_start"] and piece not in _BARE_ENDS:  # no prefix for a bare end
+                parts.append(prefix)
+            parts.append(piece)
+            state["at_start"] = piece.endswith((b"\n", b"\r"))
+        lines["open"] = None if parts[-1].endswith(b"\n") else fd
+        try:
+            out.write(b"".join(parts))
+            out.flush()
+        except (OSError, ValueError):
+            pass  # our own output is gone: keep draining so the child never blocks
 
 
 class Supervisor:
@@ -259,14 +323,16 @@ class Supervisor:
     Children started with ``local=True`` die with the launcher: servers get SIGTERM (file
     tables flush), trainers SIGKILL (they hold nothing to clean up, and a user's SIGTERM
     handler must not keep them alive). Their output is relayed line by line
-    with a ``[role rank]: `` prefix once :meth:`relay_output` starts the readers (after
-    the last fork: a fork while other threads run is unsafe).
+    as they write it, every line with a ``[role rank]: `` prefix, once
+    :meth:`relay_output` starts the readers (after the last fork: a fork while other
+    threads run is unsafe).
     """
 
     def __init__(self):
         self.servers, self.trainers = [], []
         self._labels, self._relays = [], []
         self._lock = threading.Lock()
+        self._lines = {}  # per output: whose line is unfinished there (see _relay)
 
     def start(self, argv, env, server, label=None, local=True, ssh=False):
         sig = signal.SIGTERM if server else signal.SIGKILL
@@ -282,12 +348,14 @@ class Supervisor:
         return p
 
     def relay_output(self):
-        """Start relaying every child's stdout/stderr to ours, lines prefixed."""
+        """Start relaying every child's stdout/stderr to ours, lines prefixed, without
+        waiting for line ends."""
         for p, label in self._labels:
             prefix = f"[{label}]: ".encode()
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_relay, args=(stream, prefix, out.buffer,
-                                                          self._lock), daemon=True)
+                t = threading.Thread(target=_relay, args=(
+                    stream, prefix, out.buffer, self._lock,
+                    self._lines.setdefault(id(out), {})), daemon=True)
                 t.start()
                 self._relays.append(t)
 
@@ -331,14 +399,27 @@ class Supervisor:
         return max([p.returncode or 0 for p in self.servers] + [0])
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default after its help (where
+    there is one and the help does not say it already)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "default" not in text):
+            text += f" (default: {action.default})"
+        return text
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="distemb-launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--ip-config", help="DGL ip_config: one 'IP [port]' per machine")
     parser.add_argument("--num-servers", type=int, default=1, help="servers per machine")
     parser.add_argument("--num-trainers", type=int, default=1, help="trainers per machine")
     parser.add_argument("--part-config", help="DGL partition config or distemb policy file")
-    parser.add_argument("--launcher", choices=Launcher.values(), default=Launcher.LOCAL.value)
+    parser.add_argument("--launcher", choices=Launcher.values(), default=Launcher.LOCAL.value,
+                        help="how the processes start: here, over ssh, or by one mpirun")
     parser.add_argument("--transport", choices=Transport.values(),
                         help=f"default: {Transport.MPI} under --launcher {Launcher.MPIRUN}, "
                         f"else {default_of(ClusterConfig, 'transport')}")
@@ -352,7 +433,8 @@ def parse_args(argv):
                         "(rows and their optimizer state)")
     parser.add_argument("--cache-fraction", type=float,
                         help="trainer cache: a fraction of each table's rows")
-    parser.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru")
+    parser.add_argument("--cache-policy", choices=("lru", "lfu"), default="lru",
+                        help="trainer cache: which row it evicts")
     parser.add_argument("--cache-staleness", type=int, default=0,
                         help="0: exact cache (default); s > 0: rows up to s steps old")
     parser.add_argument("--device-cache-rows", type=int,
@@ -361,7 +443,8 @@ def parse_args(argv):
                         help="GPU cache: bytes per table (rows and their optimizer state)")
     parser.add_argument("--device-cache-fraction", type=float,
                         help="GPU cache: a fraction of each table's rows")
-    parser.add_argument("--device-cache-policy", choices=("lru", "lfu"), default="lru")
+    parser.add_argument("--device-cache-policy", choices=("lru", "lfu"), default="lru",
+                        help="GPU cache: which row it evicts")
     parser.add_argument("--timeout", type=float, default=default_of(ClusterConfig, "timeout_s"),
                         help=help_of(ClusterConfig, "timeout_s"))
     parser.add_argument("--idle-timeout", type=float,
@@ -370,8 +453,12 @@ def parse_args(argv):
     parser.add_argument("--master-port", type=int,
                         default=default_of(ClusterConfig, "master_port"),
                         help=help_of(ClusterConfig, "master_port"))
-    parser.add_argument("--config-out", default="distemb_cluster.json",
-                        help="where to write the cluster config (shared file system for ssh)")
+    parser.add_argument("--config-out", metavar="PATH",
+                        help="where to write the cluster config, which holds the job's "
+                        "token (owner-only). Default: cluster.json in a fresh private "
+                        f"directory under {tempfile.gettempdir()} ($TMPDIR), removed when "
+                        "the job ends (kept after --dry-run). Required when the ip_config "
+                        "names other machines: a path on a file system they all read")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument("--mpi-child", metavar="CONFIG", help=argparse.SUPPRESS)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- trainer command")
@@ -403,8 +490,30 @@ def run(args):
         if bad:
             raise ConfigError(f"{args.ip_config}: --launcher local runs everything on this "
                               f"machine, but {bad[0]} is not a loopback address (use ssh)")
-    cfg_path = os.path.abspath(args.config_out)
-    write_cluster_config(cfg, cfg_path)
+    run_dir = None
+    if args.config_out:
+        cfg_path = os.path.abspath(args.config_out)
+    else:
+        remote = [ip for ip, _ in machines if not ipaddress.ip_address(ip).is_loopback]
+        if remote:
+            raise ConfigError(f"--config-out: the job runs on other machines ({remote[0]} "
+                              "is not a loopback address), which read its cluster config: "
+                              "give --config-out PATH on a file system they all share")
+        run_dir = tempfile.mkdtemp(prefix="distemb-job-")  # private: mode 0700
+        cfg_path = os.path.join(run_dir, "cluster.json")
+    try:
+        write_cluster_config(cfg, cfg_path)
+        if args.dry_run and run_dir:
+            print(f"# cluster config: {cfg_path} (delete it when done)", file=sys.stderr)
+            run_dir = None  # the printed commands read it
+        return _start(args, cfg, cfg_path, launcher)
+    finally:
+        if run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _start(args, cfg, cfg_path, launcher):
+    """Start (or print) the processes of the job. Returns the exit code."""
     python = sys.executable
     if launcher == Launcher.MPIRUN:
         commands = [mpirun_argv(cfg, cfg_path, args.command, python)]

@@ -387,6 +387,11 @@ class DistTensor:
         return self._policy
 
     @property
+    def fixed_rows(self) -> Optional[int]:
+        """N for a table of the fixed keys 0..N-1 (dense, file), None for a hash table."""
+        return self._table.num_keys
+
+    @property
     def device(self):
         """The torch device of the rows, or None when they are numpy arrays on the host."""
         return self._client.device

@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ class GraphDataset:
         num_classes: number of classes (0 when the graph has no labels).
         train_idx, val_idx, test_idx: int64 node ids; disjoint, together all labelled nodes.
         node_ids: numpy (N,) original id of each node (file ids, WordNet 'offset-pos').
+        class_names: the name of each class by id (a labels file's own labels, WordNet's
+            lexicographer files, karate's clubs), or None where the ids are the names.
 
     Example:
         >>> ds = load_dataset("sbm", num_nodes=1000, num_classes=4, seed=1)
@@ -55,6 +57,12 @@ class GraphDataset:
     val_idx: torch.Tensor
     test_idx: torch.Tensor
     node_ids: np.ndarray
+    class_names: Optional[Tuple[str, ...]] = None
+
+    def class_name(self, c: int) -> str:
+        """The name of class ``c`` (its id as text where the classes have no names)."""
+        names = self.class_names
+        return names[c] if names is not None and 0 <= c < len(names) else str(c)
 
 
 def make_split(labels: np.ndarray, fractions: Sequence[float] = DEFAULT_SPLIT,
@@ -105,12 +113,14 @@ def simple_bidirected_graph(src: np.ndarray, dst: np.ndarray, num_nodes: int) ->
                      num_nodes=num_nodes)
 
 
-def _dataset(name, src, dst, labels, num_classes, node_ids, split, split_seed):
+def _dataset(name, src, dst, labels, num_classes, node_ids, split, split_seed,
+             class_names=None):
     labels = np.asarray(labels, dtype=np.int64)
     train, val, test = make_split(labels, split, split_seed)
     return GraphDataset(name, simple_bidirected_graph(src, dst, len(labels)),
                         torch.from_numpy(labels), num_classes, train, val, test,
-                        np.asarray(node_ids))
+                        np.asarray(node_ids),
+                        None if class_names is None else tuple(map(str, class_names)))
 
 
 def load_karate(split: Sequence[float] = DEFAULT_SPLIT, split_seed: int = 0) -> GraphDataset:
@@ -130,7 +140,7 @@ def load_karate(split: Sequence[float] = DEFAULT_SPLIT, split_seed: int = 0) -> 
     labels = [clubs.index(g.nodes[v]["club"]) for v in range(g.number_of_nodes())]
     edges = np.asarray(list(g.edges()), dtype=np.int64)
     return _dataset("karate", edges[:, 0], edges[:, 1], labels, 2,
-                    np.arange(len(labels)), split, split_seed)
+                    np.arange(len(labels)), split, split_seed, clubs)
 
 
 def load_wordnet(root: Union[str, Path] = wordnet.DEFAULT_ROOT,
@@ -157,7 +167,7 @@ def load_wordnet(root: Union[str, Path] = wordnet.DEFAULT_ROOT,
     """
     arr = wordnet.load_wordnet_arrays(root, cache_dir, use_cache)
     return _dataset("wordnet", arr.src, arr.dst, arr.labels, wordnet.NUM_LEX_FILES,
-                    wordnet.node_names(arr), split, split_seed)
+                    wordnet.node_names(arr), split, split_seed, wordnet.LEX_NAMES)
 
 
 def load_sbm(num_nodes: int = 10000, num_classes: int = 5, avg_degree: float = 10.0,
@@ -243,7 +253,8 @@ def load_edgelist(path: Union[str, Path], labels_path: Optional[Union[str, Path]
 
     Lines hold `src dst` separated by whitespace or a comma; '#' starts a comment.
     The optional labels file holds `node label` lines; integer labels are kept as
-    given (num_classes = max + 1), other labels are numbered in sorted order. Nodes
+    given (num_classes = max + 1), other labels are numbered in sorted order and keep
+    their text as the classes' names (``class_names``). Nodes
     named only in the labels file become isolated nodes; nodes without a label get -1.
     When every id is an integer, ids compare as integers ('007' and '7' are one node).
 
@@ -278,7 +289,7 @@ def load_edgelist(path: Union[str, Path], labels_path: Optional[Union[str, Path]
         _as_ids(np.concatenate([tokens.ravel(), list(label_of)])), return_inverse=True)
     src, dst = inverse[:tokens.size].reshape(-1, 2).T
     labels = np.full(len(node_ids), -1, dtype=np.int64)
-    num_classes = 0
+    num_classes, class_names = 0, None
     if label_of:
         values = _as_ids(list(label_of.values()))
         if values.dtype.kind == "i":
@@ -288,10 +299,11 @@ def load_edgelist(path: Union[str, Path], labels_path: Optional[Union[str, Path]
                     f"got {int(values.min())}")
             codes = values
         else:
-            _, codes = np.unique(values, return_inverse=True)
+            class_names, codes = np.unique(values, return_inverse=True)
         labels[inverse[tokens.size:]] = codes
         num_classes = int(codes.max()) + 1
-    return _dataset(path.name, src, dst, labels, num_classes, node_ids, split, split_seed)
+    return _dataset(path.name, src, dst, labels, num_classes, node_ids, split, split_seed,
+                    class_names)
 
 
 _LOADERS = {

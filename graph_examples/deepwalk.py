@@ -49,8 +49,7 @@ from graph_examples.evaluate import (link_prediction_auc, node_classification,  
                                      split_edges)
 from graph_examples.plots import save_training_plot  # noqa: E402
 from graph_examples.tables import BACKENDS, OPTIMIZERS, make_tables  # noqa: E402
-from graph_examples.walks import SkipGramBatches  # noqa: E402
-from graph_examples.wordnet import LEX_NAMES  # noqa: E402
+from graph_examples.walks import SkipGramBatches, pairs_per_epoch  # noqa: E402
 
 
 def skipgram_loss(u: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -149,10 +148,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2,
                    help="batches the sampler keeps ready while a second thread trains "
                    "(0: sample and train in turn, in one thread)")
-    # 16,384: Micro-F1 0.5925 on WordNet against 0.5762 with 4,096 and 0.5892 with 32,768
-    # (lr 0.01; lr 0.02 gave 0.5416), and a quarter of the steps' fixed costs per pair;
-    # at 32,768 the fused pass's rows outgrow the L3 cache (benchmarks/README.md).
-    p.add_argument("--batch-size", type=int, default=16384, help="pairs per step")
+    p.add_argument("--batch-size", type=int,
+                   help=f"pairs per step (default: {DEFAULT_BATCH_SIZE:,}, or fewer on a "
+                   f"small graph, so that an epoch has at least {MIN_STEPS_PER_EPOCH} "
+                   "steps)")
     p.add_argument("--epochs", type=int, default=1, help="passes of fresh walks")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
                    help="sparse optimizer of both tables (torch's class of the same name "
@@ -173,7 +172,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("dim", "walk_length", "window", "num_walks", "negatives", "batch_size",
                  "epochs"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.prefetch < 0:
         p.error(f"--prefetch: must be >= 0, got {args.prefetch}")
@@ -184,6 +183,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dataset == "edgelist" and not args.edges:
         p.error("--dataset edgelist needs --edges PATH")
     return args
+
+
+#: --batch-size's default on a large graph. 16,384: Micro-F1 0.5925 on WordNet against
+#: 0.5762 with 4,096 and 0.5892 with 32,768 (lr 0.01; lr 0.02 gave 0.5416), and a quarter
+#: of the steps' fixed costs per pair; at 32,768 the fused pass's rows outgrow the L3 cache
+#: (benchmarks/README.md).
+DEFAULT_BATCH_SIZE = 16384
+#: The default batch shrinks on a small graph so that an epoch has at least this many
+#: steps: the karate club's 7,344 pairs an epoch are less than one batch of 16,384.
+MIN_STEPS_PER_EPOCH = 100
+#: Fewer steps than this in a whole run, and the run says it will learn little.
+FEW_STEPS = 100
+
+
+def resolve_batch_size(args, graph) -> int:
+    """Set ``args.batch_size`` where the command line left it out (see --batch-size) and
+    return it."""
+    if args.batch_size is None:
+        pairs = pairs_per_epoch(graph, args.walk_length, args.window, args.num_walks)
+        args.batch_size = max(1, min(DEFAULT_BATCH_SIZE, pairs // MIN_STEPS_PER_EPOCH))
+    return args.batch_size
 
 
 def load(args) -> GraphDataset:
@@ -204,8 +224,10 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
 
     Returns:
         dict with 'embeddings' (N, dim) float32, 'losses' (per step), 'steps',
-        'pairs', 'seconds' and 'phase_seconds' (sample, forward_backward, step).
+        'pairs', 'seconds', 'cpu_seconds' (of every thread of the process) and
+        'phase_seconds' (sample, forward_backward, step).
     """
+    resolve_batch_size(args, graph)
     tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
                          args.table_name, args.device, args.optimizer)
     batches = SkipGramBatches(graph, args.walk_length, args.window, args.num_walks,
@@ -213,6 +235,13 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     total = -(-batches.pairs_per_epoch() // args.batch_size) * args.epochs
     if args.max_steps:
         total = min(total, args.max_steps)
+    if rank == 0:
+        say(f"training {total // num_trainers:,} steps of {args.batch_size:,} pairs "
+            f"({args.epochs} epoch(s) of {batches.pairs_per_epoch():,} pairs"
+            + (f", {num_trainers} trainers" if num_trainers > 1 else "") + ")")
+        if total < FEW_STEPS:
+            say(f"note: {total} steps learn little; for more, raise --epochs (now "
+                f"{args.epochs}) or --num-walks, or lower --batch-size")
     losses, pairs = [], 0
     # Where the time goes: waiting for a batch (walks, pairs, negatives; while
     # prefetching, only what the sampler thread did not hide), lookups with forward and
@@ -236,7 +265,7 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
 
     bar = tqdm(total=total // num_trainers, disable=args.quiet, unit="step",
                dynamic_ncols=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tick = [start]
 
     def train_step(item):
@@ -261,10 +290,11 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
                             pairs_s=f"{pairs / (tock - start):,.0f}")
 
     overlapped(made(), train_step, args.prefetch)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
     return dict(embeddings=export(tables, rank, num_trainers), losses=losses,
-                steps=len(losses), pairs=pairs, seconds=seconds, phase_seconds=phase)
+                steps=len(losses), pairs=pairs, seconds=seconds, cpu_seconds=cpu_seconds,
+                phase_seconds=phase)
 
 
 def overlapped(items, consume, depth: int) -> None:
@@ -351,6 +381,11 @@ def export(tables, rank: int, num_trainers: int):
     return emb if rank == 0 else None
 
 
+def say(message: str) -> None:
+    """Print one line of what the run is doing now (flushed: under a launcher too)."""
+    print(f"deepwalk: {message}", flush=True)
+
+
 def format_table(rows) -> str:
     """Return (name, value) rows as an aligned two-column text table."""
     width = max(len(name) for name, _ in rows)
@@ -391,8 +426,13 @@ def run(args, rank: int = 0, num_trainers: int = 1) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    if rank == 0:
+        say(f"loading {args.edges if args.dataset == 'edgelist' else args.dataset}")
     dataset = load(args)
     load_s = time.perf_counter() - t0
+    if rank == 0:
+        say(f"loaded {dataset.graph.num_nodes():,} nodes, {dataset.graph.num_edges() // 2:,} "
+            f"edges, {dataset.num_classes} classes in {load_s:.1f} s")
     graph, edges = dataset.graph, None
     if args.link_prediction:
         edges = split_edges(graph, args.link_prediction, args.seed)
@@ -410,21 +450,32 @@ def run(args, rank: int = 0, num_trainers: int = 1) -> dict:
                    trainers=num_trainers, nodes=graph.num_nodes(),
                    edges=dataset.graph.num_edges() // 2, dim=args.dim, epochs=args.epochs,
                    steps=result["steps"], pairs=result["pairs"],
-                   train_seconds=round(result["seconds"], 2), load_seconds=round(load_s, 2),
+                   train_seconds=round(result["seconds"], 2),
+                   train_cpu_seconds=round(result["cpu_seconds"], 2),
+                   load_seconds=round(load_s, 2),
                    pairs_per_second=round(result["pairs"] / result["seconds"]),
                    steps_per_second=round(result["steps"] / result["seconds"], 1),
                    **{f"{name}_seconds": round(sec, 2)
                       for name, sec in result["phase_seconds"].items()},
                    final_loss=round(float(np.mean(result["losses"][-50:])), 4))
+    say(f"trained {result['steps']:,} steps in {result['seconds']:.1f} s")
     scores, per_class = None, {}
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if dataset.num_classes >= 2 and len(dataset.train_idx):
+        say(f"evaluating: logistic regression on {len(dataset.train_idx):,} training "
+            f"nodes' embeddings, {dataset.num_classes} classes, F1 on "
+            f"{len(dataset.test_idx):,} test nodes")
         scores = node_classification(emb, dataset, "test", args.eval_max_iter, args.seed)
         metrics.update(test_micro_f1=round(scores.micro_f1, 4),
                        test_macro_f1=round(scores.macro_f1, 4))
-        per_class = {str(c): round(f, 4) for c, f in scores.per_class_f1.items()}
+        per_class = {dataset.class_name(c): round(f, 4)
+                     for c, f in scores.per_class_f1.items()}
     if edges is not None:
+        say(f"evaluating: link prediction on {len(edges.pos_edges):,} hidden edges")
         metrics["link_auc"] = round(
             link_prediction_auc(emb, edges.pos_edges, edges.neg_edges, "dot"), 4)
+    metrics.update(eval_seconds=round(time.perf_counter() - t0, 2),
+                   eval_cpu_seconds=round(time.process_time() - cpu0, 2))
 
     np.save(out / "embeddings.npy", emb)
     np.save(out / "node_ids.npy", dataset.node_ids)
@@ -433,10 +484,11 @@ def run(args, rank: int = 0, num_trainers: int = 1) -> dict:
                                                  default=str) + "\n")
     f1 = {} if scores is None else dict(per_class_f1=scores.per_class_f1,
                                           support=scores.support)
-    names = LEX_NAMES if dataset.name == "wordnet" else None
-    save_training_plot(out / "report.png", result["losses"], emb, dataset.labels,
+    labels = dataset.labels if dataset.num_classes else None  # no labels: one colour
+    say(f"plotting {out}/report.png")
+    save_training_plot(out / "report.png", result["losses"], emb, labels,
                        title=f"DeepWalk on {dataset.name} ({args.backend})",
-                       class_names=names, **f1)
+                       class_names=dataset.class_names, **f1)
     print(format_table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
                         for k, v in metrics.items()]))
     print(f"wrote {out}/embeddings.npy, node_ids.npy, metrics.json, report.png")

@@ -7,6 +7,11 @@ SAGE layers use torch.optim.Adam. Node classification; reports accuracy.
 torch's optimizer of the same rule (the baseline of ``benchmarks/bench_graphsage.py``):
 the same seed gives the same initial rows, batches and dropout on either backend (the
 batches only with one DGL thread: its parallel neighbour sampling is not repeatable).
+``--first-layer bag`` pools the first layer's input straight from the table: each
+destination node's mean over its sampled neighbours is one pooled lookup,
+``emb.bag(neighbours, offsets, mode="mean")`` (:mod:`distemb.bags`), beside its own row,
+where DGL's ``SAGEConv`` takes every input node's row and averages them over the block's
+edges (``--first-layer sage``, the default: the same model, unpooled).
 
 Runs unchanged embedded (the default), under ``distemb-launch`` with several trainers,
 and under ``torchrun`` (collective mode: each rank holds a shard of the table, no
@@ -16,6 +21,7 @@ launcher sets.
 
 Example:
     python graph_examples/graphsage.py --dataset wordnet --epochs 3 --out out/graphsage-wordnet
+    python graph_examples/graphsage.py --dataset wordnet --epochs 3 --first-layer bag
     torchrun --nproc-per-node 2 graph_examples/graphsage.py --dataset wordnet --out out/gs-c2
 """
 import argparse
@@ -48,23 +54,47 @@ OPTIMIZERS = {"adam": distemb.SparseAdam, "adagrad": distemb.SparseAdagrad,
 TORCH_OPTIMIZERS = {"adam": torch.optim.SparseAdam, "adagrad": torch.optim.Adagrad,
                     "sgd": torch.optim.SGD}
 BACKENDS = ("distemb", "torch")
+FIRST_LAYERS = ("sage", "bag")
+
+
+class PooledSAGEConv(torch.nn.Module):
+    """DGL's ``SAGEConv(in_dim, out_dim, "mean")`` whose input is already aggregated:
+    ``(rows of the destination nodes, mean of each one's sampled neighbours' rows)``, as
+    :func:`first_inputs` pools them from the table (the same parameters and initialiser
+    as SAGEConv's: ``fc_self(h) + fc_neigh(mean)``, the bias in ``fc_self``)."""
+
+    def __init__(self, in_dim, out_dim):
+        super().__init__()
+        self.fc_self = torch.nn.Linear(in_dim, out_dim)
+        self.fc_neigh = torch.nn.Linear(in_dim, out_dim, bias=False)
+        gain = torch.nn.init.calculate_gain("relu")
+        torch.nn.init.xavier_uniform_(self.fc_self.weight, gain=gain)
+        torch.nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
+
+    def forward(self, block, x):
+        h_self, h_neigh = x
+        return self.fc_self(h_self) + self.fc_neigh(h_neigh)
 
 
 class SAGE(torch.nn.Module):
-    """Mean-aggregator GraphSAGE over DGL blocks; ``hidden`` returns the last hidden layer."""
+    """Mean-aggregator GraphSAGE over DGL blocks; ``hidden`` returns the last hidden layer.
 
-    def __init__(self, in_dim, hidden, num_classes, num_layers, dropout=0.2):
+    ``pooled``: the first layer takes :func:`first_inputs`' pooled pair, not every input
+    node's row."""
+
+    def __init__(self, in_dim, hidden, num_classes, num_layers, dropout=0.2, pooled=False):
         super().__init__()
         dims = [in_dim] + [hidden] * (num_layers - 1) + [num_classes]
-        self.layers = torch.nn.ModuleList(dgl.nn.SAGEConv(a, b, "mean")
-                                          for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = torch.nn.ModuleList(
+            (PooledSAGEConv(a, b) if pooled and i == 0 else dgl.nn.SAGEConv(a, b, "mean"))
+            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])))
         self.dropout = torch.nn.Dropout(dropout)
 
     def forward(self, blocks, x, return_hidden=False):
         h = x
         for i, (layer, block) in enumerate(zip(self.layers, blocks)):
             if i == len(self.layers) - 1 and return_hidden:
-                return h[:block.num_dst_nodes()]
+                return h[0] if isinstance(h, tuple) else h[:block.num_dst_nodes()]
             h = layer(block, h)
             if i < len(self.layers) - 1:
                 h = self.dropout(F.relu(h))
@@ -86,6 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no cap)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
                    help="distemb sparse optimizer of the input table")
+    p.add_argument("--first-layer", choices=FIRST_LAYERS, default="sage",
+                   help="sage: DGL's SAGEConv over every input node's row; bag: each "
+                   "destination's neighbour mean pooled from the table by emb.bag")
     p.add_argument("--backend", choices=BACKENDS, default="distemb",
                    help="input table: a DistEmbedding, or torch.nn.Embedding(sparse=True) "
                    "with torch's optimizer of the same rule (one process only)")
@@ -106,6 +139,9 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if not args.fanouts or min(args.fanouts) < 1:
         p.error(f"--fanouts: each must be >= 1, got {args.fanouts}")
+    if args.backend == "torch" and args.first_layer == "bag":
+        p.error("--first-layer bag: pooled lookups are a DistEmbedding's (emb.bag); "
+                "--backend torch takes --first-layer sage")
     if args.backend == "torch" and args.optimizer not in TORCH_OPTIMIZERS:
         p.error(f"--optimizer {args.optimizer}: torch has no such optimizer for "
                 f"--backend torch; expected one of {sorted(TORCH_OPTIMIZERS)}")
@@ -132,11 +168,23 @@ def evaluate(model, emb, graph, labels, nodes, args):
     correct, hidden = 0, []
     for input_nodes, output_nodes, blocks in _loader(graph, nodes, args.fanouts, 4096,
                                                      False, args.seed):
-        x = emb(input_nodes)
+        x = first_inputs(emb, emb, input_nodes, blocks[0], args.first_layer == "bag")
         correct += int((model(blocks, x).argmax(1) == labels[output_nodes]).sum())
         hidden.append(model(blocks, x, return_hidden=True))
     model.train()
     return correct / max(1, len(nodes)), torch.cat(hidden)
+
+
+def first_inputs(emb, rows_of, input_nodes, block, pooled):
+    """The first layer's input: every input node's row (``rows_of(input_nodes)``), or,
+    ``pooled``, the destination nodes' rows and each one's mean over its sampled
+    neighbours in ``block``, pooled from table ``emb`` (one ``emb.bag`` of the block's
+    in-edges: no row per edge is made)."""
+    if not pooled:
+        return rows_of(input_nodes)
+    indptr, neighbours, _ = block.adj_tensors("csc")  # in-edges grouped by destination
+    return (emb(input_nodes[:block.num_dst_nodes()]),
+            emb.bag(input_nodes[neighbours], indptr, mode="mean", include_last_offset=True))
 
 
 def _shard(nodes, ctx):
@@ -186,7 +234,9 @@ class Learner:
         self.emb, self.rows_of, self.sparse_opt = input_table(
             args.backend, ds.graph.num_nodes(), args.dim, args.optimizer, args.emb_lr,
             args.seed, f"sage-{ds.name}")
-        self.model = SAGE(args.dim, args.hidden, ds.num_classes, len(args.fanouts))
+        self.pooled = args.first_layer == "bag"
+        self.model = SAGE(args.dim, args.hidden, ds.num_classes, len(args.fanouts),
+                          pooled=self.pooled)
         self.dense = self.model
         if ctx.num_trainers > 1:
             if not torch.distributed.is_initialized():  # collective mode made it already
@@ -201,7 +251,7 @@ class Learner:
             (loss, seconds of the table's lookup, seconds of the table's optimizer step).
         """
         t1 = time.perf_counter()
-        x = self.rows_of(input_nodes)
+        x = first_inputs(self.emb, self.rows_of, input_nodes, blocks[0], self.pooled)
         t2 = time.perf_counter()
         loss = F.cross_entropy(self.dense(blocks, x), labels)
         loss.backward()
@@ -280,7 +330,7 @@ def main(argv=None):
         test_acc, hidden = evaluate(model, emb, ds.graph, ds.labels, ds.test_idx, args)
         metrics = dict(dataset=ds.name, nodes=ds.graph.num_nodes(), classes=ds.num_classes,
                        trainers=ctx.num_trainers, rank=ctx.rank, backend=args.backend,
-                       optimizer=args.optimizer,
+                       optimizer=args.optimizer, first_layer=args.first_layer,
                        steps=result["steps"], train_seconds=round(result["seconds"], 2),
                        nodes_per_second=round(result["seen"] / result["seconds"]),
                        final_loss=round(float(np.mean(result["losses"][-20:])), 4),

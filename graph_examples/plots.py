@@ -1,4 +1,4 @@
-"""Training report figure: loss curve, 2-D projection of the largest classes, F1 per class."""
+"""Training report figure: loss curve, 2-D projection of a few classes, F1 per class."""
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -62,6 +62,35 @@ def largest_classes(labels, k: int = 10) -> np.ndarray:
     return classes[order[:k]].astype(np.int64)
 
 
+#: :func:`shown_classes` picks the best scored among this many times as many classes.
+SHOWN_POOL = 3
+
+
+def shown_classes(labels, k: int, per_class_f1: Optional[Dict[int, float]] = None,
+                  pool: int = SHOWN_POOL) -> np.ndarray:
+    """The classes a 2-D projection colours: the ``k`` largest, or, given each class's
+    F1, the ``k`` best scored of the ``pool * k`` largest (largest first).
+
+    Dozens of classes drawn at once are one cloud of colours, and so are classes the
+    embeddings do not separate; the classes they separate best, among those with many
+    nodes, show what the embeddings learned.
+
+    Args:
+        labels: (N,) classes, -1 for unlabelled.
+        k: how many classes.
+        per_class_f1: class -> F1, or None.
+        pool: with F1, the best are picked among the ``pool * k`` largest classes.
+
+    Returns:
+        int64 array of at most ``k`` class ids, largest first.
+    """
+    if not per_class_f1:
+        return largest_classes(labels, k)
+    candidates = largest_classes(labels, pool * k)
+    best = sorted(candidates, key=lambda c: -per_class_f1.get(int(c), 0.0))[:k]
+    return np.asarray([c for c in candidates if c in best], dtype=np.int64)
+
+
 def f1_bar_order(per_class_f1: Dict[int, float], support: Optional[Dict[int, int]] = None
                  ) -> List[int]:
     """Classes in the order the F1 bars are drawn: most scored nodes first, then by id."""
@@ -75,29 +104,31 @@ def _name(c: int, class_names: Optional[Sequence[str]]) -> str:
 
 def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddings,
                        labels: Optional[torch.Tensor] = None, method: str = "tsne",
-                       max_points: int = 3000, seed: int = 0, title: str = "",
-                       top_classes: int = 10,
+                       max_points: int = 1200, seed: int = 0, title: str = "",
+                       top_classes: int = 6,
                        per_class_f1: Optional[Dict[int, float]] = None,
                        support: Optional[Dict[int, int]] = None,
                        class_names: Optional[Sequence[str]] = None) -> Path:
     """Write a PNG: the loss curve, the embeddings of the largest classes in 2-D, and
     (when given) the test F1 of every class as bars.
 
-    With many classes a scatter of all of them is an undifferentiated cloud, so only the
-    ``top_classes`` largest are projected (a seeded subsample of their nodes), each with
-    its own colour and a legend.
+    With many classes a scatter of all of them is an undifferentiated cloud, so only
+    ``top_classes`` are projected (:func:`shown_classes`: the largest, or with F1 the best
+    scored of the largest; a seeded subsample of their nodes), each with its own colour
+    and a legend.
 
     Args:
         path: output .png path; parent directories are created.
         losses: loss per logged step.
         embeddings: (N, D) tensor or array.
-        labels: (N,) classes, -1 for unlabelled; None draws every point alike.
+        labels: (N,) classes, -1 for unlabelled; None (or no labelled node) draws every
+            point alike.
         method: 'tsne' (default) or 'pca'.
         max_points: seeded subsample size for the projection, so t-SNE stays quick;
             with labels, shared equally by the shown classes.
         seed: subsample and t-SNE seed.
         title: figure title.
-        top_classes: how many of the largest classes the projection shows.
+        top_classes: how many classes the projection shows.
         per_class_f1: class -> F1 (``ClassificationScores.per_class_f1``): adds the bars.
         support: class -> scored nodes, to order the bars (largest first) and label them.
         class_names: names of the classes by id (e.g. WordNet's lexicographer files).
@@ -113,7 +144,9 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
     if labels is not None and len(labels) != n:
         raise ValueError(f"labels: expected {n} entries (one per embedding), got {len(labels)}")
     y = None if labels is None else _as_numpy(labels)
-    shown = None if y is None else largest_classes(y, top_classes)
+    if y is not None and not (y >= 0).any():
+        y = None  # no node has a label: every point alike
+    shown = None if y is None else shown_classes(y, top_classes, per_class_f1)
     rng = np.random.default_rng(seed)
     if y is None:
         rows = np.sort(rng.permutation(n)[:max_points]) if n > max_points else np.arange(n)
@@ -126,9 +159,10 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
     xy = project_2d(x[rows], method, seed)
 
     panels = 3 if per_class_f1 else 2
-    height = max(6.0, 0.17 * len(per_class_f1)) if per_class_f1 else 6.0  # readable bars
-    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, height),
-                             gridspec_kw={"width_ratios": [1, 1.3, 1.2][:panels]})
+    height = max(5.0, 0.17 * len(per_class_f1)) if per_class_f1 else 5.0  # readable bars
+    widths = [1.0, 1.1, 1.3][:panels]
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * sum(widths), height),
+                             gridspec_kw={"width_ratios": widths}, layout="constrained")
     ax_loss, ax_emb = axes[0], axes[1]
     ax_loss.plot(np.arange(1, len(losses) + 1), losses, linewidth=1)
     ax_loss.set_xlabel("step")
@@ -147,11 +181,19 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
             at = colours == c
             ax_emb.scatter(xy[at, 0], xy[at, 1], s=size, alpha=0.7, linewidths=0,
                            color=cmap(i % cmap.N), label=_name(int(c), class_names))
-        ax_emb.legend(title="class", markerscale=max(1.0, 20 / size), fontsize="small",
-                      loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-        total = int((y >= 0).sum())
-        ax_emb.set_title(f"{len(shown)} largest of {len(np.unique(y[y >= 0]))} classes "
-                         f"({method.upper()}, up to {per} nodes each; {total} labelled)")
+        # below the points, inside the panel: no gap beside it for a legend
+        ax_emb.legend(markerscale=max(1.0, 20 / size), fontsize="small", frameon=False,
+                      loc="upper center", bbox_to_anchor=(0.5, -0.01),
+                      ncol=min(3, len(shown)))
+        total = len(np.unique(y[y >= 0]))
+        if total <= len(shown):
+            which = f"all {total} classes"
+        elif per_class_f1:
+            which = (f"the {len(shown)} best-scored of the {SHOWN_POOL * len(shown)} largest "
+                     f"of {total} classes")
+        else:
+            which = f"the {len(shown)} largest of {total} classes"
+        ax_emb.set_title(f"{method.upper()} of {which}\n(up to {per} nodes each)")
     ax_emb.set_xticks([])
     ax_emb.set_yticks([])
     if per_class_f1:
@@ -175,7 +217,6 @@ def save_training_plot(path: Union[str, Path], losses: Sequence[float], embeddin
         ax_f1.grid(axis="x", alpha=0.3)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

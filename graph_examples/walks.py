@@ -137,6 +137,20 @@ def _alias_table(probs: torch.Tensor):
     return (torch.tensor(accept, dtype=torch.float64), torch.tensor(alias, dtype=torch.int64))
 
 
+def pairs_per_walk(walk_length: int, window: int) -> int:
+    """The (center, context) pairs cut from one walk of ``walk_length`` nodes that does
+    not end early, with a skip-gram ``window``."""
+    return 2 * sum(walk_length - d for d in range(1, min(window, walk_length - 1) + 1))
+
+
+def pairs_per_epoch(graph: dgl.DGLGraph, walk_length: int, window: int,
+                    num_walks: int) -> int:
+    """The pair count of an epoch of :class:`SkipGramBatches` if no walk ends early (an
+    upper bound): ``num_walks`` walks from every node with an edge."""
+    starts = int((graph.out_degrees() > 0).sum())
+    return pairs_per_walk(walk_length, window) * num_walks * starts
+
+
 class SkipGramBatches:
     """Yields shuffled (centers, contexts, negatives) batches from fresh walks each epoch.
 
@@ -190,8 +204,7 @@ class SkipGramBatches:
 
     def pairs_per_walk(self) -> int:
         """Return the pairs cut from one walk that does not end early."""
-        return 2 * sum(self.walk_length - d
-                       for d in range(1, min(self.window, self.walk_length - 1) + 1))
+        return pairs_per_walk(self.walk_length, self.window)
 
     def pairs_per_epoch(self) -> int:
         """Return the pair count of an epoch if no walk ends early (an upper bound)."""

@@ -10,7 +10,10 @@ fifth step the last rank looks nothing up (it still takes part in the exchanges)
 writes each table's rows and optimizer state (``opt.state_dict()``, pulled collectively)
 to OUT_DIR/<table>.npz. ``--die-at S``: the last rank (or ``--die-rank R``) exits
 abruptly at step S; the others must raise KVStoreError naming it (they print it and exit
-3). ``--mismatch``: rank 1
+3). ``--fewer-steps N``: the last rank takes N steps only, then closes distemb and exits 0;
+the others must raise KVStoreError saying so. ``--nan-at S``: rank 0's gradients of each
+table of its own hold a NaN on step S; every rank's step() of it must refuse (printed),
+and the job goes on. ``--mismatch``: rank 1
 defines a table with another row length; ``--apart``: rank 0 alone reads a row before
 training. Every rank must raise KVStoreError (printed, exit 3). ``--save DIR`` after
 training, ``--load DIR`` before it (from step ``--start``): every optimizer's checkpoint
@@ -37,7 +40,7 @@ import torch
 import distemb
 from distemb import DistEmbedding
 from distemb.dynamic import DynamicEmbedding, StoreEmbedding
-from distemb.errors import KVStoreError, MissingKeyError
+from distemb.errors import KVStoreError, MissingKeyError, NonFiniteGradientError
 from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
                            SparseSGD)
 from distemb.partition import HashPartitionBook, PartitionPolicy, key_partition
@@ -45,12 +48,14 @@ from distemb.stores import key_normal
 from distemb.stores.spec import FileTableSpec
 
 NUM, D, B = 300, 8, 64
-OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05),
-              "adagrad": lambda e: SparseAdagrad([e], lr=0.1),
-              "rowwise": lambda e: SparseRowWiseAdagrad([e], lr=0.1),
-              "adam": lambda e: SparseAdam([e], lr=0.01),
-              "adam_row": lambda e: SparseAdam([e], lr=0.01, step_mode="per_row"),
-              "ftrl": lambda e: SparseFtrl([e], lr=0.1, l1_regularization_strength=0.01)}
+OPTIMIZERS = {"sgd": lambda e: SparseSGD([e], lr=0.05, check_finite=True),
+              "adagrad": lambda e: SparseAdagrad([e], lr=0.1, check_finite=True),
+              "rowwise": lambda e: SparseRowWiseAdagrad([e], lr=0.1, check_finite=True),
+              "adam": lambda e: SparseAdam([e], lr=0.01, check_finite=True),
+              "adam_row": lambda e: SparseAdam([e], lr=0.01, step_mode="per_row",
+                                               check_finite=True),
+              "ftrl": lambda e: SparseFtrl([e], lr=0.1, l1_regularization_strength=0.01,
+                                           check_finite=True)}
 #: Tables sharded by id modulo 2 W + 1 partitions (rank r holds those p % W == r; the
 #: others: one range per rank).
 HASHED = ("adagrad_hash",)
@@ -155,10 +160,12 @@ def train_group(embs, opt, step, ranks, world, skip_rare=True):
 
 
 def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None,
-          skip_rare=True):
+          skip_rare=True, nan_at=None, skip=None):
     """Steps ``start``.. ``start + steps - 1``; ``ranks``: the ranks whose batch rows this
     process looks up (all of them: the oracle); ``group``: the grouped model, trained in
-    each step too."""
+    each step too. ``nan_at``: on that step rank 0 gives one gradient of each table of
+    its own a NaN, and every rank's step() must refuse it (printed); ``skip``: the
+    oracle's, that step of those tables is not taken."""
     for step in range(start, start + steps):
         if die_at == step:
             os._exit(9)
@@ -167,11 +174,20 @@ def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None,
         mine = torch.cat([ids[s] for s in sl])
         cs = torch.cat([c[s] for s in sl])
         for k, emb in embs.items():
+            if step == skip:
+                continue
             opts[k].zero_grad()
             rows = emb(mine)
             up = cs + torch.round(rows.detach() * 8) / 8  # dyadic: see the docstring
+            if step == nan_at and 0 in ranks and len(up):
+                up[0, 0] = float("nan")
             (rows * up).sum().backward()
-            opts[k].step()
+            try:
+                opts[k].step()
+            except NonFiniteGradientError as e:
+                if step != nan_at:
+                    raise
+                print(f"rank {ranks[0]}: step {step} of {k!r} refused: {e}", flush=True)
         if group is not None:
             train_group(*group, step, ranks, world, skip_rare)
 
@@ -282,7 +298,7 @@ def all_optimizers(opts, group):
     return dict(opts, group=group[1])
 
 
-def oracle(steps, world, load=None, then=(), keys=False, skip_rare=True):
+def oracle(steps, world, load=None, then=(), keys=False, skip_rare=True, skip=None):
     """The same job in one embedded process on the concatenated batches: ``steps`` steps
     of ``world`` ranks (after loading checkpoint ``load``, when given), then each
     ``(steps, world)`` of ``then``; with ``keys``, also {rank: key_ops results}."""
@@ -294,7 +310,8 @@ def oracle(steps, world, load=None, then=(), keys=False, skip_rare=True):
             opt.load(os.path.join(load, k))
     start = 0
     for n, w in ((steps, world),) + tuple(then):
-        train(embs, opts, n, range(w), w, start=start, group=group, skip_rare=skip_rare)
+        train(embs, opts, n, range(w), w, start=start, group=group, skip_rare=skip_rare,
+              skip=skip)
         start += n
     out = snapshot(embs, opts, group)
     if keys:
@@ -313,6 +330,8 @@ def main(args):
     world, rank = ctx.num_trainers, ctx.rank
     dying = world - 1 if args.die_rank is None else args.die_rank
     die_at = args.die_at if rank == dying else None
+    short = args.fewer_steps is not None and rank == world - 1
+    steps = args.fewer_steps if short else args.steps
     try:
         if args.mismatch:
             DistEmbedding(NUM, D + (rank == 1), name="mismatched", context=ctx)
@@ -324,9 +343,13 @@ def main(args):
             for k, opt in all_optimizers(opts, group).items():
                 opt.load(os.path.join(args.load, k))
         calls = getattr(ctx.client, "exchanges", 0)
-        train(embs, opts, args.steps, [rank], world, die_at, args.start, group,
-              not args.every_step)
+        train(embs, opts, steps, [rank], world, die_at, args.start, group,
+              not args.every_step, nan_at=args.nan_at)
         calls = getattr(ctx.client, "exchanges", 0) - calls
+        if short:  # done early: closes distemb and exits as a finished script does
+            print(f"rank {rank} of {world}: done after {steps} steps", flush=True)
+            distemb.shutdown()
+            return
         if args.save:
             for k, opt in all_optimizers(opts, group).items():
                 opt.save(os.path.join(args.save, k))
@@ -358,6 +381,8 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--die-rank", type=int)
+    parser.add_argument("--fewer-steps", type=int)
+    parser.add_argument("--nan-at", type=int)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--save")

@@ -58,8 +58,9 @@ from distemb.kvstore.caches.device import DeviceCachedKVClient
 from distemb.kernels import cuda
 from distemb.kvstore.remote import RemoteKVClient
 
-# DGL's own files, run by tests/test_dgl_upstream.py in their own processes.
-collect_ignore = ["dgl_upstream"]
+# DGL's (1.1.3, 2.4.0) and PyG's own files, run by tests/test_dgl_upstream.py,
+# tests/test_dgl2_upstream.py and tests/test_pyg_upstream.py in their own processes.
+collect_ignore = ["dgl_upstream", "dgl2_upstream", "pyg_upstream"]
 
 MPI_SUITE = os.environ.get("DISTEMB_TEST_CLIENT") == "mpi"
 #: Trainer caches of the suite's placements.

@@ -3,13 +3,13 @@
 
 ``dgl`` runs DGL's own dgl.distributed (standalone mode: one partition, DistGraph, its
 DistEmbedding and SparseAdam); ``distemb`` runs the same file with the import swapped to
-``import distemb.dgl as dist``. The training loop is the example's, call for call:
+``import distemb.dgl as dist``, which gives DGL's own ``partition_graph``, ``DistGraph``
+and ``node_split`` beside distemb's tables. The training loop is the example's, call for
+call: ``DistGraph``, ``node_split`` of its ``train_mask``, a ``DistNodeDataLoader``,
 forward, ``emb_optimizer.zero_grad()``, ``optimizer.zero_grad()``, ``loss.backward()``,
 ``emb_optimizer.step()``, ``optimizer.step()``. The graph is a seeded planted partition
-(graph_examples/datasets.py) and batches come from DGL's NeighborSampler + DataLoader on
-the local graph (the example's DistNodeDataLoader needs a DistGraph, which distemb does
-not mirror); evaluation is the example's layer-wise full-graph inference. Writes a JSON
-with the test accuracy and how many looked-up rows changed.
+(graph_examples/datasets.py); evaluation is the example's layer-wise full-graph
+inference. Writes a JSON with the test accuracy and how many looked-up rows changed.
 """
 import json
 import os
@@ -85,22 +85,27 @@ def main():
     ds = load_sbm(num_nodes=1500, num_classes=3, avg_degree=8.0, seed=3)
     g, labels = ds.graph, ds.labels
     g.ndata["labels"] = labels  # as the example's graph (DGL registers policies from ndata)
-    if WHICH == "dgl":
-        part_dir = os.path.join(OUT, "parts")
-        dgl.distributed.partition_graph(g, "sbm", 1, part_dir)
-        ip = os.path.join(OUT, "ip.txt")
-        with open(ip, "w") as f:
-            f.write("127.0.0.1\n")
-        dist.initialize(ip)
-        # the DistGraph registers the node policy DistEmbedding finds by its size
-        main.dist_graph = dist.DistGraph("sbm", part_config=os.path.join(part_dir, "sbm.json"))
-    else:
-        dist.initialize("ip.txt")
+    g.ndata["train_mask"] = th.zeros(g.num_nodes(), dtype=th.bool)
+    g.ndata["train_mask"][ds.train_idx] = True
+    part_dir = os.path.join(OUT, WHICH, "parts")
+    os.makedirs(part_dir, exist_ok=True)
+    dist.partition_graph(g, "sbm", 1, part_dir)
+    ip = os.path.join(OUT, WHICH, "ip.txt")
+    with open(ip, "w") as f:
+        f.write("127.0.0.1\n")
+    # From here on, the example's own calls (through ``dist``, DGL's or distemb's):
+    dist.initialize(ip)
+    # the DistGraph registers the node policy DistEmbedding finds by its size
+    dist_graph = dist.DistGraph("sbm", part_config=os.path.join(part_dir, "sbm.json"))
+    pb = dist_graph.get_partition_book()
+    train_nid = dist.node_split(dist_graph.ndata["train_mask"], pb, force_even=True)
+    assert sorted(train_nid.tolist()) == ds.train_idx.tolist()  # one partition: all of them
     th.manual_seed(0)
     sampler = dgl.dataloading.NeighborSampler(FAN_OUT)
-    dataloader = dgl.dataloading.DataLoader(g, ds.train_idx, sampler, batch_size=BATCH,
-                                            shuffle=True, drop_last=False)
-    emb_layer = DistEmb(g.num_nodes(), NUM_HIDDEN)
+    dataloader = dgl.dataloading.DistNodeDataLoader(dist_graph, train_nid, sampler,
+                                                    batch_size=BATCH, shuffle=True,
+                                                    drop_last=False)
+    emb_layer = DistEmb(dist_graph.num_nodes(), NUM_HIDDEN)
     model = DistSAGE(NUM_HIDDEN, NUM_HIDDEN, ds.num_classes, 2, F.relu, 0.5)
     loss_fcn = nn.CrossEntropyLoss()
     optimizer = optim.Adam(model.parameters(), lr=LR)

@@ -15,9 +15,11 @@ from mp_helper import free_port
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
-def start_sshd(tmp_path, group, why):
-    """Start an sshd in ProcessGroup ``group``; returns (port, path of the client key).
-    Skips the test (saying ``why`` it needs one) where sshd is not installed."""
+def start_sshd(tmp_path, group, why, addresses=("127.0.0.1",)):
+    """Start an sshd in ProcessGroup ``group``, listening on each loopback address of
+    ``addresses`` (several stand for several machines); returns (port, path of the
+    client key). Skips the test (saying ``why`` it needs one) where sshd is not
+    installed."""
     if not os.path.exists(SSHD):
         pytest.skip(f"{SSHD} is missing: {why}; `make system` installs Debian's "
                     "openssh-server (it could not here)")
@@ -29,13 +31,14 @@ def start_sshd(tmp_path, group, why):
     shutil.copy(d / "id_key.pub", d / "authorized_keys")
     port = free_port(1)
     (d / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\n"
+        f"Port {port}\n" + "".join(f"ListenAddress {a}\n" for a in addresses) +
+        f"HostKey {d / 'host_key'}\n"
         f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
         f"StrictModes no\nPidFile {d / 'sshd.pid'}\nAcceptEnv none\n")
     os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
     group.spawn([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], expect=None)
-    group.wait_listening([("127.0.0.1", port)], timeout=30)
+    group.wait_listening([(a, port) for a in addresses], timeout=30)
     return port, d / "id_key"
 
 

@@ -11,6 +11,7 @@ mode does not do yet is refused (a world of one, in this process).
 """
 import json
 import os
+import re
 import sys
 import time
 
@@ -186,6 +187,41 @@ def test_a_dying_rank_fails_the_others_naming_it(tmp_path):
     for r in (0, 1):
         assert "KVStoreError" in outs[r] and "rank(s) [2] did not report" in outs[r], outs[r]
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_nan_gradient_on_one_rank_is_refused_by_every_rank_and_the_job_goes_on(tmp_path):
+    """Rank 0's gradients hold a NaN on step 3: every rank's step() of each such table
+    refuses it, naming the table and rank 0, before any owner applies anything; after 6
+    steps the tables equal one process that skipped step 3 of them, bit for bit."""
+    steps = 6
+    outs = run_job(tmp_path, 2, "--steps", str(steps), "--nan-at", "3")
+    for r in (0, 1):
+        for k in job.OPTIMIZERS:
+            assert re.search(rf"rank {r}: step 3 of '{k}' refused: step\(\): the gradients "
+                             rf"of table\(s\) \['coll-{k}'\] \(from rank\(s\) \[0\]\) "
+                             "hold NaN or infinity", outs[r]), outs[r]
+    want = job.oracle(steps, 2, skip=3)
+    for k in job.OPTIMIZERS:
+        with np.load(tmp_path / f"{k}.npz") as z:
+            assert_same({c: z[c] for c in z.files}, want[k], f"table {k}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_rank_that_took_fewer_steps_is_named_as_such_not_as_dead(tmp_path):
+    """The last rank takes 3 of 5 steps and closes distemb as a finished script does: the
+    others are told it closed after fewer calls, not that it is dead or hung."""
+    outs = run_job(tmp_path, 3, "--steps", "5", "--fewer-steps", "3", "--timeout", "20",
+                   expect=lambda r: 0 if r == 2 else 3, timeout=90)
+    assert "done after 3 steps" in outs[2], outs[2]
+    for r in (0, 1):
+        assert "KVStoreError" in outs[r], outs[r]
+        assert re.search(r"rank 2 after \d+ exchange\(s\) closed distemb, and this rank is "
+                         r"in exchange \d+ \((pull|push_update) of ", outs[r]), outs[r]
+        assert "a rank with fewer batches must still take part" in outs[r], outs[r]
+        assert "dead or hung" not in outs[r], outs[r]
 
 
 @pytest.mark.multiprocess

@@ -1,5 +1,7 @@
 """Tests for graph_examples.deepwalk and graph_examples.tables (small karate runs)."""
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,6 +48,56 @@ def test_link_prediction_flag_reports_auc(tmp_path):
                     "--quiet", "--out", str(tmp_path)])
     assert metrics["nodes"] == 200 and metrics["link_auc"] > 0.58
     assert metrics["test_micro_f1"] > 0.9
+
+
+def _two_cliques(tmp_path, labels):
+    """An edge list of two 12-node cliques joined by one edge (string node ids), and,
+    with ``labels``, a file naming each clique's class; returns the command line."""
+    nodes = [[f"{side}{i}" for i in range(12)] for side in ("a", "b")]
+    edges = [(u, v) for clique in nodes for i, u in enumerate(clique) for v in clique[i + 1:]]
+    (tmp_path / "g.edges").write_text("".join(f"{u} {v}\n" for u, v in edges + [("a0", "b0")]))
+    argv = ["--dataset", "edgelist", "--edges", str(tmp_path / "g.edges"), "--dim", "16",
+            "--quiet", "--out", str(tmp_path / "out")]
+    if labels:
+        (tmp_path / "g.labels").write_text("".join(
+            f"{v} {name}\n" for clique, name in zip(nodes, ("left", "right")) for v in clique))
+        argv += ["--labels", str(tmp_path / "g.labels")]
+    return argv
+
+
+def test_edge_list_without_labels_trains_and_plots_every_node_alike(tmp_path, capsys):
+    # --labels is optional: the report draws the embeddings in one colour, no F1.
+    metrics = main(_two_cliques(tmp_path, labels=False))
+    assert metrics["nodes"] == 24 and "test_micro_f1" not in metrics
+    assert (tmp_path / "out" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["test_f1_per_class"] == {}
+
+
+def test_edge_list_labels_keep_their_names_and_a_small_graph_trains_enough(tmp_path, capsys):
+    """A small graph gets batches small enough for 100 steps an epoch (not one batch of
+    16,384 pairs), says what it trains, and reports F1 under the labels' own names."""
+    metrics = main(_two_cliques(tmp_path, labels=True))
+    out = capsys.readouterr().out
+    assert metrics["steps"] >= 100, metrics
+    assert re.search(r"training 1\d\d steps of \d+ pairs", out), out
+    saved = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert set(saved["test_f1_per_class"]) == {"left", "right"}, saved
+    assert metrics["final_loss"] < 3.5  # untrained: (1 + 5) * log 2 = 4.16
+
+
+def test_the_docs_karate_command_trains(tmp_path):
+    """docs/graph-examples.md's karate command, as printed: thousands of steps (one
+    batch of 16,384 pairs an epoch was 30 steps), and a loss well below the untrained
+    (1 + 5) * log 2 = 4.16."""
+    docs = (Path(__file__).parent.parent / "docs" / "graph-examples.md").read_text()
+    line = re.search(r"graph_examples/deepwalk\.py (--dataset karate [^#\n]*)", docs).group(1)
+    metrics = main(line.split() + ["--quiet", "--out", str(tmp_path)])
+    assert metrics["steps"] >= 1000 and metrics["final_loss"] < 2.6, metrics
+
+
+def test_few_steps_are_said(tmp_path, capsys):
+    main(FAST + ["--backend", "torch", "--max-steps", "7", "--out", str(tmp_path)])
+    assert "note: 7 steps learn little" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -204,6 +204,39 @@ def test_namespace_mirrors_dgl_distributed():
         assert hasattr(dgl.distributed.optim, name) and hasattr(dist.optim, name), name
 
 
+def test_every_name_of_dgl_distributed_is_reachable_through_the_import_swap():
+    """``dist.X`` for every X of dgl.distributed: distemb's where it has its own, DGL's
+    otherwise (DistGraph, node_split, partition_graph, ...), by attribute and by
+    ``from ... import``."""
+    from distemb.dgl import DistGraph, node_split  # noqa: F401  (the import form works)
+
+    theirs = [n for n in dir(dgl.distributed) if not n.startswith("_")]
+    assert {"DistGraph", "node_split", "edge_split", "DistDataLoader", "partition_graph",
+            "load_partition"} <= set(theirs)
+    for name in theirs:
+        assert hasattr(dist, name), name
+    assert dist.DistGraph is dgl.distributed.DistGraph
+    assert dist.node_split is dgl.distributed.node_split
+    assert dist.DistEmbedding.__module__ == "distemb.dgl.tables"  # distemb's own
+    assert dist.optim.SparseAdam is distemb.SparseAdam
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName', nor has "
+                                             "dgl.distributed"):
+        dist.NoSuchName
+
+
+def test_without_dgl_the_import_says_what_to_install():
+    import subprocess
+
+    from mp_helper import child_env
+
+    code = "import sys; sys.modules['dgl'] = None; import distemb.dgl"  # DGL not installed
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1
+    assert "ModuleNotFoundError: distemb's DGL integration (distemb.dgl, " in run.stderr
+    assert "pip install 'distemb[dgl]'" in run.stderr, run.stderr[-2000:]
+
+
 def _launch(tmp_path, trainers, mode, ckpt):
     ip = tmp_path / f"ip-{mode}-{trainers}.txt"
     ip.write_text(f"127.0.0.1 {free_port()}\n")
@@ -234,9 +267,10 @@ def test_dist_optim_store_save_by_all_load_with_other_counts(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_transductive_example_trains_like_dgl(tmp_path):
-    """train_dist_transductive.py's loop (zero_grad between forward and backward), run
-    by DGL itself and by distemb with the import swapped: every looked-up row trains,
-    nothing else moves, and the test accuracy is DGL's within 0.05."""
+    """train_dist_transductive.py (DistGraph, node_split, DistNodeDataLoader, zero_grad
+    between forward and backward), run by DGL itself and by distemb with the import
+    swapped: every looked-up row trains, nothing else moves, and the test accuracy is
+    DGL's within 0.05."""
     script = os.path.join(os.path.dirname(__file__), "dgl_transductive.py")
     with ProcessGroup() as group:
         for which in ("dgl", "distemb"):

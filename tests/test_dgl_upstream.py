@@ -4,7 +4,10 @@ The files in tests/dgl_upstream/ are DGL's (see its README). Each case runs DGL'
 pytest function in a fresh process, as DGL's CI does: DGL's test starts DGL's servers
 (``DistGraphServer``) and clients itself, with DGL's variables, in spawned processes.
 Under the patch each DGL server process also starts a distemb server beside it and each
-client joins those (distemb.dgl.job), with the job token in ``$DISTEMB_JOB_TOKEN``.
+client joins those (distemb.dgl.job). DGL's tests start their servers and trainers from
+the test process, whose ``patch()`` makes the job token they inherit: no variable is set
+by hand. Processes started separately (run_dist_objects.py's, as DGL's launcher starts
+them) are given ``$DISTEMB_JOB_TOKEN``, and refuse to start without it.
 
 Besides DGL's own assertions (and the exit codes DGL's test checks), every case asserts
 that distemb really ran: the log lines of the distemb servers that started and of the
@@ -29,9 +32,12 @@ LOGGING = os.path.join(UPSTREAM, "log_distemb")
 
 
 def upstream_env(**extra):
-    """Environment of DGL's test process: DGL's test helpers and distemb's log on."""
-    extra.setdefault("DISTEMB_JOB_TOKEN", secrets.token_hex(16))
+    """Environment of DGL's test process: DGL's test helpers and distemb's log on; no
+    job token unless ``extra`` gives one."""
     env = child_env(DGLBACKEND="pytorch", **extra)
+    env.pop("DISTEMB_JOB_TOKEN", None)
+    env.pop("DISTEMB_JOB_TOKEN_MADE_BY", None)
+    env.update({k: str(v) for k, v in extra.items()})
     env["PYTHONPATH"] = os.pathsep.join([LOGGING, UPSTREAM, ROOT])
     return env
 
@@ -113,9 +119,9 @@ def test_dist_graph_store_standalone_node_emb(tmp_path):
     assert "distemb-log: distemb in DGL's standalone mode" in out, out[-3000:]
 
 
-def _objects_job(tmp_path, num_servers, num_clients, targets, timeout):
-    """DGL's tests/dist/test_dist_objects.py on one machine, without its ssh: the servers
-    and clients of run_dist_objects.py, with the variables DGL's test gives them."""
+def _objects_env(tmp_path, num_servers, num_clients):
+    """The variables DGL's tests/dist/test_dist_objects.py gives run_dist_objects.py, on
+    a 1-partition graph it writes here."""
     import dgl  # DGL's partitioner writes the graph the job loads
 
     graph_path = tmp_path / "dist_graph"
@@ -123,11 +129,18 @@ def _objects_job(tmp_path, num_servers, num_clients, targets, timeout):
     dgl.distributed.partition_graph(g, "random_test_graph", 1, str(graph_path))
     ip_config = tmp_path / "ip_config.txt"
     ip_config.write_text(f"127.0.0.1 {free_port(16)}\n")
-    base = {"DIST_DGL_TEST_WORKSPACE": str(tmp_path), "DIST_DGL_TEST_NUM_PART": "1",
+    return {"DIST_DGL_TEST_WORKSPACE": str(tmp_path), "DIST_DGL_TEST_NUM_PART": "1",
             "DIST_DGL_TEST_NUM_SERVER": str(num_servers),
             "DIST_DGL_TEST_NUM_CLIENT": str(num_clients), "DIST_DGL_TEST_NET_TYPE": "socket",
             "DIST_DGL_TEST_GRAPH_PATH": str(graph_path),
             "DIST_DGL_TEST_IP_CONFIG": str(ip_config), "DIST_DGL_TEST_PART_ID": "0"}
+
+
+def _objects_job(tmp_path, num_servers, num_clients, targets, timeout):
+    """DGL's tests/dist/test_dist_objects.py on one machine, without its ssh: the servers
+    and clients of run_dist_objects.py, with the variables DGL's test gives them, each
+    started separately (as DGL's launcher starts them), so each is given the token."""
+    base = _objects_env(tmp_path, num_servers, num_clients)
     token = secrets.token_hex(16)
     script = [sys.executable, os.path.join(UPSTREAM, "run_dist_objects.py")]
     with ProcessGroup() as group:
@@ -143,6 +156,24 @@ def _objects_job(tmp_path, num_servers, num_clients, targets, timeout):
     out = "\n".join(outs.values())
     assert "Traceback" not in out, out[-3000:]
     return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_process_started_separately_still_needs_the_token(tmp_path):
+    """run_dist_objects.py's server, started on its own as DGL's launcher starts it and
+    given no token: its patch() makes one for its children only, so the distemb server
+    it would start beside DGL's is refused with the message that says how to pass one."""
+    base = _objects_env(tmp_path, 1, 1)
+    with ProcessGroup() as group:
+        group.spawn([sys.executable, os.path.join(UPSTREAM, "run_dist_objects.py")],
+                    env=upstream_env(**base, DIST_DGL_TEST_SERVER_ID=0,
+                                     DIST_DGL_TEST_SHARED_MEM=1, DIST_DGL_TEST_MODE="server"),
+                    cwd=str(tmp_path), expect=1)
+        (out,) = group.wait_all(timeout=150).values()
+    assert "DistEmbError: $DISTEMB_JOB_TOKEN is not set" in out, out[-3000:]
+    assert "--extra_envs DISTEMB_JOB_TOKEN=" in out, out[-3000:]
+    assert "distemb server 0 of 1 started" not in out, out[-3000:]
 
 
 @pytest.mark.multiprocess

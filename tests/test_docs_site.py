@@ -33,13 +33,55 @@ def site(tmp_path_factory):
 
 def page_text(site, page):
     """The text of a built page, tags stripped (code is split into highlighted spans)."""
-    raw = (site / page / "index.html").read_text()
+    raw = (site / f"{page}.html").read_text()
     return html.unescape(re.sub(r"<[^>]+>", "", raw))
 
 
 def test_site_builds_without_warnings(site):
     page = (site / "api" / "index.html").read_text()
     assert "DistEmbedding" in page and "patch" in page  # the reference came from docstrings
+
+
+def test_every_link_works_opened_from_disk_and_nothing_comes_from_the_network(site):
+    """A browser on file:// shows a directory listing for a directory URL: every link of
+    every built page (between pages, to their anchors, to the site's CSS, scripts and
+    images) must name a file of the site, every #anchor an id on its page; no stylesheet,
+    script or image is fetched from the network (the highlighting is the site's own)."""
+    # 404.html is a web server's page (its links start at the server's root), never opened
+    pages = sorted(p for p in site.rglob("*.html") if p.name != "404.html")
+    ids = {p: set(re.findall(r'\bid="([^"]+)"', p.read_text())) for p in pages}
+    followed = 0
+    for page in pages:
+        raw = page.read_text()
+        for tag in re.findall(r"<(?:link|script|img)\b[^>]*>", raw):
+            assert not re.search(r'(?:href|src)="(?:https?:)?//', tag), (page, tag)
+        for target in re.findall(r'(?:href|src)="([^"]*)"', raw):
+            target = html.unescape(target)
+            if re.match(r"[a-z]+:|//", target):  # a link out (https://, mailto:)
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path.split("?")[0]).resolve() if path else page
+            assert dest.is_file(), f"{page.relative_to(site)}: {target!r} is not a file"
+            if anchor and dest.suffix == ".html":
+                assert anchor in ids[dest], f"{page.relative_to(site)}: {target!r}: no anchor"
+            followed += 1
+    assert len(pages) > 20 and followed > 1000, (len(pages), followed)
+
+
+def test_code_is_highlighted_by_the_site_itself(site):
+    raw = (site / "quickstart.html").read_text()
+    assert 'href="css/pygments.css"' in raw and (site / "css" / "pygments.css").is_file()
+    # Pygments' spans: a keyword and a name in the quickstart's code
+    assert re.search(r'<span class="kn">import</span>', raw), raw[:2000]
+    assert "highlight.js" not in raw and "hljs" not in raw
+
+
+def test_api_pages_show_signatures_with_every_argument(site):
+    text = page_text(site, "api/optim")
+    assert re.search(r"SparseAdam\(params: Params, lr: float = 0\.001, betas: Tuple\[float, "
+                     r"float\] = \(0\.9, 0\.999\), eps: float = 1e-08, step_mode", text), text
+    text = page_text(site, "api/tables")
+    assert re.search(r"DistEmbedding\(num_embeddings", text), text
 
 
 def public_names():
@@ -54,7 +96,7 @@ def public_names():
 
 def test_api_reference_covers_the_public_api(site):
     ids = set()
-    for page in (site / "api").rglob("index.html"):
+    for page in (site / "api").rglob("*.html"):
         ids.update(re.findall(r'id="(distemb[\w.]*)"', page.read_text()))
     missing = [f"{package}.{name} ({obj.__module__}.{obj.__qualname__})"
                for package, name, obj in public_names()

@@ -7,7 +7,7 @@ from graph_examples.datasets import load_dataset
 from graph_examples.evaluate import (link_prediction_auc, node_classification,
                                      split_edges)
 from graph_examples.plots import (f1_bar_order, largest_classes, project_2d,
-                                  save_training_plot)
+                                  save_training_plot, shown_classes)
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,17 @@ def test_largest_classes_and_bar_order():
     assert f1_bar_order({0: 0.5, 1: 0.9, 2: 0.1}, {0: 4, 1: 9, 2: 4}) == [1, 0, 2]
 
 
+def test_the_projection_shows_the_best_scored_of_the_largest_classes():
+    # sizes 10, 9, ..., 1 for classes 0..9; -1 unlabelled
+    labels = np.concatenate([np.full(10 - c, c) for c in range(10)] + [np.full(5, -1)])
+    f1 = {c: 0.1 for c in range(10)}
+    f1.update({9: 1.0, 4: 0.9, 1: 0.8})  # class 9 is the smallest: not among the 6 largest
+    assert shown_classes(labels, 2, f1).tolist() == [1, 4]  # largest first
+    assert shown_classes(labels, 2).tolist() == [0, 1]  # without F1: the largest
+
+
 def test_report_shows_largest_classes_and_f1_bars(tmp_path):
-    """45 classes (WordNet-like): the scatter keeps the 10 largest, a third panel has
+    """45 classes (WordNet-like): the scatter keeps a few classes, a third panel has
     the per-class F1 bars; the loss curve stays."""
     rng = np.random.default_rng(0)
     labels = torch.from_numpy(rng.zipf(1.5, 1500) % 45)

@@ -31,6 +31,50 @@ def test_graphsage_trains_and_writes_outputs(tmp_path):
     assert json.loads((out / "metrics.json").read_text())["test_accuracy"] == metrics["test_accuracy"]
 
 
+def test_the_pooled_first_layer_trains(tmp_path):
+    """``--first-layer bag``: each destination's neighbour mean pooled by emb.bag."""
+    metrics = graphsage.main(["--dataset", "sbm", "--data-opt", "num_nodes=2000",
+                              "--data-opt", "num_classes=4", "--dim", "16", "--hidden", "16",
+                              "--fanouts", "5,5", "--batch-size", "128", "--epochs", "3",
+                              "--emb-lr", "0.05", "--lr", "0.01", "--quiet", "--first-layer",
+                              "bag", "--out", str(tmp_path / "bag")])
+    assert metrics["first_layer"] == "bag" and metrics["test_accuracy"] > 0.6, metrics
+
+
+def test_the_pooled_first_layer_is_dgls_sageconv():
+    """The oracle is DGL's SAGEConv('mean') over every input node's row: with the same
+    weights, the pooled layer gives the same output, and the table the same gradient
+    summed per id (zero-in-degree destinations included)."""
+    import torch
+    from distemb.integrations.dgl import dgl
+
+    torch.manual_seed(0)
+    g = dgl.graph((torch.randint(0, 60, (300,)), torch.randint(10, 60, (300,))),
+                  num_nodes=60)  # nodes 0..9 have no in-edges
+    emb = distemb.DistEmbedding(60, 8, name="sage-oracle",
+                                init_func=lambda s, d: torch.randn(s, dtype=d))
+    loader = graphsage._loader(g, torch.arange(0, 60, 3), [4], 20, False, 0)
+    input_nodes, _, (block,) = next(iter(loader))
+    assert (block.in_degrees() == 0).any() and (block.in_degrees() > 1).any()
+    conv = dgl.nn.SAGEConv(8, 5, "mean")
+    pooled = graphsage.PooledSAGEConv(8, 5)
+    pooled.load_state_dict({k: v for k, v in conv.state_dict().items()
+                            if k.startswith(("fc_self", "fc_neigh"))})
+    up = torch.randn(block.num_dst_nodes(), 5)
+    grads = []
+    for layer, pool in ((conv, False), (pooled, True)):
+        out = layer(block, graphsage.first_inputs(emb, emb, input_nodes, block, pool))
+        (out * up).sum().backward()
+        client, ids, sums = emb.coalesced_gradients()
+        grads.append(dict(zip(ids.tolist(), torch.as_tensor(sums))))
+        if pool:
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        want = out.detach()
+    assert grads[0].keys() >= grads[1].keys()
+    for i, g0 in grads[0].items():  # an input node no bag holds gets a zero gradient
+        torch.testing.assert_close(grads[1].get(i, torch.zeros(8)), g0, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_arguments_are_named(capsys):
     with pytest.raises(SystemExit):
         graphsage.parse_args(["--fanouts", "5,x"])

@@ -143,6 +143,18 @@ def test_forged_ranks_and_strangers_are_refused(tmp_path):
         srv.finish(group)
 
 
+def test_a_trainer_whose_config_has_no_token_is_told_so_not_a_wrong_token(tmp_path):
+    with ProcessGroup() as group:
+        srv = Server(tmp_path, group)
+        raw = {k: v for k, v in srv.raw.items() if k != "job_token"}
+        with pytest.raises(Exception, match=r"Hello: no job token, and this server's job has "
+                                            r"one: the process's cluster config has no "
+                                            r"job_token") as err:
+            RemoteKVClient(parse_cluster_config(raw), 1)
+        assert "wrong job token" not in str(err.value)
+        srv.finish(group)
+
+
 def test_tables_the_server_cannot_hold_are_refused_and_leave_no_shared_memory(tmp_path):
     with ProcessGroup() as group:
         srv = Server(tmp_path, group, shared_memory=True)

@@ -25,7 +25,7 @@ from conftest import holds, make_placement
 from suite_tables import TABLE_KINDS, Table, parse_kind
 
 from distemb import checkpoint
-from distemb.errors import DistEmbError, KVStoreError
+from distemb.errors import DistEmbError, KVStoreError, NonFiniteGradientError
 from distemb.kernels import reference
 from distemb.partition import PartitionPolicy
 from distemb.optim import SparseAdagrad, SparseAdam, SparseRowWiseAdagrad, SparseSGD
@@ -94,7 +94,8 @@ def test_updates_match_torch_optim(client, table, rule):
     nn.Embedding over 10 steps of duplicate-heavy ids (summed as torch sums them)."""
     t = table
     np.testing.assert_array_equal(t.rows(client), t.initial())  # every key held
-    names = client.init_optimizer(t.name, rule, {"initial_accumulator_value": 0.0})
+    names = client.init_optimizer(t.name, rule, {"initial_accumulator_value": 0.0}
+                                  if rule == "adagrad" else {})  # what each rule reads
     ref = torch.nn.Embedding(N, D, sparse=True)
     ref.weight.data.copy_(torch.from_numpy(t.initial()))
     opt = _torch_opt(rule, [ref.weight])
@@ -117,6 +118,23 @@ def test_updates_match_torch_optim(client, table, rule):
     for sname in names:
         np.testing.assert_allclose(state[sname], opt.state[ref.weight][TORCH_STATE[sname]],
                                    rtol=1e-4, atol=1e-6, err_msg=sname)
+
+
+def test_an_option_no_state_of_the_rule_reads_is_refused_naming_it(client, table):
+    """Every placement refuses an optimizer option the rule's states do not start from
+    (a server ignored it, an embedded store still does not read it), before any state
+    changes; the rule's own option is taken."""
+    t = table
+    np.testing.assert_array_equal(t.rows(client), t.initial())  # every key held
+    names = client.init_optimizer(t.name, "adagrad", {"initial_accumulator_value": 0.5})
+    for rule, options, bad in (("adagrad", {"initial_accumulator_value": 0.1, "bogus": 1.0},
+                                "bogus"),
+                               ("sgd", {"initial_accumulator_value": 0.1},
+                                "initial_accumulator_value")):
+        with pytest.raises(KVStoreError, match=f"options.{bad}: unknown option of rule "
+                                               f"'{rule}'"):
+            client.init_optimizer(t.name, rule, options)
+    np.testing.assert_array_equal(t.state(client, names)["sum"], np.full((N, D), 0.5))
 
 
 def test_ftrl_matches_the_reference_rule(client, table):
@@ -232,6 +250,89 @@ def test_job_equals_the_embedded_table_bit_for_bit(placement, table_kind, opt_na
     if stats is not None and t.dtype == "float32":  # a cache served rows and updated them
         assert stats.get("hit_rows", 0) > 0, stats
         assert stats.get("device_updated_rows", 1) > 0, stats
+
+
+def refused_step_job(t, steps, bad=None, poisoned=None, half_at=None):
+    """The dyadic job of ``t`` with SparseAdam (global step counts: a refused step that
+    counted would show) on ``steps`` in order; on step ``bad`` the gradient of one row is
+    NaN or infinite on every trainer (or the ranks in ``poisoned``), whose ``step()``
+    must refuse, naming the table. On step ``half_at`` (an oracle's) the one trainer
+    takes the first half of the batch only. Returns job(ctx, rank, num_trainers) ->
+    (state names, the refusals' messages)."""
+    def job(ctx, rank, num_trainers):
+        emb = t.embedding(ctx)
+        opt = SparseAdam([emb], lr=0.01, check_finite=True)
+        ctx.client.barrier()
+        per, said = B // num_trainers, []
+        for step in steps:
+            rows, c = dyadic_batch(step, t.n)
+            share = slice(rank * per, (rank + 1) * per) if step != half_at else \
+                slice(0, B // 2)
+            keys = torch.from_numpy(t.key_of(rows[share]))
+            opt.zero_grad()
+            out = emb(keys)
+            up = torch.from_numpy(c[share]) + torch.round(out.detach() * 8) / 8
+            if step == bad and (poisoned is None or rank in poisoned):
+                up[1, 2] = float("inf") if rank % 2 else float("nan")
+            (out * up).sum().backward()
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:
+                said.append(str(e))
+        ctx.client.barrier()
+        return state_names(t.name, opt), said
+    return job
+
+
+def test_a_step_with_non_finite_gradients_is_refused_and_changes_nothing(placement,
+                                                                         table_kind, tmp_path):
+    """Every trainer's step 2 has a NaN or infinite gradient: each step() refuses it naming
+    the table, and rows and optimizer state end bit-identical to the embedded job that
+    skipped step 2 (Adam's step count included)."""
+    t = Table(table_kind, 40, D, str(tmp_path))
+    results = placement.run(refused_step_job(t, [0, 1, 2, 3], bad=2))
+    for names, said in results:
+        assert len(said) == 1 and re.search(
+            rf"step\(\): the gradients of table\(s\) \['{t.name}'\]( \(from rank\(s\) \[0\]\))? "
+            "hold NaN or infinity; the step is refused", said[0]), said
+    where = make_placement("embedded", None)
+    try:
+        tag = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}[t.dtype]
+        want_t = Table(f"dense{tag}-range", t.n, D, str(tmp_path))  # row i: key_of(i)'s
+        want_t.init_keys = t.all_keys()
+        want_names, _ = where.run(refused_step_job(want_t, [0, 1, 3]))[0]
+        want = want_t.rows(where.client), want_t.state(where.client, want_names)
+    finally:
+        where.client.close()
+    assert np.abs(want[0] - t.initial()).max() > 1e-3, "the oracle did not train"
+    assert_same_table(placement.client, t, names, want, f"{placement.name} {table_kind}")
+
+
+@pytest.mark.multiprocess
+def test_a_trainer_that_refuses_its_step_keeps_a_sync_exact_job_in_step(clusters, tmp_path):
+    """2 servers x 2 trainers, sync_exact (the servers apply a step once every trainer's
+    share of it is in): trainer 1 refuses its step 2 and trains on; its share of step 2
+    is dropped (it sends an empty one), trainer 0's is applied, and the job goes on in
+    step: rows and state equal one process whose step 2 is trainer 0's half batch."""
+    t = Table("dense-range", 40, D, str(tmp_path))
+    where = make_placement("tcp2x2", clusters)
+    try:
+        results = where.run(refused_step_job(t, [0, 1, 2, 3], bad=2, poisoned={1}))
+        assert [len(said) for _, said in results] == [0, 1], results
+        embedded = make_placement("embedded", None)
+        try:
+            want_t = Table("dense-range", t.n, D, str(tmp_path))
+            want_names, _ = embedded.run(refused_step_job(want_t, [0, 1, 2, 3],
+                                                          half_at=2))[0]
+            want = want_t.rows(embedded.client), want_t.state(embedded.client, want_names)
+        finally:
+            embedded.client.close()
+        assert_same_table(where.client, t, results[0][0], want, "tcp2x2, trainer 1 refused")
+    finally:
+        for name in where.client.names():
+            if "~opt~" not in name:
+                where.client.delete_data(name)
+        where.client.close(goodbye=False)  # the module's servers serve the next test
 
 
 @pytest.mark.multiprocess
@@ -529,3 +630,38 @@ def test_checkpoint_of_the_client_round_trips(client, table, tmp_path):
     checkpoint.restore(path, client, [t.name])
     np.testing.assert_array_equal(t.rows(client), t.rounded(vals))
 
+
+
+@pytest.mark.multiprocess
+def test_several_tables_are_read_in_one_round_trip_per_server(clusters):
+    """``pull_many`` (a grouped lookup, a PyG feature store's multi-get) sends each server
+    its Pulls of every table back to back and reads the replies after: one round trip per
+    server for all the tables, the rows those of table-by-table pulls."""
+    from distemb.partition import range_policy
+    from distemb.stores.spec import HashTableSpec
+    kv = clusters("tcp").client()
+    try:
+        kv.init_data("m-dense", (10, 3), "float32", range_policy(10, 2))
+        kv.init_data("m-half", (10, 2), "bfloat16", range_policy(10, 2))
+        kv.create_table("m-hash", HashTableSpec(4))
+        kv.push("m-dense", np.arange(10), np.arange(30, dtype=np.float32).reshape(10, 3))
+        kv.push("m-half", np.arange(10), np.full((10, 2), 1.5, np.float32))
+        asks = [("m-dense", np.array([9, 0, 5])), ("m-hash", np.array([2 ** 40, -3, 7, 8])),
+                ("m-half", np.array([1, 8])), ("m-dense", np.array([4]))]
+        want = [kv.pull(n, i) for n, i in asks]
+        calls, real = [], kv.servers.call
+
+        def counted(requests, **kw):
+            calls.append({sid: len(m) if isinstance(m, list) else 1
+                          for sid, m in requests.items()})
+            return real(requests, **kw)
+        kv.servers.call = counted
+        got = kv.pull_many(asks)
+        kv.servers.call = real
+        assert calls == [{0: 4, 1: 3}] or calls == [{1: 3, 0: 4}], calls
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        for name in ("m-dense", "m-half", "m-hash"):
+            kv.delete_data(name)
+    finally:
+        kv.close(goodbye=False)

@@ -1,6 +1,11 @@
 """distemb-launch: ip_config parsing, the cluster config, dry runs and failure handling."""
 import json
+import os
+import re
+import shutil
+import stat
 import sys
+import time
 
 import pytest
 
@@ -165,3 +170,133 @@ def test_crashed_trainer_stops_every_process(tmp_path):
                      sys.executable, "-c", crash], expect=3)
         out = next(iter(group.wait_all(30).values()))
     assert "exited with 3; stopping every process" in out
+
+
+PROGRESS = """\
+import os, sys, time
+print(os.environ["DISTEMB_CONFIG"], os.path.exists(os.environ["DISTEMB_CONFIG"]), flush=True)
+sys.stdout.write("progress 1/2")  # a progress bar's first state: no line end yet
+sys.stdout.flush()
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.stdout.write("\\rprogress 2/2\\n")
+"""
+
+
+def _launch_progress(tmp_path, group):
+    """A 1 x 1 job from ``tmp_path`` (no --config-out) whose trainer writes a partial line
+    and waits for the file ``go``; returns (launcher process, go)."""
+    (tmp_path / "progress.py").write_text(PROGRESS)
+    go = tmp_path / "go"
+    ip = ip_file(tmp_path, f"127.0.0.1 {free_port()}\n")
+    p = group.spawn([sys.executable, "-m", "distemb.launch", "--ip-config", ip, "--",
+                     sys.executable, str(tmp_path / "progress.py"), str(go)], cwd=str(tmp_path))
+    return p, go
+
+
+def _read_until(p, marker, timeout):
+    """Bytes of ``p``'s stdout read as they come, until ``marker`` is among them."""
+    import select
+
+    got, deadline = b"", time.monotonic() + timeout
+    while marker not in got and time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], 0.2)
+        if ready:
+            chunk = os.read(p.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+@pytest.mark.multiprocess
+def test_output_is_forwarded_as_written_not_at_line_ends(tmp_path):
+    """A trainer's partial line (a progress bar) reaches the launcher's output while the
+    trainer still waits; a carriage return starts a prefixed line again."""
+    with ProcessGroup() as group:
+        p, go = _launch_progress(tmp_path, group)
+        early = _read_until(p, b"[trainer0]: progress 1/2", timeout=45)
+        go.touch()  # only now may the trainer end its line
+        late = _read_until(p, b"progress 2/2\n", timeout=45)  # raw bytes: \r as written
+        group.wait_all(60)
+    assert b"[trainer0]: progress 1/2" in early, early
+    assert b"progress 1/2\r[trainer0]: progress 2/2\n" in early + late, early + late
+
+
+@pytest.mark.multiprocess
+def test_the_cluster_config_is_private_to_the_job_not_in_the_current_directory(tmp_path):
+    """Without --config-out the config (it holds the job's token) is in a private
+    temporary directory while the job runs, and gone after it; the directory the
+    launcher ran in gets nothing."""
+    with ProcessGroup() as group:
+        p, go = _launch_progress(tmp_path, group)
+        go.touch()
+        out = next(iter(group.wait_all(60).values()))
+    path, existed = re.search(r"\[trainer0\]: (\S+) (True|False)", out).groups()
+    assert existed == "True" and not path.startswith(str(tmp_path)), out
+    assert not os.path.exists(os.path.dirname(path)), path  # removed with the job
+    assert sorted(os.listdir(tmp_path)) == ["go", "ip.txt", "progress.py"]
+
+
+def test_dry_run_keeps_the_private_config_it_prints(tmp_path, capsys):
+    code = main(["--ip-config", ip_file(tmp_path, "127.0.0.1 4100\n"), "--dry-run", "--",
+                 "python", "t.py"])
+    captured = capsys.readouterr()
+    path = re.search(r"# cluster config: (\S+)", captured.err).group(1)
+    try:
+        assert code == 0 and f"DISTEMB_CONFIG={path}" in captured.out
+        assert load_cluster_config(path).job_token
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    finally:
+        shutil.rmtree(os.path.dirname(path))
+
+
+def test_several_machines_need_a_config_path_they_share(tmp_path, capsys):
+    code = main(["--ip-config", ip_file(tmp_path, "10.1.0.1\n10.1.0.2\n"), "--launcher",
+                 "ssh", "--dry-run", "--", "python", "t.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--config-out: the job runs on other machines (10.1.0.1" in err, err
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("servers per machine (default: 1)", "(default: local)",
+                 f"(default: {default_of(ClusterConfig, 'timeout_s')})",
+                 "removed when the job ends"):
+        assert text in out, text
+
+
+def test_relays_keep_each_childs_lines_apart_and_prefixed():
+    """Child 0 leaves a line unfinished (a progress bar), child 1 writes a line: child 0's
+    line is ended first, and its next bytes start a new prefixed line."""
+    import io
+    import threading
+
+    from distemb.launch import _relay
+
+    out, lock, lines = io.BytesIO(), threading.Lock(), {}
+    pipes = [os.pipe() for _ in range(2)]
+    relays = [threading.Thread(target=_relay, args=(os.fdopen(r, "rb", buffering=0),
+                                                    f"[c{i}]: ".encode(), out, lock, lines))
+              for i, (r, _) in enumerate(pipes)]
+    for t in relays:
+        t.start()
+
+    def write(i, data):
+        os.write(pipes[i][1], data)
+        deadline = time.monotonic() + 10
+        while data not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    write(0, b" 10%")
+    write(1, b"hello\n")
+    write(0, b"\r 20%")
+    write(0, b"\n")
+    for _, w in pipes:
+        os.close(w)
+    for t in relays:
+        t.join(10)
+    assert out.getvalue() == b"[c0]:  10%\n[c1]: hello\n\r[c0]:  20%\n", out.getvalue()

@@ -7,7 +7,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from distemb.context import DistContext
 from distemb.embedding import DistEmbedding
-from distemb.errors import DistEmbError
+from distemb.errors import DistEmbError, NonFiniteGradientError
 from distemb.optim import (SparseAdagrad, SparseAdam, SparseFtrl, SparseRowWiseAdagrad,
                            SparseSGD)
 from distemb.partition import HashPartitionBook, NodePartitionPolicy
@@ -208,3 +208,51 @@ def test_load_errors(tmp_path, ctx):
 def test_bad_optimizer_arguments(ctx, make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make(_tables(ctx))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_step_with_a_non_finite_gradient_changes_no_table(bad):
+    """Tables 'a' and 'b' in one optimizer, each in its own embedded context (two clients):
+    'b' gets one bad gradient; step() refuses naming 'b' before 'a' (first in the list)
+    or 'b' changes, the step count stays, and the next good step trains as torch's."""
+    ctxs = [DistContext.embedded(num_threads=1) for _ in range(2)]
+    init = lambda s, d: torch.randn(s, generator=torch.Generator().manual_seed(1)).to(d)
+    embs = [DistEmbedding(ROWS, DIM, name=n, context=c, init_func=init)
+            for n, c in zip("ab", ctxs)]
+    opt = SparseAdam(embs, lr=0.01, check_finite=True)
+    ref = [torch.nn.Embedding(ROWS, DIM, sparse=True) for _ in embs]
+    for r in ref:
+        r.weight.data.copy_(init((ROWS, DIM), torch.float32))
+    ref_opt = torch.optim.SparseAdam([r.weight for r in ref], lr=0.01)
+    ids = torch.tensor([3, 7, 7, 11])
+    before = [e.weight[torch.arange(ROWS)].clone() for e in embs]
+    up = torch.ones(4, DIM)
+    bad_up = up.clone()
+    bad_up[2, 5] = bad
+    ((embs[0](ids) * up).sum() + (embs[1](ids) * bad_up).sum()).backward()
+    with pytest.raises(NonFiniteGradientError, match=r"step\(\): the gradients of table\(s\) "
+                                                     r"\['b'\] hold NaN or infinity"):
+        opt.step()
+    for e, b in zip(embs, before):
+        assert torch.equal(e.weight[torch.arange(ROWS)], b), e.name
+    assert opt.state_dict()["state"]["a"]["step"] == 0
+    # the refused gradients are gone: a good step applies its own only, as torch does
+    for tables in (embs, ref):
+        ((tables[0](ids) * up).sum() + (tables[1](ids) * up).sum()).backward()
+    opt.step()
+    ref_opt.step()
+    for e, r in zip(embs, ref):
+        torch.testing.assert_close(e.weight[torch.arange(ROWS)], r.weight.detach(), rtol=1e-6,
+                                   atol=1e-7)
+    for c in ctxs:
+        c.close()
+
+
+
+def test_the_finite_check_is_off_by_default_and_takes_a_bool():
+    emb = DistEmbedding(ROWS, DIM, context=DistContext.embedded(num_threads=1))
+    for make in OPTIMIZERS.values():
+        assert make([emb]).check_finite is False
+    assert SparseSGD([emb], lr=0.1, check_finite=True).check_finite is True
+    with pytest.raises(TypeError, match="check_finite: expected True or False, got 1"):
+        SparseAdagrad([emb], lr=0.1, check_finite=1)

@@ -80,6 +80,12 @@ def test_malformed_frames_are_rejected_before_allocation(data, match):
     (Frame(Service.UPDATE, "w", {"rule": "sgd", "hyper": {"lr": "x"}, "seq": 1, "exact": False,
                                  "parts": [0], "counts": [1]},
            [np.arange(1), np.ones((1, 2), np.float32)]), "Update.hyper"),
+    # issue 37: a 2-d ``have`` got past the decode and failed deep in the handler
+    (Frame(Service.VERSIONED_PULL, "w", {"parts": [0], "counts": [2], "states": []},
+           [np.arange(2), np.zeros((2, 1), np.int64)]),
+     r"VersionedPull.have: expected int64 of shape \(2,\), got int64 \(2, 1\)"),
+    (Frame(Service.VERSIONED_PULL, "w", {"parts": [0], "counts": [2], "states": []},
+           [np.arange(2), np.zeros((2, 0), np.int64)]), "VersionedPull.have"),
 ])
 def test_invalid_messages_are_rejected(frame, match):
     with pytest.raises(TransportError, match=match):
@@ -141,10 +147,10 @@ def test_bad_request_gets_error_reply_and_connection_goes_on(clusters):
     kv = clusters("tcp").client()
     try:
         kv.init_data("r", (4, 2), "float32", range_policy(4, 2))
-        conn = kv._conns[0]
+        conn = kv.servers.connections[0]
         conn.send(Pull(name="r", parts=[0], counts=[1], ids=np.array([99])).encode())
         err = conn.recv()
-        assert err.service == Service.ERROR and "id 99 of shard 0 of 'r' is out of range" \
+        assert err.service == Service.ERROR and "ids of shard 0 of 'r': id 99 is out of range" \
             in err.fields["message"]
         conn.send(Pull(name="zz", parts=[0], counts=[1], ids=np.array([0])).encode())
         assert "no shard 0 of 'zz'" in conn.recv().fields["message"]
@@ -170,7 +176,8 @@ def test_server_errors_reach_the_user_as_the_same_type_from_every_request(cluste
                            grads=np.ones((1, 2), np.float32))]
         kv.init_optimizer("m", "sgd", {})
         for msg in requests:
-            with pytest.raises(PartitionError, match="id 99 of shard 0 of 'm' is out of range"):
+            with pytest.raises(PartitionError,
+                               match="ids of shard 0 of 'm': id 99 is out of range"):
                 kv._call({0: msg})
         assert kv.pull("m", np.array([3])).shape == (1, 2)  # the connection stayed in step
     finally:

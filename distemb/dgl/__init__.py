@@ -10,10 +10,14 @@ Two ways in, same classes:
   started by DGL's launcher gets distemb's servers (:mod:`distemb.dgl.patch`,
   :mod:`distemb.dgl.job`). :func:`unpatch` restores DGL.
 
-DGL's partition policies and books are converted to distemb's; ``DistGraph``, samplers,
-``node_split`` stay DGL's. Tables follow DGL's lifetime rule (deleted with their last
-object unless ``persistent=True``) and torch's maths (duplicate ids sum their gradients;
-DGL averages). Importing this package imports DGL.
+Every other name of ``dgl.distributed`` (``DistGraph``, ``node_split``, ``edge_split``,
+``DistDataLoader``, ``DistNodeDataLoader``, ``partition_graph``, ``load_partition``, ...)
+is DGL's own, reached through this package, so a DGL script's ``dist.X`` works after the
+import swap whatever ``X`` it uses. DGL's partition policies and books are converted to
+distemb's. Tables follow DGL's lifetime rule (deleted with their last object unless
+``persistent=True``) and torch's maths (duplicate ids sum their gradients; DGL averages).
+Importing this package imports DGL (``pip install 'distemb[dgl]'``: an error says so when
+DGL is missing).
 
 Example:
     >>> import torch
@@ -23,9 +27,11 @@ Example:
     >>> emb(torch.tensor([1, 1])).sum().backward(); opt.step()
     >>> dist.optim.SparseAdam is __import__("distemb").SparseAdam
     True
+    >>> dist.node_split is __import__("dgl").distributed.node_split  # DGL's own
+    True
 """
 from distemb import context as _context
-from distemb.dgl import job, optim
+from distemb.dgl import dgl2, job, optim
 from distemb.dgl.patch import dgl_own, is_patched, patch, unpatch
 from distemb.dgl.tables import (DistEmbedding, DistTensor, EdgePartitionPolicy,
                                 NodePartitionPolicy, PartitionPolicy, convert_policy,
@@ -34,7 +40,7 @@ from distemb.integrations.dgl import dgl as _dgl
 
 __all__ = ["DistEmbedding", "DistTensor", "PartitionPolicy", "NodePartitionPolicy",
            "EdgePartitionPolicy", "initialize", "exit_client", "optim", "convert_policy",
-           "dgl_policy_for", "patch", "unpatch", "is_patched", "job"]
+           "dgl_policy_for", "patch", "unpatch", "is_patched", "job", "dgl2"]
 
 
 def initialize(ip_config=None, mode=None, **kwargs):
@@ -51,13 +57,17 @@ def initialize(ip_config=None, mode=None, **kwargs):
     (:func:`distemb.initialize` with ``mode="collective"``; ``timeout_s`` is its one
     keyword). DGL's ``DistGraph`` needs DGL's servers, so it is not available then.
 
+    DGL 2.x's ``use_graphbolt=False`` is accepted (and dropped); ``True`` is refused:
+    there is no GraphBolt here (:mod:`distemb.dgl.dgl2`).
+
     Returns:
         the :class:`~distemb.context.DistContext`.
 
     Raises:
-        DistEmbError: ``mode`` is neither None nor ``"collective"``, or the collective
-            job cannot start (see :func:`distemb.initialize`).
+        DistEmbError: ``mode`` is neither None nor ``"collective"``, the collective job
+            cannot start (see :func:`distemb.initialize`), or ``use_graphbolt=True``.
     """
+    kwargs = dgl2.without_graphbolt(kwargs, "initialize")
     if mode is not None:
         return _context.initialize(mode=mode, **kwargs)
     dgl_own(_dgl.distributed, "initialize")(ip_config, **kwargs)
@@ -68,3 +78,20 @@ def exit_client():
     """DGL's ``exit_client()``: leave distemb's job, then DGL's."""
     job.leave()
     dgl_own(_dgl.distributed, "exit_client")()
+
+
+def __getattr__(name):
+    """DGL's ``dgl.distributed.<name>`` for a name distemb does not define itself.
+
+    Raises:
+        AttributeError: neither distemb.dgl nor dgl.distributed has ``name``.
+    """
+    try:
+        return getattr(_dgl.distributed, name)
+    except AttributeError:
+        raise AttributeError(f"module 'distemb.dgl' has no attribute {name!r}, nor has "
+                             f"dgl.distributed") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(dir(_dgl.distributed)))

@@ -13,9 +13,21 @@ through variables (``DGL_IP_CONFIG``, ``DGL_NUM_SERVER``, ``DGL_NUM_SAMPLER``,
 Both sides build the same cluster config from DGL's ip_config: distemb server ``k`` of
 machine ``m`` listens on ``port_m + $DISTEMB_DGL_PORT_OFFSET + k`` (offset 1000 by
 default; DGL's own servers hold ``port_m + k``), trainers are DGL's clients less its
-sampler processes. The job token must be given to every process, e.g. through DGL's
-``--extra_envs DISTEMB_JOB_TOKEN=<secret>``; without it they refuse to start. In
-DGL's standalone mode nothing is started and tables are embedded.
+sampler processes. In DGL's standalone mode nothing is started and tables are embedded.
+
+The job token: every process of the job must hold the same ``$DISTEMB_JOB_TOKEN``.
+
+- Processes that inherit one parent's environment (DGL's tests start their servers and
+  trainers with ``multiprocessing`` from the test process) get it from :func:`patch
+  <distemb.dgl.patch.patch>` in that parent: it makes a fresh token for its children
+  (:func:`make_token_for_children`) when none is set. The parent itself cannot use it:
+  a process that made the token serves or trains with it only after passing it on to
+  a process it started.
+- Processes started separately, as DGL's launcher starts them (through ssh, each
+  running the script on its own), share no parent: the token must be given to each,
+  e.g. with DGL's ``--extra_envs DISTEMB_JOB_TOKEN=<secret>``; without it they refuse
+  to start, saying so. A token made by a process for its children never passes for
+  such a process's own.
 
 Example::
 
@@ -28,6 +40,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -39,13 +52,17 @@ from distemb.integrations.dgl import dgl
 from distemb.launch import build_config, read_ip_config
 
 TOKEN_VAR = "DISTEMB_JOB_TOKEN"
+#: The pid of the process that made ``$DISTEMB_JOB_TOKEN`` for its children (unset when
+#: the token was given).
+TOKEN_MAKER_VAR = "DISTEMB_JOB_TOKEN_MADE_BY"
 PORT_OFFSET_VAR = "DISTEMB_DGL_PORT_OFFSET"
 DEFAULT_PORT_OFFSET = 1000
 SERVER_EXIT_S = 30.0
 
 log = logging.getLogger("distemb")
 
-__all__ = ["TOKEN_VAR", "PORT_OFFSET_VAR", "job_token", "dgl_cluster_config", "ServerBeside",
+__all__ = ["TOKEN_VAR", "TOKEN_MAKER_VAR", "PORT_OFFSET_VAR", "job_token",
+           "make_token_for_children", "dgl_cluster_config", "ServerBeside",
            "join_trainer", "leave", "is_distributed"]
 
 
@@ -64,12 +81,16 @@ def _int_var(name, default):
 def job_token():
     """The job's token, ``$DISTEMB_JOB_TOKEN``.
 
+    A token this very process made for its children (:func:`make_token_for_children`)
+    does not count: this process was started separately, so no other process of a job
+    can hold it.
+
     Raises:
         DistEmbError: it is not set (the message says how to pass it through DGL's
             launcher).
     """
     token = os.environ.get(TOKEN_VAR, "")
-    if not token:
+    if not token or os.environ.get(TOKEN_MAKER_VAR) == str(os.getpid()):
         raise DistEmbError(
             f"${TOKEN_VAR} is not set: a job started by DGL's launcher needs a token shared "
             "by its servers and trainers, or no process could tell its job's servers from "
@@ -77,6 +98,32 @@ def job_token():
             f"--extra_envs {TOKEN_VAR}=$(python -c 'import secrets; "
             "print(secrets.token_hex(16))') \"python train.py\"`")
     return token
+
+
+def started_by_dgl_launcher():
+    """True in a process DGL's launcher (or a DGL job script) gave its role
+    (``$DGL_ROLE``): its peers were started separately."""
+    return bool(os.environ.get("DGL_ROLE"))
+
+
+def make_token_for_children():
+    """Make a job token for the processes this one starts, when none is set.
+
+    The token goes into this process's environment, which the processes it starts
+    (``multiprocessing``, ``subprocess``) inherit: DGL's own tests start a job's servers
+    and trainers that way, and they then share it. This process itself is marked as its
+    maker (``$DISTEMB_JOB_TOKEN_MADE_BY``), so that :func:`job_token` still refuses it
+    here. Nothing is made where a token is set, nor in a process of DGL's launcher
+    (:func:`started_by_dgl_launcher`): its peers do not inherit from it.
+
+    Returns:
+        whether a token was made.
+    """
+    if os.environ.get(TOKEN_VAR) or started_by_dgl_launcher():
+        return False
+    os.environ[TOKEN_VAR] = secrets.token_hex(16)
+    os.environ[TOKEN_MAKER_VAR] = str(os.getpid())
+    return True
 
 
 def dgl_cluster_config(ip_config, num_servers, num_trainers, trainer_machine=None,

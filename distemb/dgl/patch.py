@@ -9,7 +9,15 @@ and partition books as they are), and:
 - ``dgl.distributed.initialize`` runs DGL's, then joins distemb's job
   (:func:`distemb.dgl.job.join_trainer`); ``exit_client`` leaves it, then runs DGL's;
 - ``DistGraphServer.start`` also runs distemb's server beside DGL's
-  (:class:`distemb.dgl.job.ServerBeside`).
+  (:class:`distemb.dgl.job.ServerBeside`);
+- DGL 2.x's edges (:mod:`distemb.dgl.dgl2`): ``use_graphbolt=False`` accepted by
+  ``initialize``, ``DistGraphServer`` and ``partition_graph`` (``True`` refused, saying
+  why), ``import dgl.graphbolt`` loads (any use of it says why not), and
+  ``dgl.distributed.DistNodeDataLoader`` / ``DistEdgeDataLoader`` exist;
+- the processes this one starts inherit a job token made for them when none is set
+  (:func:`distemb.dgl.job.make_token_for_children`): servers and trainers started from
+  one parent, as DGL's tests start them, need no variable set by hand. Processes
+  started separately, as DGL's launcher starts them, still need the token given.
 
 DGL's own graph data (``DistGraph.ndata``, made inside DGL) stays DGL's. A ``from
 dgl.distributed import DistEmbedding`` executed *before* :func:`patch` keeps DGL's class:
@@ -31,7 +39,7 @@ import os
 import runpy
 import sys
 
-from distemb.dgl import job, optim, tables
+from distemb.dgl import dgl2, job, optim, tables
 from distemb.integrations.dgl import dgl
 
 __all__ = ["patch", "unpatch", "is_patched", "dgl_own", "main"]
@@ -42,6 +50,7 @@ _dist = dgl.distributed
 def _initialize(original):
     @functools.wraps(original)
     def initialize(ip_config, *args, **kwargs):
+        kwargs = dgl2.without_graphbolt(kwargs, "dgl.distributed.initialize")
         if job.is_distributed() or os.environ.get("DGL_ROLE") == "server":
             job.job_token()  # refuse before DGL's server waits for clients or vice versa
         out = original(ip_config, *args, **kwargs)  # a server-role process never returns
@@ -74,35 +83,53 @@ def _server_start(original):
     return start
 
 
+def _graphbolt_false(where):
+    return lambda original: dgl2.accepts_graphbolt_false(original, where)
+
+
 def _targets():
-    """(object, attribute, replacement or wrapper) of everything patch() replaces."""
+    """(object, attribute, replacement, whether it wraps DGL's original) of everything
+    patch() replaces or adds (DGL 2.x's names that 1.1.3 lacks: :mod:`distemb.dgl.dgl2`)."""
     emb, opt = tables.DistEmbedding, optim
+    loading = dgl.dataloading
     return [
-        (_dist, "DistEmbedding", emb), (_dist.nn, "DistEmbedding", emb),
-        (_dist.nn.pytorch, "DistEmbedding", emb),
-        (_dist.nn.pytorch.sparse_emb, "DistEmbedding", emb),
-        (_dist, "DistTensor", tables.DistTensor),
-        (_dist.optim, "SparseAdagrad", opt.SparseAdagrad),
-        (_dist.optim, "SparseAdam", opt.SparseAdam),
-        (_dist.optim.pytorch, "SparseAdagrad", opt.SparseAdagrad),
-        (_dist.optim.pytorch, "SparseAdam", opt.SparseAdam),
-        (_dist.optim.pytorch.sparse_optim, "SparseAdagrad", opt.SparseAdagrad),
-        (_dist.optim.pytorch.sparse_optim, "SparseAdam", opt.SparseAdam),
-        (_dist, "initialize", _initialize),
-        (_dist.dist_context, "initialize", _initialize),
-        (_dist, "exit_client", _exit_client),
-        (_dist.DistGraphServer, "start", _server_start),
+        (_dist, "DistEmbedding", emb, False), (_dist.nn, "DistEmbedding", emb, False),
+        (_dist.nn.pytorch, "DistEmbedding", emb, False),
+        (_dist.nn.pytorch.sparse_emb, "DistEmbedding", emb, False),
+        (_dist, "DistTensor", tables.DistTensor, False),
+        (_dist.optim, "SparseAdagrad", opt.SparseAdagrad, False),
+        (_dist.optim, "SparseAdam", opt.SparseAdam, False),
+        (_dist.optim.pytorch, "SparseAdagrad", opt.SparseAdagrad, False),
+        (_dist.optim.pytorch, "SparseAdam", opt.SparseAdam, False),
+        (_dist.optim.pytorch.sparse_optim, "SparseAdagrad", opt.SparseAdagrad, False),
+        (_dist.optim.pytorch.sparse_optim, "SparseAdam", opt.SparseAdam, False),
+        (_dist, "initialize", _initialize, True),
+        (_dist.dist_context, "initialize", _initialize, True),
+        (_dist, "exit_client", _exit_client, True),
+        (_dist.DistGraphServer, "start", _server_start, True),
+        # DGL 2.x's edges
+        (_dist.DistGraphServer, "__init__", _graphbolt_false("DistGraphServer"), True),
+        (_dist, "partition_graph", _graphbolt_false("partition_graph"), True),
+        (_dist.partition, "partition_graph", _graphbolt_false("partition_graph"), True),
+        (_dist, "DistNodeDataLoader", loading.DistNodeDataLoader, False),
+        (_dist, "DistEdgeDataLoader", loading.DistEdgeDataLoader, False),
+        (dgl, "graphbolt", dgl2.NoGraphBolt(), False),
     ]
 
 
-# What patch() replaced, to put back: (object, attribute) -> DGL's original. This and the
-# replaced attributes are the patch's only state; both go with unpatch().
+# What patch() replaced, to put back: (object, attribute) -> DGL's original (_ABSENT for a
+# name patch() added). This, the replaced attributes and the dgl.graphbolt entry of
+# sys.modules are the patch's only state; all go with unpatch().
 _originals = {}
+_ABSENT = object()
 
 
 def dgl_own(obj, attr):
     """DGL's own ``obj.attr``, patched or not (e.g. ``dgl_own(dgl.distributed, "initialize")``)."""
-    return _originals.get((obj, attr), getattr(obj, attr))
+    own = _originals.get((obj, attr), getattr(obj, attr, _ABSENT))
+    if own is _ABSENT:
+        raise AttributeError(f"DGL 1.1.3 has no {attr!r} of its own")
+    return own
 
 
 def is_patched():
@@ -122,17 +149,27 @@ def patch():
     """
     if _originals:
         return
-    for obj, attr, new in _targets():
-        original = getattr(obj, attr)
+    job.make_token_for_children()
+    for obj, attr, new, wraps in _targets():
+        original = obj.__dict__.get(attr, _ABSENT) if isinstance(obj, type) else \
+            getattr(obj, attr, _ABSENT)
+        if original is not _ABSENT and not wraps and attr in ("DistNodeDataLoader",
+                                                               "DistEdgeDataLoader"):
+            continue  # a DGL that has 2.x's name already
         _originals[(obj, attr)] = original
-        wraps_original = attr in ("initialize", "exit_client", "start")
-        setattr(obj, attr, new(original) if wraps_original else new)
+        setattr(obj, attr, new(original) if wraps else new)
+    sys.modules.setdefault("dgl.graphbolt", dgl.graphbolt)
 
 
 def unpatch():
     """Put DGL's own names back (a no-op when not patched)."""
     for (obj, attr), original in _originals.items():
-        setattr(obj, attr, original)
+        if original is _ABSENT:
+            delattr(obj, attr)
+        else:
+            setattr(obj, attr, original)
+    if isinstance(sys.modules.get("dgl.graphbolt"), dgl2.NoGraphBolt):
+        del sys.modules["dgl.graphbolt"]
     _originals.clear()
 
 

@@ -21,7 +21,15 @@ import os
 
 os.environ.setdefault("DGLBACKEND", "pytorch")
 
-import dgl  # noqa: E402  (after DGLBACKEND, on purpose)
+try:
+    import dgl  # noqa: E402  (after DGLBACKEND, on purpose)
+except ModuleNotFoundError as e:
+    if e.name != "dgl":
+        raise
+    raise ModuleNotFoundError(
+        "distemb's DGL integration (distemb.dgl, distemb.integrations.dgl) needs DGL, which "
+        "is not installed here: pip install 'distemb[dgl]' (dgl==1.1.3, the newest DGL "
+        "that runs on torch 2.13; docs/dgl.md)", name="dgl") from None
 
 import numpy as np  # noqa: E402
 

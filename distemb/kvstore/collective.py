@@ -7,36 +7,17 @@ sends to ``r`` for a hash or file table), in its own in-process
 :class:`~distemb.kvstore.server.kvserver.KVServer`: an embedded
 :class:`~distemb.kvstore.local.LocalKVClient` of its shards. The ranks exchange rows
 over their own gloo group with ``all_to_all_single``, as torchrec and SOK do
-(:mod:`distemb.transport.collective`):
+(:mod:`distemb.transport.collective`).
 
-- ``pull``: a header (operation, tables, sequence number, bytes for each owner) is
-  exchanged first, then the ids go to their owners, each owner gathers its rows (a hash
-  table's lookup inserts absent keys there), and the rows come back;
-- ``push`` and ``push_update``: the header, then ids and rows together in one exchange.
-  The gradients of a rank's duplicate ids are already summed (``coalesce``); each owner
-  sums the contributions of all ranks per id (in rank order) and applies the fused update
-  once. Every step is therefore the step of one process on the concatenated batch;
-- key management is collective too: ``size`` sums every rank's count; ``contains``,
-  ``get``, ``remove`` ask each key's owner; ``evict`` evicts each rank's shards down to
-  its share by its own order; ``export`` gives every rank the whole table.
-
-**Grouped calls**: ``pull_many`` (:func:`~distemb.embedding.grouped_lookup`) and
-``apply_gradients`` (an optimizer's ``step()``, every table of it) move every table of
-the call in those same rounds: a step of T tables is five all-to-alls, not 5 T.
-
-Every storage call is collective: every rank makes the same calls on the same tables in
-the same order (a rank without gradients still takes part in the step: it sends nothing
-for the table, and a flag saying so; the table steps when any rank had gradients for it).
-The header catches ranks that went apart (a clear error on every rank, not rows of
-another table). A rank that dies or stops answering makes the others raise
-:class:`~distemb.errors.KVStoreError` within the group's timeout, naming the ranks that
-did not report after the failure (through the job's rendezvous store).
-
-Not in this mode yet (each is a KVStoreError, never a silent bypass): a table on a store
-object the user made (one process's; pass a spec), lookups onto a GPU
-(``emb(ids, device=...)``) and caches. Checkpoints (``opt.save``/``opt.load``) are
-collective: each rank writes and reads its own shards, in the format of every other
-placement (a checkpoint of W ranks loads into W' ranks, servers or one process, and back).
+Every storage call is collective (the same calls on the same tables in the same order on
+every rank): a pull exchanges a header, then the ids, then the rows; a push or update the
+header, then ids and rows together, each owner summing the ranks' contributions per id in
+rank order and stepping once, so every step is the step of one process on the
+concatenated batch. ``pull_many`` and ``apply_gradients`` move every table of the call in
+those same rounds. A header that disagrees, or a rank that dies, raises
+:class:`~distemb.errors.KVStoreError` on every rank within the group's timeout. Key
+management, checkpoints (the format of every placement) and what this mode refuses (store
+objects, GPU lookups, caches) are described in ``docs/cluster.md``.
 
 This module imports torch: server processes never import it.
 
@@ -66,8 +47,14 @@ from distemb.kernels.hashtable import keys_array
 from distemb.transport.collective import KEYS, PULL, PUSH, UPDATE, Exchange, Routed
 from distemb.kvstore.local import LocalKVClient, column_name
 from distemb.kvstore.server.kvserver import KVServer
+from distemb.kvstore.types import refuse_non_finite
 from distemb.stores.init import KeyInit, ShardInit
 from distemb.stores.types import WEIGHT
+
+
+#: The flag of a table in a step's round whose gradients on the sending rank are not
+#: finite (1: it has gradients, 0: none).
+_NOT_FINITE = 2
 
 
 def signature(name, spec, exists):
@@ -231,16 +218,21 @@ class CollectiveKVClient(LocalKVClient):
     def apply_gradients(self, tables, F):
         """Every table of a step in one round: each rank sums its own duplicates
         (:meth:`coalesce`), sends the sums to their owners with one flag per table (it had
-        gradients); each owner sums every rank's contributions per id in rank order and
-        applies the rule once. A table steps when any rank had gradients for it, as one
-        process stepping on the concatenated batch would."""
-        sums = [self.coalesce(t.name, t.ids, t.grads, F) for t in tables]
+        gradients, or gradients that are not finite); each owner sums every rank's
+        contributions per id in rank order and applies the rule once. A table steps when
+        any rank had gradients for it, as one process stepping on the concatenated batch
+        would; when any rank's gradients of any table are not finite, every rank refuses
+        the whole step (NonFiniteGradientError) before applying anything."""
+        sums = [self.coalesce(t.name, t.ids, t.grads, F) if t.finite else None
+                for t in tables]
         return self._update([t.name for t in tables], sums, [t.rule for t in tables],
-                            [t.hyper for t in tables])
+                            [t.hyper for t in tables], [t.finite for t in tables])
 
-    def _update(self, names, sums, rules, hypers):
+    def _update(self, names, sums, rules, hypers, finite=None):
         """The round of :meth:`apply_gradients`: ``sums`` per table (unique ids, summed
-        rows) or None (no gradients here). Returns per table whether any rank had some."""
+        rows) or None (no gradients here, or ``finite`` says they are not finite).
+        Returns per table whether any rank had some."""
+        finite = [True] * len(names) if finite is None else finite
         cols, routes, tables = [], [], [self.tables.table(n) for n in names]
         for table, summed in zip(tables, sums):
             if summed is None:
@@ -248,7 +240,12 @@ class CollectiveKVClient(LocalKVClient):
             routes.append(self._routed(table, summed[0]))
             cols.append([np.ascontiguousarray(summed[1], np.float32)])
         got, flags = self._x.send(UPDATE, names, routes, cols,
-                                  flags=[s is not None for s in sums])
+                                  flags=[_NOT_FINITE if not f else s is not None
+                                         for s, f in zip(sums, finite)])
+        ranks = sorted({int(r) for f in flags for r in np.flatnonzero(f == _NOT_FINITE)})
+        # every rank refuses, before any update
+        refuse_non_finite([n for n, f in zip(names, flags) if (f == _NOT_FINITE).any()],
+                          f" (from rank(s) {ranks})" if ranks else "")
         for table, (ids, (rows,), _), rule, hyper in zip(tables, got, rules, hypers):
             if len(ids):
                 uniq, summed = kernels.dedup_sum(ids, rows, num_threads=self.num_threads)
@@ -355,6 +352,8 @@ class CollectiveKVClient(LocalKVClient):
         at exit ("terminate called without an active exception")."""
         super().close()
         self.server.close()
+        if self._group is not None:
+            self._x.leave()  # a rank still in a call hears that this one closed
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             if self._own_group:

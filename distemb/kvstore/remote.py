@@ -121,51 +121,72 @@ class RemoteKVClient(TableClient):
     # -- rows -------------------------------------------------------------------------
 
     def _read(self, table, column, ids):
-        """Rows of ``ids``, asked of their servers, in the order of ``ids``; replies carry
-        rows as stored (half rows decoded here). The rows of shards mapped from
-        co-located servers are copied from there while the others travel (unless writes
-        keep a shard busy: then its server is asked)."""
-        kvname = column_name(table, column)
-        shape, dtype = table.columns()[column]
-        wire, rows_dtype = half.storage_dtype(dtype), half.row_dtype(dtype)
-        mapped = {p for (n, p) in self.servers.mapped if n == table.name} \
-            if column == WEIGHT else ()
-        routes, shm = route(table.router, ids, self.num_servers, mapped)
+        return self._read_many([(table, column, ids)])[0]
 
-        def mapped_rows(part, sent):  # None while writes keep the shard busy
+    def pull_many(self, requests):
+        """Rows of every ``(table, ids)`` of ``requests`` in one round trip per server:
+        each server gets its Pulls of every table back to back (a PyG feature store's
+        multi-get, a grouped lookup)."""
+        return self._read_many([self.tables.rows(n) + (ids,) for n, ids in requests])
+
+    def _read_many(self, requests):
+        """Rows of each ``(table, column, ids)``, asked of their servers, in the order of
+        its ids; replies carry rows as stored (half rows decoded here). The rows of
+        shards mapped from co-located servers are copied from there while the others
+        travel (unless writes keep a shard busy: then its server is asked)."""
+        plans = []
+        for table, column, ids in requests:
+            shape, dtype = table.columns()[column]
+            mapped = {p for (n, p) in self.servers.mapped if n == table.name} \
+                if column == WEIGHT else ()
+            routes, shm = route(table.router, ids, self.num_servers, mapped)
+            plans.append((table, column_name(table, column), tuple(shape),
+                          half.storage_dtype(dtype), half.row_dtype(dtype), routes, shm))
+
+        def mapped_rows(table, part, sent):  # None while writes keep the shard busy
             return self.servers.gather(table.name, part, table.router.to_local(part, sent))
-        if not routes and len(shm) == 1:  # every row in one mapped shard: no copy of them
-            rows = mapped_rows(shm[0][0], shm[0][2])
+        if len(plans) == 1 and not plans[0][5] and len(plans[0][6]) == 1:
+            table, _, _, _, rows_dtype, _, ((part, _, sent),) = plans[0]
+            rows = mapped_rows(table, part, sent)  # every row in one mapped shard: no copy
             if rows is not None and rows.dtype == np.dtype(rows_dtype):
-                return rows
-        out = np.empty((len(ids),) + tuple(shape), rows_dtype)
+                return [rows]
+        outs = [np.empty((len(ids),) + p[2], p[4]) for p, (_, _, ids) in zip(plans, requests)]
         busy = []
 
         def copy_shm():
-            for part, pos, sent in shm:
-                rows = mapped_rows(part, sent)
-                if rows is None:
-                    busy.append((part, pos, sent))
-                else:
-                    out[pos] = rows
+            for k, (table, *_, shm) in enumerate(plans):
+                for part, pos, sent in shm:
+                    rows = mapped_rows(table, part, sent)
+                    if rows is None:
+                        busy.append((k, part, pos, sent))
+                    else:
+                        outs[k][pos] = rows
 
-        def ask_all(routes, while_waiting=None):
+        def ask_all(asked, while_waiting=None):  # asked: {sid: [(plan, route)]}
+            seen = {sid: 0 for sid in asked}
+
             def take(sid, frame):
-                r = routes[sid]
+                k, r = asked[sid][seen[sid]]
+                seen[sid] += 1
+                table, _, shape, wire = plans[k][:4]
                 got = frame.arrays[0] if len(frame.arrays) == 1 else None
-                if got is None or got.shape != (len(r.ids),) + tuple(shape) or \
-                        got.dtype != wire:
+                if got is None or got.shape != (len(r.ids),) + shape or got.dtype != wire:
                     raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype "
                                        f"for {table.name!r}")
-                out[r.positions] = half.as_rows(got)
-            self._call({sid: Pull(name=kvname, parts=r.parts, counts=r.counts, ids=r.ids)
-                        for sid, r in routes.items()}, on_reply=take,
-                       while_waiting=while_waiting)
+                outs[k][r.positions] = half.as_rows(got)
+            msgs = {sid: [Pull(name=plans[k][1], parts=r.parts, counts=r.counts, ids=r.ids)
+                          for k, r in lst] for sid, lst in asked.items()}
+            self._call({sid: m if len(m) > 1 else m[0] for sid, m in msgs.items()},
+                       on_reply=take, while_waiting=while_waiting)
 
-        ask_all(routes, copy_shm)
-        for part, pos, sent in busy:  # writes kept these busy: asked of their server
-            ask_all({part % self.num_servers: Route([part], [len(sent)], sent, pos)})
-        return out
+        asked = {}
+        for k, plan in enumerate(plans):
+            for sid, r in plan[5].items():
+                asked.setdefault(sid, []).append((k, r))
+        ask_all(asked, copy_shm)
+        for k, part, pos, sent in busy:  # writes kept these busy: asked of their server
+            ask_all({part % self.num_servers: [(k, Route([part], [len(sent)], sent, pos))]})
+        return outs
 
     def _write(self, table, column, ids, rows):
         """Write ``rows``, as stored, to rows ``ids``; a co-located server takes them

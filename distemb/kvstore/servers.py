@@ -56,11 +56,11 @@ class Servers:
     def __init__(self, cfg, rank, connections=None, num_threads=1):
         self.rank, self.num_threads = rank, num_threads
         self.count = len(cfg.servers)
-        self._conns = list(connections) if connections is not None else \
+        self.connections = list(connections) if connections is not None else \
             open_connections(cfg, rank)
         self.mapped = {}  # (table, part) -> ShmShard of a co-located server's rows
         self._slots = {}
-        self.applying = Applying(self._conns)
+        self.applying = Applying(self.connections)
         self.closed = False
         hello = {sid: Hello(rank=rank, token=cfg.job_token or "") for sid in range(self.count)}
         self.info = [r.fields for r in self.call(hello).values()]
@@ -70,7 +70,7 @@ class Servers:
                                    f"of {info.get('num_servers')}, the config lists "
                                    f"{self.count} servers")
         # Servers on this machine's local sockets hand over (and take) shared memory.
-        self.local = {sid for sid, conn in enumerate(self._conns) if conn.passes_fds and
+        self.local = {sid for sid, conn in enumerate(self.connections) if conn.passes_fds and
                       self.info[sid].get("shared_memory")}
         # Updates and pushes to them hand their arrays over in a request slot.
         self._slots = {sid: RequestSlot(cfg.job_id, rank, sid) for sid in self.local}
@@ -79,16 +79,20 @@ class Servers:
         """Send ``{server id: message}`` to all, then read every reply.
 
         Args:
-            requests: {server id: message}.
+            requests: {server id: message, or a list of messages}: a list goes to its
+                server back to back, its replies read in order (one round trip for all,
+                as a lookup of several tables on the servers is; its arrays travel in the
+                frames, never in the request slot, which one request at a time uses).
             wait: False for asynchronous updates (no reply is sent or read).
-            on_reply: ``on_reply(sid, frame)`` for each successful reply frame; it may
-                raise KVStoreError to report a malformed reply (collected like a server's).
+            on_reply: ``on_reply(sid, frame)`` for each successful reply frame (in order,
+                for a list); it may raise KVStoreError to report a malformed reply
+                (collected like a server's).
             while_waiting: work to do after sending, before reading (e.g. shared-memory
                 gathers while the remote rows travel).
             timeout: seconds to wait for each reply to begin (default: the connection's).
 
         Returns:
-            {server id: Reply}.
+            {server id: Reply, or the list of Replies of a list}.
 
         Raises:
             KVStoreError, PartitionError, StoreError, MissingKeyError, ValueError: a
@@ -97,35 +101,42 @@ class Servers:
         """
         if self.closed:
             raise KVStoreError("this RemoteKVClient is closed")
-        for sid, msg in requests.items():
+        for sid, msgs in requests.items():
             self.applying.settle(sid, timeout)  # its slot is free, its failure raised
-            if not wait:
-                msg.flags |= FLAG_NO_REPLY
-            frame = self._frame_for(sid, msg, wait)
-            try:
-                self._conns[sid].send(frame)
-            finally:
-                close_fds(frame)  # a new request slot's descriptor: the server has its own
+            for msg in msgs if isinstance(msgs, list) else [msgs]:
+                if not wait:
+                    msg.flags |= FLAG_NO_REPLY
+                frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
+                try:
+                    self.connections[sid].send(frame)
+                finally:
+                    close_fds(frame)  # a new slot's descriptor: the server has its own
         if while_waiting is not None:
             while_waiting()
         if not wait:
             return {}
         replies, failed = {}, []
-        for sid in requests:
-            frame = self._conns[sid].recv(timeout)
-            if frame.service == Service.ERROR:
-                failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
-            elif frame.service != Service.REPLY:
-                raise TransportError(f"server {sid}: unexpected reply service {frame.service}")
-            else:
-                try:
-                    if on_reply is not None:
-                        on_reply(sid, frame)  # it takes the descriptors it keeps
-                    replies[sid] = Reply.decode(frame)
-                except KVStoreError as e:
-                    failed.append((type(e).__name__, str(e)))
-                finally:
-                    close_fds(frame)
+        for sid, msgs in requests.items():
+            for _ in msgs if isinstance(msgs, list) else [msgs]:
+                frame = self.connections[sid].recv(timeout)
+                if frame.service == Service.ERROR:
+                    failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
+                elif frame.service != Service.REPLY:
+                    raise TransportError(f"server {sid}: unexpected reply service "
+                                         f"{frame.service}")
+                else:
+                    try:
+                        if on_reply is not None:
+                            on_reply(sid, frame)  # it takes the descriptors it keeps
+                        reply = Reply.decode(frame)
+                        if isinstance(msgs, list):
+                            replies.setdefault(sid, []).append(reply)
+                        else:
+                            replies[sid] = reply
+                    except KVStoreError as e:
+                        failed.append((type(e).__name__, str(e)))
+                    finally:
+                        close_fds(frame)
         if failed:
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
@@ -221,5 +232,5 @@ class Servers:
             self.mapped.clear()
             for slot in self._slots.values():
                 slot.close()
-            for conn in self._conns:
+            for conn in self.connections:
                 conn.close()

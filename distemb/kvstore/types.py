@@ -43,7 +43,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.arrays import GlobalIds, Rows, Shape, Tensor, UniqueIds
-from distemb.errors import KVStoreError, StoreError
+from distemb.errors import KVStoreError, NonFiniteGradientError, StoreError
 from distemb.kvstore.placement import HostPlacement
 from distemb.partition import PartitionPolicy
 from distemb.rules import Hyper
@@ -81,6 +81,26 @@ class TableGradients(NamedTuple):
     grads: Sequence[Tensor]     # one (N_i, D) gradient per lookup, any device
     rule: str                   # the update rule (a RuleName or its value)
     hyper: Hyper                # its hyperparameters, should the table step
+    finite: bool = True         # no NaN or infinity among grads (False: refuse the step)
+
+
+def refuse_non_finite(bad: Sequence[str], ranks: str = "") -> None:
+    """Raise before anything of a step is applied when tables' gradients are not finite
+    (``TableGradients.finite``, which the optimizer computes).
+
+    Args:
+        bad: the names of those tables (none: nothing to refuse).
+        ranks: where their gradients came from, for the message ("" where it is here).
+
+    Raises:
+        NonFiniteGradientError: ``bad`` is not empty; the message names every table.
+    """
+    if bad:
+        raise NonFiniteGradientError(
+            f"step(): the gradients of table(s) {bad}{ranks} hold NaN or infinity; the step "
+            "is refused (no row or optimizer state of any table changed) and its gradients "
+            "are dropped. Look for the loss or input that diverged (a lower learning rate, "
+            "gradient clipping)")
 
 
 def refuse_store(client, name: str, store: str, why: str) -> KVStoreError:
@@ -219,8 +239,9 @@ class KVClient(HostPlacement, ABC):
             dict state name -> KVStore name of that state.
 
         Raises:
-            KVStoreError: no table ``name``, no rule ``rule``, or rows an optimizer cannot
-                update.
+            KVStoreError: no table ``name``, no rule ``rule``, rows an optimizer cannot
+                update, or an option of ``options`` the rule's states do not start from
+                (or not finite).
         """
 
     @abstractmethod
@@ -251,7 +272,19 @@ class KVClient(HostPlacement, ABC):
         Returns:
             per table, whether it stepped: it had gradients (here, or on any trainer of a
             collective job), so the optimizer counts the step.
+
+        Raises:
+            NonFiniteGradientError: a table's gradients are not finite (``finite``), before
+                any table is pushed.
         """
+        if not all(t.finite for t in tables):
+            # Nothing of this trainer's step is applied; a client whose servers wait for
+            # every trainer's share of a step (sync_exact) still sends its share, empty.
+            for t in tables:
+                empty = self.coalesce(t.name, [], [], F)
+                if empty is not None:
+                    self.push_update(t.name, empty[0], empty[1], t.rule, t.hyper)
+            refuse_non_finite([t.name for t in tables if not t.finite])
         stepped = []
         for t in tables:
             summed = self.coalesce(t.name, t.ids, t.grads, F)
@@ -328,11 +361,14 @@ class KVClient(HostPlacement, ABC):
         return {"keys": keys, **cols}
 
     def load_table_state(self, name: str, state_names: Dict[str, str], entry) -> None:
-        """Upsert what :meth:`table_state` gave (a table of fixed keys also takes an entry
-        without ``"keys"``: its rows 0..N-1 in order, the format before keys were saved).
+        """Write back what :meth:`table_state` gave, to keys the table holds (a table of
+        fixed keys also takes an entry without ``"keys"``: its rows 0..N-1 in order, the
+        format before keys were saved; a table of any key's rows are restored first: a
+        key's state belongs with its row).
 
         Raises:
-            KVStoreError: ``entry`` lacks a state, or has rows of another count.
+            KVStoreError: ``entry`` lacks a state, has rows of another count, or names
+                keys the table does not hold (nothing is written).
         """
         table = self.tables.table(name)
         missing = [s for s in state_names if s not in entry]
@@ -349,6 +385,13 @@ class KVClient(HostPlacement, ABC):
             if arr.shape != want:
                 raise KVStoreError(f"state_dict: state {s!r} of {name!r} has shape "
                                    f"{arr.shape}, expected {want}")
+        if table.num_keys is None:  # checked on every shard before any of them writes
+            absent = keys[~np.asarray(self.contains(name, keys), bool)]
+            if len(absent):
+                raise KVStoreError(f"state_dict: {len(absent)} key(s) of table {name!r} are "
+                                   f"not in it, e.g. {absent[:5].tolist()}; restore their "
+                                   "rows first (import_ or a checkpoint), then the "
+                                   "optimizer's state")
         try:
             self.import_(name, keys, cols)
         except StoreError as e:
@@ -375,6 +418,17 @@ class KVClient(HostPlacement, ABC):
         Raises:
             KVStoreError: a column not saved or saved with other rows, a corrupt or
                 missing segment, or rows not covered exactly once.
+        """
+
+    @abstractmethod
+    def view_on(self, device) -> "KVClient":
+        """The client through which rows of this client's tables are looked up onto
+        ``device``: itself for its own device (None, 'cpu' for host clients), else a view
+        that places the rows there (:mod:`distemb.kvstore.views`).
+
+        Raises:
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+            ValueError: ``device`` is not a device.
         """
 
     def barrier(self) -> None:

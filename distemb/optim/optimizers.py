@@ -40,8 +40,8 @@ class SparseSGD(SparseOptimizer):
 
     rule = RuleName.SGD
 
-    def __init__(self, params: Params, lr: float):
-        super().__init__(params, {"lr": check_hyper("lr", lr)})
+    def __init__(self, params: Params, lr: float, check_finite: bool = False):
+        super().__init__(params, {"lr": check_hyper("lr", lr)}, check_finite)
 
     def hyper(self, group: dict, step: int) -> SGDHyper:
         return SGDHyper(lr=group["lr"])
@@ -60,12 +60,12 @@ class SparseAdagrad(SparseOptimizer):
     rule = RuleName.ADAGRAD
 
     def __init__(self, params: Params, lr: float, eps: float = 1e-10, lr_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0):
+                 initial_accumulator_value: float = 0.0, check_finite: bool = False):
         super().__init__(params, {
             "lr": check_hyper("lr", lr), "eps": check_hyper("eps", eps),
             "lr_decay": check_hyper("lr_decay", lr_decay),
             "initial_accumulator_value": check_hyper("initial_accumulator_value",
-                                                     initial_accumulator_value)})
+                                                     initial_accumulator_value)}, check_finite)
 
     def rule_options(self) -> dict:
         return {"initial_accumulator_value": self.defaults["initial_accumulator_value"]}
@@ -93,6 +93,12 @@ class SparseAdam(SparseOptimizer):
     """``torch.optim.SparseAdam``: lazy Adam on the rows a batch touched.
 
     Args:
+        params: the DistEmbeddings to optimise.
+        lr: learning rate (>= 0).
+        betas: decay rates of the first and second moment estimates, each in [0, 1).
+        eps: added to the denominator, where ``torch.optim.SparseAdam`` adds it.
+        check_finite: refuse a step whose gradients hold NaN or infinity (see
+            :class:`~distemb.optim.base.SparseOptimizer`; off by default).
         step_mode: ``'global'`` (default, torch's semantics: one step count per table,
             incremented each ``step()`` that table got gradients, used for every row's
             bias correction) or ``'per_row'`` (each row counts its own updates, as DGL's
@@ -105,7 +111,8 @@ class SparseAdam(SparseOptimizer):
 
     def __init__(self, params: Params, lr: float = 0.001,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 step_mode: Union[StepMode, str] = StepMode.GLOBAL):
+                 step_mode: Union[StepMode, str] = StepMode.GLOBAL,
+                 check_finite: bool = False):
         try:
             step_mode = StepMode(step_mode)
         except ValueError:
@@ -118,7 +125,7 @@ class SparseAdam(SparseOptimizer):
             "lr": check_hyper("lr", lr), "eps": check_hyper("eps", eps),
             "betas": (check_hyper("betas[0]", betas[0], 0.0, 1.0),
                       check_hyper("betas[1]", betas[1], 0.0, 1.0)),
-            "step_mode": step_mode.value})
+            "step_mode": step_mode.value}, check_finite)
 
     @property
     def _beta1(self) -> float:  # DGL's attribute name (compatibility alias)
@@ -170,7 +177,8 @@ class SparseFtrl(SparseOptimizer):
                  initial_accumulator_value: float = 0.1,
                  l1_regularization_strength: float = 0.0,
                  l2_regularization_strength: float = 0.0,
-                 l2_shrinkage_regularization_strength: float = 0.0, beta: float = 0.0):
+                 l2_shrinkage_regularization_strength: float = 0.0, beta: float = 0.0,
+                 check_finite: bool = False):
         if isinstance(learning_rate_power, bool) or \
                 not isinstance(learning_rate_power, (int, float)) or \
                 not learning_rate_power <= 0:
@@ -185,7 +193,7 @@ class SparseFtrl(SparseOptimizer):
             "l2": check_hyper("l2_regularization_strength", l2_regularization_strength),
             "l2_shrinkage": check_hyper("l2_shrinkage_regularization_strength",
                                         l2_shrinkage_regularization_strength),
-            "beta": check_hyper("beta", beta)})
+            "beta": check_hyper("beta", beta)}, check_finite)
 
     def rule_options(self) -> dict:
         return {"initial_accumulator_value": self.defaults["initial_accumulator_value"]}

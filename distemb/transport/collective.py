@@ -18,7 +18,9 @@ row lengths and dtypes: the payload to a rank holds each table's section in turn
 
 Failures: a rank that dies or stops answering makes the others' round fail within the
 group's timeout; :meth:`Exchange.failure` then names the ranks that did not report in the
-job's rendezvous store within :data:`REPORT_GRACE_S`.
+job's rendezvous store within :data:`REPORT_GRACE_S`, and those that closed their client
+(:meth:`Exchange.leave`) after fewer calls than this rank: they are not dead, they made
+fewer calls (took fewer steps, say).
 
 It also joins the job's process group (:func:`join_process_group`) and groups a call's
 ids by owning rank (:class:`Routed`). Everything here is torch.distributed's ``all_to_all_single``/``all_gather_object``/
@@ -175,10 +177,14 @@ class Exchange:
             grace = min(REPORT_GRACE_S, self.timeout_s)
             deadline = time.monotonic() + grace
             missing = list(range(self.world_size))
+            # The whole grace even when the ranks missing have closed: this rank may host
+            # the store, which the others still need for their own report.
             while missing and time.monotonic() < deadline:
                 missing = [r for r in missing if not self.store.check([f"{key}/{r}"])]
                 if missing:
                     time.sleep(0.05)
+            closed = {r: int(self.store.get(self._closed_key(r))) for r in missing
+                      if self.store.check([self._closed_key(r)])}
         except Exception as e:  # noqa: BLE001 - the store's own host may be the dead one
             return KVStoreError(f"{msg}: {error}; the job's rendezvous store is unreachable "
                                 f"too ({e}): the rank or launcher hosting it (rank 0 under "
@@ -186,8 +192,32 @@ class Exchange:
         if not missing:
             return KVStoreError(f"{msg}: every rank is alive, the exchange itself failed: "
                                 f"{error}")
-        return KVStoreError(f"{msg}: rank(s) {missing} did not report within {grace} s "
-                            f"of the failure (dead or hung); cause: {error}")
+        said = []
+        if closed:
+            after = ", ".join(f"rank {r} after {n} exchange(s)" for r, n in closed.items())
+            said.append(f"{after} closed distemb, and this rank is in exchange {self.seq} "
+                        f"({what}): every rank must make the same distemb calls, so a rank "
+                        "with fewer batches must still take part in every step (a step "
+                        "with no lookups is fine)")
+        silent = [r for r in missing if r not in closed]
+        if silent:
+            said.append(f"rank(s) {silent} did not report within {grace} s of the failure "
+                        "(dead or hung, or busy elsewhere without closing distemb)")
+        return KVStoreError(f"{msg}: {'; '.join(said)}; cause: {error}")
+
+    def _closed_key(self, rank: int) -> str:
+        return f"{self.tag}/closed/{rank}"
+
+    def leave(self) -> None:
+        """Say in the job's store that this rank closed its client after :attr:`seq`
+        exchanges, so that a rank still waiting for it is told it made fewer calls, not
+        that it died. Best effort: without a store, or with its host gone, nothing."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(self._closed_key(self.rank), str(self.seq))
+        except Exception:  # noqa: BLE001 - the store's host may have gone first
+            pass
 
     def gather_objects(self, what: str, obj) -> list:
         """``obj`` of every rank, in rank order (``all_gather_object``)."""

@@ -295,8 +295,10 @@ class VersionedPull(RowsMessage):
 
     def check(self):
         super().check()
-        if self.have.dtype != ID_DTYPE:
-            raise TransportError(f"VersionedPull.have: expected int64, got {self.have.dtype}")
+        if self.have.dtype != ID_DTYPE or self.have.ndim != 1:
+            raise TransportError(f"VersionedPull.have: expected int64 of shape "
+                                 f"({self.ids.shape[0]},), got {self.have.dtype} "
+                                 f"{self.have.shape}")
 
 
 class Barrier(Message):

@@ -185,6 +185,11 @@ class KVService:
     # -- handlers -----------------------------------------------------------------------
 
     def _hello(self, m, session):
+        if self.token is not None and not m.token:
+            raise RefusedError("Hello: no job token, and this server's job has one: the "
+                               "process's cluster config has no job_token (use the config "
+                               "the job's launcher wrote, which distemb-launch hands every "
+                               "process in $DISTEMB_CONFIG)")
         if self.token is not None and not hmac.compare_digest(m.token.encode(),
                                                               self.token.encode()):
             raise RefusedError("Hello: wrong job token (this process is not part of the "
