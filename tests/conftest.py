@@ -436,9 +436,11 @@ def _runs_on_the_twin(item):
 #: Process-heavy tests (each starts many Python processes with torch and DGL): the
 #: parallel run (pytest-xdist, ``--dist loadgroup``) keeps each lane on one worker, so
 #: at most this many of them run at once on a 2-core machine, and queues them first
-#: (longest first). DGL's own tests share /tmp/dist_graph, so they share a lane.
+#: (longest first). DGL's own tests share /tmp/dist_graph, and DGL's servers name their
+#: shared memory after the data alone, so every test starting DGL servers shares a lane.
 HEAVY_LANES = {
-    "test_dgl_upstream": "heavy-dgl", "test_dgl_launcher": "heavy-dgl",
+    "test_dgl_upstream": "heavy-dgl", "test_dgl2_upstream": "heavy-dgl",
+    "test_dgl_launcher": "heavy-dgl",
     "test_mpi": "heavy-jobs", "test_collective": "heavy-jobs",
     "test_cache_cluster": "heavy-jobs", "test_orphans": "heavy-jobs",
 }
