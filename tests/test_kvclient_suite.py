@@ -2,7 +2,8 @@
 
 Each test runs once per (placement, table kind) pair the placement holds
 (``tests/conftest.py``: placements; ``tests/suite_tables.py``: store kind x row dtype x
-router); a pair a placement cannot hold is a refusal naming both, tested by
+router), except the hash and DGL routers of fixed-key tables behind a device cache, which
+routes nothing itself (conftest's ``routes``); a pair a placement cannot hold is a refusal naming both, tested by
 :func:`test_every_table_kind_is_held_or_refused_by_name`. The tests use only the KVClient
 interface and the public table API, so any difference between placements is a bug.
 
