@@ -423,8 +423,9 @@ def test_a_partition_policy_is_refused_where_it_cannot_route(ctx, tmp_path):
     from distemb.stores.file import FileStore
     from distemb.stores.spec import FileTableSpec, HashTableSpec
 
-    class OwnBook(RangePartitionBook):
-        pass
+    class OwnBook(RangePartitionBook):  # numbers its partitions in no progression
+        def id_progression(self, kind, type_name, part):
+            raise NotImplementedError
 
     spec = FileTableSpec(str(tmp_path / "f"), N, D, preallocate=False)
     store = FileStore(str(tmp_path / "s"), num_rows=N, dim=D, preallocate=False)
@@ -434,7 +435,8 @@ def test_a_partition_policy_is_refused_where_it_cannot_route(ctx, tmp_path):
                                     r"a store object is one shard"),
         (spec, range_policy(N + 1, 2), rf"covers {N + 1} ids, the file table has {N} rows"),
         (spec, PartitionPolicy("node", "_N", OwnBook(2, node_bounds={"_N": [0, 5, N]})),
-         r"expected a policy of a RangePartitionBook .* of a OwnBook"),
+         r"expected a policy whose book gives its partitions' id progressions .* of a "
+         r"OwnBook"),
         (spec.partitioned_by(range_policy(N, 2)), range_policy(N, 3),
          r"the storage is partitioned as \('range', \(0, 12, 24\)\)"),
     ]
