@@ -47,6 +47,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kernels import half
+from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.checkpoint.segments import Segment, write_segment
 from distemb.rules import state_name, state_owner
@@ -124,7 +125,9 @@ class Target:
 
     ``select(keys) -> (mask, local)``: which of the saved ``keys`` are the shard's, and
     their places in it (row numbers of a fixed key set, the store's keys otherwise).
-    A shard of fixed keys must be covered exactly once by the checkpoint.
+    A shard of fixed keys must be covered exactly once by the checkpoint. A shard that
+    ``replaces`` its keys by the checkpoint's (a store that inserts) takes the state of
+    a key only with its weight, which inserts it.
 
     Example:
         >>> mask, local = Target.fixed(10, 2, 3).select(np.array([10, 11, 14, 16]))
@@ -132,8 +135,9 @@ class Target:
         ([True, False, True, False], [0, 2])
     """
 
-    def __init__(self, select, count=None, limit=None):
+    def __init__(self, select, count=None, limit=None, replaces=False):
         self.select, self.count, self.limit = select, count, limit
+        self.replaces = replaces
 
     @classmethod
     def fixed(cls, start, step, count):
@@ -145,15 +149,16 @@ class Target:
         return cls(select, count)
 
     @classmethod
-    def owned(cls, owns, to_local=None, limit=None, count=None):
+    def owned(cls, owns, to_local=None, limit=None, count=None, replaces=False):
         """Keys where ``owns(keys)`` is True, as ``to_local(keys)`` (or themselves); at
         most ``limit`` of them (a store's capacity; None: any number). With ``count``,
-        the places are a fixed key set 0..count-1, each to be covered exactly once."""
+        the places are a fixed key set 0..count-1, each to be covered exactly once;
+        ``replaces``: the shard holds the checkpoint's keys only afterwards."""
         def select(keys):
             mask = np.asarray(owns(keys), dtype=bool)
             mine = keys[mask]
             return mask, (to_local(mine) if to_local is not None and len(mine) else mine)
-        return cls(select, count, limit)
+        return cls(select, count, limit, replaces)
 
     def without(self, shadow):
         """This target less the saved keys ``shadow`` (sorted, distinct): those a newer
@@ -168,7 +173,7 @@ class Target:
             mask = np.array(mask, dtype=bool)
             mask[mask] = keep
             return mask, local[keep]
-        return Target(newest, self.count, self.limit)
+        return Target(newest, self.count, self.limit, self.replaces)
 
 
 def _within(keys, sorted_keys):
@@ -182,9 +187,10 @@ def _within(keys, sorted_keys):
 # -- reading --------------------------------------------------------------------------
 
 
-def _records(shards, what="the table's entry", delta=False):
+def _records(shards, shape, what="the table's entry", delta=False):
     """Shard records ``shards`` (of the base, or of a ``delta``: keys always saved),
-    each checked for its shape; ``what`` names them in errors."""
+    each checked for its shape and its weight's against the entry's ``shape``; ``what``
+    names them in errors."""
     if not isinstance(shards, list):
         raise KVStoreError(f"checkpoint: {what} lists no shards")
     for i, rec in enumerate(shards):
@@ -202,6 +208,18 @@ def _records(shards, what="the table's entry", delta=False):
         if not ok:
             raise KVStoreError(f"checkpoint: shard record {i} of {what} is malformed "
                                f"({str(rec)[:80]!r})")
+    # The entry's shape (rows first) says the weight's row shape: every record's weight
+    # must have it (a version-2 dynamic table's "dim" is this shape's second entry).
+    if shape is not None:
+        if not isinstance(shape, list) or not shape:
+            raise KVStoreError(f"checkpoint: the table's shape is malformed "
+                               f"({str(shape)[:80]!r})")
+        for i, rec in enumerate(shards):
+            weight = rec["columns"].get(WEIGHT)
+            if weight is not None and weight["shape"] != shape[1:]:
+                raise KVStoreError(f"checkpoint: shard record {i} has weight rows of shape "
+                                   f"{tuple(weight['shape'])}, the table's entry says rows "
+                                   f"of {tuple(shape[1:])} (shape {shape})")
     return shards
 
 
@@ -215,9 +233,13 @@ def _saved_keys(directory, rec, seg):
     check_fits(8 * n, f"checkpoint: the {n:,} {seg} of shard record {rec.get('part')}")
     s = Segment(directory, rec[seg], "int64", (), n)
     try:
-        return s.read_all()
+        keys = s.read_all()
     finally:
         s.close()
+    try:  # no table holds the hash index's markers: a save never wrote them
+        return table_keys(keys, f"checkpoint: {seg} of shard record {rec.get('part')}")
+    except ValueError as e:
+        raise KVStoreError(str(e)) from None
 
 
 def _links(directory, entry, target):
@@ -230,8 +252,9 @@ def _links(directory, entry, target):
     deltas = entry.get("deltas") or []
     if not isinstance(deltas, list):
         raise KVStoreError("checkpoint: the table's entry has malformed deltas")
-    links = [_records(entry.get("shards"), "the table's entry")] + \
-        [_records(d, f"delta {k}", delta=True) for k, d in enumerate(deltas, 1)]
+    shape = entry.get("shape")
+    links = [_records(entry.get("shards"), shape)] + \
+        [_records(d, shape, f"delta {k}", delta=True) for k, d in enumerate(deltas, 1)]
     out, shadow = [], np.empty(0, np.int64)
     for k in range(len(links) - 1, -1, -1):
         out.append((links[k], target.without(shadow)))
@@ -247,8 +270,20 @@ def _links(directory, entry, target):
     return out[::-1]
 
 
-def _check_columns(records, columns):
-    """KVStoreError unless every column asked for was saved with the live rows."""
+def _check_columns(records, columns, target):
+    """KVStoreError unless every column asked for was saved with the live rows; into a
+    shard that replaces its keys, with the weight of every key whose state it loads (the
+    weight's write inserts the key)."""
+    if target.replaces and columns:
+        if WEIGHT not in columns:
+            raise KVStoreError(f"checkpoint: a load of columns {sorted(columns)} into a "
+                               "table of any key replaces its keys, so it loads the weight "
+                               "too (its state alone would leave keys without their rows)")
+        for i, rec in enumerate(records):
+            if WEIGHT not in rec["columns"] and set(columns) & set(rec["columns"]):
+                raise KVStoreError(f"checkpoint: shard record {i} holds state "
+                                   f"{sorted(set(columns) & set(rec['columns']))} without "
+                                   "the weight of its keys")
     saved = {}
     for rec in records:
         for col, c in rec["columns"].items():
@@ -340,13 +375,15 @@ def load_shard(directory, entry, columns, target, write, replace=None, verify=Tr
             ``verify=False``; the writing pass checks each block's CRC again anyway).
 
     Raises:
-        KVStoreError: a malformed entry, a column not saved or saved with other rows, a
-            missing, short or corrupt segment, or keys of a fixed shard not covered
-            exactly once.
+        KVStoreError: a malformed entry (a record's weight rows not of the entry's
+            shape), a column not saved or saved with other rows, a missing, short or
+            corrupt segment, a saved key the hash index reserves, keys of a fixed shard
+            not covered exactly once, or (a shard that replaces its keys) state without
+            its weight.
     """
     links = _links(directory, entry, target)
     for records, _ in links:
-        _check_columns(records, columns)
+        _check_columns(records, columns, target)
     for col in columns if verify else ():
         covered = _pass(directory, links, {col: columns[col]})
         if target.count is None:
