@@ -29,7 +29,8 @@ def run_example(tmp_path, name, *args, timeout=300):
 def test_every_example_is_run_here():
     tested = {"quickstart.py", "dynamic_table.py", "dynamic_cluster.py", "half_rows.py",
               "file_table.py", "pooled_lookups.py", "serving.py",
-              "pyg_feature_store.py", "pyg_node2vec.py", "save_resume.py"}
+              "pyg_feature_store.py", "pyg_node2vec.py", "save_resume.py",
+              "incremental_checkpoint.py"}
     assert set(f for f in os.listdir(EXAMPLES) if f.endswith(".py")) == tested
 
 
@@ -81,6 +82,19 @@ def test_serving_gives_the_training_rows(tmp_path):
                  "trained row equal: True", "unseen key gets its initial row: True"):
         assert line in out, out
     assert re.search(r"KeyedEmbedding \d+ keys", out), out
+
+
+def test_incremental_checkpoint_saves_deltas_replays_them_and_keeps_evicted_rows(tmp_path):
+    out = run_example(tmp_path, "incremental_checkpoint.py")
+    full = float(re.search(r"full save: ([\d.]+) MB", out).group(1))
+    deltas = [float(x) for x in re.findall(r"delta \d: ([\d.]+) MB, after save [0-9a-f]{8}",
+                                           out)]
+    assert len(deltas) == 3 and 0 < max(deltas) < full / 10, out
+    for line in ("items after the load equal the trained rows: True", "served rows equal: True"):
+        assert line in out, out
+    m = re.search(r"evictions: (\d+), keys sunk: (\d+), columns: \['sum', 'weight'\]; "
+                  r"users held now: (\d+)", out)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0 and int(m.group(3)) <= 2000, out
 
 
 def test_file_table_without_a_directory_leaves_nothing_behind(tmp_path):
