@@ -15,6 +15,10 @@ elsewhere keeps each such read as a :class:`Prefetch` in its :class:`Prefetches`
   from the prefetch (``void``) and read again at the lookup. So a lookup after a prefetch
   returns exactly the rows a lookup without it returns.
 
+A cache in front of the rows keeps a prefetch's rows in its own slots instead, pinned
+until the prefetch is released: a :class:`Prefetch` then holds each key's slot, and
+its ``unpin`` releases them (:mod:`distemb.kvstore.caches`).
+
 Counters (``stats``): prefetches made, rows read ahead, rows lookups took from them,
 rows patched by updates, rows voided (read again at their lookup), prefetches dropped
 unused (more than :data:`MAX_AHEAD` waiting).
@@ -54,8 +58,9 @@ class Prefetch:
         self.ok = np.ones(len(keys), bool) if ok is None else ok
         self.used = False
         self._then: List[Callable[[], None]] = [] if arrival is None else [arrival]
-        # the pins a cache holds for this prefetch, released with it
-        self.release: Optional[Callable[[], None]] = None
+        #: a cache's: ``unpin(positions)`` releases what it holds for those keys (their
+        #: slots), when they are voided and when the prefetch is released
+        self.unpin: Optional[Callable[[np.ndarray], None]] = None
 
     def after_arrival(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once the read (and what was queued before ``fn``) is in."""
@@ -65,6 +70,12 @@ class Prefetch:
         """Wait for the read, then apply what came after it, in order."""
         while self._then:
             self._then.pop(0)()
+
+    @property
+    def read(self) -> bool:
+        """Whether its rows are read (or on their way); False for keys kept for a read
+        to come (a collective client's, at the next step)."""
+        return self.rows is not None
 
     def positions(self, ids) -> Tuple[np.ndarray, np.ndarray]:
         """(bool per id: its row is here, its position in ``keys``)."""
@@ -102,17 +113,23 @@ class Prefetches:
 
         Returns:
             (bool per id: served, rows of the served ids in order), or None when the
-            table has no prefetch.
+            table has no prefetch (or its oldest is not read yet: it counts as used).
         """
         q = self._by.get(name)
         if not q:
             return None
         p = q[0]
-        p.settle()
         p.used = True
+        if not p.read:
+            return None
+        p.settle()
         hit, at = p.positions(ids)
         self.stats["served_rows"] += int(hit.sum())
         return hit, p.rows[at[hit]]
+
+    def waiting(self, name: str) -> List[Prefetch]:
+        """The prefetches of ``name`` still waiting for their lookup, oldest first."""
+        return [p for p in self._by.get(name, ()) if not p.used]
 
     def watched(self, name: str):
         """The keys of the prefetches of ``name`` still waiting for their lookup, for the
@@ -122,7 +139,7 @@ class Prefetches:
             (keys, plan): ``plan`` says which prefetch each range of ``keys`` is
             (:meth:`patch` takes it back).
         """
-        waiting = [p for p in self._by.get(name, ()) if not p.used]
+        waiting = self.waiting(name)
         if not waiting:
             return None
         plan, start = [], 0
@@ -142,8 +159,11 @@ class Prefetches:
         for p, lo, hi in plan:
             for pos, rows, gone in answers:
                 mine = (pos >= lo) & (pos < hi)
-                drop = gone[(gone >= lo) & (gone < hi)] - lo
+                drop = np.unique(gone[(gone >= lo) & (gone < hi)] - lo)
+                drop = drop[p.ok[drop]]
                 if drop.size:
+                    if p.unpin is not None:
+                        p.unpin(drop)
                     p.ok[drop] = False
                     self.stats["voided_rows"] += len(drop)
                 if mine.any():
@@ -161,8 +181,10 @@ class Prefetches:
         them to their lookup, which reads them again."""
         for p in self._by.get(name, ()):
             hit, at = p.positions(keys)
-            at = at[hit]
-            self.stats["voided_rows"] += int(p.ok[at].sum())
+            at = np.unique(at[hit])
+            self.stats["voided_rows"] += len(at)
+            if p.unpin is not None and len(at):
+                p.unpin(at)
             p.ok[at] = False
 
     def stepped(self, name: str) -> None:
@@ -178,6 +200,6 @@ class Prefetches:
                 self._release(p)
 
     def _release(self, p: Prefetch) -> None:
-        if p.release is not None:
-            p.release()
-            p.release = None
+        if p.unpin is not None:
+            p.unpin(np.flatnonzero(p.ok))
+            p.unpin = None
