@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine (idempotent):
 #   make demo   the main job: DeepWalk on WordNet, embedded
-#   make test   the test suite (compiled kernels, then the reference twins)
+#   make test   the test suite (compiled kernels, then what differs on the reference twins)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distemb-installed
@@ -73,9 +73,15 @@ pyg-companions: $(PY)
 	done; \
 	$(PY) -m pip install -q --no-index --no-deps --find-links $(WHEELS) $(COMPANIONS)
 
+# The suite on TEST_WORKERS parallel workers (most tests wait on processes and sockets;
+# tests/conftest.py groups those sharing a cluster, and the process-heavy ones into
+# lanes), then the twin pass: what can differ without the compiled kernels (the tests
+# marked `twin` in tests/conftest.py) on their numpy twins.
+TEST_WORKERS ?= 3
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 test: $(STAMP)
-	$(PY) -m pytest -q
-	DISTEMB_NO_EXT=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
+	DISTEMB_NO_EXT=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) -m twin
 
 # The documentation site (mkdocs; API reference from the docstrings) into site/; any
 # warning (a broken link or anchor, a docstring griffe cannot read) fails the build.
@@ -85,7 +91,8 @@ docs: $(STAMP)
 demo: $(STAMP)
 	$(PY) graph_examples/deepwalk.py --dataset wordnet --out out/deepwalk-wordnet
 
-# The side-by-side measurements (each prints its table; see benchmarks/README.md).
+# The side-by-side measurements: each prints its table and writes its run into
+# benchmarks/results/<script>.json, which docs/performance.md reads (benchmarks/README.md).
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_kvstore.py --dgl

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import distemb
+import results
 
 # torch's sparse Adagrad warns once that sparse invariant checks are off; not our concern.
 warnings.filterwarnings("ignore", message="Sparse invariant checks")
@@ -142,6 +143,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="repeats (turns)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per contender")
     p.add_argument("--seed", type=int, default=0)
+    results.add_arguments(p)
     args = p.parse_args(argv)
     for name in ("rows", "dim", "bags", "length", "threads", "pool", "steps", "repeats"):
         if getattr(args, name) < 1:
@@ -151,6 +153,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    with results.Recorder("bench_bag", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Every contender of every mode, in turns per mode; the table."""
     torch.set_num_threads(args.threads)
     ids, offsets = batches(args)
     upstream = torch.randn(args.bags, args.dim, generator=torch.Generator().manual_seed(1))
@@ -174,6 +182,11 @@ def main(argv=None):
         for name, (t, c) in got.items():
             print(f"| {mode:<4} | {name:<18} | {t * 1e3:7.2f} | {c * 1e3:7.2f} | "
                   f"{base / t:20.2f}x | {base_cpu / c:5.2f}x |")
+            key = f"{mode}.{name.split()[-1]}"  # sum.EmbeddingBag, sum.bag, sum.unpooled
+            rec.figure(f"vs_torch.{key}", base / t, "{:.2f}x",
+                       f"{mode}, {name}: torch's step time over this one's, wall clock")
+            rec.figure(f"vs_torch_cpu.{key}", base_cpu / c, "{:.2f}x",
+                       f"{mode}, {name}: torch's step time over this one's, CPU time")
     print(f"# load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

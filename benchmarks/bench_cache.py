@@ -79,6 +79,7 @@ from distemb.transport import tcp  # noqa: E402
 from distemb.transport.base import Connection  # noqa: E402
 from distemb.transport.messages import Service  # noqa: E402
 import netns  # noqa: E402
+import results  # noqa: E402
 from id_streams import (SIZES, byte_bounds, draw_streams, exact_bound,  # noqa: E402
                         static_hit_rates)
 
@@ -367,6 +368,7 @@ def main():
                    "array bytes of each request kind and its reply, per step and trainer")
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    results.add_arguments(p)
     args = p.parse_args()
     if args.trainer:
         return trainer_main(args)
@@ -379,6 +381,12 @@ def main():
         if why:
             p.error(f"--links {args.links}: {why}")
         netns.verify([rate for rate in links if rate is not None])
+    with results.Recorder("bench_cache", args) as rec:
+        measure(args, links, rec)
+
+
+def measure(args, links, rec):
+    """Part 1 (hit rates, unless skipped) and part 2 (bytes, steps/s) with their tables."""
     names = args.streams.split(",")
     streams = draw_streams(names + ([] if args.skip_hit_rate else ["sage", "deepwalk"]),
                            args.steps + args.warmup, args)
@@ -393,6 +401,10 @@ def main():
         print("|---|" + "---|" * len(SIZES))
         for (sname, policy), r in rates.items():
             print(f"| {sname}, {policy} | " + " | ".join(f"{100 * x:.1f}" for x in r) + " |")
+            for size, x in zip(SIZES, r):
+                rec.figure(f"hit_rate.{sname}.{slug(policy)}.{100 * size:g}", 100 * x,
+                           "{:.1f}%", f"{sname} ids, {policy}, a cache of {size:.0%} of the "
+                           "rows: % of a step's unique rows served from it, 1 x 1")
     configs = [(f"{pol} {frac:.0%} exact", parse_cache_config({"policy": pol,
                                                                 "fraction": frac}))
                for frac in args.fractions for pol in args.policies.split(",")]
@@ -461,6 +473,19 @@ def main():
         print(f"| {job} | {name} | {rate:.1f} | {ratio:.2f}x | {recv / 1e6:.2f} MB | "
               f"{100 * saved:.0f}% | {sent / 1e6:.2f} MB | {100 * hit:.0f}% | {cpu:.1f}, "
               f"{scpu:.1f} |")
+        key = f"{slug(job)}.{slug(name)}"
+        rec.figure(f"steps.{key}", rate, "{:.1f} steps/s", f"{job}, {name}: steps/s per trainer")
+        rec.figure(f"vs_no_cache.{key}", ratio, "{:.2f}x",
+                   f"{job}, {name}: steps/s over the uncached runs' beside it")
+        rec.figure(f"fewer_bytes.{key}", 100 * saved, "{:.0f}%",
+                   f"{job}, {name}: bytes received per step, fewer than without a cache")
+        rec.figure(f"hit_rate.{key}", 100 * hit, "{:.0f}%",
+                   f"{job}, {name}: % of a step's unique rows served from the cache")
+
+
+def slug(name):
+    """A name as part of a figure name: 'lfu 10% exact' -> 'lfu_10_exact'."""
+    return "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
 def print_account(job, runs, configs):

@@ -24,6 +24,7 @@ import uuid
 
 import numpy as np
 
+import results
 from distemb import checkpoint
 from distemb.config import parse_cluster_config
 from distemb.kvstore import LocalKVClient
@@ -79,11 +80,18 @@ def main():
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints go")
     p.add_argument("--repeat", type=int, default=3)
+    results.add_arguments(p)
     args = p.parse_args()
+    with results.Recorder("bench_checkpoint", args) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Save and load in turns, ``args.repeat`` times; the table of medians."""
     arr = np.random.default_rng(0).standard_normal((args.rows, args.dim)).astype(np.float32)
     gb = arr.nbytes / 1e9
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-ck-")
-    results = {"ndarray.tofile + fsync / np.fromfile (baseline)": [], "embedded": [],
+    times = {"ndarray.tofile + fsync / np.fromfile (baseline)": [], "embedded": [],
                "2 servers (parallel shards)": []}
     local = LocalKVClient()
     local.init_data("w", arr.shape, "float32", range_policy(args.rows, 2))
@@ -104,10 +112,10 @@ def main():
         remote.init_data("w", arr.shape, "float32", range_policy(args.rows, 2))
         fill(remote, arr)
         for _ in range(args.repeat):  # in turns, so a busy moment hits every contender
-            results["ndarray.tofile + fsync / np.fromfile (baseline)"].append(
+            times["ndarray.tofile + fsync / np.fromfile (baseline)"].append(
                 baseline(arr, workdir))
-            results["embedded"].append(round_trip(local, workdir, args.rows, args.dim))
-            results["2 servers (parallel shards)"].append(
+            times["embedded"].append(round_trip(local, workdir, args.rows, args.dim))
+            times["2 servers (parallel shards)"].append(
                 round_trip(remote, workdir, args.rows, args.dim))
         remote.close()
     finally:
@@ -117,15 +125,23 @@ def main():
             except subprocess.TimeoutExpired:
                 s.kill()
         shutil.rmtree(workdir, ignore_errors=True)
-    base_w, base_r = (np.median([r[i] for r in results[next(iter(results))]]) for i in (0, 1))
+    base_w, base_r = (np.median([r[i] for r in times[next(iter(times))]]) for i in (0, 1))
     print(f"table {args.rows:,} x {args.dim} float32 = {gb:.2f} GB, {os.cpu_count()} cores, "
           f"dir {args.dir}, median of {args.repeat}\n")
     print("| writer | save s | save GB/s | vs baseline | load s | load GB/s | vs baseline |")
     print("|---|---|---|---|---|---|---|")
-    for name, runs in results.items():
+    for name, runs in times.items():
         w, r = np.median([x[0] for x in runs]), np.median([x[1] for x in runs])
         print(f"| {name} | {w:.2f} | {gb / w:.2f} | {base_w / w:.2f}x | {r:.2f} | "
               f"{gb / r:.2f} | {base_r / r:.2f}x |")
+        key = name.split()[0].split(".")[0].lower()  # ndarray, embedded, 2
+        key = {"2": "servers"}.get(key, key)
+        rec.figure(f"save_gbps.{key}", gb / w, "{:.2f} GB/s", f"{name}: save")
+        rec.figure(f"load_gbps.{key}", gb / r, "{:.2f} GB/s", f"{name}: load")
+        rec.figure(f"save_vs_baseline.{key}", base_w / w, "{:.2f}x",
+                   f"{name}: save time of tofile + fsync over this one's")
+        rec.figure(f"load_vs_baseline.{key}", base_r / r, "{:.2f}x",
+                   f"{name}: load time of np.fromfile over this one's")
 
 
 if __name__ == "__main__":

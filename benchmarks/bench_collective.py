@@ -25,7 +25,8 @@ computed from its code (see ``dgl_bytes``).
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_collective.py [--steps 50] [--batch 4096]
-        [--dim 128] [--rows 200000] [--rounds 3] [--no-dgl]
+        [--dim 128] [--rows 200000] [--rounds 3] [--no-dgl] [--only-tables]
+        [--only tcp,shm,collective,dgl,by-table,grouped]
 """
 import argparse
 import json
@@ -44,6 +45,7 @@ from distemb.context import DistContext
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_kvstore  # noqa: E402
+import results  # noqa: E402
 
 
 def train_two_tables(ctx, args, grouped):
@@ -75,10 +77,17 @@ def train_two_tables(ctx, args, grouped):
     return args.steps / (time.perf_counter() - start)
 
 
+def step_args(args):
+    """bench_kvstore's options for its step (train, run_cluster, run_dgl) at this run's
+    sizes: every option it reads, not only the ones this script shares with it."""
+    return bench_kvstore.step_args(steps=args.steps, warmup=args.warmup, batch=args.batch,
+                                   dim=args.dim, rows=args.rows)
+
+
 def rank_main(args):
     torch.set_num_threads(1)
     ctx = distemb.initialize(num_threads=1, mode="collective", timeout_s=120)
-    ns = argparse.Namespace(**{**vars(args), "dynamic_table": False})
+    ns = step_args(args)
     if args.tables == 1:
         rate = bench_kvstore.train(ctx, ns)
     else:
@@ -137,7 +146,7 @@ def dgl_bytes(args):
 def run_dgl(args, workdir):
     """DGL's DistEmbedding + SparseAdagrad, 2 servers x 2 trainers (bench_kvstore's job,
     zero_grad() every step as DGL documents)."""
-    return bench_kvstore.run_dgl(args, 2, 2, workdir), [dgl_bytes(args)] * 2
+    return bench_kvstore.run_dgl(step_args(args), 2, 2, workdir), [dgl_bytes(args)] * 2
 
 
 def main():
@@ -151,30 +160,49 @@ def main():
     p.add_argument("--no-dgl", action="store_true", help="leave DGL's 2 x 2 job out")
     p.add_argument("--only-tables", action="store_true",
                    help="only the two-table configurations (grouped vs table by table)")
+    p.add_argument("--only", default=None, metavar="IDS",
+                   help="only these configurations beside the in-process baseline, "
+                        f"comma-separated, of {','.join(CONFIG_IDS)}")
     p.add_argument("--tables", type=int, default=1, choices=(1, 2), help=argparse.SUPPRESS)
     p.add_argument("--grouped", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank-of-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    results.add_arguments(p)
     args = p.parse_args()
     if args.rank_of_job:
         return rank_main(args)
+    if args.only is not None:
+        only = [c for c in args.only.split(",") if c]
+        unknown = sorted(set(only) - set(CONFIG_IDS))
+        if unknown or not only:
+            p.error(f"--only: expected some of {','.join(CONFIG_IDS)}, got {args.only!r}")
+    elif args.only_tables:
+        only = ["by-table", "grouped"]
+    else:
+        only = [c for c in CONFIG_IDS if not (c == "dgl" and args.no_dgl)]
     torch.set_num_threads(1)
-    ns = argparse.Namespace(**{**vars(args), "dynamic_table": False})
+    ns = step_args(args)
     workdir = tempfile.TemporaryDirectory()
-    # name -> (run, tables looked up per step, bytes label)
-    configs = {TCP: (lambda: (bench_kvstore.run_cluster(ns, 2, 2, shm=False),
+    # id -> (name, run, tables looked up per step, bytes label)
+    every = {
+        "tcp": (TCP, lambda: (bench_kvstore.run_cluster(ns, 2, 2, shm=False),
                               [server_bytes(args)] * 2), 1, "computed"),
-               "2 servers x 2 trainers, shm": (lambda: (bench_kvstore.run_cluster(
-                   ns, 2, 2, shm=True), None), 1, ""),
-               "collective, 2 ranks": (lambda: run_collective(args, 2), 1, "measured")}
-    if args.only_tables:
-        configs = {}
-    elif not args.no_dgl:
+        "shm": (SHM, lambda: (bench_kvstore.run_cluster(ns, 2, 2, shm=True), None), 1, ""),
+        "collective": (COLLECTIVE, lambda: run_collective(args, 2), 1, "measured"),
+        "dgl": (DGL, lambda: run_dgl(args, workdir.name), 1, "computed"),
+        "by-table": (BY_TABLE, lambda: run_collective(args, 2, tables=2), 2, "measured"),
+        "grouped": (GROUPED, lambda: run_collective(args, 2, tables=2, grouped=True), 2,
+                    "measured")}
+    if "dgl" in only:
         bench_kvstore.dgl_graph(args, workdir.name)
-        configs[DGL] = (lambda: run_dgl(args, workdir.name), 1, "computed")
-    configs[BY_TABLE] = (lambda: run_collective(args, 2, tables=2), 2, "measured")
-    configs[GROUPED] = (lambda: run_collective(args, 2, tables=2, grouped=True), 2,
-                        "measured")
+    configs = {every[c][0]: every[c][1:] for c in CONFIG_IDS if c in only}
+    with results.Recorder("bench_collective", args) as rec:
+        measure(args, ns, configs, rec)
+    workdir.cleanup()
+
+
+def measure(args, ns, configs, rec):
+    """Every configuration in turns, ``args.rounds`` times; the table of medians."""
     rates = {name: [] for name in [BASE] + list(configs)}
     ratios = {name: [] for name in rates}
     sent = {name: [] for name in configs}
@@ -191,7 +219,6 @@ def main():
         print(f"round {r + 1}/{args.rounds}: in-process {base:.1f}, " + ", ".join(
             f"{name} {np.mean(rates[name][-1]):.1f}" for name in configs) +
             f" steps/s; load average {os.getloadavg()[0]:.1f}", flush=True)
-    workdir.cleanup()
     print(f"\nB={args.batch} ids per table per trainer, D={args.dim}, N={args.rows} rows "
           f"per table, SparseAdagrad, steps={args.steps}, one thread per process, "
           f"{os.cpu_count()} cores, {args.rounds} round(s) in turns, medians\n")
@@ -203,22 +230,38 @@ def main():
         label = configs[name][2] if name in configs else ""
         mean = float(np.median([np.mean(r) for r in rates[name]]))
         total = float(np.median([sum(r) for r in rates[name]])) * args.batch * tables
-        vs_tcp = "-" if TCP not in rates else "%.2fx" % np.median(
-            [sum(a) / sum(b) for a, b in zip(rates[name], rates[TCP])])
+        vs_tcp = None if TCP not in rates else float(np.median(
+            [sum(a) / sum(b) for a, b in zip(rates[name], rates[TCP])]))
         nbytes = sent.get(name) or []
         cell = "-" if not nbytes else f"{np.median(nbytes) / 1e6:.2f} MB ({label})"
-        print(f"| {name} | {mean:.1f} | {total / 1e6:.2f} M | {vs_tcp} | {cell} |")
-    gains = [sum(a) / sum(b) for a, b in zip(rates[GROUPED], rates[BY_TABLE])]
-    print(f"\ngrouped vs table by table (2 tables, 2 ranks): {np.median(gains):.2f}x "
-          f"steps/s (median of the rounds' ratios; each round: "
-          f"{', '.join(f'{g:.2f}' for g in gains)})")
+        print(f"| {name} | {mean:.1f} | {total / 1e6:.2f} M | "
+              f"{'-' if vs_tcp is None else f'{vs_tcp:.2f}x'} | {cell} |")
+        key = bench_kvstore.slug(name)
+        rec.figure(f"steps.{key}", mean, "{:.1f} steps/s", f"{name}: steps/s per trainer")
+        if vs_tcp is not None:
+            rec.figure(f"vs_tcp.{key}", vs_tcp, "{:.2f}x",
+                       f"{name}: steps/s (all trainers) over the 2 x 2 TCP job's, same round")
+        if nbytes:
+            rec.figure(f"bytes_sent.{key}", float(np.median(nbytes)) / 1e6, "{:.2f} MB",
+                       f"{name}: bytes sent per step per trainer ({label})")
+    if GROUPED in rates and BY_TABLE in rates:
+        gains = [sum(a) / sum(b) for a, b in zip(rates[GROUPED], rates[BY_TABLE])]
+        print(f"\ngrouped vs table by table (2 tables, 2 ranks): {np.median(gains):.2f}x "
+              f"steps/s (median of the rounds' ratios; each round: "
+              f"{', '.join(f'{g:.2f}' for g in gains)})")
+        rec.figure("grouped_vs_by_table", float(np.median(gains)), "{:.2f}x",
+                   "two tables, 2 ranks: grouped exchanges' steps/s over table by table's")
 
 
 BASE = "in-process, 1 table (baseline)"
 TCP = "2 servers x 2 trainers, tcp"
+SHM = "2 servers x 2 trainers, shm"
+COLLECTIVE = "collective, 2 ranks"
 DGL = "DGL 2 servers x 2 trainers"
 BY_TABLE = "collective, 2 ranks, 2 tables, table by table"
 GROUPED = "collective, 2 ranks, 2 tables, grouped"
+#: --only's names of the configurations, in the order they run.
+CONFIG_IDS = ("tcp", "shm", "collective", "dgl", "by-table", "grouped")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import results  # noqa: E402
 from graph_examples import deepwalk  # noqa: E402
 from graph_examples.datasets import load_dataset  # noqa: E402
 from graph_examples.evaluate import node_classification  # noqa: E402
@@ -149,7 +150,16 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="time the parts of distemb's step over STEPS steps instead")
+    results.add_arguments(p, key=None)
     args, rest = p.parse_known_args(argv)
+    if args.result_key is None:
+        args.result_key = "profile" if args.profile else "main"
+    with results.Recorder("bench_deepwalk", args, argv) as rec:
+        return run(args, rest, rec)
+
+
+def run(args, rest, rec):
+    """The methods (or the profile) of one invocation, printed and named as figures."""
     torch.set_num_threads(args.threads)
     os.environ.setdefault("DISTEMB_NUM_THREADS", str(args.threads))
     ds = load_dataset(args.dataset)
@@ -166,6 +176,8 @@ def main(argv=None):
         print(f"{'part':<28} {'wall ms':>8} {'CPU ms':>8}")
         for name, (wall, cpu) in parts.items():
             print(f"{name:<28} {wall:>8.2f} {cpu:>8.2f}")
+            rec.figure(f"cpu_ms.{slug(name)}", cpu, "{:.2f} ms",
+                       f"CPU ms per step of distemb's step part '{name}'")
         total = [sum(v[i] for v in parts.values()) for i in (0, 1)]
         print(f"{'total':<28} {total[0]:>8.2f} {total[1]:>8.2f}")
         return parts
@@ -203,7 +215,19 @@ def main(argv=None):
         ratios = "".join(f" {seconds / times[b]:>13.2f}x" for b in bases)
         print(f"{method:<10} {seconds:>9.1f} {cpu:>8.1f} {rate:>11} {micro:>9.4f} {macro:>9.4f}"
               + ratios)
+        rec.figure(f"train_s.{method}", seconds, "{:.1f} s", f"{method}: training time")
+        rec.figure(f"cpu_s.{method}", cpu, "{:.1f} s", f"{method}: CPU time of the process")
+        rec.figure(f"micro_f1.{method}", micro, "{:.4f}", f"{method}: test Micro-F1")
+        rec.figure(f"macro_f1.{method}", macro, "{:.4f}", f"{method}: test Macro-F1")
+        for b in bases:
+            rec.figure(f"time_vs_{b}.{method}", seconds / times[b], "{:.2f}x",
+                       f"{method}'s training time over {b}'s, same run")
     return rows
+
+
+def slug(name):
+    """A name as part of a figure name: 'step: coalesce' -> 'step_coalesce'."""
+    return "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
 if __name__ == "__main__":

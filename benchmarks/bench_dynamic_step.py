@@ -24,6 +24,7 @@ import torch
 import bench_step as bstep
 import bench_systems as bs
 import distemb
+import results
 from distemb import kernels
 from distemb.stores import FileStore, key_uniform
 
@@ -60,6 +61,11 @@ def file_step(rows, batches, upstream, tmp):
                         ctx.close, threads=1)
 
 
+#: Each table's name in the figures.
+KEYS = {"dense DistEmbedding": "dense", "DynamicEmbedding keys 0..N-1": "dynamic_seq",
+        "DynamicEmbedding int64 keys": "dynamic_int64", "FileStore (resident)": "filestore"}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -70,7 +76,14 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--pool", type=int, default=64)
+    results.add_arguments(p)
     args = p.parse_args(argv)
+    with results.Recorder("bench_dynamic_step", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Every table kind's step in turns, per id distribution; a table each."""
     torch.set_num_threads(1)
     print(f"# bench_dynamic_step: rows={args.rows} dim={args.dim} batch={args.batch} "
           f"SparseAdagrad, 1 thread, kernels={kernels.IMPL_NAME}")
@@ -97,8 +110,14 @@ def main(argv=None):
             print(f"| {'table':<30} | {'steps/s':>8} | {'ids/s':>9} | {'dense / this':>12} |")
             print(f"|{'-' * 32}|{'-' * 10}|{'-' * 11}|{'-' * 14}|")
             for name, (rate, rows, _) in res.items():
+                if name == bstep.HUGE_KEY:
+                    continue
                 print(f"| {name:<30} | {rate:>8.1f} | {rate * rows:>9.3g} "
                       f"| {base / rate:>11.2f}x |")
+                key = KEYS[name]
+                rec.figure(f"steps.{key}.{dist}", rate, "{:.1f} steps/s", f"{name}, {dist} ids")
+                rec.figure(f"time_vs_dense.{key}.{dist}", base / rate, "{:.2f}x",
+                           f"{name}: step time over the dense table's, {dist} ids, same run")
             sys.stdout.flush()
             shutil.rmtree(os.path.join(tmp, "table"), ignore_errors=True)
     finally:

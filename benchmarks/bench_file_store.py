@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import distemb
+import results
 from distemb.stores import DenseStore, FileStore
 
 GIB = 1 << 30
@@ -109,7 +110,14 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=120.0, help="training time at most")
     p.add_argument("--mem-rows", type=int, default=1_000_000, help="in-memory table rows")
     p.add_argument("--disk-seconds", type=float, default=10.0, help="per disk-rate probe")
+    results.add_arguments(p)
     args = p.parse_args(argv)
+    with results.Recorder("bench_file_store", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Write the table, train it cold, then the in-memory table and the disk's rates."""
     torch.set_num_threads(1)
     rows = int(args.gib * GIB) // (args.dim * 4)
     need = rows * (args.dim * 4 + 4)
@@ -152,6 +160,16 @@ def main(argv=None):
         print(f"# {file_steps} file-backed steps, {mem_steps} in-memory steps; in-memory / "
               f"file = {mem_rate / file_rate:.1f}x; file ids/s / disk random reads/s = "
               f"{file_rate / rand:.2f}; clean close (msync) {close_s:.1f} s")
+        rec.figure("file_ids_per_s", file_rate, "{:,.0f} ids/s",
+                   "the file-backed table trained cold, median step")
+        rec.figure("memory_ids_per_s", mem_rate, "{:,.0f} ids/s",
+                   "the in-memory table, median step")
+        rec.figure("memory_vs_file", mem_rate / file_rate, "{:.1f}x",
+                   "in-memory ids/s over the file-backed table's")
+        rec.figure("disk_random_reads_per_s", rand, "{:,.0f} reads/s",
+                   "the disk's random 4 KiB reads, one at a time")
+        rec.figure("file_vs_disk_reads", file_rate / rand, "{:.2f}x",
+                   "file-backed ids/s over the disk's random reads/s")
     finally:
         shutil.rmtree(path, ignore_errors=True)
         print(f"# removed {path}")

@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import distemb  # noqa: E402
+import results  # noqa: E402
 from distemb.config import parse_cache_config  # noqa: E402
 from distemb.context import DistContext  # noqa: E402
 from distemb.kernels import cuda  # noqa: E402
@@ -155,7 +156,10 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--streams-file", help="read the id streams from this .npz")
     parser.add_argument("--write-streams", help="write the sampled id streams to this .npz")
+    results.add_arguments(parser, key=None)
     args = parser.parse_args()
+    if args.result_key is None:  # a stand-in's run never takes the GPU's place
+        args.result_key = "twin" if args.twin else "main"
     if args.warmup >= args.steps:
         sys.exit(f"--warmup: must be < --steps ({args.steps}), got {args.warmup}")
     if args.twin:
@@ -171,6 +175,14 @@ def main():
                      "Run with --twin for the hit rates and bytes per step, which do not "
                      "depend on the device.")
         device, ops = torch.device("cuda", torch.cuda.current_device()), None
+    with results.Recorder("bench_gpu_cache", args) as rec:
+        if not args.twin:
+            rec.device(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        measure(args, device, ops, rec)
+
+
+def measure(args, device, ops, rec):
+    """Every contender on every stream; a table per stream."""
     torch.manual_seed(0)
     streams = load_streams(args)
     where = "CPU twin (times are not GPU times)" if args.twin else torch.cuda.get_device_name()
@@ -192,6 +204,14 @@ def main():
             if not args.twin:
                 line += f" {1 / r['step_s']:9.1f} {base['step_s'] / r['step_s']:8.2f}x"
             print(line, flush=True)
+            key = f"{sname}.{name.replace('%', '')}"
+            rec.figure(f"hit_rate.{key}", 100 * r["hit"], "{:.1f}%",
+                       f"{sname} ids, {name}: % of looked-up rows served by the GPU cache")
+            rec.figure(f"bytes_vs_host.{key}", ratio, "{:.2f}",
+                       f"{sname} ids, {name}: bytes moved per step over the host table's")
+            if not args.twin:
+                rec.figure(f"vs_host.{key}", base["step_s"] / r["step_s"], "{:.2f}x",
+                           f"{sname} ids, {name}: steps/s over the uncached host table's")
 
 
 if __name__ == "__main__":

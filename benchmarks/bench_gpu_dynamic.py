@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import distemb  # noqa: E402
+import results  # noqa: E402
 from bench_gpu_step import time_rounds  # noqa: E402
 from distemb.kernels import cuda  # noqa: E402
 from distemb.stores import key_uniform  # noqa: E402
@@ -123,11 +124,20 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--per-round", type=int, default=10)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    results.add_arguments(p)
     args = p.parse_args(argv)
     try:
         cuda.require_cuda()
     except cuda.CudaUnavailableError as exc:
         sys.exit(f"bench_gpu_dynamic: cannot run without a usable GPU: {exc}")
+    with results.Recorder("bench_gpu_dynamic", args, argv) as rec:
+        rec.device(f"{torch.cuda.get_device_name(torch.cuda.current_device())}, "
+                   f"torch {torch.__version__}")
+        return measure(args, rec)
+
+
+def measure(args, rec):
+    """Every contender's step in rounds; the table; whether both dynamic tables agree."""
     device = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(0)
     ids = (rng.zipf(1.1, size=(args.rounds * args.per_round + 1, args.batch)) - 1) % args.keys
@@ -157,6 +167,13 @@ def main(argv=None):
     for name, t in times.items():
         print(f"| {name} | {t * 1e3:.2f} | {1 / t:.1f} | {host / t:.2f}x |"
               + (f" {times['torch'] / t:.2f}x |" if "torch" in times else ""))
+        key = name.split(",")[0].replace(" ", "_")
+        rec.figure(f"ms.{key}", t * 1e3, "{:.2f} ms", f"{name}: the step")
+        rec.figure(f"vs_host_dynamic.{key}", host / t, "{:.2f}x",
+                   f"{name}: the host dynamic table's step time over this one's")
+        if "torch" in times:
+            rec.figure(f"vs_torch.{key}", times["torch"] / t, "{:.2f}x",
+                       f"{name}: torch's step time over this one's")
     same = same_training(args, device, upstream, batches)
     print(f"GPU and host dynamic tables after 5 steps: {'same' if same else 'DIFFERENT'} rows")
     return 0 if same else 1

@@ -47,11 +47,13 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import distemb  # noqa: E402
+import results  # noqa: E402
 from distemb.kernels import cuda  # noqa: E402
 
 OPTIMIZERS = {
@@ -297,7 +299,11 @@ def main(argv=None):
                         help="also profile 5 distemb steps per case: each kernel's share")
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile 20 distemb steps per case: the host's share")
+    results.add_arguments(parser, key=None)
     args = parser.parse_args(argv)
+    if args.result_key is None:
+        args.result_key = "profile" if args.profile or args.host_profile else "main"
+
     names = [n for n in args.optimizers.split(",") if n]
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
@@ -310,6 +316,14 @@ def main(argv=None):
         cuda.require_cuda()
     except cuda.CudaUnavailableError as exc:
         sys.exit(f"bench_gpu_step: cannot run without a usable GPU: {exc}")
+    with results.Recorder("bench_gpu_step", args, argv) as rec:
+        rec.device(f"{torch.cuda.get_device_name(gpu())}, torch {torch.__version__}")
+        measure(args, names, dtypes, rec)
+    return 0
+
+
+def measure(args, names, dtypes, rec):
+    """Every (ids, optimizer, dtype) case: a line each."""
     device = gpu()
     bandwidth = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: table "
@@ -342,7 +356,14 @@ def main(argv=None):
                       f"{'yes' if det else 'NO':>4} {floor * 1e6:6.0f}us {floor / ours:6.1%} | "
                       f"{t_gather * 1e6:6.0f}us {t_update * 1e6:7.0f}us "
                       f"{t_update / t_gather:7.2f}x", flush=True)
-    return 0
+                case = f"{name}.{kind}.{dtype}"
+                rec.figure(f"us.{case}", ours * 1e6, "{:.0f} us", f"distemb's step, {case}")
+                rec.figure(f"vs_torch.{case}", base / ours, "{:.2f}x",
+                           f"torch's step time over distemb's, {case}")
+                rec.figure(f"deterministic.{case}", float(det), "{:.0f}",
+                           f"1: two runs from the same weights gave identical tables, {case}")
+            rec.figure(f"dedup_update_vs_gather.{name}.{kind}", t_update / t_gather, "{:.2f}x",
+                       f"dedup + update kernels' time over the gather's, {name}, {kind} ids")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import distemb  # noqa: E402
+import results  # noqa: E402
 from graph_examples import graphsage  # noqa: E402
 from graph_examples.datasets import load_dataset  # noqa: E402
 
@@ -120,12 +121,19 @@ def main():
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--emb-lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    results.add_arguments(p)
     args = p.parse_args()
     optimizers = args.optimizers.split(",")
     for name in optimizers:
         if name not in graphsage.TORCH_OPTIMIZERS:
             p.error(f"--optimizers: {name!r} has no torch counterpart; expected some of "
                     f"{sorted(graphsage.TORCH_OPTIMIZERS)}")
+    with results.Recorder("bench_graphsage", args) as rec:
+        measure(args, optimizers, rec)
+
+
+def measure(args, optimizers, rec):
+    """Both contenders in lockstep, every rule, ``args.rounds`` rounds; the table."""
     torch.set_num_threads(1)
     graphsage.dgl.utils.set_num_threads(1)
     ds = load_dataset(args.dataset)
@@ -162,6 +170,12 @@ def main():
                   f"{med('step'):.1f} | {med('lookup'):.1f} | {med('sparse_step'):.1f} | "
                   f"{med('vs_torch'):.2f}x | {med('sample'):.1f} | "
                   f"{runs[o][0][b]['val_accuracy']:.3f} | {diff:.1e} |")
+            rec.figure(f"step_ms.{o}.{b}", med("step"), "{:.1f} ms", f"{NAMES[b]}, {o}: step")
+            if b == "distemb":
+                rec.figure(f"vs_torch.{o}", med("vs_torch"), "{:.2f}x",
+                           f"{o}: torch's step over distemb's on the same batch (paired)")
+                rec.figure(f"max_loss_diff.{o}", diff, "{:.1e}",
+                           f"{o}: largest loss difference between the two, any step")
 
 
 if __name__ == "__main__":

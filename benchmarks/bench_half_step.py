@@ -29,6 +29,7 @@ import torch
 import bench_step as bstep
 import bench_systems as bs
 import distemb
+import results
 from distemb import kernels
 from distemb.kernels import half
 from distemb.stores import DenseStore, key_uniform
@@ -182,7 +183,14 @@ def main(argv=None):
     p.add_argument("--store", action="store_true", help="also StoreEmbedding on DenseStore")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="time calls by wall clock or by this thread's CPU time")
+    results.add_arguments(p)
     args = p.parse_args(argv)
+    with results.Recorder("bench_half_step", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Each rule's step per row dtype in rounds, then the step's parts alone."""
     torch.set_num_threads(1)
     print(f"# bench_half_step: rows={args.rows} dim={args.dim} batch={args.batch} "
           f"dist={args.dist} 1 thread kernels={kernels.IMPL_NAME} repeats={args.repeats} "
@@ -194,7 +202,15 @@ def main(argv=None):
             contenders += [store_step(d, opt_name, args.rows, batches, upstream)
                            for d in DTYPES]
         res = run_rounds(args, contenders)
-        print_block(f"{opt_name}: the step", res, f"{opt_name} DistEmbedding float32")
+        base = f"{opt_name} DistEmbedding float32"
+        print_block(f"{opt_name}: the step", res, base)
+        for name, (_, _, _, ratios) in res.items():
+            if name != base and name.startswith(f"{opt_name} DistEmbedding "):
+                dtype = name.split()[-1]
+                rec.figure(f"paired_vs_fp32.{opt_name.lower()}.{dtype}",
+                           float(np.median(ratios)), "{:.2f}x",
+                           f"{opt_name}: the float32 table's step time over the {dtype} "
+                           "table's, paired by round (median)")
     res = run_rounds(args, part_contenders(args.rows, batches, upstream))
     print_block("the step's parts (Adagrad), each alone", res, None)
     print_bound(res)

@@ -23,6 +23,7 @@ import tracemalloc
 
 import numpy as np
 
+import results
 from distemb import kernels
 from distemb.kernels.hashtable import HashIndex
 from distemb.rules import rule_of
@@ -98,9 +99,20 @@ def main(argv=None):
     p.add_argument("--gather-rows", type=int, default=1 << 21,
                    help="rows of the dense table gathered from (at most the keys held)")
     p.add_argument("--evict-keys", type=int, default=1 << 20, help="store size for eviction")
+    results.add_arguments(p)
     args = p.parse_args(argv)
     if not kernels.HAS_EXT:
         sys.exit("the compiled kernels are not loaded: build them (setup.py build_ext)")
+    if (1 << args.log2_buckets) * 0.5 < 10 * args.batch:
+        p.error(f"--log2-buckets {args.log2_buckets}, --batch {args.batch}: the index at "
+                "load 0.5 must hold at least 10 batches (the insert rate is timed over the "
+                "last tenth of its filling)")
+    with results.Recorder("bench_hash", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """The index at load 0.5 and 0.9 against a dense gather and a dict; bytes; eviction."""
     buckets = 1 << args.log2_buckets
     rng = np.random.default_rng(0)
     keys = rng.integers(-2 ** 62, 2 ** 62, buckets + args.batch * (args.repeats + 1))
@@ -128,6 +140,15 @@ def main(argv=None):
               f"| {d_insert / 1e6:>9.2f}M | {foi / gather:>11.2f}x | {foi / d_find:>9.1f}x |")
         print(f"#   bytes/key at load {load}: index {idx.nbytes() / n:.1f} "
               f"(dict: {d_bytes:.1f}, keys and values as Python ints)")
+        rec.figure(f"find_or_insert.{load}", foi, "{:,.0f} keys/s",
+                   f"find-or-insert of held keys at load {load}, one core")
+        rec.figure(f"dense_gather.{load}", gather, "{:,.0f} rows/s",
+                   f"a dense table's row gather on the same core (dim {args.dim})")
+        rec.figure(f"dict_find.{load}", d_find, "{:,.0f} keys/s", "a Python dict's find")
+        rec.figure(f"foi_vs_dict.{load}", foi / d_find, "{:.1f}x",
+                   f"find-or-insert over a Python dict's find, load {load}")
+        rec.figure(f"index_bytes_per_key.{load}", idx.nbytes() / n, "{:.1f} B",
+                   f"the index's bytes per key at load {load}")
         sys.stdout.flush()
         del idx
     s = HashStore(args.dim, reserve=1 << 16)
@@ -141,6 +162,8 @@ def main(argv=None):
         cost = eviction_cost(args.evict_keys, 16, policy, 3)
         print(f"# eviction {policy}: {cost * 1e9:.0f} ns per evicted key "
               f"(10% of a {args.evict_keys}-key store, dim 16 + Adagrad state)")
+        rec.figure(f"evict_ns.{policy}", cost * 1e9, "{:.0f} ns",
+                   f"{policy} eviction, per evicted key (10% of a store evicted)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import bench_step
+import results
 from distemb import kernels
 
 
@@ -26,7 +27,14 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=5)
+    results.add_arguments(p)
     args = p.parse_args(argv)
+    with results.Recorder("bench_isa", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Time every kernel under every build; print a table per id distribution."""
     isas = kernels.available_cpu_isas()
     print(f"# bench_isa: rows={args.rows} dim={args.dim} batch={args.batch} 1 thread; "
           f"this CPU runs {isas}, the process's default is {kernels.ISA}")
@@ -66,6 +74,8 @@ def main(argv=None):
             for isa in isas:
                 t = statistics.median(times[(name, isa)])
                 cells.append(f"{t * 1e3:.3f} ({base / t:.2f}x)")
+                rec.figure(f"{name}.{isa}.{dist}", base / t, "{:.2f}x",
+                           f"{name}, {dist} ids: the baseline build's time over the {isa} build's")
             print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -71,6 +71,7 @@ from distemb.stores.file import FileTableSpec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import netns  # noqa: E402
+import results  # noqa: E402
 
 
 def train(ctx, args):
@@ -241,6 +242,12 @@ def run_dgl(args, servers, trainers, workdir):
 DGL_1X1 = "DGL DistEmbedding, 1 server x 1 trainer"
 
 
+def slug(name):
+    """A configuration's name as a figure name: '1 server x 1 trainer, shm' ->
+    '1_server_x_1_trainer_shm'."""
+    return "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
 def dgl_graph(args, workdir):
     """Partition a random graph of ``args.rows`` nodes for DGL's job into ``workdir``."""
     import dgl  # optional: only with --dgl
@@ -248,7 +255,8 @@ def dgl_graph(args, workdir):
     dgl.distributed.partition_graph(g, "g", 1, workdir, part_method="random")
 
 
-def main():
+def make_parser():
+    """This script's options (other benchmarks run its step with them: step_args)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
@@ -278,9 +286,27 @@ def main():
                    "and trainer on its own shaped host")
     p.add_argument("--shm-pages", choices=["machine", "both"], default="machine",
                    help="'both': run the shm job on 4 KiB and on 2 MiB shared pages, "
-                   "switching the machine's shmem_enabled for each (root)")
+                   "switching the machine's shmem_enabled (a kernel setting) for each run "
+                   "and restoring it after (root); the default changes nothing")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    results.add_arguments(p)
+    return p
+
+
+def step_args(**fields):
+    """The options train(), run_cluster() and run_dgl() read: this script's defaults with
+    ``fields`` replaced, for another benchmark that runs this step (bench_collective)."""
+    args = make_parser().parse_args([])
+    unknown = sorted(set(fields) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"step_args: bench_kvstore has no options {unknown}")
+    vars(args).update(fields)
+    return args
+
+
+def main():
+    p = make_parser()
     args = p.parse_args()
     if args.trainer:
         return trainer_main(args)
@@ -354,60 +380,74 @@ def main():
         if not args.only_shm:
             configs.append(("DGL DistEmbedding, 2 servers x 2 trainers",
                             lambda: run_dgl(args, 2, 2, workdir.name)))
-    # Configurations in turns, each round against its own in-process baseline (and DGL
-    # 1 x 1): on a shared machine the load drifts, and a ratio of neighbours in time
-    # drifts less.
-    rates = {name: [] for name in ["in-process (baseline)"] + [c[0] for c in configs]}
-    ratios = {name: [] for name in rates}
-    for r in range(args.rounds):
-        base = train(DistContext.embedded(num_threads=1), args)
-        rates["in-process (baseline)"].append([base])
-        ratios["in-process (baseline)"].append(1.0)
-        for name, run in configs:
-            got = run()
-            rates[name].append(got)
-            ratios[name].append(sum(got) / base)
-        print(f"round {r + 1}/{args.rounds}: in-process {base:.1f}, " + ", ".join(
-            f"{name} {np.mean(rates[name][-1]):.1f}" for name, _ in configs) +
-            f" steps/s; load average {os.getloadavg()[0]:.1f}", flush=True)
-    workdir.cleanup()
-    print(f"\nB={args.batch} D={args.dim} N={args.rows} {args.dtype} steps={args.steps}, one "
-          f"thread per process, {os.cpu_count()} cores, {args.rounds} round(s) in turns, medians\n")
-    print("| configuration | steps/s per trainer | rows/s (all trainers) | vs in-process |"
-          + (" vs DGL 1 x 1 |" if args.dgl else ""))
-    print("|---|---|---|---|" + ("---|" if args.dgl else ""))
-    for name in rates:
-        mean = float(np.median([np.mean(r) for r in rates[name]]))
-        total = float(np.median([sum(r) for r in rates[name]])) * args.batch
-        # per trainer, against DGL's one trainer of the same round
-        vs_dgl = "" if not args.dgl else " %.2fx |" % np.median(
-            [np.mean(a) / b[0] for a, b in zip(rates[name], rates[DGL_1X1])])
-        print(f"| {name} | {mean:.1f} | {total / 1e6:.2f} M | "
-              f"{float(np.median(ratios[name])):.2f}x |{vs_dgl}")
-    if prefetched:
-        print("\nprefetch: steps/s per trainer with prefetch over without, same round "
-              "(median of the rounds' ratios)\n")
-        print("| job | with / without prefetch |")
-        print("|---|---|")
-        for name, base in prefetched.items():
-            ratio = np.median([np.mean(a) / np.mean(b)
-                               for a, b in zip(rates[name], rates[base])])
-            print(f"| {base} | {ratio:.2f}x |")
-    if len(links) > 1:
-        names = [netns.link_name(rate) for rate in links]
-        first = names[0]
-        print(f"\nthe TCP jobs side by side: steps/s per trainer (medians; in brackets: vs "
-              f"{first}, same round)\n")
-        print("| job | " + " | ".join(names) + " |")
-        print("|---|" + "---|" * len(names))
-        for job in dict.fromkeys(job for job, _ in side):
-            cells = []
-            for link in names:
-                got, ref = rates[side[(job, link)]], rates[side[(job, first)]]
-                cells.append(f"{float(np.median([np.mean(r) for r in got])):.1f} (" + "%.2fx"
-                             % np.median([np.mean(a) / np.mean(b) for a, b in zip(got, ref)])
-                             + ")")
-            print(f"| {job} | " + " | ".join(cells) + " |")
+    with results.Recorder("bench_kvstore", args) as rec:
+        # Configurations in turns, each round against its own in-process baseline (and DGL
+        # 1 x 1): on a shared machine the load drifts, and a ratio of neighbours in time
+        # drifts less.
+        rates = {name: [] for name in ["in-process (baseline)"] + [c[0] for c in configs]}
+        ratios = {name: [] for name in rates}
+        for r in range(args.rounds):
+            base = train(DistContext.embedded(num_threads=1), args)
+            rates["in-process (baseline)"].append([base])
+            ratios["in-process (baseline)"].append(1.0)
+            for name, run in configs:
+                got = run()
+                rates[name].append(got)
+                ratios[name].append(sum(got) / base)
+            print(f"round {r + 1}/{args.rounds}: in-process {base:.1f}, " + ", ".join(
+                f"{name} {np.mean(rates[name][-1]):.1f}" for name, _ in configs) +
+                f" steps/s; load average {os.getloadavg()[0]:.1f}", flush=True)
+        workdir.cleanup()
+        print(f"\nB={args.batch} D={args.dim} N={args.rows} {args.dtype} steps={args.steps}, "
+              f"one thread per process, {os.cpu_count()} cores, {args.rounds} round(s) in "
+              "turns, medians\n")
+        print("| configuration | steps/s per trainer | rows/s (all trainers) | vs in-process |"
+              + (" vs DGL 1 x 1 |" if args.dgl else ""))
+        print("|---|---|---|---|" + ("---|" if args.dgl else ""))
+        for name in rates:
+            mean = float(np.median([np.mean(r) for r in rates[name]]))
+            total = float(np.median([sum(r) for r in rates[name]])) * args.batch
+            ratio = float(np.median(ratios[name]))
+            # per trainer, against DGL's one trainer of the same round
+            vs_dgl = None if not args.dgl else float(np.median(
+                [np.mean(a) / b[0] for a, b in zip(rates[name], rates[DGL_1X1])]))
+            print(f"| {name} | {mean:.1f} | {total / 1e6:.2f} M | {ratio:.2f}x |"
+                  + ("" if vs_dgl is None else f" {vs_dgl:.2f}x |"))
+            key = slug(name)
+            rec.figure(f"steps.{key}", mean, "{:.1f} steps/s", f"{name}: steps/s per trainer")
+            rec.figure(f"vs_inprocess.{key}", ratio, "{:.2f}x",
+                       f"{name}: steps/s (all trainers) over the in-process step's, same round")
+            if vs_dgl is not None:
+                rec.figure(f"vs_dgl.{key}", vs_dgl, "{:.2f}x",
+                           f"{name}: steps/s per trainer over DGL's 1 x 1 trainer's, same round")
+        if prefetched:
+            print("\nprefetch: steps/s per trainer with prefetch over without, same round "
+                  "(median of the rounds' ratios)\n")
+            print("| job | with / without prefetch |")
+            print("|---|---|")
+            for name, base in prefetched.items():
+                ratio = float(np.median([np.mean(a) / np.mean(b)
+                                         for a, b in zip(rates[name], rates[base])]))
+                print(f"| {base} | {ratio:.2f}x |")
+                rec.figure(f"prefetch.{slug(base)}", ratio, "{:.2f}x",
+                           f"{base}: steps/s per trainer with prefetch over without, same "
+                           "round")
+        if len(links) > 1:
+            names = [netns.link_name(rate) for rate in links]
+            first = names[0]
+            print(f"\nthe TCP jobs side by side: steps/s per trainer (medians; in brackets: vs "
+                  f"{first}, same round)\n")
+            print("| job | " + " | ".join(names) + " |")
+            print("|---|" + "---|" * len(names))
+            for job in dict.fromkeys(job for job, _ in side):
+                cells = []
+                for link in names:
+                    got, ref = rates[side[(job, link)]], rates[side[(job, first)]]
+                    cells.append(f"{float(np.median([np.mean(r) for r in got])):.1f} ("
+                                 + "%.2fx" % np.median([np.mean(a) / np.mean(b)
+                                                        for a, b in zip(got, ref)]) + ")")
+                print(f"| {job} | " + " | ".join(cells) + " |")
+
 
 if __name__ == "__main__":
     main()

@@ -16,9 +16,12 @@ import time
 
 import numpy as np
 
+import results
 from distemb import kernels
 from distemb.kvstore import KVServer
 from distemb.rules import AdagradHyper, rule_of
+from distemb.stores.dense import DenseSpec
+from distemb.stores.types import WEIGHT
 from distemb.transport.shm import ShmArena, attach
 
 
@@ -28,16 +31,28 @@ def main():
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--calls", type=int, default=300)
+    results.add_arguments(p)
     args = p.parse_args()
+    with results.Recorder("bench_locks", args) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Every contender in turns, ``args.calls`` times; the table of medians."""
     rng = np.random.default_rng(0)
     arena = ShmArena("bench-locks", 0)
     try:
-        w = arena.allocate((args.rows, args.dim), "float32")
-        w[...] = 0.01
-        s = np.full((args.rows, args.dim), 0.0, np.float32)  # every page touched now
+        # The table as a server with shared memory holds it: a dense store whose rows are
+        # a segment of the arena, its seqlock that segment's counter, Adagrad's state a
+        # second column of the store.
         srv = KVServer()
-        srv.create("w", 0, w, version=arena.version_of(w))
-        srv.create("w~opt~sum", 0, s, owner="w")
+        spec = DenseSpec((args.rows, args.dim))
+        table, = srv.create_table("w", spec, spec.router(), [0], arena)
+        table.set_counter(WEIGHT, arena.version_of(table.store.column(WEIGHT)))
+        srv.attach_states("w", 0, table.init_states("adagrad", {}))
+        w, s = table.store.column(WEIGHT), table.store.column("sum")
+        w[...] = 0.01
+        s[...] = 0.0  # every page touched now
         mapped = attach(arena.dup_segment(w), w.shape, "float32")
         rule, hyper = rule_of("adagrad"), AdagradHyper(clr=0.01, eps=1e-10)
         batches = [np.unique(rng.integers(0, args.rows, args.batch)) for _ in range(64)]
@@ -66,7 +81,6 @@ def main():
                 if i >= 10:  # warm-up
                     times[name].append(time.perf_counter() - t)
         # The locks alone (no rows): what every pull and update now pays on top.
-        table = srv.table("w", 0)
         alone = {}
         for what, ctx in (("read lock alone", table.read),
                           ("write lock + version bumps alone", table.write)):
@@ -85,9 +99,16 @@ def main():
         base = np.median(times["pull, bare kernel (baseline)" if name.startswith("pull")
                                else "update, bare kernel (baseline)"])
         print(f"| {name} | {np.median(ts) * 1e6:.1f} | {np.median(ts) / base:.3f}x |")
+        key = "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+        rec.figure(f"us.{key}", np.median(ts) * 1e6, "{:.1f} us", f"{name}, per call")
+        rec.figure(f"vs_bare.{key}", np.median(ts) / base, "{:.3f}x",
+                   f"{name}: time per call over the bare kernel's")
     pull = np.median(times["pull, bare kernel (baseline)"])
     for what, t in alone.items():
         print(f"| {what} | {t * 1e6:.2f} | {t / pull:.4f}x of a bare pull |")
+        key = "read_lock" if what.startswith("read") else "write_lock"
+        rec.figure(f"us.{key}", t * 1e6, "{:.2f} us", what)
+        rec.figure(f"of_pull.{key}", t / pull, "{:.1%}", f"{what}, over a bare pull")
 
 
 if __name__ == "__main__":

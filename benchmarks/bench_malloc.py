@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+import results
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -34,7 +36,7 @@ def run_job(args, malloc):
         argv = [sys.executable, "-m", "distemb.launch", "--ip-config", ip, "--num-servers",
                 "1", "--num-trainers", "1", "--config-out", os.path.join(out, "c.json"),
                 "--", sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvstore.py"),
-                "--trainer", "--out", out, "--steps", str(args.steps), "--warmup", "20",
+                "--trainer", "--out", out, "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--batch", str(args.batch), "--dim", str(args.dim), "--rows", str(args.rows)]
         env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="passive",
                    DISTEMB_NUM_THREADS="1", DISTEMB_MALLOC=malloc)
@@ -52,7 +54,15 @@ def main():
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    results.add_arguments(p)
     args = p.parse_args()
+    with results.Recorder("bench_malloc", args) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Both malloc settings in turns, ``args.rounds`` times; the table."""
     runs = {"tuned": [], "default": []}
     for _ in range(args.rounds):
         for malloc in runs:
@@ -65,7 +75,13 @@ def main():
         med[malloc] = statistics.median(r[0] for r in rs)
         print(f"| {malloc} | {', '.join(f'{r[0]:.0f}' for r in rs)} | {med[malloc]:.0f} | "
               f"{statistics.median(r[1] for r in rs):,.0f} |")
+        rec.figure(f"steps.{malloc}", med[malloc], "{:.0f} steps/s",
+                   f"the co-located job with glibc malloc {malloc}, median")
+        rec.figure(f"faults.{malloc}", statistics.median(r[1] for r in rs), "{:,.0f}",
+                   f"minor page faults of the whole job, malloc {malloc}, median")
     print(f"tuned / default: {med['tuned'] / med['default']:.2f}x")
+    rec.figure("tuned_vs_default", med["tuned"] / med["default"], "{:.2f}x",
+               "steps/s with distemb's malloc thresholds over glibc's own")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Node2Vec on WordNet: distemb.pyg.Node2Vec vs PyG's own Node2Vec, one thread each.
 
-The graph is graph_examples' WordNet: 117,659 synsets, every pointer as one undirected
-edge (183,789), both directions given to the models.
+The graph is graph_examples' WordNet (``--dataset``, another of graph_examples' datasets
+for a quick run): 117,659 synsets, every pointer as one undirected edge (183,789), both
+directions given to the models.
 
 The baseline is PyG 2.8's ``torch_geometric.nn.Node2Vec`` used as its own example
 (examples/node2vec.py) uses it: ``sparse=True``, ``torch.optim.SparseAdam(list(
@@ -38,11 +39,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["DISTEMB_NUM_THREADS"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import distemb  # noqa: E402
+import results  # noqa: E402
 from distemb.pyg import Node2Vec, RandomWalker  # noqa: E402
 from graph_examples.datasets import load_dataset  # noqa: E402
 from torch_geometric.nn import Node2Vec as PygNode2Vec  # noqa: E402
@@ -80,10 +83,18 @@ def main(argv=None):
     ap.add_argument("--turn", type=int, default=4, help="steps per model per turn")
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset", default="wordnet", help="graph_examples' dataset")
+    results.add_arguments(ap)
     args = ap.parse_args(argv)
+    with results.Recorder("bench_node2vec", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Both models on the same batches, in turns; the table."""
     torch.set_num_threads(1)
     walker = _stand_in_walker()
-    graph = load_dataset("wordnet").graph  # simple and bidirected (docs/graph-examples.md)
+    graph = load_dataset(args.dataset).graph  # simple, bidirected (docs/graph-examples.md)
     edge_index = torch.stack(graph.edges())
     num_nodes = graph.num_nodes()
 
@@ -128,7 +139,7 @@ def main(argv=None):
             turns[name].append((time.perf_counter() - t0) / len(chunk))
 
     per_epoch = math.ceil(num_nodes / args.batch_size)
-    print(f"Node2Vec on WordNet ({num_nodes} nodes, {edge_index.size(1)} directed edges), "
+    print(f"Node2Vec on {args.dataset} ({num_nodes} nodes, {edge_index.size(1)} directed edges), "
           f"PyG's example settings {EXAMPLE}, batch {args.batch_size}, 1 thread")
     print(f"CPU: {_cpu()}; torch {torch.__version__}; walker: {walker}")
     print(f"{args.batches} batches per model, in turns of {args.turn}; sampling "
@@ -141,8 +152,16 @@ def main(argv=None):
         epoch = per_epoch * (step_s + sample_s)
         print(f"{name:45s} {step_s * 1e3:9.0f} {epoch:15.0f} {base / step_s:7.2f} "
               f"{(base + sample_s) / (step_s + sample_s):8.2f}")
+        key = "pyg" if name.startswith("PyG") else "distemb"
+        rec.figure(f"step_ms.{key}", step_s * 1e3, "{:.0f} ms", f"{name}: a step")
+        rec.figure(f"step_speedup.{key}", base / step_s, "{:.2f}x",
+                   f"{name}: PyG's step time over this one's")
+        rec.figure(f"epoch_speedup.{key}", (base + sample_s) / (step_s + sample_s), "{:.2f}x",
+                   f"{name}: PyG's estimated epoch time over this one's (sampling included)")
     diff = max(abs(a - b) for a, b in zip(*losses.values()))
     print(f"largest difference between the two models' losses over the run: {diff:.2e}")
+    rec.figure("max_loss_diff", diff, "{:.1e}", "largest difference between the two models' "
+               "losses over the run")
 
 
 if __name__ == "__main__":

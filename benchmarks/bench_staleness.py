@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+import results
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -87,9 +89,16 @@ def main():
                    help="also run the exact job with this seed (repeatable)")
     p.add_argument("--max-steps", type=int, default=0, help="0: one whole epoch")
     p.add_argument("deepwalk_args", nargs="*", help="more deepwalk.py options, after --")
+    results.add_arguments(p)
     args = p.parse_args()
-    # Batches of 4,096 pairs, as the runs in benchmarks/README.md (deepwalk.py's default
-    # is 16,384 since issue 19); a --batch-size after -- overrides it.
+    with results.Recorder("bench_staleness", args) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """The jobs one after another; their F1 and the differences."""
+    # Batches of 4,096 pairs, as the recorded run (benchmarks/results/bench_staleness.json;
+    # deepwalk.py's default is 16,384); a --batch-size after -- overrides it.
     dw = ["--dataset", args.dataset, "--max-steps", str(args.max_steps), "--batch-size", "4096",
           *args.deepwalk_args]
     jobs = [("exact", 0, 0), (f"staleness {args.staleness}", args.staleness, 0)] + [
@@ -111,13 +120,18 @@ def main():
     exact = got["exact"]
     print("\n| job | Micro-F1 | Macro-F1 | final loss | Micro-F1 - exact (points) |")
     print("|---|---|---|---|---|")
-    for name, m in got.items():
+    for n, (name, m) in enumerate(got.items()):
         print(f"| {name} | {m['test_micro_f1']:.4f} | {m['test_macro_f1']:.4f} | "
               f"{m['final_loss']:.4f} | "
               f"{100 * (m['test_micro_f1'] - exact['test_micro_f1']):+.2f} |")
+        key = ["exact", "stale"][n] if n < 2 else f"seed{jobs[n][2]}"
+        rec.figure(f"micro_f1.{key}", m["test_micro_f1"], "{:.4f}", f"{name}: test Micro-F1")
+        rec.figure(f"macro_f1.{key}", m["test_macro_f1"], "{:.4f}", f"{name}: test Macro-F1")
     diff = 100 * (got[jobs[1][0]]["test_micro_f1"] - exact["test_micro_f1"])
     print(f"\nstaleness {args.staleness} - exact: {diff:+.2f} Micro-F1 points "
           f"(target: within 0.5)")
+    rec.figure("stale_minus_exact", diff, "{:+.2f} points",
+               f"Micro-F1 with staleness {args.staleness} minus exact's")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import bench_systems as bs
+import results
 from distemb import kernels
 
 BASE_TORCH = "torch Adagrad"
@@ -222,6 +223,7 @@ def parse_args(argv=None):
                    help="fresh processes that each run everything, one after another "
                         "(medians and spread over them)")
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a child's results
+    results.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -268,6 +270,30 @@ def run_processes(args, argv):
     return runs
 
 
+def name_figures(rec, dist, threads, res):
+    """The figures of one block the documentation quotes (medians over processes)."""
+    where = f"{dist} ids, {threads} thread(s)"
+    rec.figure(f"adagrad_steps.{dist}.{threads}t", res["distemb Adagrad"][0], "{:.0f} steps/s",
+               f"distemb Adagrad, {where}")
+    for name in bs.DISTEMB_OPTIMIZERS:
+        key = name.lower()
+        rec.figure(f"{key}_vs_torch.{dist}.{threads}t",
+                   res[f"distemb {name}"][0] / res[BASE_TORCH][0], "{:.2f}x",
+                   f"distemb {name} steps/s over torch Adagrad's, {where}")
+        if BASE_DGL in res:
+            rec.figure(f"{key}_vs_dgl.{dist}.{threads}t",
+                       res[f"distemb {name}"][0] / res[BASE_DGL][0], "{:.2f}x",
+                       f"distemb {name} steps/s over DGL SparseAdagrad's, {where}")
+    if FINITE_ON in res:
+        rec.figure(f"finite_check_vs_off.{dist}.{threads}t",
+                   res[FINITE_ON][0] / res["distemb Adagrad"][0], "{:.2f}x",
+                   f"distemb Adagrad with check_finite=True: its steps/s over the same step "
+                   f"without the check, {where}")
+    rec.figure(f"adagrad_update_of_roofline.{dist}.{threads}t",
+               res["kernel adagrad_update"][0] / res["roofline rmw w,s (w[r]-=0*g)"][0],
+               "{:.0%}", f"the fused Adagrad kernel's rate over a read-modify-write pass, {where}")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -281,6 +307,16 @@ def main(argv=None):
             json.dump(run_blocks(args), f)
         sys.stdout.flush()
         os._exit(0)  # DGL's DistTensor.__del__ raises at interpreter exit (standalone)
+    with results.Recorder("bench_step", args, argv) as rec:
+        report(args, argv, rec)
+    if args.dgl:
+        # DGL's DistTensor.__del__ raises in standalone mode at interpreter exit
+        # (its fake KVStore is torn down first): skip that noise, results are printed.
+        os._exit(0)
+
+
+def report(args, argv, rec):
+    """Measure (in this process or in fresh ones), print the tables, name the figures."""
     print(f"# bench_step: rows={args.rows} dim={args.dim} batch={args.batch} "
           f"repeats={args.repeats} steps={args.steps} processes={args.processes} "
           f"kernels={kernels.IMPL_NAME} isa={kernels.ISA or '-'} (this CPU runs "
@@ -297,6 +333,7 @@ def main(argv=None):
         if threads == "scaling":
             continue
         print_table(dist, threads, res, spreads if len(runs) > 1 else None, len(runs))
+        name_figures(rec, dist, threads, res)
     scaling = [(dist, res) for dist, threads, res, _ in combine(runs) if threads == "scaling"]
     if scaling:
         print("\n## thread scaling, timed in turns: distemb Adagrad steps/s (medians)")
@@ -306,10 +343,6 @@ def main(argv=None):
             cells = "  ".join(f"{name}: {r:.1f}" for name, r in named)
             print(f"{dist}: {cells}  (last/first = {rates[-1] / rates[0]:.2f}x)")
     sys.stdout.flush()
-    if args.dgl:
-        # DGL's DistTensor.__del__ raises in standalone mode at interpreter exit
-        # (its fake KVStore is torn down first): skip that noise, results are printed.
-        os._exit(0)
 
 
 if __name__ == "__main__":

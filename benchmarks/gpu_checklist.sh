@@ -6,9 +6,16 @@
 # benchmark reads WordNet's sampled ids from out/streams.npz when it is there (write it on
 # a machine with DGL: bench_gpu_cache.py --twin --write-streams out/streams.npz, and carry
 # it); without it that benchmark is not run and the script fails.
+# Each benchmark writes its run into benchmarks/results/<script>.json; the script copies
+# those files to $LOGDIR/results/ at the end, so they come back with the logs (copy them
+# into the checkout's benchmarks/results/ and commit them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${1:-out/gpu}; what=${2:-all}
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_checklist: no usable GPU here (nvidia-smi -L failed): run it on the GPU machine"
+  exit 2
+fi
 mkdir -p "$log"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=passive
 nvidia-smi -L | tee "$log/device.txt"
@@ -37,6 +44,7 @@ if [ "$what" != tests ]; then
   python3 benchmarks/bench_gpu_step.py --optimizers adagrad,adam --ids zipf --profile \
     2>&1 | tee "$log/bench_gpu_step_profile.log" | tail -60 || status=1
   python3 benchmarks/bench_gpu_dynamic.py 2>&1 | tee "$log/bench_gpu_dynamic.log" || status=1
+  python3 benchmarks/gpu_host_parts.py 2>&1 | tee "$log/gpu_host_parts.log" | tail -40 || status=1
   if [ -f out/streams.npz ]; then
     python3 benchmarks/bench_gpu_cache.py --streams sage,zipf --streams-file out/streams.npz \
       2>&1 | tee "$log/bench_gpu_cache.log" || status=1
@@ -44,5 +52,7 @@ if [ "$what" != tests ]; then
     echo "bench_gpu_cache: not run: out/streams.npz is missing (see the top of this script)"
     status=1
   fi
+  mkdir -p "$log/results"
+  cp benchmarks/results/bench_gpu_*.json benchmarks/results/gpu_host_parts.json "$log/results/"
 fi
 exit $status

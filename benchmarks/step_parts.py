@@ -25,6 +25,7 @@ import torch
 import bench_step
 import bench_systems as bs
 import distemb
+import results
 from distemb import kernels
 from distemb.stores import dense
 
@@ -56,7 +57,17 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--four-k-pages", action="store_true",
                    help="the table on 4 KiB pages (no huge-page request, no collapse)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    results.add_arguments(p, key=None)
     args = p.parse_args(argv)
+    if args.result_key is None:
+        args.result_key = "four_k_pages" if args.four_k_pages else "main"
+    with results.Recorder("step_parts", args, argv) as rec:
+        measure(args, rec)
+
+
+def measure(args, rec):
+    """Time the step's statements and kernels; print them per step."""
     if args.four_k_pages:
         np.core.multiarray._set_madvise_hugepage(False)
         dense.back_with_huge_pages = lambda array: False
@@ -86,11 +97,11 @@ def main(argv=None):
             acc[name] += b - a
         return t[-1] - t[0]
 
-    for k in range(20):
+    for k in range(args.warmup):
         step(k)
     acc.clear()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    times = [step(k) for k in range(20, 20 + args.steps)]
+    times = [step(k) for k in range(args.warmup, args.warmup + args.steps)]
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
     n = args.steps
     print(f"# step_parts: dist={args.dist} rows={args.rows} dim={args.dim} "
@@ -99,12 +110,17 @@ def main(argv=None):
     print(f"step: {1 / statistics.median(times):.0f} steps/s (median), mean "
           f"{sum(times) / n * 1e3:.3f} ms; minor faults/step {faults:.1f}; "
           f"{bench_step.huge_page_share():.0%} of anon memory on huge pages")
+    rec.figure("steps", 1 / statistics.median(times), "{:.0f} steps/s", "the step, median")
     inside = {"lookup": ["gather_rows"], "opt.step": ["dedup_sum", "adagrad_update"]}
     for name in STATEMENTS:
         own = acc[name] - sum(acc[k] for k in inside.get(name, []))
         print(f"  {name:<16} {acc[name] / n * 1e3:7.3f} ms")
+        rec.figure(f"ms.{name.split()[0]}", acc[name] / n * 1e3, "{:.3f} ms",
+                   f"the step's {name}, mean per step")
         for k in inside.get(name, []):
             print(f"    kernel {k:<16} {acc[k] / n * 1e3:7.3f} ms")
+            rec.figure(f"ms.{k}", acc[k] / n * 1e3, "{:.3f} ms",
+                       f"kernel {k} in the step, mean per step")
         if name in inside:
             print(f"    {'rest (Python, checks)':<23} {own / n * 1e3:7.3f} ms")
     ctx.close()

@@ -440,13 +440,20 @@ class DistEmbedding:
         The optimizer's step counts and hyperparameters are in ``opt.state_dict()``.
         """
         data = self.export()
+        arrays = {f"c/{k}": v for k, v in data.items()}
+        arrays["meta"] = np.frombuffer(json.dumps(
+            {"format": SAVE_FORMAT, "dim": self.embedding_dim,
+             "columns": sorted(data)}).encode(), np.uint8)
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
-                np.savez(f, **{f"c/{k}": v for k, v in data.items()},
-                         meta=np.frombuffer(json.dumps(
-                             {"format": SAVE_FORMAT, "dim": self.embedding_dim,
-                              "columns": sorted(data)}).encode(), np.uint8))
+            # np.savez's layout, with the zip writer closed before its file, also when a
+            # write fails (a full disk): np.savez leaves it to the garbage collector,
+            # whose close() then fails on the closed file ("seek of closed file").
+            with open(tmp, "wb") as f, zipfile.ZipFile(f, "w", allowZip64=True) as z:
+                for name, array in arrays.items():
+                    with z.open(f"{name}.npy", "w", force_zip64=True) as out:
+                        np.lib.format.write_array(out, np.asanyarray(array),
+                                                  allow_pickle=False)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -164,6 +164,30 @@ class UpdateRule:
             values[name] = int(v) if want_int else float(v)
         return self.hyper_type(**values)
 
+    def options_from(self, options: Mapping[str, Any]) -> Dict[str, float]:
+        """The options this rule's states start from (``initial_accumulator_value``),
+        each checked: one a state of the rule reads, a finite number.
+
+        Raises:
+            KVStoreError: an option no state of the rule reads (a typo would be ignored),
+                or one that is not a finite number (NaN or inf would poison every row it
+                touches); the message names the option and the rule.
+        """
+        if not isinstance(options, Mapping):
+            raise KVStoreError(f"options of rule {self.name.value!r}: expected a mapping, "
+                               f"got {type(options).__name__}")
+        known = sorted({s.init_option for s in self.states if s.init_option})
+        out = {}
+        for name, v in options.items():
+            if name not in known:
+                raise KVStoreError(f"options.{name}: unknown option of rule "
+                                   f"{self.name.value!r} (expected one of {known})")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+                raise KVStoreError(f"options.{name}: expected a finite number for rule "
+                                   f"{self.name.value!r}, got {v!r}")
+            out[name] = float(v)
+        return out
+
     def check_hyper(self, hyper: Hyper) -> Hyper:
         """``hyper`` itself when it is this rule's type; KVStoreError naming both otherwise."""
         if type(hyper) is not self.hyper_type:

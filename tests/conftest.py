@@ -28,10 +28,16 @@ gets fresh clients and drops its tables afterwards.
 With ``DISTEMB_TEST_CLIENT=mpi`` (set by tests/test_mpi.py, which runs the suite as the
 trainer of an ``mpirun`` job) the one placement is a RemoteKVClient over MPI to the
 job's servers, read from ``$DISTEMB_CONFIG``.
+
+``make test`` runs the suite on parallel workers (pytest-xdist, ``--dist loadgroup``;
+:func:`pytest_itemcollected` groups what shares a cluster or runs many processes), then,
+with ``DISTEMB_NO_EXT=1``, the tests marked ``twin`` (:data:`TWIN_MODULES`: what can
+differ without the compiled kernels). Model-level oracles take ``model_impl`` (compiled
+on this CPU's build, and the twin), the kernels' own oracles ``kernel_impl`` (every
+build, and the twin).
 """
 import contextlib
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -80,6 +86,17 @@ def holds(placement, kind):
     docs/stores.md)."""
     base = placement.split("+")[-1]
     return kind.startswith(("dense", "hash")) or not base.startswith("device_table")
+
+
+def routes(placement, kind):
+    """Whether the suite runs fixed-key table kind ``kind`` on ``placement``: every kind
+    everywhere, but for the device caches, which route nothing themselves (a miss or a
+    write-back goes to the inner client by key, and ids are checked by the table's
+    router as the inner client checks them), so their fixed-key tables run the range
+    router only: the keys are 0..N-1 under every router, and the hash and DGL routers
+    run in the inner placements' own cells (embedded, shm1x1)."""
+    base = placement.split("+")[-1].replace("_cuda", "")
+    return base != "device_cache" or kind.startswith("hash") or kind.endswith("-range")
 
 
 #: The client type that refuses what a placement does not hold, by placement base.
@@ -294,8 +311,9 @@ class Placement:
             return [f.result(timeout=120) for f in futures]
 
 
-def make_placement(name, clusters):
-    """The :class:`Placement` called ``name`` (see :data:`PLACEMENTS`)."""
+def make_placement(name, clusters, tmp_dir=None):
+    """The :class:`Placement` called ``name`` (see :data:`PLACEMENTS`); ``tmp_dir``: where
+    a collective job of one rank meets (its rendezvous file)."""
     if name == "mpi":
         return Placement(name, RemoteKVClient(load_cluster_config(os.environ["DISTEMB_CONFIG"]),
                                               int(os.environ["DISTEMB_RANK"])))
@@ -305,7 +323,7 @@ def make_placement(name, clusters):
     if base in ("embedded", "device_cache", "device_cache_cuda"):
         inner = LocalKVClient()
     elif base == "collective1":  # a collective job of one rank, in this process
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rdv",
+        dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/rdv",
                                 rank=0, world_size=1)
         return Placement(name, CollectiveKVClient(timeout_s=60, own_group=True))
     elif base in ("device_table", "device_table_cuda"):
@@ -342,7 +360,8 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("placement", where, indirect=True)
     elif "table_kind" in metafunc.fixturenames:
         from suite_tables import TABLE_KINDS
-        pairs = [(p, k) for p in PLACEMENTS for k in TABLE_KINDS if holds(p, k)]
+        pairs = [(p, k) for p in PLACEMENTS for k in TABLE_KINDS
+                 if holds(p, k) and routes(p, k)]
         metafunc.parametrize(["placement", "table_kind"], pairs, indirect=["placement"],
                              ids=[f"{p}-{k}" for p, k in pairs])
     else:
@@ -350,9 +369,10 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture
-def placement(request, clusters):
+def placement(request, clusters, tmp_path_factory):
     """A placement of each kind; remote ones talk to module-scoped server processes."""
-    where = make_placement(request.param, clusters)
+    rendezvous = tmp_path_factory.mktemp("rdv") if request.param == "collective1" else None
+    where = make_placement(request.param, clusters, rendezvous)
     yield where
     kv = where.client
     try:
@@ -381,12 +401,92 @@ def mpi_goodbye():
                        int(os.environ["DISTEMB_RANK"])).close(goodbye=True)
 
 
+#: Test modules whose subject is code that picks the compiled or the twin implementation
+#: (distemb/kernels/: ``HAS_EXT``, ``implementation()``, ``native=``, ``half._impl()``) or
+#: calls it below every placement (the stores, the shard type): the twin pass
+#: (``DISTEMB_NO_EXT=1 pytest -m twin``) runs them, with the client suite on the
+#: embedded placement. (tests/test_no_extension.py, the import and command-line smoke
+#: run without the extension, sets its processes' switch itself: it runs once.) Everything
+#: else reaches the kernels only through those modules, whose dispatch validates the
+#: same way for both and whose two implementations the kernel tests hold to the same
+#: oracles, so it cannot behave differently on the twin.
+TWIN_MODULES = {
+    "test_kernels", "test_half_kernels", "test_hashtable", "test_losses", "test_ftrl",
+    # the kernels, the hash index, the fused loss; the stores, the shard type
+    "test_store_suite", "test_hash_store", "test_shard",
+    "test_dynamic_embedding",  # its own HAS_EXT branch (an inexact twin comparison)
+}
+#: Client suite modules: their tests on the embedded placement (the stores' and rules'
+#: calls into the kernels, in this process) run again on the twin.
+SUITE_MODULES = {"test_kvclient_suite", "test_keyed_suite"}
+#: Parameters that already run both implementations in the compiled pass.
+BOTH_IMPLS = {"kernel_impl", "model_impl", "native"}
+
+
+def _runs_on_the_twin(item):
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if BOTH_IMPLS & set(params) or BOTH_IMPLS & set(item.fixturenames):
+        return False  # its reference case ran in the compiled pass
+    if module in SUITE_MODULES:
+        return params.get("placement") == "embedded"
+    return module in TWIN_MODULES
+
+
+#: Process-heavy tests (each starts many Python processes with torch and DGL): the
+#: parallel run (pytest-xdist, ``--dist loadgroup``) keeps each lane on one worker, so
+#: at most this many of them run at once on a 2-core machine, and queues them first
+#: (longest first). DGL's own tests share /tmp/dist_graph, and DGL's servers name their
+#: shared memory after the data alone, so every test starting DGL servers shares a lane.
+HEAVY_LANES = {
+    "test_dgl_upstream": "heavy-dgl", "test_dgl2_upstream": "heavy-dgl",
+    "test_dgl_launcher": "heavy-dgl",
+    "test_mpi": "heavy-jobs", "test_collective": "heavy-jobs",
+    "test_cache_cluster": "heavy-jobs", "test_orphans": "heavy-jobs",
+}
+
+
+def _xdist_group(item):
+    """The xdist group of ``item``: its heavy lane; else, where it shares a module-scoped
+    fixture (a server cluster of one kind, a compiled emulator), its module (and cluster
+    kind), so the fixture is made once; else none (any worker, one test at a time)."""
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    if module in HEAVY_LANES:
+        return HEAVY_LANES[module]
+    shared = [name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+              if defs and defs[-1].scope in ("module", "package")]
+    if not shared:
+        return None
+    if shared == ["clusters"]:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "clusters" in item._fixtureinfo.argnames or "placement" not in params:
+            return f"{module}:clusters"  # asks for clusters itself: of any kind
+        base = str(params["placement"]).split("+")[0]
+        return f"{module}:{base}" if base in CLUSTERS else None  # else: spawns nothing
+    return module
+
+
+def pytest_itemcollected(item):
+    """Remote placements of the suite spawn processes: mark them multiprocess. Mark what
+    the twin pass runs (``twin``) and group tests for parallel workers (``xdist_group``,
+    read by xdist's own collection hook, which must see them)."""
+    if "placement" in getattr(item, "fixturenames", ()) and \
+            any(k in item.nodeid for k in ("tcp", "shm1x1", "mpi")):
+        item.add_marker(pytest.mark.multiprocess)
+    if not isinstance(item, pytest.Function):
+        return
+    if _runs_on_the_twin(item):
+        item.add_marker(pytest.mark.twin)
+    group = _xdist_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_modifyitems(items):
-    """Remote placements of the suite spawn processes: mark them multiprocess."""
-    for item in items:
-        if "placement" in getattr(item, "fixturenames", ()) and \
-                any(k in item.nodeid for k in ("tcp", "shm1x1", "mpi")):
-            item.add_marker(pytest.mark.multiprocess)
+    """The heavy lanes first: the parallel run queues groups in this order."""
+    heavy = set(HEAVY_LANES)
+    items.sort(key=lambda i: getattr(i, "module", None) is None or
+               i.module.__name__.rsplit(".", 1)[-1] not in heavy)
 
 
 os.environ.setdefault("DGLBACKEND", "pytorch")
@@ -395,20 +495,36 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 #: The compiled kernels once per CPU build (csrc/cpu_kernels.h), then their numpy twins.
 KERNEL_IMPLS = ["compiled-baseline", "compiled-avx2", "compiled-avx512", "reference"]
+#: The compiled kernels on the build this CPU picks, then their numpy twins.
+MODEL_IMPLS = ["compiled", "reference"]
 
 
 @pytest.fixture(params=KERNEL_IMPLS)
 def kernel_impl(request):
     """Run the test with the compiled kernels under each CPU build (baseline, AVX2,
-    AVX-512) and again with their numpy twins.
+    AVX-512) and again with their numpy twins: for the kernels' own oracles.
 
-    A compiled run skips where the extension is not loaded (not built, or the whole suite
-    is rerun with DISTEMB_NO_EXT=1, as ``make test`` does), or where this CPU lacks its
-    build.
+    A compiled run skips where the extension is not loaded (not built, or DISTEMB_NO_EXT=1
+    as in ``make test``'s twin pass), or where this CPU lacks its build.
     """
+    yield from _kernels_of(request.param)
+
+
+@pytest.fixture(params=MODEL_IMPLS)
+def model_impl(request):
+    """Run the test with the compiled kernels (the build this CPU picks) and again with
+    their numpy twins: for oracles of whole models and optimizers. Every build gives the
+    same bits, kernel by kernel (tests/test_cpu_isa.py, tests/test_half_isa.py), so a
+    model built from those kernels needs no run per build."""
+    yield from _kernels_of(request.param)
+
+
+def _kernels_of(param):
+    """Run the test's block on the kernels ``param`` names ('compiled', 'reference',
+    'compiled-<isa>'), or skip naming why they are not here."""
     from distemb import kernels
 
-    impl, _, isa = request.param.partition("-")
+    impl, _, isa = param.partition("-")
     if impl == "compiled" and not kernels.HAS_EXT:
         pytest.skip("compiled kernels not loaded (DISTEMB_NO_EXT=1 or not built): "
                     "the reference run covers this case")
@@ -417,7 +533,7 @@ def kernel_impl(request):
                     f"{kernels.available_cpu_isas()})")
     with kernels.implementation(impl), \
             (kernels.cpu_isa(isa) if isa else contextlib.nullcontext()):
-        yield request.param
+        yield param
 
 
 @pytest.fixture

@@ -29,6 +29,18 @@ def _ephemeral_low():
         return 32768  # Linux's default
 
 
+def _worker_slice(lo, hi):
+    """[lo, hi) cut into one slice per pytest-xdist worker: this worker's (all of it
+    outside xdist)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return lo, hi
+    size = (hi - lo) // count
+    k = int(worker[2:]) % count
+    return lo + k * size, lo + (k + 1) * size
+
+
 def free_port(span=8):
     """A TCP port on 127.0.0.1 nobody listens on, with the ``span - 1`` ports after it
     free too (distemb-launch puts server k of a machine on ``port + k``).
@@ -37,12 +49,15 @@ def free_port(span=8):
     usual trick) is an ephemeral one, and any connect() on the machine, such as a trainer
     of the very job that got it connecting to server 0, may take it as its local port
     before server 1 binds ``port + 1`` ("address already in use").
+
+    Under pytest-xdist each worker draws from its own slice of that range, so two tests
+    running at once never try the same port.
     """
     import random
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    low = _ephemeral_low()
+    first, end = _worker_slice(10000, _ephemeral_low())
     for _ in range(200):
-        base = rng.randrange(10000, low - span)
+        base = rng.randrange(first, end - span)
         socks = []
         try:
             for port in range(base, base + span):
@@ -55,7 +70,7 @@ def free_port(span=8):
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no {span} free ports in a row below {low}")
+    raise RuntimeError(f"no {span} free ports in a row in [{first}, {end})")
 
 
 def child_env(**extra):

@@ -1,17 +1,25 @@
 """benchmarks/bench_bag.py runs end to end at tiny sizes and prints its table: every
-contender of every mode asked for, with a time and a ratio against the baseline (the
-script's own numbers are in docs/bags.md; tests never assert on wall-clock time)."""
+contender of every mode asked for, with a time and a ratio against the baseline, and
+writes its record into the test's temporary directory (the script's own numbers are in
+benchmarks/results/bench_bag.json; tests never assert on wall-clock time)."""
+import json
 import os
 import re
 import sys
 
+import pytest
+
 from mp_helper import ROOT, ProcessGroup
 
+pytestmark = pytest.mark.bench_smoke
 
-def test_a_tiny_run_prints_every_contender_of_every_mode():
+
+def test_a_tiny_run_prints_every_contender_of_every_mode(tmp_path):
+    data = tmp_path / "results.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_bag.py"), "--rows", "500",
            "--dim", "8", "--bags", "32", "--length", "5", "--modes", "sum", "mean", "max",
-           "--pool", "2", "--steps", "2", "--repeats", "2", "--warmup", "1"]
+           "--pool", "2", "--steps", "2", "--repeats", "2", "--warmup", "1",
+           "--results", str(data)]
     with ProcessGroup() as group:
         p = group.spawn(cmd)
         out = group.wait_all(timeout=120)[p.pid]
@@ -27,3 +35,6 @@ def test_a_tiny_run_prints_every_contender_of_every_mode():
         assert min(float(ms), float(cpu_ms), float(ratio), float(cpu_ratio)) > 0, (mode, name)
         if name == "torch EmbeddingBag":
             assert float(ratio) == float(cpu_ratio) == 1.0
+    figures = json.loads(data.read_text())["main"]["figures"]
+    assert figures["vs_torch_cpu.sum.EmbeddingBag"]["value"] == 1.0
+    assert figures["vs_torch_cpu.max.bag"]["value"] > 0

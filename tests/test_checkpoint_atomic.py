@@ -1,7 +1,9 @@
-"""A refused load changes nothing (issue 18): a checkpoint damaged in a late block, a
-table whose segments do not cover it, or a manifest asking for oversized blocks is
-refused before the first row of the live table is written, for array tables and for
-keyed tables (whose load used to remove every key before it found the damage)."""
+"""A refused load changes nothing (issues 18, 37): a checkpoint damaged in a late block,
+a table whose segments do not cover it, a manifest asking for oversized blocks, and
+checkpoints a save never writes (a key the hash index reserves, an entry whose shape
+contradicts its records' rows, state without its weight into a table of any key) are
+refused before the first row of the live table is written, on every store kind (keyed
+tables' loads used to remove every key before they found the damage)."""
 import json
 import os
 
@@ -11,10 +13,11 @@ import pytest
 from distemb import checkpoint
 from distemb.errors import KVStoreError
 from distemb.kvstore import LocalKVClient
-from distemb.kvstore.checkpoint import segments
+from distemb.kvstore.checkpoint import segments, snapshot
 from distemb.kvstore.checkpoint.shards import load_shard
 from distemb.partition import range_policy
-from distemb.stores import HashStore
+from distemb.rules import AdagradHyper
+from distemb.stores import FileStore, HashStore
 
 
 def _damage_last_block(directory, suffix):
@@ -101,3 +104,112 @@ def test_a_refused_load_of_a_keyed_table_keeps_every_key(tmp_path, monkeypatch, 
     np.testing.assert_array_equal(after_keys, before_keys)
     for col in before:
         np.testing.assert_array_equal(after[col], before[col])
+
+
+# -- checkpoints a load must refuse in its checking pass, on every store kind -----------
+
+N, D = 12, 4
+INT64_MIN = np.iinfo(np.int64).min
+
+
+def _table(kind, tmp_path):
+    """An embedded client holding table "t" of store ``kind`` (with Adagrad state), its
+    rows and state unlike any checkpoint's."""
+    kv = LocalKVClient()
+    if kind in ("dense", "half"):
+        kv.init_data("t", (N, D), "bfloat16" if kind == "half" else "float32",
+                     range_policy(N))
+    else:
+        kv.add_table("t", HashStore(D) if kind == "hash" else
+                     FileStore(str(tmp_path / "live"), N, D))
+    kv.init_optimizer("t", "adagrad", {"initial_accumulator_value": 0.25})
+    kv.push("t", np.arange(N), np.full((N, D), 3.0, np.float32))
+    kv.push_update("t", np.array([1, 5]), np.ones((2, D), np.float32), "adagrad",
+                   AdagradHyper(clr=0.1, eps=1e-10))
+    return kv
+
+
+def _state(kv):
+    """Every key, row and state row of "t", as bytes."""
+    keys, cols = kv.export("t")
+    return [keys.tobytes()] + [cols[c].tobytes() for c in sorted(cols)]
+
+
+def _record(d, part, keys, columns=("weight", "sum")):
+    """One keyed record of ``keys`` in directory ``d`` (rows 7.0, state 9.0)."""
+    cols = {c: ((D,), "float32", lambda lo, hi, c=c: np.full(
+        (hi - lo, D), 7.0 if c == "weight" else 9.0, np.float32)) for c in columns}
+    return snapshot.write_shard(str(d), "0123abcd", "t", part, len(keys), cols,
+                                keys=lambda lo, hi: keys[lo:hi])
+
+
+def _hostile(tmp_path, name, keys, edit=None, more=()):
+    """A checkpoint of one keyed record of ``keys`` (every CRC right), and ``more``
+    records ``(part, keys, columns)``, its manifest entry edited by ``edit``."""
+    d = tmp_path / name
+    d.mkdir()
+    records = [_record(d, 0, keys)] + [_record(d, *r) for r in more]
+    entry = snapshot.new_entry((N, D), "float32", records)
+    if edit:
+        entry = edit(entry)
+    (d / "manifest.json").write_text(json.dumps(
+        {"format": snapshot.FORMAT, "version": snapshot.VERSION, "tensors": {"t": entry}}))
+    return d
+
+
+def _load(kv, directory, columns=("weight", "sum")):
+    """Load "t" from ``directory`` as a server's Load of its one shard does (the embedded
+    client's own check of the row count left out, as a token holder leaves it out)."""
+    entry = snapshot.table_entry(snapshot.read_manifest(directory), "t", directory)
+    kv.server.load("t", [0], str(directory), entry, list(columns))
+
+
+KEYS = np.arange(N, dtype=np.int64)
+HOSTILE = {
+    # a key the hash index reserves (a save never writes one), beside keys 0..N-1
+    "reserved_min": (lambda p: _hostile(p, "ck", np.append(KEYS, INT64_MIN)),
+                     "is reserved by the hash table"),
+    "reserved_marker": (lambda p: _hostile(p, "ck", np.insert(KEYS, 3, INT64_MIN + 1)),
+                        "is reserved by the hash table"),
+    # the entry's shape (version 3) or dim (version 2) contradicts its records' rows
+    "shape": (lambda p: _hostile(p, "ck", KEYS, lambda e: dict(e, shape=[N, D + 1])),
+              r"weight rows of shape \(4,\), the table's entry says rows of \(5,\)"),
+    "dim_v2": (lambda p: _hostile(p, "ck", KEYS, lambda e: {
+        "kind": "store", "dim": D - 1, "dtype": "float32", "shards": e["shards"]}),
+        r"weight rows of shape \(4,\), the table's entry says rows of \(3,\)"),
+}
+
+
+@pytest.mark.parametrize("kind", ["dense", "half", "hash", "file"])
+@pytest.mark.parametrize("hostile", sorted(HOSTILE))
+def test_a_hostile_checkpoint_is_refused_before_any_key_row_or_state_changes(
+        tmp_path, kind, hostile):
+    """Checkpoints a save never writes, every block's CRC right, are refused in the
+    checking pass on every store kind, and every key, row and state row of the table
+    stays the same, bit for bit. (A hash table lost every key: the writing pass removed
+    them, then refused the reserved key; the other kinds loaded what the entry's shape
+    contradicted, or the rows beside the reserved key.)"""
+    kv = _table(kind, tmp_path)
+    before = _state(kv)
+    make, message = HOSTILE[hostile]
+    with pytest.raises(KVStoreError, match=message):
+        _load(kv, make(tmp_path))
+    assert _state(kv) == before
+    _load(kv, _hostile(tmp_path, "fine", KEYS))  # the same checkpoint undamaged loads
+    np.testing.assert_array_equal(kv.pull("t", KEYS), np.full((N, D), 7.0, np.float32))
+
+
+def test_state_without_its_weight_is_refused_by_a_table_of_any_key(tmp_path):
+    """A table of any key holds the checkpoint's keys after a load, each made by the
+    write of its weight: a load of its state alone, or of a record holding state and no
+    weight, is refused before a key changes (the first gave every key a fresh row, the
+    second inserted keys that have no saved row)."""
+    kv = _table("hash", tmp_path)
+    before = _state(kv)
+    with pytest.raises(KVStoreError, match="loads the weight too"):
+        _load(kv, _hostile(tmp_path, "whole", KEYS), ["sum"])
+    bare = _hostile(tmp_path, "bare", KEYS, more=[(1, KEYS + 100, ("sum",))])
+    with pytest.raises(KVStoreError, match=r"record 1 holds state \['sum'\] without the "
+                                           "weight"):
+        _load(kv, bare)
+    assert _state(kv) == before

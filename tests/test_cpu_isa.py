@@ -3,7 +3,8 @@ FMA + F16C, AVX-512; picked at import) give the same bits for every rule, the ga
 dedup, and the choice can be overridden: ``kernels.cpu_isa()`` for a block,
 ``DISTEMB_CPU_ISA`` for a process, refused for a build this CPU lacks.
 (tests/test_half_isa.py does the same for the half kernels; tests/conftest.py's
-``kernel_impl`` runs the torch and numpy oracles of the kernels under every build.)"""
+``kernel_impl`` runs the torch and numpy oracles of the kernels under every build; the
+model-level oracles, ``model_impl``, run one build, which these tests make enough.)"""
 import os
 import subprocess
 import sys

@@ -98,7 +98,7 @@ def test_sharded_host_tables(twin, make_ctx, policy_kind):
     assert_within(runs[0][0], runs[0][1])
 
 
-def test_compiled_host_kernels_match_torch(twin, make_ctx, kernel_impl):
+def test_compiled_host_kernels_match_torch(twin, make_ctx, model_impl):
     """Rows updated on the host (misses) by the compiled kernels, cached ones by the twin."""
     ours, expected, _ = run_both(make_ctx(CONFIGS["lru_16rows"]), "adagrad", 16,
                                  lookup_device="cuda", steps=20)

@@ -5,6 +5,8 @@ the same initial rows: after 50 steps of zipf-distributed, duplicate-heavy ids t
 tables are bit-identical, for every optimizer, whether the keys are 0..N-1 or arbitrary
 int64 keys standing for the rows.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -114,6 +116,45 @@ def test_save_load_round_trip(ctx, tmp_path):
     (tmp_path / "junk.npz").write_text("no")
     with pytest.raises(StoreError, match="not a saved table"):
         b.load(tmp_path / "junk.npz")
+
+
+#: Saves a table, then saves it grown under a file-size limit (the kernel refuses the
+#: write past it, as a full disk does), and prints what the second save raised.
+FULL_DISK = """
+import os, resource, signal, sys, torch
+from distemb.context import DistContext
+from distemb.dynamic import DynamicEmbedding
+emb = DynamicEmbedding(64, name="t", context=DistContext.embedded(backend="pytorch"))
+emb(torch.arange(3))
+emb.save(sys.argv[1])
+emb(torch.arange(20000))  # 5 MiB of rows
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    emb.save(sys.argv[1])
+except OSError as e:
+    print("raised", type(e).__name__, e.errno, flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_save_that_runs_out_of_room_raises_its_oserror_and_nothing_else(tmp_path):
+    """A save that cannot write (a full disk; here a file-size limit) raises the OSError
+    and leaves the earlier file whole; the zip writer is closed before its file, so no
+    ignored "seek of closed file" error is printed at the writer's collection."""
+    import errno
+    import sys
+
+    from mp_helper import ProcessGroup
+    path = tmp_path / "t.npz"
+    with ProcessGroup() as group:
+        group.spawn([sys.executable, "-c", FULL_DISK, str(path)])
+        out = list(group.wait_all(60).values())[0]
+    assert out.strip() == f"raised OSError {errno.EFBIG}", out
+    assert sorted(os.listdir(tmp_path)) == ["t.npz"]  # no temporary file left
+    with np.load(path) as z:
+        assert z["c/keys"].tolist() == [0, 1, 2]  # the earlier save, whole
 
 
 def test_upsert_remove_and_eviction_drop_rows_with_their_state(ctx):

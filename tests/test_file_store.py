@@ -7,6 +7,7 @@ survives a process) and match a table trained in memory on the same batches.
 """
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
@@ -21,7 +22,7 @@ from distemb.dynamic import StoreEmbedding
 from distemb.errors import StoreError
 from distemb.optim import SparseAdagrad
 from distemb.stores import DenseStore, FileStore, key_normal, key_uniform
-from tests.mp_helper import ProcessGroup
+from tests.mp_helper import ProcessGroup, child_env
 
 
 def test_reopen_keeps_rows_and_optimizer_state(ctx, tmp_path):
@@ -63,14 +64,42 @@ def test_read_only_or_too_full_disk_fails_up_front(tmp_path):
     unwritable = r"path: (cannot create directory|directory .* is not writable)"
     with pytest.raises(StoreError, match=unwritable):
         FileStore(bad, num_rows=10, dim=2)
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    rows = free // (4 * 1024) * 2  # twice the free space
-    with pytest.raises(StoreError, match="No space left on device"):
-        FileStore(tmp_path / "huge", num_rows=int(rows), dim=1024)
-    assert not (tmp_path / "huge" / "weight.bin").exists()
     (tmp_path / "afile").write_text("x")
     with pytest.raises(StoreError, match="cannot create directory"):
         FileStore(tmp_path / "afile" / "sub", num_rows=10, dim=2)
+
+
+#: A FileStore twice the size of its file system, made in a child process that mounts a
+#: 4 MiB tmpfs of its own (a private mount namespace): the machine's disk is shared, and
+#: filling it, even while a preallocation fails, fails whatever else writes there.
+FULL_DISK = textwrap.dedent("""
+    import os, sys
+    from distemb.errors import StoreError
+    from distemb.stores import FileStore
+    path = os.path.join(sys.argv[1], "huge")
+    try:
+        FileStore(path, num_rows=2048, dim=1024)  # 8 MiB of float32 rows
+    except StoreError as e:
+        print("REFUSED", e)
+    print("LEFT", os.path.exists(os.path.join(path, "weight.bin")))
+""")
+
+
+def test_a_too_full_disk_fails_up_front_and_leaves_no_file(tmp_path):
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a small file system of its own "
+                    "(filling the machine's shared disk would fail other writers)")
+    small = tmp_path / "small"
+    small.mkdir()
+    run = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount -t tmpfs -o size=4m distemb-test "$1" && exec "$2" -c "$3" "$1"', "sh",
+         str(small), sys.executable, FULL_DISK],
+        env=child_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"REFUSED path: cannot make the 8388608-byte file of column 'weight' "
+                     r".*No space left on device", run.stdout), run.stdout + run.stderr
+    assert "LEFT False" in run.stdout, run.stdout
 
 
 CHILD = textwrap.dedent("""

@@ -53,7 +53,7 @@ def _optimizer(emb, case):
 
 @pytest.mark.parametrize("dim", [1, 7, 64])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sparse_ftrl_matches_keras_formula_in_float64(ctx, kernel_impl, case, dim):
+def test_sparse_ftrl_matches_keras_formula_in_float64(ctx, model_impl, case, dim):
     hyper = dict(CASES[case])
     init = hyper.pop("initial_accumulator_value", 0.1)
     rng = np.random.default_rng(dim)

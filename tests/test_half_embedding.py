@@ -72,7 +72,7 @@ def _train(ctx, case, dtype, steps=STEPS, policy=None, rounding="nearest", oracl
 
 @pytest.mark.parametrize("dtype", sorted(HALF_TOL))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_half_table_tracks_the_float32_oracle(ctx, kernel_impl, case, dtype):
+def test_half_table_tracks_the_float32_oracle(ctx, model_impl, case, dtype):
     ours, want, w0 = _train(ctx, case, dtype)
     assert ours.dtype == torch.float32
     assert (want - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"

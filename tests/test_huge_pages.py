@@ -141,15 +141,25 @@ def test_shards_and_their_maps_ask_for_huge_pages(shard_and_view):
     assert "hg" in mapping_of(view.array.ctypes.data)["VmFlags"], "the trainer's map"
 
 
+#: Set to 1 to let the test below write the machine's ``shmem_enabled`` (a kernel setting)
+#: for its duration; a test run changes nothing on the machine unless asked.
+MAY_SET_SHMEM = "DISTEMB_TEST_MAY_SET_SHMEM_ENABLED"
+
+
 @pytest.fixture
 def shmem_allows_huge_pages():
     """Shared memory may be on huge pages for the test: the machine's setting if it
-    allows them, else ``advise`` for the test's duration (root only), restored after."""
+    allows them; else, only when ``$DISTEMB_TEST_MAY_SET_SHMEM_ENABLED=1`` (root),
+    ``advise`` for the test's duration, restored after."""
     from distemb.pages import SHMEM_ENABLED, shmem_setting
     before = shmem_setting()
     if before in ("advise", "within_size", "always", "force"):
         yield
         return
+    if os.environ.get(MAY_SET_SHMEM) != "1":
+        pytest.skip(f"shmem_enabled is {before!r}, which keeps shared memory off huge pages, "
+                    f"and a test does not change a kernel setting unless asked: set "
+                    f"{MAY_SET_SHMEM}=1 (as root) to let it write 'advise' for its duration")
     if not os.access(SHMEM_ENABLED, os.W_OK):
         pytest.skip(f"shmem_enabled is {before!r} and not writable here (not root)")
     with open(SHMEM_ENABLED, "w") as f:

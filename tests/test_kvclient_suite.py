@@ -2,7 +2,8 @@
 
 Each test runs once per (placement, table kind) pair the placement holds
 (``tests/conftest.py``: placements; ``tests/suite_tables.py``: store kind x row dtype x
-router); a pair a placement cannot hold is a refusal naming both, tested by
+router), except the hash and DGL routers of fixed-key tables behind a device cache, which
+routes nothing itself (conftest's ``routes``); a pair a placement cannot hold is a refusal naming both, tested by
 :func:`test_every_table_kind_is_held_or_refused_by_name`. The tests use only the KVClient
 interface and the public table API, so any difference between placements is a bug.
 
@@ -93,7 +94,8 @@ def test_updates_match_torch_optim(client, table, rule):
     nn.Embedding over 10 steps of duplicate-heavy ids (summed as torch sums them)."""
     t = table
     np.testing.assert_array_equal(t.rows(client), t.initial())  # every key held
-    names = client.init_optimizer(t.name, rule, {"initial_accumulator_value": 0.0})
+    names = client.init_optimizer(t.name, rule, {"initial_accumulator_value": 0.0}
+                                  if rule == "adagrad" else {})  # what each rule reads
     ref = torch.nn.Embedding(N, D, sparse=True)
     ref.weight.data.copy_(torch.from_numpy(t.initial()))
     opt = _torch_opt(rule, [ref.weight])
@@ -116,6 +118,23 @@ def test_updates_match_torch_optim(client, table, rule):
     for sname in names:
         np.testing.assert_allclose(state[sname], opt.state[ref.weight][TORCH_STATE[sname]],
                                    rtol=1e-4, atol=1e-6, err_msg=sname)
+
+
+def test_an_option_no_state_of_the_rule_reads_is_refused_naming_it(client, table):
+    """Every placement refuses an optimizer option the rule's states do not start from
+    (a server ignored it, an embedded store still does not read it), before any state
+    changes; the rule's own option is taken."""
+    t = table
+    np.testing.assert_array_equal(t.rows(client), t.initial())  # every key held
+    names = client.init_optimizer(t.name, "adagrad", {"initial_accumulator_value": 0.5})
+    for rule, options, bad in (("adagrad", {"initial_accumulator_value": 0.1, "bogus": 1.0},
+                                "bogus"),
+                               ("sgd", {"initial_accumulator_value": 0.1},
+                                "initial_accumulator_value")):
+        with pytest.raises(KVStoreError, match=f"options.{bad}: unknown option of rule "
+                                               f"'{rule}'"):
+            client.init_optimizer(t.name, rule, options)
+    np.testing.assert_array_equal(t.state(client, names)["sum"], np.full((N, D), 0.5))
 
 
 def test_ftrl_matches_the_reference_rule(client, table):
@@ -404,8 +423,9 @@ def test_a_partition_policy_is_refused_where_it_cannot_route(ctx, tmp_path):
     from distemb.stores.file import FileStore
     from distemb.stores.spec import FileTableSpec, HashTableSpec
 
-    class OwnBook(RangePartitionBook):
-        pass
+    class OwnBook(RangePartitionBook):  # numbers its partitions in no progression
+        def id_progression(self, kind, type_name, part):
+            raise NotImplementedError
 
     spec = FileTableSpec(str(tmp_path / "f"), N, D, preallocate=False)
     store = FileStore(str(tmp_path / "s"), num_rows=N, dim=D, preallocate=False)
@@ -415,7 +435,8 @@ def test_a_partition_policy_is_refused_where_it_cannot_route(ctx, tmp_path):
                                     r"a store object is one shard"),
         (spec, range_policy(N + 1, 2), rf"covers {N + 1} ids, the file table has {N} rows"),
         (spec, PartitionPolicy("node", "_N", OwnBook(2, node_bounds={"_N": [0, 5, N]})),
-         r"expected a policy of a RangePartitionBook .* of a OwnBook"),
+         r"expected a policy whose book gives its partitions' id progressions .* of a "
+         r"OwnBook"),
         (spec.partitioned_by(range_policy(N, 2)), range_policy(N, 3),
          r"the storage is partitioned as \('range', \(0, 12, 24\)\)"),
     ]

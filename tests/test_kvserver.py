@@ -5,6 +5,7 @@ import pytest
 
 from distemb.errors import KVStoreError
 from distemb.kvstore import KVServer
+from distemb.kvstore.server.service import KVService
 from distemb.rules import SGDHyper
 from distemb.stores.dense import DenseSpec
 
@@ -102,3 +103,48 @@ def test_sync_exact_refuses_a_second_push_of_one_rank():
     _exact_step(svc, [1], {1: 1.0})  # the real second trainer completes the step
     first.join(30)
     assert svc.server.shard("w", 0)[0, 0] == -2.0
+
+
+def test_sync_exact_refuses_a_reserved_key_before_it_is_buffered():
+    """An exact update naming a key the hash index reserves is refused when it arrives,
+    naming the key, and never buffered: the step is the trainers' valid pushes alone. (It
+    was buffered, then the whole step failed when it was applied.)"""
+    import threading
+
+    from distemb.stores.spec import HashTableSpec
+    from distemb.transport.base import Session
+    from distemb.transport.messages import Create, Service, Update
+
+    svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=2, timeout_s=30)
+    svc.handle(Create.of_spec("d", HashTableSpec(2)).encode())
+    svc.server.pull("d", 0, np.array([7, 9, 10]))  # looked up: held, rows of zeros
+
+    def push(rank, ids):
+        return Update(name="d", rule="sgd", hyper={"lr": 1.0}, seq=0, exact=True, parts=[0],
+                      counts=[len(ids)], ids=np.array(ids, np.int64),
+                      grads=np.ones((len(ids), 2), np.float32)).encode()
+
+    for bad in (np.iinfo(np.int64).min, np.iinfo(np.int64).min + 1):
+        replies = []
+        t = threading.Thread(target=lambda: replies.append(
+            svc.handle(push(1, [7, bad]), Session(peer="t1", rank=1))))
+        t.start()
+        while t.is_alive() and not svc.exact_steps.pending():
+            threading.Event().wait(0.001)
+        buffered = svc.exact_steps.pending()
+        if buffered:  # complete the step, so the thread ends
+            svc.handle(push(0, [7]), Session(peer="t0", rank=0))
+        t.join(30)
+        assert not buffered, f"key {bad} was buffered: {buffered}"
+        assert replies[0].service == Service.ERROR
+        assert f"{bad} is reserved by the hash table" in replies[0].fields["message"]
+    replies = {}
+    threads = [threading.Thread(target=lambda r=r: replies.__setitem__(
+        r, svc.handle(push(r, [7, 9 + r]), Session(peer=f"t{r}", rank=r)))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(r.service == Service.REPLY for r in replies.values()), replies
+    assert svc.server.pull("d", 0, np.array([7, 9, 10])).tolist() == \
+        [[-2.0, -2.0], [-1.0, -1.0], [-1.0, -1.0]]

@@ -111,7 +111,7 @@ def test_twins_agree_closely():
     np.testing.assert_allclose(got[2], ref[2], rtol=1e-4, atol=1e-7)
 
 
-def test_trains_distemb_tables_as_the_plain_loss_does(kernel_impl):
+def test_trains_distemb_tables_as_the_plain_loss_does(model_impl):
     """Unique-id lookups + the fused loss give the tables the plain loss gives them."""
     gen = torch.Generator().manual_seed(5)
     centers = torch.randint(30, (200,), generator=gen)
@@ -120,9 +120,9 @@ def test_trains_distemb_tables_as_the_plain_loss_does(kernel_impl):
     init = torch.randn(30, 8, generator=gen) * 0.3
     tables = []
     for fused in (False, True):
-        node = distemb.DistEmbedding(30, 8, name=f"sg-node-{fused}-{kernel_impl}",
+        node = distemb.DistEmbedding(30, 8, name=f"sg-node-{fused}-{model_impl}",
                                      init_func=lambda s, d: init.clone().to(d))
-        ctx = distemb.DistEmbedding(30, 8, name=f"sg-ctx-{fused}-{kernel_impl}",
+        ctx = distemb.DistEmbedding(30, 8, name=f"sg-ctx-{fused}-{model_impl}",
                                     init_func=lambda s, d: (init.flip(0) * 0.5).to(d))
         opt = distemb.SparseAdam([node, ctx], lr=0.05)
         for _ in range(5):

@@ -133,7 +133,7 @@ def assert_within(ours, expected):
 
 @pytest.mark.parametrize("dim", [1, 7, 128])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_torch_oracle(ctx, kernel_impl, case, dim):
+def test_matches_torch_oracle(ctx, model_impl, case, dim):
     ours, expected, w0 = run_both(ctx, case, dim)
     assert (expected - w0).abs().max() > 1e-2, "the oracle did not move: the test would be void"
     assert_within(ours, expected)

@@ -8,8 +8,9 @@ import pytest
 from distemb.config import load_partition_config
 from distemb.errors import ConfigError, PartitionError
 from distemb.partition import (EdgePartitionPolicy, HashPartitionBook, NodePartitionPolicy,
-                               RangePartitionBook, load_dgl_partition_config,
-                               load_policies, load_policy_config, range_policy)
+                               RangePartitionBook, json_layout, layout_json, layout_policy,
+                               load_dgl_partition_config, load_policies, load_policy_config,
+                               policy_layout, range_policy)
 
 
 def test_range_book_maps_ids():
@@ -186,3 +187,36 @@ def test_a_one_partition_policy_maps_ids_by_its_book(client):
     np.testing.assert_array_equal(client.pull("t", ids)[:, 0], 9 - ids)
     client.push("t", ids[:1], np.full((1, 2), -1.0, np.float32))
     np.testing.assert_array_equal(client.pull("t", np.array([0, 9]))[:, 0], [-1.0, 0.0])
+
+
+def test_a_policy_of_any_book_travels_as_its_progressions_and_maps_ids_alike():
+    """A book other than ranges or id % P reaches servers as its partitions' id
+    progressions: the rebuilt policy gives every id the partition and local id the book
+    gives it (two partitions, one backwards); a book that gives no progressions is
+    refused naming what it lacks."""
+    class TwoWays(RangePartitionBook):
+        def to_local(self, kind, type_name, ids):
+            part = self.to_partid(kind, type_name, ids)
+            return np.where(part == 0, ids, self.num_ids(kind, type_name) - 1 - ids)
+
+        def id_progression(self, kind, type_name, part):
+            return (0, 1) if part == 0 else (self.num_ids(kind, type_name) - 1, -1)
+
+    book = TwoWays(2, node_bounds={"_N": [0, 4, 10]})
+    policy = NodePartitionPolicy(book)
+    layout = policy_layout(policy)
+    assert layout == ("progressions", ((0, 1, 4), (9, -1, 6)))
+    rebuilt = layout_policy(json_layout(layout_json(layout)), 10)
+    ids = np.arange(10)
+    assert rebuilt.to_partid(ids).tolist() == policy.to_partid(ids).tolist()
+    assert rebuilt.to_local(ids).tolist() == [0, 1, 2, 3, 5, 4, 3, 2, 1, 0]
+    assert rebuilt.to_local(ids).tolist()[4:] == (9 - ids[4:]).tolist()
+
+    class Silent(RangePartitionBook):
+        def id_progression(self, kind, type_name, part):
+            raise NotImplementedError
+
+    with pytest.raises(ValueError, match="id progressions"):
+        policy_layout(NodePartitionPolicy(Silent(1, node_bounds={"_N": [0, 3]})))
+    with pytest.raises(ValueError, match="progressions hold 10 ids, the table has 11"):
+        layout_policy(layout, 11)

@@ -276,3 +276,64 @@ def test_versions_of_keys_that_grow_a_hash_store_are_read_after_the_growth():
     t.push(np.arange(200_000, 210_000), np.ones((10_000, 2), np.float32))
     bumped = t.versions(np.arange(200_000, 210_000), None)
     assert (bumped == bumped[0]).all() and bumped[0] > got[0]
+
+
+
+def _service():
+    """An in-process server's service, and ``ask(message) -> reply frame``."""
+    from distemb.kvstore.server.service import KVService
+    svc = KVService(KVServer(), server_id=0, num_servers=1, num_trainers=1)
+    return svc, lambda msg: svc.handle(msg.encode())
+
+
+def test_an_optimizer_option_the_rule_does_not_read_is_refused_naming_it():
+    """Issue 37: an OptInit option that no state of the rule starts from is refused,
+    named, before any state is made (it was ignored, as unknown hyperparameters are not)."""
+    from distemb.transport.messages import OptInit, Service
+    svc, ask = _service()
+    assert ask(Create.of_spec("T", DenseSpec((5, 4)))).service == Service.REPLY
+    for rule, options, bad in (
+            ("adagrad", {"initial_accumulator_value": 0.1, "bogus": 1.0}, "bogus"),
+            ("sgd", {"initial_accumulator_value": 0.1}, "initial_accumulator_value"),
+            ("adam", {"lr": 0.1}, "lr")):
+        r = ask(OptInit(name="T", rule=rule, parts=[0], options=options))
+        assert r.service == Service.ERROR, (rule, options)
+        assert f"options.{bad}: unknown option of rule {rule!r}" in r.fields["message"], \
+            r.fields["message"]
+        assert list(svc.server.table("T", 0).columns()) == ["weight"]  # no state made
+
+
+def test_a_spec_whose_initialiser_contradicts_its_dim_is_refused_naming_it():
+    """Issue 37: a table spec's ``init_args.dim`` must be its ``dim`` (a zeros
+    initialiser's was not compared: the spec was taken with the table's dim)."""
+    from distemb.stores.spec import HashTableSpec
+    from distemb.transport.messages import Service
+    from test_hostile import SpecCreate
+    svc, ask = _service()
+    for init, args in (("zeros", {"dim": 9}), ("normal", {"dim": 9, "std": 1.0, "seed": 0})):
+        r = ask(SpecCreate(name="d", **dict(HashTableSpec(8).fields(), init=init,
+                                            init_args=args)))
+        assert r.service == Service.ERROR, init
+        assert "init_args.dim: 9, the table's dim is 8" in r.fields["message"], r.fields
+        assert not svc.server.has("d", 0)
+
+
+def test_a_write_of_state_to_a_key_the_table_lacks_is_refused_naming_it():
+    """Issue 37: optimizer state is written only to keys a hash table holds (the push
+    inserted the key, with a fresh row); nothing of the push is written."""
+    from distemb.stores.spec import HashTableSpec
+    from distemb.transport.messages import OptInit, Push, Service
+    from test_hostile import SpecCreate
+    svc, ask = _service()
+    assert ask(SpecCreate(name="d", **HashTableSpec(2).fields())).service == Service.REPLY
+    assert ask(OptInit(name="d", rule="adagrad", parts=[0],
+                       options={"initial_accumulator_value": 0.5})).service == Service.REPLY
+    assert ask(Push(name="d", parts=[0], counts=[1], ids=np.array([7]),
+                    values=np.ones((1, 2), np.float32))).service == Service.REPLY
+    r = ask(Push(name="d~opt~sum", parts=[0], counts=[2], ids=np.array([7, 8]),
+                 values=np.full((2, 2), 3.0, np.float32)))
+    assert r.service == Service.ERROR
+    assert "keys: 1 key(s) not in the store, e.g. [8]" in r.fields["message"], r.fields
+    table = svc.server.table("d", 0)
+    assert table.store.keys().tolist() == [7]
+    assert table.get(np.array([7]), "sum").tolist() == [[0.5, 0.5]]  # nothing written

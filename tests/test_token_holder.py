@@ -9,7 +9,12 @@ of /dev/shm, unsealed or half-sealed memfds, directories, pipes, sockets, device
 O_PATH and write-only descriptors, too many descriptors in a frame, descriptors on
 frames that take none), hostile layouts in a real slot, the old protocol's slot paths,
 and loads of damaged checkpoints (a corrupt late block, half or double coverage, missing,
-truncated or renamed segments, lying manifests). Every message is built to be invalid,
+truncated or renamed segments, lying manifests, and, every CRC right, a key the hash
+index reserves, an entry whose shape contradicts its records, state without its weight).
+Requests a server once took or refused only by accident or late (issue 37: an unknown
+optimizer option, a spec's initialiser of another dim, state written to a key the table
+lacks, a 2-d ``have``, an exact update of a reserved key) are sent as they are, and
+their errors must name what is wrong. Every message is built to be invalid,
 so the oracle is exact: each must be answered with an error, the server process must
 stay up, every row and optimizer state of the tables it attacks must be the same, bit
 for bit, afterwards (checked after each kind), and the server must hold no descriptor
@@ -25,6 +30,7 @@ import shutil
 import signal
 import sys
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -215,6 +221,44 @@ KINDS = {
 }
 
 
+INT64_MIN = np.iinfo(np.int64).min
+# Requests each refused for one reason, which its error must name (issue 37): a server
+# took them, refused them only by accident, or only after it had queued them.
+NAMED = {
+    Update: [({"name": "dyn", "exact": True, "ids": ids(3, INT64_MIN)},
+              f"{INT64_MIN} is reserved by the hash table"),
+             ({"name": "dyn", "exact": True, "ids": ids(3, INT64_MIN + 1)},
+              f"{INT64_MIN + 1} is reserved by the hash table")],
+    OptInit: [({"options": {"initial_accumulator_value": 0.1, "bogus": 1.0}},
+               "options.bogus: unknown option of rule 'adagrad'"),
+              ({"rule": "sgd"}, "options.initial_accumulator_value: unknown option"),
+              ({"name": "dyn", "options": {"initial_accumulator_value": 0.1, "lr": 0.1}},
+               "options.lr: unknown option of rule 'adagrad'")],
+    SpecCreate: [({"init_args": {"dim": DIM + 1}}, f"init_args.dim: {DIM + 1}, the table's "
+                                                   f"dim is {DIM}"),
+                 ({"init": "normal", "init_args": {"dim": DIM + 1, "std": 1.0, "seed": 0}},
+                  f"init_args.dim: {DIM + 1}, the table's dim is {DIM}")],
+    Push: [({"name": "dyn~opt~sum", "ids": ids(1, 2)}, "key(s) not in the store, e.g. [1, 2]"),
+           ({"name": "dyn~opt~sum", "ids": ids(int(KEYS[0]), 5)},
+            "key(s) not in the store, e.g. [5]")],
+    VersionedPull: [({"have": np.zeros((2, 1), np.int64)}, "VersionedPull.have: expected "
+                                                           "int64 of shape (2,)"),
+                    ({"name": "dyn", "ids": ids(3, 11), "have": np.zeros((2, 3), np.int64)},
+                     "VersionedPull.have")],
+    Load: [({"directory": "<ck_dyn>", "name": "dyn", "columns": ["sum"]},
+            "loads the weight too")],
+}
+#: What the refusal of a load of each of these damaged checkpoints must name.
+NAMED_DAMAGE = {
+    "<ck_keep:entry_shape>": f"the table's entry says rows of ({DIM + 1},)",
+    "<ck_dyn:entry_shape>": f"the table's entry says rows of ({DIM + 1},)",
+    "<ck_dyn:v2_dim>": f"the table's entry says rows of ({DIM + 1},)",
+    "<ck_dyn:keys_reserved>": f"{INT64_MIN} is reserved by the hash table",
+    "<ck_dyn:keys_marker>": f"{INT64_MIN + 1} is reserved by the hash table",
+    "<ck_dyn:state_alone>": "holds state ['sum'] without the weight",
+}
+
+
 # --- damaged checkpoints ------------------------------------------------------------
 
 
@@ -252,6 +296,18 @@ def _seg(m, i):
 def _columns(m, **edit):
     for r in _shards(m):
         r["columns"]["weight"].update(edit)
+
+
+def _set_key(directory, m, index, key):
+    """Make saved key ``index`` of "dyn" ``key``, its block's CRC-32 right again."""
+    seg = _dyn_shard(m)["keys"]
+    path = directory / seg["file"]
+    keys = np.fromfile(path, np.int64)
+    keys[index] = key
+    keys.tofile(path)
+    step = seg["block_rows"]
+    crcs = [zlib.crc32(keys[lo:lo + step].tobytes()) for lo in range(0, len(keys), step)]
+    _edit_manifest(directory, lambda x: _dyn_shard(x)["keys"].update(crc32=crcs))
 
 
 KEEP_DAMAGE = {
@@ -293,6 +349,9 @@ KEEP_DAMAGE = {
                                    os.symlink("/dev/zero", d / "manifest.json")),
     "format": lambda d, m: _edit_manifest(d, lambda x: x.update(format=99)),
     "no_tensor": lambda d, m: _edit_manifest(d, lambda x: x["tensors"].pop("keep")),
+    # every CRC right, the entry's shape contradicting its records' rows (issue 37)
+    "entry_shape": lambda d, m: _edit_manifest(
+        d, lambda x: x["tensors"]["keep"].update(shape=[ROWS, DIM + 1])),
 }
 DYN_DAMAGE = {
     "crc_weight": lambda d, m: _flip_last_block(d, _dyn_shard(m)["columns"]["weight"]["segment"]),
@@ -316,6 +375,18 @@ DYN_DAMAGE = {
         d / _dyn_shard(m)["columns"]["sum"]["segment"]["file"], 4),
     "keys_type": lambda d, m: _edit_manifest(d, lambda x: _dyn_shard(x).update(keys="x")),
     "kind": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"].update(kind="array")),
+    # checkpoints a save never writes, every CRC right (issue 37): a key the hash index
+    # reserves, an entry whose shape (v3) or dim (v2) contradicts its records' rows, and
+    # a record of state without its weight
+    "keys_reserved": lambda d, m: _set_key(d, m, 5, INT64_MIN),
+    "keys_marker": lambda d, m: _set_key(d, m, 0, INT64_MIN + 1),
+    "entry_shape": lambda d, m: _edit_manifest(
+        d, lambda x: x["tensors"]["dyn"].update(shape=[None, DIM + 1])),
+    "v2_dim": lambda d, m: _edit_manifest(d, lambda x: x["tensors"].update(dyn={
+        "kind": "store", "dim": DIM + 1, "dtype": "float32",
+        "shards": x["tensors"]["dyn"]["shards"]})),
+    "state_alone": lambda d, m: _edit_manifest(d, lambda x: x["tensors"]["dyn"]["shards"].append(
+        dict(_dyn_shard(x), columns={"sum": _dyn_shard(x)["columns"]["sum"]}))),
 }
 
 
@@ -495,7 +566,8 @@ def _resolve(kw, paths, tmp_path):
 
 
 def messages_of(cls, rng, paths, tmp_path, token):
-    """PER_KIND invalid messages of ``cls``: its base with 1 to 3 distinct mutations."""
+    """``(message, what its error must name or None)``: PER_KIND invalid messages of
+    ``cls`` (its base with 1 to 3 distinct mutations), then its :data:`NAMED` ones."""
     base, mutations = KINDS[cls]
     for _ in range(PER_KIND):
         kw = dict(base)
@@ -508,12 +580,17 @@ def messages_of(cls, rng, paths, tmp_path, token):
                 touched.update(mutations[i])
         if cls is Hello and kw["token"] is None:
             kw["token"] = token
-        yield cls(**_resolve(kw, paths, tmp_path))
+        yield cls(**_resolve(kw, paths, tmp_path)), None
+    for mutation, expect in NAMED.get(cls, ()):
+        yield cls(**_resolve(dict(base, **mutation), paths, tmp_path)), expect
     if cls is Load:  # every damaged checkpoint of "keep" and of "dyn", as it is
         for key in sorted(k for k in paths if k.startswith("<ck_keep:")):
-            yield cls(**dict(base, directory=paths[key]))
+            # the weight alone, which "keep"'s checkpoint holds: each damage is looked at
+            # (every column would be refused first for the state it lacks)
+            yield (cls(**dict(base, directory=paths[key], columns=["weight"])),
+                   NAMED_DAMAGE.get(key))
         for key in sorted(k for k in paths if k.startswith("<ck_dyn:")):
-            yield cls(**dict(base, name="dyn", directory=paths[key]))
+            yield cls(**dict(base, name="dyn", directory=paths[key])), NAMED_DAMAGE.get(key)
 
 
 def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkeypatch):
@@ -545,15 +622,18 @@ def test_a_token_holder_cannot_crash_the_server_or_change_a_row(tmp_path, monkey
         fds = open_fds(srv.proc.pid)
         sent, errors = {}, {}
         kinds = [(cls.__name__, messages_of(cls, rng, paths, tmp_path, srv.cfg.job_token))
-                 for cls in KINDS] + [("InShm", in_shm_messages(srv.cfg.job_id, tmp_path))]
+                 for cls in KINDS] + [("InShm", ((m, None) for m in in_shm_messages(
+                     srv.cfg.job_id, tmp_path)))]
         for kind, msgs in kinds:
-            for msg in msgs:
+            for msg, expect in msgs:
                 frame = holder.ask(msg)
                 sent[kind] = sent.get(kind, 0) + 1
                 assert srv.proc.poll() is None, f"server died on {short(msg)}"
                 assert frame is not None, f"no answer to {short(msg)}"
                 assert frame.service == Service.ERROR, \
                     f"accepted: {short(msg)} -> {str(frame.fields)[:200]}"
+                assert expect is None or expect in frame.fields["message"], \
+                    f"{short(msg)} refused for another reason: {frame.fields['message']}"
                 errors[kind] = errors.get(kind, 0) + 1
             after = holder.state()
             assert after == before, \

@@ -80,6 +80,12 @@ def test_malformed_frames_are_rejected_before_allocation(data, match):
     (Frame(Service.UPDATE, "w", {"rule": "sgd", "hyper": {"lr": "x"}, "seq": 1, "exact": False,
                                  "parts": [0], "counts": [1]},
            [np.arange(1), np.ones((1, 2), np.float32)]), "Update.hyper"),
+    # issue 37: a 2-d ``have`` got past the decode and failed deep in the handler
+    (Frame(Service.VERSIONED_PULL, "w", {"parts": [0], "counts": [2], "states": []},
+           [np.arange(2), np.zeros((2, 1), np.int64)]),
+     r"VersionedPull.have: expected int64 of shape \(2,\), got int64 \(2, 1\)"),
+    (Frame(Service.VERSIONED_PULL, "w", {"parts": [0], "counts": [2], "states": []},
+           [np.arange(2), np.zeros((2, 0), np.int64)]), "VersionedPull.have"),
 ])
 def test_invalid_messages_are_rejected(frame, match):
     with pytest.raises(TransportError, match=match):

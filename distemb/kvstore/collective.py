@@ -7,44 +7,19 @@ sends to ``r`` for a hash or file table), in its own in-process
 :class:`~distemb.kvstore.server.kvserver.KVServer`: an embedded
 :class:`~distemb.kvstore.local.LocalKVClient` of its shards. The ranks exchange rows
 over their own gloo group with ``all_to_all_single``, as torchrec and SOK do
-(:mod:`distemb.transport.collective`):
+(:mod:`distemb.transport.collective`).
 
-- ``pull``: a header (operation, tables, sequence number, bytes for each owner) is
-  exchanged first, then the ids go to their owners, each owner gathers its rows (a hash
-  table's lookup inserts absent keys there), and the rows come back;
-- ``push`` and ``push_update``: the header, then ids and rows together in one exchange.
-  The gradients of a rank's duplicate ids are already summed (``coalesce``); each owner
-  sums the contributions of all ranks per id (in rank order) and applies the fused update
-  once. Every step is therefore the step of one process on the concatenated batch;
-- key management is collective too: ``size`` sums every rank's count; ``contains``,
-  ``get``, ``remove`` ask each key's owner; ``evict`` evicts each rank's shards down to
-  its share by its own order; ``export`` gives every rank the whole table.
-
-**Prefetch** (``emb.prefetch(next_ids)``, collective like every call): the keys wait
-for the table's next step; they travel to their owners in the step's round with the
-gradients, each owner gathers their rows right after applying the update, and the rows
-come back in one more round that runs in the background while the next batch is
-prepared. The next lookup of the table takes them (one round instead of three: the
-ranks only agree that none of them misses a row), exactly as a lookup after the step
-would read them. A push, removal, eviction or load of the table drops its prefetches.
-
-**Grouped calls**: ``pull_many`` (:func:`~distemb.embedding.grouped_lookup`) and
-``apply_gradients`` (an optimizer's ``step()``, every table of it) move every table of
-the call in those same rounds: a step of T tables is five all-to-alls, not 5 T.
-
-Every storage call is collective: every rank makes the same calls on the same tables in
-the same order (a rank without gradients still takes part in the step: it sends nothing
-for the table, and a flag saying so; the table steps when any rank had gradients for it).
-The header catches ranks that went apart (a clear error on every rank, not rows of
-another table). A rank that dies or stops answering makes the others raise
-:class:`~distemb.errors.KVStoreError` within the group's timeout, naming the ranks that
-did not report after the failure (through the job's rendezvous store).
-
-Not in this mode yet (each is a KVStoreError, never a silent bypass): a table on a store
-object the user made (one process's; pass a spec), lookups onto a GPU
-(``emb(ids, device=...)``) and caches. Checkpoints (``opt.save``/``opt.load``) are
-collective: each rank writes and reads its own shards, in the format of every other
-placement (a checkpoint of W ranks loads into W' ranks, servers or one process, and back).
+Every storage call is collective (the same calls on the same tables in the same order on
+every rank): a pull exchanges a header, then the ids, then the rows; a push or update the
+header, then ids and rows together, each owner summing the ranks' contributions per id in
+rank order and stepping once, so every step is the step of one process on the
+concatenated batch. ``pull_many`` and ``apply_gradients`` move every table of the call in
+those same rounds. A header that disagrees, or a rank that dies, raises
+:class:`~distemb.errors.KVStoreError` on every rank within the group's timeout. Key
+management, checkpoints (the format of every placement) and what this mode refuses (store
+objects, GPU lookups, caches) are described in ``docs/cluster.md``; prefetch
+(the keys ride in the step's round, the rows come back in a background round) in
+``docs/prefetch.md``.
 
 This module imports torch: server processes never import it.
 

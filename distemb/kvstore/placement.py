@@ -6,8 +6,9 @@ is the placement, trainer side: ``ids_in``/``values_in``/``tensor_in`` turn the 
 tensors into the client's arrays (validated), ``rows_out`` turns pulled rows into backend
 tensors, ``coalesce`` sums the gradients of duplicate ids on the client's own device with
 its own kernels, and ``view_on(device)`` is the client through which rows are looked up
-onto ``device`` (itself, or a thin wrapper). :class:`HostPlacement` is it for host clients
-(every KVClient inherits it; device clients override it, :mod:`distemb.kvstore.device`);
+onto ``device`` (:func:`~distemb.kvstore.views.view_on_host` for host clients).
+:class:`HostPlacement` is it for host clients (every KVClient inherits it; device clients
+override it, :mod:`distemb.kvstore.device`);
 a client wrapping another without moving its rows hands it on
 (:class:`~distemb.kvstore.wrapper.Wrapper`).
 
@@ -144,26 +145,6 @@ class HostPlacement:
             buf = np.empty((max(n, 1), dim), dtype=np.float32)
             buffers[name] = buf
         return buf
-
-    def view_on(self, device):
-        """The client through which rows of this client's tables are looked up onto ``device``.
-
-        Args:
-            device: None or 'cpu' (this client itself), or a CUDA device: a view that
-                copies looked-up rows there and sums their gradients there, moving only
-                the sums back (:class:`~distemb.kvstore.views.HostTableOnDevice`).
-
-        Raises:
-            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
-            ValueError: ``device`` is neither.
-        """
-        if device is None or str(device) == "cpu":
-            return self
-        # Imported on demand: the device module imports torch, which server processes
-        # (that import this module) must never load.
-        from distemb.kvstore.views import HostTableOnDevice
-
-        return HostTableOnDevice.of(self, device)
 
 
 def _ascending_unique(ids: np.ndarray) -> bool:

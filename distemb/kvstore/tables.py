@@ -30,6 +30,7 @@ from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.checkpoint import snapshot
 from distemb.kvstore.types import DataMeta, KVClient, refuse_store
+from distemb.kvstore.views import view_on_host
 from distemb.partition import PartitionPolicy
 from distemb.routers import Router
 from distemb.rules import rule_of, state_name, state_owner
@@ -243,6 +244,9 @@ class TableClient(KVClient):
     ``size``, ``contains``, ``get``, ``export``).
     """
 
+    def view_on(self, device):
+        return view_on_host(self, device)
+
     #: Whether this client's shards live in other processes (a spec must travel there),
     #: and what those are called in errors.
     sharded = False
@@ -360,7 +364,9 @@ class TableClient(KVClient):
             raise KVStoreError(f"optimizer of {name!r}: needs a 2-d table of "
                                f"{'/'.join(WEIGHT_DTYPES)}, it has rows {table.row_shape} "
                                f"{table.dtype}")
-        rule_of(rule)  # an unknown rule is refused before any state is made
+        # an unknown rule, or an option its states do not start from, is refused before
+        # any state is made (a cluster's every rank, before its barrier)
+        options = rule_of(rule).options_from(options)
         self._init_states(table, rule, options)
         return self.tables.set_states(name, rule)
 

@@ -239,8 +239,9 @@ class KVClient(HostPlacement, ABC):
             dict state name -> KVStore name of that state.
 
         Raises:
-            KVStoreError: no table ``name``, no rule ``rule``, or rows an optimizer cannot
-                update.
+            KVStoreError: no table ``name``, no rule ``rule``, rows an optimizer cannot
+                update, or an option of ``options`` the rule's states do not start from
+                (or not finite).
         """
 
     @abstractmethod
@@ -376,11 +377,14 @@ class KVClient(HostPlacement, ABC):
         return {"keys": keys, **cols}
 
     def load_table_state(self, name: str, state_names: Dict[str, str], entry) -> None:
-        """Upsert what :meth:`table_state` gave (a table of fixed keys also takes an entry
-        without ``"keys"``: its rows 0..N-1 in order, the format before keys were saved).
+        """Write back what :meth:`table_state` gave, to keys the table holds (a table of
+        fixed keys also takes an entry without ``"keys"``: its rows 0..N-1 in order, the
+        format before keys were saved; a table of any key's rows are restored first: a
+        key's state belongs with its row).
 
         Raises:
-            KVStoreError: ``entry`` lacks a state, or has rows of another count.
+            KVStoreError: ``entry`` lacks a state, has rows of another count, or names
+                keys the table does not hold (nothing is written).
         """
         table = self.tables.table(name)
         missing = [s for s in state_names if s not in entry]
@@ -397,6 +401,13 @@ class KVClient(HostPlacement, ABC):
             if arr.shape != want:
                 raise KVStoreError(f"state_dict: state {s!r} of {name!r} has shape "
                                    f"{arr.shape}, expected {want}")
+        if table.num_keys is None:  # checked on every shard before any of them writes
+            absent = keys[~np.asarray(self.contains(name, keys), bool)]
+            if len(absent):
+                raise KVStoreError(f"state_dict: {len(absent)} key(s) of table {name!r} are "
+                                   f"not in it, e.g. {absent[:5].tolist()}; restore their "
+                                   "rows first (import_ or a checkpoint), then the "
+                                   "optimizer's state")
         try:
             self.import_(name, keys, cols)
         except StoreError as e:
@@ -423,6 +434,17 @@ class KVClient(HostPlacement, ABC):
         Raises:
             KVStoreError: a column not saved or saved with other rows, a corrupt or
                 missing segment, or rows not covered exactly once.
+        """
+
+    @abstractmethod
+    def view_on(self, device) -> "KVClient":
+        """The client through which rows of this client's tables are looked up onto
+        ``device``: itself for its own device (None, 'cpu' for host clients), else a view
+        that places the rows there (:mod:`distemb.kvstore.views`).
+
+        Raises:
+            CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+            ValueError: ``device`` is not a device.
         """
 
     def barrier(self) -> None:

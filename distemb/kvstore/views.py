@@ -10,18 +10,40 @@ wrapped client's:
 - :class:`CacheOnDevice`: the lookups of a device cache
   (:mod:`distemb.kvstore.caches.device`).
 
-This module imports torch; :mod:`distemb.kvstore` does not import it (the placement
-half imports it on demand), so servers never load it.
+Torch is imported on demand here (a view is made only where a device is in play), so
+server processes, which import :mod:`distemb.kvstore`, never load it.
 """
 from typing import Optional, Sequence, Tuple
 
-import torch
-
 from distemb.arrays import Array, Rows, Tensor, UniqueIds
-from distemb.kernels import cuda
-from distemb.kernels.cuda import cuda_device
-from distemb.kvstore.wrapper import Wrapper
 from distemb.kvstore.types import KVClient
+from distemb.kvstore.wrapper import Wrapper
+
+
+def cuda_device(device):
+    """``device`` resolved to a usable CUDA ``torch.device``
+    (:func:`distemb.kernels.cuda.cuda_device`; imported on demand, as torch is)."""
+    from distemb.kernels.cuda import cuda_device as resolve
+    return resolve(device)
+
+
+def _cuda_kernels():
+    from distemb.kernels import cuda
+    return cuda
+
+
+def view_on_host(client: KVClient, device) -> KVClient:
+    """The client through which rows of host client ``client``'s tables are looked up
+    onto ``device``: itself for None or 'cpu', a :class:`HostTableOnDevice` for a CUDA
+    device (rows copied there, gradients summed there, only the sums moved back).
+
+    Raises:
+        CudaUnavailableError: ``device`` is a CUDA device that cannot be used here.
+        ValueError: ``device`` is neither.
+    """
+    if device is None or str(device) == "cpu":
+        return client
+    return HostTableOnDevice.of(client, device)
 
 
 def dedup_on(ops, device, num_keys: Optional[int], dim: int, ids: Sequence[Array],
@@ -34,6 +56,8 @@ def dedup_on(ops, device, num_keys: Optional[int], dim: int, ids: Sequence[Array
         padded: with ``ops.dedup_sum_padded`` (no wait for the device; unused slots hold
             the id ``num_keys``, outside the table), for updates on the device itself.
     """
+    import torch  # a device is in play: the trainer has torch
+
     ids = [torch.as_tensor(i).to(device) for i in ids]  # host ids: numpy int64
     grads = [g.reshape(-1, dim).to(device) for g in grads]
     flat = ids[0] if len(ids) == 1 else torch.cat(ids)
@@ -63,9 +87,9 @@ class HostTableOnDevice(Wrapper):
     """
 
     #: The kernels that sum on the device (a test may swap in a CPU stand-in).
-    ops = cuda
+    ops = property(lambda self: _cuda_kernels())
 
-    def __init__(self, inner: KVClient, device: torch.device):
+    def __init__(self, inner: KVClient, device):
         super().__init__(inner)
         self.device = device
 
@@ -93,6 +117,7 @@ class RowsOnDevice(Wrapper):
     Gradients come back to the table's device, where its client sums and applies them.
 
     Example:
+        >>> import torch
         >>> from distemb.backend import load_backend
         >>> from distemb.kvstore.device import DeviceKVClient
         >>> from distemb.partition import range_policy
@@ -103,7 +128,7 @@ class RowsOnDevice(Wrapper):
         device(type='meta')
     """
 
-    def __init__(self, inner: KVClient, device: torch.device):
+    def __init__(self, inner: KVClient, device):
         super().__init__(inner)
         self.device = device
 

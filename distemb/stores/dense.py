@@ -26,7 +26,8 @@ from distemb.kernels import half
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kernels.hashtable import keys_array
 from distemb.pages import back_with_huge_pages
-from distemb.partition import PartitionPolicy, layout_policy, policy_layout, range_policy
+from distemb.partition import PartitionPolicy, json_layout, layout_json, layout_policy, \
+    policy_layout, range_policy
 from distemb.routers import PolicyRouter
 from distemb.stores.init import KeyInit, ShardInit, ShardKeys, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, RowStore, check_dim
@@ -381,7 +382,7 @@ class DenseSpec:
         return {"kind": self.kind, "dim": self.dim, "dtype": self.dtype, "init": kind,
                 "init_args": params, "capacity": 0, "evict": "lru", "low_water": 1.0,
                 "rounding": self.rounding, "num_rows": self.shape[0], "path": "",
-                "preallocate": 0, "partition": _jsonable(policy_layout(self.policy)),
+                "preallocate": 0, "partition": layout_json(policy_layout(self.policy)),
                 "row_shape": list(self.shape[1:]),
                 "seed": -1 if self.rounding_seed is None else self.rounding_seed}
 
@@ -394,7 +395,7 @@ class DenseSpec:
         """
         try:
             shape = (f["num_rows"],) + tuple(f["row_shape"])
-            policy = layout_policy(_layout(f["partition"]), f["num_rows"])
+            policy = layout_policy(json_layout(f["partition"]), f["num_rows"])
             seed = None if f["seed"] < 0 else f["seed"]
             return cls(shape, f["dtype"], policy, init_of_fields(f), seed)
         except (KeyError, TypeError) as e:
@@ -405,13 +406,3 @@ class DenseSpec:
 MAX_SEED = (1 << 62) - 1
 
 
-def _jsonable(layout):
-    kind, arg = layout
-    return [kind, list(arg) if isinstance(arg, tuple) else arg]
-
-
-def _layout(raw):
-    """A layout from its JSON form (lists)."""
-    if isinstance(raw, list) and len(raw) == 2 and isinstance(raw[1], list):
-        return (raw[0], tuple(raw[1]))
-    return tuple(raw) if isinstance(raw, list) else raw

@@ -33,7 +33,7 @@ from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.enums import Rounding
 from distemb.errors import StoreError
 from distemb.kernels.half import storage_dtype
-from distemb.partition import layout_policy, policy_layout
+from distemb.partition import json_layout, layout_json, layout_policy, policy_layout
 from distemb.stores.dense import DenseStore, fill_rows
 from distemb.routers import PolicyRouter
 from distemb.stores.init import KeyInit, ShardKeys, init_fields, init_of_fields
@@ -431,7 +431,9 @@ class FileTableSpec:
         kind, arg = self.partition
         if kind == "hash":
             return f"-hash{arg}"
-        return "-ranges" + hashlib.sha1(json.dumps(list(arg)).encode()).hexdigest()[:10]
+        digest = hashlib.sha1(json.dumps([list(v) if isinstance(v, tuple) else v
+                                          for v in arg]).encode()).hexdigest()[:10]
+        return ("-ranges" if kind == "range" else f"-{kind}") + digest
 
     @property
     def num_keys(self):
@@ -463,8 +465,7 @@ class FileTableSpec:
                 "init_args": params, "capacity": 0, "evict": "lru", "low_water": 1.0,
                 "rounding": self.rounding, "num_rows": self.num_rows, "path": self.path,
                 "preallocate": int(self.preallocate),
-                "partition": None if self.partition is None else json.loads(
-                    json.dumps(self.partition)),  # as the wire has it: lists
+                "partition": layout_json(self.partition),
                 "row_shape": [self.dim], "seed": -1}
 
     @classmethod
@@ -478,13 +479,7 @@ class FileTableSpec:
             if not os.path.isabs(f["path"]):
                 raise ValueError(f"path: a server needs an absolute path, got {f['path']!r}")
             return cls(f["path"], f["num_rows"], f["dim"], f["dtype"], init_of_fields(f),
-                       f["rounding"], bool(f["preallocate"]), _layout(f.get("partition")))
+                       f["rounding"], bool(f["preallocate"]), json_layout(f.get("partition")))
         except (KeyError, TypeError) as e:
             raise ValueError(f"table spec: missing or invalid field ({e})") from None
 
-
-def _layout(raw):
-    """A layout from its JSON form (lists), for :func:`~distemb.partition.layout_policy`."""
-    if isinstance(raw, list) and len(raw) == 2 and isinstance(raw[1], list):
-        return (raw[0], tuple(raw[1]))
-    return tuple(raw) if isinstance(raw, list) else raw

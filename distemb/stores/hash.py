@@ -176,19 +176,30 @@ class HashStore(RowStore):
     def _slots_to_write(self, keys, column):
         """Slots of upserted ``keys``: a write of the weight is an access (it may evict
         other keys past the capacity, as a lookup does); state columns are written to keys
-        the weight's write made.
+        the weight's write made, never inserting one.
 
         Raises:
             StoreError: more distinct keys than the capacity (nothing is written): the
                 store could not hold them, and would evict some at the next lookup.
+            MissingKeyError: a state column's write to a key not held (nothing is
+                written): the state of a key belongs with its row.
         """
+        if column != WEIGHT:
+            slots = self._index.find(keys)
+            if (slots < 0).any():
+                bad = keys_array(keys)[slots < 0]
+                raise MissingKeyError(
+                    f"keys: {bad.size} key(s) not in the store, e.g. {bad[:5].tolist()}: "
+                    f"state {column!r} is written to keys the store holds (write their "
+                    "weight first)")
+            return slots
         if self._capacity is not None:
             n = len(np.unique(keys))
             if n > self._capacity:
                 raise StoreError(f"keys: {n:,} distinct keys written to a store that holds "
                                  f"at most {self._capacity:,} (its capacity); write fewer, "
                                  "or make the table with a larger capacity")
-        return self.access(keys) if column == WEIGHT else self.slots(keys, insert=True)
+        return self.access(keys)
 
     # ---- columns ----------------------------------------------------------------------
 

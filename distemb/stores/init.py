@@ -236,6 +236,15 @@ def init_fields(init, dim):
 
 
 def init_of_fields(fields):
-    """The initialiser a table spec's fields describe (None for zeros)."""
+    """The initialiser a table spec's fields describe (None for zeros).
+
+    Raises:
+        ValueError: an unknown ``init`` or bad ``init_args``, or ``init_args.dim`` other
+            than the spec's ``dim`` (zeros of another dim too: a spec says nothing it
+            does not mean).
+    """
     init = init_from_spec(fields["init"], dict(fields["init_args"]))
+    if init.dim != fields["dim"]:
+        raise ValueError(f"init_args.dim: {init.dim}, the table's dim is {fields['dim']!r} "
+                         "(the initialiser makes the table's rows)")
     return None if isinstance(init, KeyZeros) else init

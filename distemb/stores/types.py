@@ -347,10 +347,12 @@ class RowStore(abc.ABC):
         return half.decode(stored) if half.is_half(self.dtype) else stored
 
     def import_(self, keys: Keys, columns: Dict[str, np.ndarray]) -> None:
-        """Upsert rows ``keys`` of every column in ``columns`` (what :meth:`export` gave).
+        """Upsert rows ``keys`` of every column in ``columns`` (what :meth:`export` gave),
+        the weight first: a store that inserts takes state only for keys it holds.
 
         Raises:
             StoreError: a column is unknown here or its rows have the wrong shape.
+            MissingKeyError: state of a key neither held nor in ``columns``' weight.
         """
         keys = keys_array(keys)
         for name, values in columns.items():
@@ -358,8 +360,8 @@ class RowStore(abc.ABC):
             if len(values) != len(keys):
                 raise StoreError(f"columns[{name!r}]: expected {len(keys)} rows, "
                                  f"got {len(values)}")
-        for name, values in columns.items():
-            self.scatter(keys, np.asarray(values), name)
+        for name in sorted(columns, key=lambda c: c != WEIGHT):
+            self.scatter(keys, np.asarray(columns[name]), name)
 
 
 def check_dim(dim, what="dim"):

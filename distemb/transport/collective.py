@@ -174,17 +174,9 @@ class Exchange:
         key = f"{self.tag}/failed/{self.seq}"
         try:
             self.store.set(f"{key}/{self.rank}", "1")
+            self._abort_group()
             grace = min(REPORT_GRACE_S, self.timeout_s)
-            deadline = time.monotonic() + grace
-            missing = list(range(self.world_size))
-            # The whole grace even when the ranks missing have closed: this rank may host
-            # the store, which the others still need for their own report.
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not self.store.check([f"{key}/{r}"])]
-                if missing:
-                    time.sleep(0.05)
-            closed = {r: int(self.store.get(self._closed_key(r))) for r in missing
-                      if self.store.check([self._closed_key(r)])}
+            missing, closed = self._wait_reports(key, grace)
         except Exception as e:  # noqa: BLE001 - the store's own host may be the dead one
             return KVStoreError(f"{msg}: {error}; the job's rendezvous store is unreachable "
                                 f"too ({e}): the rank or launcher hosting it (rank 0 under "
@@ -204,6 +196,41 @@ class Exchange:
             said.append(f"rank(s) {silent} did not report within {grace} s of the failure "
                         "(dead or hung, or busy elsewhere without closing distemb)")
         return KVStoreError(f"{msg}: {'; '.join(said)}; cause: {error}")
+
+    def _wait_reports(self, key: str, grace: float):
+        """(ranks that did not report within ``grace``, {closed rank: its exchanges}),
+        leaving early once every rank missing has closed distemb (it never will). Rank 0,
+        which hosts the store under torchrun and a tcp:// init, then waits for every rank
+        that reported to have read its answer before it returns (and its process may exit,
+        taking the store with it)."""
+        deadline = time.monotonic() + grace
+        missing, closed = list(range(self.world_size)), {}
+        while True:
+            missing = [r for r in missing if not self.store.check([f"{key}/{r}"])]
+            closed = {r: int(self.store.get(self._closed_key(r))) for r in missing
+                      if self.store.check([self._closed_key(r)])}
+            if len(closed) == len(missing) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        self.store.set(f"{key}/read/{self.rank}", "1")
+        if self.rank == 0:
+            readers = [r for r in range(self.world_size) if r not in missing]
+            while readers and time.monotonic() < deadline + grace:
+                readers = [r for r in readers if not self.store.check([f"{key}/read/{r}"])]
+                if readers:
+                    time.sleep(0.05)
+        return missing, closed
+
+    def _abort_group(self) -> None:
+        """Drop this rank's connections of the failed group, so a rank blocked on this one
+        in the same exchange (gloo's all_to_all waits on its peers in turn) fails now and
+        reports within the grace, rather than when this process exits and takes the
+        store it hosts with it. The group is unusable after a failed round anyway."""
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - a backend without abort: the peers time out
+            pass
 
     def _closed_key(self, rank: int) -> str:
         return f"{self.tag}/closed/{rank}"

@@ -185,9 +185,14 @@ def choice(*allowed):
 
 def layout(v):
     """None, or a partition policy's layout (:func:`~distemb.partition.policy_layout`)
-    as JSON: ``["range", [bounds]]`` or ``["hash", P]``."""
+    as JSON: ``["range", [bounds]]``, ``["hash", P]`` or ``["progressions", [[start,
+    step, count], ...]]`` (what each may hold is :func:`~distemb.partition.layout_policy`'s
+    to check)."""
     return v is None or (isinstance(v, list) and len(v) == 2 and (
-        (v[0] == "hash" and int_value(v[1])) or (v[0] == "range" and int_list(v[1]))))
+        (v[0] == "hash" and int_value(v[1])) or (v[0] == "range" and int_list(v[1])) or
+        (v[0] == "progressions" and isinstance(v[1], list) and
+         len(v[1]) <= 1 << 16 and all(isinstance(p, list) and len(p) == 3 and
+                                      all(int_value(x) for x in p) for p in v[1]))))
 
 
 #: The fields of a table spec (:data:`~distemb.stores.spec.SPECS`) as a Create carries
@@ -340,8 +345,10 @@ class VersionedPull(RowsMessage):
 
     def check(self):
         super().check()
-        if self.have.dtype != ID_DTYPE:
-            raise TransportError(f"VersionedPull.have: expected int64, got {self.have.dtype}")
+        if self.have.dtype != ID_DTYPE or self.have.ndim != 1:
+            raise TransportError(f"VersionedPull.have: expected int64 of shape "
+                                 f"({self.ids.shape[0]},), got {self.have.dtype} "
+                                 f"{self.have.shape}")
 
 
 class Barrier(Message):

@@ -18,15 +18,10 @@ or writes through this client sees the current rows: ``pull`` (``emb.weight[ids]
 lookups, ``state_dict``) overlays the dirty cached rows, ``push`` (``emb.weight[ids] =
 v``, ``load_state_dict``) writes cached rows back and forgets them before writing.
 
-Why one trainer only: a row written back only at eviction has one writer, this trainer;
-a second trainer updating the same row on its server would be lost at write-back (or
-would train on a stale row). Keeping that exact needs the owner to hand out ownership
-of rows (leases, with other trainers' pushes forwarded or refused), which the servers
-do not do; writing every update through instead (the versioned protocol of
-:mod:`distemb.kvstore.caches.trainer`) would send every gradient across PCIe and the network
-each step, which is what the host trainer cache already does. So a cluster of several
-trainers is refused (``num_trainers``); there, use the trainer cache
-(``cache`` in the cluster config) with ``emb(ids, device="cuda")`` lookups.
+One trainer only: a row written back at eviction has one writer; several trainers would
+need leases from the owners, which the servers do not hand out (``docs/caches.md``). A
+cluster of several trainers is refused (``num_trainers``); there, use the trainer cache
+with ``emb(ids, device="cuda")`` lookups.
 
 Prefetch (``emb.prefetch(next_ids)``): the rows are admitted now (misses fetched from
 the owner), their slots pinned and recorded; the next lookup of the table gathers the

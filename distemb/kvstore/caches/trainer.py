@@ -1,61 +1,26 @@
 """CachedKVClient: a trainer-side cache of hot rows in front of a RemoteKVClient.
 
-Graph mini-batches touch a few hot rows most of the time (power-law degrees), so a
-trainer keeps a copy of them. The cache is a view of the remote client (storage calls,
-key management and coalescing go to it); it changes how rows of float32 (N, D) tables,
-dense or keyed (any int64 key: the slot map and pull counts are then hashed,
-:mod:`distemb.kvstore.caches.table`), are pulled and what happens after an update:
+Graph mini-batches touch a few hot rows most of the time, so a trainer keeps a copy of
+them, each with its optimizer state and the *version* its owning server gave it
+(:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`). The cache is a
+view of the remote client (storage calls, key management and coalescing go to it); it
+changes how rows of float32 (N, D) tables, dense or keyed (the slot map is then hashed,
+:mod:`distemb.kvstore.caches.table`), are pulled and what follows an update:
 
-- Each cached row is held with its optimizer state and the *version* its owning server
-  gave it (:meth:`KVServer.versions <distemb.kvstore.server.KVServer.versions>`: a
-  per-row counter every write of the row or its state changes).
-- A pull sends the ids with the versions held (one request per server, as before); the
-  server returns only the rows whose version differs, with their state. So hot rows
-  cost 16 bytes each instead of a row.
-- ``push_update`` still sends the update to the owner (one writer per row: the server's
-  copy is the reference), and also applies it to the cached copy with the same rule and
-  kernels. In sync_exact the update names the held rows with their versions, and the
-  owner answers, after summing the step, the summed gradient of each held row other
-  trainers' gradients reached too (applied to the copy instead of the cache's own) and
-  which copies were written outside the step (dropped): rows every trainer writes every
-  step stay cached. Otherwise the server answers the rows' versions after the update: a
-  copy is kept only if its version moved by exactly one (nobody else's gradient reached
-  the row meanwhile). The per-row maths does not depend on which other rows are
-  updated, so the copy is bit-identical to the server's.
+- a pull sends the versions held, one request per server; the server returns only the
+  rows whose version differs, with their state (a hot row costs 16 bytes, not a row);
+- ``push_update`` writes through to the owner and applies the same rule and kernels to
+  the copy; in sync_exact the owner answers the summed gradient of each held row others
+  reached too, otherwise the rows' new versions (a copy is kept only if its version
+  moved by exactly one). The copy stays bit-identical to the server's.
 
-Modes (:class:`~distemb.config.CacheConfig`):
+Modes (``staleness`` 0 is exact, ``s`` is HET's bounded staleness), policies (lru, lfu
+with TinyLFU admission, a cache that empties itself when it does not help) and their
+tested bounds are in ``docs/caches.md``.
 
-- *exact* (``staleness=0``, the default): every pull validates every cached row, so
-  results are identical to no cache in every consistency mode (tested bit for bit with
-  2 servers x 2 trainers). Savings come from rows no one else changed since this
-  trainer last saw them (all of them with one trainer; with several in sync_exact, also
-  those the others changed only in steps where this trainer changed them too) and from
-  sending each of a batch's rows once.
-- *bounded staleness* ``s`` (HET's relaxation): a cached row validated less than ``s``
-  steps ago is used without asking its server, so it may lack up to ``s - 1`` steps of
-  other trainers' updates (this trainer's own updates are in it). Updates are still
-  written through to the owner every step, so HET's rule (accumulated updates flushed at
-  eviction and at least every ``s`` steps) holds with a flush interval of one step and
-  nothing pending at eviction; a copy whose version shows someone else's write is
-  refetched at its next validation. With Adagrad in ``sync_exact`` a row used is within
-  ``2 (s - 1) lr`` of its owner's (tests/test_cache_cluster.py).
-
-Prefetch (``emb.prefetch(next_ids)``): the copies the cache holds of the next batch's
-rows are pinned (no admission evicts them before their lookup, which then only
-validates them), and the rows it does not hold are prefetched by the remote client
-(:meth:`RemoteKVClient.prefetch <distemb.kvstore.remote.RemoteKVClient.prefetch>`: read
-while the batch computes, patched by the updates); the lookup takes those it would pass
-through (not kept) from there. The table's next update after the lookup releases the
-pins.
-
-Policies: ``lru`` keeps every row it fetches and evicts the least recently used; ``lfu``
-counts how often each row was pulled lately (halved every :data:`~distemb.kvstore.caches.table.DECAY` pulls) and keeps
-a new row pulled twice lately in a free slot or in place of a row seen less often
-(TinyLFU admission): rows it does not keep come without their optimizer state, so a
-cold row costs what it costs without a cache. A cache whose copies served under 2% of
-the rows asked over a window empties itself and keeps nothing for a while (its pulls
-and updates are plain ones: ids it cannot help cost little more than no cache).
-Capacity per table: rows, bytes (row plus optimizer state) or a fraction of the table.
+Prefetch (``emb.prefetch(next_ids)``): the copies it holds of the next batch's rows are
+pinned until the table's next update, the rest prefetched by the remote client
+(``docs/prefetch.md``).
 
 Example (servers started by ``distemb-launch``)::
 
@@ -72,9 +37,9 @@ from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.caches.table import TableCache, unique_inverse
 from distemb.kvstore.caches.versions import pull_versioned, push_update_held
-from distemb.kvstore.placement import HostPlacement
 from distemb.kvstore.prefetch import Prefetch, Prefetches
 from distemb.kvstore.types import KVClient
+from distemb.kvstore.views import view_on_host
 from distemb.kvstore.wrapper import Wrapper
 from distemb.rules import rule_of, state_owner
 
@@ -218,7 +183,7 @@ class CachedKVClient(Wrapper):
 
     def view_on(self, device):
         """Itself on the host; on a GPU, a view of the cache (rows still come through it)."""
-        return HostPlacement.view_on(self, device)
+        return view_on_host(self, device)
 
     def stats(self):
         """Counters since construction: rows asked, rows served without data, bytes.

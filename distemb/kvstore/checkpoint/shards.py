@@ -107,7 +107,8 @@ def _target(table):
         return router.owns(part, keys)
     return snapshot.Target.owned(owns, lambda k: router.to_local(part, k),
                                  limit=None if fixed else store.capacity,
-                                 count=store.capacity if fixed else None)
+                                 count=store.capacity if fixed else None,
+                                 replaces=not fixed)
 
 
 def load_shard(table, directory, entry, columns=None, verify=True, apply=True,

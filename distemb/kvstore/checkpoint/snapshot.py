@@ -39,6 +39,7 @@ import numpy as np
 
 from distemb.errors import KVStoreError
 from distemb.kernels import half
+from distemb.kernels.hashtable import table_keys
 from distemb.kvstore.limits import check_fits
 from distemb.kvstore.checkpoint.segments import Segment, write_segment
 from distemb.rules import state_name, state_owner
@@ -108,7 +109,9 @@ class Target:
 
     ``select(keys) -> (mask, local)``: which of the saved ``keys`` are the shard's, and
     their places in it (row numbers of a fixed key set, the store's keys otherwise).
-    A shard of fixed keys must be covered exactly once by the checkpoint.
+    A shard of fixed keys must be covered exactly once by the checkpoint. A shard that
+    ``replaces`` its keys by the checkpoint's (a store that inserts) takes the state of
+    a key only with its weight, which inserts it.
 
     Example:
         >>> mask, local = Target.fixed(10, 2, 3).select(np.array([10, 11, 14, 16]))
@@ -116,8 +119,9 @@ class Target:
         ([True, False, True, False], [0, 2])
     """
 
-    def __init__(self, select, count=None, limit=None):
+    def __init__(self, select, count=None, limit=None, replaces=False):
         self.select, self.count, self.limit = select, count, limit
+        self.replaces = replaces
 
     @classmethod
     def fixed(cls, start, step, count):
@@ -129,15 +133,16 @@ class Target:
         return cls(select, count)
 
     @classmethod
-    def owned(cls, owns, to_local=None, limit=None, count=None):
+    def owned(cls, owns, to_local=None, limit=None, count=None, replaces=False):
         """Keys where ``owns(keys)`` is True, as ``to_local(keys)`` (or themselves); at
         most ``limit`` of them (a store's capacity; None: any number). With ``count``,
-        the places are a fixed key set 0..count-1, each to be covered exactly once."""
+        the places are a fixed key set 0..count-1, each to be covered exactly once;
+        ``replaces``: the shard holds the checkpoint's keys only afterwards."""
         def select(keys):
             mask = np.asarray(owns(keys), dtype=bool)
             mine = keys[mask]
             return mask, (to_local(mine) if to_local is not None and len(mine) else mine)
-        return cls(select, count, limit)
+        return cls(select, count, limit, replaces)
 
 
 # -- reading --------------------------------------------------------------------------
@@ -161,11 +166,36 @@ def _records(entry):
         if not ok:
             raise KVStoreError(f"checkpoint: shard record {i} is malformed "
                                f"({str(rec)[:80]!r})")
+    # The entry's shape (rows first) says the weight's row shape: every record's weight
+    # must have it (a version-2 dynamic table's "dim" is this shape's second entry).
+    shape = entry.get("shape")
+    if shape is not None:
+        if not isinstance(shape, list) or not shape:
+            raise KVStoreError(f"checkpoint: the table's shape is malformed "
+                               f"({str(shape)[:80]!r})")
+        for i, rec in enumerate(shards):
+            weight = rec["columns"].get(WEIGHT)
+            if weight is not None and weight["shape"] != shape[1:]:
+                raise KVStoreError(f"checkpoint: shard record {i} has weight rows of shape "
+                                   f"{tuple(weight['shape'])}, the table's entry says rows "
+                                   f"of {tuple(shape[1:])} (shape {shape})")
     return shards
 
 
-def _check_columns(records, columns):
-    """KVStoreError unless every column asked for was saved with the live rows."""
+def _check_columns(records, columns, target):
+    """KVStoreError unless every column asked for was saved with the live rows; into a
+    shard that replaces its keys, with the weight of every key whose state it loads (the
+    weight's write inserts the key)."""
+    if target.replaces and columns:
+        if WEIGHT not in columns:
+            raise KVStoreError(f"checkpoint: a load of columns {sorted(columns)} into a "
+                               "table of any key replaces its keys, so it loads the weight "
+                               "too (its state alone would leave keys without their rows)")
+        for i, rec in enumerate(records):
+            if WEIGHT not in rec["columns"] and set(columns) & set(rec["columns"]):
+                raise KVStoreError(f"checkpoint: shard record {i} holds state "
+                                   f"{sorted(set(columns) & set(rec['columns']))} without "
+                                   "the weight of its keys")
     saved = {}
     for rec in records:
         for col, c in rec["columns"].items():
@@ -212,6 +242,10 @@ def _pass(directory, records, columns, target, write=None):
                 keys = seg.read_all()
             finally:
                 seg.close()
+            try:  # no table holds the hash index's markers: a save never wrote them
+                table_keys(keys, f"checkpoint: keys of shard record {rec.get('part')}")
+            except ValueError as e:
+                raise KVStoreError(str(e)) from None
         # the weight first: into a store that inserts, it makes the keys the states fill
         for i, col in enumerate(sorted(columns, key=lambda c: c != WEIGHT)):
             c = rec["columns"].get(col)
@@ -260,12 +294,14 @@ def load_shard(directory, entry, columns, target, write, replace=None, verify=Tr
             ``verify=False``; the writing pass checks each block's CRC again anyway).
 
     Raises:
-        KVStoreError: a malformed entry, a column not saved or saved with other rows, a
-            missing, short or corrupt segment, or keys of a fixed shard not covered
-            exactly once.
+        KVStoreError: a malformed entry (a record's weight rows not of the entry's
+            shape), a column not saved or saved with other rows, a missing, short or
+            corrupt segment, a saved key the hash index reserves, keys of a fixed shard
+            not covered exactly once, or (a shard that replaces its keys) state without
+            its weight.
     """
     records = _records(entry)
-    _check_columns(records, columns)
+    _check_columns(records, columns, target)
     for col in columns if verify else ():
         covered = _pass(directory, records, {col: columns[col]}, target)
         if target.count is None:

@@ -33,7 +33,6 @@ Example:
     ...           ids=np.array([2**60, 5])), None).arrays[0].tolist()
     [True, False]
 """
-import math
 import os
 import threading
 
@@ -188,9 +187,7 @@ class Catalog:
     def opt_init(self, m, session):
         self.check_name(m.name)  # optimizer state has no optimizer of its own
         impl = rule_of(m.rule)
-        bad = {k: v for k, v in m.options.items() if not math.isfinite(v)}
-        if bad:  # an initial state of NaN or inf would poison every row it touches
-            raise KVStoreError(f"OptInit.options: expected finite numbers, got {bad}")
+        options = impl.options_from(m.options)  # known to the rule, finite
         with self._lock:
             tables = self._held(m.name, m.parts)
             for table in tables:
@@ -206,7 +203,7 @@ class Catalog:
                        f"optimizer state of {m.name!r}")
             for table in tables:  # a fresh optimizer starts from fresh state
                 self.server.attach_states(m.name, table.part,
-                                          table.init_states(impl.name.value, m.options))
+                                          table.init_states(impl.name.value, options))
 
     def shm_info(self, m, session):
         """Read-only descriptors of the rows of shards ``m.parts`` of ``m.name``

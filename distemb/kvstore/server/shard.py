@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from distemb.errors import KVStoreError, PartitionError, StoreError
+from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore.server.rwlock import RWLock
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
@@ -131,8 +131,13 @@ class ShardTable:
 
         Returns:
             the state names of the rule, in order.
+
+        Raises:
+            KVStoreError: an option the rule's states do not start from, or not finite.
         """
-        specs = rule_of(rule).states
+        impl = rule_of(rule)
+        options = impl.options_from(options)
+        specs = impl.states
         with self.write():
             for spec in specs:
                 fill = options.get(spec.init_option, 0) if spec.init_option else 0
