@@ -29,6 +29,12 @@ SparseAdagrad.step(). Configurations, all measured in this run:
   over TCP (every row on the socket).
 - with ``--dtype bfloat16`` (or ``float16``): every distemb table above keeps 16-bit rows,
   which cross the sockets and shared memory in 2 bytes a value (gradients in float32).
+- with ``--prefetch``: every TCP job again with each next batch's rows prefetched while
+  the current batch computes (``distemb.pipeline.Prefetcher``: the Pulls go out before
+  the step, their replies are read on a helper thread while the update is sent, and
+  the update's reply patches the rows it wrote); a table gives each job's steps/s with
+  prefetch over without, same round (the results are the same bit for bit:
+  tests/test_prefetch.py).
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -39,7 +45,7 @@ Usage::
     PYTHONPATH=. python benchmarks/bench_kvstore.py [--steps 50] [--batch 4096] [--dim 128]
         [--dtype float32|bfloat16|float16] [--dgl] [--dynamic] [--file] [--rounds 3]
         [--only-shm] [--links loopback,veth,10gbit,1gbit]
-        [--shm-pages machine|both]
+        [--shm-pages machine|both] [--prefetch]
 """
 import argparse
 import contextlib
@@ -58,6 +64,7 @@ import torch
 import distemb
 from distemb.context import DistContext
 from distemb.pages import SHMEM_ENABLED, shmem_setting
+from distemb.pipeline import Prefetcher
 from distemb.stores import key_uniform
 from distemb.stores.file import FileTableSpec
 
@@ -93,7 +100,8 @@ def train(ctx, args):
                                     init_func=lambda s, d: torch.full(s, 0.01, dtype=d),
                                     context=ctx, dtype=args.dtype)
     opt = distemb.SparseAdagrad([emb], lr=0.01)
-    for i, ids in enumerate(batches):
+    pipeline = Prefetcher(batches, lambda ids: [(emb, ids)], args.prefetch_rows)
+    for i, ids in enumerate(pipeline):
         if i == args.warmup:
             ctx.client.barrier()
             start = time.perf_counter()
@@ -164,7 +172,7 @@ def run_cluster(args, servers, trainers, shm, dynamic=False, file=False):
                 for r in range(trainers)]
 
 
-def run_hosts(args, servers, trainers, rate, dynamic=False):
+def run_hosts(args, servers, trainers, rate, dynamic=False, prefetch=False):
     """The job with every process on a host of its own, linked at ``rate`` bits/s, or all
     on 127.0.0.1 (``rate=None``), started here without a launcher (every process's parent
     is this one); shared memory off. Per-trainer steps/s."""
@@ -184,7 +192,8 @@ def run_hosts(args, servers, trainers, rate, dynamic=False):
                 sys.executable, os.path.abspath(__file__), "--trainer", "--out", out, "--steps",
                 str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                 "--dim", str(args.dim), "--rows", str(args.rows), "--dtype", args.dtype]
-                + (["--dynamic-table"] if dynamic else [])),
+                + (["--dynamic-table"] if dynamic else [])
+                + (["--prefetch-rows"] if prefetch else [])),
                 env=dict(env, DISTEMB_ROLE="trainer", DISTEMB_RANK=str(r)))
                 for r in range(trainers)]
             for p in procs[servers:] + procs[:servers]:
@@ -258,6 +267,9 @@ def make_parser():
                    help="storage dtype of every distemb table (half rows: 2 bytes a value "
                         "in shards and on the wire)")
     p.add_argument("--dgl", action="store_true", help="also run DGL's distributed KVStore")
+    p.add_argument("--prefetch", action="store_true",
+                   help="also run every TCP job with each next batch's rows prefetched")
+    p.add_argument("--prefetch-rows", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dynamic", action="store_true",
                    help="also run the step on a DynamicEmbedding (in process and on servers)")
     p.add_argument("--dynamic-table", action="store_true", help=argparse.SUPPRESS)
@@ -326,12 +338,18 @@ def main():
         side[(job, netns.link_name(rate))] = name
         return name
 
+    prefetched = {}  # configuration with prefetch -> the same without
     if not args.only_shm:
         for rate in links:
-            configs += [(on("1 server x 1 trainer, tcp", rate),
-                         lambda rate=rate: run_hosts(args, 1, 1, rate)),
-                        (on("2 servers x 2 trainers, tcp", rate),
-                         lambda rate=rate: run_hosts(args, 2, 2, rate))]
+            for s, t in ((1, 1), (2, 2)):
+                job = f"{s} server{'s' * (s > 1)} x {t} trainer{'s' * (t > 1)}, tcp"
+                configs.append((on(job, rate), lambda rate=rate, s=s, t=t:
+                                run_hosts(args, s, t, rate)))
+                if args.prefetch:
+                    configs.append((on(job + ", prefetch", rate),
+                                    lambda rate=rate, s=s, t=t:
+                                    run_hosts(args, s, t, rate, prefetch=True)))
+                    prefetched[configs[-1][0]] = configs[-2][0]
     if args.dynamic:
         def in_process_dynamic():
             ns = argparse.Namespace(**{**vars(args), "dynamic_table": True})
@@ -402,6 +420,18 @@ def main():
             if vs_dgl is not None:
                 rec.figure(f"vs_dgl.{key}", vs_dgl, "{:.2f}x",
                            f"{name}: steps/s per trainer over DGL's 1 x 1 trainer's, same round")
+        if prefetched:
+            print("\nprefetch: steps/s per trainer with prefetch over without, same round "
+                  "(median of the rounds' ratios)\n")
+            print("| job | with / without prefetch |")
+            print("|---|---|")
+            for name, base in prefetched.items():
+                ratio = float(np.median([np.mean(a) / np.mean(b)
+                                         for a, b in zip(rates[name], rates[base])]))
+                print(f"| {base} | {ratio:.2f}x |")
+                rec.figure(f"prefetch.{slug(base)}", ratio, "{:.2f}x",
+                           f"{base}: steps/s per trainer with prefetch over without, same "
+                           "round")
         if len(links) > 1:
             names = [netns.link_name(rate) for rate in links]
             first = names[0]

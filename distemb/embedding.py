@@ -200,6 +200,19 @@ class DistEmbedding:
         ids, rows = self._tensor.lookup(idx, client)
         return self._record(ids, rows, client)
 
+    def prefetch(self, idx: Tensor) -> None:
+        """Start reading rows ``idx`` (a coming lookup's ids, any shape) while the current
+        batch computes; the next lookups of this table take them, exactly as they are
+        then (:meth:`KVClient.prefetch <distemb.kvstore.types.KVClient.prefetch>`;
+        :class:`~distemb.pipeline.Prefetcher` does it for a dataloader).
+
+        Raises:
+            KVStoreError: the table's store evicts keys on its own on servers (a
+                prefetched key could be evicted before its lookup).
+        """
+        flat, _ = self._tensor.lookup_ids(idx)
+        self.kvstore.prefetch(self.name, flat)
+
     def bag(self, ids: Tensor, offsets: Optional[Tensor] = None, mode: str = "sum",
             per_sample_weights: Optional[Tensor] = None, include_last_offset: bool = False,
             padding_idx: Optional[int] = None, device: Any = None) -> Tensor:

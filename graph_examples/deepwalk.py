@@ -44,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import distemb  # noqa: E402
+from distemb.pipeline import Prefetcher  # noqa: E402
 from graph_examples.datasets import DATASET_NAMES, GraphDataset, load_dataset  # noqa: E402
 from graph_examples.evaluate import (link_prediction_auc, node_classification,  # noqa: E402
                                      split_edges)
@@ -110,6 +111,17 @@ def fused_loss(tables, batch) -> torch.Tensor:
 LOSSES = dict(fused=(unique_batch, fused_loss), torch=(lambda batch: batch, plain_loss))
 
 
+def batch_lookups(tables, loss: str, batch):
+    """The ``(DistEmbedding, ids)`` a prepared batch of ``--loss loss`` looks up (what
+    :class:`~distemb.pipeline.Prefetcher` prefetches)."""
+    if loss == "fused":
+        u_ids, _, c_ids, _, _ = batch
+        return [(tables.node_table, u_ids), (tables.context_table, c_ids)]
+    centers, contexts, negatives = batch
+    return [(tables.node_table, centers),
+            (tables.context_table, torch.cat([contexts, negatives.reshape(-1)]))]
+
+
 def _data_option(text: str):
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -148,6 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2,
                    help="batches the sampler keeps ready while a second thread trains "
                    "(0: sample and train in turn, in one thread)")
+    p.add_argument("--prefetch-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="read each next batch's rows while the current batch trains "
+                   "(distemb.pipeline.Prefetcher: tables on servers or other ranks; an "
+                   "embedded table has nothing to read ahead)")
     p.add_argument("--batch-size", type=int,
                    help=f"pairs per step (default: {DEFAULT_BATCH_SIZE:,}, or fewer on a "
                    f"small graph, so that an epoch has at least {MIN_STEPS_PER_EPOCH} "
@@ -289,7 +305,11 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
             bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]):.4f}",
                             pairs_s=f"{pairs / (tock - start):,.0f}")
 
-    overlapped(made(), train_step, args.prefetch)
+    # Each next batch's rows are read while the current one trains (in the thread that
+    # trains: a client serves one thread); the torch backend has nothing to prefetch.
+    rows_ahead = args.prefetch_rows and hasattr(tables, "node_table")
+    overlapped(made(), train_step, args.prefetch, lambda items: Prefetcher(
+        items, lambda item: batch_lookups(tables, args.loss, item[2]), rows_ahead))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
     return dict(embeddings=export(tables, rank, num_trainers), losses=losses,
@@ -297,25 +317,30 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
                 phase_seconds=phase)
 
 
-def overlapped(items, consume, depth: int) -> None:
+def overlapped(items, consume, depth: int, pipeline=lambda items: items) -> None:
     """Call consume(item) for every item, in order; with depth > 0, in a second thread.
 
     The calling thread makes the items (DGL's walks stay in the thread that seeded them:
     DGL keeps a generator per thread, so walks made elsewhere would differ from
     gensim's) and keeps up to ``depth`` ready in a queue while the other thread trains,
-    so sampling overlaps with training on a second core. An exception in either thread
-    is raised here after both have stopped.
+    so sampling overlaps with training on a second core. The consuming thread takes the
+    items through ``pipeline(items)`` (a :class:`~distemb.pipeline.Prefetcher`). An
+    exception in either thread is raised here after both have stopped.
     """
     if depth == 0:
-        for item in items:
+        for item in pipeline(items):
             consume(item)
         return
     ready: "queue.Queue" = queue.Queue(maxsize=depth)
     failed = []
 
+    def queued():
+        while (item := ready.get()) is not _END:
+            yield item
+
     def worker():
         try:
-            while (item := ready.get()) is not _END:
+            for item in pipeline(queued()):
                 consume(item)
         except BaseException as exc:  # handed to the calling thread
             failed.append(exc)

@@ -44,6 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 import distemb  # noqa: E402
 from distemb.integrations.dgl import dgl, lookup  # noqa: E402
+from distemb.pipeline import Prefetcher  # noqa: E402
 from graph_examples.datasets import load_dataset  # noqa: E402
 from graph_examples.deepwalk import _data_option, format_table, job_mode  # noqa: E402
 from graph_examples.plots import save_training_plot  # noqa: E402
@@ -122,6 +123,10 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=BACKENDS, default="distemb",
                    help="input table: a DistEmbedding, or torch.nn.Embedding(sparse=True) "
                    "with torch's optimizer of the same rule (one process only)")
+    p.add_argument("--prefetch-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="read each next batch's input rows while the current batch trains "
+                   "(distemb.pipeline.Prefetcher: a table on servers or other ranks; an "
+                   "embedded table has nothing to read ahead)")
     p.add_argument("--emb-lr", type=float, default=0.01, help="sparse optimizer learning rate")
     p.add_argument("--lr", type=float, default=0.005, help="Adam learning rate of the SAGE layers")
     p.add_argument("--seed", type=int, default=0, help="seed of init, sampling and shuffling")
@@ -280,9 +285,13 @@ def train(ds, args, ctx):
     losses, seen, step, times = [], 0, 0, []
     bar = tqdm(total=total, disable=args.quiet, unit="step", dynamic_ncols=True)
     start = time.perf_counter()
+    # Each next batch's input rows are read while the current one trains (the torch
+    # backend's table has nothing to prefetch).
+    ahead = args.prefetch_rows and args.backend == "distemb"
     for epoch in range(args.epochs):
-        batches = iter(_loader(ds.graph, nodes, args.fanouts, args.batch_size, True,
-                               args.seed + epoch))
+        batches = iter(Prefetcher(_loader(ds.graph, nodes, args.fanouts, args.batch_size,
+                                          True, args.seed + epoch),
+                                  lambda b: [(learner.emb, b[0])], ahead))
         while True:
             t0 = time.perf_counter()
             batch = next(batches, None)

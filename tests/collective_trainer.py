@@ -21,6 +21,8 @@ at DIR/<table>, collective (each rank writes and reads its own shards). ``--serv
 the same job as a trainer of a distemb-launch job (sync_exact), for checkpoints that
 cross modes; ``--every-step``: the grouped model looks every table up on every step.
 ``--keys``: key management of the dynamic table after training (OUT_DIR/keys<rank>.npz).
+``--prefetch``: every lookup prefetched one step ahead (distemb.pipeline's order); the
+oracle is the same (a prefetch changes no row).
 
 Bit-identical by construction (as the client suite's job in tests/test_kvclient_suite.py):
 the gradient of a looked-up row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
@@ -159,16 +161,36 @@ def train_group(embs, opt, step, ranks, world, skip_rare=True):
     opt.step()
 
 
+def prefetch_step(embs, step, ranks, world, group=None, skip_rare=True):
+    """Prefetch every lookup of step ``step`` (each table once, its ids of the step; the
+    grouped model's tables those it looks up then), collective as every call."""
+    ids, _ = batch(step)
+    mine = torch.cat([ids[s] for s in [rows_of(step, r, world) for r in ranks]])
+    for emb in embs.values():
+        emb.prefetch(mine)
+    if group is not None:
+        by_table = {}
+        for k, keys in group_lookups(group[0], step, ranks, world, skip_rare):
+            by_table.setdefault(k, []).append(keys)
+        for k, keys in by_table.items():
+            group[0][k].prefetch(torch.cat(keys))
+
+
 def train(embs, opts, steps, ranks, world, die_at=None, start=0, group=None,
-          skip_rare=True, nan_at=None, skip=None):
+          skip_rare=True, nan_at=None, skip=None, prefetch=False):
     """Steps ``start``.. ``start + steps - 1``; ``ranks``: the ranks whose batch rows this
     process looks up (all of them: the oracle); ``group``: the grouped model, trained in
     each step too. ``nan_at``: on that step rank 0 gives one gradient of each table of
     its own a NaN, and every rank's step() must refuse it (printed); ``skip``: the
-    oracle's, that step of those tables is not taken."""
+    oracle's, that step of those tables is not taken. ``prefetch``: each step's lookups
+    are prefetched before the step before it (distemb.pipeline's order)."""
+    if prefetch:
+        prefetch_step(embs, start, ranks, world, group, skip_rare)
     for step in range(start, start + steps):
         if die_at == step:
             os._exit(9)
+        if prefetch and step + 1 < start + steps:
+            prefetch_step(embs, step + 1, ranks, world, group, skip_rare)
         ids, c = batch(step)
         sl = [rows_of(step, r, world) for r in ranks]
         mine = torch.cat([ids[s] for s in sl])
@@ -344,7 +366,7 @@ def main(args):
                 opt.load(os.path.join(args.load, k))
         calls = getattr(ctx.client, "exchanges", 0)
         train(embs, opts, steps, [rank], world, die_at, args.start, group,
-              not args.every_step, nan_at=args.nan_at)
+              not args.every_step, nan_at=args.nan_at, prefetch=args.prefetch)
         calls = getattr(ctx.client, "exchanges", 0) - calls
         if short:  # done early: closes distemb and exits as a finished script does
             print(f"rank {rank} of {world}: done after {steps} steps", flush=True)
@@ -362,6 +384,10 @@ def main(args):
             np.savez(os.path.join(args.out, f"{k}.npz"), **arrays)
         with open(os.path.join(args.out, "exchanges.json"), "w") as f:
             json.dump({"steps": args.steps, "calls": calls, "tables": len(embs)}, f)
+        stats = getattr(ctx.client, "prefetch_stats", None)
+        if args.prefetch and stats is not None:
+            with open(os.path.join(args.out, "prefetch.json"), "w") as f:
+                json.dump(stats(), f)
     if args.keys:
         got = key_ops(group[0]["gdyn"], [rank], world)[rank]
         np.savez(os.path.join(args.out, f"keys{rank}.npz"), **got)
@@ -392,5 +418,6 @@ if __name__ == "__main__":
     parser.add_argument("--keys", action="store_true")
     parser.add_argument("--servers", action="store_true")
     parser.add_argument("--every-step", action="store_true")
+    parser.add_argument("--prefetch", action="store_true")
     main(parser.parse_args())
     sys.exit(0)

@@ -94,6 +94,26 @@ def test_collective_equals_one_process_bit_for_bit(tmp_path, world):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+def test_collective_with_prefetch_equals_one_process_bit_for_bit(tmp_path):
+    """Two ranks, every lookup prefetched one step ahead (the keys ride in the step's
+    round, the owners answer after the update, in the background): rows and optimizer
+    state of every table, the grouped model's too, equal one process's without
+    prefetch, and the lookups took their rows from the prefetches."""
+    steps = 12
+    outs = run_job(tmp_path, 2, "--steps", str(steps), "--prefetch")
+    assert all(f"rank {r} of 2: done" in outs[r] for r in range(2))
+    want = job.oracle(steps, 2)
+    for k in want:
+        with np.load(tmp_path / f"{k}.npz") as z:
+            got = {c: z[c] for c in z.files}
+        assert_same(got, want[k], f"table {k} with prefetch")
+    with open(tmp_path / "prefetch.json", encoding="utf-8") as f:
+        stats = json.load(f)
+    assert stats["served_rows"] > 0 and stats["prefetches"] > steps, stats
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
 def test_under_torchrun_equals_one_process(tmp_path):
     """The job started by torchrun itself (its agent hosts the rendezvous store)."""
     steps = 10

@@ -17,7 +17,9 @@ concatenated batch. ``pull_many`` and ``apply_gradients`` move every table of th
 those same rounds. A header that disagrees, or a rank that dies, raises
 :class:`~distemb.errors.KVStoreError` on every rank within the group's timeout. Key
 management, checkpoints (the format of every placement) and what this mode refuses (store
-objects, GPU lookups, caches) are described in ``docs/cluster.md``.
+objects, GPU lookups, caches) are described in ``docs/cluster.md``; prefetch
+(the keys ride in the step's round, the rows come back in a background round) in
+``docs/prefetch.md``.
 
 This module imports torch: server processes never import it.
 
@@ -44,8 +46,10 @@ from distemb import kernels
 from distemb.errors import KVStoreError, MissingKeyError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
-from distemb.transport.collective import KEYS, PULL, PUSH, UPDATE, Exchange, Routed
+from distemb.transport.collective import (KEYS, PULL, PUSH, UPDATE, Exchange, Payload,
+                                          Routed, padded)
 from distemb.kvstore.local import LocalKVClient, column_name
+from distemb.kvstore.prefetch import Prefetch, Prefetches
 from distemb.kvstore.server.kvserver import KVServer
 from distemb.kvstore.types import refuse_non_finite
 from distemb.stores.init import KeyInit, ShardInit
@@ -117,6 +121,8 @@ class CollectiveKVClient(LocalKVClient):
         # tables default to one range per rank; rank r holds shards p % W == r
         self.num_servers = self.num_trainers = self.num_holders = self.world_size
         super().__init__(KVServer(server_id=self.rank, num_threads=num_threads))
+        #: keys prefetched for coming lookups, read at the next step (:meth:`prefetch`)
+        self.prefetches = Prefetches()
         tags = self._x.gather_objects("initialize", uuid.uuid4().hex)
         self._x.tag = f"distemb-collective/{tags[0]}"
 
@@ -173,9 +179,27 @@ class CollectiveKVClient(LocalKVClient):
 
     def delete_data(self, name):
         """Drop this rank's shards of ``name`` (local: every rank drops its own)."""
+        self.prefetches.drop(name)
         super().delete_data(name)
 
     # -- rows: exchanged with their owners --------------------------------------------
+
+    def prefetch(self, name, ids):
+        """Collective: keep keys ``ids`` of ``name`` for the table's next step, whose
+        owners send their rows back right after applying it (module docstring).
+
+        Raises:
+            KVStoreError: no table ``name``.
+            PartitionError: an id outside a fixed key space.
+        """
+        table = self.tables.table(name)
+        keys = np.unique(keys_array(ids, "ids"))
+        table.router.check(keys, f"ids of {name!r}")
+        self.prefetches.add(name, Prefetch(keys, None))
+
+    def prefetch_stats(self):
+        """Counters of :meth:`prefetch` (:class:`~distemb.kvstore.prefetch.Prefetches`)."""
+        return dict(self.prefetches.stats)
 
     def _read(self, table, column, ids):
         return self._pull_rows([(table, column, ids)])[0]
@@ -187,25 +211,60 @@ class CollectiveKVClient(LocalKVClient):
         return self._pull_rows([self.tables.rows(n) + (ids,) for n, ids in requests])
 
     def _pull_rows(self, requests):
+        """Rows of each ``(table, column, ids)``: those a table's prefetch holds from
+        there, the others from their owners (every rank takes part in the exchange)."""
         names = [column_name(t, c) for t, c, _ in requests]
+        prefetched = [c == WEIGHT and t.name in self.prefetches for t, c, _ in requests]
+        if not any(prefetched):
+            return self._ask_rows(requests, names)
+        # Every rank prefetched the same tables (collective calls): one round says
+        # whether any rank misses rows, instead of three that would bring none.
+        served = [self.prefetches.take(t.name, ids) if p else None
+                  for (t, _, ids), p in zip(requests, prefetched)]
+        rest = [(t, c, ids if s is None else ids[~s[0]])
+                for (t, c, ids), s in zip(requests, served)]
+        missing = any(len(ids) for _, _, ids in rest)
+        got = self._ask_rows(rest, names) if self._x.anyone(
+            PULL, ["prefetched lookup of"] + names, missing) else \
+            [np.empty((0,) + t.row_shape, half.row_dtype(t.columns()[c][1]))
+             for t, c, _ in rest]
+        outs = []
+        for (t, c, ids), s, rows in zip(requests, served, got):
+            if s is None:
+                outs.append(rows)
+                continue
+            hit, kept = s
+            out = np.empty((len(ids),) + kept.shape[1:], kept.dtype)
+            out[hit] = kept
+            out[~hit] = rows
+            outs.append(out)
+        return outs
+
+    def _owner_rows(self, table, column, ids):
+        """This rank's rows ``ids`` (its shards' keys, any table key order) of ``column``,
+        as stored: half rows travel in 16 bits."""
+        shape, dtype = tuple(table.columns()[column][0]), \
+            half.storage_dtype(table.columns()[column][1])
+        out = np.empty((len(ids),) + shape, dtype)
+        for part, pos, local in self._split(table, ids):
+            out[slice(None) if pos is None else pos] = self.server.pull(
+                column_name(table, column), part, local,
+                out=np.empty((len(local),) + shape, dtype))
+        return out
+
+    def _ask_rows(self, requests, names):
         shapes = [(half.storage_dtype(t.columns()[c][1]), tuple(t.columns()[c][0]))
                   for t, c, _ in requests]
-
-        def answer(i, ids):  # the owner's rows, as stored: half rows travel in 16 bits
-            t, c, _ = requests[i]
-            dtype, shape = shapes[i]
-            out = np.empty((len(ids),) + shape, dtype)
-            for part, pos, local in self._split(t, ids):
-                out[slice(None) if pos is None else pos] = self.server.pull(
-                    column_name(t, c), part, local,
-                    out=np.empty((len(local),) + shape, dtype))
-            return out
         got = self._x.ask(PULL, names, [self._routed(t, ids) for t, _, ids in requests],
-                          answer, lambda i: shapes[i])
+                          lambda i, ids: self._owner_rows(*requests[i][:2], ids),
+                          lambda i: shapes[i])
         return [half.as_rows(rows) for rows in got]
 
     def _write(self, table, column, ids, rows):
-        """Collective write; for an id written by several ranks the highest rank's wins."""
+        """Collective write; for an id written by several ranks the highest rank's wins.
+        The table's prefetches are dropped (every rank's: any rank may write any row)."""
+        if column == WEIGHT:
+            self.prefetches.drop(table.name)
         (got, (received,), _), = self._x.send(PUSH, [column_name(table, column)],
                                                 [self._routed(table, ids)], [[rows]])[0]
         LocalKVClient._write(self, table, column, got, received)
@@ -239,9 +298,20 @@ class CollectiveKVClient(LocalKVClient):
                 summed = np.empty(0, np.int64), np.empty((0, table.dim), np.float32)
             routes.append(self._routed(table, summed[0]))
             cols.append([np.ascontiguousarray(summed[1], np.float32)])
-        got, flags = self._x.send(UPDATE, names, routes, cols,
-                                  flags=[_NOT_FINITE if not f else s is not None
-                                         for s, f in zip(sums, finite)])
+        for name in names:  # the lookups of this step used these
+            self.prefetches.stepped(name)
+        # The keys prefetched for coming lookups ride in the same round (every rank has
+        # the same prefetches: its calls are collective), answered after the update.
+        waiting = [self.prefetches.waiting(n) for n in names]
+        more = None
+        if any(waiting):
+            more = [self._routed(t, np.concatenate([np.empty(0, np.int64)] +
+                                                   [p.keys for p in w]))
+                    for t, w in zip(tables, waiting)]
+        sent = self._x.send(UPDATE, names, routes, cols,
+                            flags=[_NOT_FINITE if not f else s is not None
+                                   for s, f in zip(sums, finite)], more=more)
+        got, flags = sent[:2]
         ranks = sorted({int(r) for f in flags for r in np.flatnonzero(f == _NOT_FINITE)})
         # every rank refuses, before any update
         refuse_non_finite([n for n, f in zip(names, flags) if (f == _NOT_FINITE).any()],
@@ -250,7 +320,47 @@ class CollectiveKVClient(LocalKVClient):
             if len(ids):
                 uniq, summed = kernels.dedup_sum(ids, rows, num_threads=self.num_threads)
                 LocalKVClient.push_update(self, table.name, uniq, summed, rule, hyper)
+        if more is not None:
+            self._answer_prefetches(names, tables, waiting, more, sent[2])
         return [bool(f.any()) for f in flags]
+
+    def _answer_prefetches(self, names, tables, waiting, more, asked):
+        """After a step's updates: each owner's rows of the keys prefetched of it
+        (``asked``: per table, the keys from every rank in rank order and their counts),
+        sent back in a round that finishes in the background; the waiting prefetches
+        (``more``: their keys routed per table) take them when a lookup needs them."""
+        payload = Payload(self.world_size)
+        answers = [self._owner_rows(t, WEIGHT, ids) for t, (ids, _) in zip(tables, asked)]
+        for src in range(self.world_size):
+            for (_, counts), rows in zip(asked, answers):
+                lo = int(counts[:src].sum())
+                payload.add(src, rows[lo:lo + counts[src]])
+        shapes = [(half.storage_dtype(t.dtype), t.row_shape) for t in tables]
+        sizes = [sum(padded(int(r.counts[d]) * np.dtype(dt).itemsize *
+                            int(np.prod(shape, dtype=np.int64)))
+                     for r, (dt, shape) in zip(more, shapes))
+                 for d in range(self.world_size)]
+        back = self._x.reply_later(UPDATE, names, payload, sizes)
+        rows = [np.empty((len(r.ids),) + t.row_shape, t.row_dtype)
+                for r, t in zip(more, tables)]
+        arrived = []
+
+        def arrival():  # the first lookup that needs any of them takes them all
+            if arrived:
+                return
+            got = back()
+            for r, (dt, shape), out in zip(more, shapes, rows):
+                parts = [got.take(d, dt, (int(r.counts[d]),) + shape)
+                         for d in range(self.world_size)]
+                if len(r.pos):
+                    out[r.pos] = half.as_rows(np.concatenate(parts))
+            arrived.append(True)
+        for w, out in zip(waiting, rows):
+            start = 0
+            for p in w:
+                p.rows = out[start:start + len(p.keys)]
+                p.after_arrival(arrival)
+                start += len(p.keys)
 
     # -- keys: asked of their owners --------------------------------------------------
 
@@ -303,6 +413,8 @@ class CollectiveKVClient(LocalKVClient):
     def _remove(self, table, keys):
         """Remove each rank's ``keys``; how many of them were present (a key asked by
         several ranks counts for the first, in rank order)."""
+        self.prefetches.drop(table.name)
+
         def answer(ids):
             present = LocalKVClient.contains(self, table.name, ids)
             first = np.zeros(len(ids), bool)
@@ -314,6 +426,7 @@ class CollectiveKVClient(LocalKVClient):
     def _evict(self, table, target_size, policy):
         """Every rank evicts its shards down to its share of ``target_size`` by its own
         order (as each server does); every rank gets all the evicted keys."""
+        self.prefetches.drop(table.name)
         share = target_size // self.world_size + (self.rank < target_size % self.world_size)
         mine = LocalKVClient._evict(self, table, share, policy)
         return np.concatenate([a[0] for a in self._x.everyone("evict", table.name, [mine])])
@@ -337,6 +450,10 @@ class CollectiveKVClient(LocalKVClient):
         the records of all."""
         save_id, parent = self._x.gather_objects(f"save of {name!r}", (save_id, parent))[0]
         return super().save_table(name, directory, save_id, columns, parent)
+
+    def _load(self, table, directory, entry, columns):
+        self.prefetches.drop(table.name)
+        super()._load(table, directory, entry, columns)
 
     def _save(self, table, directory, save_id, columns, parent):
         recs = super()._save(table, directory, save_id, columns, parent)

@@ -29,9 +29,11 @@ from distemb.errors import KVStoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.local import column_name
+from distemb.kvstore.prefetch import Prefetch, Prefetches
 from distemb.kvstore.routes import Route, route, shards_by_server, take_rows
 from distemb.kvstore.servers import Servers
 from distemb.kvstore.tables import TableClient, Tables
+from distemb.kvstore.types import refuse_store
 from distemb.rules import rule_of
 from distemb.stores.types import WEIGHT
 from distemb.transport.messages import (Barrier, Create, Drop, Export, Get, Info, Load,
@@ -70,6 +72,8 @@ class RemoteKVClient(TableClient):
         self.servers = Servers(cfg, rank, connections, num_threads)
         self.num_servers = self.servers.count
         self.tables = Tables(self)
+        #: rows read ahead for coming lookups (:meth:`prefetch`)
+        self.prefetches = Prefetches()
         self._seq = {}
 
     @property
@@ -115,13 +119,69 @@ class RemoteKVClient(TableClient):
     def delete_data(self, name):
         if self.tables.drop(name) is None:
             return
+        self.prefetches.drop(name)
         self.servers.forget(name)
         self.servers.all(lambda sid: Drop(name=name))
 
     # -- rows -------------------------------------------------------------------------
 
+    def prefetch(self, name, ids):
+        """Send the Pulls of rows ``ids`` of ``name`` now; their replies are read while
+        the trainer goes on (:meth:`Servers.ahead <distemb.kvstore.servers.Servers.ahead>`),
+        and the table's updates until their lookup name them, so their owners answer
+        with the rows each update writes (:mod:`distemb.kvstore.prefetch`). Rows a
+        co-located server's shared memory holds are left to the lookup (read in place).
+        A table of any key is looked up here (absent keys inserted, the access counted),
+        as its lookup would.
+
+        Raises:
+            KVStoreError: no table ``name``; a store that evicts on its own (a hash table
+                with a capacity: a prefetched key could be evicted before its lookup).
+        """
+        table = self.tables.table(name)
+        if table.num_keys is None and table.spec.capacity is not None:
+            raise refuse_store(
+                self, name, f"a {table.spec.kind} store with a capacity "
+                f"({table.spec.capacity} keys)", "prefetch: such a store evicts keys on "
+                "its own, and a prefetched key could be evicted by another lookup before "
+                "its own; prefetch tables without a capacity (evict() them yourself)")
+        keys = np.unique(keys_array(ids, "ids"))
+        table.router.check(keys, f"ids of {name!r}")
+        mapped = {p for (n, p) in self.servers.mapped if n == name}
+        rows, ok, wait = self._pull_ahead(table, keys, mapped)
+        if ok.any():
+            self.prefetches.add(name, Prefetch(keys, rows, ok, wait))
+
+    def prefetch_stats(self):
+        """Counters of :meth:`prefetch` (:class:`~distemb.kvstore.prefetch.Prefetches`)."""
+        return dict(self.prefetches.stats)
+
     def _read(self, table, column, ids):
         return self._read_many([(table, column, ids)])[0]
+
+    def _read_many(self, requests):
+        """Rows of each ``(table, column, ids)``: a table's rows its prefetch holds from
+        there (:meth:`prefetch`), the others from their servers (:meth:`_read_rows`)."""
+        served = [self.prefetches.take(t.name, ids) if c == WEIGHT else None
+                  for t, c, ids in requests]
+        if all(s is None for s in served):
+            return self._read_rows(requests)
+        rest = [(t, c, ids if s is None else ids[~s[0]])
+                for (t, c, ids), s in zip(requests, served)]
+        ask = [i for i, (_, _, ids) in enumerate(rest) if len(ids) or served[i] is None]
+        got = dict(zip(ask, self._read_rows([rest[i] for i in ask]) if ask else []))
+        outs = []
+        for i, ((t, c, ids), s) in enumerate(zip(requests, served)):
+            if s is None:
+                outs.append(got[i])
+                continue
+            hit, rows = s
+            out = np.empty((len(ids),) + rows.shape[1:], rows.dtype)
+            out[hit] = rows
+            if i in got:
+                out[~hit] = got[i]
+            outs.append(out)
+        return outs
 
     def pull_many(self, requests):
         """Rows of every ``(table, ids)`` of ``requests`` in one round trip per server:
@@ -129,7 +189,7 @@ class RemoteKVClient(TableClient):
         multi-get, a grouped lookup)."""
         return self._read_many([self.tables.rows(n) + (ids,) for n, ids in requests])
 
-    def _read_many(self, requests):
+    def _read_rows(self, requests):
         """Rows of each ``(table, column, ids)``, asked of their servers, in the order of
         its ids; replies carry rows as stored (half rows decoded here). The rows of
         shards mapped from co-located servers are copied from there while the others
@@ -190,7 +250,9 @@ class RemoteKVClient(TableClient):
 
     def _write(self, table, column, ids, rows):
         """Write ``rows``, as stored, to rows ``ids``; a co-located server takes them
-        from the request slot."""
+        from the request slot. Prefetched copies of the rows are void."""
+        if column == WEIGHT:
+            self.prefetches.void(table.name, np.asarray(ids))
         kvname = column_name(table, column)
         routes, _ = route(table.router, ids, self.num_servers)
         self._call({sid: Push(name=kvname, parts=r.parts, counts=r.counts, ids=r.ids,
@@ -281,8 +343,94 @@ class RemoteKVClient(TableClient):
                 local = self.tables.table(name).router.to_local(part, r.ids) \
                     if part is not None else r.ids
                 self.servers.applying.note(sid, name, part, frame, local)
-        self._call(requests, wait=wait, on_reply=take if want else applying)
+        self.send_update(name, requests, take if want else applying, wait)
         return out
+
+    def send_update(self, name, requests, on_reply=None, wait=True):
+        """Send one update of table ``name`` (``{sid: Update}`` of
+        :meth:`update_requests`), naming the rows prefetched for coming lookups: each
+        owner's reply ends with those the update wrote (``watch``), which patch the
+        prefetched rows; then the prefetches lookups used are released. An asynchronous
+        update has no reply: the prefetched rows it writes are read again behind it.
+
+        Args:
+            on_reply: ``on_reply(sid, frame)`` for each reply frame, without its answer
+                to the watch.
+        """
+        watched = self.prefetches.watched(name) if wait else None
+        peel = {}
+        if watched is not None:
+            wroutes, _ = route(self.tables.table(name).router, watched[0], self.num_servers)
+            for sid, r in wroutes.items():
+                m = requests.get(sid)
+                if m is not None:  # a server not updated wrote none of them (not exact)
+                    m.watch, m.watch_parts, m.watch_counts = r.ids, r.parts, r.counts
+                    peel[sid] = r.positions
+        answers = []
+
+        def take(sid, frame):
+            if sid in peel:
+                a, at = frame.arrays, peel[sid]
+                if len(a) < 3 or any(x.dtype != np.int64 or x.ndim != 1 for x in (a[-3], a[-1])) \
+                        or a[-2].shape[:1] != a[-3].shape or \
+                        any(len(x) and (x.min() < 0 or x.max() >= len(at)) for x in (a[-3], a[-1])):
+                    raise KVStoreError(f"server {sid}: update reply without its answer to "
+                                       f"the prefetched rows of {name!r}")
+                answers.append((at[a[-3]], a[-2], at[a[-1]]))
+                frame.arrays = a[:-3]
+            if on_reply is not None:
+                on_reply(sid, frame)
+        self._call(requests, wait=wait, on_reply=take)
+        if watched is not None:
+            self.prefetches.patch(name, watched[1], answers)
+        elif not wait:
+            self._refetch_written(name, requests)
+        self.prefetches.stepped(name)
+
+    def _refetch_written(self, name, requests):
+        """After an asynchronous update of ``name``: its prefetched rows that the update
+        wrote are read again behind it (each connection is ordered), ahead."""
+        watched = self.prefetches.watched(name)
+        if watched is None:
+            return
+        keys, plan = watched
+        written = np.concatenate([np.empty(0, np.int64)] + [m.ids for m in requests.values()])
+        at = np.flatnonzero(np.isin(keys, written))
+        if not len(at):
+            return
+        _, _, fresh = self._pull_ahead(self.tables.table(name), keys[at])
+        self.prefetches.patch(name, plan, [(at, fresh, np.empty(0, np.int64))])
+
+    def _pull_ahead(self, table, keys, mapped=()):
+        """Rows ``keys`` of ``table`` asked now, but for those of shards ``mapped``.
+
+        Returns:
+            (the rows' array, filled as the replies are read; bool per key: asked; a
+            callable that waits for the replies and returns the array).
+        """
+        shape, dtype = table.columns()[WEIGHT]
+        wire = half.storage_dtype(dtype)
+        routes, _ = route(table.router, keys, self.num_servers, mapped)
+        rows = np.empty((len(keys),) + tuple(shape), half.row_dtype(dtype))
+        asked = np.zeros(len(keys), bool)
+        for r in routes.values():
+            asked[r.positions] = True
+
+        def take(sid, frame):  # on the thread that reads the reply
+            r = routes[sid]
+            got = frame.arrays[0] if len(frame.arrays) == 1 else None
+            if got is None or got.shape != (len(r.ids),) + tuple(shape) or got.dtype != wire:
+                raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype for "
+                                   f"{table.name!r}")
+            rows[r.positions] = half.as_rows(got)
+        ahead = self.servers.ahead({sid: Pull(name=table.name, parts=r.parts,
+                                              counts=r.counts, ids=r.ids)
+                                    for sid, r in routes.items()}, on_reply=take)
+
+        def wait():
+            ahead.wait(self.servers.errors)
+            return rows
+        return rows, asked, wait
 
     def coalesce(self, name, ids, grads, F):
         """As the host clients; in sync_exact mode an empty step still pushes (nothing).
@@ -357,6 +505,7 @@ class RemoteKVClient(TableClient):
             ids=r.ids), table.row_shape, np.float32)
 
     def _remove(self, table, keys):
+        self.prefetches.void(table.name, keys)
         routes, _ = route(table.router, keys, self.num_servers)
         replies = self._call({sid: Remove(name=table.name, parts=r.parts, counts=r.counts,
                                           ids=r.ids) for sid, r in routes.items()})
@@ -366,7 +515,9 @@ class RemoteKVClient(TableClient):
         """Each server evicts down to its share of ``target_size`` by its own LRU/LFU
         order (the order is per server: no global ranking crosses the network)."""
         replies = self._info(table.name, target_size, policy)
-        return np.concatenate([replies[sid].arrays[0] for sid in sorted(replies)])
+        evicted = np.concatenate([replies[sid].arrays[0] for sid in sorted(replies)])
+        self.prefetches.void(table.name, evicted)
+        return evicted
 
     def export(self, name, columns=None):
         table = self.tables.table(name)
@@ -411,6 +562,7 @@ class RemoteKVClient(TableClient):
 
     def _load(self, table, directory, entry, columns):
         """Every server reads, from the checkpoint's records, the keys its shards hold."""
+        self.prefetches.drop(table.name)
         self._call({sid: Load(name=table.name, parts=parts, directory=directory,
                               columns=columns)
                     for sid, parts in self._shards(table).items()}, timeout=IO_TIMEOUT_S)

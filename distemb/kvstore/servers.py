@@ -26,6 +26,7 @@ from distemb import kernels
 from distemb.errors import (KVStoreError, MissingKeyError, PartitionError, StoreError,
                             TransportError)
 from distemb.kernels import half
+from distemb.kvstore.ahead import Ahead, AsideReaders
 from distemb.kvstore.server.early import Applying
 from distemb.transport.base import FLAG_NO_REPLY, MAX_FDS, close_fds
 from distemb.transport.connections import open_connections
@@ -61,6 +62,7 @@ class Servers:
         self.mapped = {}  # (table, part) -> ShmShard of a co-located server's rows
         self._slots = {}
         self.applying = Applying(self.connections)
+        self._aside = AsideReaders(self.connections)
         self.closed = False
         hello = {sid: Hello(rank=rank, token=cfg.job_token or "") for sid in range(self.count)}
         self.info = [r.fields for r in self.call(hello).values()]
@@ -117,6 +119,7 @@ class Servers:
             return {}
         replies, failed = {}, []
         for sid, msgs in requests.items():
+            self._aside.settle(sid)  # replies to requests sent ahead come first
             for _ in msgs if isinstance(msgs, list) else [msgs]:
                 frame = self.connections[sid].recv(timeout)
                 if frame.service == Service.ERROR:
@@ -141,6 +144,37 @@ class Servers:
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
+
+    def ahead(self, requests, on_reply=None):
+        """Send ``{server id: message}`` now and read the replies while the caller goes
+        on (:mod:`distemb.kvstore.ahead`): on a helper thread per connection where it
+        ``reads_aside``, else when they are first needed. Later calls on a connection
+        read their own replies after these.
+
+        The arrays travel in the frames (never in a request slot, which the next request
+        may reuse before this one is answered).
+
+        Args:
+            on_reply: ``on_reply(sid, frame)`` for each successful reply frame, on the
+                thread that reads it.
+
+        Returns:
+            an :class:`~distemb.kvstore.ahead.Ahead`; its ``wait()`` gives the replies.
+        """
+        if self.closed:
+            raise KVStoreError("this RemoteKVClient is closed")
+        out = Ahead(self._aside, on_reply)
+        for sid, msg in requests.items():
+            self.applying.settle(sid)  # an update's outcome frame is read before this
+            self.connections[sid].send(msg.encode())
+            self._aside.expect(sid, out)
+        return out
+
+    @property
+    def errors(self):
+        """{error kind: exception type} of the errors servers report (for
+        :meth:`Ahead.wait <distemb.kvstore.ahead.Ahead.wait>`)."""
+        return ERRORS
 
     def all(self, make, timeout=None):
         """:meth:`call` of ``make(sid)`` on every server."""
@@ -229,6 +263,7 @@ class Servers:
             pass  # a server already gone needs no goodbye
         finally:
             self.closed = True
+            self._aside.close()
             self.mapped.clear()
             for slot in self._slots.values():
                 slot.close()

@@ -10,8 +10,8 @@ check of ids and values. What a table's store cannot do (remove keys of a fixed 
 its shard refuses, naming both; what a placement cannot hold it refuses at creation,
 naming both (:func:`refuse_store`). Two halves:
 
-- storage: ``create_table``/``delete_data``/``pull``/``push``/``init_optimizer``/
-  ``push_update``, the key operations (``size``, ``contains``, ``get``, ``remove``,
+- storage: ``create_table``/``delete_data``/``pull``/``prefetch``/``push``/
+  ``init_optimizer``/``push_update``, the key operations (``size``, ``contains``, ``get``, ``remove``,
   ``evict``, ``export``, ``import_``), checkpoints, ``barrier``/``close``, on the
   client's own arrays (``ops`` is their kernel implementation, ``from_host``/``to_host``
   convert numpy to and from them);
@@ -264,6 +264,22 @@ class KVClient(HostPlacement, ABC):
         round for all the tables; the others look them up in turn.
         """
         return [self.pull(name, ids) for name, ids in requests]
+
+    def prefetch(self, name: str, ids: GlobalIds) -> None:
+        """Start reading rows ``ids`` of table ``name`` for a coming lookup (the next
+        batch's, while the current one computes); returns at once.
+
+        The next lookups of the table take what they can from the oldest prefetch, and
+        return exactly the rows they would return without it (every write since is in
+        them, :mod:`distemb.kvstore.prefetch`); the table's next update after such a lookup
+        releases it. A client whose rows are in this process reads them at the lookup
+        (this default: nothing to start).
+
+        Raises:
+            KVStoreError: no table ``name``, or a table whose store evicts keys on its own
+                where a prefetched row could be evicted before its lookup (naming both).
+        """
+        self.tables.table(name)
 
     def apply_gradients(self, tables: Sequence[TableGradients], F) -> List[bool]:
         """One optimizer step of several tables: sum each table's traced gradients per id

@@ -48,6 +48,9 @@ class Wrapper(KVClient):
     def pull(self, name, ids):
         return self.inner.pull(name, ids)
 
+    def prefetch(self, name, ids):
+        self.inner.prefetch(name, ids)
+
     def push(self, name, ids, values):
         self.inner.push(name, ids, values)
 

@@ -251,6 +251,10 @@ class Connection:
     peer = ""
     #: Frames may carry file descriptors (a Unix-domain socket on this machine).
     passes_fds = False
+    #: One thread may receive while another sends (a socket): replies to requests sent
+    #: ahead are then read on a helper thread while the caller goes on (False: they are
+    #: read by the thread that needs them, as MPI has one thread call it).
+    reads_aside = False
 
     def send(self, frame):
         """Send ``frame``; raise :class:`~distemb.errors.TransportError` subclasses."""

@@ -304,23 +304,57 @@ class Exchange:
         buf, sizes = payload.build()
         return Received(self.all_to_all(describe(op, names), buf, sizes, sizes_in), sizes_in)
 
+    def reply_later(self, op: int, names: Sequence[str], payload: Payload, sizes_in):
+        """:meth:`reply`, started now and finished in the background (the prefetched rows
+        of a step travel while the next batch is prepared).
+
+        Returns:
+            a callable that waits for the round and returns its :class:`Received`.
+        """
+        buf, sizes = payload.build()
+        recv = torch.empty(int(np.sum(sizes_in)), dtype=torch.uint8)
+        send = torch.from_numpy(buf)
+        self.bytes_sent += int(np.sum(sizes)) - int(sizes[self.rank])
+        what = describe(op, names)
+        work = self.guard(what, lambda: dist.all_to_all_single(
+            recv, send, [int(x) for x in sizes_in], [int(x) for x in sizes],
+            group=self.group, async_op=True))
+        done, keep = [], [send]  # the send buffer lives until the round is over
+
+        def wait():
+            if not done:
+                self.guard(what, work.wait)
+                done.append(Received(recv.numpy(), sizes_in))
+                keep.clear()
+            return done[0]
+        return wait
+
+    def anyone(self, op: int, names: Sequence[str], flag: bool) -> bool:
+        """One header round (so ranks in other calls raise): whether any rank's ``flag``
+        is set."""
+        got = self.header(op, names, np.full(self.world_size, int(bool(flag)), np.int64))
+        return bool(got.any())
+
 
     # -- the routed rounds of a call: each table's ids to their owners ------------------
 
-    def send(self, op, names, routes, columns, flags=None, label=None):
+    def send(self, op, names, routes, columns, flags=None, label=None, more=None):
         """One round: to each rank, the counts of ids of every table (and ``flags``, one
         int64 per table, when given), each table's ids, then each table's rows of every
         column of ``columns`` (a list of arrays per table, in the caller's id order; the
-        same number, dtypes and row shapes on every rank).
+        same number, dtypes and row shapes on every rank), then ``more`` ids per table.
 
         Args:
             routes: a :class:`Routed` per table.
             label: what the header names (default: ``names``).
+            more: a second :class:`Routed` per table (keys a step's owners answer after
+                it: a prefetch's), or None.
 
         Returns:
             per table ``(ids received in rank order, [each column's rows received], ids
             from each rank)``, and the (tables, W) flags each rank sent (zeros without
-            ``flags``).
+            ``flags``); with ``more``, a third item: per table ``(its more ids received
+            in rank order, the count from each rank)``.
         """
         w, n = self.world_size, len(names)
         payload = Payload(w)
@@ -335,6 +369,10 @@ class Exchange:
             for r, cols in zip(routes, taken):
                 for c in cols:
                     payload.add(d, r.of(d, c))
+            if more is not None:
+                payload.add(d, np.array([r.counts[d] for r in more], np.int64))
+                for r in more:
+                    payload.add(d, r.of(d, r.ids))
         got = self.round(op, names if label is None else label, payload)
         counts = np.empty((n, w), np.int64)
         sent = np.zeros((n, w), np.int64)
@@ -346,13 +384,21 @@ class Exchange:
             for t in range(n):
                 ids[t].append(got.take(src, np.int64, (counts[t, src],)))
         rows = [[[] for _ in cols] for cols in taken]
+        extra = [[] for _ in range(n)]
+        extra_counts = np.zeros((n, w), np.int64)
         for src in range(w):
             for t, cols in enumerate(taken):
                 for j, c in enumerate(cols):
                     rows[t][j].append(got.take(src, c.dtype, (counts[t, src],) + c.shape[1:]))
+            if more is not None:
+                extra_counts[:, src] = got.take(src, np.int64, (n,))
+                for t in range(n):
+                    extra[t].append(got.take(src, np.int64, (extra_counts[t, src],)))
         out = [(np.concatenate(ids[t]), [np.concatenate(c) for c in rows[t]], counts[t])
                for t in range(n)]
-        return out, sent
+        if more is None:
+            return out, sent
+        return out, sent, [(np.concatenate(extra[t]), extra_counts[t]) for t in range(n)]
 
     def ask(self, op, names, routes, answer, reply, label=None):
         """A call that sends each table's ids to their owners and brings one answer row

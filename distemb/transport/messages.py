@@ -263,14 +263,47 @@ class Update(RowsMessage):
     the positions of held rows written
     outside the step since (drop them), and the positions, new versions and summed
     gradients of held rows other trainers' gradients reached in the step.
+
+    ``watch`` (optional, int64 keys of this server's shards ``watch_parts``, grouped as
+    ``watch_counts`` say): rows a trainer prefetched. The reply ends with three more
+    arrays: the positions (in ``watch``) of the watched rows this update wrote (in an
+    exact update: the step, every trainer's rows) and still held, their rows after it
+    (float32), and the positions of watched keys the store no longer holds.
     """
 
     SERVICE = Service.UPDATE
     FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag,
-              "parts": int_list, "counts": int_list, "versions": flag}
-    DEFAULTS = {"versions": False}
+              "parts": int_list, "counts": int_list, "versions": flag,
+              "watch_parts": int_list, "watch_counts": int_list}
+    DEFAULTS = {"versions": False, "watch_parts": [], "watch_counts": []}
     ARRAYS = ("ids", "grads", "have")
     OPTIONAL = 1
+
+    def __init__(self, name="", flags=0, watch=None, **kw):
+        super().__init__(name, flags, **kw)
+        self.watch = watch
+
+    def encode(self):
+        """The frame; ``watch`` travels as its last array (field ``watching``)."""
+        frame = super().encode()
+        if self.watch is not None:
+            frame.arrays.append(self.watch)
+            frame.fields["watching"] = True
+        return frame
+
+    @classmethod
+    def decode(cls, frame):
+        watching = frame.fields.get("watching", False)
+        if not isinstance(watching, bool) or (watching and not frame.arrays):
+            raise TransportError(f"Update.watching: missing or invalid ({watching!r})")
+        if not watching:
+            return super().decode(frame)
+        fields = {k: v for k, v in frame.fields.items() if k != "watching"}
+        msg = super().decode(Frame(frame.service, frame.name, fields, frame.arrays[:-1],
+                                   frame.flags))
+        msg.watch = frame.arrays[-1]
+        msg.check_watch()
+        return msg
 
     def check(self):
         super().check()
@@ -279,6 +312,18 @@ class Update(RowsMessage):
             raise TransportError(f"Update.have: expected int64 of shape ({self.ids.shape[0]},) "
                                  f"in an exact update, got {self.have.dtype} "
                                  f"{self.have.shape} (exact={self.exact})")
+
+    def check_watch(self):
+        """``watch``, ``watch_parts`` and ``watch_counts`` describe each other (as a rows
+        message's ``ids``, ``parts`` and ``counts`` do)."""
+        p, c = self.watch_parts, self.watch_counts
+        if len(p) != len(c) or len(set(p)) != len(p):
+            raise TransportError(f"Update: watch_parts {p[:8]} and watch_counts {c[:8]} must "
+                                 "be equal-length, parts unique")
+        if self.watch.dtype != ID_DTYPE or self.watch.ndim != 1 or \
+                self.watch.shape[0] != sum(c):
+            raise TransportError(f"Update.watch: expected int64 of shape ({sum(c)},), got "
+                                 f"{self.watch.dtype} {self.watch.shape}")
 
 
 def text_list(v):

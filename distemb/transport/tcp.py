@@ -59,6 +59,10 @@ log = logging.getLogger("distemb")
 class TcpConnection(Connection):
     """Frames over a connected stream socket (TCP, or Unix-domain: then with descriptors).
 
+    One thread may :meth:`recv` while another sends (``reads_aside``): the
+    socket's two directions are independent, and a receive with the connection's own
+    timeout changes nothing a send uses.
+
     Args:
         sock: a connected socket.
         timeout: seconds one send, or the rest of a frame once it began, may take (None:
@@ -75,6 +79,7 @@ class TcpConnection(Connection):
         self.timeout = timeout
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         self.passes_fds = sock.family == socket.AF_UNIX
+        self.reads_aside = True
         sock.settimeout(timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -23,6 +23,15 @@ need leases from the owners, which the servers do not hand out (``docs/caches.md
 cluster of several trainers is refused (``num_trainers``); there, use the trainer cache
 with ``emb(ids, device="cuda")`` lookups.
 
+Prefetch (``emb.prefetch(next_ids)``): the rows are admitted now (misses fetched from
+the owner), their slots pinned and recorded; the next lookup of the table gathers the
+recorded slots with no bookkeeping of its own, and the table's next update after it
+releases the pins. A pinned row cannot be evicted before its lookup (admissions skip
+it, as FBGEMM's cache-line locking does): the lookup trusts the recorded slot, so an
+evicted one would hand out another row. Cached rows are updated in place by every
+step, so a prefetched row is current at its lookup; a row written otherwise (a push,
+a removal) is unpinned and looked up again.
+
 Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
 :class:`~distemb.kvstore.caches.table.TableCache`, on the host; rows and state are torch
 tensors on the device, touched by torch indexing and the device's kernels. Every table
@@ -42,6 +51,7 @@ from distemb.enums import CachePolicy
 from distemb.errors import KVStoreError
 from distemb.kernels import cuda
 from distemb.kvstore.caches.device_rows import DeviceRows, host_ids, keeps_its_keys, slots_of
+from distemb.kvstore.prefetch import Prefetch, Prefetches
 from distemb.kvstore.tables import refuse_fixed
 from distemb.kvstore.types import KVClient
 from distemb.kvstore import views
@@ -105,6 +115,8 @@ class DeviceCachedKVClient(Wrapper):
                            admitted_rows=0, written_back_rows=0, device_updated_rows=0,
                            host_updated_rows=0, h2d_bytes=0, d2h_bytes=0)
         self._view = CacheOnDevice(self)
+        #: per table, the slots prefetched for coming lookups, pinned (:meth:`prefetch`)
+        self.prefetches = Prefetches()
 
     def view_on(self, device):
         """The cache's view for the cache's device; itself for None (and 'cpu').
@@ -121,6 +133,45 @@ class DeviceCachedKVClient(Wrapper):
             raise ValueError(f"device: this context's device cache is on "
                              f"{self.cache_device}, got {device!r} (look rows up there)")
         return self._view
+
+    def prefetch_stats(self):
+        """Counters of :meth:`prefetch` (:class:`~distemb.kvstore.prefetch.Prefetches`),
+        ``pinned_rows`` (the slots pinned now) and those of the wrapped client's
+        prefetches, where it has them (``remote_*``: tables this cache does not hold)."""
+        inner = getattr(self.inner, "prefetch_stats", None)
+        inner = {} if inner is None else {f"remote_{k}": v for k, v in inner().items()}
+        return dict(self.prefetches.stats, **inner, pinned_rows=sum(
+            c.map.pinned for c in self._tables.values() if c is not None))
+
+    def prefetch(self, name, ids):
+        """Admit rows ``ids`` of ``name`` now (misses fetched from the owner, with their
+        state), pin their slots and record them for the next lookup (module docstring).
+        Rows that find no slot (every one pinned) are left to their lookup; a table this
+        cache does not hold is prefetched by the owner's client.
+        """
+        cache = self._table(name)
+        if cache is None:
+            self.inner.prefetch(name, ids)
+            return
+        ids = host_ids(ids)
+        self.inner.table(name).router.check(ids, f"ids of {name!r}")
+        uniq = np.unique(ids)
+        m = cache.map
+        slots = m.slot_of.get(uniq)
+        cached = slots >= 0
+        new = np.flatnonzero(~cached)
+        if len(new):
+            fetched = self.inner.pull(name, uniq[new])
+            self._stats["h2d_bytes"] += fetched.nbytes
+            self._admit(name, cache, uniq, new, slots, cached, fetched)
+        held = slots >= 0
+        m.pin(slots[held])
+        self._tick += 1
+        m.stamp[slots[held]] = self._tick if self.config.policy == CachePolicy.LRU else \
+            m.seen.get(uniq[held])
+        p = Prefetch(uniq, slots, held)
+        p.unpin = lambda at: m.unpin(slots[at])
+        self.prefetches.add(name, p)
 
     def stats(self):
         """Counters since construction: rows looked up, hits, rows and bytes moved.
@@ -261,6 +312,10 @@ class DeviceCachedKVClient(Wrapper):
     def _forget_copies(self, name, keys, write_back):
         cache = self._tables.get(name)
         if cache is not None:
+            if keys is None:
+                self.prefetches.drop(name)
+            else:
+                self.prefetches.void(name, keys)  # unpinned: looked up again
             slots = slots_of(cache, keys)
             if write_back:
                 self._write_back(name, cache, slots)
@@ -270,6 +325,7 @@ class DeviceCachedKVClient(Wrapper):
         """Forget the cache of ``table`` (after writing its dirty rows back)."""
         if write_back:
             self.flush(table)
+        self.prefetches.drop(table)
         self._tables.pop(table, None)
 
     def delete_data(self, name):
@@ -352,7 +408,13 @@ class DeviceCachedKVClient(Wrapper):
         uniq, inverse = np.unique(ids, return_inverse=True)
         self._tick += 1
         m.count(uniq)
-        slots = m.slot_of.get(uniq)
+        prefetched = self.prefetches.take(name, uniq)
+        if prefetched is not None and prefetched[0].all():
+            slots = np.empty(len(uniq), np.int64)  # every row where its prefetch put it
+        else:
+            slots = m.slot_of.get(uniq)
+        if prefetched is not None:
+            slots[prefetched[0]] = prefetched[1]  # pinned since: still these rows
         cached = slots >= 0
         new = np.flatnonzero(~cached)
         st["lookups"] += 1
@@ -410,11 +472,18 @@ class DeviceCachedKVClient(Wrapper):
         self._stats["admitted_rows"] += k
 
     def push_update(self, name, ids, grads, rule, hyper):
-        """Update cached rows on the device; the rest goes to the owner.
+        """Update cached rows on the device; the rest goes to the owner. The prefetches
+        lookups used are released (their slots unpinned).
 
         ``ids``/``grads`` are the unique ids and summed gradients of a coalesce: torch
         tensors on the cache's device (the view's) or numpy arrays (host lookups).
         """
+        try:
+            self._push_update(name, ids, grads, rule, hyper)
+        finally:
+            self.prefetches.stepped(name)
+
+    def _push_update(self, name, ids, grads, rule, hyper):
         impl = rule_of(rule)
         cache = self._tables.get(name)
         keys = host_ids(ids)

@@ -188,6 +188,8 @@ class TableCache:
         self.states = {name: np.zeros((capacity,) + shape, dtype)
                        for name, (shape, dtype) in (states or {}).items()}
         self.version = np.full(capacity, -1, np.int64)
+        # slot -> prefetches waiting for their lookup of its row: no admission evicts it
+        self.pins = np.zeros(capacity, np.int32)
         self.checked = np.zeros(capacity, np.int64)         # step of the last validation
         self.stamp = np.zeros(capacity, np.int64)           # last use (lru) or uses (lfu)
         self.pulls = 0
@@ -204,6 +206,21 @@ class TableCache:
             self.seen.halve()
         self.seen.add(ids)
 
+    def pin(self, slots):
+        """One more prefetch waits for the rows in ``slots`` (held; duplicates count
+        once each): until :meth:`unpin`, no admission (:meth:`admit`,
+        :meth:`worth_keeping`, :meth:`served`) evicts them."""
+        np.add.at(self.pins, slots, 1)
+
+    def unpin(self, slots):
+        """A prefetch of the rows in ``slots`` had its lookup (or was dropped)."""
+        np.subtract.at(self.pins, slots, 1)
+
+    @property
+    def pinned(self):
+        """Slots some prefetch holds (:meth:`pin`)."""
+        return int(np.count_nonzero(self.pins))
+
     def served(self, hits, asked):
         """Record a pull of ``asked`` unique rows, ``hits`` of them served by copies; at
         the end of each :data:`DECAY` window, a cache that held rows and served fewer than
@@ -214,7 +231,7 @@ class TableCache:
         if self.pulls % DECAY:
             return
         if self.used and self.hits < MIN_HITS * self.asked:
-            self.evict(np.flatnonzero(self.held))
+            self.evict(np.flatnonzero(self.held & (self.pins == 0)))
             self.idle_until = self.pulls + IDLE
         self.hits = self.asked = 0
 
@@ -247,7 +264,7 @@ class TableCache:
         if not len(rest) or not self.used:
             return out, np.empty(0, np.int64)
         sample = np.unique(self._rng.integers(0, self.capacity, SAMPLE * len(rest)))
-        busy = ~self.held
+        busy = ~self.held | (self.pins > 0)
         busy[keep] = True
         sample = sample[~busy[sample]]
         sample = sample[np.argsort(self.seen.get(self.ids[sample]), kind="stable")]
@@ -273,17 +290,20 @@ class TableCache:
         """Slots for new rows ``ids`` (not cached): free slots, then ``victims`` (LFU's,
         from :meth:`worth_keeping`) or else the lowest stamps.
 
-        Rows in slots ``keep`` (used by the same request) are not evicted. Returns the
-        slots of the first ``len(slots)`` ids; the others do not fit.
+        Rows in slots ``keep`` (used by the same request) and pinned rows (a prefetch's,
+        :meth:`pin`) are not evicted. Returns the slots of the first ``len(slots)`` ids;
+        the others do not fit.
         """
         if victims is not None:
             self.evict(victims)
         free = np.flatnonzero(~self.held)
-        room = self.capacity - len(keep)
+        spared = self.pins > 0
+        spared[keep] = True
+        room = self.capacity - int(np.count_nonzero(spared & self.held))
         need = min(len(ids), room) - len(free)
         if need > 0:
             stamps = self.stamp.astype(np.float64)
-            stamps[keep] = np.inf
+            stamps[spared] = np.inf
             stamps[free] = np.inf
             victims = np.argpartition(stamps, need - 1)[:need]
             self.evict(victims)

@@ -18,6 +18,10 @@ Modes (``staleness`` 0 is exact, ``s`` is HET's bounded staleness), policies (lr
 with TinyLFU admission, a cache that empties itself when it does not help) and their
 tested bounds are in ``docs/caches.md``.
 
+Prefetch (``emb.prefetch(next_ids)``): the copies it holds of the next batch's rows are
+pinned until the table's next update, the rest prefetched by the remote client
+(``docs/prefetch.md``).
+
 Example (servers started by ``distemb-launch``)::
 
     client = CachedKVClient(RemoteKVClient(cfg, rank), parse_cache_config({"fraction": 0.1}))
@@ -33,6 +37,7 @@ from distemb.errors import KVStoreError
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.caches.table import TableCache, unique_inverse
 from distemb.kvstore.caches.versions import pull_versioned, push_update_held
+from distemb.kvstore.prefetch import Prefetch, Prefetches
 from distemb.kvstore.types import KVClient
 from distemb.kvstore.views import view_on_host
 from distemb.kvstore.wrapper import Wrapper
@@ -77,6 +82,8 @@ class CachedKVClient(Wrapper):
         self._tick = 0
         self._stats = dict(pulls=0, rows=0, unique_rows=0, hit_rows=0, fetched_rows=0,
                            bytes_pulled=0, bytes_sent=0, evicted_replicas=0, summed_rows=0)
+        #: per table, the cached copies pinned for coming lookups (:meth:`prefetch`)
+        self.prefetches = Prefetches()
 
     @property
     def consistency(self):
@@ -102,8 +109,39 @@ class CachedKVClient(Wrapper):
 
     def delete_data(self, name):
         self.inner.delete_data(name)
+        self.prefetches.drop(state_owner(name) or name)
         self._tables.pop(name, None)
         self._tables.pop(state_owner(name), None)
+
+    def prefetch(self, name, ids):
+        """Pin the copies of rows ``ids`` this cache holds until their lookup, and have
+        the remote client prefetch the others (module docstring).
+
+        Raises:
+            KVStoreError: see :meth:`RemoteKVClient.prefetch
+                <distemb.kvstore.remote.RemoteKVClient.prefetch>`.
+        """
+        cache = self._table(name)
+        if cache is None:
+            self.inner.prefetch(name, ids)
+            return
+        uniq = np.unique(keys_array(ids, "ids"))
+        self.inner.table(name).router.check(uniq, f"ids of {name!r}")
+        slots = cache.slot_of.get(uniq)
+        held = slots >= 0
+        cache.pin(slots[held])
+        p = Prefetch(uniq, slots, held)
+        p.unpin = lambda at: cache.unpin(slots[at])
+        self.prefetches.add(name, p)
+        self.inner.prefetch(name, uniq[~held])
+
+    def prefetch_stats(self):
+        """Counters of the pins (:class:`~distemb.kvstore.prefetch.Prefetches`, and
+        ``pinned_rows``: the slots pinned now) and of the remote client's prefetches
+        (``remote_*``)."""
+        inner = {f"remote_{k}": v for k, v in self.inner.prefetch_stats().items()}
+        return dict(self.prefetches.stats, **inner, pinned_rows=sum(
+            c.pinned for c in self._tables.values() if c is not None))
 
     def remove(self, name, keys):
         removed = self.inner.remove(name, keys)
@@ -124,6 +162,7 @@ class CachedKVClient(Wrapper):
         next validation; a bounded-staleness copy must not wait for it)."""
         cache = self._tables.get(name)
         if cache is not None:
+            self.prefetches.void(name, np.asarray(keys, dtype=np.int64))
             cache.forget(np.asarray(keys, dtype=np.int64))
 
     def load_table_state(self, name, state_names, entry):
@@ -187,6 +226,7 @@ class CachedKVClient(Wrapper):
 
     def init_optimizer(self, name, rule, options):
         names = self.inner.init_optimizer(name, rule, options)
+        self.prefetches.drop(name)  # its pins are the old cache's
         self._table(name, rule=rule)  # fresh: cached copies of the old state are void
         return names
 
@@ -202,6 +242,7 @@ class CachedKVClient(Wrapper):
             return self.inner.pull(name, ids)
         ids = keys_array(ids, "ids")
         self.inner.table(name).router.check(ids, f"ids of {name!r}")
+        self.prefetches.take(name, ids)  # its pins hold until the table's next update
         uniq, inverse = unique_inverse(ids)
         self._tick += 1
         cache.count(uniq)
@@ -224,11 +265,18 @@ class CachedKVClient(Wrapper):
         have[new[keep_new]] = -2
         if not cached.any() and not keep_new.any():
             # Nothing held or to keep (a cache that cannot help these ids): a plain pull
-            # of each row once, no versions either way.
+            # of each row once, no versions either way (prefetched rows from there).
             rows = self.inner.pull(name, uniq)
             self._count(ids, uniq, np.arange(len(uniq)), [], [rows], sent=8 * len(uniq))
             cache.served(0, len(uniq))
             return rows[inverse]
+        # rows passing through (not held, not kept) the remote client prefetched: taken
+        # from there, as current as a pull (its prefetch is used either way)
+        near = self.inner.prefetches.take(name, uniq[new[~keep_new]])
+        ready = np.zeros(len(uniq), bool)
+        if near is not None:
+            ready[new[~keep_new][near[0]]] = True
+            ask &= ~ready
         asked = np.flatnonzero(ask)
         if len(asked):
             pos, vers, rows, states = pull_versioned(self.inner, name, uniq[asked],
@@ -239,6 +287,7 @@ class CachedKVClient(Wrapper):
             states = [np.empty((0,) + a.shape[1:], a.dtype) for a in cache.states.values()]
         got = asked[pos]
         self._count(ids, uniq, got, asked, [pos, vers, rows] + list(states))
+        self._stats["hit_rows"] -= int(ready.sum())  # rows of the prefetch, not copies
         cache.checked[slots[ask & cached]] = cache.step
         out = np.empty((len(uniq), cache.values.shape[1]), np.float32)
         with_state = have[got] != -1  # states came for these fetched rows, in order
@@ -256,11 +305,13 @@ class CachedKVClient(Wrapper):
             slots[got[admit][:k]] = fresh
         passing = slots[got] < 0
         out[got[passing]] = rows[passing]
+        if ready.any():
+            out[ready] = near[1]
         in_cache = slots >= 0
         out[in_cache] = cache.values[slots[in_cache]]
         if self.config.policy == "lru":
             cache.stamp[slots[in_cache]] = self._tick
-        cache.served(len(uniq) - len(got), len(uniq))
+        cache.served(len(uniq) - len(got) - int(ready.sum()), len(uniq))
         return out[inverse]
 
     def _count(self, ids, uniq, got, asked, arrays, sent=None):
@@ -292,6 +343,12 @@ class CachedKVClient(Wrapper):
         stay cached. Otherwise the owner answers the rows' versions and a copy someone
         else's gradient reached is dropped (or, with staleness, kept until revalidated).
         """
+        try:
+            self._push_update(name, ids, grads, rule, hyper)
+        finally:
+            self.prefetches.stepped(name)  # the pins of the copies lookups used
+
+    def _push_update(self, name, ids, grads, rule, hyper):
         cache = self._tables.get(name)
         impl = rule_of(rule)
         if cache is None or cache.rule != impl.name:

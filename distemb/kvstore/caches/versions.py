@@ -135,5 +135,5 @@ def push_update_held(client, name, ids, grads, rule, hyper, have):
     """
     requests, routes = client.update_requests(name, ids, grads, rule, hyper, have=have)
     held = HeldReplies({sid: r.positions for sid, r in routes.items()}, grads.shape[1])
-    client.servers.call(requests, on_reply=held.take)
+    client.send_update(name, requests, held.take)
     return held.result()

@@ -14,6 +14,10 @@ Consistency of ``UPDATE`` (chosen by the trainers, see ``ClusterConfig.consisten
   once; every trainer's request is answered after that one update, so two trainers on
   half batches equal one trainer on the whole batch.
 
+An update may name rows its trainer prefetched (``watch``): the reply then carries
+those the update (in ``sync_exact``, the step) wrote, as they are after it, so the
+prefetched rows equal what a lookup after the update reads.
+
 Example:
     >>> import numpy as np
     >>> from distemb.stores.dense import DenseSpec
@@ -250,16 +254,56 @@ class KVService:
                                    f"{m.grads.shape[1:]}")
         if m.exact:
             self._rows(m)  # reject bad ids before they are buffered
+            self._watched(m)
             return self.exact_steps.join(m, session, self._apply_summed)
         rows = self._rows(m)
-        if may_answer_early(m, session is not None and session.in_slot):
+        watched = self._watched(m)
+        if watched is None and may_answer_early(m, session is not None and session.in_slot):
             (part, ids, _), = rows
             early = answer_early(self.server, self.server_id, m, part, ids)
             if early is not None:
                 return early
         for part, ids, sl in rows:
             self.server.update(m.name, part, ids, m.grads[sl], m.rule, m.hyper)
-        return self._versions_reply(m)
+        return self._with_watch(m, self._versions_reply(m), watched,
+                                {part: ids for part, ids, _ in rows})
+
+    def _watched(self, m):
+        """``[(part, store keys, slice)]`` of update ``m``'s watched keys (checked as its
+        ids are), or None when it watches none."""
+        if m.watch is None:
+            return None
+        out, start = [], 0
+        for part, n in zip(m.watch_parts, m.watch_counts):
+            sl = slice(start, start + n)
+            start += n
+            table = self.server.table(m.name, part)
+            out.append((part, table.local_keys(m.watch[sl], f"shard {part} of {m.name!r}"),
+                        sl))
+        return out
+
+    def _with_watch(self, m, reply, watched, written):
+        """``reply`` with the answer to ``m.watch`` appended (see
+        :class:`~distemb.transport.messages.Update`): ``written`` is {part: the store keys
+        the update wrote}."""
+        if watched is None:
+            return reply
+        dim = tuple(m.grads.shape[1:])
+        pos, rows, gone = [np.empty(0, np.int64)], [np.empty((0,) + dim, np.float32)], \
+            [np.empty(0, np.int64)]
+        for part, keys, sl in watched:
+            hit = np.flatnonzero(np.isin(keys, written.get(part, ())))
+            if not len(hit):
+                continue
+            table = self.server.table(m.name, part)
+            held = table.contains(keys[hit])
+            pos.append(hit[held] + sl.start)
+            gone.append(hit[~held] + sl.start)
+            rows.append(table.get(keys[hit[held]]).astype(np.float32, copy=False))
+        reply = reply or Reply()
+        reply.arrays = list(reply.arrays) + [np.concatenate(pos), np.concatenate(rows),
+                                             np.concatenate(gone)]
+        return reply
 
     def _versions_reply(self, m):
         """The versions of ``m``'s rows, when it asked for them (a trainer cache): -1 for
@@ -320,8 +364,11 @@ class KVService:
             before = self.server.update(first.name, part, uniq, summed, first.rule,
                                         first.hyper, contributions=counts)
             applied[part] = (uniq, summed, counts, before)
-        return {id(c): self._versions_reply(c) if c.have is None else
-                Reply(arrays=held_reply(c, rows[id(c)], applied)) for c in contribs}
+        written = {part: a[0] for part, a in applied.items()}
+        return {id(c): self._with_watch(
+            c, self._versions_reply(c) if c.have is None else
+            Reply(arrays=held_reply(c, rows[id(c)], applied)), self._watched(c), written)
+            for c in contribs}
 
     def _barrier(self, m, session):
         self._rank(m, session)
