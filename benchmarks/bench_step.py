@@ -38,17 +38,17 @@ BASE_TORCH = "torch Adagrad"
 BASE_DGL = "DGL SparseAdagrad"
 SAME_RULE = {"distemb Adagrad": "torch Adagrad", "distemb Adam": "torch SparseAdam"}
 FINITE_ON = "distemb Adagrad, finite check"
-ZIPF_A = 1.1  # ~57% unique ids in a batch of 4096 from 1M rows
+ZIPF_A = 1.1  # ~57% unique ids in a batch of 4096 from 1M rows (1.2: ~33%)
 
 
-def id_batches(dist, num_rows, batch, count, seed=0):
-    """``count`` int64 id batches; zipf ranks are scattered by a fixed permutation,
-    so hot ids are spread over the table as node ids of a real graph are."""
+def id_batches(dist, num_rows, batch, count, seed=0, zipf_a=ZIPF_A):
+    """``count`` int64 id batches; zipf(``zipf_a``) ranks are scattered by a fixed
+    permutation, so hot ids are spread over the table as node ids of a real graph are."""
     rng = np.random.default_rng(seed)
     if dist == "uniform":
         ids = rng.integers(0, num_rows, (count, batch))
     else:
-        ranks = (rng.zipf(ZIPF_A, (count, batch)) - 1) % num_rows
+        ranks = (rng.zipf(zipf_a, (count, batch)) - 1) % num_rows
         ids = rng.permutation(num_rows)[ranks]
     return [torch.from_numpy(np.ascontiguousarray(b, dtype=np.int64)) for b in ids]
 
@@ -103,7 +103,7 @@ def measure_threads(args, dist):
 
 def inputs(args, dist):
     """The id batches and the upstream gradient every contender of a block shares."""
-    batches = id_batches(dist, args.rows, args.batch, args.pool)
+    batches = id_batches(dist, args.rows, args.batch, args.pool, zipf_a=args.zipf_a)
     upstream = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
     return batches, upstream
 
@@ -211,6 +211,9 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=128, help="embedding dim")
     p.add_argument("--batch", type=int, default=4096, help="ids per step (with duplicates)")
     p.add_argument("--dist", choices=["uniform", "zipf", "both"], default="both")
+    p.add_argument("--zipf-a", type=float, default=ZIPF_A,
+                   help="the zipf exponent of --dist zipf (1.1: ~57%% of a batch's ids "
+                        "distinct, 1.2: ~33%%)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                    help="OpenMP / torch threads, one measurement block each")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
@@ -318,6 +321,7 @@ def main(argv=None):
 def report(args, argv, rec):
     """Measure (in this process or in fresh ones), print the tables, name the figures."""
     print(f"# bench_step: rows={args.rows} dim={args.dim} batch={args.batch} "
+          f"zipf_a={args.zipf_a} "
           f"repeats={args.repeats} steps={args.steps} processes={args.processes} "
           f"kernels={kernels.IMPL_NAME} isa={kernels.ISA or '-'} (this CPU runs "
           f"{kernels.available_cpu_isas()}) OMP_WAIT_POLICY="

@@ -50,6 +50,8 @@ def timed_kernels(acc):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dist", choices=["uniform", "zipf"], default="zipf")
+    p.add_argument("--zipf-a", type=float, default=bench_step.ZIPF_A,
+                   help="the zipf exponent (1.1: ~57%% of a batch's ids distinct, 1.2: ~33%%)")
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=4096)
@@ -72,7 +74,8 @@ def measure(args, rec):
         np.core.multiarray._set_madvise_hugepage(False)
         dense.back_with_huge_pages = lambda array: False
     torch.set_num_threads(args.threads)
-    batches = bench_step.id_batches(args.dist, args.rows, args.batch, 64)
+    batches = bench_step.id_batches(args.dist, args.rows, args.batch, 64,
+                                    zipf_a=args.zipf_a)
     up = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
     ctx = distemb.DistContext.embedded(num_threads=args.threads)
     emb = distemb.DistEmbedding(args.rows, args.dim, name="parts", init_func=bs._uniform_init,
@@ -104,7 +107,7 @@ def measure(args, rec):
     times = [step(k) for k in range(args.warmup, args.warmup + args.steps)]
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
     n = args.steps
-    print(f"# step_parts: dist={args.dist} rows={args.rows} dim={args.dim} "
+    print(f"# step_parts: dist={args.dist} zipf_a={args.zipf_a} rows={args.rows} dim={args.dim} "
           f"batch={args.batch} threads={args.threads} isa={kernels.ISA or '-'}"
           f"{' four-k-pages' if args.four_k_pages else ''}")
     print(f"step: {1 / statistics.median(times):.0f} steps/s (median), mean "

@@ -238,7 +238,8 @@ class PartitionPolicy:
 
     def check_ids(self, ids, what="ids"):
         """Raise PartitionError unless every id is in [0, get_size())."""
-        if ids.size:
+        # one pass: as unsigned, a negative id is above every size
+        if ids.size and int(ids.view(np.uint64).max()) >= self.get_size():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.get_size():
                 bad = lo if lo < 0 else hi

@@ -23,6 +23,7 @@ Example:
     ([2], [7])
 """
 import abc
+from functools import cached_property
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -63,6 +64,13 @@ class Router(abc.ABC):
     def num_keys(self) -> Optional[int]:
         """Keys 0..N-1 of a fixed key space: N; None for any int64 key."""
         return None
+
+    @cached_property
+    def identity(self) -> bool:
+        """Whether the table is one shard whose store keys are the table's keys (start
+        0, step 1): a request's keys need no routing or mapping, and the store's own
+        range check is the table's (asked once: a router does not change)."""
+        return self.num_parts == 1 and self.progression(0) == (0, 1)
 
     def check(self, keys: np.ndarray, what: str = "keys") -> None:
         """Refuse keys this table cannot hold: PartitionError for a key outside a fixed

@@ -232,7 +232,9 @@ class DistTensor:
         client = client or self._client
         flat, shape = self.lookup_ids(ids, client)
         rows = client.rows_out(client.pull(self._name, flat), self._ctx.F)
-        return flat, self._ctx.F.reshape(rows, shape)
+        # rows of flat ids are shaped already: the tensor itself, not a view of it (a
+        # view leaf costs autograd more in the user's loss and backward)
+        return flat, rows if tuple(rows.shape) == shape else self._ctx.F.reshape(rows, shape)
 
     def lookup_ids(self, ids: Tensor, client: Optional[KVClient] = None
                    ) -> Tuple[GlobalIds, Shape]:

@@ -33,6 +33,9 @@ def dtype_of(t):
 def to_numpy(t):
     if isinstance(t, np.ndarray):
         return t
+    if type(t) is torch.Tensor and t.is_cpu and not t.requires_grad and \
+            t.dtype is not torch.bfloat16:
+        return t.numpy()  # the usual case (ids, gradients): shared, no dispatch to detach
     if isinstance(t, torch.Tensor):
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16: as float32, exactly
             t = t.float()

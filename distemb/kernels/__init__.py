@@ -169,8 +169,13 @@ def implementation(name: str) -> Iterator[None]:
 MIN_FLOATS_PER_THREAD = 1 << 15
 
 
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
+
+
 def _threads(num_threads, num_floats):
     """Threads worth using for ``num_floats`` of work, at most ``num_threads``."""
+    if num_threads == 1 and type(num_threads) is int:  # the usual case, answered first
+        return 1
     if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) \
             or num_threads < 1:
         raise ValueError(f"num_threads: expected a positive int, got {num_threads!r}")
@@ -179,6 +184,8 @@ def _threads(num_threads, num_floats):
 
 def _ids(name, a):
     """``a`` as a C-contiguous int64 array (int32 ids are widened; no other conversion)."""
+    if type(a) is np.ndarray and a.dtype == _I64 and a.flags.c_contiguous:
+        return a  # what every caller passes: nothing to convert
     a = np.asarray(a)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer array, got dtype={a.dtype}")
@@ -187,15 +194,17 @@ def _ids(name, a):
 
 def _grads(a):
     """``a`` as C-contiguous float32; other dtypes raise rather than round-trip silently."""
-    a = np.asarray(a)
-    if a.dtype != np.float32:
+    if type(a) is not np.ndarray:
+        a = np.asarray(a)
+    if a.dtype != _F32:
         raise TypeError(f"grads: expected float32, got dtype={a.dtype}")
-    return np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _check_table(name, a, rows_like=None, ndim=2):
-    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != ndim \
-            or not a.flags.c_contiguous or not a.flags.writeable:
+    flags = getattr(a, "flags", None)
+    if not isinstance(a, np.ndarray) or a.dtype != _F32 or a.ndim != ndim \
+            or not flags.c_contiguous or not flags.writeable:
         raise TypeError(f"{name}: expected a writeable C-contiguous float32 array of {ndim} "
                         f"dims, got {type(a).__name__} dtype={getattr(a, 'dtype', None)}, "
                         f"ndim={getattr(a, 'ndim', None)}")
@@ -259,7 +268,7 @@ def gather_rows(table: Rows, rows: GlobalIds, out: Optional[Rows] = None,
     Returns:
         ``out``.
     """
-    if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.ndim != 2 \
+    if not isinstance(table, np.ndarray) or table.dtype != _F32 or table.ndim != 2 \
             or not table.flags.c_contiguous:
         raise TypeError(f"table: expected a C-contiguous float32 2-d array, got "
                         f"dtype={getattr(table, 'dtype', None)}")
@@ -269,7 +278,7 @@ def gather_rows(table: Rows, rows: GlobalIds, out: Optional[Rows] = None,
     if out is None:
         out = np.empty((rows.shape[0], table.shape[1]), dtype=np.float32)
     elif (not isinstance(out, np.ndarray) or out.shape != (rows.shape[0], table.shape[1])
-          or out.dtype != np.float32 or not out.flags.c_contiguous):
+          or out.dtype != _F32 or not out.flags.c_contiguous):
         raise ValueError(f"out: expected a C-contiguous float32 array of shape "
                          f"{(rows.shape[0], table.shape[1])}, got "
                          f"{getattr(out, 'dtype', None)} {getattr(out, 'shape', None)}")

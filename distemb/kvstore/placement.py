@@ -149,4 +149,7 @@ class HostPlacement:
 
 def _ascending_unique(ids: np.ndarray) -> bool:
     """Whether ``ids`` are strictly ascending (so unique, in dedup_sum's order)."""
-    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+    n = len(ids)
+    if n >= 4 and not ids[0] < ids[n // 2] < ids[n - 1]:
+        return False  # most batches are not sorted: refused without a pass over them
+    return n < 2 or bool((ids[1:] > ids[:-1]).all())

@@ -211,12 +211,17 @@ class SparseOptimizer(torch.optim.Optimizer):
             hook(self, args, kwargs)
         return loss
 
-    @torch.no_grad()
     def _step(self, closure: Optional[Callable] = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with torch.no_grad():  # (as a with: torch's decorator clones its context per call)
+            self._apply()
+        return loss
+
+    def _apply(self) -> None:
+        """Push every table's traced gradients (see :meth:`step`)."""
         group = self.param_groups[0]
         # Every table's gradients go to its client in one call per client: a collective
         # client sends all of them in one exchange; the others push table by table.
@@ -234,7 +239,6 @@ class SparseOptimizer(torch.optim.Optimizer):
                                                key=lambda e: all(t.finite for t in e[2])):
             for name, stepped in zip(names, client.apply_gradients(tables, F)):
                 self._steps[name] += bool(stepped)
-        return loss
 
     def _state_names(self, emb):
         return dict(emb.optm_state or {})

@@ -15,6 +15,7 @@ Example:
     >>> store.gather(np.array([0, 2])).tolist(), spec.router(1).num_parts
     ([[1.0, 1.0], [0.0, 0.0]], 2)
 """
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -175,7 +176,8 @@ class DenseStore(RowStore):
 
     def slots(self, keys, insert=False):
         keys = keys_array(keys)
-        if keys.size:
+        # one pass: as unsigned, a negative key is above every row count
+        if keys.size and int(keys.view(np.uint64).max()) >= self.num_rows:
             lo, hi = int(keys.min()), int(keys.max())
             if lo < 0 or hi >= self.num_rows:
                 raise StoreError(f"keys: key {lo if lo < 0 else hi} is out of range for a "
@@ -337,7 +339,7 @@ class DenseSpec:
 
     @property
     def dim(self):
-        return int(np.prod(self.shape[1:], dtype=np.int64))
+        return math.prod(self.shape[1:])
 
     @property
     def capacity(self):

@@ -35,8 +35,6 @@ Example:
     >>> (t.versions(np.array([2**40]), first=None) - v).tolist(), t.pull(np.array([2**40])).tolist()
     ([1], [[1.0, 1.0]])
 """
-from contextlib import contextmanager
-
 import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
@@ -81,12 +79,12 @@ class ShardTable:
         if not store.fixed_keys:
             store.on_remove = self._leaving
         self.lock = RWLock()
+        # write()'s context manager: one, reused (it keeps no state of its own)
+        self._writing = _Writing(self._begin_write, self._end_write)
         self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
         self._tracked = False
         self._high = 0  # >= every version issued (a store that inserts: new rows go above)
-        # the router's store keys are the table's keys: request ids need no mapping
-        self._identity = router.num_parts == 1 and router.progression(0) == (0, 1)
 
     @property
     def inserts_on_read(self):
@@ -103,21 +101,27 @@ class ShardTable:
         """Context manager: the shared lock (reads of rows that cannot move)."""
         return self.lock.read()
 
-    @contextmanager
     def write(self):
         """Context manager: the exclusive lock, with every seqlock counter odd meanwhile."""
-        with self.lock.write():
+        return self._writing
+
+    def _begin_write(self):
+        self.lock.acquire_write()
+        try:
             if self._tracked and not self.store.fixed_keys:
                 self._high += 1  # rows this write inserts start above every version issued
                 self.store.set_fill(VERSION, self._high)
-            counters = list(self._counters.values())
-            for v in counters:
-                v[0] += 1  # odd: a write is under way
-            try:
-                yield
-            finally:
-                for v in counters:
-                    v[0] += 1  # even again: the rows are consistent
+        except BaseException:
+            self.lock.release_write()
+            raise
+        for v in self._counters.values():
+            v[0] += 1  # odd: a write is under way
+
+    def _end_write(self):
+        # the counters cannot change meanwhile: set_counter takes the lock to change them
+        for v in self._counters.values():
+            v[0] += 1  # even again: the rows are consistent
+        self.lock.release_write()
 
     def set_counter(self, column, counter):
         """Make ``counter`` (a 1-element int64 array) the seqlock counter of ``column``
@@ -184,7 +188,7 @@ class ShardTable:
         if not len(ids):
             return ids
         self.router.check(ids, f"ids of {what}")
-        if self._identity:
+        if self.router.identity:  # the store keys are the table's keys: no mapping
             return ids
         owner = self.router.part_of(ids)
         if (owner != self.part).any():
@@ -386,3 +390,19 @@ class ShardTable:
             with self.write():
                 self._version_array()[...] += 1
                 self._high += 1
+
+
+class _Writing:
+    """:meth:`ShardTable.write`'s context manager: ``begin()`` on entry, ``end()`` on
+    exit."""
+
+    __slots__ = ("_begin", "_end")
+
+    def __init__(self, begin, end):
+        self._begin, self._end = begin, end
+
+    def __enter__(self):
+        self._begin()
+
+    def __exit__(self, *exc):
+        self._end()
