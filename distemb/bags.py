@@ -41,7 +41,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as nnf
 
 from torch.autograd.function import once_differentiable
 
