@@ -64,7 +64,6 @@ import torch
 import distemb
 from distemb.context import DistContext
 from distemb.pages import SHMEM_ENABLED, shmem_setting
-from distemb.pipeline import Prefetcher
 from distemb.stores import key_uniform
 from distemb.stores.file import FileTableSpec
 
@@ -100,7 +99,10 @@ def train(ctx, args):
                                     init_func=lambda s, d: torch.full(s, 0.01, dtype=d),
                                     context=ctx, dtype=args.dtype)
     opt = distemb.SparseAdagrad([emb], lr=0.01)
-    pipeline = Prefetcher(batches, lambda ids: [(emb, ids)], args.prefetch_rows)
+    pipeline = batches
+    if getattr(args, "prefetch_rows", False):  # (imported here: older trees have none)
+        from distemb.pipeline import Prefetcher
+        pipeline = Prefetcher(batches, lambda ids: [(emb, ids)])
     for i, ids in enumerate(pipeline):
         if i == args.warmup:
             ctx.client.barrier()

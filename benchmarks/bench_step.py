@@ -103,7 +103,8 @@ def measure_threads(args, dist):
 
 def inputs(args, dist):
     """The id batches and the upstream gradient every contender of a block shares."""
-    batches = id_batches(dist, args.rows, args.batch, args.pool, zipf_a=args.zipf_a)
+    batches = id_batches(dist, args.rows, args.batch, args.pool,
+                         zipf_a=getattr(args, "zipf_a", ZIPF_A))  # bench_half_step has none
     upstream = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(0))
     return batches, upstream
 
