@@ -16,7 +16,7 @@ import pytest
 
 from mp_helper import ProcessGroup, cluster_dict, memory_files, shm_files, write_json
 
-from distemb.partition import layout_policy
+from distemb.layouts import layout_policy
 from distemb.stores.dense import DenseSpec
 from distemb.config import parse_cluster_config
 from distemb.errors import TransportError

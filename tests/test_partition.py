@@ -7,10 +7,10 @@ import pytest
 
 from distemb.config import load_partition_config
 from distemb.errors import ConfigError, PartitionError
+from distemb.layouts import json_layout, layout_json, layout_policy, policy_layout
 from distemb.partition import (EdgePartitionPolicy, HashPartitionBook, NodePartitionPolicy,
-                               RangePartitionBook, json_layout, layout_json, layout_policy,
-                               load_dgl_partition_config, load_policies, load_policy_config,
-                               policy_layout, range_policy)
+                               RangePartitionBook, load_dgl_partition_config,
+                               load_policies, load_policy_config, range_policy)
 
 
 def test_range_book_maps_ids():

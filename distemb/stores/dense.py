@@ -27,8 +27,8 @@ from distemb.kernels import half
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kernels.hashtable import keys_array
 from distemb.pages import back_with_huge_pages
-from distemb.partition import PartitionPolicy, json_layout, layout_json, layout_policy, \
-    policy_layout, range_policy
+from distemb.layouts import json_layout, layout_json, layout_policy, policy_layout
+from distemb.partition import PartitionPolicy, range_policy
 from distemb.routers import PolicyRouter
 from distemb.stores.init import KeyInit, ShardInit, ShardKeys, init_fields, init_of_fields
 from distemb.stores.types import WEIGHT, RowStore, check_dim

@@ -33,7 +33,7 @@ from distemb.arrays import KEYED_INIT, check_init_func
 from distemb.enums import Rounding
 from distemb.errors import StoreError
 from distemb.kernels.half import storage_dtype
-from distemb.partition import json_layout, layout_json, layout_policy, policy_layout
+from distemb.layouts import json_layout, layout_json, layout_policy, policy_layout
 from distemb.stores.dense import DenseStore, fill_rows
 from distemb.routers import PolicyRouter
 from distemb.stores.init import KeyInit, ShardKeys, init_fields, init_of_fields
@@ -326,7 +326,7 @@ class FileTableSpec:
     Shard ``p`` of ``S`` is the FileStore at ``path/part-<p>-of-<S>`` (made, or reopened
     with its rows and optimizer state), holding its range of the keys
     (:meth:`router`); on a server, ``path`` names a directory on the server's machine.
-    With a ``partition`` (a partition policy as :func:`~distemb.partition.policy_layout`
+    With a ``partition`` (a partition policy as :func:`~distemb.layouts.policy_layout`
     describes it: ranges of its own, DGL's, or ``id % P``), partition ``q`` is on shard
     ``q % S`` and the files are ``part-<p>-of-<S>-<layout>``, so a directory never
     reopens under another layout's rows.

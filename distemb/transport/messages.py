@@ -184,9 +184,9 @@ def choice(*allowed):
 
 
 def layout(v):
-    """None, or a partition policy's layout (:func:`~distemb.partition.policy_layout`)
+    """None, or a partition policy's layout (:func:`~distemb.layouts.policy_layout`)
     as JSON: ``["range", [bounds]]``, ``["hash", P]`` or ``["progressions", [[start,
-    step, count], ...]]`` (what each may hold is :func:`~distemb.partition.layout_policy`'s
+    step, count], ...]]`` (what each may hold is :func:`~distemb.layouts.layout_policy`'s
     to check)."""
     return v is None or (isinstance(v, list) and len(v) == 2 and (
         (v[0] == "hash" and int_value(v[1])) or (v[0] == "range" and int_list(v[1])) or
