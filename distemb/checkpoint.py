@@ -46,7 +46,7 @@ from distemb.errors import DistEmbError, KVStoreError
 from distemb.kvstore.checkpoint.chain import (chain_entry, link_file, read_chain,
                                               remove_unreferenced, write_manifest)
 from distemb.kvstore.checkpoint.sink import read_evicted
-from distemb.kvstore.checkpoint.snapshot import FORMAT, MANIFEST, VERSION, read_manifest, \
+from distemb.kvstore.checkpoint.manifest import FORMAT, MANIFEST, VERSION, read_manifest, \
     table_entry
 from distemb.rules import state_name, state_owner
 from distemb.stores.types import WEIGHT

@@ -49,6 +49,7 @@ from distemb.enums import BagMode
 from distemb.errors import KVStoreError, MissingKeyError
 from distemb.kernels.hashtable import HashIndex, keys_array
 from distemb.kvstore.checkpoint import chain, snapshot
+from distemb.kvstore.checkpoint.manifest import entry_keys, read_manifest
 from distemb.kvstore.limits import check_fits, free_space
 from distemb.rules import state_owner
 from distemb.stores.types import WEIGHT
@@ -175,7 +176,7 @@ def tables(checkpoint) -> list:
     Raises:
         KVStoreError: it is not a complete distemb checkpoint.
     """
-    manifest = snapshot.read_manifest(os.fspath(checkpoint))
+    manifest = read_manifest(os.fspath(checkpoint))
     return sorted(n for n in manifest["tensors"] if state_owner(n) is None)
 
 
@@ -292,7 +293,7 @@ def _read_fixed(directory, entry, n, dim, dtype, mmap, table):
 
 def _read_keyed(directory, entry, dim, dtype, table):
     """(keys, rows) of a hash table's entry, in the order the records hold them."""
-    n = snapshot.entry_keys(entry)
+    n = entry_keys(entry)
     check_fits(n * (dim * torch.tensor([], dtype=dtype).element_size() + 8 +
                     INDEX_BYTES_PER_KEY), f"the {n:,} keys and rows of {table!r}")
     keys = np.empty(n, np.int64)

@@ -14,6 +14,7 @@ from distemb import checkpoint
 from distemb.errors import KVStoreError
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore.checkpoint import segments, snapshot
+from distemb.kvstore.checkpoint.manifest import FORMAT, VERSION, read_manifest, table_entry
 from distemb.kvstore.checkpoint.shards import load_shard
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper
@@ -153,14 +154,14 @@ def _hostile(tmp_path, name, keys, edit=None, more=()):
     if edit:
         entry = edit(entry)
     (d / "manifest.json").write_text(json.dumps(
-        {"format": snapshot.FORMAT, "version": snapshot.VERSION, "tensors": {"t": entry}}))
+        {"format": FORMAT, "version": VERSION, "tensors": {"t": entry}}))
     return d
 
 
 def _load(kv, directory, columns=("weight", "sum")):
     """Load "t" from ``directory`` as a server's Load of its one shard does (the embedded
     client's own check of the row count left out, as a token holder leaves it out)."""
-    entry = snapshot.table_entry(snapshot.read_manifest(directory), "t", directory)
+    entry = table_entry(read_manifest(directory), "t", directory)
     kv.server.load("t", [0], str(directory), entry, list(columns))
 
 

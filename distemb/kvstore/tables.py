@@ -28,7 +28,7 @@ from distemb.arrays import GlobalIds
 from distemb.errors import KVStoreError, StoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore.checkpoint import snapshot
+from distemb.kvstore.checkpoint import manifest, snapshot
 from distemb.kvstore.types import DataMeta, KVClient, refuse_store
 from distemb.kvstore.views import view_on_host
 from distemb.partition import PartitionPolicy
@@ -205,7 +205,7 @@ def check_entry_rows(entry: dict, table: Table, directory: str) -> None:
     when its keys are fixed: such a table loads a checkpoint of exactly its keys."""
     if table.num_keys is None:
         return
-    saved = snapshot.entry_rows(entry)
+    saved = manifest.entry_rows(entry)
     if saved != table.num_keys:
         raise KVStoreError(f"{directory}: table {table.name!r} was saved with {saved:,} "
                            f"rows, the live one has {table.num_keys:,}")

@@ -33,8 +33,8 @@ import os
 
 from distemb.errors import KVStoreError
 from distemb.kvstore.checkpoint.segments import SAVE_ID, SEGMENT_FILE
-from distemb.kvstore.checkpoint.snapshot import MANIFEST, entry_files, read_manifest, \
-    table_entry
+from distemb.kvstore.checkpoint.manifest import MANIFEST, read_manifest, table_entry
+from distemb.kvstore.checkpoint.snapshot import entry_files
 from distemb.rules import state_owner
 
 

@@ -29,7 +29,7 @@ Example:
 import numpy as np
 
 from distemb.errors import KVStoreError, StoreError
-from distemb.kvstore.checkpoint import snapshot
+from distemb.kvstore.checkpoint import manifest, snapshot
 from distemb.kvstore.limits import check_fits
 
 
@@ -185,7 +185,7 @@ def _target(table):
 def load_shard(table, directory, entry, columns=None, verify=True, apply=True,
                name="the shard"):
     """Fill ``columns`` (None: every one) of shard ``table`` from a table's checkpoint
-    ``entry`` (:func:`~distemb.kvstore.checkpoint.snapshot.table_entry`), all or nothing.
+    ``entry`` (:func:`~distemb.kvstore.checkpoint.manifest.table_entry`), all or nothing.
 
     ``verify`` and ``apply`` split the load into its checking and writing passes (a load
     of several shards checks them all first). Every version changes (cached copies of
@@ -204,10 +204,10 @@ def load_shard(table, directory, entry, columns=None, verify=True, apply=True,
         # Before a block is read: this shard's share of the saved keys (a hash routes
         # 1/parts of them here) must fit, so a checkpoint far bigger than the machine is
         # refused, not half read.
-        share = -(-snapshot.entry_keys(entry) // table.router.num_parts)
+        share = -(-manifest.entry_keys(entry) // table.router.num_parts)
         check_fits(share * (8 + sum(4 * int(np.prod(s, dtype=object))
                                     for s, _ in cols.values())),
-                   f"load of {snapshot.entry_keys(entry):,} keys into {name!r}")
+                   f"load of {manifest.entry_keys(entry):,} keys into {name!r}")
     if not apply:
         snapshot.load_shard(directory, entry, cols, target, None, apply=False)
         return
