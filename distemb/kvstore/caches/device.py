@@ -1,45 +1,18 @@
 """DeviceCachedKVClient: hot rows and their optimizer state kept on a GPU, in front of a
 host table (embedded, or on the servers of a one-trainer job).
 
-``emb(ids, device="cuda")`` on a host table copies every looked-up row across PCIe and
-the summed gradients back (:class:`~distemb.kvstore.views.HostTableOnDevice`). With this
-cache the rows a trainer touches most often live on the device, with their optimizer
-state: a lookup gathers hits there and copies only the misses in, and ``opt.step()``
-updates cached rows there with the device kernels, running the same fused rules of
-:mod:`distemb.rules` as the owner would (the per-row maths does not depend on which
-other rows are updated), so results equal the uncached job's. Only the gradients of rows
-not cached go back to the owner.
-
-Ownership: while a row is cached, the cache is its one writer (DESIGN.md, Concurrency):
-its device copy, dirty or not, is the current one, and the owner's copy is stale until
-the row is written back: when it is evicted, and on ``save_table``, ``barrier``,
-``init_optimizer``, ``load_table`` and ``close`` (whole tables). Everything that reads
-or writes through this client sees the current rows: ``pull`` (``emb.weight[ids]``, host
-lookups, ``state_dict``) overlays the dirty cached rows, ``push`` (``emb.weight[ids] =
-v``, ``load_state_dict``) writes cached rows back and forgets them before writing.
-
-One trainer only: a row written back at eviction has one writer; several trainers would
-need leases from the owners, which the servers do not hand out (``docs/caches.md``). A
-cluster of several trainers is refused (``num_trainers``); there, use the trainer cache
-with ``emb(ids, device="cuda")`` lookups.
-
-Prefetch (``emb.prefetch(next_ids)``): the rows are admitted now (misses fetched from
-the owner), their slots pinned and recorded; the next lookup of the table gathers the
-recorded slots with no bookkeeping of its own, and the table's next update after it
-releases the pins. A pinned row cannot be evicted before its lookup (admissions skip
-it, as FBGEMM's cache-line locking does): the lookup trusts the recorded slot, so an
-evicted one would hand out another row. Cached rows are updated in place by every
-step, so a prefetched row is current at its lookup; a row written otherwise (a push,
-a removal) is unpinned and looked up again.
-
-Bookkeeping (slots, use stamps, LFU counts, admission) is the trainer cache's
-:class:`~distemb.kvstore.caches.table.TableCache`, on the host; rows and state are torch
-tensors on the device, touched by torch indexing and the device's kernels. Every table
-of float32 rows is cached the same way, its slot map by id (keys 0..N-1) or hashed (any
-int64 key); key management and whole-table moves settle the cached copies first, and a
-table whose store evicts on its own (a hash table with a capacity: it could drop a row
-only the cache holds) is refused, naming both (:func:`keeps_its_keys`). Tables of other
-rows pass through (16-bit rows too: their owner rounds every update).
+A lookup gathers the cached rows on the device and copies only the misses in;
+``opt.step()`` updates cached rows there with the device kernels, running the same fused
+rules as the owner would, so results equal the uncached job's. While a row is cached the
+cache is its one writer: dirty rows are written back at eviction and before anything
+reads or moves the whole table, and ``pull``/``push`` see and settle the cached copies.
+One trainer only; a table whose store evicts on its own is refused
+(:func:`~distemb.kvstore.caches.device_rows.keeps_its_keys`); tables of other than
+float32 rows pass through. Bookkeeping is the trainer cache's
+:class:`~distemb.kvstore.caches.table.TableCache`, on the host. Prefetch admits the rows
+now and pins their slots until the table's next update (an evicted pinned slot would hand
+out another row at the lookup). Modes, bounds and ownership: ``docs/caches.md``;
+prefetch: ``docs/prefetch.md``.
 """
 from typing import Dict, Optional
 
