@@ -37,7 +37,7 @@ import numpy as np
 
 from distemb import kernels
 from distemb.config import ClusterConfig
-from distemb.errors import KVStoreError, TransportError
+from distemb.errors import KVStoreError, MissingKeyError, TransportError
 from distemb.kernels.half import dtype_name
 from distemb.kvstore.server.catalog import Catalog
 from distemb.stores.dense import WEIGHT_DTYPES
@@ -53,6 +53,10 @@ from distemb.transport.slots import SlotReader
 
 log = logging.getLogger("distemb")
 
+
+#: Tries of a versioned pull of a table whose lookups insert and evict keys: another
+#: trainer's lookup may evict a key between its version and its row (then read again).
+VERSIONED_PULL_TRIES = 5
 
 class RefusedError(KVStoreError):
     """A request this connection may not make (no or failed handshake, another's rank)."""
@@ -336,13 +340,26 @@ class KVService:
         pos, vers, rows, states = [], [], [], [[] for _ in m.states]
         for part, ids, sl, cur, stale in found:
             have = m.have[sl]
+            for attempt in range(VERSIONED_PULL_TRIES):
+                try:
+                    # the versions counted the lookup of every row, those the trainer holds too
+                    got = self.server.pull(m.name, part, ids[stale], access=False)
+                    keep = ids[stale[have[stale] != -1]]  # -1: the trainer keeps only the row
+                    got_states = [self.server.pull(state_name(m.name, sname), part, keep)
+                                  for sname in m.states]
+                    break
+                except MissingKeyError:
+                    # Another trainer's lookup evicted a key the versions had inserted
+                    # (versions and rows are two holds of the shard's lock): insert again.
+                    if not inserting or attempt == VERSIONED_PULL_TRIES - 1:
+                        raise
+                    cur = self.server.versions(m.name, part, ids)
+                    stale = np.flatnonzero(cur != have)
             pos.append(stale + sl.start)
             vers.append(cur[stale])
-            # the versions counted the lookup of every row, the ones the trainer holds too
-            rows.append(self.server.pull(m.name, part, ids[stale], access=False))
-            keep = ids[stale[have[stale] != -1]]  # -1: the trainer does not keep the row
-            for i, sname in enumerate(m.states):
-                states[i].append(self.server.pull(state_name(m.name, sname), part, keep))
+            rows.append(got)
+            for i, st in enumerate(got_states):
+                states[i].append(st)
         return Reply(arrays=[np.concatenate(pos), np.concatenate(vers), np.concatenate(rows)]
                      + [np.concatenate(st) for st in states])
 
