@@ -22,10 +22,8 @@ Example:
 """
 import argparse
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -35,16 +33,6 @@ import torch
 import distemb
 import results
 from distemb import checkpoint
-
-
-def cpu_name():
-    """The CPU's model name (lscpu), for the header."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                    if ln.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def saved_bytes(path):
@@ -129,7 +117,7 @@ def measure(args, rec):
         print(f"# bench_delta: rows={args.rows:,} dim={args.dim} float32, SparseAdagrad "
               f"(a save writes rows and sums: {fb / 1e6:,.1f} MB); repeats={args.repeat}; "
               f"checkpoints in {args.dir}")
-        print(f"# CPU: {cpu_name()}; load average "
+        print(f"# CPU: {results.cpu_model()}; load average "
               f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; medians; ratios: the "
               f"delta's over the full save's of the same repeat")
         print("| save | rows written | MB | s | bytes vs full | time vs full |")
