@@ -214,31 +214,16 @@ class CollectiveKVClient(LocalKVClient):
         """Rows of each ``(table, column, ids)``: those a table's prefetch holds from
         there, the others from their owners (every rank takes part in the exchange)."""
         names = [column_name(t, c) for t, c, _ in requests]
-        prefetched = [c == WEIGHT and t.name in self.prefetches for t, c, _ in requests]
-        if not any(prefetched):
-            return self._ask_rows(requests, names)
-        # Every rank prefetched the same tables (collective calls): one round says
-        # whether any rank misses rows, instead of three that would bring none.
-        served = [self.prefetches.take(t.name, ids) if p else None
-                  for (t, _, ids), p in zip(requests, prefetched)]
-        rest = [(t, c, ids if s is None else ids[~s[0]])
-                for (t, c, ids), s in zip(requests, served)]
-        missing = any(len(ids) for _, _, ids in rest)
-        got = self._ask_rows(rest, names) if self._x.anyone(
-            PULL, ["prefetched lookup of"] + names, missing) else \
-            [np.empty((0,) + t.row_shape, half.row_dtype(t.columns()[c][1]))
-             for t, c, _ in rest]
-        outs = []
-        for (t, c, ids), s, rows in zip(requests, served, got):
-            if s is None:
-                outs.append(rows)
-                continue
-            hit, kept = s
-            out = np.empty((len(ids),) + kept.shape[1:], kept.dtype)
-            out[hit] = kept
-            out[~hit] = rows
-            outs.append(out)
-        return outs
+
+        def rest(asked):  # every rank prefetched the same tables (collective calls): one
+            # round says whether any rank misses rows, instead of three that bring none
+            if self._x.anyone(PULL, ["prefetched lookup of"] + names,
+                              any(len(ids) for _, _, ids in asked)):
+                return self._ask_rows(asked, names)
+            return [np.empty((0,) + t.row_shape, half.row_dtype(t.columns()[c][1]))
+                    for t, c, _ in asked]
+        return self.prefetches.serve(requests, lambda asked: self._ask_rows(asked, names),
+                                     rest)
 
     def _owner_rows(self, table, column, ids):
         """This rank's rows ``ids`` (its shards' keys, any table key order) of ``column``,
@@ -431,16 +416,15 @@ class CollectiveKVClient(LocalKVClient):
         mine = LocalKVClient._evict(self, table, share, policy)
         return np.concatenate([a[0] for a in self._x.everyone("evict", table.name, [mine])])
 
-    def export(self, name, columns=None):
-        """(keys ascending, {column: rows}) of the whole table, on every rank."""
-        keys, cols = super().export(name, columns)
-        names = sorted(cols)
-        parts = self._x.everyone("export", name, [keys] + [np.ascontiguousarray(cols[c])
-                                                           for c in names])
-        allkeys = np.concatenate([p[0] for p in parts])
-        order = np.argsort(allkeys, kind="stable")
-        return allkeys[order], {c: np.concatenate([p[1 + i] for p in parts])[order]
-                                for i, c in enumerate(names)}
+    def _export(self, table, columns):
+        """Every rank's shards (collective: every rank gets the whole table)."""
+        mine = super()._export(table, columns)
+        keys = np.concatenate([np.empty(0, np.int64)] + [k for k, _ in mine])
+        rows = [np.concatenate([r[c] for _, r in mine]) if mine else np.empty(
+            (0,) + tuple(table.columns()[c][0]), half.row_dtype(table.columns()[c][1]))
+            for c in columns]
+        parts = self._x.everyone("export", table.name, [keys] + rows)
+        return [(p[0], dict(zip(columns, p[1:]))) for p in parts]
 
     # -- checkpoints: every rank writes and reads its own shards ----------------------
 

@@ -23,7 +23,6 @@ from typing import List, Tuple
 
 import numpy as np
 
-from distemb.errors import KVStoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.server.kvserver import KVServer
@@ -168,18 +167,9 @@ class LocalKVClient(TableClient):
                                               shard.evict(share, policy, table.name)))
         return np.concatenate(out)
 
-    def export(self, name, columns=None):
-        table = self.tables.table(name)
-        cols = list(columns) if columns is not None else list(table.columns())
-        missing = [c for c in cols if c not in table.columns()]
-        if missing:
-            raise KVStoreError(f"columns: {missing} not in table {name!r} (has "
-                               f"{sorted(table.columns())})")
-        parts = [shard.export(columns=cols, name=name) for shard in self._shards(table)]
-        keys = np.concatenate([k for k, _ in parts]) if parts else np.empty(0, np.int64)
-        order = np.argsort(keys, kind="stable")
-        return keys[order], {c: np.concatenate([r[c] for _, r in parts])[order]
-                             for c in cols} if parts else {}
+    def _export(self, table, columns):
+        return [shard.export(columns=columns, name=table.name)
+                for shard in self._shards(table)]
 
     def flush(self, name):
         for shard in self._shards(self.tables.table(name)):

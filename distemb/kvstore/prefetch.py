@@ -37,6 +37,10 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
+from distemb.errors import KVStoreError
+from distemb.kvstore.routes import route
+from distemb.stores.types import WEIGHT
+
 #: Prefetches of one table waiting for their lookup, at most; a new one beyond this drops
 #: the oldest (a prefetch whose lookup never came).
 MAX_AHEAD = 4
@@ -127,6 +131,33 @@ class Prefetches:
         self.stats["served_rows"] += int(hit.sum())
         return hit, p.rows[at[hit]]
 
+    def serve(self, requests, read, read_rest=None):
+        """Rows of each ``(table, column, ids)`` of ``requests``: a table's rows its
+        oldest prefetch holds from there (:meth:`take`), the others by ``read(requests)``.
+
+        Args:
+            read: the rows of each request of a list of them, from where they live.
+            read_rest: reads what the prefetches did not hold instead of ``read`` (a
+                collective client's asks every rank first whether any misses rows).
+        """
+        prefetched = [c == WEIGHT and t.name in self for t, c, _ in requests]
+        if not any(prefetched):
+            return read(requests)
+        served = [self.take(t.name, ids) if p else None
+                  for (t, _, ids), p in zip(requests, prefetched)]
+        got = (read_rest or read)([(t, c, ids if s is None else ids[~s[0]])
+                                   for (t, c, ids), s in zip(requests, served)])
+        outs = []
+        for (_, _, ids), s, rows in zip(requests, served, got):
+            if s is not None:
+                hit, kept = s
+                merged = np.empty((len(ids),) + kept.shape[1:], kept.dtype)
+                merged[hit] = kept
+                merged[~hit] = rows
+                rows = merged
+            outs.append(rows)
+        return outs
+
     def waiting(self, name: str) -> List[Prefetch]:
         """The prefetches of ``name`` still waiting for their lookup, oldest first."""
         return [p for p in self._by.get(name, ()) if not p.used]
@@ -187,6 +218,19 @@ class Prefetches:
                 p.unpin(at)
             p.ok[at] = False
 
+    def refetch(self, name: str, written, read) -> None:
+        """Rows ``written`` (arrays of keys) of ``name`` were written by an update with
+        no reply (async): its prefetched rows among them are patched with ``read(keys)``
+        (a read sent now, behind the update; it returns a callable giving the rows)."""
+        watched = self.watched(name)
+        if watched is None:
+            return
+        keys, plan = watched
+        at = np.flatnonzero(np.isin(keys, np.concatenate([np.empty(0, np.int64)] +
+                                                         list(written))))
+        if len(at):
+            self.patch(name, plan, [(at, read(keys[at]), np.empty(0, np.int64))])
+
     def stepped(self, name: str) -> None:
         """Table ``name`` was updated: release the prefetches its lookups used."""
         q = self._by.get(name)
@@ -203,3 +247,53 @@ class Prefetches:
         if p.unpin is not None:
             p.unpin(np.flatnonzero(p.ok))
             p.unpin = None
+
+
+class Watch:
+    """One update's question about the rows prefetched for the coming lookups of its
+    table: each owner's Update names its share of those keys (``watch``) and its reply
+    ends with the ones the update wrote, as they are after it, and the ones it no longer
+    holds; :meth:`peel` takes that answer off each reply, :meth:`patch` applies them.
+
+    Args:
+        prefetches: the client's :class:`Prefetches`.
+        name: the table.
+        requests: ``{sid: Update}`` of one step of the table (their ``watch`` set here).
+        router, num_servers: the table's router and the job's server count.
+    """
+
+    def __init__(self, prefetches: Prefetches, name: str, requests, router, num_servers):
+        self.prefetches, self.name = prefetches, name
+        self.watched = prefetches.watched(name)
+        self.at, self.answers = {}, []
+        if self.watched is None:
+            return
+        routes, _ = route(router, self.watched[0], num_servers)
+        for sid, r in routes.items():
+            m = requests.get(sid)
+            if m is not None:  # a server not updated wrote none of them (not exact)
+                m.watch, m.watch_parts, m.watch_counts = r.ids, r.parts, r.counts
+                self.at[sid] = r.positions
+
+    def peel(self, sid, frame) -> None:
+        """Take server ``sid``'s answer off the end of its reply ``frame``.
+
+        Raises:
+            KVStoreError: a reply without a well-formed answer, naming server and table.
+        """
+        at = self.at.get(sid)
+        if at is None:
+            return
+        a = frame.arrays
+        if len(a) < 3 or any(x.dtype != np.int64 or x.ndim != 1 for x in (a[-3], a[-1])) \
+                or a[-2].shape[:1] != a[-3].shape or \
+                any(len(x) and (x.min() < 0 or x.max() >= len(at)) for x in (a[-3], a[-1])):
+            raise KVStoreError(f"server {sid}: update reply without its answer to the "
+                               f"prefetched rows of {self.name!r}")
+        self.answers.append((at[a[-3]], a[-2], at[a[-1]]))
+        frame.arrays = a[:-3]
+
+    def patch(self) -> None:
+        """Apply every owner's answer to the prefetched rows."""
+        if self.watched is not None:
+            self.prefetches.patch(self.name, self.watched[1], self.answers)

@@ -29,8 +29,9 @@ from distemb.errors import KVStoreError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.local import column_name
-from distemb.kvstore.prefetch import Prefetch, Prefetches
-from distemb.kvstore.routes import Route, route, shards_by_server, take_rows
+from distemb.kvstore.prefetch import Prefetch, Prefetches, Watch
+from distemb.kvstore.routes import (Route, reply_rows, route, shards_by_server,
+                                    take_rows)
 from distemb.kvstore.servers import Servers
 from distemb.kvstore.tables import TableClient, Tables
 from distemb.kvstore.types import refuse_store
@@ -126,13 +127,12 @@ class RemoteKVClient(TableClient):
     # -- rows -------------------------------------------------------------------------
 
     def prefetch(self, name, ids):
-        """Send the Pulls of rows ``ids`` of ``name`` now; their replies are read while
-        the trainer goes on (:meth:`Servers.ahead <distemb.kvstore.servers.Servers.ahead>`),
-        and the table's updates until their lookup name them, so their owners answer
-        with the rows each update writes (:mod:`distemb.kvstore.prefetch`). Rows a
-        co-located server's shared memory holds are left to the lookup (read in place).
-        A table of any key is looked up here (absent keys inserted, the access counted),
-        as its lookup would.
+        """Send the Pulls of rows ``ids`` of ``name`` now, read their replies while the
+        trainer goes on (:meth:`Servers.ahead <distemb.kvstore.servers.Servers.ahead>`),
+        and name the rows in the table's updates until their lookup, whose owners answer
+        with the rows each update writes (:mod:`distemb.kvstore.prefetch`). Rows in a
+        co-located server's shared memory are read in place at the lookup. Absent keys
+        are inserted and accesses counted, as the lookup would.
 
         Raises:
             KVStoreError: no table ``name``; a store that evicts on its own (a hash table
@@ -157,37 +157,18 @@ class RemoteKVClient(TableClient):
         return dict(self.prefetches.stats)
 
     def _read(self, table, column, ids):
-        return self._read_many([(table, column, ids)])[0]
-
-    def _read_many(self, requests):
-        """Rows of each ``(table, column, ids)``: a table's rows its prefetch holds from
-        there (:meth:`prefetch`), the others from their servers (:meth:`_read_rows`)."""
-        served = [self.prefetches.take(t.name, ids) if c == WEIGHT else None
-                  for t, c, ids in requests]
-        if all(s is None for s in served):
-            return self._read_rows(requests)
-        rest = [(t, c, ids if s is None else ids[~s[0]])
-                for (t, c, ids), s in zip(requests, served)]
-        ask = [i for i, (_, _, ids) in enumerate(rest) if len(ids) or served[i] is None]
-        got = dict(zip(ask, self._read_rows([rest[i] for i in ask]) if ask else []))
-        outs = []
-        for i, ((t, c, ids), s) in enumerate(zip(requests, served)):
-            if s is None:
-                outs.append(got[i])
-                continue
-            hit, rows = s
-            out = np.empty((len(ids),) + rows.shape[1:], rows.dtype)
-            out[hit] = rows
-            if i in got:
-                out[~hit] = got[i]
-            outs.append(out)
-        return outs
+        return self._pull_rows([(table, column, ids)])[0]
 
     def pull_many(self, requests):
         """Rows of every ``(table, ids)`` of ``requests`` in one round trip per server:
         each server gets its Pulls of every table back to back (a PyG feature store's
         multi-get, a grouped lookup)."""
-        return self._read_many([self.tables.rows(n) + (ids,) for n, ids in requests])
+        return self._pull_rows([self.tables.rows(n) + (ids,) for n, ids in requests])
+
+    def _pull_rows(self, requests):
+        """Rows of each ``(table, column, ids)``: a table's rows its prefetch holds from
+        there (:meth:`prefetch`), the others from their servers (:meth:`_read_rows`)."""
+        return self.prefetches.serve(requests, self._read_rows)
 
     def _read_rows(self, requests):
         """Rows of each ``(table, column, ids)``, asked of their servers, in the order of
@@ -229,11 +210,8 @@ class RemoteKVClient(TableClient):
                 k, r = asked[sid][seen[sid]]
                 seen[sid] += 1
                 table, _, shape, wire = plans[k][:4]
-                got = frame.arrays[0] if len(frame.arrays) == 1 else None
-                if got is None or got.shape != (len(r.ids),) + shape or got.dtype != wire:
-                    raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype "
-                                       f"for {table.name!r}")
-                outs[k][r.positions] = half.as_rows(got)
+                outs[k][r.positions] = half.as_rows(reply_rows(sid, frame, r, shape, wire,
+                                                               table.name))
             msgs = {sid: [Pull(name=plans[k][1], parts=r.parts, counts=r.counts, ids=r.ids)
                           for k, r in lst] for sid, lst in asked.items()}
             self._call({sid: m if len(m) > 1 else m[0] for sid, m in msgs.items()},
@@ -338,68 +316,37 @@ class RemoteKVClient(TableClient):
 
         def applying(sid, frame):  # a co-located server may answer before it applies
             if sid in routes:  # every early answer is noted: its outcome frame follows
-                r = routes[sid]
-                part = r.parts[0] if len(r.parts) == 1 else None
-                local = self.tables.table(name).router.to_local(part, r.ids) \
-                    if part is not None else r.ids
-                self.servers.applying.note(sid, name, part, frame, local)
+                self.servers.applying.note(sid, name, self.tables.table(name).router,
+                                           routes[sid], frame)
         self.send_update(name, requests, take if want else applying, wait)
         return out
 
     def send_update(self, name, requests, on_reply=None, wait=True):
         """Send one update of table ``name`` (``{sid: Update}`` of
-        :meth:`update_requests`), naming the rows prefetched for coming lookups: each
-        owner's reply ends with those the update wrote (``watch``), which patch the
-        prefetched rows; then the prefetches lookups used are released. An asynchronous
-        update has no reply: the prefetched rows it writes are read again behind it.
+        :meth:`update_requests`) with its :class:`~distemb.kvstore.prefetch.Watch` of the
+        rows prefetched for coming lookups, then release the prefetches lookups used. An
+        async update has no reply: the prefetched rows it writes are read again behind it.
 
         Args:
             on_reply: ``on_reply(sid, frame)`` for each reply frame, without its answer
                 to the watch.
         """
-        watched = self.prefetches.watched(name) if wait else None
-        peel = {}
-        if watched is not None:
-            wroutes, _ = route(self.tables.table(name).router, watched[0], self.num_servers)
-            for sid, r in wroutes.items():
-                m = requests.get(sid)
-                if m is not None:  # a server not updated wrote none of them (not exact)
-                    m.watch, m.watch_parts, m.watch_counts = r.ids, r.parts, r.counts
-                    peel[sid] = r.positions
-        answers = []
+        watch = Watch(self.prefetches, name, requests, self.tables.table(name).router,
+                      self.num_servers) if wait else None
 
         def take(sid, frame):
-            if sid in peel:
-                a, at = frame.arrays, peel[sid]
-                if len(a) < 3 or any(x.dtype != np.int64 or x.ndim != 1 for x in (a[-3], a[-1])) \
-                        or a[-2].shape[:1] != a[-3].shape or \
-                        any(len(x) and (x.min() < 0 or x.max() >= len(at)) for x in (a[-3], a[-1])):
-                    raise KVStoreError(f"server {sid}: update reply without its answer to "
-                                       f"the prefetched rows of {name!r}")
-                answers.append((at[a[-3]], a[-2], at[a[-1]]))
-                frame.arrays = a[:-3]
+            if watch is not None:
+                watch.peel(sid, frame)
             if on_reply is not None:
                 on_reply(sid, frame)
         self._call(requests, wait=wait, on_reply=take)
-        if watched is not None:
-            self.prefetches.patch(name, watched[1], answers)
-        elif not wait:
-            self._refetch_written(name, requests)
+        if watch is not None:
+            watch.patch()
+        else:  # read again behind the update (each connection is ordered), ahead
+            table = self.tables.table(name)
+            self.prefetches.refetch(name, [m.ids for m in requests.values()],
+                                    lambda keys: self._pull_ahead(table, keys)[2])
         self.prefetches.stepped(name)
-
-    def _refetch_written(self, name, requests):
-        """After an asynchronous update of ``name``: its prefetched rows that the update
-        wrote are read again behind it (each connection is ordered), ahead."""
-        watched = self.prefetches.watched(name)
-        if watched is None:
-            return
-        keys, plan = watched
-        written = np.concatenate([np.empty(0, np.int64)] + [m.ids for m in requests.values()])
-        at = np.flatnonzero(np.isin(keys, written))
-        if not len(at):
-            return
-        _, _, fresh = self._pull_ahead(self.tables.table(name), keys[at])
-        self.prefetches.patch(name, plan, [(at, fresh, np.empty(0, np.int64))])
 
     def _pull_ahead(self, table, keys, mapped=()):
         """Rows ``keys`` of ``table`` asked now, but for those of shards ``mapped``.
@@ -418,11 +365,8 @@ class RemoteKVClient(TableClient):
 
         def take(sid, frame):  # on the thread that reads the reply
             r = routes[sid]
-            got = frame.arrays[0] if len(frame.arrays) == 1 else None
-            if got is None or got.shape != (len(r.ids),) + tuple(shape) or got.dtype != wire:
-                raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype for "
-                                   f"{table.name!r}")
-            rows[r.positions] = half.as_rows(got)
+            rows[r.positions] = half.as_rows(reply_rows(sid, frame, r, shape, wire,
+                                                        table.name))
         ahead = self.servers.ahead({sid: Pull(name=table.name, parts=r.parts,
                                               counts=r.counts, ids=r.ids)
                                     for sid, r in routes.items()}, on_reply=take)
@@ -433,22 +377,16 @@ class RemoteKVClient(TableClient):
         return rows, asked, wait
 
     def coalesce(self, name, ids, grads, F):
-        """As the host clients; in sync_exact mode an empty step still pushes (nothing).
-
-        The servers of a sync_exact job wait for every trainer's push of each step, so a
-        trainer without rows for a table pushes an empty update (and counts the step).
-        """
+        """As the host clients, but a sync_exact step without rows pushes nothing: its
+        servers wait for every trainer's push of each step."""
         summed = super().coalesce(name, ids, grads, F)
         if summed is None and self.consistency == Consistency.SYNC_EXACT:
             return np.empty(0, np.int64), np.empty((0, self.row_dim(name)), np.float32)
         return summed
 
     def _sum_buffer(self, name, n, dim):
-        """With the whole table on one co-located server: a buffer in its request slot.
-
-        The summed gradients are then handed to the server where they were summed, with
-        no copy (``push_update`` follows ``coalesce`` before any other request).
-        """
+        """With the whole table on one co-located server: a buffer in its request slot,
+        so the sums reach it with no copy (``push_update`` follows ``coalesce``)."""
         sids = list(self._shards(self.tables.table(name)))
         buf = self.servers.slot_buffer(sids[0], (max(n, 1), dim)) if len(sids) == 1 else None
         return buf if buf is not None else super()._sum_buffer(name, n, dim)
@@ -456,14 +394,11 @@ class RemoteKVClient(TableClient):
     # -- keys -------------------------------------------------------------------------
 
     def _info(self, name, evict_to=None, policy=None):
-        self.tables.table(name)
-        share = [-1] * self.num_servers
-        if evict_to is not None:
-            if isinstance(evict_to, bool) or not isinstance(evict_to, (int, np.integer)) or \
-                    evict_to < 0:
-                raise ValueError(f"target_size: expected an int >= 0, got {evict_to!r}")
-            share = [evict_to // self.num_servers + (sid < evict_to % self.num_servers)
-                     for sid in range(self.num_servers)]
+        """Every server's Info reply: its size; with ``evict_to`` (checked by
+        :meth:`evict`), after evicting down to its share of it by ``policy``."""
+        share = [-1] * self.num_servers if evict_to is None else \
+            [evict_to // self.num_servers + (sid < evict_to % self.num_servers)
+             for sid in range(self.num_servers)]
         pol = "" if policy is None else EvictPolicy.parse(policy, "policy", ValueError).value
         return self.servers.all(lambda sid: Info(name=name, evict_to=share[sid], policy=pol))
 
@@ -480,11 +415,8 @@ class RemoteKVClient(TableClient):
         out = np.empty((len(keys),) + tuple(row_shape), dtype)
 
         def take(sid, frame):
-            got = frame.arrays[0] if len(frame.arrays) == 1 else None
-            if got is None or got.shape != (len(routes[sid].ids),) + tuple(row_shape):
-                raise KVStoreError(f"server {sid}: reply of the wrong shape for "
-                                   f"{table.name!r}")
-            out[routes[sid].positions] = got
+            r = routes[sid]
+            out[r.positions] = reply_rows(sid, frame, r, row_shape, None, table.name)
         self._call({sid: make(r) for sid, r in routes.items()}, on_reply=take)
         return out
 
@@ -519,35 +451,25 @@ class RemoteKVClient(TableClient):
         self.prefetches.void(table.name, evicted)
         return evicted
 
-    def export(self, name, columns=None):
-        table = self.tables.table(name)
-        cols = list(columns) if columns is not None else list(table.columns())
-        missing = [c for c in cols if c not in table.columns()]
-        if missing:
-            raise KVStoreError(f"columns: {missing} not in table {name!r} (has "
-                               f"{sorted(table.columns())})")
-        asked = cols or [WEIGHT]  # an export names its columns (none: every one)
+    def _export(self, table, columns):
+        """Every shard's rows, a page of about :data:`PAGE_BYTES` per request."""
+        asked = columns or [WEIGHT]  # an export names its columns (none: every one)
         row_bytes = 8 + sum(4 * int(np.prod(table.columns()[c][0])) for c in asked)
-        keys, rows = [], {c: [] for c in cols}
-        for sid, parts in self._shards(table).items():
-            for part in parts:
+        parts = []
+        for sid, shards in self._shards(table).items():
+            for part in shards:
                 start = 0
                 while True:
-                    r = self._call({sid: Export(name=name, part=part, start=start,
+                    r = self._call({sid: Export(name=table.name, part=part, start=start,
                                                 count=max(1, PAGE_BYTES // row_bytes),
                                                 columns=asked)})[sid]
                     if len(r.arrays) != 1 + len(asked):
                         raise KVStoreError(f"server {sid}: export reply of the wrong shape")
-                    keys.append(r.arrays[0])
-                    for c, a in zip(asked, r.arrays[1:]):
-                        if c in rows:
-                            rows[c].append(a)
+                    parts.append((r.arrays[0], dict(zip(asked, r.arrays[1:]))))
                     start += len(r.arrays[0])
                     if start >= r.fields["total"] or not len(r.arrays[0]):
                         break
-        allkeys = np.concatenate(keys) if keys else np.empty(0, np.int64)
-        order = np.argsort(allkeys, kind="stable")
-        return allkeys[order], {c: np.concatenate(a)[order] for c, a in rows.items()}
+        return parts
 
     # -- checkpoints ------------------------------------------------------------------
 

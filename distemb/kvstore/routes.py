@@ -17,6 +17,8 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import numpy as np
 
+from distemb.errors import KVStoreError
+
 
 class Route(NamedTuple):
     """The part of one request that goes to one server."""
@@ -39,6 +41,21 @@ def take_rows(rows, positions):
                                       bool((np.diff(positions) == 1).all()))):
         return rows[:n]
     return rows[positions]
+
+
+def reply_rows(sid, frame, route: Route, row_shape, dtype, table: str) -> np.ndarray:
+    """The rows of server ``sid``'s reply (``frame``) to the request ``route`` of table
+    ``table``: its one array, a row of ``row_shape`` and ``dtype`` per key (a dtype of
+    None: any).
+
+    Raises:
+        KVStoreError: a reply of another shape or dtype, naming the server and table.
+    """
+    got = frame.arrays[0] if len(frame.arrays) == 1 else None
+    if got is None or got.shape != (len(route.ids),) + tuple(row_shape) or \
+            (dtype is not None and got.dtype != dtype):
+        raise KVStoreError(f"server {sid}: reply of the wrong shape or dtype for {table!r}")
+    return got
 
 
 def shards_by_server(router, num_servers: int) -> Dict[int, List[int]]:

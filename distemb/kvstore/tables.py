@@ -395,6 +395,23 @@ class TableClient(KVClient):
     def _evict(self, table: Table, target_size: int, policy) -> np.ndarray:
         """Evict every shard of a table of any key down to its share of ``target_size``."""
 
+    def export(self, name: str, columns: Optional[List[str]] = None):
+        table = self.tables.table(name)
+        cols = list(columns) if columns is not None else list(table.columns())
+        missing = [c for c in cols if c not in table.columns()]
+        if missing:
+            raise KVStoreError(f"columns: {missing} not in table {name!r} (has "
+                               f"{sorted(table.columns())})")
+        parts = self._export(table, cols)
+        keys = np.concatenate([np.empty(0, np.int64)] + [k for k, _ in parts])
+        order = np.argsort(keys, kind="stable")
+        return keys[order], {c: np.concatenate([r[c] for _, r in parts])[order]
+                             for c in cols} if parts else {}
+
+    @abstractmethod
+    def _export(self, table: Table, columns: List[str]) -> list:
+        """``(keys, {column: rows})`` of every shard of ``table``, in any order."""
+
     def import_(self, name: str, keys, columns: Dict[str, np.ndarray]) -> None:
         table = self.tables.table(name)
         keys = keys_array(keys, "keys")

@@ -1,18 +1,14 @@
 """DeviceCachedKVClient: hot rows and their optimizer state kept on a GPU, in front of a
 host table (embedded, or on the servers of a one-trainer job).
 
-A lookup gathers the cached rows on the device and copies only the misses in;
-``opt.step()`` updates cached rows there with the device kernels, running the same fused
-rules as the owner would, so results equal the uncached job's. While a row is cached the
-cache is its one writer: dirty rows are written back at eviction and before anything
-reads or moves the whole table, and ``pull``/``push`` see and settle the cached copies.
-One trainer only; a table whose store evicts on its own is refused
-(:func:`~distemb.kvstore.caches.device_rows.keeps_its_keys`); tables of other than
-float32 rows pass through. Bookkeeping is the trainer cache's
-:class:`~distemb.kvstore.caches.table.TableCache`, on the host. Prefetch admits the rows
-now and pins their slots until the table's next update (an evicted pinned slot would hand
-out another row at the lookup). Modes, bounds and ownership: ``docs/caches.md``;
-prefetch: ``docs/prefetch.md``.
+A lookup gathers the cached rows on the device and copies only the misses in; ``opt.step()``
+updates cached rows there with the device kernels (the owner's fused rules), so results
+equal the uncached job's. The cache is a cached row's one writer: dirty rows are written
+back at eviction and before anything reads or moves the whole table. One trainer only; a
+store that evicts on its own is refused (:func:`~distemb.kvstore.caches.device_rows.
+keeps_its_keys`); tables of other than float32 rows pass through. Bookkeeping: the trainer
+cache's :class:`~distemb.kvstore.caches.table.TableCache`, on the host. Prefetch admits rows
+and pins their slots until the table's next update. ``docs/caches.md``, ``docs/prefetch.md``.
 """
 from typing import Dict, Optional
 
@@ -108,20 +104,17 @@ class DeviceCachedKVClient(Wrapper):
         return self._view
 
     def prefetch_stats(self):
-        """Counters of :meth:`prefetch` (:class:`~distemb.kvstore.prefetch.Prefetches`),
-        ``pinned_rows`` (the slots pinned now) and those of the wrapped client's
-        prefetches, where it has them (``remote_*``: tables this cache does not hold)."""
+        """Counters of :meth:`prefetch`, ``pinned_rows`` (slots pinned now) and the
+        wrapped client's (``remote_*``: of tables this cache does not hold)."""
         inner = getattr(self.inner, "prefetch_stats", None)
         inner = {} if inner is None else {f"remote_{k}": v for k, v in inner().items()}
         return dict(self.prefetches.stats, **inner, pinned_rows=sum(
             c.map.pinned for c in self._tables.values() if c is not None))
 
     def prefetch(self, name, ids):
-        """Admit rows ``ids`` of ``name`` now (misses fetched from the owner, with their
-        state), pin their slots and record them for the next lookup (module docstring).
-        Rows that find no slot (every one pinned) are left to their lookup; a table this
-        cache does not hold is prefetched by the owner's client.
-        """
+        """Admit rows ``ids`` of ``name`` now (misses fetched with their state), pin their
+        slots and record them for the next lookup; rows that find no slot (every one
+        pinned) are left to it. A table this cache does not hold: the owner's client's."""
         cache = self._table(name)
         if cache is None:
             self.inner.prefetch(name, ids)

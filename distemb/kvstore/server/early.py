@@ -99,11 +99,14 @@ class Applying:
         #: lookups that copied rows while an update of the table was being applied
         self.beside = 0
 
-    def note(self, sid, name, part, reply, ids):
-        """Remember the update of shard ``part`` of ``name`` (store keys ``ids``) that
-        server ``sid`` answered with ``reply``, if it answered early."""
+    def note(self, sid, name, router, route, reply):
+        """Remember the update of ``name`` sent to server ``sid`` along ``route`` (a
+        :class:`~distemb.kvstore.routes.Route` of keys ``router`` routes) if the server
+        answered it early (``reply``)."""
         counter = reply.fields.get(APPLYING)
         if counter is not None:
+            part = route.parts[0] if len(route.parts) == 1 else None
+            ids = route.ids if part is None else router.to_local(part, route.ids)
             self._by_server[sid] = (name, part, int(counter), np.array(ids, np.int64))
 
     def settle(self, sid, timeout=None):
