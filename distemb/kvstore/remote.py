@@ -349,12 +349,9 @@ class RemoteKVClient(TableClient):
         self.prefetches.stepped(name)
 
     def _pull_ahead(self, table, keys, mapped=()):
-        """Rows ``keys`` of ``table`` asked now, but for those of shards ``mapped``.
-
-        Returns:
-            (the rows' array, filled as the replies are read; bool per key: asked; a
-            callable that waits for the replies and returns the array).
-        """
+        """Rows ``keys`` of ``table`` asked now, but for those of shards ``mapped``:
+        (the rows' array, filled as the replies are read; bool per key: asked; a
+        callable that waits for the replies and returns the array)."""
         shape, dtype = table.columns()[WEIGHT]
         wire = half.storage_dtype(dtype)
         routes, _ = route(table.router, keys, self.num_servers, mapped)
