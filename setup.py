@@ -151,6 +151,12 @@ extensions = [
         language="c++",
     ),
     Extension(
+        "distemb._cachebook",
+        ["csrc/_cachebook.pyx"],
+        extra_compile_args=COMPILE_ARGS,
+        language="c++",
+    ),
+    Extension(
         "distemb._hashtable",
         ["csrc/_hashtable.pyx"],
         extra_compile_args=COMPILE_ARGS,

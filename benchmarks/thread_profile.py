@@ -7,6 +7,7 @@ into OUT.prof (read it with ``pstats``). cProfile alone sees the main thread onl
 """
 import atexit
 import cProfile
+import os
 import pstats
 import runpy
 import sys
@@ -43,5 +44,12 @@ if __name__ == "__main__":
     threading.Thread.run = _profiled_run
     main = cProfile.Profile(time.thread_time)
     atexit.register(_dump, out, main)
+    _exit = os._exit
+
+    def _dump_then_exit(status):  # distemb.server leaves by os._exit: no atexit there
+        _dump(out, main)
+        _exit(status)
+
+    os._exit = _dump_then_exit
     main.enable()
     runpy.run_module(module, run_name="__main__", alter_sys=True)

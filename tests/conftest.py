@@ -415,6 +415,7 @@ TWIN_MODULES = {
     # the kernels, the hash index, the fused loss; the stores, the shard type
     "test_store_suite", "test_hash_store", "test_shard",
     "test_dynamic_embedding",  # its own HAS_EXT branch (an inexact twin comparison)
+    "test_cachebook",  # the caches' bookkeeping kernels
 }
 #: Client suite modules: their tests on the embedded placement (the stores' and rules'
 #: calls into the kernels, in this process) run again on the twin.

@@ -16,18 +16,19 @@ import pytest
 from mp_helper import ROOT, child_env
 
 #: Extension modules of the package (setup.py): each one's absence must be survivable.
-EXTENSIONS = ("_kernels", "_halfkernels", "_hashtable", "_skipgram")
+EXTENSIONS = ("_kernels", "_halfkernels", "_hashtable", "_skipgram", "_cachebook")
 
 IMPORT_ALL = r"""
 import importlib, pkgutil, sys
 import numpy as np
 import distemb
 from distemb import kernels
-from distemb.kernels import half, hashtable, skipgram
+from distemb.kernels import cachebook, half, hashtable, skipgram
 assert not kernels.HAS_EXT and kernels.active() == "reference", kernels.IMPL_NAME
 assert kernels.available_cpu_isas() == () and kernels.ISA == ""
 assert hashtable.HashIndex().native is False
 assert half._impl() is half.reference_half and skipgram._compiled is None
+assert cachebook._impl() is cachebook.reference_cachebook
 optional = {"dgl", "torch_geometric"}  # extras: a module needing a missing one is skipped
 imported, skipped = 0, []
 for info in pkgutil.walk_packages(distemb.__path__, "distemb."):

@@ -34,6 +34,7 @@ from distemb import kernels
 from distemb.config import CacheConfig
 from distemb.enums import Consistency
 from distemb.errors import KVStoreError
+from distemb.kernels import cachebook
 from distemb.kernels.hashtable import keys_array
 from distemb.kvstore.caches.table import TableCache, unique_inverse
 from distemb.kvstore.caches.versions import pull_versioned, push_update_held
@@ -247,14 +248,11 @@ class CachedKVClient(Wrapper):
         self._tick += 1
         cache.count(uniq)
         slots = cache.slot_of.get(uniq)
+        # -1: not held, passes through; -2 (below): not held, will be kept (its state too)
+        have, ask, held = cachebook.held_versions(slots, cache.version, cache.checked,
+                                                  cache.step, self.config.staleness)
         cached = slots >= 0
-        ask = np.ones(len(uniq), bool)
-        if self.config.staleness:
-            ask[cached] = cache.step - cache.checked[slots[cached]] >= self.config.staleness
-        # -2: not held, will be kept (fetch its state too); -1: passes through.
-        have = np.full(len(uniq), -1, np.int64)
-        have[cached] = cache.version[slots[cached]]
-        new = np.flatnonzero(~cached)
+        new = np.flatnonzero(~cached) if held else np.arange(len(uniq))
         victims = None
         if cache.idle:  # it could not help these ids lately (TableCache.served)
             keep_new = np.zeros(len(new), bool)
@@ -263,7 +261,7 @@ class CachedKVClient(Wrapper):
         else:
             keep_new, victims = cache.worth_keeping(uniq[new], slots[cached])
         have[new[keep_new]] = -2
-        if not cached.any() and not keep_new.any():
+        if not held and not keep_new.any():
             # Nothing held or to keep (a cache that cannot help these ids): a plain pull
             # of each row once, no versions either way (prefetched rows from there).
             rows = self.inner.pull(name, uniq)
@@ -272,11 +270,14 @@ class CachedKVClient(Wrapper):
             return rows[inverse]
         # rows passing through (not held, not kept) the remote client prefetched: taken
         # from there, as current as a pull (its prefetch is used either way)
-        near = self.inner.prefetches.take(name, uniq[new[~keep_new]])
-        ready = np.zeros(len(uniq), bool)
+        passing = new[~keep_new]
+        near = self.inner.prefetches.take(name, uniq[passing])
         if near is not None:
-            ready[new[~keep_new][near[0]]] = True
-            ask &= ~ready
+            ready, ready_rows = passing[near[0]], near[1]
+            ask[ready] = False
+        else:
+            ready = np.empty(0, np.int64)
+            ready_rows = np.empty((0, cache.values.shape[1]), np.float32)
         asked = np.flatnonzero(ask)
         if len(asked):
             pos, vers, rows, states = pull_versioned(self.inner, name, uniq[asked],
@@ -287,32 +288,17 @@ class CachedKVClient(Wrapper):
             states = [np.empty((0,) + a.shape[1:], a.dtype) for a in cache.states.values()]
         got = asked[pos]
         self._count(ids, uniq, got, asked, [pos, vers, rows] + list(states))
-        self._stats["hit_rows"] -= int(ready.sum())  # rows of the prefetch, not copies
-        cache.checked[slots[ask & cached]] = cache.step
-        out = np.empty((len(uniq), cache.values.shape[1]), np.float32)
-        with_state = have[got] != -1  # states came for these fetched rows, in order
-        refresh = cached[got]
-        sub = refresh[with_state]
-        self._store(cache, slots[got[refresh]], vers[refresh], rows[refresh],
-                    [st[sub] for st in states])
-        admit = ~refresh & with_state
-        if admit.any():
-            fresh = cache.admit(uniq[got[admit]], slots[cached], victims)
-            k = len(fresh)
-            sub = admit[with_state]
-            self._store(cache, fresh, vers[admit][:k], rows[admit][:k],
-                        [st[sub][:k] for st in states])
-            slots[got[admit][:k]] = fresh
-        passing = slots[got] < 0
-        out[got[passing]] = rows[passing]
-        if ready.any():
-            out[ready] = near[1]
-        in_cache = slots >= 0
-        out[in_cache] = cache.values[slots[in_cache]]
-        if self.config.policy == "lru":
-            cache.stamp[slots[in_cache]] = self._tick
-        cache.served(len(uniq) - len(got) - int(ready.sum()), len(uniq))
-        return out[inverse]
+        self._stats["hit_rows"] -= len(ready)  # rows of the prefetch, not copies
+        admit = got[have[got] == -2]
+        if len(admit):
+            fresh = cache.admit(uniq[admit], slots[cached], victims)
+            slots[admit[:len(fresh)]] = fresh
+        out = cachebook.settle(slots, got, vers, rows, states, have, ask, inverse, ready,
+                               ready_rows, cache.values, list(cache.states.values()),
+                               cache.version, cache.checked, cache.step, cache.stamp,
+                               self._tick if self.config.policy == "lru" else -1)
+        cache.served(len(uniq) - len(got) - len(ready), len(uniq))
+        return out
 
     def _count(self, ids, uniq, got, asked, arrays, sent=None):
         st = self._stats
@@ -323,15 +309,6 @@ class CachedKVClient(Wrapper):
         st["hit_rows"] += len(uniq) - len(got)
         st["bytes_sent"] += 16 * len(asked) if sent is None else sent
         st["bytes_pulled"] += sum(a.nbytes for a in arrays) if len(got) else 0
-
-    def _store(self, cache, slots, versions, rows, states):
-        if not len(slots):
-            return
-        cache.values[slots] = rows
-        for sname, arr in zip(cache.states, states):
-            cache.states[sname][slots] = arr
-        cache.version[slots] = versions
-        cache.checked[slots] = cache.step
 
     def push_update(self, name, ids, grads, rule, hyper):
         """Send the update to the owner; keep the cached copies equal to the owner's rows.
@@ -366,11 +343,11 @@ class CachedKVClient(Wrapper):
         at = slots[mine]
         checked = impl.check_hyper(hyper)
         if self.consistency == Consistency.SYNC_EXACT:
-            have = np.full(len(ids), -1, np.int64)
-            have[mine] = cache.version[at]
+            have, _, _ = cachebook.held_versions(slots, cache.version, cache.checked,
+                                                 cache.step, 0)
             held = push_update_held(self.inner, name, ids, grads, rule, hyper, have)
             cache.step += 1
-            return self._apply_held(cache, impl, checked, slots, mine, grads, held)
+            return self._apply_held(cache, impl, checked, slots, grads, held)
         if len(at):
             # The same rule and kernels as the owner: bit-identical per row.
             impl.apply(kernels, cache.values, cache.states, at,
@@ -385,22 +362,13 @@ class CachedKVClient(Wrapper):
         cache.version[at[ok]] = versions[mine][ok]
         self._void(cache, at[~ok])  # someone else's gradient reached these rows
 
-    def _apply_held(self, cache, impl, hyper, slots, mine, grads, held):
-        """Apply one exact step to the held copies ``slots[mine]`` (see push_update)."""
-        step = np.ascontiguousarray(grads[mine])
-        where = np.full(len(slots), -1, np.int64)  # update position -> row of ``step``
-        where[mine] = np.arange(len(mine))
-        step[where[held.summed]] = held.sums
+    def _apply_held(self, cache, impl, hyper, slots, grads, held):
+        """Apply one exact step to the held copies, ``slots >= 0`` (see push_update)."""
         self._stats["summed_rows"] += len(held.summed)
-        keep = np.ones(len(mine), bool)
-        if len(held.drop) and not self.config.staleness:
-            keep[where[held.drop]] = False
-        at = slots[mine]
+        at, step = cachebook.held_step(slots, grads, held.summed, held.sums, held.versions,
+                                       held.drop, not self.config.staleness, cache.version)
         # The same rule and kernels as the owner, on the same gradient: bit-identical.
-        impl.apply(kernels, cache.values, cache.states, at[keep] if len(held.drop) else at,
-                   step[keep] if len(held.drop) else step, hyper, self.num_threads)
-        cache.version[at] += 1
-        cache.version[slots[held.summed]] = held.versions
+        impl.apply(kernels, cache.values, cache.states, at, step, hyper, self.num_threads)
         self._void(cache, slots[held.drop])
 
     def _void(self, cache, slots):

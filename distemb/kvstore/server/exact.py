@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from distemb.errors import KVStoreError
+from distemb.kernels import cachebook
 
 
 class _Step:
@@ -113,16 +114,11 @@ def held_reply(m, rows, applied):
     drop, pos, vers, sums = [], [], [], []
     for part, ids, sl in rows:
         uniq, summed, counts, before = applied[part]
-        have = m.have[sl]
-        held = np.flatnonzero(have != -1)
-        at = np.searchsorted(uniq, ids[held])
-        ok = np.zeros(len(held), bool) if before is None else before[at] == have[held]
-        drop.append(held[~ok] + sl.start)
-        co = ok & (counts[at] > 1)
-        pos.append(held[co] + sl.start)
-        vers.append(before[at[co]] + counts[at[co]] if before is not None else
-                    np.empty(0, np.int64))
-        sums.append(summed[at[co]])
+        d, p, v, at = cachebook.held_answer(uniq, ids, m.have[sl], before, counts, sl.start)
+        drop.append(d)
+        pos.append(p)
+        vers.append(v)
+        sums.append(summed[at])
     empty = np.empty(0, np.int64)
     return [np.concatenate([empty] + drop), np.concatenate([empty] + pos),
             np.concatenate([empty] + vers),
