@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from distemb.errors import KVStoreError, PartitionError, TransportError
+from distemb.errors import (KVStoreError, PartitionError, ServerUnavailableError,
+                            TransportError)
 from distemb.partition import range_policy
 from distemb.transport.base import HEADER, MAGIC, VERSION, Frame, encode_head
 from distemb.transport.messages import Pull, Push, Service, Update, decode_request
@@ -43,6 +44,42 @@ def test_large_payload_arrives_intact():
     got = b.recv().arrays[0]
     t.join()
     np.testing.assert_array_equal(got, arr)
+
+
+def tcp_pair():
+    """Two TcpConnections over TCP on 127.0.0.1 (socketpair's Unix socket reads exactly)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    return TcpConnection(a, timeout=5), TcpConnection(b, timeout=5)
+
+
+def test_tcp_frames_back_to_back_and_dribbled_arrive_whole():
+    a, b = tcp_pair()
+    rng = np.random.default_rng(0)
+    frames = [Frame(Service.PULL, f"t{i}", {"i": i}, [
+        rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(0, 40_000, k)])
+        for i, k in enumerate(rng.integers(0, 5, 60))]
+    t = threading.Thread(target=lambda: [a.send(f) for f in frames])
+    t.start()  # many frames in one read: the bytes past a frame are the next one's
+    for f in frames:
+        got = b.recv()
+        assert (got.name, got.fields, len(got.arrays)) == (f.name, f.fields, len(f.arrays))
+        for x, y in zip(got.arrays, f.arrays):
+            np.testing.assert_array_equal(x, y)
+    t.join()
+    f = frames[7]
+    data = encode_head(f) + b"".join(x.tobytes() for x in f.arrays)
+    t = threading.Thread(target=lambda: [a.sock.sendall(data[i:i + 7])
+                                         for i in range(0, len(data), 7)])
+    t.start()  # a frame in pieces of 7 bytes
+    got = b.recv()
+    t.join()
+    assert got.name == f.name and all(np.array_equal(x, y) for x, y in
+                                      zip(got.arrays, f.arrays))
+    a.close()
+    with pytest.raises(ServerUnavailableError, match="connection lost"):
+        b.recv()
 
 
 def raw_header(service=Service.PULL, name_len=0, num_arrays=0, fields_len=0, payload=0,
