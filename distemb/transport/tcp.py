@@ -144,6 +144,9 @@ class TcpConnection(Connection):
                 raise ConnectionResetError("peer closed the connection")
 
     def _read(self, n):
+        if self._buf is not None and self._hi - self._lo >= n:  # the usual case: no bytearray
+            self._lo += n
+            return self._buf[self._lo - n:self._lo].tobytes()
         buf = bytearray(n)
         self._read_into(memoryview(buf))
         return bytes(buf)
