@@ -9,9 +9,50 @@ arrays for the same calls).
 Rows and optimizer-state rows are copied as bytes (``uint8[:, ::1]`` views made by the
 wrapper), so one kernel serves every row width, state shape and dtype.
 """
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
+from libcpp.vector cimport vector
 import numpy as np
+
+ctypedef fused slot_t:
+    int32_t
+    int64_t
+
+
+def dense_lookup(const int64_t[::1] ids, const slot_t[::1] slot_map, uint8_t[::1] seen,
+                 int64_t[::1] uniq, int64_t[::1] inverse, int64_t[::1] slots):
+    """A pull's ids (0 <= id < len(slot_map)) made unique in order of first appearance
+    (``uniq``, ``inverse``), one more pull counted in ``seen`` for each unique id, and
+    each one's cache slot. Returns the number of unique ids."""
+    cdef Py_ssize_t n = ids.shape[0], i
+    cdef uint64_t size = 16, mask, b
+    cdef int shift = 60
+    while size < 2 * <uint64_t>n:
+        size *= 2
+        shift -= 1
+    mask = size - 1
+    cdef vector[int64_t] table  # bucket -> position in uniq, -1: empty
+    table.assign(size, -1)
+    cdef int64_t k, u = 0, at, key
+    with nogil:
+        for i in range(n):
+            key = ids[i]
+            b = (<uint64_t>key * 0x9E3779B97F4A7C15ULL) >> shift  # Fibonacci hashing
+            while True:
+                at = table[b]
+                if at < 0:
+                    table[b] = u
+                    uniq[u] = key
+                    seen[key] += 1
+                    slots[u] = slot_map[key]
+                    inverse[i] = u
+                    u += 1
+                    break
+                if uniq[at] == key:
+                    inverse[i] = at
+                    break
+                b = (b + 1) & mask
+    return u
 
 
 def held_versions(const int64_t[::1] slots, const int64_t[::1] version,

@@ -85,6 +85,13 @@ def test_compiled_bookkeeping_equals_its_twin_on_random_inputs(seed):
         assert_same(*both(lambda: settle(args, cache, tick)))
     assert_same(*both(lambda: cachebook.held_versions(
         args["slots"], cache["version"], cache["checked"], 5, seed % 3)))
+    # a pull of a dense table: ids made unique, counted, their slots
+    for dtype in (np.int32, np.int64):
+        slot_map = np.where(rng.random(500) < 0.2, rng.integers(0, 64, 500), -1).astype(dtype)
+        ids = rng.integers(0, 500, int(rng.integers(0, 3000)))
+        counts = rng.integers(0, 9, 500).astype(np.uint8)
+        assert_same(*both(lambda: (cachebook.dense_lookup(ids, slot_map, c := counts.copy()),
+                                   c)))
     # an exact step: held rows, some summed, some void
     n, d = 50, 4
     slots = np.where(rng.random(n) < 0.5, rng.permutation(n), -1).astype(np.int64)
@@ -134,6 +141,17 @@ def test_settle_stores_fetched_rows_and_serves_each_position_from_where_it_is():
         cachebook.settle(slots, got[1:], np.array([9, 4]), rows[1:], [state], have, ask,
                          np.array([3]), np.empty(0, np.int64), np.empty((0, 1), np.float32),
                          values, [cstate], version, checked, 3, stamp, -1)
+
+
+def test_dense_lookup_gives_unique_ids_in_order_of_first_appearance():
+    slot_map = np.array([-1, 4, -1, 0, 2], np.int32)
+    seen = np.array([0, 1, 2, 3, 4], np.uint8)
+    uniq, inverse, slots = cachebook.dense_lookup(np.array([3, 1, 3, 4, 1, 0]), slot_map, seen)
+    assert uniq.tolist() == [3, 1, 4, 0] and inverse.tolist() == [0, 1, 0, 2, 1, 3]
+    assert slots.tolist() == [0, 4, 2, -1] and slots.dtype == np.int64
+    assert seen.tolist() == [1, 2, 2, 4, 5]  # once per unique id
+    uniq, inverse, slots = cachebook.dense_lookup(np.empty(0, np.int64), slot_map, seen)
+    assert len(uniq) == len(inverse) == len(slots) == 0
 
 
 def test_held_step_uses_the_owners_sums_and_leaves_void_copies_out():

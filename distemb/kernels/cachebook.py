@@ -6,6 +6,8 @@ kernel: it runs while :func:`distemb.kernels.active` is ``'compiled'``; ``DISTEM
 or ``kernels.implementation('reference')`` give the twin in
 :mod:`distemb.kernels.reference_cachebook`. Both give the same arrays for the same calls.
 
+- :func:`dense_lookup`: a pull's ids of a dense table made unique, counted, and their
+  cache slots;
 - :func:`held_versions`: what a pull asks for the rows a cache may hold;
 - :func:`settle`: a versioned pull's reply stored in the cache, the pull's rows written;
 - :func:`held_step`: the gradients an exact step applies to the held copies;
@@ -64,6 +66,32 @@ def _rows(name, a, like, what):
                         f"{what}), got {getattr(a, 'dtype', None)} "
                         f"{getattr(a, 'shape', (None,))[1:]}")
     return _buffer(name, np.ascontiguousarray(a))
+
+
+def dense_lookup(ids, slot_map, seen) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A pull's ids of a dense table, ``0 <= id < len(slot_map)`` (checked by the caller).
+
+    Args:
+        ids: the pull's ids.
+        slot_map: int32 or int64, the cache slot of every id (-1: not held).
+        seen: uint8, every id's recent pulls: one more for each unique id, in place.
+
+    Returns:
+        (the unique ids in order of first appearance, ``inverse``: ``uniq[inverse] ==
+        ids``, the cache slot of each unique id as int64).
+    """
+    ids = _int64("ids", ids)
+    if not isinstance(slot_map, np.ndarray) or slot_map.dtype not in (np.int32, np.int64) \
+            or slot_map.ndim != 1 or not slot_map.flags.c_contiguous:
+        raise TypeError(f"slot_map: expected a contiguous 1-d int32 or int64 array, got "
+                        f"{getattr(slot_map, 'dtype', type(slot_map).__name__)}")
+    if not isinstance(seen, np.ndarray) or seen.dtype != np.uint8 or \
+            seen.shape != slot_map.shape:
+        raise TypeError(f"seen: expected uint8 counts of shape {slot_map.shape}, got "
+                        f"{getattr(seen, 'dtype', None)} {getattr(seen, 'shape', None)}")
+    uniq, inverse, slots = (np.empty(len(ids), np.int64) for _ in range(3))
+    n = _impl().dense_lookup(ids, slot_map, seen, uniq, inverse, slots)
+    return uniq[:n], inverse, slots[:n]
 
 
 def held_versions(slots, version, checked, step: int, staleness: int

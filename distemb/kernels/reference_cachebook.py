@@ -6,6 +6,19 @@ ranges); rows and state rows come as ``uint8`` views, one row of bytes each.
 import numpy as np
 
 
+def dense_lookup(ids, slot_map, seen, uniq, inverse, slots):
+    u, first, inv = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # unique ids in order of first appearance
+    rank = np.empty(len(u), np.int64)
+    rank[order] = np.arange(len(u))
+    n = len(u)
+    uniq[:n] = u[order]
+    inverse[:] = rank[inv.reshape(-1)]
+    seen[uniq[:n]] += np.uint8(1)
+    slots[:n] = slot_map[uniq[:n]]
+    return n
+
+
 def held_versions(slots, version, checked, step, staleness, have, ask):
     cached = slots >= 0
     have[:] = -1

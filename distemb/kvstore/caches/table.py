@@ -25,6 +25,7 @@ from typing import Optional
 
 import numpy as np
 
+from distemb.kernels import cachebook
 from distemb.kernels.hashtable import HashIndex
 from distemb.partition import splitmix64
 
@@ -53,6 +54,11 @@ class ArraySlots:
     def __init__(self, num_rows: int, capacity: int = 0):
         self._slot = np.full(num_rows, -1, np.int32 if capacity < 2 ** 31 else np.int64)
 
+    def lookup(self, ids, seen: "ArrayCounts"):
+        """``(unique ids in order of first appearance, inverse, their slots)`` of a pull's
+        ``ids``, each unique id counted once in ``seen``: one pass."""
+        return cachebook.dense_lookup(ids, self._slot, seen.counts)
+
     def get(self, ids):
         return self._slot[ids].astype(np.int64)
 
@@ -70,6 +76,13 @@ class HashSlots:
     def __init__(self):
         self._index = HashIndex()
         self._slot = np.empty(0, np.int64)  # index slot -> cache slot
+
+    def lookup(self, keys, seen):
+        """``(unique keys in order of first appearance, inverse, their slots)`` of a
+        pull's ``keys``, each unique key counted once in ``seen``."""
+        uniq, inverse = unique_inverse(keys)
+        seen.add(uniq)
+        return uniq, inverse, self.get(uniq)
 
     def get(self, keys):
         found = self._index.find(keys)
@@ -95,17 +108,18 @@ class ArrayCounts:
     counts halve every :data:`DECAY` pulls, so they stay below ``2 * DECAY``)."""
 
     def __init__(self, num_rows: int):
-        self._seen = np.zeros(num_rows, np.uint8)
+        #: id -> recent pulls (:meth:`ArraySlots.lookup` adds to it in its pass)
+        self.counts = np.zeros(num_rows, np.uint8)
 
     def add(self, ids):
         """One more pull of each of ``ids`` (unique)."""
-        self._seen[ids] += np.uint8(1)
+        self.counts[ids] += np.uint8(1)
 
     def get(self, ids):
-        return self._seen[ids]
+        return self.counts[ids]
 
     def halve(self):
-        self._seen >>= 1
+        self.counts >>= 1
 
 
 class SketchCounts:
@@ -201,10 +215,23 @@ class TableCache:
 
     def count(self, ids):
         """Count a pull of unique ``ids``; halve every count every DECAY pulls (recency)."""
+        self._tick()
+        self.seen.add(ids)
+
+    def lookup(self, ids):
+        """Count a pull of ``ids`` (as :meth:`count`) and find their cached copies.
+
+        Returns:
+            (unique ids in order of first appearance, ``inverse``: ``uniq[inverse] ==
+            ids``, the slot of each unique id, -1 where not cached).
+        """
+        self._tick()
+        return self.slot_of.lookup(ids, self.seen)
+
+    def _tick(self):
         self.pulls += 1
         if self.pulls % DECAY == 0:
             self.seen.halve()
-        self.seen.add(ids)
 
     def pin(self, slots):
         """One more prefetch waits for the rows in ``slots`` (held; duplicates count

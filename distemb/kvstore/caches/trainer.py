@@ -36,7 +36,7 @@ from distemb.enums import Consistency
 from distemb.errors import KVStoreError
 from distemb.kernels import cachebook
 from distemb.kernels.hashtable import keys_array
-from distemb.kvstore.caches.table import TableCache, unique_inverse
+from distemb.kvstore.caches.table import TableCache
 from distemb.kvstore.caches.versions import pull_versioned, push_update_held
 from distemb.kvstore.prefetch import Prefetch, Prefetches
 from distemb.kvstore.types import KVClient
@@ -244,10 +244,8 @@ class CachedKVClient(Wrapper):
         ids = keys_array(ids, "ids")
         self.inner.table(name).router.check(ids, f"ids of {name!r}")
         self.prefetches.take(name, ids)  # its pins hold until the table's next update
-        uniq, inverse = unique_inverse(ids)
         self._tick += 1
-        cache.count(uniq)
-        slots = cache.slot_of.get(uniq)
+        uniq, inverse, slots = cache.lookup(ids)
         # -1: not held, passes through; -2 (below): not held, will be kept (its state too)
         have, ask, held = cachebook.held_versions(slots, cache.version, cache.checked,
                                                   cache.step, self.config.staleness)

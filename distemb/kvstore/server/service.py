@@ -29,6 +29,7 @@ Example:
 """
 import hmac
 import logging
+import math
 import os
 import sys
 import threading
@@ -188,7 +189,7 @@ class KVService:
     def _row_bytes(self, name, part):
         """Bytes of one row of shard ``part`` of ``name`` in a reply."""
         shape = self.server.shard(name, part).shape[1:]
-        return self.server.row_dtype(name, part).itemsize * int(np.prod(shape, dtype=object))
+        return self.server.row_dtype(name, part).itemsize * math.prod(shape)  # exact ints
 
     # -- handlers -----------------------------------------------------------------------
 
