@@ -20,10 +20,11 @@ ctypedef fused slot_t:
 
 
 def dense_lookup(const int64_t[::1] ids, const slot_t[::1] slot_map, uint8_t[::1] seen,
-                 int64_t[::1] uniq, int64_t[::1] inverse, int64_t[::1] slots):
+                 int any_held, int64_t[::1] uniq, int64_t[::1] inverse, int64_t[::1] slots):
     """A pull's ids (0 <= id < len(slot_map)) made unique in order of first appearance
     (``uniq``, ``inverse``), one more pull counted in ``seen`` for each unique id, and
-    each one's cache slot. Returns the number of unique ids."""
+    each one's cache slot (-1 without reading the map when not ``any_held``). Returns
+    the number of unique ids."""
     cdef Py_ssize_t n = ids.shape[0], i
     cdef uint64_t size = 16, mask, b
     cdef int shift = 60
@@ -44,7 +45,7 @@ def dense_lookup(const int64_t[::1] ids, const slot_t[::1] slot_map, uint8_t[::1
                     table[b] = u
                     uniq[u] = key
                     seen[key] += 1
-                    slots[u] = slot_map[key]
+                    slots[u] = slot_map[key] if any_held else -1
                     inverse[i] = u
                     u += 1
                     break

@@ -90,8 +90,9 @@ def test_compiled_bookkeeping_equals_its_twin_on_random_inputs(seed):
         slot_map = np.where(rng.random(500) < 0.2, rng.integers(0, 64, 500), -1).astype(dtype)
         ids = rng.integers(0, 500, int(rng.integers(0, 3000)))
         counts = rng.integers(0, 9, 500).astype(np.uint8)
-        assert_same(*both(lambda: (cachebook.dense_lookup(ids, slot_map, c := counts.copy()),
-                                   c)))
+        for held in (True, False):
+            assert_same(*both(lambda: (cachebook.dense_lookup(ids, slot_map, c := counts.copy(),
+                                                              held), c)))
     # an exact step: held rows, some summed, some void
     n, d = 50, 4
     slots = np.where(rng.random(n) < 0.5, rng.permutation(n), -1).astype(np.int64)
@@ -152,6 +153,8 @@ def test_dense_lookup_gives_unique_ids_in_order_of_first_appearance():
     assert seen.tolist() == [1, 2, 2, 4, 5]  # once per unique id
     uniq, inverse, slots = cachebook.dense_lookup(np.empty(0, np.int64), slot_map, seen)
     assert len(uniq) == len(inverse) == len(slots) == 0
+    _, _, slots = cachebook.dense_lookup(np.array([4, 3]), slot_map, seen, any_held=False)
+    assert slots.tolist() == [-1, -1]
 
 
 def test_held_step_uses_the_owners_sums_and_leaves_void_copies_out():

@@ -68,13 +68,16 @@ def _rows(name, a, like, what):
     return _buffer(name, np.ascontiguousarray(a))
 
 
-def dense_lookup(ids, slot_map, seen) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def dense_lookup(ids, slot_map, seen, any_held: bool = True
+                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A pull's ids of a dense table, ``0 <= id < len(slot_map)`` (checked by the caller).
 
     Args:
         ids: the pull's ids.
         slot_map: int32 or int64, the cache slot of every id (-1: not held).
         seen: uint8, every id's recent pulls: one more for each unique id, in place.
+        any_held: False when the map holds no slot (every slot is -1 then, and the map
+            is not read).
 
     Returns:
         (the unique ids in order of first appearance, ``inverse``: ``uniq[inverse] ==
@@ -90,7 +93,7 @@ def dense_lookup(ids, slot_map, seen) -> Tuple[np.ndarray, np.ndarray, np.ndarra
         raise TypeError(f"seen: expected uint8 counts of shape {slot_map.shape}, got "
                         f"{getattr(seen, 'dtype', None)} {getattr(seen, 'shape', None)}")
     uniq, inverse, slots = (np.empty(len(ids), np.int64) for _ in range(3))
-    n = _impl().dense_lookup(ids, slot_map, seen, uniq, inverse, slots)
+    n = _impl().dense_lookup(ids, slot_map, seen, int(bool(any_held)), uniq, inverse, slots)
     return uniq[:n], inverse, slots[:n]
 
 

@@ -6,7 +6,7 @@ ranges); rows and state rows come as ``uint8`` views, one row of bytes each.
 import numpy as np
 
 
-def dense_lookup(ids, slot_map, seen, uniq, inverse, slots):
+def dense_lookup(ids, slot_map, seen, any_held, uniq, inverse, slots):
     u, first, inv = np.unique(ids, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")  # unique ids in order of first appearance
     rank = np.empty(len(u), np.int64)
@@ -15,7 +15,7 @@ def dense_lookup(ids, slot_map, seen, uniq, inverse, slots):
     uniq[:n] = u[order]
     inverse[:] = rank[inv.reshape(-1)]
     seen[uniq[:n]] += np.uint8(1)
-    slots[:n] = slot_map[uniq[:n]]
+    slots[:n] = slot_map[uniq[:n]] if any_held else -1
     return n
 
 

@@ -54,10 +54,11 @@ class ArraySlots:
     def __init__(self, num_rows: int, capacity: int = 0):
         self._slot = np.full(num_rows, -1, np.int32 if capacity < 2 ** 31 else np.int64)
 
-    def lookup(self, ids, seen: "ArrayCounts"):
+    def lookup(self, ids, seen: "ArrayCounts", any_held=True):
         """``(unique ids in order of first appearance, inverse, their slots)`` of a pull's
-        ``ids``, each unique id counted once in ``seen``: one pass."""
-        return cachebook.dense_lookup(ids, self._slot, seen.counts)
+        ``ids``, each unique id counted once in ``seen``: one pass (``any_held`` False:
+        nothing is cached, the map is not read)."""
+        return cachebook.dense_lookup(ids, self._slot, seen.counts, any_held)
 
     def get(self, ids):
         return self._slot[ids].astype(np.int64)
@@ -77,12 +78,14 @@ class HashSlots:
         self._index = HashIndex()
         self._slot = np.empty(0, np.int64)  # index slot -> cache slot
 
-    def lookup(self, keys, seen):
+    def lookup(self, keys, seen, any_held=True):
         """``(unique keys in order of first appearance, inverse, their slots)`` of a
-        pull's ``keys``, each unique key counted once in ``seen``."""
+        pull's ``keys``, each unique key counted once in ``seen`` (``any_held`` False:
+        nothing is cached, the index is not searched)."""
         uniq, inverse = unique_inverse(keys)
         seen.add(uniq)
-        return uniq, inverse, self.get(uniq)
+        return uniq, inverse, self.get(uniq) if any_held else np.full(len(uniq), -1,
+                                                                      np.int64)
 
     def get(self, keys):
         found = self._index.find(keys)
@@ -226,7 +229,7 @@ class TableCache:
             ids``, the slot of each unique id, -1 where not cached).
         """
         self._tick()
-        return self.slot_of.lookup(ids, self.seen)
+        return self.slot_of.lookup(ids, self.seen, self.used > 0)
 
     def _tick(self):
         self.pulls += 1
@@ -309,9 +312,15 @@ class TableCache:
         self.used -= len(slots)
         self.version[slots] = -1
 
+    def slots(self, ids):
+        """The slot of each of ``ids`` (global), -1 where not cached."""
+        if not self.used:  # an empty (or idle) cache: no map to read
+            return np.full(len(ids), -1, np.int64)
+        return self.slot_of.get(ids)
+
     def forget(self, ids):
         """Forget the rows ``ids`` (global) where cached."""
-        self.evict(self.slot_of.get(ids))
+        self.evict(self.slots(ids))
 
     def admit(self, ids, keep, victims=None):
         """Slots for new rows ``ids`` (not cached): free slots, then ``victims`` (LFU's,

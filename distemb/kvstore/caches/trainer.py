@@ -128,7 +128,7 @@ class CachedKVClient(Wrapper):
             return
         uniq = np.unique(keys_array(ids, "ids"))
         self.inner.table(name).router.check(uniq, f"ids of {name!r}")
-        slots = cache.slot_of.get(uniq)
+        slots = cache.slots(uniq)
         held = slots >= 0
         cache.pin(slots[held])
         p = Prefetch(uniq, slots, held)
@@ -332,7 +332,7 @@ class CachedKVClient(Wrapper):
                 cache.forget(np.asarray(ids, dtype=np.int64))
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        slots = cache.slot_of.get(ids)
+        slots = cache.slots(ids)
         mine = np.flatnonzero(slots >= 0)
         if not len(mine):  # no copy to keep current: a plain update
             self.inner.push_update(name, ids, grads, rule, hyper)
