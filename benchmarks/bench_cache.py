@@ -418,7 +418,7 @@ def measure(args, links, rec):
     schedule = [None]
     for _, cache in configs:
         schedule += [cache, None]
-    rows, bounds = [], {}
+    rows, bounds, headline_rows = [], {}, {}
     for sname in names:
         num_rows, per_rank = streams[sname]
         bounds[sname] = static_hit_rates({sname: per_rank[0]}, num_rows, args.warmup,
@@ -454,6 +454,8 @@ def measure(args, links, rec):
                 print("  steps/s of each run in order (trainer 0), with the trainers' TCP "
                       "retransmits: " + "; ".join(each), flush=True)
                 rows += summarize(job, runs, configs, len(schedule), args.rounds)
+                if servers == args.jobs[-1]:
+                    headline_rows[(sname, netns.link_name(rate))] = rows[-len(configs) - 1:]
                 if args.account:
                     print_account(job, runs, [("no cache", None)] + configs)
     print(f"\nD={args.dim}, {args.steps} timed steps per trainer, one thread per process, "
@@ -481,6 +483,42 @@ def measure(args, links, rec):
                    f"{job}, {name}: bytes received per step, fewer than without a cache")
         rec.figure(f"hit_rate.{key}", 100 * hit, "{:.0f}%",
                    f"{job}, {name}: % of a step's unique rows served from the cache")
+    headline(rec, headline_rows, names, [netns.link_name(r) for r in links], bounds,
+             args.consistency, args.jobs[-1])
+
+
+def headline(rec, jobs, names, links, bounds, consistency, servers):
+    """The figures the documentation quotes: the first cache of the schedule against no
+    cache in the last job (``servers`` x as many trainers), per link when one stream ran,
+    per stream when one link did (both, dotted, when several of each); bytes, hit rate
+    and CPU of each stream on the first link."""
+    trainers = 2 if servers == 2 else 1
+    for (sname, link), (none, cache) in ((k, v[:2]) for k, v in jobs.items()):
+        where = ".".join(([sname] if len(names) > 1 else []) +
+                         ([link] if len(links) > 1 else []))
+        rec.figure(f"vs_no_cache.{where or link}", cache[3], "{:.2f}x",
+                   f"{cache[0]}, {cache[1]}: steps/s over the uncached runs beside it")
+        if link != links[0]:
+            continue
+        tag = f".{sname}" if len(names) > 1 else ""
+        rec.figure(f"fewer_bytes{tag}", 100 * cache[5], "{:.0f}%",
+                   f"{cache[0]}, {cache[1]}: fewer bytes received per step and trainer "
+                   f"({cache[4] / 1e6:.2f} MB instead of {none[4] / 1e6:.2f})")
+        rec.figure(f"fewer_bytes_both_ways{tag}",
+                   100 * (1 - (cache[4] + cache[6]) / (none[4] + none[6])), "{:.0f}%",
+                   "the same, bytes sent and received")
+        rec.figure(f"hit_rate{tag}", 100 * cache[7], "{:.0f}%",
+                   "% of a step's unique rows served from the cache")
+        job_cpu = [trainers * r[8] + r[9] for r in (none, cache)]
+        rec.figure(f"cpu_more{tag}", 100 * (job_cpu[1] / job_cpu[0] - 1), "{:.0f}%",
+                   f"CPU per step of the whole job (trainers and servers) with the cache, "
+                   f"more than without ({job_cpu[1]:.1f} against {job_cpu[0]:.1f} ms)")
+        bound = bounds.get(sname + (" (sync_exact with summed rows, 2 trainers)"
+                                    if consistency == "sync_exact" else " (exact, 2 trainers)"))
+        if trainers == 2 and bound:
+            rec.figure(f"hit_bound{tag}", 100 * bound[0], "{:.0f}%",
+                       "the clairvoyant bound of any cache of that size under this protocol "
+                       "with 2 trainers")
 
 
 def slug(name):
