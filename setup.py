@@ -54,6 +54,7 @@ NVCC_FLAGS = [
     "-gencode", "arch=compute_80,code=sm_80",
     "-gencode", "arch=compute_90,code=sm_90",
     "-gencode", "arch=compute_90,code=compute_90",  # PTX, JIT-compiled on newer GPUs
+    "--threads", "0",  # the targets side by side, a thread per CPU (the same library)
 ]
 
 
@@ -74,22 +75,34 @@ def _find_nvcc():
 
 
 class BuildExtWithCuda(build_ext):
-    """build_ext that also compiles the CUDA library with nvcc after the Cython build."""
+    """build_ext that also compiles the CUDA library with nvcc, while the Cython
+    extensions compile (those side by side too, one per CPU)."""
+
+    def finalize_options(self):
+        """Compile the extensions in parallel unless ``--parallel`` says otherwise."""
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
 
     def run(self):
-        """Build the Cython extensions, then the CUDA library when possible."""
-        super().run()
+        """Start the CUDA build when wanted, build the Cython extensions, then wait for
+        the CUDA build."""
+        nvcc = None if _flag("DISTEMB_NO_CUDA") else self._start_cuda()
+        try:
+            super().run()
+        except BaseException:
+            if isinstance(nvcc, subprocess.Popen):
+                nvcc.kill()
+                nvcc.wait()
+            raise
         if _flag("DISTEMB_NO_CUDA"):
             self.announce("DISTEMB_NO_CUDA set: skipping the CUDA kernels", level=logging.INFO)
-            return
-        target = self._cuda_target()
-        try:
-            self._build_cuda(target)
-        except subprocess.CalledProcessError as exc:
-            self._cuda_failed(f"{exc.cmd[0]} exited with status {exc.returncode}, "
-                              "see its messages above", exc)
-        except OSError as exc:
-            self._cuda_failed(str(exc), exc)
+        elif isinstance(nvcc, OSError):
+            self._cuda_failed(str(nvcc), nvcc)
+        elif nvcc is not None and nvcc.wait() != 0:
+            self._cuda_failed(f"{nvcc.args[0]} exited with status {nvcc.returncode}, see "
+                              "its messages above",
+                              subprocess.CalledProcessError(nvcc.returncode, nvcc.args))
 
     def _cuda_failed(self, reason, exc):
         if _flag("DISTEMB_REQUIRE_CUDA"):
@@ -109,16 +122,22 @@ class BuildExtWithCuda(build_ext):
         # In place for `build_ext --inplace` and editable installs, else in build_lib.
         return CUDA_LIB if self.inplace else os.path.join(self.build_lib, CUDA_LIB)
 
-    def _build_cuda(self, target):
-        nvcc = _find_nvcc()
-        if not self.force and os.path.exists(target) and all(
-                os.path.getmtime(src) <= os.path.getmtime(target) for src in CUDA_DEPENDS):
-            self.announce(f"{target} is up to date", level=logging.INFO)
-            return
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        cmd = [nvcc, *NVCC_FLAGS, "-o", target, *CUDA_SOURCES]
-        self.announce("compiling CUDA kernels: " + " ".join(cmd), level=logging.INFO)
-        subprocess.run(cmd, check=True)
+    def _start_cuda(self):
+        """nvcc started on the CUDA sources (a Popen); None where the library is up to
+        date; the OSError where nvcc cannot be found or started."""
+        target = self._cuda_target()
+        try:
+            nvcc = _find_nvcc()
+            if not self.force and os.path.exists(target) and all(
+                    os.path.getmtime(src) <= os.path.getmtime(target) for src in CUDA_DEPENDS):
+                self.announce(f"{target} is up to date", level=logging.INFO)
+                return None
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            cmd = [nvcc, *NVCC_FLAGS, "-o", target, *CUDA_SOURCES]
+            self.announce("compiling CUDA kernels: " + " ".join(cmd), level=logging.INFO)
+            return subprocess.Popen(cmd)
+        except OSError as exc:
+            return exc
 
 
 extensions = [
@@ -166,6 +185,6 @@ extensions = [
 
 setup(
     ext_modules=cythonize(extensions, compiler_directives={"language_level": 3},
-                          include_path=["csrc"]),
+                          include_path=["csrc"], nthreads=os.cpu_count() or 1),
     cmdclass={"build_ext": BuildExtWithCuda},
 )

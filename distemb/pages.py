@@ -41,6 +41,7 @@ MIN_BYTES = 8 << 20
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
+_MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 _madvise = None
 #: Where Linux says whether shared memory may be on transparent huge pages.
@@ -102,23 +103,26 @@ def advise_shared(mem) -> None:
         _advise(_address(mem), len(mem), False)
 
 
-def populate_shared(mem) -> bool:
-    """:func:`advise_shared`, then allocate every page of ``mem`` now, on 2 MiB pages,
-    where the machine allows them; True if done. False (not an error) where it does not,
-    or the kernel lacks ``MADV_POPULATE_WRITE`` (Linux < 5.14): the caller reserves the
-    pages its own way (``posix_fallocate``, which gets 4 KiB pages under ``advise``).
+def populate_shared(mem, write=True) -> bool:
+    """:func:`advise_shared`, then map every page of ``mem`` now (``MADV_POPULATE_WRITE``,
+    allocating them, on 2 MiB pages where the machine allows them; ``MADV_POPULATE_READ``
+    with ``write`` False: a reader's mapping of pages that exist); True if done. False (not
+    an error) where the kernel lacks them (Linux < 5.14): the caller reserves the pages
+    its own way (``posix_fallocate``) and they are mapped at their first touch.
 
-    Faster than allocating 4 KiB pages and collapsing them (512 MiB: 0.11-0.17 s against
-    0.39-0.79 s).
+    A page first touched in a step costs that step a fault: a fresh Adagrad state's pages
+    made a co-located job's first 100 steps 0.67x of the same job's steps with them
+    mapped (4 KiB pages, 200,000 x 128 rows). Faster than allocating 4 KiB pages and
+    collapsing them into huge ones (512 MiB: 0.11-0.17 s against 0.39-0.79 s).
 
     Raises:
         OSError: the memory cannot be had (ENOMEM).
     """
     advise_shared(mem)
-    if not (sys.platform.startswith("linux") and len(mem) >= MIN_BYTES
-            and huge_shared_memory()):
+    if not sys.platform.startswith("linux") or not len(mem):
         return False
-    if _libc_madvise()(_address(mem), len(mem), _MADV_POPULATE_WRITE) == 0:
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    if _libc_madvise()(_address(mem), len(mem), advice) == 0:
         return True
     err = ctypes.get_errno()
     if err == errno.EINVAL:

@@ -4,6 +4,7 @@ import ctypes
 import glob
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -37,15 +38,44 @@ def _exported_symbols(path):
     return {line.split()[-1] for line in out.splitlines() if line.strip()}
 
 
+def _cuda_archs(path):
+    """The SM versions of the CUDA ELF images (cubins) a library embeds, read from the
+    images' headers (no cuobjdump here): e_machine EM_CUDA (190); the version in e_flags,
+    bits 8-15 from ELF ABI version 8 on (CUDA 12.8+), bits 0-7 before."""
+    with open(path, "rb") as f:
+        data = f.read()
+    archs, at = set(), data.find(b"\x7fELF", 1)
+    while at >= 0:
+        if data[at + 4] == 2 and struct.unpack_from("<H", data, at + 18)[0] == 190:
+            flags = struct.unpack_from("<I", data, at + 48)[0]
+            archs.add((flags >> 8) & 0xFF if data[at + 8] >= 8 else flags & 0xFF)
+        at = data.find(b"\x7fELF", at + 4)
+    return archs
+
+
 def test_sources_compile_for_sm80(tmp_path):
+    """The CUDA sources compile for sm_80 (A100s; H100s run the sm_90 build). Where
+    setup.py built the library, that build is the proof, and compiling the sources again
+    would repeat it (~40 s of CPU): its flags name sm_80, the library is newer than every
+    source and holds sm_80 code. Where it did not (DISTEMB_NO_CUDA), they compile here."""
     if NVCC is None:
         pytest.skip("nvcc not found on PATH (set NVCC to test the CUDA sources)")
+    if os.path.exists(cuda.CUDA_LIB_PATH) and \
+            os.environ.get("DISTEMB_NO_CUDA", "") in ("", "0"):
+        with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+            assert '"arch=compute_80,code=sm_80"' in f.read()
+        sources = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*"))
+        assert os.path.getmtime(cuda.CUDA_LIB_PATH) >= max(map(os.path.getmtime, sources)), \
+            f"{cuda.CUDA_LIB_PATH} is older than the CUDA sources: rebuild (make)"
+        assert {80, 90} <= _cuda_archs(cuda.CUDA_LIB_PATH), _cuda_archs(cuda.CUDA_LIB_PATH)
+        return
     lib = tmp_path / "lib.so"
     subprocess.run([NVCC, "-O3", "-std=c++17", "-shared", "-cudart", "static", "-fmad=false",
                     "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
                     "-Xlinker", "--exclude-libs=ALL", "-gencode", "arch=compute_80,code=sm_80",
                     "-o", str(lib), *CUDA_SOURCES], check=True, timeout=300)
     assert cuda.load_library(str(lib)).distemb_cuda_abi_version() == cuda.ABI_VERSION
+    assert _cuda_archs(lib) == {80}
 
 
 def test_built_library_exports_exactly_the_api():

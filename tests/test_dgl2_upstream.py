@@ -9,6 +9,7 @@ pass as its 1.1.3 counterpart does, with the same checks that distemb really ran
 DGL 2.4.0's test_dist_optim.py, tests/distributed/utils.py and tests/backend are 1.1.3's
 unchanged: tests/test_dgl_upstream.py runs them.
 """
+import ast
 import os
 import re
 import secrets
@@ -94,17 +95,44 @@ def test_dist_graph_store_dist_emb_server_client(tmp_path):
     assert len(servers_started(out)) == 2
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_dist_graph_store_optim_save_4_load_8_and_2(tmp_path):
-    """2.4.0's test_dist_optim_server_client: 4 trainers save, 8 and 2 load."""
-    shutil.rmtree("/tmp/dist_graph/emb.pt", ignore_errors=True)  # an earlier run's
-    out = run2(tmp_path, "test_dist_optim_server_client", 840)
-    assert "1 passed" in out and "Traceback" not in out, out[-3000:]
-    counts = [t for _, t in joined(out)]
-    assert sorted(counts) == [2] * 2 + [4] * 4 + [8] * 8, out[-3000:]
-    assert os.path.exists("/tmp/dist_graph/emb.pt/manifest.json")
+def _functions(path):
+    with open(path, encoding="utf-8") as f:
+        src = f.read()
+    return {n.name: ast.get_source_segment(src, n) for n in ast.parse(src).body
+            if isinstance(n, ast.FunctionDef)}
+
+
+def _reached(functions, root):
+    """The module's functions ``root`` calls or starts as a process, transitively."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in functions and name not in seen:
+            seen.add(name)
+            todo += [called or started for called, started in
+                     re.findall(r"\b(\w+)\s*\(|target=(\w+)", functions[name])]
+    return seen
+
+
+def test_the_optim_case_is_113s_but_for_how_it_starts_servers_which_240s_emb_case_runs():
+    """2.4.0's test_dist_optim_server_client (4 trainers save the optimizer state, 8 and
+    then 2 load it) is 1.1.3's, which tests/test_dgl_upstream.py runs, but for how it starts
+    its servers: 2.4.0's ``run_server`` (``use_graphbolt`` in place of ``keep_alive``),
+    which 2.4.0's test_dist_emb_server_client, run above, starts the same way. So the case
+    is not run twice (its 14 trainer and 5 server processes cost ~2 minutes of the suite's
+    2 cores). This fails, naming the functions, when a new copy of DGL's file makes them
+    differ: run the case then (``run2(tmp_path, "test_dist_optim_server_client", 840)``)."""
+    old = _functions(os.path.join(UPSTREAM, "test_dist_graph_store.py"))
+    new = _functions(os.path.join(UPSTREAM2, "test_dist_graph_store.py"))
+    reached = _reached(new, "test_dist_optim_server_client")
+    assert reached == _reached(old, "test_dist_optim_server_client"), reached
+    differ = sorted(f for f in reached if old[f] != new[f])
+    assert differ == ["check_dist_optim_server_client", "run_server"], differ
+    # 1.1.3 passes keep_alive=False to run_server by position; 2.4.0 passes nothing there
+    without_keep_alive = old["check_dist_optim_server_client"].replace(
+        "                True,\n                False,\n", "                True,\n", 1)
+    assert without_keep_alive == new["check_dist_optim_server_client"]
+    assert "target=run_server" in new["check_dist_emb_server_client"]
 
 
 @pytest.mark.multiprocess
@@ -201,7 +229,7 @@ def test_train_dist_transductive_under_dgl_240s_launcher(tmp_path, sshd):  # noq
     port, bindir = sshd
     script = os.path.join(UPSTREAM2, "train_dist_transductive.py")
     trainer = (f"{sys.executable} {script} --graph_name sbm --ip_config {ip_config} "
-               f"--part_config {part_config} --num_epochs 6 --eval_every 6 --batch_size 100 "
+               f"--part_config {part_config} --num_epochs 12 --eval_every 12 --batch_size 100 "
                "--num_hidden 16 --sparse_lr 0.05 --lr 0.01 --fan_out 10,25 --dgl_sparse")
     # ssh passes no environment: the token goes through --extra_envs; DGL's launcher
     # passes its own PYTHONPATH on (distemb's log on, for the assertions below)

@@ -67,7 +67,7 @@ import time
 import numpy as np
 
 from distemb.errors import TransportError
-from distemb.pages import advise_shared, populate_shared
+from distemb.pages import populate_shared
 
 HEADER_BYTES = 64  # the version counter, then padding to a cache line
 READ_TRIES = 64
@@ -307,7 +307,7 @@ def attach(fd, shape, dtype, rows_fd=None):
     try:
         check_segment(fd, need, "shard segment")
         mem = map_segment(fd, need, writable=False)
-        advise_shared(mem)  # mapped with the server's huge pages, where it has them
+        populate_shared(mem, write=False)  # mapped now, with the server's huge pages
         rows, offset = mem, HEADER_BYTES
         if rows_fd is not None:
             check_rows_file(rows_fd, nbytes, "shard rows file")
