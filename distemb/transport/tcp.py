@@ -38,10 +38,10 @@ from distemb.transport.base import (HEADER, MAX_FDS, MAX_MESSAGE_BYTES, Connecti
                                     parse_body, parse_descriptors, parse_header,
                                     payload_views)
 from distemb.transport.messages import Error
+from distemb.transport.stream import StreamReader
 
 _IOV_MAX = 512
-#: Bytes of a TCP connection's receive buffer (TcpConnection._read_into).
-RECV_BUFFER = 65536
+RECV_BUFFER = 65536  # bytes of a TCP connection's receive buffer (StreamReader)
 MAX_CONNECTIONS = 1024  # per server: a connection storm cannot exhaust threads
 #: Seconds a new connection has for its first frame, which must be its Hello (a
 #: trainer's client says Hello as it connects): a peer that never does is closed then,
@@ -82,12 +82,8 @@ class TcpConnection(Connection):
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         self.passes_fds = sock.family == socket.AF_UNIX
         self.reads_aside = True
-        # The small reads of a frame (head, descriptors, name, fields, small arrays) come
-        # out of one buffer that one recv fills, not a system call each; bytes past the
-        # frame wait there for the next. A Unix-domain socket reads exactly instead: its
-        # descriptors arrive with the first bytes of their frame.
-        self._buf = None if self.passes_fds else memoryview(bytearray(RECV_BUFFER))
-        self._lo = self._hi = 0  # the buffered bytes: _buf[_lo:_hi]
+        # a frame's small reads out of one buffer; a Unix socket's exact (its descriptors)
+        self.reader = StreamReader(sock, 0 if self.passes_fds else RECV_BUFFER)
         sock.settimeout(timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -120,44 +116,11 @@ class TcpConnection(Connection):
         except OSError as e:
             self._fail(e, "sending")
 
-    def _buffered(self, view):
-        """Copy buffered bytes into ``view``; how many."""
-        k = min(len(view), self._hi - self._lo)
-        if k:
-            view[:k] = self._buf[self._lo:self._lo + k]
-            self._lo += k
-        return k
-
-    def _read_into(self, view):
-        want = len(view)
-        got = self._buffered(view) if self._hi > self._lo else 0
-        while got < want:
-            if self._buf is not None and want - got < len(self._buf) // 2:
-                n = self.sock.recv_into(self._buf)  # a small rest: fill the buffer
-                self._lo, self._hi = 0, n
-                if n:
-                    got += self._buffered(view[got:])
-            else:
-                n = self.sock.recv_into(view[got:])
-                got += n
-            if n == 0:
-                raise ConnectionResetError("peer closed the connection")
-
-    def _read(self, n):
-        if self._buf is not None and self._hi - self._lo >= n:  # the usual case: no bytearray
-            self._lo += n
-            return self._buf[self._lo - n:self._lo].tobytes()
-        buf = bytearray(n)
-        self._read_into(memoryview(buf))
-        return bytes(buf)
-
     def _recv_head(self, view, fds):
         """Read the first bytes of a frame into ``view``; descriptors that came with them
         are appended to ``fds`` (any sent with later bytes are dropped by the kernel)."""
         if not self.passes_fds:
-            if self._hi == self._lo:
-                self._lo, self._hi = 0, self.sock.recv_into(self._buf)
-            return self._buffered(view)
+            return self.reader.first(view)
         got, anc, flags, _ = self.sock.recvmsg_into([view], _FD_SPACE)
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -199,16 +162,16 @@ class TcpConnection(Connection):
         except OSError as e:
             self._fail(e, "waiting for a frame", idle)
         try:
-            self._read_into(view)
+            self.reader.read_into(view)
             header = parse_header(bytes(head), self.max_bytes)
-            specs = parse_descriptors(self._read, header)
-            name, fields = parse_body(self._read(header.name_len),
-                                      self._read(header.fields_len))
+            specs = parse_descriptors(self.reader.read, header)
+            name, fields = parse_body(self.reader.read(header.name_len),
+                                      self.reader.read(header.fields_len))
             arrays = []
             for dtype, shape in specs:
                 a = np.empty(shape, dtype=dtype)
                 if a.nbytes:
-                    self._read_into(memoryview(a).cast("B"))
+                    self.reader.read_into(memoryview(a).cast("B"))
                 arrays.append(a)
         except TransportError:
             raise
