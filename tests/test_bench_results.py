@@ -23,7 +23,7 @@ sys.path.insert(0, BENCH)
 import results  # noqa: E402
 
 #: The measuring scripts (the rest of benchmarks/ are their parts: bench_systems,
-#: id_streams, netns, dgl_kvstore_job, thread_profile, results).
+#: id_streams, cache_report, netns, dgl_kvstore_job, thread_profile, results).
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in
                  glob.glob(os.path.join(BENCH, "bench_*.py")) if "bench_systems" not in p) + [
     "gpu_host_parts", "step_parts"]
