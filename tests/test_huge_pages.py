@@ -187,3 +187,25 @@ def test_shards_are_on_huge_pages_where_shared_memory_may_be(shmem_allows_huge_p
         del view
     finally:
         arena.close()
+
+
+def test_a_new_shard_and_a_trainers_map_of_it_are_mapped_before_any_step():
+    """Every page of a new shard is in the server's map at allocation and in the
+    trainer's when it attaches, whatever the page size: a page first touched inside a
+    step costs that step a fault (a fresh optimizer state's pages made a co-located job's
+    first steps slow). Neither end writes or reads a row here."""
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    if (major, minor) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE/READ need Linux 5.14 (pages come at first touch)")
+    from distemb.transport.shm import ShmArena, attach
+    arena = ShmArena("populate", 0)
+    shape = (8 << 20) // (64 * 4), 64
+    try:
+        arr = arena.allocate(shape, "float32")
+        view = attach(arena.dup_segment(arr), shape, "float32")
+        kb = arr.nbytes >> 10
+        assert mapping_of(arr.ctypes.data)["Rss"] >= kb, "the server's map of its shard"
+        assert mapping_of(view.array.ctypes.data)["Rss"] >= kb, "the trainer's map"
+        del view
+    finally:
+        arena.close()
