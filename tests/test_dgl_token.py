@@ -69,3 +69,39 @@ def test_a_given_token_is_kept_and_used_everywhere():
     out = _run({"DISTEMB_JOB_TOKEN": "given-by-the-launcher"})
     assert "parent: token" in out, out
     assert "token given-by-the-launcher" in out.split("parent made", 1)[1], out
+
+
+@pytest.mark.multiprocess
+def test_a_distemb_server_that_cannot_listen_fails_dgls_server_naming_port_and_variable(
+        tmp_path, monkeypatch):
+    """DGL's server start (here a stand-in that returns at once: the wrapper is what is
+    checked) starts distemb's server on DGL's port + offset; when another process holds
+    that port, the start fails naming the port and the variable that moves it."""
+    import importlib
+    import secrets
+    import socket
+    from types import SimpleNamespace
+
+    from distemb.dgl import job
+    patch = importlib.import_module("distemb.dgl.patch")  # the module: patch() shadows it
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    try:
+        (tmp_path / "ip.txt").write_text(f"127.0.0.1 {taken - 1000}\n")
+        monkeypatch.setenv(job.TOKEN_VAR, secrets.token_hex(16))
+        monkeypatch.setenv(job.PORT_OFFSET_VAR, "1000")
+        monkeypatch.delenv("DGL_NUM_SAMPLER", raising=False)
+        server = SimpleNamespace(server_id=0, ip_config=str(tmp_path / "ip.txt"),
+                                 num_servers=1, num_clients=1)
+        ran = []
+        start = patch._server_start(lambda self: ran.append(self))
+        with pytest.raises(job.DistEmbError) as e:
+            start(server)
+        assert ran == [server]  # DGL's own start ran, then distemb's failure was raised
+        assert f"port {taken})" in str(e.value) and "exited with 2" in str(e.value)
+        assert job.PORT_OFFSET_VAR in str(e.value)
+    finally:
+        holder.close()

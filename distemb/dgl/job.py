@@ -188,6 +188,7 @@ class ServerBeside:
         if not 0 <= server_id < len(cfg.servers):
             raise DistEmbError(f"server_id: expected 0..{len(cfg.servers) - 1}, got {server_id}")
         self.server_id = server_id
+        self.port = cfg.servers[server_id].port
         self.path = _write_private(cfg)
         self.process = subprocess.Popen([sys.executable, "-m", "distemb.server", "--config",
                                          self.path, "--server-id", str(server_id)])

@@ -77,8 +77,11 @@ def _server_start(original):
         finally:
             code = beside.wait()
         if code != 0:
-            raise job.DistEmbError(f"distemb server {beside.server_id} (pid "
-                                   f"{beside.process.pid}) exited with {code}")
+            raise job.DistEmbError(
+                f"distemb server {beside.server_id} (pid {beside.process.pid}, port "
+                f"{beside.port}) exited with {code} (its error is above; a port another "
+                f"process holds: ${job.PORT_OFFSET_VAR} moves distemb's ports from DGL's "
+                f"port + {job.DEFAULT_PORT_OFFSET})")
         return out
     return start
 
