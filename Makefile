@@ -77,11 +77,14 @@ pyg-companions: $(PY)
 # tests/conftest.py groups those sharing a cluster, and the process-heavy ones into
 # lanes), then the twin pass: what can differ without the compiled kernels (the tests
 # marked `twin` in tests/conftest.py) on their numpy twins.
+# Bytecode is written even where $$PYTHONDONTWRITEBYTECODE is set: the suite starts
+# hundreds of Python processes, and without __pycache__ each compiles the checkout's
+# modules again (and each worker rewrites every test module's asserts again).
 TEST_WORKERS ?= 3
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_PARALLEL)
-	DISTEMB_NO_EXT=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) -m twin
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(PYTEST_PARALLEL)
+	PYTHONDONTWRITEBYTECODE= DISTEMB_NO_EXT=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) -m twin
 
 # The documentation site (mkdocs; API reference from the docstrings) into site/; any
 # warning (a broken link or anchor, a docstring griffe cannot read) fails the build.

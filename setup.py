@@ -23,7 +23,7 @@ from setuptools.command.build_ext import build_ext
 # multiply and an add of the source (that skips a rounding: other bits than torch's).
 # No -march: the CPU kernels are built for baseline x86-64, AVX2 + FMA and AVX-512 and
 # picked at run time (csrc/cpu_kernels.h), so a wheel runs on any x86-64 CPU at its best.
-COMPILE_ARGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+COMPILE_ARGS = ["-O3", "-g0", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
 def _generate_rule_glue():
