@@ -18,7 +18,7 @@ runs SparseAdagrad.step(), with the tables held by KVStore server processes over
 2. Bytes and steps/s (D=128 or ``--dim``; ``sage``, ``deepwalk`` and synthetic zipf(1.1) ids, 13,000
    per step, for contrast), 1 server x 1 trainer and 2 servers x 2 trainers: no cache vs
    LRU and LFU caches of each of ``--fractions`` of the rows (exact mode), and LFU at the
-   first size with bounded staleness ``s``. One set of server and trainer processes per
+   first size with each bounded staleness of ``--staleness``. One set of server and trainer processes per
    job runs every configuration on fresh tables, each cached run between two uncached
    runs, for ``--rounds`` rounds; steps/s ratios are against the mean of the two
    neighbours (medians over rounds). Bytes are what each trainer's sockets received and
@@ -45,7 +45,7 @@ root), checked first with a bulk transfer; ``veth``: those hosts, links not shap
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_cache.py [--steps 40] [--fractions 0.1,0.4]
-        [--staleness 5] [--plot out/bench_cache_hit_rate.png]
+        [--staleness 1,10,100] [--plot out/bench_cache_hit_rate.png]
         [--streams sage,deepwalk,zipf,zipf10m,uniform10m] [--jobs 1,2] [--rounds 3]
         [--skip-hit-rate] [--consistency sync_exact] [--account] [--profile DIR]
         [--policies lru,lfu] [--links loopback,1gbit,10gbit]
@@ -344,8 +344,9 @@ def main():
     p.add_argument("--fractions", default="0.1,0.4",
                    help="cache sizes of part 2 (fractions of the table), each policy")
     p.add_argument("--policies", default="lru,lfu", help="cache policies of part 2")
-    p.add_argument("--staleness", type=int, default=5,
-                   help="part 2 also runs LFU at the first size with this staleness (0: not)")
+    p.add_argument("--staleness", default="5",
+                   help="part 2 also runs LFU at the first size with each of these "
+                   "staleness bounds, comma-separated (0: none)")
     p.add_argument("--jobs", default="1,2", help="part 2's jobs: 1 (1 server x 1 trainer), "
                    "2 (2 servers x 2 trainers)")
     p.add_argument("--plot", default="out/bench_cache_hit_rate.png")
@@ -374,6 +375,10 @@ def main():
     if args.trainer:
         return trainer_main(args)
     args.fractions = [float(x) for x in args.fractions.split(",")]
+    try:
+        args.staleness = [int(x) for x in args.staleness.split(",") if int(x)]
+    except ValueError:
+        p.error(f"--staleness: expected whole numbers, comma-separated, got {args.staleness!r}")
     args.jobs = [int(x) for x in args.jobs.split(",")]
     links = [netns.parse_link(x) for x in args.links.split(",")]
     if any(rate is not None for rate in links):
@@ -409,10 +414,10 @@ def measure(args, links, rec):
     configs = [(f"{pol} {frac:.0%} exact", parse_cache_config({"policy": pol,
                                                                 "fraction": frac}))
                for frac in args.fractions for pol in args.policies.split(",")]
-    if args.staleness:
-        configs.append((f"lfu {args.fractions[0]:.0%} staleness {args.staleness}",
-                        parse_cache_config({"policy": "lfu", "fraction": args.fractions[0],
-                                            "staleness": args.staleness})))
+    configs += [(f"lfu {args.fractions[0]:.0%} staleness {s}",
+                 parse_cache_config({"policy": "lfu", "fraction": args.fractions[0],
+                                     "staleness": s}))
+                for s in args.staleness]
     # Every cached run between two uncached ones (none, c1, none, c2, ..., ck, none), in
     # the same processes, for --rounds rounds; a cached run's ratio is against the mean
     # of its two neighbours: the load of a shared machine drifts less between them.

@@ -494,27 +494,6 @@ os.environ.setdefault("DGLBACKEND", "pytorch")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
-def _below_ephemeral_ports():
-    """An offset from DGL's ports to distemb's servers beside them that lands below the
-    kernel's ephemeral range. DGL's tests take a free ephemeral port P for DGL's server,
-    and distemb's then listens on P + offset: with the default 1000 that is another
-    ephemeral port, which a parallel test's socket can hold (seen: DGL's server started,
-    distemb's beside it exited 'port in use', and the trainer's hello reached a stranger).
-    """
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = map(int, f.read().split())
-    except (OSError, ValueError):
-        return None
-    offset = -(hi - lo + 1) - 64  # P + offset + k < lo for every P in [lo, hi], k < 64
-    return str(offset) if lo + offset >= 1024 else None
-
-
-_OFFSET = _below_ephemeral_ports()
-if _OFFSET is not None:
-    os.environ.setdefault("DISTEMB_DGL_PORT_OFFSET", _OFFSET)
-
-
 #: The compiled kernels once per CPU build (csrc/cpu_kernels.h), then their numpy twins.
 KERNEL_IMPLS = ["compiled-baseline", "compiled-avx2", "compiled-avx512", "reference"]
 #: The compiled kernels on the build this CPU picks, then their numpy twins.

@@ -49,10 +49,7 @@ def _launch(tmp_path, sshd, ip_config, part_config, servers, trainers, mode, tok
             timeout=300):
     port, bindir = sshd
     env = child_env(PATH=bindir + os.pathsep + os.environ["PATH"], DGLBACKEND="pytorch")
-    # ssh passes no variable on: the port offset of tests/conftest.py goes with the token
-    offset = os.environ.get("DISTEMB_DGL_PORT_OFFSET")
-    extra = [f"DISTEMB_JOB_TOKEN={token}"] + \
-        ([f"DISTEMB_DGL_PORT_OFFSET={offset}"] if offset else []) if token else []
+    extra = [f"DISTEMB_JOB_TOKEN={token}"] if token else []
     # --extra_envs takes every word up to the next option: it goes first
     argv = [sys.executable, LAUNCH, *(["--extra_envs", *extra] if extra else []),
             "--workspace", str(tmp_path), "--ssh_port", str(port),

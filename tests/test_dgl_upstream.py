@@ -42,6 +42,18 @@ def upstream_env(**extra):
     return env
 
 
+def below_ephemeral_offset():
+    """``$DISTEMB_DGL_PORT_OFFSET`` for DGL's test_dist_optim.py, whose DGL server takes an
+    ephemeral port P (bound to 0): distemb's beside it then listens on P + offset below
+    the kernel's ephemeral range. With the default offset 1000 it took another ephemeral
+    port, which any socket's connect() may hold (seen once in a parallel run: distemb's
+    server exited 'port in use' and the trainer's hello reached a stranger). The other
+    cases' ports come from DGL's generate_ip_config, below that range already."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+    return -(high - low + 1) - 64  # P + offset < low - 64 for every P in [low, high]
+
+
 def run_dgl_pytest(tmp_path, test_file, test_name, timeout, env=None, expect=0):
     """Run DGL's ``test_file::test_name`` in ``tmp_path`` (its ip_config goes there);
     returns the output of every process it started."""
@@ -77,7 +89,8 @@ def servers_started(out):
 def test_dist_optim_sparse_opt(tmp_path):
     """test_dist_optim.py::test_sparse_opt: DGL's SparseAdam test against torch's, one
     trainer, with and without DGL's shared memory; DistGraph, DGL's own policy object."""
-    out = run_dgl_test(tmp_path, "test_dist_optim.py", "test_sparse_opt", 360)
+    env = upstream_env(DISTEMB_DGL_PORT_OFFSET=below_ephemeral_offset())
+    out = run_dgl_test(tmp_path, "test_dist_optim.py", "test_sparse_opt", 360, env)
     assert joined(out) == [(0, 1), (0, 1)], out[-3000:]
     assert len(servers_started(out)) == 2
 

@@ -71,10 +71,11 @@ def is_distributed():
     return os.environ.get("DGL_DIST_MODE", "standalone") != "standalone"
 
 
-def _int_var(name, default):
+def _int_var(name, default, signed=False):
     value = os.environ.get(name, str(default))
-    if not value.isdigit():
-        raise DistEmbError(f"${name}: expected a non-negative integer, got {value!r}")
+    if not (value[1:] if signed and value.startswith("-") else value).isdigit():
+        raise DistEmbError(f"${name}: expected a{'n' if signed else ' non-negative'} "
+                           f"integer, got {value!r}")
     return int(value)
 
 
@@ -148,7 +149,7 @@ def dgl_cluster_config(ip_config, num_servers, num_trainers, trainer_machine=Non
                            f"{num_trainers} in all")
     cfg = build_config(machines, num_servers, num_trainers // len(machines),
                        job_token=job_token(),
-                       port_offset=_int_var(PORT_OFFSET_VAR, DEFAULT_PORT_OFFSET))
+                       port_offset=_int_var(PORT_OFFSET_VAR, DEFAULT_PORT_OFFSET, signed=True))
     if trainer_machine is not None:
         where = list(cfg.trainer_machines)
         where[rank] = trainer_machine
