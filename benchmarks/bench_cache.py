@@ -261,6 +261,8 @@ def run_job(streams, num_servers, num_rows, dim, schedule, warmup, label, rate=N
     """Servers and one trainer process per stream, running every cache of ``schedule``
     (a list of CacheConfig or None) in turn; per run, the trainers' results. ``rate``:
     every process on a host of its own linked at ``rate`` bits/s; None: loopback."""
+    if profile:
+        os.makedirs(profile, exist_ok=True)  # the trainers write their statistics there
     with netns.JobHosts(num_servers, len(streams), rate) as hosts, \
             tempfile.TemporaryDirectory() as out:
         raw = cluster(hosts, consistency)

@@ -223,3 +223,29 @@ def test_a_cache_that_serves_nothing_empties_itself_and_pulls_plainly(pair):
         np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
     assert cached.stats()["bytes_pulled"] - bytes0 == 6 * 2 * D * 4  # rows only
     assert IDLE > 6
+
+
+def test_an_idle_cache_holding_nothing_passes_pulls_and_updates_through(pair):
+    """Idle and empty, the cache adds no pass over a pull's ids: the wrapped client gets
+    them as they are (duplicates too), the pull counts stand still, and the rows and
+    every later step stay exact."""
+    from distemb.kvstore.caches.table import DECAY
+
+    cached, other = pair(CacheConfig(policy="lfu", rows=8))
+    for k in range(DECAY):  # rows pulled twice each, never used again: the cache goes idle
+        ids = np.array([(k // 2) % N, (k // 2 + 20) % N])
+        np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+        step(other, ids)
+    cache = cached._tables["w"]
+    assert cache.idle and not cache.used
+    counts = cache.seen.counts.copy()
+    asked = []
+    inner_pull = cached.inner.pull
+    cached.inner.pull = lambda name, ids: asked.append(np.array(ids)) or inner_pull(name, ids)
+    ids = np.array([5, 5, 9, 5])
+    np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+    assert [a.tolist() for a in asked] == [[5, 5, 9, 5]]  # not made unique first
+    np.testing.assert_array_equal(cache.seen.counts, counts)
+    step(cached, ids)
+    step(other, ids)
+    np.testing.assert_array_equal(cached.pull("w", np.arange(N)), other.pull("w", np.arange(N)))

@@ -189,7 +189,9 @@ class CachedKVClient(Wrapper):
     def stats(self):
         """Counters since construction: rows asked, rows served without data, bytes.
 
-        ``bytes_pulled`` counts every array of the pull replies (rows, states, versions,
+        ``unique_rows`` counts each pull's distinct ids (every id of a pull an idle
+        cache passed through, which it does not make unique); ``bytes_pulled`` counts
+        every array of the pull replies (rows, states, versions,
         positions); ``bytes_sent`` the ids and versions of the pull requests;
         ``evicted_replicas`` the cached copies found void after an update (another
         writer's gradient reached them outside what the owner answered for);
@@ -245,6 +247,8 @@ class CachedKVClient(Wrapper):
         self.inner.table(name).router.check(ids, f"ids of {name!r}")
         self.prefetches.take(name, ids)  # its pins hold until the table's next update
         self._tick += 1
+        if cache.idle and not cache.used:
+            return self._pass(name, cache, ids)
         uniq, inverse, slots = cache.lookup(ids)
         # -1: not held, passes through; -2 (below): not held, will be kept (its state too)
         have, ask, held = cachebook.held_versions(slots, cache.version, cache.checked,
@@ -298,6 +302,18 @@ class CachedKVClient(Wrapper):
         cache.served(len(uniq) - len(got) - len(ready), len(uniq))
         return out
 
+    def _pass(self, name, cache, ids):
+        """A pull while the cache is idle and holds nothing (:meth:`TableCache.served
+        <distemb.kvstore.caches.table.TableCache.served>`): the wrapped client's pull of
+        ``ids`` as they are, with no pass over them. An idle cache's pull counts stand
+        still (neither counted nor halved): it tries again with what it had learned."""
+        cache.pulls += 1  # what ends the idle period
+        rows = self.inner.pull(name, ids)
+        # every id counts as a unique row here (not made unique: that pass is the cost)
+        self._count(ids, ids, ids, [], [rows], sent=8 * len(ids))
+        cache.served(0, len(ids))
+        return rows
+
     def _count(self, ids, uniq, got, asked, arrays, sent=None):
         st = self._stats
         st["pulls"] += 1
@@ -330,6 +346,10 @@ class CachedKVClient(Wrapper):
             self.inner.push_update(name, ids, grads, rule, hyper)
             if cache is not None:
                 cache.forget(np.asarray(ids, dtype=np.int64))
+            return
+        if not cache.used:  # no copy to keep current (an idle cache): a plain update
+            self.inner.push_update(name, ids, grads, rule, hyper)
+            cache.step += 1
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         slots = cache.slots(ids)
