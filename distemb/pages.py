@@ -130,6 +130,38 @@ def populate_shared(mem, write=True) -> bool:
     raise OSError(err, os.strerror(err))
 
 
+def populate(array: np.ndarray) -> bool:
+    """Map every page of ``array``'s memory now (``MADV_POPULATE_WRITE``), on 2 MiB pages
+    where the kernel has them; True if done. A zero-filled array (``np.zeros``) has no
+    page until its first touch, and a page first touched inside a step costs that step a
+    fault: a fresh Adagrad state of 5M x 32 float32 rows took 15 ms a step to update
+    13,000 random rows (its pages coming one fault at a time, step after step) against
+    0.8 ms with its pages mapped. Small arrays (no TLB or fault cost worth a syscall),
+    files on disk and kernels without the advice (Linux < 5.14) are left alone (False,
+    not an error: the pages then come at their first touch).
+
+    Raises:
+        OSError: the memory cannot be had (ENOMEM).
+    """
+    if not sys.platform.startswith("linux") or not isinstance(array, np.ndarray) \
+            or array.nbytes < MIN_BYTES or _file_backed(array):
+        return False
+    start = array.ctypes.data
+    lo = (start + _HUGE - 1) & ~(_HUGE - 1)  # only its whole 2 MiB blocks asked huge
+    hi = (start + array.nbytes) & ~(_HUGE - 1)
+    madvise = _libc_madvise()
+    if hi > lo:
+        madvise(lo, hi - lo, _MADV_HUGEPAGE)
+    page = mmap.PAGESIZE
+    first = start & ~(page - 1)  # the pages the array lies on (its mapping's own)
+    if madvise(first, start + array.nbytes - first, _MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        return False
+    raise OSError(err, os.strerror(err))
+
+
 def back_with_huge_pages(array: np.ndarray) -> bool:
     """Ask the kernel to keep ``array``'s memory on 2 MiB pages, now; True if it agreed.
 

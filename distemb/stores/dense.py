@@ -26,7 +26,7 @@ from distemb.errors import StoreError
 from distemb.kernels import half
 from distemb.kernels.half import dtype_name, storage_dtype
 from distemb.kernels.hashtable import keys_array
-from distemb.pages import back_with_huge_pages
+from distemb.pages import back_with_huge_pages, populate
 from distemb.layouts import json_layout, layout_json, layout_policy, policy_layout
 from distemb.partition import PartitionPolicy, range_policy
 from distemb.routers import PolicyRouter
@@ -60,8 +60,12 @@ class Allocator:
     ShmArena`, which has the same four methods)."""
 
     def allocate(self, shape, dtype) -> np.ndarray:
-        """A zero-filled C-contiguous array."""
-        return np.zeros(shape, dtype)
+        """A zero-filled C-contiguous array, its pages mapped now (:func:`~distemb.pages.
+        populate`: an optimizer state's pages would otherwise come one fault at a time,
+        inside the steps that first touch them)."""
+        arr = np.zeros(shape, dtype)
+        populate(arr)
+        return arr
 
     def dup_segment(self, arr) -> Optional[int]:
         """A new read-only descriptor of the memory file holding ``arr``, or None."""
