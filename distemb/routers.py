@@ -83,6 +83,11 @@ class Router(abc.ABC):
         ``start + step * k`` (a checkpoint then needs no keys segment), else None."""
         return None
 
+    def key_range(self, part: int) -> Optional[Tuple[int, int]]:
+        """``(start, stop)`` when shard ``part`` holds exactly the keys ``start <= key <
+        stop`` as store keys ``key - start`` (a range partition), else None."""
+        return None
+
     def inside(self, keys: np.ndarray) -> np.ndarray:
         """Bool mask: the keys inside the key space (all of them for any int64 key)."""
         keys = np.asarray(keys, np.int64)
@@ -218,6 +223,12 @@ class PolicyRouter(Router):
         except NotImplementedError:
             return None
         return int(start), int(step)
+
+    def key_range(self, part):
+        progression = self.progression(part)
+        if progression is None or progression[1] != 1:
+            return None
+        return progression[0], progression[0] + self.part_size(part)
 
     def to_local(self, part, keys):
         if self.policy.ids_are_local():  # one partition numbered as the keys: no search

@@ -85,6 +85,8 @@ class ShardTable:
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
         self._tracked = False
         self._high = 0  # >= every version issued (a store that inserts: new rows go above)
+        #: [start, stop): the keys of a range partition's shard (store key = key - start)
+        self._range = router.key_range(part)
 
     @property
     def inserts_on_read(self):
@@ -187,7 +189,12 @@ class ShardTable:
         """
         if not len(ids):
             return ids
-        self.router.check(ids, f"ids of {what}")
+        if self._range is not None:  # a range of keys: one pass maps and checks them
+            start, stop = self._range
+            local = ids - start if start else ids
+            if int(local.view(np.uint64).max()) < stop - start:  # a negative one is above
+                return local
+        self.router.check(ids, f"ids of {what}")  # the error naming the key
         if self.router.identity:  # the store keys are the table's keys: no mapping
             return ids
         owner = self.router.part_of(ids)
