@@ -23,6 +23,8 @@ Example:
     [0.5, 0.5]
 """
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type
 
@@ -113,6 +115,13 @@ class StateSpec:
         return () if self.per_row else (dim,)
 
 
+@functools.lru_cache(maxsize=None)
+def _declared_fields(hyper_type) -> Dict[str, Any]:
+    """{field name: its type} of a hyperparameter dataclass (read once per type: every
+    update a server decodes checks its fields against them)."""
+    return {f.name: f.type for f in dataclasses.fields(hyper_type)}
+
+
 class UpdateRule:
     """Interface: ``states`` (what to keep per row), ``hyper_type`` and the fused ``apply``."""
 
@@ -145,7 +154,7 @@ class UpdateRule:
         if not isinstance(fields, Mapping):
             raise KVStoreError(f"hyper of rule {self.name.value!r}: expected a mapping, got "
                                f"{type(fields).__name__}")
-        declared = {f.name: f.type for f in dataclasses.fields(self.hyper_type)}
+        declared = _declared_fields(self.hyper_type)
         unknown = sorted(set(fields) - set(declared))
         if unknown:
             raise KVStoreError(f"hyper.{unknown[0]}: unknown field for rule "
@@ -157,7 +166,7 @@ class UpdateRule:
             v = fields[name]
             want_int = kind in (int, "int")
             ok = isinstance(v, int) if want_int else isinstance(v, (int, float))
-            if isinstance(v, bool) or not ok or (not want_int and not np.isfinite(v)):
+            if isinstance(v, bool) or not ok or (not want_int and not math.isfinite(v)):
                 kind_text = "an int" if want_int else "a finite number"
                 raise KVStoreError(f"hyper.{name}: expected {kind_text} for rule "
                                    f"{self.name.value!r}, got {v!r}")

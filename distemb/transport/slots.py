@@ -12,6 +12,7 @@ Example:
     >>> reader.close(); slot.close()
 """
 import itertools
+import math
 import os
 
 import numpy as np
@@ -190,8 +191,7 @@ class SlotReader:
             if not ok:
                 raise TransportError(f"slot array {i}: invalid descriptor {str(desc)[:60]}")
             dtype, shape, off = DTYPE_CODES[desc[0]], tuple(desc[1]), desc[2]
-            nbytes = dtype.itemsize * int(np.prod(shape, dtype=object)) if shape else \
-                dtype.itemsize
+            nbytes = dtype.itemsize * math.prod(shape)  # exact ints (1 for shape ())
             if off + nbytes > self.size:
                 raise TransportError(f"slot array {i}: {nbytes} bytes at offset {off} reach "
                                      f"past the end of the slot ({self.size} bytes)")
