@@ -189,7 +189,7 @@ class ShardTable:
         """
         if not len(ids):
             return ids
-        if self._range is not None:  # a range of keys: one pass maps and checks them
+        if self._range is not None and ids.dtype == np.int64:  # one pass maps and checks
             start, stop = self._range
             local = ids - start if start else ids
             if int(local.view(np.uint64).max()) < stop - start:  # a negative one is above
