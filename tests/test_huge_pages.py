@@ -21,9 +21,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 ROWS = (48 << 20) // (64 * 4)
 
 
-def huge_bytes(array):
-    """Bytes of the mappings holding ``array`` that the kernel maps with huge pages (the
-    array's own, for arrays past the mmap threshold)."""
+def mapped_bytes(array, field):
+    """Bytes of smaps ``field`` (``Rss``, ``AnonHugePages``) over the mappings holding
+    ``array``: the array's own, for arrays past the mmap threshold, which asking its
+    2 MiB blocks for huge pages splits in up to three."""
     lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
     total, overlap = 0, False
     with open("/proc/self/smaps") as f:
@@ -32,9 +33,14 @@ def huge_bytes(array):
             if "-" in head and not head.endswith(":"):
                 start, end = (int(x, 16) for x in head.split("-"))
                 overlap = start < hi and end > lo
-            elif head == "AnonHugePages:" and overlap:
+            elif head == field + ":" and overlap:
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def huge_bytes(array):
+    """Bytes of the mappings holding ``array`` that the kernel maps with huge pages."""
+    return mapped_bytes(array, "AnonHugePages")
 
 
 @pytest.fixture
@@ -221,21 +227,5 @@ def test_a_dense_stores_zero_filled_column_is_mapped_at_allocation():
     store = DenseStore(ROWS // 2, 128, init=lambda k: np.ones((len(k), 128), np.float32))
     store.add_column("state", (128,), "float32")  # fill 0: nothing written
     col = store.column("state")
-    assert resident_bytes(col) >= col.nbytes
+    assert mapped_bytes(col, "Rss") >= col.nbytes
     assert not col.any()
-
-
-def resident_bytes(array):
-    """Rss of the mappings holding ``array`` (asking its 2 MiB blocks for huge pages
-    splits its own mapping in up to three)."""
-    lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
-    total, overlap = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                overlap = start < hi and end > lo
-            elif head == "Rss:" and overlap:
-                total += int(line.split()[1]) * 1024
-    return total
