@@ -256,3 +256,26 @@ def test_the_finite_check_is_off_by_default_and_takes_a_bool():
     assert SparseSGD([emb], lr=0.1, check_finite=True).check_finite is True
     with pytest.raises(TypeError, match="check_finite: expected True or False, got 1"):
         SparseAdagrad([emb], lr=0.1, check_finite=1)
+
+
+def test_making_and_stepping_an_optimizer_does_not_import_dynamo():
+    """torch wraps Optimizer.add_param_group (which __init__ calls) to keep torch.compile
+    out, and the wrapper imports torch._dynamo at its first call: ~1.4 s of CPU in every
+    trainer that made an optimizer. A fresh process makes one, steps, saves and loads
+    its state, and never imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, distemb\n"
+            "emb = distemb.DistEmbedding(10, 4, name='t')\n"
+            "opt = distemb.SparseAdam([emb], lr=0.1)\n"
+            "for _ in range(2):\n"
+            "    opt.zero_grad(); emb(torch.tensor([1, 2, 2])).sum().backward(); opt.step()\n"
+            "opt.load_state_dict(opt.state_dict())\n"
+            "opt.add_param_group({'params': [], 'lr': 0.5})\n"
+            "assert [g['lr'] for g in opt.param_groups] == [0.1, 0.5], opt.param_groups\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False"]

@@ -45,6 +45,11 @@ from distemb.kvstore.types import TableGradients
 from distemb.rules import Hyper, RuleName
 from distemb.tensor import DistTensor
 
+#: torch's add_param_group as written, under its ``torch._disable_dynamo`` wrapper (the
+#: wrapper's own function where a torch version wraps it otherwise)
+_TORCH_ADD_PARAM_GROUP = getattr(torch_optimizer.Optimizer.add_param_group, "__wrapped__",
+                                 torch_optimizer.Optimizer.add_param_group)
+
 #: Rows of optimizer state pushed per request by ``load_state_dict`` (as checkpoints do).
 STATE_CHUNK_ROWS = checkpoint.CHUNK_ROWS
 
@@ -176,6 +181,13 @@ class SparseOptimizer(torch.optim.Optimizer):
         """
         for emb in self._embs:
             emb.drop_gradients()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's :meth:`torch.optim.Optimizer.add_param_group` (which ``__init__`` calls),
+        run without the wrapper that keeps ``torch.compile`` out of it: that wrapper
+        imports ``torch._dynamo`` at its first call, ~1.4 s of CPU in every process that
+        makes an optimizer, and a sparse optimizer's steps are never compiled."""
+        _TORCH_ADD_PARAM_GROUP(self, param_group)
 
     def _patch_step_function(self) -> None:
         """Leave ``step()`` unwrapped: torch.optim.Optimizer.__init__ calls this to wrap a
