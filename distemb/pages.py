@@ -121,8 +121,18 @@ def populate_shared(mem, write=True) -> bool:
     advise_shared(mem)
     if not sys.platform.startswith("linux") or not len(mem):
         return False
-    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    if _libc_madvise()(_address(mem), len(mem), advice) == 0:
+    return _populate(_address(mem), len(mem),
+                     _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
+
+
+def _populate(start, nbytes, advice) -> bool:
+    """madvise [start, start + nbytes) with a populate ``advice``; False where the kernel
+    lacks it (EINVAL).
+
+    Raises:
+        OSError: the memory cannot be had (ENOMEM).
+    """
+    if _libc_madvise()(start, nbytes, advice) == 0:
         return True
     err = ctypes.get_errno()
     if err == errno.EINVAL:
@@ -146,20 +156,19 @@ def populate(array: np.ndarray) -> bool:
     if not sys.platform.startswith("linux") or not isinstance(array, np.ndarray) \
             or array.nbytes < MIN_BYTES or _file_backed(array):
         return False
-    start = array.ctypes.data
-    lo = (start + _HUGE - 1) & ~(_HUGE - 1)  # only its whole 2 MiB blocks asked huge
-    hi = (start + array.nbytes) & ~(_HUGE - 1)
-    madvise = _libc_madvise()
+    lo, hi = _huge_blocks(array)
     if hi > lo:
-        madvise(lo, hi - lo, _MADV_HUGEPAGE)
-    page = mmap.PAGESIZE
-    first = start & ~(page - 1)  # the pages the array lies on (its mapping's own)
-    if madvise(first, start + array.nbytes - first, _MADV_POPULATE_WRITE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err == errno.EINVAL:
-        return False
-    raise OSError(err, os.strerror(err))
+        _advise(lo, hi - lo, False)
+    start = array.ctypes.data
+    first = start & ~(mmap.PAGESIZE - 1)  # the pages the array lies on (its mapping's own)
+    return _populate(first, start + array.nbytes - first, _MADV_POPULATE_WRITE)
+
+
+def _huge_blocks(array):
+    """``(lo, hi)``: the whole 2 MiB blocks inside ``array`` (the kernel maps nothing else
+    huge; a heap neighbour keeps its own pages); empty when ``hi <= lo``."""
+    start = array.ctypes.data
+    return (start + _HUGE - 1) & ~(_HUGE - 1), (start + array.nbytes) & ~(_HUGE - 1)
 
 
 def back_with_huge_pages(array: np.ndarray) -> bool:
@@ -172,7 +181,5 @@ def back_with_huge_pages(array: np.ndarray) -> bool:
     if not sys.platform.startswith("linux") or not isinstance(array, np.ndarray) \
             or array.nbytes < MIN_BYTES or _file_backed(array):
         return False
-    start = array.ctypes.data  # only its whole 2 MiB blocks: a heap neighbour keeps its own
-    lo = (start + _HUGE - 1) & ~(_HUGE - 1)
-    hi = (start + array.nbytes) & ~(_HUGE - 1)
+    lo, hi = _huge_blocks(array)
     return hi > lo and _advise(lo, hi - lo, True)
