@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from distemb.config import parse_cluster_config
 from distemb.kvstore import LocalKVClient
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
+from distemb.transport import ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,12 +63,6 @@ def round_trip(kv, workdir, rows, dim):
     return w, r
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fill(kv, arr):
     for s in range(0, arr.shape[0], 1 << 18):
         kv.push("w", np.arange(s, min(s + (1 << 18), arr.shape[0])), arr[s:s + (1 << 18)])
@@ -98,7 +92,7 @@ def measure(args, rec):
     fill(local, arr)
     raw = {"job_id": uuid.uuid4().hex[:8], "num_trainers": 1, "trainer_machines": [0],
            "shared_memory": False, "timeout_s": 120.0,
-           "servers": [{"host": "127.0.0.1", "port": free_port(), "machine": 0}
+           "servers": [{"host": "127.0.0.1", "port": ports.free_port(8), "machine": 0}
                        for _ in range(2)]}
     cfg_path = os.path.join(workdir, "cluster.json")
     with open(cfg_path, "w") as f:

@@ -41,6 +41,7 @@ import torch
 
 import distemb
 from distemb.context import DistContext
+from distemb.transport import ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -103,7 +104,7 @@ def run_collective(args, world, tables=1, grouped=False):
     """``world`` ranks of this script with torchrun's environment: (steps/s, bytes/step)
     per rank."""
     with tempfile.TemporaryDirectory() as out:
-        port = bench_kvstore.free_port()
+        port = ports.free_port()
         argv = [sys.executable, os.path.abspath(__file__), "--rank-of-job", "--out", out,
                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
                 str(args.batch), "--dim", str(args.dim), "--rows", str(args.rows),

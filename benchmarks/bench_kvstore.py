@@ -51,7 +51,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from distemb.context import DistContext
 from distemb.pages import SHMEM_ENABLED, shmem_setting
 from distemb.stores import key_uniform
 from distemb.stores.file import FileTableSpec
+from distemb.transport import ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -145,18 +145,12 @@ def run_under(value, run):
         return run()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cluster(args, servers, trainers, shm, dynamic=False, file=False):
     """Launch a job on 127.0.0.1 running this script as trainer; per-trainer steps/s."""
     with tempfile.TemporaryDirectory() as out:
         ip = os.path.join(out, "ip.txt")
         with open(ip, "w") as f:
-            f.write(f"127.0.0.1 {free_port()}\n")
+            f.write(f"127.0.0.1 {ports.free_port(8)}\n")
         argv = [sys.executable, "-m", "distemb.launch", "--ip-config", ip, "--num-servers",
                 str(servers), "--num-trainers", str(trainers), "--config-out",
                 os.path.join(out, "cluster.json")]
@@ -213,14 +207,15 @@ def run_hosts(args, servers, trainers, rate, dynamic=False, prefetch=False):
 def run_dgl(args, servers, trainers, workdir):
     """DGL's distributed KVStore on 127.0.0.1; per-trainer steps/s."""
     ip = os.path.join(workdir, "ip.txt")
+    port = ports.free_port(servers + 1)  # the servers', then the master's
     with open(ip, "w") as f:
-        f.write(f"127.0.0.1 {free_port()}\n")
+        f.write(f"127.0.0.1 {port}\n")
     common = dict(os.environ, DGL_IP_CONFIG=ip, DGL_NUM_SERVER=str(servers),
                   DGL_NUM_CLIENT=str(trainers), DGL_CONF_PATH=os.path.join(workdir, "g.json"),
                   DGL_NUM_SAMPLER="0", DGL_GRAPH_FORMAT="csc", OMP_NUM_THREADS="1",
                   OMP_WAIT_POLICY="passive", BENCH_DIM=str(args.dim),
                   BENCH_BATCH=str(args.batch), BENCH_STEPS=str(args.steps),
-                  BENCH_WARMUP=str(args.warmup), MASTER_PORT=str(free_port()))
+                  BENCH_WARMUP=str(args.warmup), MASTER_PORT=str(port + servers))
     job = os.path.join(ROOT, "benchmarks", "dgl_kvstore_job.py")
     procs = [subprocess.Popen([sys.executable, job], env=dict(
         common, DGL_ROLE="server", DGL_SERVER_ID=str(s)), stdout=subprocess.DEVNULL,

@@ -10,21 +10,15 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 
 import results
+from distemb.transport import ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(args, malloc):
@@ -32,7 +26,7 @@ def run_job(args, malloc):
     with tempfile.TemporaryDirectory() as out:
         ip = os.path.join(out, "ip.txt")
         with open(ip, "w") as f:
-            f.write(f"127.0.0.1 {free_port()}\n")
+            f.write(f"127.0.0.1 {ports.free_port()}\n")
         argv = [sys.executable, "-m", "distemb.launch", "--ip-config", ip, "--num-servers",
                 "1", "--num-trainers", "1", "--config-out", os.path.join(out, "c.json"),
                 "--", sys.executable, os.path.join(ROOT, "benchmarks", "bench_kvstore.py"),

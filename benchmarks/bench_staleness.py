@@ -24,21 +24,15 @@ Usage::
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import results
+from distemb.transport import ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_deepwalk(workdir, servers, trainers, deepwalk_args, staleness=0, fraction=1.0,
@@ -57,12 +51,13 @@ def run_deepwalk(workdir, servers, trainers, deepwalk_args, staleness=0, fractio
     tag = f"s{staleness}-seed{seed}-{time.monotonic_ns()}"
     out = os.path.join(workdir, tag)
     ip = os.path.join(workdir, f"ip-{tag}.txt")
+    port = ports.free_port(servers + 1)  # the servers', then the master's
     with open(ip, "w") as f:
-        f.write(f"127.0.0.1 {free_port()}\n")
+        f.write(f"127.0.0.1 {port}\n")
     argv = [sys.executable, "-m", "distemb.launch", "--ip-config", ip, "--num-servers",
             str(servers), "--num-trainers", str(trainers), "--consistency", consistency,
             "--cache-fraction", str(fraction), "--cache-policy", policy,
-            "--cache-staleness", str(staleness), "--master-port", str(free_port()),
+            "--cache-staleness", str(staleness), "--master-port", str(port + servers),
             "--config-out", os.path.join(workdir, f"cluster-{tag}.json"), "--",
             sys.executable, os.path.join(ROOT, "graph_examples", "deepwalk.py"), "--quiet",
             "--threads", "1", "--seed", str(seed), "--out", out, *deepwalk_args]

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from distemb.transport import ports
+
 PREFIX = "distemb-bench-"
 SUBNET = "10.200.0"  # inside our own namespaces only; never on the machine's interfaces
 MTU = 1500
@@ -286,12 +288,13 @@ class JobHosts:
     def __init__(self, num_servers, num_trainers, rate=None):
         self.num_servers, self.num_trainers, self.rate = num_servers, num_trainers, rate
         self.net = None if rate is None else Network(num_servers + num_trainers, rate)
-        self._ports = [_free_port() for _ in range(num_servers)] if rate is None else None
+        self._port = ports.free_port(num_servers) if rate is None else None
 
     def servers(self):
         """The cluster config's ``servers`` entries (host, port, machine)."""
         if self.net is None:
-            return [{"host": "127.0.0.1", "port": p, "machine": 0} for p in self._ports]
+            return [{"host": "127.0.0.1", "port": self._port + k, "machine": 0}
+                    for k in range(self.num_servers)]
         return [{"host": self.net.address(i), "port": self.PORT, "machine": i}
                 for i in range(self.num_servers)]
 
@@ -318,13 +321,6 @@ class JobHosts:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exit_on_sigterm():

@@ -17,16 +17,9 @@ import sys
 import time
 import uuid
 
+from distemb.transport import ports
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _ephemeral_low():
-    """The first port the kernel hands to connect()s (ip_local_port_range)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
 
 
 def _worker_slice(lo, hi):
@@ -43,34 +36,12 @@ def _worker_slice(lo, hi):
 
 def free_port(span=8):
     """A TCP port on 127.0.0.1 nobody listens on, with the ``span - 1`` ports after it
-    free too (distemb-launch puts server k of a machine on ``port + k``).
-
-    The ports lie below the kernel's ephemeral range: a port bound to 0 and released (the
-    usual trick) is an ephemeral one, and any connect() on the machine, such as a trainer
-    of the very job that got it connecting to server 0, may take it as its local port
-    before server 1 binds ``port + 1`` ("address already in use").
+    free too, below the ephemeral range (see :mod:`distemb.transport.ports`).
 
     Under pytest-xdist each worker draws from its own slice of that range, so two tests
     running at once never try the same port.
     """
-    import random
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    first, end = _worker_slice(10000, _ephemeral_low())
-    for _ in range(200):
-        base = rng.randrange(first, end - span)
-        socks = []
-        try:
-            for port in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {span} free ports in a row in [{first}, {end})")
+    return ports.free_port(span, *_worker_slice(ports.FIRST, ports.ephemeral_low()))
 
 
 def child_env(**extra):
