@@ -57,12 +57,16 @@ def what_runs(pid):
     threads = []
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
-            threads.append(read(f"task/{tid}/stat").rsplit(")", 1)[-1].split()[:1])
+            state = read(f"task/{tid}/stat").rsplit(")", 1)[-1].split()[:1]
+            # each thread's state, kernel wait channel and system call (number and
+            # arguments: a futex's address tells which threads wait on the same lock)
+            threads.append((*state, read(f"task/{tid}/wchan"),
+                            read(f"task/{tid}/syscall").strip()[:80]))
     except OSError:
         pass
     return {"cmdline": read("cmdline").replace("\0", " ").strip()[:200],
             "state": fields[:1], "ppid": fields[1:2], "wchan": read("wchan"),
-            "thread_states": sorted(t[0] for t in threads if t)}
+            "threads": sorted(threads)}
 
 
 def lines_of(stream):
