@@ -28,7 +28,6 @@ Example::
     distemb-launch --ip-config ip.txt --num-servers 2 --num-trainers 2 -- python train.py
 """
 import argparse
-import ctypes
 import hashlib
 import ipaddress
 import os
@@ -49,12 +48,12 @@ from distemb.config import (ClusterConfig, load_cluster_config, parse_cluster_co
                             write_cluster_config)
 from distemb.enums import Choice, Consistency, Role, Transport
 from distemb.errors import ConfigError, DistEmbError
+from distemb.orphans import death_signal_setter
 from distemb.partition import load_policies
 from distemb.schema import default_of, help_of
 
 DEFAULT_PORT = 30050
 STOP_GRACE_S = 5.0
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Launcher(Choice):
@@ -227,26 +226,6 @@ def mpi_child(cfg_path, command):
     os.execvp(argv[0], argv)
 
 
-def _death_signal_setter(sig):
-    """A preexec_fn asking the kernel to send ``sig`` to the child when we die.
-
-    libc is loaded here, in the parent, so the child between fork and exec only makes one
-    foreign call. The parent-pid check closes the race of a parent that died before the
-    request took hold. None where prctl is unavailable (not Linux).
-    """
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def setter():
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
-    return setter
-
-
 #: Most bytes a relay reads from a child at once.
 RELAY_CHUNK = 1 << 16
 #: How long a relay waits for the rest of a line before it forwards its start.
@@ -342,7 +321,7 @@ class Supervisor:
         p = subprocess.Popen(argv, env=dict(os.environ, **env), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE,
                              stdin=subprocess.PIPE if ssh else None,
-                             preexec_fn=_death_signal_setter(sig) if local else None)
+                             preexec_fn=death_signal_setter(sig) if local else None)
         (self.servers if server else self.trainers).append(p)
         self._labels.append((p, label or ("server" if server else "trainer")))
         return p

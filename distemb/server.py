@@ -7,7 +7,9 @@ trainer has said goodbye, on SIGTERM/SIGINT/SIGHUP, or when its parent process (
 launcher) is gone; told to stop by a signal or its parent's death, it exits within
 :data:`STOP_GRACE_S` seconds even if its shutdown hangs (printing every thread's stack
 first); its shutdown done, it leaves at once (:func:`leave`), without the interpreter's
-finalization, which no deadline can bound. With shared memory on it also listens on its
+finalization, which no deadline can bound. If its Python is stuck and can act on neither,
+its reaper, a small process forked at its start, SIGKILLs it :data:`REAP_AFTER_S` seconds
+after its parent's death. With shared memory on it also listens on its
 local socket, where the trainers of its machine connect; its shards are memory files
 that vanish with the last process mapping them, so nothing of the job outlives its
 processes, however they die.
@@ -31,6 +33,7 @@ from distemb.enums import Transport
 from distemb.errors import DistEmbError
 from distemb.kvstore.server.kvserver import KVServer
 from distemb.kvstore.server.service import KVService
+from distemb.orphans import start_reaper
 from distemb.transport import tcp
 from distemb.transport.connections import local_address
 from distemb.transport.shm import ShmArena
@@ -40,6 +43,9 @@ PARENT_POLL_S = 0.5
 #: cleanly (answers under way, file tables flushed); then it prints every thread's stack
 #: and exits anyway (status 3), so a hang in shutdown never leaves it running.
 STOP_GRACE_S = 5.0
+#: A server still running this long after its parent's death, its grace included, is
+#: SIGKILLed by its reaper (:func:`distemb.orphans.start_reaper`): its Python is stuck.
+REAP_AFTER_S = STOP_GRACE_S + 2.0
 
 
 def build_service(cfg, server_id, stop):
@@ -106,6 +112,8 @@ def run(cfg, server_id):
     """
     if not 0 <= server_id < len(cfg.servers):
         raise DistEmbError(f"--server-id: expected 0..{len(cfg.servers) - 1}, got {server_id}")
+    if cfg.transport != Transport.MPI:  # (mpirun ends its ranks itself)
+        start_reaper(REAP_AFTER_S)  # first: before any thread or descriptor of the server
     stop = threading.Event()
     told = stop_within(stop, STOP_GRACE_S)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -293,6 +293,69 @@ def test_a_server_whose_shutdown_hangs_exits_after_the_grace(tmp_path):
     assert "hang_in_close" in out, out  # its stack says where it hung
 
 
+#: A server whose Python freezes once it serves: a thread holds the GIL in a blocking C
+#: call (libc's sleep through ctypes.PyDLL, which keeps the GIL), so neither its signal
+#: handlers nor its parent watch nor its stop deadline can run.
+FROZEN_SERVER = """
+import ctypes, sys, threading, time
+from distemb import server
+
+def freeze():
+    time.sleep(0.5)
+    ctypes.PyDLL(None).sleep(3600)
+
+def build_then_freeze(*args, real=server.build_service):
+    service = real(*args)
+    threading.Thread(target=freeze, daemon=True).start()
+    return service
+
+server.build_service = build_then_freeze
+sys.exit(server.main(["--config", sys.argv[1], "--server-id", "0"]))
+"""
+#: The frozen server's parent: it prints the server's pid, then waits (SIGKILLed by the
+#: test, as a launcher can be).
+PARENT = """
+import subprocess, sys
+p = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(p.pid, flush=True)
+p.wait()
+"""
+
+
+def test_a_server_whose_python_is_frozen_is_killed_by_its_reaper_after_its_parents_death(
+        tmp_path):
+    """Neither the launcher's death signal nor the server's own watch can stop a server
+    whose interpreter is stuck; its reaper (forked at its start) SIGKILLs it
+    REAP_AFTER_S after its parent's death, then dies with it. (A server of the
+    launcher-SIGKILL test once stayed 30 s, its three threads in futex waits.)"""
+    from distemb.server import REAP_AFTER_S
+    raw = cluster_dict(1, shared_memory=False)
+    with ProcessGroup() as group:
+        path = write_json(tmp_path / "c.json", raw)
+        parent = group.spawn([sys.executable, "-c", PARENT, FROZEN_SERVER, path],
+                             expect=None)
+        server = int(parent.stdout.readline())
+        try:
+            group.wait_listening([("127.0.0.1", raw["servers"][0]["port"])])
+            time.sleep(1.5)  # frozen by now
+            with open(f"/proc/{server}/task/{server}/children", encoding="ascii") as f:
+                reapers = [int(w) for w in f.read().split()]
+            assert len(reapers) == 1, reapers
+            parent.kill()
+            start = time.monotonic()
+            while not (gone(server) and gone(reapers[0])) and \
+                    time.monotonic() - start < REAP_AFTER_S + 20:
+                time.sleep(0.05)
+            took = time.monotonic() - start
+            left = {p: what_runs(p) for p in (server, *reapers) if not gone(p)}
+            assert not left, f"still running {took:.1f} s after the parent's death: {left}"
+            assert REAP_AFTER_S - 0.5 <= took < REAP_AFTER_S + 5, took
+        finally:
+            if not gone(server):  # ours: the test started its parent
+                os.kill(server, signal.SIGKILL)
+
+
 #: ``python -m distemb.server`` (run as ``__main__``), with a hang planted in the
 #: interpreter's finalization: an object whose collection at exit never ends.
 HANGING_FINALIZATION = """
