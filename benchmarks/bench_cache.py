@@ -363,6 +363,9 @@ def main():
                    help="part 2's links, comma-separated: 'loopback', 'veth' and/or rates "
                    "('1gbit')")
     p.add_argument("--rounds", type=int, default=3, help="rounds in turns (medians)")
+    p.add_argument("--when-slower", choices=["idle", "keep", "both"], default="idle",
+                   help="part 2's caches as configured by default (idle where slower than "
+                        "plain pulls), always on, or both")
     p.add_argument("--consistency", default="sync", choices=["sync", "sync_exact"],
                    help="part 2's consistency: sync (updates applied on arrival) or "
                    "sync_exact (each step's updates summed at the owner)")
@@ -413,13 +416,17 @@ def measure(args, links, rec):
                 rec.figure(f"hit_rate.{sname}.{slug(policy)}.{100 * size:g}", 100 * x,
                            "{:.1f}%", f"{sname} ids, {policy}, a cache of {size:.0%} of the "
                            "rows: % of a step's unique rows served from it, 1 x 1")
-    configs = [(f"{pol} {frac:.0%} exact", parse_cache_config({"policy": pol,
-                                                                "fraction": frac}))
-               for frac in args.fractions for pol in args.policies.split(",")]
-    configs += [(f"lfu {args.fractions[0]:.0%} staleness {s}",
+    # a cache as configured goes idle where it is slower than plain pulls; "always on"
+    # is the same cache kept caching there (--when-slower)
+    modes = {"idle": [("", True)], "keep": [(" always on", False)],
+             "both": [("", True), (" always on", False)]}[args.when_slower]
+    configs = [(f"{pol} {frac:.0%} exact{tag}", parse_cache_config(
+        {"policy": pol, "fraction": frac, "idle_when_slower": judged}))
+        for frac in args.fractions for pol in args.policies.split(",") for tag, judged in modes]
+    configs += [(f"lfu {args.fractions[0]:.0%} staleness {s}{tag}",
                  parse_cache_config({"policy": "lfu", "fraction": args.fractions[0],
-                                     "staleness": s}))
-                for s in args.staleness]
+                                     "staleness": s, "idle_when_slower": judged}))
+                for s in args.staleness for tag, judged in modes]
     # Every cached run between two uncached ones (none, c1, none, c2, ..., ck, none), in
     # the same processes, for --rounds rounds; a cached run's ratio is against the mean
     # of its two neighbours: the load of a shared machine drifts less between them.

@@ -200,6 +200,10 @@ class CacheConfig(Schema):
     staleness: int = option(0, help="0: exact (a cached row is used only while its owner "
                             "says it is current); s > 0: a cached row may be up to s steps "
                             "old (a relaxation)", validator=at_least(0))
+    idle_when_slower: bool = option(True, help="time the cache's pulls and updates against "
+                                    "plain ones, window by window; a cache slower than "
+                                    "plain pulls empties itself and stays idle a while "
+                                    "(docs/caches.md)")
 
     def check(self):
         given = [k for k in ("rows", "bytes", "fraction") if getattr(self, k) is not None]

@@ -156,7 +156,8 @@ def cache_options(args):
                                ("fraction", args.cache_fraction)) if v is not None}
     if not sizes:
         return None
-    return dict(sizes, policy=args.cache_policy, staleness=args.cache_staleness)
+    return dict(sizes, policy=args.cache_policy, staleness=args.cache_staleness,
+                idle_when_slower=not args.cache_keep_when_slower)
 
 
 def device_cache_options(args):
@@ -416,6 +417,9 @@ def parse_args(argv):
                         help="trainer cache: which row it evicts")
     parser.add_argument("--cache-staleness", type=int, default=0,
                         help="0: exact cache (default); s > 0: rows up to s steps old")
+    parser.add_argument("--cache-keep-when-slower", action="store_true",
+                        help="trainer cache: keep caching even where its pulls and updates "
+                             "take longer than plain ones (by default it goes idle there)")
     parser.add_argument("--device-cache-rows", type=int,
                         help="GPU cache of each table's hot rows (one trainer only): rows")
     parser.add_argument("--device-cache-bytes", type=int,

@@ -249,3 +249,75 @@ def test_an_idle_cache_holding_nothing_passes_pulls_and_updates_through(pair):
     step(cached, ids)
     step(other, ids)
     np.testing.assert_array_equal(cached.pull("w", np.arange(N)), other.pull("w", np.arange(N)))
+
+
+def test_the_payoff_idles_a_slower_cache_with_backoff_and_keeps_a_faster_one():
+    """Windows judged by their time per pull: the first cached window refills and is not
+    judged; with no plain figure the cache measures one plain window; slower than plain,
+    it idles BACKOFF windows, twice as long at each loss in a row; faster, it stays and
+    measures plain pulls again after REPROBE windows."""
+    from distemb.kvstore.caches.payoff import BACKOFF, MAX_BACKOFF, REPROBE, Payoff
+
+    def window(p, idle, cost):
+        p.spend(cost)
+        return p.window(idle, 1)
+
+    slow = Payoff()
+    assert window(slow, False, 2.0) == 0  # refilling: not judged
+    assert window(slow, False, 2.0) == 1  # no plain figure yet: one plain window
+    assert window(slow, True, 1.0) == 0 and slow.plain == 1.0
+    assert window(slow, False, 2.0) == 0  # refilling again
+    idle = []
+    for _ in range(6):  # each trial loses: idle, then refill, then judged
+        idle.append(window(slow, False, 2.0))
+        for _ in range(idle[-1]):
+            assert window(slow, True, 1.0) == 0
+        assert window(slow, False, 2.0) == 0  # the refill after the idle period
+    assert idle == [BACKOFF, 2 * BACKOFF, 4 * BACKOFF, 8 * BACKOFF, MAX_BACKOFF, MAX_BACKOFF]
+    assert slow.losses == 6
+
+    fast = Payoff()
+    assert [window(fast, False, 0.5), window(fast, False, 0.5)] == [0, 1]
+    assert window(fast, True, 1.0) == 0
+    assert window(fast, False, 0.5) == 0  # refill
+    judged = [window(fast, False, 0.5) for _ in range(REPROBE)]
+    assert judged[:-1] == [0] * (REPROBE - 1) and judged[-1] == 1  # measure plain again
+    assert fast.losses == 0
+
+
+def test_a_cache_slower_than_plain_pulls_goes_idle_and_stays_exact(pair, monkeypatch):
+    """A clock under which a cached pull or update costs three times a plain one: after
+    its refill window and a judged one, the cache measures a plain window, refills, loses
+    and stays idle BACKOFF windows, holding nothing; under the opposite clock it keeps
+    serving its copies. Every pull equals the plain client's throughout."""
+    from distemb.kvstore.caches import trainer
+    from distemb.kvstore.caches.payoff import BACKOFF
+    from distemb.kvstore.caches.table import DECAY
+
+    def run(cached_cost, plain_cost, windows):
+        cached, other = pair(CacheConfig(policy="lru", rows=8))
+        cache = cached._tables["w"]
+        now = [0.0]
+
+        def clock():  # each call costs what a pull or update costs in the cache's state
+            now[0] += plain_cost if cache.idle else cached_cost
+            return now[0]
+        monkeypatch.setattr(trainer, "clock", clock)
+        idle = []
+        for k in range(windows * DECAY):
+            ids = np.array([1, 2, 3, (k % 30) + 5])
+            np.testing.assert_array_equal(cached.pull("w", ids), other.pull("w", ids))
+            step(cached, ids)  # the only writer: its copies stay current
+            if k % DECAY == 0:
+                idle.append(cache.idle and not cache.used)
+        np.testing.assert_array_equal(cached.pull("w", np.arange(N)),
+                                      other.pull("w", np.arange(N)))
+        return idle, cache, cached.stats()
+
+    # windows: refill, judged (no plain figure), plain, refill, judged (loses), idle...
+    idle, cache, _ = run(3.0, 1.0, 5 + BACKOFF + 1)
+    assert idle == [False, False, True, False, False] + [True] * BACKOFF + [False], idle
+    assert cache.payoff.losses == 1
+    idle, cache, stats = run(1.0, 3.0, 8)
+    assert idle == [False, False, True] + [False] * 5, idle
+    assert cache.payoff.losses == 0 and stats["hit_rows"] > 3 * 6 * DECAY

@@ -113,6 +113,19 @@ def test_device_cache_options_reach_the_config(tmp_path, capsys):
     assert not (tmp_path / "d.json").exists()
 
 
+def test_trainer_cache_options_reach_the_config(tmp_path):
+    main(["--ip-config", ip_file(tmp_path, "127.0.0.1 4100\n"), "--config-out",
+          str(tmp_path / "c.json"), "--cache-fraction", "0.1", "--cache-policy", "lfu",
+          "--cache-staleness", "3", "--dry-run", "--", "python", "t.py"])
+    cache = load_cluster_config(str(tmp_path / "c.json")).cache
+    assert (cache.fraction, cache.policy.value, cache.staleness, cache.idle_when_slower) == \
+        (0.1, "lfu", 3, True)
+    main(["--ip-config", ip_file(tmp_path, "127.0.0.1 4100\n"), "--config-out",
+          str(tmp_path / "d.json"), "--cache-rows", "10", "--cache-keep-when-slower",
+          "--dry-run", "--", "python", "t.py"])
+    assert load_cluster_config(str(tmp_path / "d.json")).cache.idle_when_slower is False
+
+
 def test_partition_config_must_match_server_count(tmp_path):
     part = tmp_path / "part.json"
     part.write_text(json.dumps({"num_partitions": 3, "policies": [

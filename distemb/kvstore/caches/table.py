@@ -27,6 +27,7 @@ import numpy as np
 
 from distemb.kernels import cachebook
 from distemb.kernels.hashtable import HashIndex
+from distemb.kvstore.caches.payoff import Payoff
 from distemb.partition import splitmix64
 
 
@@ -192,7 +193,7 @@ class TableCache:
     """
 
     def __init__(self, num_rows: Optional[int], dim: int, capacity: int, states=None,
-                 rule=None):
+                 rule=None, timed=False):
         self.capacity, self.rule = capacity, rule
         if num_rows is None:
             self.slot_of, self.seen = HashSlots(), SketchCounts(capacity)
@@ -214,6 +215,8 @@ class TableCache:
         self.used = 0                                       # slots held
         self.hits = self.asked = 0   # rows served by copies / asked, this DECAY window
         self.idle_until = 0          # no row is kept before this many pulls
+        self.payoff = None if not timed else Payoff()  # its time, cached vs plain
+        self._window_idle, self._judged = False, 0
         self._rng = np.random.default_rng(0)                # LFU's victim samples
 
     def count(self, ids):
@@ -261,9 +264,31 @@ class TableCache:
         if self.pulls % DECAY:
             return
         if self.used and self.hits < MIN_HITS * self.asked:
-            self.evict(np.flatnonzero(self.held & (self.pins == 0)))
-            self.idle_until = self.pulls + IDLE
+            self.go_idle(IDLE)
         self.hits = self.asked = 0
+
+    def go_idle(self, pulls):
+        """Empty the cache (but pinned rows) and keep no row for the next ``pulls`` pulls."""
+        self.evict(np.flatnonzero(self.held & (self.pins == 0)))
+        self.idle_until = max(self.idle_until, self.pulls + pulls)
+
+    def spend(self, seconds):
+        """Count the wall time of a pull or an update of the table (:class:`Payoff`)."""
+        if self.payoff is not None:
+            self.payoff.spend(seconds)
+
+    def begin_pull(self):
+        """Before a pull: at the end of a window of :data:`DECAY` pulls (with their
+        updates), judge it by its time; a cache slower than plain pulls goes idle
+        (:mod:`distemb.kvstore.caches.payoff`)."""
+        if self.payoff is None or not self.pulls or self.pulls % DECAY or \
+                self.pulls == self._judged:
+            return
+        self._judged = self.pulls
+        idle = self.payoff.window(self._window_idle, DECAY)
+        if idle:
+            self.go_idle(idle * DECAY)
+        self._window_idle = self.idle
 
     @property
     def idle(self):

@@ -26,6 +26,7 @@ Example (servers started by ``distemb-launch``)::
 
     client = CachedKVClient(RemoteKVClient(cfg, rank), parse_cache_config({"fraction": 0.1}))
 """
+from time import perf_counter as clock
 from typing import Dict, Optional
 
 import numpy as np
@@ -223,7 +224,8 @@ class CachedKVClient(Wrapper):
                 cap = self.config.capacity(bound or np.iinfo(np.int64).max, row_bytes)
                 # keys 0..N-1: arrays by id; any int64 key: hashed (TableCache)
                 cache = TableCache(table.num_keys, table.dim, cap, states,
-                                   None if rule is None else rule_of(rule).name)
+                                   None if rule is None else rule_of(rule).name,
+                                   timed=self.config.idle_when_slower)
         self._tables[name] = cache
         return cache
 
@@ -243,6 +245,14 @@ class CachedKVClient(Wrapper):
         cache = self._table(name)
         if cache is None:
             return self.inner.pull(name, ids)
+        start = clock()
+        cache.begin_pull()
+        try:
+            return self._pull(name, cache, ids)
+        finally:
+            cache.spend(clock() - start)
+
+    def _pull(self, name, cache, ids):
         ids = keys_array(ids, "ids")
         self.inner.table(name).router.check(ids, f"ids of {name!r}")
         self.prefetches.take(name, ids)  # its pins hold until the table's next update
@@ -334,10 +344,14 @@ class CachedKVClient(Wrapper):
         stay cached. Otherwise the owner answers the rows' versions and a copy someone
         else's gradient reached is dropped (or, with staleness, kept until revalidated).
         """
+        start = clock()
         try:
             self._push_update(name, ids, grads, rule, hyper)
         finally:
             self.prefetches.stepped(name)  # the pins of the copies lookups used
+            cache = self._tables.get(name)
+            if cache is not None:
+                cache.spend(clock() - start)
 
     def _push_update(self, name, ids, grads, rule, hyper):
         cache = self._tables.get(name)
