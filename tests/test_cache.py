@@ -255,7 +255,7 @@ def test_the_payoff_idles_a_slower_cache_with_backoff_and_keeps_a_faster_one():
     """Windows judged by their time per pull: the first cached window refills and is not
     judged; with no plain figure the cache measures one plain window; slower than plain,
     it idles BACKOFF windows, twice as long at each loss in a row; faster, it stays and
-    measures plain pulls again after REPROBE windows."""
+    measures plain pulls again after REPROBE windows, then twice as long each time."""
     from distemb.kvstore.caches.payoff import BACKOFF, MAX_BACKOFF, REPROBE, Payoff
 
     def window(p, idle, cost):
@@ -280,8 +280,10 @@ def test_the_payoff_idles_a_slower_cache_with_backoff_and_keeps_a_faster_one():
     assert [window(fast, False, 0.5), window(fast, False, 0.5)] == [0, 1]
     assert window(fast, True, 1.0) == 0
     assert window(fast, False, 0.5) == 0  # refill
-    judged = [window(fast, False, 0.5) for _ in range(REPROBE)]
-    assert judged[:-1] == [0] * (REPROBE - 1) and judged[-1] == 1  # measure plain again
+    for every in (REPROBE, 2 * REPROBE, 4 * REPROBE):  # measure plain again, ever rarer
+        judged = [window(fast, False, 0.5) for _ in range(every)]
+        assert judged[:-1] == [0] * (every - 1) and judged[-1] == 1, (every, judged)
+        assert window(fast, True, 1.0) == 0 and window(fast, False, 0.5) == 0
     assert fast.losses == 0
 
 

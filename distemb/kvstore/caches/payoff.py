@@ -8,8 +8,9 @@ for the servers included) and compares windows of :data:`~distemb.kvstore.caches
 pulls: cached ones against plain ones (the cache idle and empty, its pulls and updates
 passed through as they came). A cache slower than plain pulls empties itself and stays
 idle for :data:`BACKOFF` windows, twice as long after each loss in a row (up to
-:data:`MAX_BACKOFF`); one faster measures plain pulls again every :data:`REPROBE`
-windows (the link or the load may change). The first cached window after a start
+:data:`MAX_BACKOFF`); one faster measures plain pulls again after :data:`REPROBE`
+windows, then twice as long each time (up to :data:`MAX_REPROBE`: the link or the load
+may change). The first cached window after a start
 refills the cache and is not judged. Results do not depend on it: an idle cache holds
 no copy, its pulls read the owners.
 """
@@ -19,8 +20,10 @@ from typing import Optional
 BACKOFF = 4
 #: The longest idle period (in windows) after losses in a row.
 MAX_BACKOFF = 64
-#: Windows after which a cache found faster measures plain pulls again.
+#: Windows after which a cache found faster measures plain pulls again, the first time;
+#: doubled at each such measurement up to :data:`MAX_REPROBE` (back after a loss).
 REPROBE = 16
+MAX_REPROBE = 128
 
 
 class Payoff:
@@ -34,7 +37,7 @@ class Payoff:
         self.windows = 0
         self.plain_at = 0                    # the window ``plain`` is from
         self.warm = True                     # the next cached window refills: not judged
-        self.backoff = BACKOFF
+        self.backoff, self.reprobe = BACKOFF, REPROBE
         self.losses = 0                      # windows found slower than plain pulls
 
     def spend(self, seconds: float) -> None:
@@ -56,11 +59,14 @@ class Payoff:
             self.warm = False
             return 0
         self.cached = mean
-        if self.plain is None or self.windows - self.plain_at > REPROBE:
+        if self.plain is None or self.windows - self.plain_at > self.reprobe:
+            if self.plain is not None:
+                self.reprobe = min(2 * self.reprobe, MAX_REPROBE)
             return 1  # measure plain pulls for one window, then compare
         if self.cached < self.plain:
             self.backoff = BACKOFF
             return 0
         self.losses += 1
+        self.reprobe = REPROBE
         idle, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
         return idle
