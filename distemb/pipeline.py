@@ -11,6 +11,12 @@ steps as usual; results are the same as without the Prefetcher.
 Call it in the thread that trains (a client serves one thread at a time); the loader
 may sample in another.
 
+It times its iterations (the loop body, the loader and its own prefetch together), in
+windows of :data:`WINDOW`, with prefetch on and off (:class:`~distemb.payoff.Payoff`):
+where prefetching makes iterations slower (servers sharing the trainers' cores, a fast
+wire: nothing to hide and the reading threads compete), it stops prefetching for a
+while and tries again later. ``idle_when_slower=False`` prefetches every batch.
+
 Example:
     >>> import torch, distemb
     >>> emb = distemb.DistEmbedding(10, 4, name="doc-pipeline")
@@ -19,9 +25,14 @@ Example:
     >>> for ids in Prefetcher(batches, lambda ids: [(emb, ids)]):
     ...     emb(ids).sum().backward(); opt.step()
 """
-from typing import Callable, Iterable, Iterator, Sequence, Tuple, TypeVar
+from time import perf_counter as clock
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple, TypeVar
+
+from distemb.payoff import Payoff
 
 Batch = TypeVar("Batch")
+#: Iterations per timed window.
+WINDOW = 32
 
 
 class Prefetcher:
@@ -32,6 +43,8 @@ class Prefetcher:
         lookups: ``lookups(batch)`` -> the ``(DistEmbedding, ids)`` a batch will look up.
         enabled: False: the batches pass through unchanged, nothing is prefetched (the
             same loop with prefetch off).
+        idle_when_slower: stop prefetching for a while where it makes iterations
+            slower (module docstring); False: prefetch every batch.
 
     Raises:
         TypeError: ``lookups`` is not callable, or returns something other than
@@ -40,11 +53,14 @@ class Prefetcher:
 
     def __init__(self, batches: Iterable[Batch],
                  lookups: Callable[[Batch], Sequence[Tuple[object, object]]],
-                 enabled: bool = True):
+                 enabled: bool = True, idle_when_slower: bool = True):
         if not callable(lookups):
             raise TypeError(f"lookups: expected a function batch -> [(DistEmbedding, ids)], "
                             f"got {type(lookups).__name__}")
         self.batches, self.lookups, self.enabled = batches, lookups, bool(enabled)
+        #: the timing of the last iteration over it (None: not timed)
+        self.payoff: Optional[Payoff] = None
+        self.idle_when_slower = bool(idle_when_slower)
 
     def _prefetch(self, batch) -> None:
         pairs = self.lookups(batch)
@@ -65,10 +81,23 @@ class Prefetcher:
         if ahead is _END:
             return
         self._prefetch(ahead)
+        payoff = self.payoff = Payoff(refills=False) if self.idle_when_slower else None
+        off = left = done = 0  # off: this window without prefetch; left: such windows
+        start = clock()
         for following in it:
-            self._prefetch(following)  # read while ``ahead`` computes
+            if not off:
+                self._prefetch(following)  # read while ``ahead`` computes
             yield ahead
             ahead = following
+            if payoff is None:
+                continue
+            now = clock()
+            payoff.spend(now - start)
+            start, done = now, done + 1
+            if done == WINDOW:
+                idle = payoff.window(bool(off), WINDOW)
+                left = idle or max(0, left - 1)
+                off, done = left > 0, 0
         yield ahead
 
 

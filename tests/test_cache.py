@@ -256,7 +256,7 @@ def test_the_payoff_idles_a_slower_cache_with_backoff_and_keeps_a_faster_one():
     judged; with no plain figure the cache measures one plain window; slower than plain,
     it idles BACKOFF windows, twice as long at each loss in a row; faster, it stays and
     measures plain pulls again after REPROBE windows, then twice as long each time."""
-    from distemb.kvstore.caches.payoff import BACKOFF, MAX_BACKOFF, REPROBE, Payoff
+    from distemb.payoff import BACKOFF, MAX_BACKOFF, REPROBE, Payoff
 
     def window(p, idle, cost):
         p.spend(cost)
@@ -293,7 +293,7 @@ def test_a_cache_slower_than_plain_pulls_goes_idle_and_stays_exact(pair, monkeyp
     and stays idle BACKOFF windows, holding nothing; under the opposite clock it keeps
     serving its copies. Every pull equals the plain client's throughout."""
     from distemb.kvstore.caches import trainer
-    from distemb.kvstore.caches.payoff import BACKOFF
+    from distemb.payoff import BACKOFF
     from distemb.kvstore.caches.table import DECAY
 
     def run(cached_cost, plain_cost, windows):

@@ -182,3 +182,93 @@ def test_a_trainer_cache_pins_prefetched_copies_against_an_eviction_before_their
     finally:
         kv.delete_data("pin")
         kv.close(goodbye=False)
+
+
+class _Counting:
+    """A lookup target that counts the prefetches asked of it."""
+
+    def __init__(self):
+        self.asked = []
+
+    def prefetch(self, ids):
+        self.asked.append(int(ids))
+
+
+def _timed(monkeypatch, on_cost, off_cost, target):
+    """A clock under which an iteration costs ``on_cost`` when a prefetch was asked in it
+    and ``off_cost`` otherwise."""
+    from distemb import pipeline
+    now, seen = [0.0], [0]
+
+    def clock():
+        now[0] += on_cost if len(target.asked) > seen[0] else off_cost
+        seen[0] = len(target.asked)
+        return now[0]
+    monkeypatch.setattr(pipeline, "clock", clock)
+
+
+def test_a_prefetcher_slower_than_plain_iterations_stops_prefetching_for_a_while(
+        monkeypatch):
+    """Iterations with a prefetch cost three times plain ones: after its first window the
+    Prefetcher measures a plain window, tries again, loses, and prefetches nothing for
+    BACKOFF windows, then twice as long; the batches come in order all the same. Under
+    the opposite clock it prefetches every batch but its plain windows."""
+    from distemb.payoff import BACKOFF
+    from distemb.pipeline import WINDOW
+
+    def windows_on(on_cost, off_cost, windows):
+        target = _Counting()
+        _timed(monkeypatch, on_cost, off_cost, target)
+        batches = list(range(windows * WINDOW + 1))
+        pipe = Prefetcher(batches, lambda b: [(target, b)])
+        assert list(pipe) == batches
+        asked = set(target.asked)
+        # the batch whose rows iteration i read ahead is i + 1
+        return [all(w * WINDOW + i + 1 in asked for i in range(WINDOW))
+                for w in range(windows)], pipe.payoff
+
+    n = 3 + BACKOFF + 1 + 2 * BACKOFF
+    on, payoff = windows_on(3.0, 1.0, n)
+    assert on == [True, False, True] + [False] * BACKOFF + [True] + [False] * 2 * BACKOFF
+    assert payoff.losses == 2
+    on, payoff = windows_on(1.0, 3.0, 8)
+    assert on == [True, False] + [True] * 6 and payoff.losses == 0
+    target = _Counting()
+    assert list(Prefetcher(range(5 * WINDOW), lambda b: [(target, b)],
+                           idle_when_slower=False)) == list(range(5 * WINDOW))
+    assert target.asked == list(range(5 * WINDOW))  # every batch, untimed
+
+
+@pytest.mark.multiprocess
+def test_a_job_whose_prefetcher_turns_itself_off_and_on_equals_the_embedded_table(
+        clusters, tmp_path, tmp_path_factory, monkeypatch):
+    """The dyadic job over 2 servers through a Prefetcher whose clock makes prefetching
+    lose: batches with and without prefetch interleave, and the table equals the
+    embedded job's bit for bit."""
+    from distemb import pipeline
+    from distemb.pipeline import WINDOW
+
+    now, asked = [0.0], [False]
+    real = pipeline.Prefetcher._prefetch
+
+    def prefetch(self, batch):
+        asked[0] = True
+        real(self, batch)
+
+    def clock():  # an iteration that prefetched costs three times a plain one
+        now[0] += 3.0 if asked[0] else 1.0
+        asked[0] = False
+        return now[0]
+    monkeypatch.setattr(pipeline.Prefetcher, "_prefetch", prefetch)
+    monkeypatch.setattr(pipeline, "clock", clock)
+    where = make_placement("tcp", clusters)
+    try:
+        t = Table("dense-range", 40, D, str(tmp_path))
+        steps = 9 * WINDOW  # on, plain, on (loses), plain x 4, on, plain
+        names, stats = where.run(prefetch_job(t, "adagrad", steps))[0]
+        assert_same_table(where.client, t, names, oracle(
+            t, "adagrad", steps, str(tmp_path_factory.getbasetemp())), "tcp")
+        assert 0 < stats["served_rows"], stats
+        where.client.delete_data(t.name)
+    finally:
+        where.client.close(goodbye=False)

@@ -27,7 +27,7 @@ import numpy as np
 
 from distemb.kernels import cachebook
 from distemb.kernels.hashtable import HashIndex
-from distemb.kvstore.caches.payoff import Payoff
+from distemb.payoff import Payoff
 from distemb.partition import splitmix64
 
 
@@ -280,7 +280,7 @@ class TableCache:
     def begin_pull(self):
         """Before a pull: at the end of a window of :data:`DECAY` pulls (with their
         updates), judge it by its time; a cache slower than plain pulls goes idle
-        (:mod:`distemb.kvstore.caches.payoff`)."""
+        (:mod:`distemb.payoff`)."""
         if self.payoff is None or not self.pulls or self.pulls % DECAY or \
                 self.pulls == self._judged:
             return
