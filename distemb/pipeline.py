@@ -83,10 +83,14 @@ class Prefetcher:
         self._prefetch(ahead)
         payoff = self.payoff = Payoff(refills=False) if self.idle_when_slower else None
         off = left = done = 0  # off: this window without prefetch; left: such windows
+        was_off = False
         start = clock()
         for following in it:
             if not off:
+                if was_off:  # a lookup takes the oldest prefetch of its table: its own
+                    self._prefetch(ahead)
                 self._prefetch(following)  # read while ``ahead`` computes
+            was_off = off
             yield ahead
             ahead = following
             if payoff is None:

@@ -185,13 +185,19 @@ def test_a_trainer_cache_pins_prefetched_copies_against_an_eviction_before_their
 
 
 class _Counting:
-    """A lookup target that counts the prefetches asked of it."""
+    """A lookup target that counts the prefetches asked of it; a lookup takes the oldest
+    waiting one, as a table does, and it must be the lookup's own batch."""
 
     def __init__(self):
-        self.asked = []
+        self.asked, self.waiting = [], []
 
     def prefetch(self, ids):
         self.asked.append(int(ids))
+        self.waiting.append(int(ids))
+
+    def lookup(self, ids):
+        if self.waiting:
+            assert self.waiting.pop(0) == ids, (ids, self.asked[-3:])
 
 
 def _timed(monkeypatch, on_cost, off_cost, target):
@@ -221,7 +227,11 @@ def test_a_prefetcher_slower_than_plain_iterations_stops_prefetching_for_a_while
         _timed(monkeypatch, on_cost, off_cost, target)
         batches = list(range(windows * WINDOW + 1))
         pipe = Prefetcher(batches, lambda b: [(target, b)])
-        assert list(pipe) == batches
+        seen = []
+        for b in pipe:  # turned on again, the Prefetcher asks for the batch at hand first
+            target.lookup(b)
+            seen.append(b)
+        assert seen == batches
         asked = set(target.asked)
         # the batch whose rows iteration i read ahead is i + 1
         return [all(w * WINDOW + i + 1 in asked for i in range(WINDOW))
