@@ -8,7 +8,8 @@ the rows it keeps off the wire, and a prefetch's reading threads compete for the
 with the step they should hide behind. So the user of a :class:`Payoff` times the work
 it changes (a cache: its table's pulls and updates, the waits for the servers
 included; a :class:`~distemb.pipeline.Prefetcher`: each whole iteration) and compares
-windows: on against off (plain). Slower than plain, it turns itself off for
+windows: on against off (plain). Not faster than plain by :data:`MARGIN`, it turns
+itself off for
 :data:`BACKOFF` windows, twice as long after each loss in a row (up to
 :data:`MAX_BACKOFF`); faster, it measures a plain window again after :data:`REPROBE`
 windows, then twice as long each time (up to :data:`MAX_REPROBE`: the link or the load
@@ -22,6 +23,10 @@ from typing import Optional
 BACKOFF = 4
 #: The longest idle period (in windows) after losses in a row.
 MAX_BACKOFF = 64
+#: Kept on only when its windows take at most this share of a plain window's time: two
+#: windows of a shared machine differ by a few percent with nothing changed, and a wrong
+#: "faster" keeps a losing speed-up on until the next plain window.
+MARGIN = 0.95
 #: Windows after which a cache found faster measures plain pulls again, the first time;
 #: doubled at each such measurement up to :data:`MAX_REPROBE` (back after a loss).
 REPROBE = 16
@@ -71,7 +76,7 @@ class Payoff:
             if self.plain is not None:
                 self.reprobe = min(2 * self.reprobe, MAX_REPROBE)
             return 1  # measure a plain window, then compare
-        if self.on < self.plain:
+        if self.on <= MARGIN * self.plain:
             self.backoff = BACKOFF
             return 0
         self.losses += 1
