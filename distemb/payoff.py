@@ -9,8 +9,7 @@ with the step they should hide behind. So the user of a :class:`Payoff` times th
 it changes (a cache: its table's pulls and updates, the waits for the servers
 included; a :class:`~distemb.pipeline.Prefetcher`: each whole iteration) and compares
 windows: on against off (plain). Not faster than plain by :data:`MARGIN`, it turns
-itself off for
-:data:`BACKOFF` windows, twice as long after each loss in a row (up to
+itself off for :data:`BACKOFF` windows, twice as long after each loss in a row (up to
 :data:`MAX_BACKOFF`); faster, it measures a plain window again after :data:`REPROBE`
 windows, then twice as long each time (up to :data:`MAX_REPROBE`: the link or the load
 may change). With ``refills``, the first window after a start (a cache refilling) is not
