@@ -38,6 +38,15 @@ class Payoff:
 
     Args:
         refills: the first window after each start is not judged (a cache refilling).
+
+    Example:
+        >>> p = Payoff(refills=False)
+        >>> p.spend(2.0); p.window(False, 1)   # on; no plain figure yet: one window off
+        1
+        >>> p.spend(1.0); p.window(True, 1)    # off (plain)
+        0
+        >>> p.spend(2.0); p.window(False, 1)   # on again, slower: off for BACKOFF windows
+        4
     """
 
     def __init__(self, refills: bool = True):
