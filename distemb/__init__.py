@@ -31,7 +31,7 @@ _LAZY = {
     "shutdown": "distemb.context",
     "DistTensor": "distemb.tensor",
     "DistEmbedding": "distemb.embedding",
-    "grouped_lookup": "distemb.embedding",
+    "grouped_lookup": "distemb.grouped",
     "DynamicEmbedding": "distemb.dynamic",
     "StoreEmbedding": "distemb.dynamic",
     "SparseOptimizer": "distemb.optim",

@@ -7,14 +7,12 @@ One table class for every storage: dense rows 0..N-1 (the default), any int64 ke
 ``contains``, ``get``, ``remove``, ``evict``, ``export``, ...) for every table: what a
 table's store cannot do is refused naming it.
 """
-import json
-import os
 import warnings
-import zipfile
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from distemb import table_file
 from distemb.arrays import GlobalIds, Rows, Tensor, UniqueIds
 from distemb.bags import Bags
 from distemb.enums import Rounding
@@ -28,8 +26,7 @@ from distemb.tensor import DistTensor
 DEFAULT_TRACE_LIMIT = 1024
 #: Dtypes a table's rows may be stored in.
 ROW_DTYPES = ("float32", "bfloat16", "float16")
-#: The format tag of :meth:`DistEmbedding.save`'s files.
-SAVE_FORMAT = "distemb-store-table"
+SAVE_FORMAT = table_file.SAVE_FORMAT
 
 
 class Lookup(NamedTuple):
@@ -439,25 +436,7 @@ class DistEmbedding:
 
         The optimizer's step counts and hyperparameters are in ``opt.state_dict()``.
         """
-        data = self.export()
-        arrays = {f"c/{k}": v for k, v in data.items()}
-        arrays["meta"] = np.frombuffer(json.dumps(
-            {"format": SAVE_FORMAT, "dim": self.embedding_dim,
-             "columns": sorted(data)}).encode(), np.uint8)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            # np.savez's layout, with the zip writer closed before its file, also when a
-            # write fails (a full disk): np.savez leaves it to the garbage collector,
-            # whose close() then fails on the closed file ("seek of closed file").
-            with open(tmp, "wb") as f, zipfile.ZipFile(f, "w", allowZip64=True) as z:
-                for name, array in arrays.items():
-                    with z.open(f"{name}.npy", "w", force_zip64=True) as out:
-                        np.lib.format.write_array(out, np.asanyarray(array),
-                                                  allow_pickle=False)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        table_file.write(path, self.export(), self.embedding_dim)
 
     def load(self, path) -> None:
         """Upsert the rows and state saved by :meth:`save` (create the optimizer first when
@@ -466,17 +445,7 @@ class DistEmbedding:
         Raises:
             StoreError: ``path`` is not such a file, or its dim or columns do not fit.
         """
-        try:
-            with np.load(path) as z:
-                meta = json.loads(z["meta"].tobytes().decode())
-                data = {k[2:]: z[k] for k in z.files if k.startswith("c/")}
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
-            raise StoreError(f"path: {path} is not a saved table ({e})") from None
-        if meta.get("format") != SAVE_FORMAT or meta.get("dim") != self.embedding_dim:
-            raise StoreError(f"path: {path} holds format {meta.get('format')!r} with dim "
-                             f"{meta.get('dim')}, expected {SAVE_FORMAT!r} with dim "
-                             f"{self.embedding_dim}")
-        self.import_(data)
+        self.import_(table_file.read(path, self.embedding_dim))
 
     def flush(self) -> None:
         """Make completed updates durable (file stores; no-op in memory)."""
@@ -500,51 +469,3 @@ class DistEmbedding:
         return (f"{type(self).__name__}(name={self.name!r}, num_embeddings="
                 f"{self.num_embeddings}, embedding_dim={self.embedding_dim}, "
                 f"dtype={self._tensor.dtype})")
-
-
-def grouped_lookup(lookups: Sequence[Tuple[DistEmbedding, Tensor]],
-                   device: Any = None) -> List[Tensor]:
-    """Rows of several tables in one call: ``[emb(ids, device) for emb, ids in lookups]``.
-
-    Each lookup is traced in its table as ``emb(ids)`` traces it, but the ids of every
-    table go to their client together (:meth:`~distemb.kvstore.KVClient.pull_many`): in
-    collective mode that is one exchange for all the tables instead of one per table (as
-    torchrec's EmbeddingCollection looks up every feature of a KeyedJaggedTensor at
-    once); elsewhere the tables are looked up in turn. A table may appear several times.
-    In collective mode, every rank makes the same grouped calls with the same tables.
-
-    Args:
-        lookups: ``(table, ids)`` pairs (ids of any shape, as ``emb(ids)`` takes).
-        device: where the rows go (as ``emb(ids, device=...)``).
-
-    Returns:
-        the rows of each lookup, in order.
-
-    Example:
-        >>> import torch
-        >>> a = DistEmbedding(10, 4, name="doc-group-a")
-        >>> b = DistEmbedding(20, 2, name="doc-group-b")
-        >>> ra, rb = grouped_lookup([(a, torch.tensor([1, 9])), (b, torch.tensor([[3]]))])
-        >>> ra.shape, rb.shape, len(a.trace), len(b.trace)
-        (torch.Size([2, 4]), torch.Size([1, 1, 2]), 1, 1)
-    """
-    prepared = []
-    for i, (emb, ids) in enumerate(lookups):
-        if not isinstance(emb, DistEmbedding):
-            raise TypeError(f"lookups[{i}]: expected a (DistEmbedding, ids) pair, got "
-                            f"{type(emb).__name__}")
-        client = emb.kvstore.view_on(device)
-        prepared.append((emb, client) + tuple(emb.weight.lookup_ids(ids, client)))
-    by_client = {}
-    for i, (_, client, _, _) in enumerate(prepared):
-        by_client.setdefault(id(client), (client, []))[1].append(i)
-    rows: List[Any] = [None] * len(prepared)
-    for client, which in by_client.values():
-        got = client.pull_many([(prepared[i][0].name, prepared[i][2]) for i in which])
-        for i, r in zip(which, got):
-            rows[i] = r
-    out = []
-    for (emb, client, flat, shape), r in zip(prepared, rows):
-        F = emb._F
-        out.append(emb._record(flat, F.reshape(client.rows_out(r, F), shape), client))
-    return out

@@ -288,7 +288,7 @@ def test_relays_keep_each_childs_lines_apart_and_prefixed():
     import io
     import threading
 
-    from distemb.launch import _relay
+    from distemb.supervisor import _relay
 
     out, lock, lines = io.BytesIO(), threading.Lock(), {}
     pipes = [os.pipe() for _ in range(2)]

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from distemb.context import current_context
-from distemb.embedding import ROW_DTYPES, DistEmbedding, grouped_lookup
+from distemb.embedding import ROW_DTYPES, DistEmbedding
+from distemb.grouped import grouped_lookup
 from distemb.integrations.pyg import torch_geometric
 from distemb.tensor import DistTensor
 
@@ -95,7 +96,7 @@ class DistFeatureStore(torch_geometric.data.FeatureStore):
     table given to the constructor is left to its owner.
 
     ``multi_get_tensor`` (what PyG's loaders call once per mini-batch) reads the rows of
-    every DistEmbedding-backed pair at once (:func:`distemb.embedding.grouped_lookup`:
+    every DistEmbedding-backed pair at once (:func:`distemb.grouped.grouped_lookup`:
     one exchange for all of them in a collective job); the other pairs are read in turn.
 
     Args:
