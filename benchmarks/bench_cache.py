@@ -80,7 +80,7 @@ from distemb.transport.base import Connection  # noqa: E402
 from distemb.transport.messages import Service  # noqa: E402
 import netns  # noqa: E402
 import results  # noqa: E402
-from cache_report import headline, print_account, slug, summarize  # noqa: E402
+from cache_report import headline, plot, print_account, slug, summarize  # noqa: E402
 from id_streams import (SIZES, byte_bounds, draw_streams, exact_bound,  # noqa: E402
                         static_hit_rates)
 
@@ -316,27 +316,6 @@ def hit_rates(streams, num_rows, warmup):
             out[(sname, policy)] = [run[0]["hit_rate"] for run in res]
             print(f"  hit rate {sname} {policy}: {out[(sname, policy)]}", flush=True)
     return out
-
-
-def plot(rates, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (sname, policy), r in rates.items():
-        style = {"lru": "-", "lfu": "--"}.get(policy, ":")
-        ax.plot([100 * s for s in SIZES], [100 * x for x in r], marker="o",
-                linestyle=style, label=f"{sname} ids, {policy}")
-    ax.set_xscale("log")
-    ax.set_xlabel("cache size (% of the table's rows)")
-    ax.set_ylabel("hit rate (% of unique rows per step)")
-    ax.set_title("Trainer cache on WordNet, exact mode, 1 trainer")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
 
 
 def main():

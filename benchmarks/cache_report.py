@@ -1,6 +1,10 @@
 """bench_cache.py's report: its table rows, byte account and the figures the docs quote,
 from the runs it made (no process is started here)."""
+import os
+
 import numpy as np
+
+from id_streams import SIZES
 
 
 def headline(rec, jobs, names, links, bounds, consistency, servers):
@@ -85,3 +89,25 @@ def summarize(job, runs, configs, k, rounds):
                      1 - med("recv") / none[4], med("sent"), med("hit"), med("cpu"),
                      med("scpu")))
     return rows
+
+
+def plot(rates, path):
+    """Hit rate against cache size per (stream, policy) of ``rates``, as a PNG at ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (sname, policy), r in rates.items():
+        style = {"lru": "-", "lfu": "--"}.get(policy, ":")
+        ax.plot([100 * s for s in SIZES], [100 * x for x in r], marker="o",
+                linestyle=style, label=f"{sname} ids, {policy}")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache size (% of the table's rows)")
+    ax.set_ylabel("hit rate (% of unique rows per step)")
+    ax.set_title("Trainer cache on WordNet, exact mode, 1 trainer")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
