@@ -46,8 +46,8 @@ from distemb import kernels
 from distemb.errors import KVStoreError, MissingKeyError
 from distemb.kernels import half
 from distemb.kernels.hashtable import keys_array
-from distemb.transport.collective import (KEYS, PULL, PUSH, UPDATE, Exchange, Payload,
-                                          Routed, padded)
+from distemb.transport.collective import KEYS, PULL, PUSH, UPDATE, Exchange, Routed
+from distemb.transport.sections import Payload, padded
 from distemb.kvstore.local import LocalKVClient, column_name
 from distemb.kvstore.prefetch import Prefetch, Prefetches
 from distemb.kvstore.server.kvserver import KVServer

@@ -8,9 +8,9 @@ two rounds of an exchange over the client's own gloo group:
   names, sequence number, bytes of the payload to follow); every rank checks that all are
   in the same call (the same operation on the same tables, the same sequence number), so
   ranks whose calls went apart raise on every rank instead of mixing rows of two tables;
-- a **payload** round: one flat byte buffer per destination, built by :class:`Payload`
+- a **payload** round: one flat byte buffer per destination, built by :class:`~distemb.transport.sections.Payload`
   from sections (ids, rows, counts) each padded to 8 bytes, so a receiver reads every
-  section in place (:class:`Received`) at an aligned offset.
+  section in place (:class:`~distemb.transport.sections.Received`) at an aligned offset.
 
 A call naming several tables (a grouped lookup, the update of every table of an
 optimizer) is one header and one payload per direction for all of them, whatever their
@@ -27,42 +27,31 @@ ids by owning rank (:class:`Routed`). Everything here is torch.distributed's ``a
 ``barrier`` on CPU tensors (gloo). The same calls run on an NCCL group with the buffers
 on the group's device.
 
-Example:
-    >>> p = Payload(2)
-    >>> p.add(1, np.arange(3, dtype=np.int64)); p.add(1, np.ones((1, 2), np.float32))
-    >>> buf, sizes = p.build()
-    >>> sizes.tolist()
-    [0, 32]
-    >>> r = Received(buf, sizes)
-    >>> r.take(1, np.int64, (3,)).tolist(), r.take(1, np.float32, (1, 2)).tolist()
-    ([0, 1, 2], [[1.0, 1.0]])
+The byte layout of a payload is :mod:`distemb.transport.sections`.
+
+Example (the grouping; an :class:`Exchange` needs a process group):
+    >>> r = Routed(np.array([1, 0, 1]), np.array([7, 8, 9]), world_size=2)
+    >>> r.counts.tolist(), r.ids.tolist(), r.of(1, r.ids).tolist()
+    ([1, 2], [8, 7, 9], [7, 9])
 """
 import datetime
 import os
 import time
 import zlib
-from typing import List, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from distemb.errors import DistEmbError, KVStoreError
+from distemb.transport.sections import Payload, Received, padded
 
 #: Operation codes of the header.
 PULL, PUSH, UPDATE, KEYS = 1, 2, 3, 4
 OP_NAMES = {PULL: "pull", PUSH: "push", UPDATE: "push_update", KEYS: "key request"}
 #: Longest wait, after a failed round, for the other ranks to report in.
 REPORT_GRACE_S = 5.0
-#: Every section of a payload starts at a multiple of this many bytes.
-ALIGN = 8
-
-
-def padded(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
-    return (int(nbytes) + ALIGN - 1) // ALIGN * ALIGN
-
-
 def names_crc(names: Sequence[str]) -> int:
     """Checksum of the table names a call is about (in order)."""
     return zlib.crc32("\x00".join(names).encode("utf-8"))
@@ -72,66 +61,6 @@ def describe(op: int, names: Sequence[str]) -> str:
     """'pull of 'a'' or 'push_update of ['a', 'b']': a call, for error messages."""
     what = repr(names[0]) if len(names) == 1 else repr(list(names))
     return f"{OP_NAMES.get(op, f'operation {op}')} of {what}"
-
-
-class Payload:
-    """Sections for each destination rank, packed into one flat uint8 buffer.
-
-    Args:
-        world_size: the number of destinations.
-    """
-
-    def __init__(self, world_size: int):
-        self._parts: List[List[np.ndarray]] = [[] for _ in range(world_size)]
-
-    def add(self, dest: int, array: np.ndarray) -> None:
-        """Append ``array``'s bytes (C order) to the payload of rank ``dest``."""
-        self._parts[dest].append(array)
-
-    def build(self):
-        """(flat uint8 buffer, (W,) int64 bytes for each destination, in rank order)."""
-        sizes = np.array([sum(padded(a.nbytes) for a in p) for p in self._parts], np.int64)
-        buf = np.empty(int(sizes.sum()), np.uint8)
-        at = 0
-        for p in self._parts:
-            for a in p:
-                n = a.nbytes
-                if n:
-                    flat = np.ascontiguousarray(a).reshape(-1)
-                    buf[at:at + n] = flat.view(np.uint8)
-                at += padded(n)
-        return buf, sizes
-
-
-class Received:
-    """Sections read back, in the order they were added, from each source's bytes.
-
-    Args:
-        buf: the flat uint8 buffer received.
-        sizes: bytes from each source, in rank order.
-    """
-
-    def __init__(self, buf: np.ndarray, sizes: np.ndarray):
-        self._buf = buf
-        self._at = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        self._end = self._at + np.asarray(sizes, np.int64)
-
-    def take(self, src: int, dtype, shape) -> np.ndarray:
-        """The next section from rank ``src``: an array of ``dtype`` and ``shape`` viewing
-        the buffer (no copy).
-
-        Raises:
-            KVStoreError: fewer bytes left from ``src`` than the section needs.
-        """
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        n = count * dtype.itemsize
-        at = int(self._at[src])
-        if at + n > self._end[src]:
-            raise KVStoreError(f"collective exchange: rank {src} sent {self._end[src] - at} "
-                               f"bytes where {n} were expected (ranks disagree on a table)")
-        self._at[src] = at + padded(n)
-        return self._buf[at:at + n].view(dtype).reshape(shape)
 
 
 class Exchange:
