@@ -223,6 +223,18 @@ def test_bench_deepwalk(tmp_path):
 
 
 @needs_dgl
+@pytest.mark.multiprocess
+def test_bench_deepwalk_cluster(tmp_path):
+    """Loopback only: no namespaces needed (and none made)."""
+    out, rec = run(tmp_path, "bench_deepwalk_cluster.py", "--dataset", "karate", "--hosts",
+                   "1x1", "--links", "loopback", "--steps", "4", "--warmup", "1", "--rounds",
+                   "1", "--", "--batch-size", "64", "--dim", "8")
+    row = table_row(out, "1x1")
+    assert row[1] == "loopback" and row[4].endswith("x")
+    assert figure(rec, "prefetch.1x1_loopback") > 0 and figure(rec, "mb_per_step") > 0
+
+
+@needs_dgl
 def test_bench_graphsage(tmp_path):
     out, rec = run(tmp_path, "bench_graphsage.py", "--dataset", "karate", "--steps", "2",
                    "--warmup", "1", "--rounds", "1", "--batch-size", "8", "--optimizers",
