@@ -140,20 +140,37 @@ def steady(timing, warmup):
     return rate, {k: timing["phase_seconds"][k] / len(ends) for k in PHASES}
 
 
-def bytes_per_step(args):
-    """Mean bytes of rows one trainer's step pulls (and pushes as gradients): the unique
-    ids of its batches' two lookups, float32 rows, over the stream's first 20 batches."""
+def rows_per_step(args, strides):
+    """What a trainer's step moves, over the stream's first 40 batches: the mean bytes of
+    rows it pulls (and pushes as gradients: float32 rows of the unique ids of its two
+    lookups), the batch size, and per stride T (trainers) the mean share of those rows
+    that the trainer's next batch (T batches on) looks up again (with prefetch, they come
+    back patched on the update's reply)."""
     dw = deepwalk.parse_args(["--dataset", args.dataset, "--seed", str(args.seed),
                               *args.deepwalk_args])
     graph = deepwalk.load(dw).graph
     deepwalk.resolve_batch_size(dw, graph)
     batches = SkipGramBatches(graph, dw.walk_length, dw.window, dw.num_walks, dw.negatives,
                               dw.batch_size, dw.p, dw.q, dw.seed)
-    rows = []
-    for i, batch in zip(range(20), batches.epoch(0)):
+    ids = []  # per batch: (unique centre ids, unique context ids)
+    for _, batch in zip(range(40), batches.epoch(0)):
         u_ids, _, c_ids, _, _ = deepwalk.unique_batch(batch)
-        rows.append(len(u_ids) + len(c_ids))
-    return float(np.mean(rows)) * dw.dim * 4, dw.batch_size
+        ids.append((u_ids.numpy(), c_ids.numpy()))
+    rows = [len(u) + len(c) for u, c in ids]
+    shared = {t: float(np.mean([
+        sum(len(np.intersect1d(a, b, assume_unique=True)) for a, b in zip(ids[i], ids[i + t]))
+        / rows[i] for i in range(len(ids) - t)])) for t in strides}
+    return float(np.mean(rows)) * dw.dim * 4, dw.batch_size, shared, dw.dim
+
+
+def ahead(timings, dim):
+    """Share of a job's lookups that were prefetched, and MB per step of rows the
+    updates' replies patched (the trainers' prefetch counters; 0 without)."""
+    stats = [t["prefetch_stats"] or {} for t in timings]
+    steps = sum(len(t["step_ends"]) for t in timings)
+    lookups = 2 * steps  # the node table's and the context table's
+    return (sum(s.get("prefetches", 0) for s in stats) / lookups,
+            sum(s.get("patched_rows", 0) for s in stats) * dim * 4 / 1e6 / steps)
 
 
 def make_parser():
@@ -197,7 +214,7 @@ def main():
         if why:
             p.error(f"--links {args.links}: {why}")
         netns.verify([rate for rate in links if rate is not None])
-    nbytes, batch = bytes_per_step(args)
+    nbytes, batch, shared, dim = rows_per_step(args, sorted({t for _, t in jobs}))
     configs = [(s, t, rate) for rate in links for s, t in jobs]
     got = {(c, on): [] for c in configs for on in (True, False)}  # [(steps/s, phases)]
     with results.Recorder("bench_deepwalk_cluster", args) as rec, \
@@ -210,7 +227,8 @@ def main():
                     timings = run_job(args, *c, on, workdir)
                     each = [steady(t, args.warmup) for t in timings]
                     got[(c, on)].append((float(np.mean([e[0] for e in each])), {
-                        k: float(np.mean([e[1][k] for e in each])) for k in PHASES}))
+                        k: float(np.mean([e[1][k] for e in each])) for k in PHASES},
+                        ahead(timings, dim)))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{s}x{t} {netns.link_name(rate)} {got[((s, t, rate), True)][-1][0]:.2f}/"
                 f"{got[((s, t, rate), False)][-1][0]:.2f}" for s, t, rate in configs)
@@ -219,10 +237,14 @@ def main():
         print(f"\nDeepWalk on {args.dataset}, {batch:,} pairs a step, {args.steps} steps per "
               f"trainer ({args.warmup} not timed), one thread per process, "
               f"{os.cpu_count()} cores, {args.rounds} round(s) in turns, medians; a step "
-              f"moves ~{nbytes / 1e6:.1f} MB of rows each way per trainer\n")
+              f"moves ~{nbytes / 1e6:.1f} MB of rows each way per trainer, of which a "
+              "trainer's next batch looks up again " + ", ".join(
+                  f"{100 * v:.0f}% ({t} trainer{'s' * (t > 1)})" for t, v in shared.items())
+              + "\n")
         print("| job | link | steps/s, prefetch | steps/s, none | with / without | "
-              "ms/step sample, fwd+bwd, step (prefetch) | (none) | wire ms/step each way |")
-        print("|---|---|---|---|---|---|---|---|")
+              "ms/step sample, fwd+bwd, step (prefetch) | (none) | batches prefetched | "
+              "MB/step patched | wire ms/step each way |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for s, t, rate in configs:
             on, off = got[((s, t, rate), True)], got[((s, t, rate), False)]
             ratio = float(np.median([a[0] / b[0] for a, b in zip(on, off)]))
@@ -232,7 +254,8 @@ def main():
             link = netns.link_name(rate)
             print(f"| {s}x{t} | {link} | {np.median([x[0] for x in on]):.2f} | "
                   f"{np.median([x[0] for x in off]):.2f} | {ratio:.2f}x | {phases[0]} | "
-                  f"{phases[1]} | {wire} |")
+                  f"{phases[1]} | {np.median([x[2][0] for x in on]):.0%} | "
+                  f"{np.median([x[2][1] for x in on]):.1f} | {wire} |")
             key = f"{s}x{t}_{link}"
             rec.figure(f"prefetch.{key}", ratio, "{:.2f}x",
                        f"DeepWalk {s}x{t} over {link}: steps/s per trainer with prefetch "
@@ -243,6 +266,9 @@ def main():
                            "per trainer")
         rec.figure("mb_per_step", nbytes / 1e6, "{:.1f} MB",
                    "rows one trainer's step pulls (and pushes as gradients), float32")
+        for t, v in shared.items():
+            rec.figure(f"shared_next.{t}", 100 * v, "{:.0f}%", f"share of a trainer's rows "
+                       f"that its next batch looks up again, {t} trainer(s)")
 
 
 if __name__ == "__main__":

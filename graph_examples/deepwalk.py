@@ -245,8 +245,9 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     Returns:
         dict with 'embeddings' (N, dim) float32, 'losses' (per step), 'steps',
         'pairs', 'seconds', 'cpu_seconds' (of every thread of the process),
-        'phase_seconds' (sample, forward_backward, step) and 'step_ends' (seconds from
-        the start of training to the end of each step).
+        'phase_seconds' (sample, forward_backward, step), 'step_ends' (seconds from
+        the start of training to the end of each step) and 'prefetch_stats' (the
+        client's prefetch counters; None without any).
     """
     resolve_batch_size(args, graph)
     tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
@@ -318,9 +319,13 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
         items, lambda item: batch_lookups(tables, args.loss, item[2]), rows_ahead))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
+    # rows read ahead, taken by lookups, patched by updates, read again (a client that
+    # prefetches: on servers, collective, behind a cache)
+    stats = getattr(distemb.current_context().client, "prefetch_stats", None) \
+        if rows_ahead else None
     return dict(embeddings=export(tables, rank, num_trainers), losses=losses,
                 steps=len(losses), pairs=pairs, seconds=seconds, cpu_seconds=cpu_seconds,
-                phase_seconds=phase, step_ends=ends)
+                phase_seconds=phase, step_ends=ends, prefetch_stats=stats and stats())
 
 
 def overlapped(items, consume, depth: int, pipeline=lambda items: items) -> None:
