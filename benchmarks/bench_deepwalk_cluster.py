@@ -5,23 +5,31 @@ of S servers x T trainers (``--hosts 2x2``, also ``1x1``), over each link of
 ``--links``: ``loopback`` runs every process on 127.0.0.1; a rate (``1gbit``) puts
 every server and every trainer on a host of its own, a network namespace whose link is
 shaped to that rate each way (``benchmarks/netns.py``; needs root), so every row crosses
-a link. Each job runs twice a round, ``--prefetch-rows`` (deepwalk.py's default:
-``distemb.pipeline.Prefetcher``, which times itself and stops prefetching where it does
-not pay) and ``--no-prefetch-rows``, in turns over ``--rounds``, on fresh servers each
-time, with the same seed: the same walks, batches and steps (``--steps`` per trainer).
+a link. Each job runs once a round per side, on fresh servers each time (fresh
+tables), with the same seed (the same walks, batches and steps: ``--steps`` per
+trainer), the sides in turns over ``--rounds``:
+
+- ``none`` (the baseline): ``--no-prefetch-rows``;
+- ``prefetch``: deepwalk.py's default, ``distemb.pipeline.Prefetcher``, which times its
+  iterations and stops prefetching for a while where that is no faster;
+- ``every`` (``--sides prefetch,every``): every batch prefetched
+  (``--prefetch-every-batch``), what prefetch itself does to a step.
 
 Each trainer times its own steps (deepwalk.py ``--train-only``: the end of every step,
-and where the time went: waiting for the sampler, lookups with forward and backward,
-the optimizer step); the first ``--warmup`` steps are left out. Printed per job and
-link: the median steps/s per trainer with and without prefetch, the median of the
-rounds' ratios (with / without, same round), ms per step in each phase, and the bytes
-a trainer's step moves each way (the rows of its unique ids) against the link's rate.
+and where the time went: between steps (the wait for the sampler, the prefetch sent),
+lookups with forward and backward, the optimizer step); the first ``--warmup`` steps are
+left out. Printed per job, link and side: the median steps/s per trainer, the median of
+the rounds' ratios over ``none`` (same round), ms per step in each phase, the share of
+lookups that were prefetched and the MB per step of rows the updates' replies patched
+(the trainers' prefetch counters), and the bytes a trainer's step moves each way (the
+rows of its unique ids) against the link's rate.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_deepwalk_cluster.py [--dataset wordnet]
-        [--hosts 2x2,1x1] [--links loopback,1gbit] [--steps 200] [--warmup 10]
-        [--rounds 3] [--timeout 600] [-- more deepwalk.py options]
+        [--hosts 2x2,1x1] [--links loopback,1gbit] [--sides prefetch,every]
+        [--steps 200] [--warmup 10] [--rounds 3] [--timeout 600]
+        [-- more deepwalk.py options]
 """
 import argparse
 import json
@@ -69,8 +77,9 @@ def env():
                 OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 
-def run_job(args, servers, trainers, rate, prefetch, workdir):
-    """One DeepWalk job on fresh servers (fresh tables); each trainer's timing, by rank.
+def run_job(args, servers, trainers, rate, options, workdir):
+    """One DeepWalk job on fresh servers (fresh tables), ``options`` added to deepwalk.py's
+    (a side's); each trainer's timing, by rank.
 
     Every process is started here (no launcher), bounded by ``args.timeout`` and, if it
     has not exited by then, killed by the PID it was started with; the namespaces go on
@@ -103,8 +112,7 @@ def run_job(args, servers, trainers, rate, prefetch, workdir):
                     sys.executable, DEEPWALK, "--quiet", "--threads", "1", "--train-only",
                     "--out", out, "--dataset", args.dataset, "--seed", str(args.seed),
                     "--max-steps", str(args.steps * trainers),
-                    "--prefetch-rows" if prefetch else "--no-prefetch-rows",
-                    *args.deepwalk_args]), "trainer", r)
+                    *options, *args.deepwalk_args]), "trainer", r)
             # trainers first: the servers exit once every trainer has shut down
             for name, p in procs[servers:] + procs[:servers]:
                 try:
@@ -173,6 +181,18 @@ def ahead(timings, dim):
             sum(s.get("patched_rows", 0) for s in stats) * dim * 4 / 1e6 / steps)
 
 
+#: The ways a job runs: deepwalk.py's options for each (the baseline, ``none``, last).
+SIDES = {"prefetch": ["--prefetch-rows"],
+         "every": ["--prefetch-rows", "--prefetch-every-batch"],
+         "none": ["--no-prefetch-rows"]}
+SIDE_TEXT = {"prefetch": "deepwalk.py's default: the Prefetcher, which stops prefetching "
+             "for a while where it finds iterations no faster",
+             "every": "every batch prefetched (--prefetch-every-batch)",
+             "none": "--no-prefetch-rows (the baseline)"}
+#: the figure name of each side's ratio over ``none``
+FIGURE = {"prefetch": "prefetch", "every": "prefetch_every"}
+
+
 def make_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", default="wordnet", help="deepwalk.py's --dataset")
@@ -185,6 +205,10 @@ def make_parser():
     p.add_argument("--warmup", type=int, default=10, help="first steps not timed")
     p.add_argument("--rounds", type=int, default=3,
                    help="each job with and without prefetch, in turns; medians")
+    p.add_argument("--sides", default="prefetch",
+                   help="besides the baseline (no prefetch), comma-separated: 'prefetch' "
+                   "(deepwalk.py's default, judged by the Prefetcher's own timing) and/or "
+                   "'every' (every batch prefetched)")
     p.add_argument("--seed", type=int, default=0, help="deepwalk.py's --seed (every run)")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds one job may run before its processes are killed")
@@ -203,6 +227,9 @@ def main():
     if not 0 <= args.warmup < args.steps - 1:
         p.error(f"--warmup: must be in [0, --steps - 1), got {args.warmup} "
                 f"(--steps {args.steps})")
+    unknown = set(args.sides.split(",")) - (set(SIDES) - {"none"})
+    if unknown:
+        p.error(f"--sides: expected 'prefetch' and/or 'every', got {args.sides!r}")
     try:
         jobs = [parse_hosts(x) for x in args.hosts.split(",")]
         links = [netns.parse_link(x) for x in args.links.split(",")]
@@ -216,23 +243,24 @@ def main():
         netns.verify([rate for rate in links if rate is not None])
     nbytes, batch, shared, dim = rows_per_step(args, sorted({t for _, t in jobs}))
     configs = [(s, t, rate) for rate in links for s, t in jobs]
-    got = {(c, on): [] for c in configs for on in (True, False)}  # [(steps/s, phases)]
+    sides = [x for x in SIDES if x in args.sides.split(",")] + ["none"]
+    got = {(c, side): [] for c in configs for side in sides}  # [(steps/s, phases, ahead)]
     with results.Recorder("bench_deepwalk_cluster", args) as rec, \
             tempfile.TemporaryDirectory() as workdir:
         for r in range(args.rounds):
             for c in configs:
-                # on first in odd rounds, off first in even ones: neither side always
-                # runs after the other
-                for on in ((True, False) if r % 2 == 0 else (False, True)):
-                    timings = run_job(args, *c, on, workdir)
+                # the order turns each round: no side always runs after another
+                for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+                    timings = run_job(args, *c, SIDES[side], workdir)
                     each = [steady(t, args.warmup) for t in timings]
-                    got[(c, on)].append((float(np.mean([e[0] for e in each])), {
+                    got[(c, side)].append((float(np.mean([e[0] for e in each])), {
                         k: float(np.mean([e[1][k] for e in each])) for k in PHASES},
                         ahead(timings, dim)))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{s}x{t} {netns.link_name(rate)} {got[((s, t, rate), True)][-1][0]:.2f}/"
-                f"{got[((s, t, rate), False)][-1][0]:.2f}" for s, t, rate in configs)
-                + f" steps/s with/without prefetch; load average {os.getloadavg()[0]:.1f}",
+                f"{s}x{t} {netns.link_name(rate)} " + "/".join(
+                    f"{got[((s, t, rate), side)][-1][0]:.2f}" for side in sides)
+                for s, t, rate in configs)
+                + f" steps/s ({'/'.join(sides)}); load average {os.getloadavg()[0]:.1f}",
                 flush=True)
         print(f"\nDeepWalk on {args.dataset}, {batch:,} pairs a step, {args.steps} steps per "
               f"trainer ({args.warmup} not timed), one thread per process, "
@@ -240,30 +268,29 @@ def main():
               f"moves ~{nbytes / 1e6:.1f} MB of rows each way per trainer, of which a "
               "trainer's next batch looks up again " + ", ".join(
                   f"{100 * v:.0f}% ({t} trainer{'s' * (t > 1)})" for t, v in shared.items())
-              + "\n")
-        print("| job | link | steps/s, prefetch | steps/s, none | with / without | "
-              "ms/step sample, fwd+bwd, step (prefetch) | (none) | batches prefetched | "
-              "MB/step patched | wire ms/step each way |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              + f"\nsides: {'; '.join(f'{x}: {SIDE_TEXT[x]}' for x in sides)}\n")
+        print("| job | link | rows | steps/s | vs none | ms/step sample, fwd+bwd, step | "
+              "lookups prefetched | MB/step patched | wire ms/step each way |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for s, t, rate in configs:
-            on, off = got[((s, t, rate), True)], got[((s, t, rate), False)]
-            ratio = float(np.median([a[0] / b[0] for a, b in zip(on, off)]))
-            phases = [", ".join(f"{1e3 * np.median([x[1][k] for x in side]):.0f}"
-                                for k in PHASES) for side in (on, off)]
-            wire = "-" if rate in (None, netns.VETH) else f"{1e3 * nbytes * 8 / rate:.0f}"
             link = netns.link_name(rate)
-            print(f"| {s}x{t} | {link} | {np.median([x[0] for x in on]):.2f} | "
-                  f"{np.median([x[0] for x in off]):.2f} | {ratio:.2f}x | {phases[0]} | "
-                  f"{phases[1]} | {np.median([x[2][0] for x in on]):.0%} | "
-                  f"{np.median([x[2][1] for x in on]):.1f} | {wire} |")
             key = f"{s}x{t}_{link}"
-            rec.figure(f"prefetch.{key}", ratio, "{:.2f}x",
-                       f"DeepWalk {s}x{t} over {link}: steps/s per trainer with prefetch "
-                       "over without, same round")
-            for name, side in (("prefetch", on), ("none", off)):
-                rec.figure(f"steps_{name}.{key}", float(np.median([x[0] for x in side])),
-                           "{:.2f} steps/s", f"DeepWalk {s}x{t} over {link}, {name}: steps/s "
-                           "per trainer")
+            wire = "-" if rate in (None, netns.VETH) else f"{1e3 * nbytes * 8 / rate:.0f}"
+            for side in sides:
+                runs, base = got[((s, t, rate), side)], got[((s, t, rate), "none")]
+                ratio = float(np.median([a[0] / b[0] for a, b in zip(runs, base)]))
+                phases = ", ".join(f"{1e3 * np.median([x[1][k] for x in runs]):.0f}"
+                                   for k in PHASES)
+                steps = float(np.median([x[0] for x in runs]))
+                print(f"| {s}x{t} | {link} | {side} | {steps:.2f} | {ratio:.2f}x | {phases} | "
+                      f"{np.median([x[2][0] for x in runs]):.0%} | "
+                      f"{np.median([x[2][1] for x in runs]):.1f} | {wire} |")
+                rec.figure(f"steps_{side}.{key}", steps, "{:.2f} steps/s",
+                           f"DeepWalk {s}x{t} over {link}, {side}: steps/s per trainer")
+                if side != "none":
+                    rec.figure(f"{FIGURE[side]}.{key}", ratio, "{:.2f}x",
+                               f"DeepWalk {s}x{t} over {link}: steps/s per trainer, "
+                               f"{SIDE_TEXT[side]}, over no prefetch, same round")
         rec.figure("mb_per_step", nbytes / 1e6, "{:.1f} MB",
                    "rows one trainer's step pulls (and pushes as gradients), float32")
         for t, v in shared.items():

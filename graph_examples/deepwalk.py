@@ -164,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="read each next batch's rows while the current batch trains "
                    "(distemb.pipeline.Prefetcher: tables on servers or other ranks; an "
                    "embedded table has nothing to read ahead)")
+    p.add_argument("--prefetch-every-batch", action="store_true",
+                   help="with --prefetch-rows: prefetch every batch, also where the "
+                   "Prefetcher's own timing finds it no faster (idle_when_slower=False)")
     p.add_argument("--batch-size", type=int,
                    help=f"pairs per step (default: {DEFAULT_BATCH_SIZE:,}, or fewer on a "
                    f"small graph, so that an epoch has at least {MIN_STEPS_PER_EPOCH} "
@@ -316,7 +319,8 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     # trains: a client serves one thread); the torch backend has nothing to prefetch.
     rows_ahead = args.prefetch_rows and hasattr(tables, "node_table")
     overlapped(made(), train_step, args.prefetch, lambda items: Prefetcher(
-        items, lambda item: batch_lookups(tables, args.loss, item[2]), rows_ahead))
+        items, lambda item: batch_lookups(tables, args.loss, item[2]), rows_ahead,
+        idle_when_slower=not args.prefetch_every_batch))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
     # rows read ahead, taken by lookups, patched by updates, read again (a client that
