@@ -270,5 +270,10 @@ class Connection:
         default: the connection's timeout)."""
         raise NotImplementedError
 
+    def pending(self):
+        """Whether :meth:`recv` would not wait for the next frame to begin (it has begun
+        to arrive, or the peer is gone)."""
+        raise NotImplementedError
+
     def close(self):
         """Release the channel; later calls raise."""
