@@ -164,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="read each next batch's rows while the current batch trains "
                    "(distemb.pipeline.Prefetcher: tables on servers or other ranks; an "
                    "embedded table has nothing to read ahead)")
+    p.add_argument("--prefetch-every-batch", action="store_true",
+                   help="with --prefetch-rows: prefetch every batch, also where the "
+                   "Prefetcher's own timing finds it no faster (idle_when_slower=False)")
     p.add_argument("--batch-size", type=int,
                    help=f"pairs per step (default: {DEFAULT_BATCH_SIZE:,}, or fewer on a "
                    f"small graph, so that an epoch has at least {MIN_STEPS_PER_EPOCH} "
@@ -184,6 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "trainer of one job (default: fresh tables for this run)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="out/deepwalk", help="output directory")
+    p.add_argument("--train-only", action="store_true",
+                   help="train, then write this trainer's timing to OUT/train-rank<R>.json "
+                   "(steps, seconds, phases, the end of each step); no evaluation, no plot "
+                   "(benchmarks/bench_deepwalk_cluster.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("dim", "walk_length", "window", "num_walks", "negatives", "batch_size",
@@ -240,8 +247,10 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
 
     Returns:
         dict with 'embeddings' (N, dim) float32, 'losses' (per step), 'steps',
-        'pairs', 'seconds', 'cpu_seconds' (of every thread of the process) and
-        'phase_seconds' (sample, forward_backward, step).
+        'pairs', 'seconds', 'cpu_seconds' (of every thread of the process),
+        'phase_seconds' (sample, forward_backward, step), 'step_ends' (seconds from
+        the start of training to the end of each step) and 'prefetch_stats' (the
+        client's prefetch counters; None without any).
     """
     resolve_batch_size(args, graph)
     tables = make_tables(args.backend, graph.num_nodes(), args.dim, args.lr, args.seed,
@@ -258,7 +267,7 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
         if total < FEW_STEPS:
             say(f"note: {total} steps learn little; for more, raise --epochs (now "
                 f"{args.epochs}) or --num-walks, or lower --batch-size")
-    losses, pairs = [], 0
+    losses, ends, pairs = [], [], 0
     # Where the time goes: waiting for a batch (walks, pairs, negatives; while
     # prefetching, only what the sampler thread did not hide), lookups with forward and
     # backward, and the optimizer step; 'sampler' is the sampler's own time.
@@ -295,6 +304,7 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
         tables.step()
         losses.append(loss.item())
         tock = time.perf_counter()
+        ends.append(tock - start)
         phase["sample"] += t1 - tick[0]
         phase["forward_backward"] += t2 - t1
         phase["step"] += tock - t2
@@ -309,12 +319,17 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
     # trains: a client serves one thread); the torch backend has nothing to prefetch.
     rows_ahead = args.prefetch_rows and hasattr(tables, "node_table")
     overlapped(made(), train_step, args.prefetch, lambda items: Prefetcher(
-        items, lambda item: batch_lookups(tables, args.loss, item[2]), rows_ahead))
+        items, lambda item: batch_lookups(tables, args.loss, item[2]), rows_ahead,
+        idle_when_slower=not args.prefetch_every_batch))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
+    # rows read ahead, taken by lookups, patched by updates, read again (a client that
+    # prefetches: on servers, collective, behind a cache)
+    stats = getattr(distemb.current_context().client, "prefetch_stats", None) \
+        if rows_ahead else None
     return dict(embeddings=export(tables, rank, num_trainers), losses=losses,
                 steps=len(losses), pairs=pairs, seconds=seconds, cpu_seconds=cpu_seconds,
-                phase_seconds=phase)
+                phase_seconds=phase, step_ends=ends, prefetch_stats=stats and stats())
 
 
 def overlapped(items, consume, depth: int, pipeline=lambda items: items) -> None:
@@ -465,6 +480,11 @@ def run(args, rank: int = 0, num_trainers: int = 1) -> dict:
     if num_trainers > 1 and not args.table_name:
         args.table_name = "deepwalk"  # every trainer of the job trains the same tables
     result = train(graph, args, rank, num_trainers)
+    if args.train_only:
+        timing = dict(rank=rank, trainers=num_trainers, load_seconds=load_s,
+                      **{k: v for k, v in result.items() if k != "embeddings"})
+        (out / f"train-rank{rank}.json").write_text(json.dumps(timing) + "\n")
+        return timing
     emb = result["embeddings"]
     if rank != 0:
         print(f"trainer {rank}: {result['steps']} steps in {result['seconds']:.1f} s, "

@@ -223,6 +223,19 @@ def test_bench_deepwalk(tmp_path):
 
 
 @needs_dgl
+@pytest.mark.multiprocess
+def test_bench_deepwalk_cluster(tmp_path):
+    """Loopback only: no namespaces needed (and none made)."""
+    out, rec = run(tmp_path, "bench_deepwalk_cluster.py", "--dataset", "karate", "--hosts",
+                   "1x1", "--links", "loopback", "--steps", "4", "--warmup", "1", "--rounds",
+                   "1", "--sides", "prefetch,every", "--", "--batch-size", "64", "--dim", "8")
+    assert [row[2] for row in table_rows(out, "1x1")] == ["prefetch", "every", "none"]
+    assert table_rows(out, "1x1")[1][6] == "100%"  # every lookup prefetched
+    assert table_rows(out, "1x1")[2][4] == "1.00x"  # the baseline against itself
+    assert figure(rec, "prefetch_every.1x1_loopback") > 0 and figure(rec, "mb_per_step") > 0
+
+
+@needs_dgl
 def test_bench_graphsage(tmp_path):
     out, rec = run(tmp_path, "bench_graphsage.py", "--dataset", "karate", "--steps", "2",
                    "--warmup", "1", "--rounds", "1", "--batch-size", "8", "--optimizers",
