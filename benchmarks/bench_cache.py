@@ -365,12 +365,7 @@ def main():
         p.error(f"--staleness: expected whole numbers, comma-separated, got {args.staleness!r}")
     args.jobs = [int(x) for x in args.jobs.split(",")]
     links = [netns.parse_link(x) for x in args.links.split(",")]
-    if any(rate is not None for rate in links):
-        netns.exit_on_sigterm()  # a kill still removes the namespaces
-        why = netns.available()
-        if why:
-            p.error(f"--links {args.links}: {why}")
-        netns.verify([rate for rate in links if rate is not None])
+    netns.prepare_links(p, args.links, links)
     with results.Recorder("bench_cache", args) as rec:
         measure(args, links, rec)
 

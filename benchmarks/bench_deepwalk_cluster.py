@@ -235,12 +235,7 @@ def main():
         links = [netns.parse_link(x) for x in args.links.split(",")]
     except ValueError as exc:
         p.error(str(exc))
-    if any(rate is not None for rate in links):
-        netns.exit_on_sigterm()  # a kill still removes the namespaces
-        why = netns.available()
-        if why:
-            p.error(f"--links {args.links}: {why}")
-        netns.verify([rate for rate in links if rate is not None])
+    netns.prepare_links(p, args.links, links)
     nbytes, batch, shared, dim = rows_per_step(args, sorted({t for _, t in jobs}))
     configs = [(s, t, rate) for rate in links for s, t in jobs]
     sides = [x for x in SIDES if x in args.sides.split(",")] + ["none"]

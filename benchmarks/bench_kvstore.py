@@ -313,12 +313,7 @@ def main():
             p.error(f"--shm-pages both: {SHMEM_ENABLED} is not writable here (run as root)")
         netns.exit_on_sigterm()  # a kill still restores the machine's setting
     links = [netns.parse_link(x) for x in args.links.split(",")]
-    if any(rate is not None for rate in links):
-        netns.exit_on_sigterm()  # a kill still removes the namespaces
-        why = netns.available()
-        if why:
-            p.error(f"--links {args.links}: {why}")
-        netns.verify([rate for rate in links if rate is not None])
+    netns.prepare_links(p, args.links, links)
     workdir = tempfile.TemporaryDirectory()
     if args.shm_pages == "both":
         configs = [(f"1 server x 1 trainer, shm, {pages}", lambda value=value: (

@@ -349,3 +349,15 @@ def verify(rates, nbytes=None):
 if __name__ == "__main__":
     exit_on_sigterm()
     verify([None] + [parse_link(a) for a in (sys.argv[1:] or ["1gbit", "10gbit"])])
+
+
+def prepare_links(parser, text, links):
+    """Before a benchmark runs over ``links`` (parsed from ``--links text``): where any
+    is shaped, make a kill remove the namespaces, and stop with ``parser.error`` when
+    this machine cannot build them or a shaped link does not carry its rate."""
+    if any(rate is not None for rate in links):
+        exit_on_sigterm()  # a kill still removes the namespaces
+        why = available()
+        if why:
+            parser.error(f"--links {text}: {why}")
+        verify([rate for rate in links if rate is not None])

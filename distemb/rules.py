@@ -122,6 +122,13 @@ def _declared_fields(hyper_type) -> Dict[str, Any]:
     return {f.name: f.type for f in dataclasses.fields(hyper_type)}
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_hyper(rule: "UpdateRule", key) -> Hyper:
+    """``rule``'s checked hyperparameters of the fields ``key`` lists as (name, type,
+    value) (:meth:`UpdateRule.hyper_from`; a refused dict raises and is not kept)."""
+    return rule._hyper_from({name: value for name, _, value in key})
+
+
 class UpdateRule:
     """Interface: ``states`` (what to keep per row), ``hyper_type`` and the fused ``apply``."""
 
@@ -147,10 +154,22 @@ class UpdateRule:
     def hyper_from(self, fields: Mapping[str, Any]) -> Hyper:
         """This rule's hyperparameters from a decoded dict, every field checked.
 
+        A server decodes the same few dicts every step: a valid one is answered from a
+        small cache keyed by its fields, their types and values (so ``True`` never
+        passes for ``1``, nor ``1.0`` for an int field).
+
         Raises:
             KVStoreError: a field is missing, unknown or not a number of its type; the
                 message names the rule and the field.
         """
+        try:
+            key = tuple(sorted((k, type(v), v) for k, v in fields.items()))
+            hash(key)
+        except (AttributeError, TypeError):  # not a dict of scalars: checked the long way
+            return self._hyper_from(fields)
+        return _cached_hyper(self, key)
+
+    def _hyper_from(self, fields: Mapping[str, Any]) -> Hyper:
         if not isinstance(fields, Mapping):
             raise KVStoreError(f"hyper of rule {self.name.value!r}: expected a mapping, got "
                                f"{type(fields).__name__}")

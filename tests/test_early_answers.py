@@ -2,9 +2,11 @@
 (distemb/kvstore/server/early.py). The oracle is the reference update rule applied in order:
 a lookup right after an update, while the server may still be writing it, returns the
 updated rows; an update that fails after its answer is raised at the next request and
-leaves the server serving.
+leaves the server serving; a trainer that maps the shard learns a success from the shard's
+header, and the server sends it no second frame.
 """
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from mp_helper import cluster_dict
 
 from distemb.config import parse_cluster_config
-from distemb.errors import KVStoreError
+from distemb.errors import KVStoreError, ServerUnavailableError
 from distemb.kernels import reference
 from distemb.kvstore.server import early
 from distemb.kvstore.server.early import may_answer_early
@@ -147,4 +149,54 @@ def test_an_update_that_fails_after_its_early_answer_is_raised_next(server_here,
         kv.push_update("t", np.array([3]), ones[:1], "sgd", SGDHyper(lr=1.0))
         assert kv.pull("t", np.array([1, 3])).tolist() == [[0, 0], [-1, -1]]
     finally:
+        kv.close(goodbye=False)
+
+
+def test_a_success_read_in_the_shard_costs_no_second_frame(server_here):
+    """The trainer maps the shard, so it asks to read the outcome in the shard's header:
+    once the server has applied the update (the counter moved on), nothing more is on
+    the connection, and the next requests answer in step."""
+    kv = RemoteKVClient(server_here, 0)
+    try:
+        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
+        kv.init_optimizer("t", "sgd", {})
+        kv.pull("t", np.array([0]))  # mapped now
+        header = kv.servers.mapped[("t", 0)].version
+        conn = kv.servers.connections[0]
+        for step in range(1, 4):
+            kv.push_update("t", np.array([1, 3]), np.ones((2, 2), np.float32), "sgd",
+                           SGDHyper(lr=1.0))
+            deadline = time.monotonic() + 10
+            while header[0] & 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)  # an outcome frame, if one were sent, would be here by now
+            assert not conn.pending(), "the server sent a frame after a success"
+            assert kv.pull("t", np.array([1, 3, 4])).tolist() == \
+                [[-step, -step], [-step, -step], [0, 0]]
+    finally:
+        kv.close(goodbye=False)
+
+
+def test_an_update_still_applying_past_the_timeout_is_a_server_unavailable(server_here,
+                                                                            monkeypatch):
+    kv = RemoteKVClient(server_here, 0)
+    release = threading.Event()
+    try:
+        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
+        kv.init_optimizer("t", "sgd", {})
+        kv.pull("t", np.array([0]))
+        slow = DenseStore.update
+
+        def stuck(*args, **kw):
+            release.wait(10)
+            return slow(*args, **kw)
+        monkeypatch.setattr(DenseStore, "update", stuck)
+        kv.push_update("t", np.array([1]), np.ones((1, 2), np.float32), "sgd",
+                       SGDHyper(lr=1.0))
+        with pytest.raises(ServerUnavailableError, match="not applied within 0.2 s"):
+            kv.servers.applying.settle(0, timeout=0.2)
+        release.set()
+        assert kv.pull("t", np.array([1])).tolist() == [[-1, -1]]  # in step after it
+    finally:
+        release.set()
         kv.close(goodbye=False)

@@ -42,6 +42,21 @@ def test_decoded_hyper_names_the_bad_field(rule, fields, match):
         rule_of(rule).hyper_from(fields)
 
 
+def test_a_value_equal_to_an_accepted_one_is_checked_for_its_own_type():
+    """Decoded hyperparameters are kept once checked; a value that compares equal to
+    an accepted one but is of another type (True == 1, 1.0 == 1) is still refused."""
+    adam = {"lr": 0.1, "beta1": 0.9, "beta2": 0.9, "eps": 1e-8}
+    assert rule_of("adam").hyper_from(dict(adam, step=1)).step == 1
+    for step in (True, 1.0):
+        with pytest.raises(KVStoreError, match=r"hyper\.step: expected an int"):
+            rule_of("adam").hyper_from(dict(adam, step=step))
+    assert rule_of("sgd").hyper_from({"lr": 1}) == SGDHyper(lr=1.0)
+    with pytest.raises(KVStoreError, match=r"hyper\.lr: expected a finite number.*True"):
+        rule_of("sgd").hyper_from({"lr": True})
+    with pytest.raises(KVStoreError, match=r"hyper\.lr: expected a finite number.*\[1\]"):
+        rule_of("sgd").hyper_from({"lr": [1]})  # unhashable: checked the long way
+
+
 def test_wrong_hyper_type_and_unknown_rule_are_refused():
     with pytest.raises(KVStoreError, match="rule 'adam' takes AdamHyper, got SGDHyper"):
         rule_of("adam").check_hyper(SGDHyper(lr=0.1))

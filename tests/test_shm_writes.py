@@ -247,6 +247,9 @@ class Recording(Connection):
     def recv(self, timeout=None):
         return self.conn.recv(timeout)
 
+    def pending(self):
+        return self.conn.pending()
+
     def close(self):
         self.conn.close()
 

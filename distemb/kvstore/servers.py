@@ -61,7 +61,7 @@ class Servers:
             open_connections(cfg, rank)
         self.mapped = {}  # (table, part) -> ShmShard of a co-located server's rows
         self._slots = {}
-        self.applying = Applying(self.connections)
+        self.applying = Applying(self.connections, self.mapped)
         self._aside = AsideReaders(self.connections)
         self.closed = False
         hello = {sid: Hello(rank=rank, token=cfg.job_token or "") for sid in range(self.count)}
@@ -192,7 +192,9 @@ class Servers:
         if slot is None or frame.service not in (Service.UPDATE, Service.PUSH):
             return frame
         layout = slot.write(frame.arrays)
-        out = InShm(name=frame.name, flags=frame.flags, service=frame.service,
+        flags = frame.flags | (self.applying.flags(sid, msg)
+                               if frame.service == Service.UPDATE else 0)
+        out = InShm(name=frame.name, flags=flags, service=frame.service,
                     fields=frame.fields, size=slot.size, layout=layout).encode()
         fd = slot.take_fd()
         if fd is not None:

@@ -72,7 +72,8 @@ class Allocator:
         return None
 
     def version_of(self, arr) -> Optional[np.ndarray]:
-        """The seqlock counter of ``arr``'s memory file (a 1-element int64 array), or None."""
+        """The header of ``arr``'s memory file (int64 words: the seqlock counter first,
+        :data:`~distemb.transport.shm.HEADER_WORDS`), or None."""
         return None
 
     def release(self, arr) -> None:

@@ -47,6 +47,9 @@ MAX_FIELDS = 1 << 16
 MAX_MESSAGE_BYTES = 1 << 30
 MAX_DIM = 1 << 40  # any one dimension; a zero-size array may not smuggle in a huge one
 FLAG_NO_REPLY = 1  # the sender will not read a reply (asynchronous update)
+#: The sender of an update answered early reads its outcome in the shard's header (the
+#: seqlock counter moving on) instead of a second frame, which then comes only on failure.
+FLAG_OUTCOME_IN_SHARD = 2
 #: Most file descriptors one frame may carry; a frame with more is malformed.
 MAX_FDS = 64
 
@@ -225,7 +228,8 @@ class Session:
 class EarlyReply:
     """A handler's answer sent before its work is done: a transport sends ``frame``, then
     calls ``finish()`` (which does the rest and never raises) and sends the frame it
-    returns, the outcome (a Reply, or an Error the peer raises at its next request).
+    returns, the outcome (a Reply, or an Error the peer raises at its next request), if
+    it returns one (None: the peer learns the outcome otherwise, nothing more is sent).
 
     A co-located trainer's update is answered this way (:mod:`distemb.kvstore.server.early`),
     so the trainer's next step runs while the server applies it.
@@ -238,7 +242,8 @@ class EarlyReply:
         """For a transport that answers once: finish now; the early frame, or the
         outcome if that is an error."""
         outcome = self.finish()
-        return self.frame if outcome.service != self.frame.service else outcome
+        return self.frame if outcome is None or outcome.service == self.frame.service \
+            else outcome
 
 
 class Connection:
@@ -263,6 +268,11 @@ class Connection:
     def recv(self, timeout=None):
         """The next frame from the peer (blocks up to ``timeout`` s for it to begin;
         default: the connection's timeout)."""
+        raise NotImplementedError
+
+    def pending(self):
+        """Whether :meth:`recv` would not wait for the next frame to begin (it has begun
+        to arrive, or the peer is gone)."""
         raise NotImplementedError
 
     def close(self):

@@ -85,6 +85,9 @@ class MpiConnection(Connection):
         for view in payload_views(frame):
             self.comm.Send([view, MPI.BYTE], dest=self.dest, tag=TAG_DATA)
 
+    def pending(self):
+        return bool(self.comm.Iprobe(source=self.dest, tag=TAG_HEAD))
+
     def recv(self, timeout=None):
         status = MPI.Status()
         timeout = timeout or self.timeout

@@ -19,7 +19,10 @@ and gathers rows from directly (a pull with no round trip). Only the server writ
 writable.
 
 No torn rows: a segment starts with a 64-byte header whose first 8 bytes are a version
-counter (a seqlock). The server makes it odd before it writes the shard and even after
+counter (a seqlock); the next 8 hold the counter's odd value of the last write answered
+early that failed (:mod:`distemb.kvstore.server.early`: the trainer that sent it reads
+there whether an error frame follows). The server makes the counter odd before it
+writes the shard and even after
 (:class:`~distemb.kvstore.server.KVServer` does, under the shard's lock); a reader
 copies its rows between two reads of the counter and keeps the copy only if both were
 the same even value, else tries again, and after :data:`READ_TRIES` tries asks the server
@@ -69,7 +72,9 @@ import numpy as np
 from distemb.errors import TransportError
 from distemb.pages import populate_shared
 
-HEADER_BYTES = 64  # the version counter, then padding to a cache line
+HEADER_BYTES = 64  # the version counter, the last failed write, padding to a cache line
+#: Words of the header: the seqlock counter, then the counter of the last failed write.
+HEADER_WORDS = 2
 READ_TRIES = 64
 #: The seals every segment carries before it leaves its maker: its size is fixed for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -202,7 +207,7 @@ class ShmArena:
                 from None
         finally:
             os.close(fd)
-        version = np.ndarray((1,), np.int64, buffer=mem)
+        version = np.ndarray((HEADER_WORDS,), np.int64, buffer=mem)
         arr = np.ndarray(tuple(shape), dtype, buffer=mem, offset=HEADER_BYTES) if nbytes \
             else np.zeros(shape, dtype)
         with self._lock:
@@ -217,7 +222,8 @@ class ShmArena:
             return None if have is None else os.dup(have[0])
 
     def version_of(self, arr):
-        """The version counter of ``arr``'s segment (a 1-element int64 array), or None."""
+        """The header of ``arr``'s segment (:data:`HEADER_WORDS` int64: the seqlock
+        counter, the last failed write's), or None."""
         return self._segments.get(id(arr), (None, None))[1]
 
     def release(self, arr):
@@ -240,7 +246,9 @@ class ShmShard:
 
     Args:
         array: the rows.
-        version: the 1-element int64 counter (odd while the server writes).
+        version: the segment's header: ``version[0]`` the counter (odd while the server
+            writes), ``version[1]`` the counter's value of the last write answered early
+            that failed.
     """
 
     def __init__(self, array, version):
@@ -320,7 +328,7 @@ def attach(fd, shape, dtype, rows_fd=None):
         os.close(fd)
         if rows_fd is not None:
             os.close(rows_fd)
-    version = np.ndarray((1,), np.int64, buffer=mem)
+    version = np.ndarray((HEADER_WORDS,), np.int64, buffer=mem)
     if not nbytes:
         return ShmShard(np.zeros(shape, dtype), version)
     return ShmShard(np.ndarray(tuple(shape), dtype, buffer=rows, offset=offset), version)

@@ -15,6 +15,7 @@ Example:
     >>> r.read(4), r.read(4)
     (b'head', b'body')
 """
+import select
 import socket
 
 
@@ -29,6 +30,7 @@ class StreamReader:
         self.sock = sock
         self._buf = memoryview(bytearray(size)) if size else None
         self._lo = self._hi = 0  # the buffered bytes: _buf[_lo:_hi]
+        self._poll = None  # made by the first waiting()
 
     def _take(self, view):
         """Copy buffered bytes into ``view``; how many."""
@@ -37,6 +39,16 @@ class StreamReader:
             view[:k] = self._buf[self._lo:self._lo + k]
             self._lo += k
         return k
+
+    def waiting(self) -> bool:
+        """Whether a read would return at once: bytes buffered or arrived, or the peer
+        closed."""
+        if self._buf is not None and self._hi > self._lo:
+            return True
+        if self._poll is None:  # (a recv would first wait out the socket's timeout)
+            self._poll = select.poll()
+            self._poll.register(self.sock, select.POLLIN)
+        return bool(self._poll.poll(0))  # POLLIN, POLLHUP or POLLERR: a read answers
 
     def first(self, view) -> int:
         """Read what is there into ``view``, waiting for one byte at least; how many

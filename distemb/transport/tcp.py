@@ -116,6 +116,11 @@ class TcpConnection(Connection):
         except OSError as e:
             self._fail(e, "sending")
 
+    def pending(self):
+        """Whether the next frame has begun to arrive, or the peer closed (a
+        :meth:`recv` would not wait for its first byte)."""
+        return self.reader.waiting()
+
     def _recv_head(self, view, fds):
         """Read the first bytes of a frame into ``view``; descriptors that came with them
         are appended to ``fds`` (any sent with later bytes are dropped by the kernel)."""
@@ -360,12 +365,13 @@ class _Doorway:
 
 def _answer_early(conn, reply):
     """Send an :class:`~distemb.transport.base.EarlyReply`'s frame, finish its work (also
-    when the peer is gone: it holds a lock until then), then send the outcome."""
+    when the peer is gone: it holds a lock until then), then send the outcome, if any."""
     try:
         conn.send(reply.frame)
     finally:
         outcome = reply.finish()
-    conn.send(outcome)
+    if outcome is not None:
+        conn.send(outcome)
 
 
 def _serve_connection(conn, handle, inflight, slots, doorway):

@@ -81,7 +81,7 @@ class ShardTable:
         self.lock = RWLock()
         # write()'s context manager: one, reused (it keeps no state of its own)
         self._writing = _Writing(self._begin_write, self._end_write)
-        self._counters = {}  # column -> 1-element int64 array (seqlock of a mapped column)
+        self._counters = {}  # column -> its segment's header (seqlock counter first)
         self._fixed_versions = None  # versions of a fixed key set, indexed by slot
         self._tracked = False
         self._high = 0  # >= every version issued (a store that inserts: new rows go above)
@@ -126,7 +126,8 @@ class ShardTable:
         self.lock.release_write()
 
     def set_counter(self, column, counter):
-        """Make ``counter`` (a 1-element int64 array) the seqlock counter of ``column``
+        """Make ``counter`` (a segment's header: int64 words, the seqlock counter first,
+        :mod:`distemb.transport.shm`) the seqlock counter of ``column``
         (None forgets it): :meth:`write` makes it odd while it writes. The caller holds
         no lock of this table."""
         with self.lock.write():
@@ -257,18 +258,25 @@ class ShardTable:
         Returns:
             (the weight column's seqlock counter meanwhile, None when it has none; apply).
             While the counter holds that value, no row but ``keys`` is being written.
+            If ``apply()`` fails, the header's second word holds that value before the
+            lock is released (what a trainer waiting for the counter to move reads).
         """
         writing = self.write()
         writing.__enter__()
-        counter = self._counters.get(WEIGHT)
+        header = self._counters.get(WEIGHT)
+        counter = None if header is None else int(header[0])
 
         def apply():
             try:
                 at = self.store.update(rule, keys, grads, hyper, num_threads)
                 self.bump(keys if at is None else keys[at])  # a key gone: as in update
+            except BaseException:
+                if header is not None:
+                    header[1] = counter  # seen before the counter moves on (x86-64 order)
+                raise
             finally:
                 writing.__exit__(None, None, None)
-        return (None if counter is None else int(counter[0])), apply
+        return counter, apply
 
     # -- keys -------------------------------------------------------------------------
 
