@@ -34,7 +34,8 @@ SparseAdagrad.step(). Configurations, all measured in this run:
   the step, their replies are read on a helper thread while the update is sent, and
   the update's reply patches the rows it wrote); a table gives each job's steps/s with
   prefetch over without, same round (the results are the same bit for bit:
-  tests/test_prefetch.py).
+  tests/test_prefetch.py). The shared-memory job too: there the prefetch names the rows
+  the trainer reads next, which the co-located server writes first.
 - with ``--dgl``: DGL 1.1.3's distributed KVStore (``dgl.distributed.DistEmbedding`` +
   its SparseAdagrad) on a one-partition random graph of N nodes, 1x1 and 2x2. DGL has
   one partition per machine, so its second server is a backup server of the same
@@ -145,7 +146,7 @@ def run_under(value, run):
         return run()
 
 
-def run_cluster(args, servers, trainers, shm, dynamic=False, file=False):
+def run_cluster(args, servers, trainers, shm, dynamic=False, file=False, prefetch=False):
     """Launch a job on 127.0.0.1 running this script as trainer; per-trainer steps/s."""
     with tempfile.TemporaryDirectory() as out:
         ip = os.path.join(out, "ip.txt")
@@ -161,6 +162,7 @@ def run_cluster(args, servers, trainers, shm, dynamic=False, file=False):
                  "--dtype", args.dtype]
         argv += ["--dynamic-table"] if dynamic else []
         argv += ["--file-table", os.path.join(out, "table")] if file else []
+        argv += ["--prefetch-rows"] if prefetch else []
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_WAIT_POLICY="passive", DISTEMB_NUM_THREADS="1")
         subprocess.run(argv, env=env, check=True, timeout=600)
@@ -265,7 +267,8 @@ def make_parser():
                         "in shards and on the wire)")
     p.add_argument("--dgl", action="store_true", help="also run DGL's distributed KVStore")
     p.add_argument("--prefetch", action="store_true",
-                   help="also run every TCP job with each next batch's rows prefetched")
+                   help="also run every job but the in-process one with each next batch's rows "
+                        "prefetched")
     p.add_argument("--prefetch-rows", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dynamic", action="store_true",
                    help="also run the step on a DynamicEmbedding (in process and on servers)")
@@ -316,12 +319,17 @@ def main():
     netns.prepare_links(p, args.links, links)
     workdir = tempfile.TemporaryDirectory()
     if args.shm_pages == "both":
-        configs = [(f"1 server x 1 trainer, shm, {pages}", lambda value=value: (
-            run_under(value, lambda: run_cluster(args, 1, 1, shm=True))))
+        configs = [(f"1 server x 1 trainer, shm, {pages}", lambda value=value, **kw: (
+            run_under(value, lambda: run_cluster(args, 1, 1, shm=True, **kw))))
             for value, pages in SHM_PAGES.items()]
     else:
         configs = [(f"1 server x 1 trainer, shm ({shmem_setting()} shmem_enabled)",
-                    lambda: run_cluster(args, 1, 1, shm=True))]
+                    lambda **kw: run_cluster(args, 1, 1, shm=True, **kw))]
+    prefetched = {}  # configuration with prefetch -> the same without
+    if args.prefetch:
+        for name, run in list(configs):
+            configs.append((f"{name}, prefetch", lambda run=run: run(prefetch=True)))
+            prefetched[configs[-1][0]] = name
     side = {}  # (job, link) -> configuration name: the side-by-side table of --links
 
     def on(job, rate):
@@ -330,7 +338,6 @@ def main():
         side[(job, netns.link_name(rate))] = name
         return name
 
-    prefetched = {}  # configuration with prefetch -> the same without
     if not args.only_shm:
         for rate in links:
             for s, t in ((1, 1), (2, 2)):

@@ -52,16 +52,20 @@ def test_only_what_needs_nothing_more_is_answered_early(what, msg, in_slot, earl
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("rule, parts, marks, table", [("sgd", 1, "bool per row", "array"),
-                                                        ("adagrad", 1, "bool per row", "array"),
-                                                        ("adagrad", 2, "bool per row", "array"),
-                                                        ("adagrad", 1, "np.isin", "array"),
-                                                        ("adagrad", 1, "bool per row", "file"),
-                                                        ("adagrad", 2, "bool per row", "file"),
-                                                        ("sgd", 1, "np.isin", "file")])
+@pytest.mark.parametrize("rule, parts, marks, table, prefetch", [
+    ("sgd", 1, "bool per row", "array", False),
+    ("adagrad", 1, "bool per row", "array", False),
+    ("adagrad", 2, "bool per row", "array", False),
+    ("adagrad", 1, "np.isin", "array", False),
+    ("adagrad", 1, "bool per row", "file", False),
+    ("adagrad", 2, "bool per row", "file", False),
+    ("sgd", 1, "np.isin", "file", False),
+    ("adagrad", 1, "bool per row", "array", True),
+    ("adagrad", 1, "np.isin", "array", True),
+    ("adagrad", 2, "bool per row", "file", True)])
 def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, monkeypatch,
                                                                    tmp_path, rule, parts,
-                                                                   marks, table):
+                                                                   marks, table, prefetch):
     """Updates large enough that the server is still writing when the next lookup
     starts (half of whose ids the update touches): every lookup equals the rows of
     the reference rule applied in order, and some were served beside an update. With
@@ -69,7 +73,9 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, mon
     and lookups read both (the second's own seqlock decides there). The rows touched
     are found by the bool per row of a shard, or by np.isin past MARK_ROWS. ``file``: a
     file table, whose rows the trainer maps from the server's file; on two servers
-    (``parts`` 2), an update touches both, each answering early for its range of keys."""
+    (``parts`` 2), an update touches both, each answering early for its range of keys.
+    ``prefetch``: the lookup's ids were prefetched before the update, whose server
+    writes them first: the lookup reads them as soon as they are written."""
     if marks == "np.isin":
         monkeypatch.setattr(early, "MARK_ROWS", 1000)
     cluster = clusters("shm1x1" if table == "array" or parts == 1 else "tcp_shm")
@@ -93,7 +99,13 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, mon
                                          60_000)).astype(np.int64)
             grads = rng.standard_normal((len(ids), d)).astype(np.float32)
             look = np.concatenate([rng.choice(ids, 2000), rng.integers(0, n, 2000)])
-            kv.push_update("early", ids, grads, rule, hyper)
+            sums = grads
+            if prefetch:
+                kv.prefetch("early", look)
+                if parts == 1:  # summed in the request slot, as the optimizer's coalesce
+                    sums = kv._sum_buffer("early", len(ids), d)[:len(ids)]  # (push_update's
+                    sums[:] = grads  # to consume: the server's rows first, reordered there)
+            kv.push_update("early", ids, sums, rule, hyper)
             got = kv.pull("early", look)  # at once: the server is still writing
             if rule == "adagrad":
                 reference.adagrad_update(weight, state, ids, grads, hyper.clr, hyper.eps)
@@ -101,6 +113,7 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, mon
                 reference.sgd_update(weight, ids, grads, hyper.lr)
             np.testing.assert_allclose(got, weight[look], rtol=1e-6, atol=1e-6)
         assert kv.servers.applying.beside > 0, "no lookup ran beside an update: a void test"
+        assert (kv.servers.applying.first_read > 0) is (prefetch and parts == 1)
         assert bool(kv.servers.applying._marks) is (marks == "bool per row")
     finally:
         kv.delete_data("early")
@@ -199,4 +212,78 @@ def test_an_update_still_applying_past_the_timeout_is_a_server_unavailable(serve
         assert kv.pull("t", np.array([1])).tolist() == [[-1, -1]]  # in step after it
     finally:
         release.set()
+        kv.close(goodbye=False)
+
+
+def test_a_prefetched_lookup_reads_the_rows_written_first_while_the_rest_are(server_here,
+                                                                              monkeypatch):
+    """A prefetch names the next lookup's rows; the update puts them first, its server
+    writes them first and says so in the header, and the lookup reads them then: while
+    the server still writes the update's other rows (held here until the lookup is
+    done). Without the order, the lookup would wait for the whole update."""
+    kv = RemoteKVClient(server_here, 0)
+    rest_begun, rest_done, release = threading.Event(), threading.Event(), threading.Event()
+    try:
+        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
+        kv.init_optimizer("t", "sgd", {})
+        kv.pull("t", np.array([0]))  # mapped now
+        calls, apply = [], DenseStore.update
+
+        def rest_waits(self, rule, keys, grads, hyper, num_threads=1):
+            calls.append(np.array(keys).tolist())
+            if len(calls) == 2:
+                rest_begun.set()
+                release.wait(10)
+            try:
+                return apply(self, rule, keys, grads, hyper, num_threads)
+            finally:
+                if len(calls) == 2:
+                    rest_done.set()
+        monkeypatch.setattr(DenseStore, "update", rest_waits)
+        kv.prefetch("t", np.array([7, 3, 3]))
+        sums = kv._sum_buffer("t", 4, 2)[:4]  # the optimizer sums into the request slot
+        sums[:] = np.array([[1], [2], [3], [4]], np.float32)
+        kv.push_update("t", np.array([1, 3, 5, 7]), sums, "sgd", SGDHyper(lr=1.0))
+        assert rest_begun.wait(10), "the server never began the update's other rows"
+        got = kv.pull("t", np.array([3, 7, 4]))
+        assert not rest_done.is_set(), "the lookup waited for the whole update"
+        release.set()
+        assert got.tolist() == [[-2, -2], [-4, -4], [0, 0]]
+        assert sorted(calls[0]) == [3, 7] and sorted(calls[1]) == [1, 5]
+        assert kv.servers.applying.first_read == 1
+        assert kv.pull("t", np.array([1, 5, 3])).tolist() == [[-1, -1], [-3, -3], [-2, -2]]
+        kv.push_update("t", np.array([3]), np.ones((1, 2), np.float32), "sgd",
+                       SGDHyper(lr=1.0))  # no prefetch since: applied whole, in one call
+        assert kv.pull("t", np.array([3])).tolist() == [[-3, -3]] and len(calls) == 3
+    finally:
+        release.set()
+        kv.close(goodbye=False)
+
+
+def test_summing_into_the_slot_waits_for_the_update_the_server_reads_there(clusters):
+    """The optimizer sums a table's gradients into the request slot (no copy to the
+    server), table after table: the second table's sums must not overwrite the first's
+    while its server, which answered early, still applies them from the slot."""
+    kv = RemoteKVClient(clusters("shm1x1").cfg, 0)
+    n, d = 100_000, 32
+    rng = np.random.default_rng(7)
+    try:
+        for name in ("a", "b"):
+            kv.init_data(name, (n, d), "float32", range_policy(n, 1))
+            kv.init_optimizer(name, "sgd", {})
+        weight = np.zeros((n, d), np.float32)
+        for _ in range(4):
+            ids = np.unique(rng.integers(0, n, 60_000)).astype(np.int64)
+            grads = rng.standard_normal((len(ids), d)).astype(np.float32)
+            sums = kv._sum_buffer("a", len(ids), d)[:len(ids)]
+            sums[:] = grads
+            kv.push_update("a", ids, sums, "sgd", SGDHyper(lr=1.0))
+            kv._sum_buffer("b", len(ids), d)[:len(ids)] = 1e6  # the next table's sums
+            reference.sgd_update(weight, ids, grads, 1.0)
+            kv.push_update("b", ids[:1], np.zeros((1, d), np.float32), "sgd",
+                           SGDHyper(lr=1.0))
+            np.testing.assert_array_equal(kv.pull("a", np.arange(n)), weight)
+    finally:
+        for name in ("a", "b"):
+            kv.delete_data(name)
         kv.close(goodbye=False)

@@ -131,7 +131,8 @@ class RemoteKVClient(TableClient):
         trainer goes on (:meth:`Servers.ahead <distemb.kvstore.servers.Servers.ahead>`),
         and name the rows in the table's updates until their lookup, whose owners answer
         with the rows each update writes (:mod:`distemb.kvstore.prefetch`). Rows in a
-        co-located server's shared memory are read in place at the lookup. Absent keys
+        co-located server's shared memory are read in place at the lookup (and written
+        first by the table's next update, :mod:`~distemb.kvstore.server.early`). Absent keys
         are inserted and accesses counted, as the lookup would.
 
         Raises:
@@ -145,9 +146,17 @@ class RemoteKVClient(TableClient):
                 f"({table.spec.capacity} keys)", "prefetch: such a store evicts keys on "
                 "its own, and a prefetched key could be evicted by another lookup before "
                 "its own; prefetch tables without a capacity (evict() them yourself)")
-        keys = np.unique(keys_array(ids, "ids"))
+        keys = keys_array(ids, "ids")
         table.router.check(keys, f"ids of {name!r}")
         mapped = {p for (n, p) in self.servers.mapped if n == name}
+        if mapped:  # read in place at the lookup: the table's next update writes them first
+            split = table.router.split(keys)
+            for part, (_, held) in split.items():
+                if part in mapped:
+                    self.servers.applying.expect(name, part, table.router, held)
+            if mapped.issuperset(split):
+                return  # nothing to read ahead
+        keys = np.unique(keys)
         rows, ok, wait = self._pull_ahead(table, keys, mapped)
         if ok.any():
             self.prefetches.add(name, Prefetch(keys, rows, ok, wait))
@@ -316,8 +325,8 @@ class RemoteKVClient(TableClient):
 
         def applying(sid, frame):  # a co-located server may answer before it applies
             if sid in routes:  # every early answer is noted: its outcome frame follows
-                self.servers.applying.note(sid, name, self.tables.table(name).router,
-                                           routes[sid], frame)
+                self.servers.applying.note(sid, self.tables.table(name).router,
+                                           requests[sid], frame)
         self.send_update(name, requests, take if want else applying, wait)
         return out
 

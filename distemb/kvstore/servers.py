@@ -187,14 +187,14 @@ class Servers:
         Only when the reply is awaited: the slot is reused by the next request, so the
         server must be done with it first (asynchronous updates travel in the frame).
         """
-        frame = msg.encode()
         slot = self._slots.get(sid) if wait else None
-        if slot is None or frame.service not in (Service.UPDATE, Service.PUSH):
-            return frame
+        if slot is None or msg.SERVICE not in (Service.UPDATE, Service.PUSH):
+            return msg.encode()
+        flags = self.applying.prepare(sid, msg, slot.holds(msg.grads)) \
+            if msg.SERVICE == Service.UPDATE else 0
+        frame = msg.encode()
         layout = slot.write(frame.arrays)
-        flags = frame.flags | (self.applying.flags(sid, msg)
-                               if frame.service == Service.UPDATE else 0)
-        out = InShm(name=frame.name, flags=flags, service=frame.service,
+        out = InShm(name=frame.name, flags=frame.flags | flags, service=frame.service,
                     fields=frame.fields, size=slot.size, layout=layout).encode()
         fd = slot.take_fd()
         if fd is not None:
@@ -250,9 +250,17 @@ class Servers:
 
     def slot_buffer(self, sid, shape):
         """A buffer of float32 ``shape`` in the request slot of co-located server ``sid``
-        (an update handed over from it needs no copy), or None."""
+        (an update handed over from it needs no copy), or None. An update the server
+        answered early may still be read from the slot: its outcome is awaited first.
+
+        Raises:
+            KVStoreError: that update failed after its early answer.
+        """
         slot = self._slots.get(sid)
-        return None if slot is None else slot.view(shape, np.float32)
+        if slot is None:
+            return None
+        self.applying.settle(sid)
+        return slot.view(shape, np.float32)
 
     def close(self, goodbye=True):
         """Disconnect; with ``goodbye``, first tell every server this trainer is done."""

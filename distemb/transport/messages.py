@@ -207,13 +207,17 @@ class Update(RowsMessage):
     arrays: the positions (in ``watch``) of the watched rows this update wrote (in an
     exact update: the step, every trainer's rows) and still held, their rows after it
     (float32), and the positions of watched keys the store no longer holds.
+
+    ``first`` (one shard only): the first ``first`` rows are the ones the trainer looks
+    up next; a server that answers the update early applies them first and says so in
+    the shard's header (:mod:`~distemb.kvstore.server.early`). 0: no order asked.
     """
 
     SERVICE = Service.UPDATE
     FIELDS = {"rule": text, "hyper": scalar_dict, "seq": int_value, "exact": flag,
               "parts": int_list, "counts": int_list, "versions": flag,
-              "watch_parts": int_list, "watch_counts": int_list}
-    DEFAULTS = {"versions": False, "watch_parts": [], "watch_counts": []}
+              "watch_parts": int_list, "watch_counts": int_list, "first": int_value}
+    DEFAULTS = {"versions": False, "watch_parts": [], "watch_counts": [], "first": 0}
     ARRAYS = ("ids", "grads", "have")
     OPTIONAL = 1
 
@@ -245,6 +249,9 @@ class Update(RowsMessage):
 
     def check(self):
         super().check()
+        if not 0 <= self.first <= self.ids.shape[0] or (self.first and len(self.parts) != 1):
+            raise TransportError(f"Update.first: expected 0..{self.ids.shape[0]} rows of one "
+                                 f"shard, got {self.first} of {len(self.parts)} shards")
         if self.have is not None and (self.have.dtype != ID_DTYPE or self.have.ndim != 1
                                       or not self.exact):
             raise TransportError(f"Update.have: expected int64 of shape ({self.ids.shape[0]},) "

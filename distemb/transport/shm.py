@@ -21,7 +21,8 @@ writable.
 No torn rows: a segment starts with a 64-byte header whose first 8 bytes are a version
 counter (a seqlock); the next 8 hold the counter's odd value of the last write answered
 early that failed (:mod:`distemb.kvstore.server.early`: the trainer that sent it reads
-there whether an error frame follows). The server makes the counter odd before it
+there whether an error frame follows), the next 8 its value once the rows that write was
+asked to apply first are written (the rows its trainer looks up next). The server makes the counter odd before it
 writes the shard and even after
 (:class:`~distemb.kvstore.server.KVServer` does, under the shard's lock); a reader
 copies its rows between two reads of the counter and keeps the copy only if both were
@@ -73,8 +74,9 @@ from distemb.errors import TransportError
 from distemb.pages import populate_shared
 
 HEADER_BYTES = 64  # the version counter, the last failed write, padding to a cache line
-#: Words of the header: the seqlock counter, then the counter of the last failed write.
-HEADER_WORDS = 2
+#: Words of the header: the seqlock counter, the counter of the last failed write, the
+#: counter of the last write whose first rows are written (the rest still being written).
+HEADER_WORDS = 3
 READ_TRIES = 64
 #: The seals every segment carries before it leaves its maker: its size is fixed for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -223,7 +225,8 @@ class ShmArena:
 
     def version_of(self, arr):
         """The header of ``arr``'s segment (:data:`HEADER_WORDS` int64: the seqlock
-        counter, the last failed write's), or None."""
+        counter, the last failed write's, the last write's whose first rows are in), or
+        None."""
         return self._segments.get(id(arr), (None, None))[1]
 
     def release(self, arr):
@@ -248,7 +251,8 @@ class ShmShard:
         array: the rows.
         version: the segment's header: ``version[0]`` the counter (odd while the server
             writes), ``version[1]`` the counter's value of the last write answered early
-            that failed.
+            that failed, ``version[2]`` its value once the first rows of the write are
+            written (:mod:`distemb.kvstore.server.early`).
     """
 
     def __init__(self, array, version):

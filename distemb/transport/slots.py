@@ -99,6 +99,10 @@ class RequestSlot:
             self._grow(nbytes)
         return np.ndarray(shape, dtype, buffer=self._map, offset=0)
 
+    def holds(self, a):
+        """Whether array ``a`` is wholly in the slot (a :meth:`view`, or part of one)."""
+        return self._offset_of(a) is not None
+
     def take_fd(self):
         """The read-only descriptor of the current memory file if the server has not
         been given it yet (the caller sends it, then closes it), else None."""

@@ -78,7 +78,8 @@ def answer_early(server, server_id, m, part, ids):
     table = server.table(m.name, part)
     if not table.store.fixed_keys:
         return None  # rows that move (a hash store's) are never read in place
-    counter, apply = server.update_later(m.name, part, ids, m.grads, m.rule, m.hyper)
+    counter, apply = server.update_later(m.name, part, ids, m.grads, m.rule, m.hyper,
+                                         m.first)
     if counter is None:
         apply()  # no shared memory to read it from: it is applied now, as usual
         return Reply().encode()
@@ -111,29 +112,74 @@ class Applying:
         self._conns, self._mapped = conns, mapped
         self._by_server = {}  # sid -> (table, shard, counter value, store keys, header)
         self._headers = {}  # sid -> the header its last update's outcome is read in
-        self._marks = {}  # (table, shard) -> a cleared bool per row: which rows it touches
+        self._marks = {}  # (table, shard) -> a cleared byte per row: which rows it touches
+        self._next = {}  # (table, shard) -> the keys its next lookup reads (a prefetch's)
         #: lookups that copied rows while an update of the table was being applied
         self.beside = 0
+        #: of those, lookups that read the rows the update wrote as soon as the server had
+        #: written them first, while it wrote the others
+        self.first_read = 0
 
-    def flags(self, sid, m):
-        """The flag update ``m`` to server ``sid`` carries: ``FLAG_OUTCOME_IN_SHARD``
-        when its one shard is mapped here (an early answer's outcome is then read in
-        the shard's header), else 0."""
-        shard = self._mapped.get((m.name, m.parts[0])) if len(m.parts) == 1 else None
+    def expect(self, name, part, router, keys):
+        """The next lookup of ``name`` reads ``keys`` (the table's keys, as ``router``
+        routes them) of mapped shard ``part`` (a prefetch said so): the next update of
+        that shard asks its server to apply those rows first (:meth:`prepare`)."""
+        # a copy: the caller's ids may be a loader's buffer, filled again before the update
+        self._next[(name, part)] = (router, np.array(router.to_local(part, keys), np.int64))
+
+    def prepare(self, sid, m, in_place):
+        """Make update ``m`` to server ``sid`` ready to go: the flag it carries,
+        ``FLAG_OUTCOME_IN_SHARD`` when its one shard is mapped here (an early answer's
+        outcome is then read in the shard's header), else 0. When a prefetch named the
+        rows the next lookup of that shard reads (:meth:`expect`) and ``in_place`` (its
+        gradients are this trainer's own buffer, the request slot: the sums are
+        ``push_update``'s to consume, and may be reordered), those rows go first
+        (``m.first``): the server writes them first."""
+        one = len(m.parts) == 1
+        shard = self._mapped.get((m.name, m.parts[0])) if one else None
+        expected = self._next.pop((m.name, m.parts[0]), None) if one else None
         self._headers[sid] = None if shard is None else shard.version
-        return 0 if shard is None else FLAG_OUTCOME_IN_SHARD
+        if shard is None:
+            return 0
+        if expected is not None and in_place and may_answer_early(m, True):
+            router, wanted = expected
+            part = m.parts[0]
+            hit = self._among(m.name, part, len(shard.array), router.to_local(part, m.ids),
+                              wanted)
+            m.ids, m.first = _put_first(m.ids, m.grads, hit)
+        return FLAG_OUTCOME_IN_SHARD
 
-    def note(self, sid, name, router, route, reply):
-        """Remember the update of ``name`` sent to server ``sid`` along ``route`` (a
-        :class:`~distemb.kvstore.routes.Route` of keys ``router`` routes) if the server
-        answered it early (``reply``)."""
+    def _among(self, name, part, num_rows, ids, wanted):
+        """Bool per row of ``ids``: among ``wanted`` (both rows of a shard of
+        ``num_rows``, as :meth:`_touched` finds them)."""
+        marks = self._marks_of(name, part, num_rows)
+        if marks is None:
+            return np.isin(ids, wanted)
+        marks[wanted] = 1
+        hit = marks[ids].view(bool)
+        marks[wanted] = 0
+        return hit
+
+    def _marks_of(self, name, part, num_rows):
+        """The cleared byte per row of shard ``part`` of ``name``, or None past
+        MARK_ROWS rows."""
+        if num_rows > MARK_ROWS:
+            return None
+        marks = self._marks.get((name, part))
+        if marks is None or len(marks) != num_rows:
+            marks = self._marks[(name, part)] = np.zeros(num_rows, np.uint8)
+        return marks
+
+    def note(self, sid, router, m, reply):
+        """Remember update ``m`` (of keys ``router`` routes) sent to server ``sid`` if the
+        server answered it early (``reply``)."""
         counter = reply.fields.get(APPLYING)
         header = self._headers.pop(sid, None)
         if counter is not None:
-            part = route.parts[0] if len(route.parts) == 1 else None
-            ids = route.ids if part is None else router.to_local(part, route.ids)
-            self._by_server[sid] = (name, part, int(counter), np.array(ids, np.int64),
-                                    header)
+            part = m.parts[0] if len(m.parts) == 1 else None
+            ids = m.ids if part is None else router.to_local(part, m.ids)
+            self._by_server[sid] = (m.name, part, int(counter), np.array(ids, np.int64),
+                                    header, m.first)
 
     def settle(self, sid, timeout=None):
         """Wait for the outcome of server ``sid``'s update answered early, if any.
@@ -145,7 +191,7 @@ class Applying:
         pending = self._by_server.pop(sid, None)
         if pending is None:
             return
-        _, _, counter, _, header = pending
+        _, _, counter, _, header, _ = pending
         conn = self._conns[sid]
         if header is not None and not _failed(header, counter, conn, timeout):
             return  # applied: the server sends nothing more
@@ -161,14 +207,19 @@ class Applying:
         pending = self._by_server.get(sid)
         if pending is None or pending[:2] != (name, part):
             return None  # another shard's counter says nothing of this one's writers
-        _, _, counter, updated, _ = pending
+        _, _, counter, updated, header, first = pending
         before = int(shard.version[0])
         if before in (counter, counter + 1):
             rows = copy(shard.array, ids)
             if int(shard.version[0]) in (counter, counter + 1):
                 self.beside += 1
                 # found while the server may still be writing, then read again once done
-                touched = self._touched(name, part, len(shard.array), updated, ids)
+                touched, later = self._touched(name, part, len(shard.array), updated,
+                                               first, ids)
+                if len(touched) and not later and header is not None and \
+                        self._read_first(sid, shard, counter, ids[touched], rows, touched,
+                                         copy):
+                    return rows
                 self.settle(sid)
                 if len(touched):
                     again = shard.read(lambda a: copy(a, ids[touched]))
@@ -179,20 +230,55 @@ class Applying:
         self.settle(sid)
         return None
 
-    def _touched(self, name, part, num_rows, updated, ids):
-        """Positions in ``ids`` of rows in ``updated`` (both rows of a shard of
-        ``num_rows``): marked in a bool per row, kept per shard and cleared after (~25 us
-        at 4,096 ids, where a binary search took ~300 us; a shard of more rows than
-        MARK_ROWS is searched with np.isin instead, to keep a trainer's marks small)."""
-        if num_rows > MARK_ROWS:
-            return np.flatnonzero(np.isin(ids, updated))
-        marks = self._marks.get((name, part))
-        if marks is None or len(marks) != num_rows:
-            marks = self._marks[(name, part)] = np.zeros(num_rows, bool)
-        marks[updated] = True
-        touched = np.flatnonzero(marks[ids])
-        marks[updated] = False
-        return touched
+    def _read_first(self, sid, shard, counter, ids, rows, at, copy):
+        """Copy rows ``ids`` (all written first by the update pending at ``counter``)
+        into ``rows[at]`` once the server has written them, while it writes the others;
+        False when the update was done (or failed) by then: read them as usual."""
+        header = shard.version
+        if not _wait(header, counter, self._conns[sid], first=True) or \
+                int(header[0]) != counter:
+            return False
+        again = copy(shard.array, ids)
+        if int(header[0]) not in (counter, counter + 1):
+            return False  # another write began after it: read as usual
+        rows[at] = again
+        self.first_read += 1
+        return True
+
+    def _touched(self, name, part, num_rows, updated, first, ids):
+        """(positions in ``ids`` of rows in ``updated``, whether any of them is past its
+        first ``first`` rows), both rows of a shard of ``num_rows``: marked in a byte per
+        row, kept per shard and cleared after (~25 us at 4,096 ids, where a binary search
+        took ~300 us; a shard of more rows than MARK_ROWS is searched with np.isin
+        instead, to keep a trainer's marks small)."""
+        marks = self._marks_of(name, part, num_rows)
+        if marks is None:
+            touched = np.flatnonzero(np.isin(ids, updated))
+            later = not first or not np.isin(ids[touched], updated[:first]).all()
+            return touched, later
+        marks[updated] = 2
+        marks[updated[:first]] = 1
+        found = marks[ids]
+        touched = np.flatnonzero(found)
+        later = bool((found == 2).any())
+        marks[updated] = 0
+        return touched, later
+
+
+def _put_first(ids, grads, hit):
+    """Reorder an update's ``ids`` and ``grads`` (rows in place: the caller's buffer) so
+    that the rows ``hit`` (bool per row) says come first; (the new ids, how many came
+    first). Only the hit rows not yet in front move, each swapped with one that is."""
+    k = int(np.count_nonzero(hit))
+    if k == 0 or k == len(ids):
+        return ids, 0  # nothing to put first, or all of it
+    ahead, behind = np.flatnonzero(~hit[:k]), np.flatnonzero(hit[k:]) + k
+    ids = ids.copy()
+    ids[ahead], ids[behind] = ids[behind], ids[ahead]
+    swapped = grads[ahead]
+    grads[ahead] = grads[behind]
+    grads[behind] = swapped
+    return ids, k
 
 
 def _failed(header, counter, conn, timeout=None):
@@ -205,14 +291,27 @@ def _failed(header, counter, conn, timeout=None):
         ServerUnavailableError: not applied within ``timeout`` s (default: the
             connection's wait for a frame).
     """
+    return not _wait(header, counter, conn, timeout) or int(header[1]) == counter
+
+
+def _wait(header, counter, conn, timeout=None, first=False):
+    """Wait until the update answered early at seqlock ``counter`` is applied (the
+    ``header``'s counter moved on), or with ``first`` until its first rows are
+    (its third word holds ``counter``): True; False when ``conn`` has something to
+    read before that (the server gone: the caller's read says so).
+
+    Raises:
+        ServerUnavailableError: not done within ``timeout`` s (default: the
+            connection's wait for a frame).
+    """
     if timeout is None:
         timeout = getattr(conn, "idle_timeout", None)
     start, spins = time.monotonic(), 0
-    while header[0] == counter:
+    while header[0] == counter and not (first and header[2] == counter):
         spins += 1
         if not spins & 63:
             if conn.pending():
-                return True
+                return False
             waited = time.monotonic() - start
             if timeout is not None and waited > timeout:
                 raise ServerUnavailableError(f"{getattr(conn, 'peer', 'server')}: an update "
@@ -221,4 +320,4 @@ def _failed(header, counter, conn, timeout=None):
                 time.sleep(NAP_S)
                 continue
         os.sched_yield()  # a server sharing this core runs now
-    return int(header[1]) == counter
+    return True

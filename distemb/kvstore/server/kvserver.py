@@ -214,11 +214,12 @@ class KVServer:
         table, impl, hyper = self._update_of(name, part, rule, hyper)
         return table.update(impl, local_ids, grads, hyper, self.num_threads, contributions)
 
-    def update_later(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper):
+    def update_later(self, name: str, part: int, local_ids, grads, rule, hyper: Hyper,
+                     first=0):
         """:meth:`update` in two halves (one trainer's gradients): checked, and the shard
-        locked for writing with its seqlock counters odd, now; applied, and the lock
-        released, by the function it returns (see :meth:`ShardTable.update_later
-        <distemb.kvstore.server.shard.ShardTable.update_later>`).
+        locked for writing with its seqlock counters odd, now; applied (the first
+        ``first`` rows first), and the lock released, by the function it returns (see
+        :meth:`ShardTable.update_later <distemb.kvstore.server.shard.ShardTable.update_later>`).
 
         Returns:
             (the weight's seqlock counter while locked, or None when it has none; apply).
@@ -227,7 +228,7 @@ class KVServer:
             KVStoreError: as :meth:`update`, before anything is locked.
         """
         table, impl, hyper = self._update_of(name, part, rule, hyper)
-        return table.update_later(impl, local_ids, grads, hyper, self.num_threads)
+        return table.update_later(impl, local_ids, grads, hyper, self.num_threads, first)
 
     def save(self, name, parts, directory, save_id, columns=None, parent=None):
         """Checkpoint records of shards ``parts`` of table ``name``, its optimizer state

@@ -250,10 +250,15 @@ class ShardTable:
         out[at] = before
         return out
 
-    def update_later(self, rule, keys, grads, hyper, num_threads=1):
+    def update_later(self, rule, keys, grads, hyper, num_threads=1, first=0):
         """:meth:`update` (of one trainer's gradients) in two halves: the write lock is
         taken, every seqlock counter odd, now; ``apply()`` updates the rows and releases
         the lock (also when it raises), and must be called exactly once.
+
+        Args:
+            first: the first ``first`` rows are applied first (rows of a store whose
+                rows never move), and then the header's third word is set to the
+                counter's value: those rows are final while the others are written.
 
         Returns:
             (the weight column's seqlock counter meanwhile, None when it has none; apply).
@@ -265,11 +270,18 @@ class ShardTable:
         writing.__enter__()
         header = self._counters.get(WEIGHT)
         counter = None if header is None else int(header[0])
+        split = header is not None and self.store.fixed_keys and 0 < first < len(keys)
 
         def apply():
             try:
-                at = self.store.update(rule, keys, grads, hyper, num_threads)
-                self.bump(keys if at is None else keys[at])  # a key gone: as in update
+                if split:  # a fixed store's update writes every key: nothing to track
+                    self.store.update(rule, keys[:first], grads[:first], hyper, num_threads)
+                    header[2] = counter  # seen after the rows (x86-64 keeps stores in order)
+                    self.store.update(rule, keys[first:], grads[first:], hyper, num_threads)
+                    self.bump(keys)
+                else:
+                    at = self.store.update(rule, keys, grads, hyper, num_threads)
+                    self.bump(keys if at is None else keys[at])  # a key gone: as in update
             except BaseException:
                 if header is not None:
                     header[1] = counter  # seen before the counter moves on (x86-64 order)
