@@ -167,21 +167,19 @@ def test_an_update_that_fails_after_its_early_answer_is_raised_next(server_here,
 
 def test_a_success_read_in_the_shard_costs_no_second_frame(server_here):
     """The trainer maps the shard, so it asks to read the outcome in the shard's header:
-    once the server has applied the update (the counter moved on), nothing more is on
-    the connection, and the next requests answer in step."""
+    once the server has applied the update (the counter moved on) and the trainer has
+    read its early answer, nothing more is on the connection, and the next requests
+    answer in step."""
     kv = RemoteKVClient(server_here, 0)
     try:
         kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
         kv.init_optimizer("t", "sgd", {})
         kv.pull("t", np.array([0]))  # mapped now
-        header = kv.servers.mapped[("t", 0)].version
         conn = kv.servers.connections[0]
         for step in range(1, 4):
             kv.push_update("t", np.array([1, 3]), np.ones((2, 2), np.float32), "sgd",
                            SGDHyper(lr=1.0))
-            deadline = time.monotonic() + 10
-            while header[0] & 1 and time.monotonic() < deadline:
-                time.sleep(0.001)
+            kv.servers.applying.settle(0)  # reads the early answer, then the header
             time.sleep(0.05)  # an outcome frame, if one were sent, would be here by now
             assert not conn.pending(), "the server sent a frame after a success"
             assert kv.pull("t", np.array([1, 3, 4])).tolist() == \
@@ -260,7 +258,7 @@ def test_a_prefetched_lookup_reads_the_rows_written_first_while_the_rest_are(ser
         kv.close(goodbye=False)
 
 
-def test_summing_into_the_slot_waits_for_the_update_the_server_reads_there(clusters):
+def test_summing_into_the_slot_spares_the_update_the_server_reads_there(clusters):
     """The optimizer sums a table's gradients into the request slot (no copy to the
     server), table after table: the second table's sums must not overwrite the first's
     while its server, which answered early, still applies them from the slot."""
@@ -286,4 +284,28 @@ def test_summing_into_the_slot_waits_for_the_update_the_server_reads_there(clust
     finally:
         for name in ("a", "b"):
             kv.delete_data(name)
+        kv.close(goodbye=False)
+
+
+def test_a_refused_update_is_raised_at_the_next_lookup(server_here):
+    """The trainer reads a co-located server's answer to an update when it first needs
+    it (its next lookup of the table, or request to the server), not before its next
+    step starts: a refusal is raised there, nothing of it written, and the connection
+    stays in step."""
+    kv = RemoteKVClient(server_here, 0)
+    try:
+        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
+        kv.init_optimizer("t", "sgd", {})
+        kv.pull("t", np.array([0]))  # mapped now
+        ones = np.ones((2, 2), np.float32)
+        for then in (lambda: kv.pull("t", np.array([1])),  # a lookup of its rows
+                     lambda: kv.push("t", np.array([5]), ones[:1])):  # any request
+            # Adagrad's state was never made: the server refuses before it locks
+            kv.push_update("t", np.array([1, 3]), ones, "adagrad",
+                           AdagradHyper(clr=0.1, eps=1e-10))
+            with pytest.raises(KVStoreError, match="no shard 0 of .t~opt~sum."):
+                then()
+        kv.push_update("t", np.array([3]), ones[:1], "sgd", SGDHyper(lr=1.0))
+        assert kv.pull("t", np.array([1, 3, 5])).tolist() == [[0, 0], [-1, -1], [0, 0]]
+    finally:
         kv.close(goodbye=False)

@@ -348,7 +348,7 @@ class RemoteKVClient(TableClient):
                 watch.peel(sid, frame)
             if on_reply is not None:
                 on_reply(sid, frame)
-        self._call(requests, wait=wait, on_reply=take)
+        self._call(requests, wait=wait, on_reply=take, later=True)
         if watch is not None:
             watch.patch()
         else:  # read again behind the update (each connection is ordered), ahead

@@ -77,7 +77,8 @@ class Servers:
         # Updates and pushes to them hand their arrays over in a request slot.
         self._slots = {sid: RequestSlot(cfg.job_id, rank, sid) for sid in self.local}
 
-    def call(self, requests, wait=True, on_reply=None, while_waiting=None, timeout=None):
+    def call(self, requests, wait=True, on_reply=None, while_waiting=None, timeout=None,
+             later=False):
         """Send ``{server id: message}`` to all, then read every reply.
 
         Args:
@@ -92,6 +93,11 @@ class Servers:
             while_waiting: work to do after sending, before reading (e.g. shared-memory
                 gathers while the remote rows travel).
             timeout: seconds to wait for each reply to begin (default: the connection's).
+            later: an update a co-located server may answer before it applies it (one
+                shard, mapped here: :class:`~distemb.kvstore.server.early.Applying`) has
+                its reply read when first needed, by the next request to that server or
+                lookup of its rows (``on_reply`` is called then, and a refusal raised
+                there), not now: the trainer's next step starts while it travels.
 
         Returns:
             {server id: Reply, or the list of Replies of a list}.
@@ -103,12 +109,15 @@ class Servers:
         """
         if self.closed:
             raise KVStoreError("this RemoteKVClient is closed")
+        deferred = {}
         for sid, msgs in requests.items():
             self.applying.settle(sid, timeout)  # its slot is free, its failure raised
             for msg in msgs if isinstance(msgs, list) else [msgs]:
                 if not wait:
                     msg.flags |= FLAG_NO_REPLY
                 frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
+                if later and self.applying.may_read_later(msg, frame):
+                    deferred[sid] = msg
                 try:
                     self.connections[sid].send(frame)
                 finally:
@@ -120,6 +129,10 @@ class Servers:
         replies, failed = {}, []
         for sid, msgs in requests.items():
             self._aside.settle(sid)  # replies to requests sent ahead come first
+            if sid in deferred:
+                self.applying.read_later(sid, deferred[sid],
+                                         self._reader(sid, on_reply, timeout))
+                continue
             for _ in msgs if isinstance(msgs, list) else [msgs]:
                 frame = self.connections[sid].recv(timeout)
                 if frame.service == Service.ERROR:
@@ -144,6 +157,24 @@ class Servers:
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
         return replies
+
+    def _reader(self, sid, on_reply, timeout):
+        """A function that reads server ``sid``'s reply to one request as :meth:`call`
+        does: ``on_reply(sid, frame)`` for a success, the server's error raised."""
+        def read():
+            frame = self.connections[sid].recv(timeout)
+            try:
+                if frame.service == Service.ERROR:
+                    raise ERRORS.get(frame.fields.get("kind"), KVStoreError)(
+                        str(frame.fields.get("message")))
+                if frame.service != Service.REPLY:
+                    raise TransportError(f"server {sid}: unexpected reply service "
+                                         f"{frame.service}")
+                if on_reply is not None:
+                    on_reply(sid, frame)
+            finally:
+                close_fds(frame)
+        return read
 
     def ahead(self, requests, on_reply=None):
         """Send ``{server id: message}`` now and read the replies while the caller goes
@@ -250,17 +281,12 @@ class Servers:
 
     def slot_buffer(self, sid, shape):
         """A buffer of float32 ``shape`` in the request slot of co-located server ``sid``
-        (an update handed over from it needs no copy), or None. An update the server
-        answered early may still be read from the slot: its outcome is awaited first.
-
-        Raises:
-            KVStoreError: that update failed after its early answer.
-        """
+        (an update handed over from it needs no copy), or None. It never overlaps the
+        last update's arrays while the server may still read them (an update answered
+        early): the next sums are made while the server applies the last ones."""
         slot = self._slots.get(sid)
-        if slot is None:
-            return None
-        self.applying.settle(sid)
-        return slot.view(shape, np.float32)
+        return None if slot is None else \
+            slot.view(shape, np.float32, clear_of_last=self.applying.reads_slot(sid))
 
     def close(self, goodbye=True):
         """Disconnect; with ``goodbye``, first tell every server this trainer is done."""

@@ -57,6 +57,8 @@ class RequestSlot:
         self._name = f"distemb-{job}-t{rank}-s{server_id}"
         self._gen = itertools.count()
         self._map, self._fd, self.size = None, None, 0
+        #: (start, end) bytes of the last request written (the server may still read it)
+        self.last = (0, 0)
 
     def write(self, arrays):
         """Copy ``arrays`` into the slot; an array already in it (see :meth:`view`) stays.
@@ -81,6 +83,8 @@ class RequestSlot:
             if off is None and a.nbytes:
                 view = np.ndarray(a.shape, a.dtype, buffer=self._map, offset=at)
                 np.copyto(view, a, casting="no")
+        used = [(at, at + a.nbytes) for a, at in zip(arrays, offsets) if a.nbytes]
+        self.last = (min(u[0] for u in used), max(u[1] for u in used)) if used else (0, 0)
         return [[CODE_OF[a.dtype], list(a.shape), at] for a, at in zip(arrays, offsets)]
 
     def _write_moved(self, arrays):
@@ -88,16 +92,21 @@ class RequestSlot:
         self._grow(sum(_aligned(a.nbytes) for a in copies))
         return self.write(copies)
 
-    def view(self, shape, dtype):
-        """An array at the start of the slot, to fill in place (a coalescing buffer).
+    def view(self, shape, dtype, clear_of_last=False):
+        """An array in the slot, to fill in place (a coalescing buffer): at its start,
+        or with ``clear_of_last`` where it does not overlap the last request written
+        (:attr:`last`: the server may still be reading it), behind it or in a new file.
 
         :meth:`write` sends it without a copy; it is valid until the next request to
         this server is written.
         """
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if self._map is None or self._map.shape[0] < nbytes:
-            self._grow(nbytes)
-        return np.ndarray(shape, dtype, buffer=self._map, offset=0)
+        start, end = self.last if clear_of_last else (0, 0)
+        at = _aligned(end) if start < nbytes and end > start else 0
+        if self._map is None or self._map.shape[0] < at + nbytes:
+            self._grow(nbytes)  # a new file: nothing of the last request is in it
+            self.last, at = (0, 0), 0
+        return np.ndarray(shape, dtype, buffer=self._map, offset=at)
 
     def holds(self, a):
         """Whether array ``a`` is wholly in the slot (a :meth:`view`, or part of one)."""

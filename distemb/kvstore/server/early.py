@@ -114,6 +114,7 @@ class Applying:
         self._headers = {}  # sid -> the header its last update's outcome is read in
         self._marks = {}  # (table, shard) -> a cleared byte per row: which rows it touches
         self._next = {}  # (table, shard) -> the keys its next lookup reads (a prefetch's)
+        self._unread = {}  # sid -> reads its answer to an update (read when first needed)
         #: lookups that copied rows while an update of the table was being applied
         self.beside = 0
         #: of those, lookups that read the rows the update wrote as soon as the server had
@@ -170,6 +171,30 @@ class Applying:
             marks = self._marks[(name, part)] = np.zeros(num_rows, np.uint8)
         return marks
 
+    def may_read_later(self, m, frame):
+        """Whether the answer to request ``m`` (sent as ``frame``) may be read later
+        (:meth:`read_later`): an update the server may answer early whose outcome this
+        trainer reads in the shard's header, naming no prefetched rows (whose answer
+        patches them before the next lookup)."""
+        return m.SERVICE == Update.SERVICE and bool(frame.flags & FLAG_OUTCOME_IN_SHARD) \
+            and m.watch is None and may_answer_early(m, True)
+
+    def read_later(self, sid, m, read):
+        """Server ``sid``'s answer to update ``m``, just sent, is read by ``read()`` when
+        first needed: before the next request to it (:meth:`settle`) or a lookup of its
+        rows (:meth:`gather`). Until then the trainer goes on."""
+        self._unread[sid] = (read, m.name, m.parts[0])
+
+    def reads_slot(self, sid):
+        """Whether server ``sid`` may still be reading this trainer's request slot (an
+        update answered early, or whose answer is unread)."""
+        return sid in self._by_server or sid in self._unread
+
+    def _answer(self, sid):
+        unread = self._unread.pop(sid, None)
+        if unread is not None:
+            unread[0]()
+
     def note(self, sid, router, m, reply):
         """Remember update ``m`` (of keys ``router`` routes) sent to server ``sid`` if the
         server answered it early (``reply``)."""
@@ -188,6 +213,7 @@ class Applying:
             KVStoreError: the update failed after its early answer.
             ServerUnavailableError: the server died or timed out meanwhile.
         """
+        self._answer(sid)
         pending = self._by_server.pop(sid, None)
         if pending is None:
             return
@@ -203,32 +229,46 @@ class Applying:
         """Rows ``ids`` of shard ``part`` of ``name`` (server ``sid``'s, mapped here),
         copied with ``copy(array, ids)``, while an update of it answered early may run;
         None when none of that shard is pending (read as usual), or when another write
-        got in between (the outcome is then awaited, and the caller reads as usual)."""
+        got in between (the outcome is then awaited, and the caller reads as usual).
+
+        When the answer to that update is still to be read, the rows are copied first,
+        while it travels: the counter before and after the copy then says whether they
+        can be kept (it held the value before the update's, or the update's own).
+        """
+        early = None
+        if self._unread.get(sid, (None,))[1:] == (name, part):
+            before = int(shard.version[0])
+            early = copy(shard.array, ids)
+            after = int(shard.version[0])
+        self._answer(sid)
         pending = self._by_server.get(sid)
         if pending is None or pending[:2] != (name, part):
             return None  # another shard's counter says nothing of this one's writers
         _, _, counter, updated, header, first = pending
-        before = int(shard.version[0])
-        if before in (counter, counter + 1):
-            rows = copy(shard.array, ids)
-            if int(shard.version[0]) in (counter, counter + 1):
-                self.beside += 1
-                # found while the server may still be writing, then read again once done
-                touched, later = self._touched(name, part, len(shard.array), updated,
-                                               first, ids)
-                if len(touched) and not later and header is not None and \
-                        self._read_first(sid, shard, counter, ids[touched], rows, touched,
-                                         copy):
-                    return rows
+        if early is not None and before in (counter - 1, counter, counter + 1) and \
+                after in (counter - 1, counter, counter + 1):
+            rows = early  # no write but the update's ran meanwhile
+        else:
+            if int(shard.version[0]) not in (counter, counter + 1):
                 self.settle(sid)
-                if len(touched):
-                    again = shard.read(lambda a: copy(a, ids[touched]))
-                    if again is None:
-                        return None
-                    rows[touched] = again
-                return rows
+                return None
+            rows = copy(shard.array, ids)
+            if int(shard.version[0]) not in (counter, counter + 1):
+                self.settle(sid)
+                return None
+        self.beside += 1
+        # found while the server may still be writing, then read again once done
+        touched, later = self._touched(name, part, len(shard.array), updated, first, ids)
+        if len(touched) and not later and header is not None and \
+                self._read_first(sid, shard, counter, ids[touched], rows, touched, copy):
+            return rows
         self.settle(sid)
-        return None
+        if len(touched):
+            again = shard.read(lambda a: copy(a, ids[touched]))
+            if again is None:
+                return None
+            rows[touched] = again
+        return rows
 
     def _read_first(self, sid, shard, counter, ids, rows, at, copy):
         """Copy rows ``ids`` (all written first by the update pending at ``counter``)
