@@ -130,9 +130,8 @@ class RemoteKVClient(TableClient):
         """Send the Pulls of rows ``ids`` of ``name`` now, read their replies while the
         trainer goes on (:meth:`Servers.ahead <distemb.kvstore.servers.Servers.ahead>`),
         and name the rows in the table's updates until their lookup, whose owners answer
-        with the rows each update writes (:mod:`distemb.kvstore.prefetch`). Rows in a
-        co-located server's shared memory are read in place at the lookup (and written
-        first by the table's next update, :mod:`~distemb.kvstore.server.early`). Absent keys
+        with the rows each update writes (:mod:`distemb.kvstore.prefetch`). Rows a
+        co-located server shares are read in place (:meth:`Servers.expect`). Absent keys
         are inserted and accesses counted, as the lookup would.
 
         Raises:
@@ -148,14 +147,9 @@ class RemoteKVClient(TableClient):
                 "its own; prefetch tables without a capacity (evict() them yourself)")
         keys = keys_array(ids, "ids")
         table.router.check(keys, f"ids of {name!r}")
-        mapped = {p for (n, p) in self.servers.mapped if n == name}
-        if mapped:  # read in place at the lookup: the table's next update writes them first
-            split = table.router.split(keys)
-            for part, (_, held) in split.items():
-                if part in mapped:
-                    self.servers.applying.expect(name, part, table.router, held)
-            if mapped.issuperset(split):
-                return  # nothing to read ahead
+        mapped = self.servers.expect(name, table.router, keys)
+        if mapped is None:  # every row is read in place
+            return
         keys = np.unique(keys)
         rows, ok, wait = self._pull_ahead(table, keys, mapped)
         if ok.any():
@@ -324,9 +318,8 @@ class RemoteKVClient(TableClient):
             out[r.positions] = frame.arrays[0]
 
         def applying(sid, frame):  # a co-located server may answer before it applies
-            if sid in routes:  # every early answer is noted: its outcome frame follows
-                self.servers.applying.note(sid, self.tables.table(name).router,
-                                           requests[sid], frame)
+            self.servers.applying.note(sid, self.tables.table(name).router, requests[sid],
+                                       frame)
         self.send_update(name, requests, take if want else applying, wait)
         return out
 

@@ -256,6 +256,23 @@ class Servers:
                                     for part, shard in zip(asked[sid], shards)
                                     if shard is not None})
 
+    def expect(self, name, router, keys):
+        """The next lookup of table ``name`` reads ``keys`` (as ``router`` routes them):
+        the next update of each shard of it mapped here writes those rows first
+        (:meth:`Applying.expect <distemb.kvstore.server.early.Applying.expect>`).
+
+        Returns:
+            the table's shards mapped here, or None when every key is in one of them.
+        """
+        mapped = {p for (n, p) in self.mapped if n == name}
+        if not mapped:
+            return mapped
+        split = router.split(keys)
+        for part, (_, held) in split.items():
+            if part in mapped:
+                self.applying.expect(name, part, router, held)
+        return None if mapped.issuperset(split) else mapped
+
     def forget(self, name):
         """Unmap the shards of table ``name``."""
         for key in [k for k in self.mapped if k[0] == name]:
