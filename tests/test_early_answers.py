@@ -139,6 +139,19 @@ def server_here(tmp_path):
     service.arena.close()
 
 
+@pytest.fixture
+def mapped_t(server_here):
+    """A client of that server, with table "t" (10 x 2, SGD) mapped here."""
+    kv = RemoteKVClient(server_here, 0)
+    try:
+        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
+        kv.init_optimizer("t", "sgd", {})
+        kv.pull("t", np.array([0]))  # mapped now
+        yield kv
+    finally:
+        kv.close(goodbye=False)
+
+
 def test_an_update_that_fails_after_its_early_answer_is_raised_next(server_here,
                                                                     monkeypatch):
     kv = RemoteKVClient(server_here, 0)
@@ -165,97 +178,79 @@ def test_an_update_that_fails_after_its_early_answer_is_raised_next(server_here,
         kv.close(goodbye=False)
 
 
-def test_a_success_read_in_the_shard_costs_no_second_frame(server_here):
+def test_a_success_read_in_the_shard_costs_no_second_frame(mapped_t):
     """The trainer maps the shard, so it asks to read the outcome in the shard's header:
     once the server has applied the update (the counter moved on) and the trainer has
     read its early answer, nothing more is on the connection, and the next requests
     answer in step."""
-    kv = RemoteKVClient(server_here, 0)
-    try:
-        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
-        kv.init_optimizer("t", "sgd", {})
-        kv.pull("t", np.array([0]))  # mapped now
-        conn = kv.servers.connections[0]
-        for step in range(1, 4):
-            kv.push_update("t", np.array([1, 3]), np.ones((2, 2), np.float32), "sgd",
-                           SGDHyper(lr=1.0))
-            kv.servers.applying.settle(0)  # reads the early answer, then the header
-            time.sleep(0.05)  # an outcome frame, if one were sent, would be here by now
-            assert not conn.pending(), "the server sent a frame after a success"
-            assert kv.pull("t", np.array([1, 3, 4])).tolist() == \
-                [[-step, -step], [-step, -step], [0, 0]]
-    finally:
-        kv.close(goodbye=False)
-
-
-def test_an_update_still_applying_past_the_timeout_is_a_server_unavailable(server_here,
-                                                                            monkeypatch):
-    kv = RemoteKVClient(server_here, 0)
-    release = threading.Event()
-    try:
-        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
-        kv.init_optimizer("t", "sgd", {})
-        kv.pull("t", np.array([0]))
-        slow = DenseStore.update
-
-        def stuck(*args, **kw):
-            release.wait(10)
-            return slow(*args, **kw)
-        monkeypatch.setattr(DenseStore, "update", stuck)
-        kv.push_update("t", np.array([1]), np.ones((1, 2), np.float32), "sgd",
+    kv = mapped_t
+    conn = kv.servers.connections[0]
+    for step in range(1, 4):
+        kv.push_update("t", np.array([1, 3]), np.ones((2, 2), np.float32), "sgd",
                        SGDHyper(lr=1.0))
-        with pytest.raises(ServerUnavailableError, match="not applied within 0.2 s"):
-            kv.servers.applying.settle(0, timeout=0.2)
-        release.set()
-        assert kv.pull("t", np.array([1])).tolist() == [[-1, -1]]  # in step after it
-    finally:
-        release.set()
-        kv.close(goodbye=False)
+        kv.servers.applying.settle(0)  # reads the early answer, then the header
+        time.sleep(0.05)  # an outcome frame, if one were sent, would be here by now
+        assert not conn.pending(), "the server sent a frame after a success"
+        assert kv.pull("t", np.array([1, 3, 4])).tolist() == \
+            [[-step, -step], [-step, -step], [0, 0]]
 
 
-def test_a_prefetched_lookup_reads_the_rows_written_first_while_the_rest_are(server_here,
-                                                                              monkeypatch):
+def test_an_update_still_applying_past_the_timeout_is_a_server_unavailable(
+        mapped_t, monkeypatch, request):
+    kv = mapped_t
+    release = threading.Event()
+    request.addfinalizer(release.set)  # before the client closes
+    slow = DenseStore.update
+
+    def stuck(*args, **kw):
+        release.wait(10)
+        return slow(*args, **kw)
+    monkeypatch.setattr(DenseStore, "update", stuck)
+    kv.push_update("t", np.array([1]), np.ones((1, 2), np.float32), "sgd",
+                   SGDHyper(lr=1.0))
+    with pytest.raises(ServerUnavailableError, match="not applied within 0.2 s"):
+        kv.servers.applying.settle(0, timeout=0.2)
+    release.set()
+    assert kv.pull("t", np.array([1])).tolist() == [[-1, -1]]  # in step after it
+
+
+def test_a_prefetched_lookup_reads_the_rows_written_first_while_the_rest_are(
+        mapped_t, monkeypatch, request):
     """A prefetch names the next lookup's rows; the update puts them first, its server
     writes them first and says so in the header, and the lookup reads them then: while
     the server still writes the update's other rows (held here until the lookup is
     done). Without the order, the lookup would wait for the whole update."""
-    kv = RemoteKVClient(server_here, 0)
+    kv = mapped_t
     rest_begun, rest_done, release = threading.Event(), threading.Event(), threading.Event()
-    try:
-        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
-        kv.init_optimizer("t", "sgd", {})
-        kv.pull("t", np.array([0]))  # mapped now
-        calls, apply = [], DenseStore.update
+    request.addfinalizer(release.set)  # before the client closes
+    calls, apply = [], DenseStore.update
 
-        def rest_waits(self, rule, keys, grads, hyper, num_threads=1):
-            calls.append(np.array(keys).tolist())
+    def rest_waits(self, rule, keys, grads, hyper, num_threads=1):
+        calls.append(np.array(keys).tolist())
+        if len(calls) == 2:
+            rest_begun.set()
+            release.wait(10)
+        try:
+            return apply(self, rule, keys, grads, hyper, num_threads)
+        finally:
             if len(calls) == 2:
-                rest_begun.set()
-                release.wait(10)
-            try:
-                return apply(self, rule, keys, grads, hyper, num_threads)
-            finally:
-                if len(calls) == 2:
-                    rest_done.set()
-        monkeypatch.setattr(DenseStore, "update", rest_waits)
-        kv.prefetch("t", np.array([7, 3, 3]))
-        sums = kv._sum_buffer("t", 4, 2)[:4]  # the optimizer sums into the request slot
-        sums[:] = np.array([[1], [2], [3], [4]], np.float32)
-        kv.push_update("t", np.array([1, 3, 5, 7]), sums, "sgd", SGDHyper(lr=1.0))
-        assert rest_begun.wait(10), "the server never began the update's other rows"
-        got = kv.pull("t", np.array([3, 7, 4]))
-        assert not rest_done.is_set(), "the lookup waited for the whole update"
-        release.set()
-        assert got.tolist() == [[-2, -2], [-4, -4], [0, 0]]
-        assert sorted(calls[0]) == [3, 7] and sorted(calls[1]) == [1, 5]
-        assert kv.servers.applying.first_read == 1
-        assert kv.pull("t", np.array([1, 5, 3])).tolist() == [[-1, -1], [-3, -3], [-2, -2]]
-        kv.push_update("t", np.array([3]), np.ones((1, 2), np.float32), "sgd",
-                       SGDHyper(lr=1.0))  # no prefetch since: applied whole, in one call
-        assert kv.pull("t", np.array([3])).tolist() == [[-3, -3]] and len(calls) == 3
-    finally:
-        release.set()
-        kv.close(goodbye=False)
+                rest_done.set()
+    monkeypatch.setattr(DenseStore, "update", rest_waits)
+    kv.prefetch("t", np.array([7, 3, 3]))
+    sums = kv._sum_buffer("t", 4, 2)[:4]  # the optimizer sums into the request slot
+    sums[:] = np.array([[1], [2], [3], [4]], np.float32)
+    kv.push_update("t", np.array([1, 3, 5, 7]), sums, "sgd", SGDHyper(lr=1.0))
+    assert rest_begun.wait(10), "the server never began the update's other rows"
+    got = kv.pull("t", np.array([3, 7, 4]))
+    assert not rest_done.is_set(), "the lookup waited for the whole update"
+    release.set()
+    assert got.tolist() == [[-2, -2], [-4, -4], [0, 0]]
+    assert sorted(calls[0]) == [3, 7] and sorted(calls[1]) == [1, 5]
+    assert kv.servers.applying.first_read == 1
+    assert kv.pull("t", np.array([1, 5, 3])).tolist() == [[-1, -1], [-3, -3], [-2, -2]]
+    kv.push_update("t", np.array([3]), np.ones((1, 2), np.float32), "sgd",
+                   SGDHyper(lr=1.0))  # no prefetch since: applied whole, in one call
+    assert kv.pull("t", np.array([3])).tolist() == [[-3, -3]] and len(calls) == 3
 
 
 def test_summing_into_the_slot_spares_the_update_the_server_reads_there(clusters):
@@ -287,25 +282,19 @@ def test_summing_into_the_slot_spares_the_update_the_server_reads_there(clusters
         kv.close(goodbye=False)
 
 
-def test_a_refused_update_is_raised_at_the_next_lookup(server_here):
+def test_a_refused_update_is_raised_at_the_next_lookup(mapped_t):
     """The trainer reads a co-located server's answer to an update when it first needs
     it (its next lookup of the table, or request to the server), not before its next
     step starts: a refusal is raised there, nothing of it written, and the connection
     stays in step."""
-    kv = RemoteKVClient(server_here, 0)
-    try:
-        kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
-        kv.init_optimizer("t", "sgd", {})
-        kv.pull("t", np.array([0]))  # mapped now
-        ones = np.ones((2, 2), np.float32)
-        for then in (lambda: kv.pull("t", np.array([1])),  # a lookup of its rows
-                     lambda: kv.push("t", np.array([5]), ones[:1])):  # any request
-            # Adagrad's state was never made: the server refuses before it locks
-            kv.push_update("t", np.array([1, 3]), ones, "adagrad",
-                           AdagradHyper(clr=0.1, eps=1e-10))
-            with pytest.raises(KVStoreError, match="no shard 0 of .t~opt~sum."):
-                then()
-        kv.push_update("t", np.array([3]), ones[:1], "sgd", SGDHyper(lr=1.0))
-        assert kv.pull("t", np.array([1, 3, 5])).tolist() == [[0, 0], [-1, -1], [0, 0]]
-    finally:
-        kv.close(goodbye=False)
+    kv = mapped_t
+    ones = np.ones((2, 2), np.float32)
+    for then in (lambda: kv.pull("t", np.array([1])),  # a lookup of its rows
+                 lambda: kv.push("t", np.array([5]), ones[:1])):  # any request
+        # Adagrad's state was never made: the server refuses before it locks
+        kv.push_update("t", np.array([1, 3]), ones, "adagrad",
+                       AdagradHyper(clr=0.1, eps=1e-10))
+        with pytest.raises(KVStoreError, match="no shard 0 of .t~opt~sum."):
+            then()
+    kv.push_update("t", np.array([3]), ones[:1], "sgd", SGDHyper(lr=1.0))
+    assert kv.pull("t", np.array([1, 3, 5])).tolist() == [[0, 0], [-1, -1], [0, 0]]
