@@ -22,12 +22,12 @@ from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
 from distemb.server import build_service
-from distemb.stores.dense import DenseStore
+from distemb.stores.dense import DenseSpec, DenseStore
 from distemb.stores.file import FileTableSpec
 from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
 from distemb.transport.connections import local_address
-from distemb.transport.messages import Update
+from distemb.transport.messages import Barrier, Hello, Update
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,9 +121,9 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, mon
 
 
 @pytest.fixture
-def server_here(tmp_path):
+def served(tmp_path):
     """One server with shared memory, served by threads of this process (so a test can
-    make its store fail); the cluster config."""
+    make its store fail): (the cluster config, the event its last goodbye sets)."""
     cfg = parse_cluster_config(cluster_dict(1, shared_memory=True, timeout_s=20.0))
     stop = threading.Event()
     service = build_service(cfg, 0, stop)
@@ -132,11 +132,17 @@ def server_here(tmp_path):
     thread = threading.Thread(target=tcp.serve, args=(listeners, service.handle, stop),
                               kwargs={"timeout": cfg.timeout_s}, daemon=True)
     thread.start()
-    yield cfg
+    yield cfg, stop
     stop.set()
     thread.join(10)
     service.server.close()
     service.arena.close()
+
+
+@pytest.fixture
+def server_here(served):
+    """The cluster config of that server."""
+    return served[0]
 
 
 @pytest.fixture
@@ -210,6 +216,7 @@ def test_an_update_still_applying_past_the_timeout_is_a_server_unavailable(
                    SGDHyper(lr=1.0))
     with pytest.raises(ServerUnavailableError, match="not applied within 0.2 s"):
         kv.servers.applying.settle(0, timeout=0.2)
+    assert kv.servers.applying.reads_slot(0)  # the server may still read the update
     release.set()
     assert kv.pull("t", np.array([1])).tolist() == [[-1, -1]]  # in step after it
 
@@ -298,3 +305,106 @@ def test_a_refused_update_is_raised_at_the_next_lookup(mapped_t):
             then()
     kv.push_update("t", np.array([3]), ones[:1], "sgd", SGDHyper(lr=1.0))
     assert kv.pull("t", np.array([1, 3, 5])).tolist() == [[0, 0], [-1, -1], [0, 0]]
+
+def refuse_next(kv, ids=(1, 3)):
+    """An update the server refuses (Adagrad, whose state was never made) before it
+    locks anything; its answer is left for later."""
+    kv.push_update("t", np.array(ids), np.ones((len(ids), 2), np.float32), "adagrad",
+                   AdagradHyper(clr=0.1, eps=1e-10))
+
+
+REFUSED = "no shard 0 of 't~opt~sum'"
+
+
+def test_a_table_dropped_with_its_update_answer_unread_is_dropped(mapped_t):
+    kv = mapped_t
+    kv.push_update("t", np.array([1]), np.ones((1, 2), np.float32), "sgd", SGDHyper(lr=1.0))
+    kv.delete_data("t")  # reads the answer (and the outcome) first, then drops
+    kv.init_data("t", (4, 2), "float32", range_policy(4, 1))  # a new table of the name
+    assert kv.pull("t", np.arange(4)).tolist() == [[0, 0]] * 4
+
+
+def test_a_refusal_raised_while_replies_travel_leaves_the_connections_in_step(clusters):
+    """A lookup copies the rows of co-located shards while other servers' replies
+    travel; an update one of those shards' server refused is raised there, after every
+    reply is read (server 1's reply would otherwise be read as the next request's)."""
+    cfg = clusters("tcp_shm").cfg
+    kv = RemoteKVClient(cfg, 0)
+    try:
+        kv.init_data("w", (10, 2), "float32", range_policy(10, 2))  # 0-4 on server 0
+        kv.init_optimizer("w", "sgd", {})
+        kv.pull("w", np.arange(10))  # both shards mapped
+        kv.push_update("w", np.array([1]), np.ones((1, 2), np.float32), "adagrad",
+                       AdagradHyper(clr=0.1, eps=1e-10))  # refused by server 0, unread
+        with pytest.raises(KVStoreError, match="no shard 0 of 'w~opt~sum'"):
+            kv.servers.call({1: Barrier(rank=0)},
+                            while_waiting=lambda: kv.pull("w", np.array([1])))
+        hello = kv.servers.call({1: Hello(rank=0, token=cfg.job_token or "")})[1]
+        assert hello.fields.get("server_id") == 1, "an earlier request's reply: out of step"
+        # refused by server 1: raised before anything goes to server 0 either
+        kv.push_update("w", np.array([7]), np.ones((1, 2), np.float32), "adagrad",
+                       AdagradHyper(clr=0.1, eps=1e-10))
+        with pytest.raises(KVStoreError, match="no shard 1 of 'w~opt~sum'"):
+            kv.servers.call({0: Barrier(rank=0), 1: Barrier(rank=0)})
+        hello = kv.servers.call({0: Hello(rank=0, token=cfg.job_token or "")})[0]
+        assert hello.fields.get("server_id") == 0, "an earlier request's reply: out of step"
+    finally:
+        kv.delete_data("w")
+        kv.close(goodbye=False)
+
+
+def test_closing_with_a_refused_update_unread_says_goodbye_then_raises(served):
+    cfg, stop = served
+    kv = RemoteKVClient(cfg, 0)
+    kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
+    kv.init_optimizer("t", "sgd", {})
+    kv.pull("t", np.array([0]))  # mapped now
+    refuse_next(kv)
+    with pytest.raises(KVStoreError, match=REFUSED):
+        kv.close()
+    assert stop.wait(10), "the server never heard the goodbye"
+    assert kv.servers.closed
+
+
+def test_a_prefetch_of_a_table_dropped_and_made_again_is_forgotten(mapped_t):
+    kv = mapped_t
+    kv.prefetch("t", np.array([7, 9]))
+    kv.delete_data("t")
+    kv.init_data("t", (4, 2), "float32", range_policy(4, 1))  # fewer rows than 7 and 9
+    kv.init_optimizer("t", "sgd", {})
+    kv.pull("t", np.array([0]))  # mapped again
+    sums = kv._sum_buffer("t", 2, 2)[:2]
+    sums[:] = 1
+    kv.push_update("t", np.array([1, 3]), sums, "sgd", SGDHyper(lr=1.0))
+    assert kv.pull("t", np.arange(4)).tolist() == [[0, 0], [-1, -1], [0, 0], [-1, -1]]
+
+
+def test_stochastic_rounding_does_not_depend_on_a_prefetch(clusters):
+    """Each update of a stochastically rounded bfloat16 table takes the next rounding
+    seed, so the server does not split one in two when a prefetch asks for rows first:
+    the rows equal those of the same updates without prefetch, bit for bit."""
+    kv = RemoteKVClient(clusters("shm1x1").cfg, 0)
+    n, d = 2_000, 8
+    rng = np.random.default_rng(3)
+    try:
+        for name in ("ahead", "plain"):
+            kv.create_table(name, DenseSpec((n, d), dtype="bfloat16", rounding_seed=11))
+            kv.init_optimizer(name, "sgd", {})
+            kv.pull(name, np.array([0]))  # mapped
+        for _ in range(6):
+            ids = np.unique(rng.integers(0, n, 500)).astype(np.int64)
+            grads = rng.standard_normal((len(ids), d)).astype(np.float32) * 1e-3
+            nxt = rng.integers(0, n, 300)
+            for name in ("ahead", "plain"):
+                if name == "ahead":
+                    kv.prefetch(name, nxt)
+                sums = kv._sum_buffer(name, len(ids), d)[:len(ids)]
+                sums[:] = grads
+                kv.push_update(name, ids, sums, "sgd", SGDHyper(lr=1.0))
+                kv.pull(name, nxt)
+        np.testing.assert_array_equal(kv.pull("ahead", np.arange(n)),
+                                      kv.pull("plain", np.arange(n)))
+    finally:
+        for name in ("ahead", "plain"):
+            kv.delete_data(name)
+        kv.close(goodbye=False)

@@ -114,7 +114,8 @@ class HostPlacement:
         Returns:
             ``(unique ids, summed gradients)`` in this client's arrays, ready for
             :meth:`push_update` (host clients reuse one buffer per table for the sums: it
-            is valid until the next call), or None when there is nothing to push.
+            is valid until the next call, and is ``push_update``'s to consume: a client
+            may reorder its rows as it sends them), or None when there is nothing to push.
         """
         if not ids:
             return None

@@ -308,6 +308,7 @@ class RemoteKVClient(TableClient):
         want = versions and wait
         requests, routes = self.update_requests(name, ids, grads, rule, hyper, want)
         out = np.empty(len(ids), np.int64) if want else None
+        router = self.tables.table(name).router  # (a reply may be read after a drop)
 
         def take(sid, frame):
             if sid not in routes:
@@ -318,8 +319,7 @@ class RemoteKVClient(TableClient):
             out[r.positions] = frame.arrays[0]
 
         def applying(sid, frame):  # a co-located server may answer before it applies
-            self.servers.applying.note(sid, self.tables.table(name).router, requests[sid],
-                                       frame)
+            self.servers.applying.note(sid, router, requests[sid], frame)
         self.send_update(name, requests, take if want else applying, wait)
         return out
 

@@ -109,9 +109,10 @@ class Servers:
         """
         if self.closed:
             raise KVStoreError("this RemoteKVClient is closed")
+        for sid in requests:  # each slot free, each failure raised, before anything goes
+            self.applying.settle(sid, timeout)
         deferred = {}
         for sid, msgs in requests.items():
-            self.applying.settle(sid, timeout)  # its slot is free, its failure raised
             for msg in msgs if isinstance(msgs, list) else [msgs]:
                 if not wait:
                     msg.flags |= FLAG_NO_REPLY
@@ -122,9 +123,15 @@ class Servers:
                     self.connections[sid].send(frame)
                 finally:
                     close_fds(frame)  # a new slot's descriptor: the server has its own
+        waited = None
         if while_waiting is not None:
-            while_waiting()
+            try:
+                while_waiting()
+            except Exception as e:  # raised once every reply is read: connections in step
+                waited = e
         if not wait:
+            if waited is not None:
+                raise waited
             return {}
         replies, failed = {}, []
         for sid, msgs in requests.items():
@@ -153,6 +160,8 @@ class Servers:
                         failed.append((type(e).__name__, str(e)))
                     finally:
                         close_fds(frame)
+        if waited is not None:
+            raise waited
         if failed:
             kind, message = failed[0]
             raise ERRORS.get(kind, KVStoreError)(message)
@@ -274,9 +283,10 @@ class Servers:
         return None if mapped.issuperset(split) else mapped
 
     def forget(self, name):
-        """Unmap the shards of table ``name``."""
+        """Unmap the shards of table ``name`` (and forget what a prefetch expected)."""
         for key in [k for k in self.mapped if k[0] == name]:
             del self.mapped[key]
+        self.applying.forget(name)
 
     def gather(self, name, part, local):
         """Rows ``local`` (store keys) of mapped shard ``part`` of ``name``, never torn;
@@ -306,11 +316,24 @@ class Servers:
             slot.view(shape, np.float32, clear_of_last=self.applying.reads_slot(sid))
 
     def close(self, goodbye=True):
-        """Disconnect; with ``goodbye``, first tell every server this trainer is done."""
+        """Disconnect; with ``goodbye``, first tell every server this trainer is done.
+
+        Raises:
+            KVStoreError: an update answered early failed or was refused (after the
+                goodbyes: the servers still learn this trainer is done).
+        """
         if self.closed:
             return
+        failed = []
         try:
             if goodbye:
+                for sid in range(self.count):
+                    try:
+                        self.applying.settle(sid)
+                    except TransportError:
+                        pass  # a server gone: its goodbye fails below, and is not needed
+                    except KVStoreError as e:
+                        failed.append(e)
                 self.all(lambda sid: Bye(rank=self.rank))
         except TransportError:
             pass  # a server already gone needs no goodbye
@@ -322,3 +345,5 @@ class Servers:
                 slot.close()
             for conn in self.connections:
                 conn.close()
+        if failed:
+            raise failed[0]

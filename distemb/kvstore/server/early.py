@@ -185,6 +185,12 @@ class Applying:
         rows (:meth:`gather`). Until then the trainer goes on."""
         self._unread[sid] = (read, m.name, m.parts[0])
 
+    def forget(self, name):
+        """Drop what is kept of table ``name`` (deleted): its expected keys, its marks."""
+        for kept in (self._next, self._marks):
+            for key in [k for k in kept if k[0] == name]:
+                del kept[key]
+
     def reads_slot(self, sid):
         """Whether server ``sid`` may still be reading this trainer's request slot (an
         update answered early, or whose answer is unread)."""
@@ -214,12 +220,15 @@ class Applying:
             ServerUnavailableError: the server died or timed out meanwhile.
         """
         self._answer(sid)
-        pending = self._by_server.pop(sid, None)
+        pending = self._by_server.get(sid)
         if pending is None:
             return
         _, _, counter, _, header, _ = pending
         conn = self._conns[sid]
-        if header is not None and not _failed(header, counter, conn, timeout):
+        # pending until known applied: a server past the timeout may still read the slot
+        failed = header is None or _failed(header, counter, conn, timeout)
+        del self._by_server[sid]
+        if not failed:
             return  # applied: the server sends nothing more
         frame = conn.recv(timeout)
         if frame.service == Error.SERVICE:

@@ -37,6 +37,7 @@ Example:
 """
 import numpy as np
 
+from distemb.enums import Rounding
 from distemb.errors import KVStoreError, StoreError
 from distemb.kvstore.checkpoint.changes import Changes
 from distemb.kvstore.server.rwlock import RWLock
@@ -270,15 +271,19 @@ class ShardTable:
         writing.__enter__()
         header = self._counters.get(WEIGHT)
         counter = None if header is None else int(header[0])
-        split = header is not None and self.store.fixed_keys and 0 < first < len(keys)
+        # Not when rounding is stochastic: each store update takes the next rounding
+        # seed, and the rows must not depend on whether a prefetch split the update.
+        split = header is not None and self.store.fixed_keys and 0 < first < len(keys) \
+            and self.store.rounding is not Rounding.STOCHASTIC
 
         def apply():
             try:
-                if split:  # a fixed store's update writes every key: nothing to track
+                if split:  # a fixed store's update writes every key
                     self.store.update(rule, keys[:first], grads[:first], hyper, num_threads)
+                    self.bump(keys[:first])
                     header[2] = counter  # seen after the rows (x86-64 keeps stores in order)
                     self.store.update(rule, keys[first:], grads[first:], hyper, num_threads)
-                    self.bump(keys)
+                    self.bump(keys[first:])
                 else:
                     at = self.store.update(rule, keys, grads, hyper, num_threads)
                     self.bump(keys if at is None else keys[at])  # a key gone: as in update
