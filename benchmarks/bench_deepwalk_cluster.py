@@ -27,7 +27,7 @@ rows of its unique ids) against the link's rate.
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_deepwalk_cluster.py [--dataset wordnet]
-        [--hosts 2x2,1x1] [--links loopback,1gbit] [--sides prefetch,every]
+        [--hosts 2x2,1x1] [--links loopback,1gbit] [--shared-memory] [--sides prefetch,every]
         [--steps 200] [--warmup 10] [--rounds 3] [--timeout 600]
         [-- more deepwalk.py options]
 """
@@ -93,7 +93,8 @@ def run_job(args, servers, trainers, rate, options, workdir):
         with open(path, "w") as f:
             json.dump({"job_id": uuid.uuid4().hex[:8], "num_trainers": trainers,
                        "trainer_machines": hosts.trainer_machines(), "servers": hosts.servers(),
-                       "shared_memory": False, "timeout_s": 120.0}, f)
+                       "shared_memory": args.shared_memory and rate is None,
+                       "timeout_s": 120.0}, f)
         base = dict(env(), DISTEMB_CONFIG=path)
 
         def start(name, argv, role, rank):
@@ -201,6 +202,10 @@ def make_parser():
     p.add_argument("--links", default="loopback,1gbit",
                    help="links, comma-separated: 'loopback', 'veth' (hosts in namespaces, "
                    "unshaped) and/or rates ('1gbit', '10gbit'; root)")
+    p.add_argument("--shared-memory", action="store_true",
+                   help="loopback jobs with shared memory on: each trainer reads the rows "
+                        "of the servers on its machine in place, and hands its updates "
+                        "over shared memory (the default: every row on the socket)")
     p.add_argument("--steps", type=int, default=200, help="steps per trainer")
     p.add_argument("--warmup", type=int, default=10, help="first steps not timed")
     p.add_argument("--rounds", type=int, default=3,

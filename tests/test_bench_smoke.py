@@ -158,11 +158,13 @@ def test_bench_checkpoint(tmp_path):
 
 @pytest.mark.multiprocess
 def test_bench_kvstore(tmp_path):
-    out, rec = run(tmp_path, "bench_kvstore.py", *TINY_STEP, "--only-shm", "--steps", "3",
-                   "--warmup", "1")
+    out, rec = run(tmp_path, "bench_kvstore.py", *TINY_STEP, "--only-shm", "--prefetch",
+                   "--steps", "3", "--warmup", "1")
     assert table_row(out, "in-process (baseline)")[3] == "1.00x"
-    shm = [k for k in rec["figures"] if k.startswith("vs_inprocess.1_server_x_1_trainer_shm")]
-    assert len(shm) == 1 and figure(rec, shm[0]) > 0
+    shm = sorted(k for k in rec["figures"]
+                 if k.startswith("vs_inprocess.1_server_x_1_trainer_shm"))
+    assert len(shm) == 2 and shm[1] == shm[0] + "_prefetch" and figure(rec, shm[1]) > 0
+    assert figure(rec, "prefetch." + shm[0].split(".", 1)[1]) > 0  # with over without
 
 
 @pytest.mark.multiprocess
@@ -233,6 +235,12 @@ def test_bench_deepwalk_cluster(tmp_path):
     assert table_rows(out, "1x1")[1][6] == "100%"  # every lookup prefetched
     assert table_rows(out, "1x1")[2][4] == "1.00x"  # the baseline against itself
     assert figure(rec, "prefetch_every.1x1_loopback") > 0 and figure(rec, "mb_per_step") > 0
+    out, rec = run(tmp_path, "bench_deepwalk_cluster.py", "--dataset", "karate", "--hosts",
+                   "1x1", "--links", "loopback", "--shared-memory", "--steps", "4",
+                   "--warmup", "1", "--rounds", "1", "--sides", "every", "--", "--batch-size",
+                   "64", "--dim", "8")
+    assert table_rows(out, "1x1")[0][6] == "0%"  # read in place: nothing read ahead
+    assert figure(rec, "prefetch_every.1x1_loopback") > 0
 
 
 @needs_dgl
