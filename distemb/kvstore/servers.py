@@ -39,6 +39,11 @@ ERRORS = {"PartitionError": PartitionError, "StoreError": StoreError,
           "MissingKeyError": MissingKeyError, "ValueError": ValueError}
 
 
+def _error(kind, message):
+    """The exception of an error a server reported (its own type where the user knows it)."""
+    return ERRORS.get(kind, KVStoreError)(message)
+
+
 class Servers:
     """A trainer's connections to its job's servers (see the module docstring).
 
@@ -141,48 +146,48 @@ class Servers:
                                          self._reader(sid, on_reply, timeout))
                 continue
             for _ in msgs if isinstance(msgs, list) else [msgs]:
-                frame = self.connections[sid].recv(timeout)
-                if frame.service == Service.ERROR:
-                    failed.append((frame.fields.get("kind"), str(frame.fields.get("message"))))
-                elif frame.service != Service.REPLY:
-                    raise TransportError(f"server {sid}: unexpected reply service "
-                                         f"{frame.service}")
+                reply, error = self._take(sid, on_reply, timeout)
+                if error is not None:
+                    failed.append(error)
+                elif isinstance(msgs, list):
+                    replies.setdefault(sid, []).append(reply)
                 else:
-                    try:
-                        if on_reply is not None:
-                            on_reply(sid, frame)  # it takes the descriptors it keeps
-                        reply = Reply.decode(frame)
-                        if isinstance(msgs, list):
-                            replies.setdefault(sid, []).append(reply)
-                        else:
-                            replies[sid] = reply
-                    except KVStoreError as e:
-                        failed.append((type(e).__name__, str(e)))
-                    finally:
-                        close_fds(frame)
+                    replies[sid] = reply
         if waited is not None:
             raise waited
         if failed:
-            kind, message = failed[0]
-            raise ERRORS.get(kind, KVStoreError)(message)
+            raise _error(*failed[0])
         return replies
+
+    def _take(self, sid, on_reply, timeout):
+        """Read server ``sid``'s reply to one request: (its Reply, after
+        ``on_reply(sid, frame)``, None), or (None, (kind, message)) of the error it
+        reports (or ``on_reply`` raised).
+
+        Raises:
+            TransportError: the frame is not a reply.
+        """
+        frame = self.connections[sid].recv(timeout)
+        if frame.service == Service.ERROR:
+            return None, (frame.fields.get("kind"), str(frame.fields.get("message")))
+        if frame.service != Service.REPLY:
+            raise TransportError(f"server {sid}: unexpected reply service {frame.service}")
+        try:
+            if on_reply is not None:
+                on_reply(sid, frame)  # it takes the descriptors it keeps
+            return Reply.decode(frame), None
+        except KVStoreError as e:
+            return None, (type(e).__name__, str(e))
+        finally:
+            close_fds(frame)
 
     def _reader(self, sid, on_reply, timeout):
         """A function that reads server ``sid``'s reply to one request as :meth:`call`
-        does: ``on_reply(sid, frame)`` for a success, the server's error raised."""
+        does, raising the error it reports."""
         def read():
-            frame = self.connections[sid].recv(timeout)
-            try:
-                if frame.service == Service.ERROR:
-                    raise ERRORS.get(frame.fields.get("kind"), KVStoreError)(
-                        str(frame.fields.get("message")))
-                if frame.service != Service.REPLY:
-                    raise TransportError(f"server {sid}: unexpected reply service "
-                                         f"{frame.service}")
-                if on_reply is not None:
-                    on_reply(sid, frame)
-            finally:
-                close_fds(frame)
+            _, error = self._take(sid, on_reply, timeout)
+            if error is not None:
+                raise _error(*error)
         return read
 
     def ahead(self, requests, on_reply=None):
