@@ -20,13 +20,9 @@ Example:
     torchrun --nproc-per-node 2 graph_examples/deepwalk.py --dataset wordnet --out out/dw-c2
 """
 import argparse
-import ast
-import itertools
 import json
 import os
-import queue
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,10 +41,12 @@ from tqdm import tqdm  # noqa: E402
 
 import distemb  # noqa: E402
 from distemb.pipeline import Prefetcher  # noqa: E402
+from graph_examples.cli import data_option, format_table, job_mode  # noqa: E402
 from graph_examples.datasets import DATASET_NAMES, GraphDataset, load_dataset  # noqa: E402
 from graph_examples.evaluate import (link_prediction_auc, node_classification,  # noqa: E402
                                      split_edges)
 from graph_examples.plots import save_training_plot  # noqa: E402
+from graph_examples.stream import overlapped, shard  # noqa: E402
 from graph_examples.tables import BACKENDS, OPTIMIZERS, make_tables  # noqa: E402
 from graph_examples.walks import SkipGramBatches, pairs_per_epoch  # noqa: E402
 
@@ -122,16 +120,6 @@ def batch_lookups(tables, loss: str, batch):
             (tables.context_table, torch.cat([contexts, negatives.reshape(-1)]))]
 
 
-def _data_option(text: str):
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--data-opt: expected KEY=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value  # a plain string such as a path
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse the command line (see --help)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -140,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="graph to embed (see graph_examples/datasets.py)")
     p.add_argument("--edges", help="edge list file, for --dataset edgelist")
     p.add_argument("--labels", help="node label file, for --dataset edgelist")
-    p.add_argument("--data-opt", action="append", type=_data_option, default=[],
+    p.add_argument("--data-opt", action="append", type=data_option, default=[],
                    metavar="KEY=VALUE", help="extra loader argument, e.g. num_nodes=100000")
     p.add_argument("--backend", choices=BACKENDS, default="distemb",
                    help="embedding tables and optimizer")
@@ -332,76 +320,6 @@ def train(graph, args, rank: int = 0, num_trainers: int = 1) -> dict:
                 phase_seconds=phase, step_ends=ends, prefetch_stats=stats and stats())
 
 
-def overlapped(items, consume, depth: int, pipeline=lambda items: items) -> None:
-    """Call consume(item) for every item, in order; with depth > 0, in a second thread.
-
-    The calling thread makes the items (DGL's walks stay in the thread that seeded them:
-    DGL keeps a generator per thread, so walks made elsewhere would differ from
-    gensim's) and keeps up to ``depth`` ready in a queue while the other thread trains,
-    so sampling overlaps with training on a second core. The consuming thread takes the
-    items through ``pipeline(items)`` (a :class:`~distemb.pipeline.Prefetcher`). An
-    exception in either thread is raised here after both have stopped.
-    """
-    if depth == 0:
-        for item in pipeline(items):
-            consume(item)
-        return
-    ready: "queue.Queue" = queue.Queue(maxsize=depth)
-    failed = []
-
-    def queued():
-        while (item := ready.get()) is not _END:
-            yield item
-
-    def worker():
-        try:
-            for item in pipeline(queued()):
-                consume(item)
-        except BaseException as exc:  # handed to the calling thread
-            failed.append(exc)
-
-    thread = threading.Thread(target=worker, name="deepwalk-trainer", daemon=True)
-    thread.start()
-
-    def put(item):  # False once the trainer has stopped (it failed)
-        while thread.is_alive():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for item in items:
-            if not put(item):
-                break
-    finally:  # also when making an item failed: the trainer stops after what it has
-        put(_END)
-        thread.join()
-    if failed:
-        raise failed[0]
-
-
-_END = object()  # the end of overlapped()'s queue
-
-
-def shard(stream, rank: int, num_trainers: int, total: int):
-    """Yield batch ``rank`` of each complete group of ``num_trainers`` consecutive batches
-    among the first ``total`` of ``stream``.
-
-    Every trainer of a job then takes the same number of steps (a sync_exact server waits
-    for every trainer's push of each step); fewer than ``num_trainers`` batches left at
-    the end are dropped.
-    """
-    batches = itertools.islice(stream, total)
-    while True:
-        group = list(itertools.islice(batches, num_trainers))
-        if len(group) < num_trainers:
-            return
-        yield group[rank]
-
-
 def export(tables, rank: int, num_trainers: int):
     """The trained node table (rank 0 of a job; None on other ranks).
 
@@ -426,12 +344,6 @@ def say(message: str) -> None:
     print(f"deepwalk: {message}", flush=True)
 
 
-def format_table(rows) -> str:
-    """Return (name, value) rows as an aligned two-column text table."""
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
 def main(argv=None) -> dict:
     """Run DeepWalk from the command line; return the metrics written to metrics.json."""
     args = parse_args(argv)
@@ -448,17 +360,6 @@ def main(argv=None) -> dict:
         finally:
             distemb.shutdown()
     return run(args)
-
-
-def job_mode():
-    """How this process joins a job: "" as a trainer of a distemb-launch job
-    (``$DISTEMB_CONFIG``), "collective" as a rank under torchrun (``$TORCHELASTIC_RUN_ID``:
-    no servers, every rank holds a shard of every table), None alone (embedded)."""
-    if os.environ.get("DISTEMB_CONFIG"):
-        return ""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return "collective"
-    return None
 
 
 def run(args, rank: int = 0, num_trainers: int = 1) -> dict:

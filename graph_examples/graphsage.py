@@ -46,7 +46,7 @@ import distemb  # noqa: E402
 from distemb.integrations.dgl import dgl, lookup  # noqa: E402
 from distemb.pipeline import Prefetcher  # noqa: E402
 from graph_examples.datasets import load_dataset  # noqa: E402
-from graph_examples.deepwalk import _data_option, format_table, job_mode  # noqa: E402
+from graph_examples.cli import data_option, format_table, job_mode  # noqa: E402
 from graph_examples.plots import save_training_plot  # noqa: E402
 
 OPTIMIZERS = {"adam": distemb.SparseAdam, "adagrad": distemb.SparseAdagrad,
@@ -107,7 +107,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", default="wordnet", help="karate, wordnet or sbm")
-    p.add_argument("--data-opt", action="append", type=_data_option, default=[],
+    p.add_argument("--data-opt", action="append", type=data_option, default=[],
                    metavar="KEY=VALUE", help="extra loader argument, e.g. num_nodes=5000")
     p.add_argument("--dim", type=int, default=64, help="width of the learnable input table")
     p.add_argument("--hidden", type=int, default=128, help="hidden width")

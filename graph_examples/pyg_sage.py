@@ -31,7 +31,7 @@ from torch_geometric.nn import GraphSAGE  # noqa: E402
 
 import distemb  # noqa: E402
 from graph_examples.datasets import load_dataset  # noqa: E402
-from graph_examples.deepwalk import _data_option  # noqa: E402
+from graph_examples.cli import data_option  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", default="wordnet", help="karate, wordnet or sbm")
-    p.add_argument("--data-opt", action="append", type=_data_option, default=[],
+    p.add_argument("--data-opt", action="append", type=data_option, default=[],
                    metavar="KEY=VALUE", help="extra loader argument, e.g. num_nodes=5000")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--dim", type=int, default=64, help="width of the learnable input rows")

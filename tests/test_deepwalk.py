@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import distemb
-from graph_examples.deepwalk import main, overlapped, parse_args, skipgram_loss
+from graph_examples.deepwalk import main, parse_args, skipgram_loss
+from graph_examples.stream import overlapped
 from graph_examples.tables import _node_init, make_tables
 
 FAST = ["--dataset", "karate", "--dim", "8", "--walk-length", "8", "--window", "2",
@@ -263,7 +264,7 @@ def summed_pairs_oracle(args, out):
     process's thread settings."""
     from distemb.context import DistContext
     from graph_examples.datasets import load_dataset
-    from graph_examples.deepwalk import shard
+    from graph_examples.stream import shard
     from graph_examples.walks import SkipGramBatches
 
     torch.set_num_threads(1)  # as the trainers (--threads 1)
