@@ -6,12 +6,12 @@ server that was meant to listen on it binds: a trainer of the job connecting to 
 can take server 1's port ("address already in use"). Ports below the ephemeral range are
 only ever taken by an explicit ``bind``.
 """
-import os
 import random
 import socket
-import time
 
 FIRST = 10000  # below the ephemeral range and above the well-known and common service ports
+
+_next = {}  # (lo, hi) -> where this process's next draw from that range starts
 
 
 def ephemeral_low():
@@ -33,24 +33,36 @@ def free_port(span=1, lo=FIRST, hi=None, host="127.0.0.1"):
         host: the address the ports are for.
 
     Raises:
-        RuntimeError: no such run of ports after 200 random draws.
+        RuntimeError: no such run among the 200 starts after this process's last draw.
     """
     hi = ephemeral_low() if hi is None else hi
     if hi - span < lo:
         raise ValueError(f"no room for {span} ports in [{lo}, {hi})")
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(lo, hi - span + 1)
-        socks = []
-        try:
-            for port in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
+    start = _next.get((lo, hi))
+    if start is None:
+        start = random.SystemRandom().randrange(lo, hi - span + 1)
+    base = start
+    for _ in range(min(200, hi - lo)):
+        if base + span > hi:
+            base = lo
+        if _binds(host, base, span):
+            _next[(lo, hi)] = base + span
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
+        base += 1
     raise RuntimeError(f"no {span} free ports in a row in [{lo}, {hi}) on {host}")
+
+
+def _binds(host, base, span):
+    """Whether ports ``base .. base + span - 1`` all bind on ``host`` now."""
+    socks = []
+    try:
+        for port in range(base, base + span):
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
