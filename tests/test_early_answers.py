@@ -184,6 +184,37 @@ def test_an_update_that_fails_after_its_early_answer_is_raised_next(server_here,
         kv.close(goodbye=False)
 
 
+def test_each_trainer_learns_its_own_failure_though_another_fails_after(
+        mapped_t, server_here, monkeypatch):
+    """Two trainers map one shard; A's update fails after its early answer, then B's
+    does. A learns its own failure, not a success, and stays in step: the server tells
+    each trainer on its own connection, before the counter moves (a failure word in the
+    shard's header, one for all trainers, held B's failure by the time A looked)."""
+    a, b = mapped_t, RemoteKVClient(server_here, 0)
+    try:
+        b.init_data("t", (10, 2), "float32", range_policy(10, 1))  # attaches to A's
+        b.init_optimizer("t", "sgd", {})
+        b.pull("t", np.array([0]))  # B maps the shard too
+        ones = np.ones((1, 2), np.float32)
+
+        def broken(*args, **kw):
+            raise MemoryError("no room for the update")
+        failed = r"server 0: the update of 't' answered early then failed: no room"
+        with monkeypatch.context() as m:
+            m.setattr(DenseStore, "update", broken)
+            a.push_update("t", np.array([1]), ones, "sgd", SGDHyper(lr=1.0))
+            b.push_update("t", np.array([2]), ones, "sgd", SGDHyper(lr=1.0))
+            with pytest.raises(KVStoreError, match=failed):
+                b.servers.applying.settle(0)  # applied after A's: both have failed now
+        with pytest.raises(KVStoreError, match=failed):
+            a.pull("t", np.array([1]))  # a lookup beside A's update learns its outcome
+        assert not a.servers.connections[0].pending()
+        a.push("t", np.array([5]), np.full((1, 2), 7, np.float32))
+        assert a.pull("t", np.array([1, 2, 5])).tolist() == [[0, 0], [0, 0], [7, 7]]
+    finally:
+        b.close(goodbye=False)
+
+
 def test_a_success_read_in_the_shard_costs_no_second_frame(mapped_t):
     """The trainer maps the shard, so it asks to read the outcome in the shard's header:
     once the server has applied the update (the counter moved on) and the trainer has

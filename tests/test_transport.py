@@ -11,8 +11,9 @@ import pytest
 from distemb.errors import (KVStoreError, PartitionError, ServerUnavailableError,
                             TransportError)
 from distemb.partition import range_policy
-from distemb.transport.base import HEADER, MAGIC, VERSION, Frame, encode_head
-from distemb.transport.messages import Pull, Push, Service, Update, decode_request
+from distemb.transport.base import HEADER, MAGIC, VERSION, EarlyReply, Frame, encode_head
+from distemb.transport.messages import (Error, Pull, Push, Reply, Service, Update,
+                                       decode_request)
 from distemb.transport.tcp import TcpConnection
 
 pytestmark = pytest.mark.timeout(60)
@@ -227,3 +228,16 @@ def test_server_errors_reach_the_user_as_the_same_type_from_every_request(cluste
 def test_fields_are_json_not_pickle():
     head = encode_head(Frame(Service.HELLO, fields={"rank": 0}))
     assert json.loads(head[HEADER.size:]) == {"rank": 0}
+
+
+def test_an_early_reply_answered_in_one_frame_is_its_error_else_its_early_frame():
+    """A transport that answers once (MPI) finishes an early reply first: the peer gets
+    the error its work sent, or the early frame when the work succeeded (told or not)."""
+    early = Reply(fields={"applying": 3}).encode()
+    quiet = EarlyReply(early, lambda send: None)
+    told = EarlyReply(early, lambda send: send(Reply().encode()))
+    failed = EarlyReply(early, lambda send: send(Error(kind="MemoryError",
+                                                         message="no room").encode()))
+    assert quiet.whole() is early and told.whole() is early
+    got = failed.whole()
+    assert got.service == Service.ERROR and got.fields["message"] == "no room"

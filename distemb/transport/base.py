@@ -227,9 +227,10 @@ class Session:
 
 class EarlyReply:
     """A handler's answer sent before its work is done: a transport sends ``frame``, then
-    calls ``finish()`` (which does the rest and never raises) and sends the frame it
-    returns, the outcome (a Reply, or an Error the peer raises at its next request), if
-    it returns one (None: the peer learns the outcome otherwise, nothing more is sent).
+    calls ``finish(send)``, which does the rest (its own failures it reports, never
+    raises) and sends the outcome with ``send(frame)``, if there is one to send (a Reply,
+    or an Error the peer raises at its next request; none: the peer learns the outcome
+    otherwise). Only ``send`` may raise (the peer gone).
 
     A co-located trainer's update is answered this way (:mod:`distemb.kvstore.server.early`),
     so the trainer's next step runs while the server applies it.
@@ -241,9 +242,10 @@ class EarlyReply:
     def whole(self):
         """For a transport that answers once: finish now; the early frame, or the
         outcome if that is an error."""
-        outcome = self.finish()
-        return self.frame if outcome is None or outcome.service == self.frame.service \
-            else outcome
+        sent = []
+        self.finish(sent.append)
+        errors = [f for f in sent if f.service != self.frame.service]
+        return errors[0] if errors else self.frame
 
 
 class Connection:

@@ -73,10 +73,10 @@ import numpy as np
 from distemb.errors import TransportError
 from distemb.pages import populate_shared
 
-HEADER_BYTES = 64  # the version counter, the last failed write, padding to a cache line
-#: Words of the header: the seqlock counter, the counter of the last failed write, the
-#: counter of the last write whose first rows are written (the rest still being written).
-HEADER_WORDS = 3
+HEADER_BYTES = 64  # the version counter, the first rows' word, padding to a cache line
+#: Words of the header: the seqlock counter, the counter of the last write whose first
+#: rows are written (the rest still being written).
+HEADER_WORDS = 2
 READ_TRIES = 64
 #: The seals every segment carries before it leaves its maker: its size is fixed for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -225,8 +225,7 @@ class ShmArena:
 
     def version_of(self, arr):
         """The header of ``arr``'s segment (:data:`HEADER_WORDS` int64: the seqlock
-        counter, the last failed write's, the last write's whose first rows are in), or
-        None."""
+        counter, the last write's whose first rows are in), or None."""
         return self._segments.get(id(arr), (None, None))[1]
 
     def release(self, arr):
@@ -250,8 +249,7 @@ class ShmShard:
     Args:
         array: the rows.
         version: the segment's header: ``version[0]`` the counter (odd while the server
-            writes), ``version[1]`` the counter's value of the last write answered early
-            that failed, ``version[2]`` its value once the first rows of the write are
+            writes), ``version[1]`` its value once the first rows of the write are
             written (:mod:`distemb.kvstore.server.early`).
     """
 

@@ -364,14 +364,13 @@ class _Doorway:
 
 
 def _answer_early(conn, reply):
-    """Send an :class:`~distemb.transport.base.EarlyReply`'s frame, finish its work (also
-    when the peer is gone: it holds a lock until then), then send the outcome, if any."""
+    """Send an :class:`~distemb.transport.base.EarlyReply`'s frame, then finish its work
+    (also when the peer is gone: it holds a lock until then), which sends the outcome,
+    if any."""
     try:
         conn.send(reply.frame)
     finally:
-        outcome = reply.finish()
-    if outcome is not None:
-        conn.send(outcome)
+        reply.finish(conn.send)
 
 
 def _serve_connection(conn, handle, inflight, slots, doorway):

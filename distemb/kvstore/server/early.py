@@ -10,13 +10,15 @@ came in the trainer's request slot:
 1. The server checks it as always (a bad one is answered with an error, nothing
    written), takes the shard's write lock (its seqlock counter turns odd) and answers
    at once with that counter's value (``applying``).
-2. It applies the update and releases the lock (the counter moves on). A trainer that
-   maps the shard (it said so: ``FLAG_OUTCOME_IN_SHARD``) reads the outcome there: the
-   counter moved on, and the header's second word holds the counter's value only if the
-   update failed (written before the lock is released), in which case the server sends
-   an Error frame; otherwise the server sends the outcome as a second frame, a Reply or
-   an Error. A successful update answered early costs one frame, not two (a send here
-   cost ~81 us of the server's time, and the trainer's wake-up waited for it).
+2. It applies the update and releases the lock (the counter moves on). If the update
+   fails, the server sends the trainer an Error frame *before* it releases the lock. A
+   trainer that maps the shard (it said so: ``FLAG_OUTCOME_IN_SHARD``) reads the outcome
+   there: once the counter moved on, a frame waiting on its connection is that Error,
+   and none means success (a word in the shared header would be one for all trainers:
+   another trainer's later failure would overwrite it). To any other trainer the server
+   sends the outcome as a second frame, a Reply or an Error. A successful update
+   answered early costs one frame, not two (a send here cost ~81 us of the server's
+   time, and the trainer's wake-up waited for it).
 3. The trainer learns the outcome before its next request to that server
    (:meth:`Applying.settle`), so the server has finished with the request slot before
    the trainer writes it again, and a failure is raised there, naming the table.
@@ -43,7 +45,7 @@ import time
 
 import numpy as np
 
-from distemb.errors import KVStoreError, ServerUnavailableError
+from distemb.errors import KVStoreError, ServerUnavailableError, TransportError
 from distemb.transport.base import FLAG_NO_REPLY, FLAG_OUTCOME_IN_SHARD, EarlyReply
 from distemb.transport.messages import Error, Reply, Update  # noqa: F401 (the example)
 
@@ -86,15 +88,21 @@ def answer_early(server, server_id, m, part, ids):
 
     quiet = m.flags & FLAG_OUTCOME_IN_SHARD  # the trainer reads success in the header
 
-    def finish():
+    def finish(send):
+        def tell(e):  # before the lock is released: the trainer raises it next request
+            try:
+                send(Error(kind=type(e).__name__, message=f"server {server_id}: the update "
+                           f"of {m.name!r} answered early then failed: {e}").encode())
+            except TransportError:
+                pass  # the trainer is gone: nobody to tell
         try:
-            apply()
-            return None if quiet else Reply().encode()
-        except Exception as e:  # the trainer raises it at its next request
+            apply(on_failure=tell)
+        except Exception:
             log.exception("distemb server %d: update of %r after its early answer",
                           server_id, m.name)
-            return Error(kind=type(e).__name__, message=f"server {server_id}: the update "
-                         f"of {m.name!r} answered early then failed: {e}").encode()
+            return
+        if not quiet:
+            send(Reply().encode())
     return EarlyReply(Reply(fields={APPLYING: counter}).encode(), finish)
 
 
@@ -332,21 +340,21 @@ def _put_first(ids, grads, hit):
 
 def _failed(header, counter, conn, timeout=None):
     """Wait until the update a server answered early at seqlock ``counter`` is applied
-    (the shard's ``header`` counter moved on); whether it failed (an Error frame then
-    follows on ``conn``). Also True when ``conn`` has something to read before that
-    (the server gone: the caller's read says so).
+    (the shard's ``header`` counter moved on); whether it failed: its Error frame is
+    then on ``conn`` (sent before the counter moved). Also True when ``conn`` has
+    something to read before that (the server gone: the caller's read says so).
 
     Raises:
         ServerUnavailableError: not applied within ``timeout`` s (default: the
             connection's wait for a frame).
     """
-    return not _wait(header, counter, conn, timeout) or int(header[1]) == counter
+    return not _wait(header, counter, conn, timeout) or conn.pending()
 
 
 def _wait(header, counter, conn, timeout=None, first=False):
     """Wait until the update answered early at seqlock ``counter`` is applied (the
     ``header``'s counter moved on), or with ``first`` until its first rows are
-    (its third word holds ``counter``): True; False when ``conn`` has something to
+    (its second word holds ``counter``): True; False when ``conn`` has something to
     read before that (the server gone: the caller's read says so).
 
     Raises:
@@ -356,7 +364,7 @@ def _wait(header, counter, conn, timeout=None, first=False):
     if timeout is None:
         timeout = getattr(conn, "idle_timeout", None)
     start, spins = time.monotonic(), 0
-    while header[0] == counter and not (first and header[2] == counter):
+    while header[0] == counter and not (first and header[1] == counter):
         spins += 1
         if not spins & 63:
             if conn.pending():

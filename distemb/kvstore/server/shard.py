@@ -253,19 +253,19 @@ class ShardTable:
 
     def update_later(self, rule, keys, grads, hyper, num_threads=1, first=0):
         """:meth:`update` (of one trainer's gradients) in two halves: the write lock is
-        taken, every seqlock counter odd, now; ``apply()`` updates the rows and releases
-        the lock (also when it raises), and must be called exactly once.
+        taken, every seqlock counter odd, now; ``apply(on_failure=None)`` updates the
+        rows and releases the lock (also when it raises), and must be called exactly
+        once. If it fails, ``on_failure(error)`` runs before the lock is released (the
+        server tells the trainer there, which learns it the moment the counter moves).
 
         Args:
             first: the first ``first`` rows are applied first (rows of a store whose
-                rows never move), and then the header's third word is set to the
+                rows never move), and then the header's second word is set to the
                 counter's value: those rows are final while the others are written.
 
         Returns:
             (the weight column's seqlock counter meanwhile, None when it has none; apply).
             While the counter holds that value, no row but ``keys`` is being written.
-            If ``apply()`` fails, the header's second word holds that value before the
-            lock is released (what a trainer waiting for the counter to move reads).
         """
         writing = self.write()
         writing.__enter__()
@@ -276,20 +276,20 @@ class ShardTable:
         split = header is not None and self.store.fixed_keys and 0 < first < len(keys) \
             and self.store.rounding is not Rounding.STOCHASTIC
 
-        def apply():
+        def apply(on_failure=None):
             try:
                 if split:  # a fixed store's update writes every key
                     self.store.update(rule, keys[:first], grads[:first], hyper, num_threads)
                     self.bump(keys[:first])
-                    header[2] = counter  # seen after the rows (x86-64 keeps stores in order)
+                    header[1] = counter  # seen after the rows (x86-64 keeps stores in order)
                     self.store.update(rule, keys[first:], grads[first:], hyper, num_threads)
                     self.bump(keys[first:])
                 else:
                     at = self.store.update(rule, keys, grads, hyper, num_threads)
                     self.bump(keys if at is None else keys[at])  # a key gone: as in update
-            except BaseException:
-                if header is not None:
-                    header[1] = counter  # seen before the counter moves on (x86-64 order)
+            except BaseException as e:
+                if on_failure is not None:
+                    on_failure(e)
                 raise
             finally:
                 writing.__exit__(None, None, None)
