@@ -384,6 +384,36 @@ def test_a_refusal_raised_while_replies_travel_leaves_the_connections_in_step(cl
         kv.close(goodbye=False)
 
 
+def test_a_send_that_fails_leaves_the_other_servers_connections_in_step(clusters,
+                                                                       monkeypatch):
+    """A request goes to servers 0 and 1, and the send to server 1 fails: server 0's
+    answer (a reply, or an update's early answer read when first needed) is still read,
+    not taken later as the answer to another request."""
+    cfg = clusters("tcp_shm").cfg
+    kv = RemoteKVClient(cfg, 0)
+    hello = Hello(rank=0, token=cfg.job_token or "")
+
+    def broken(frame):
+        raise ServerUnavailableError("server 1: connection reset (a test)")
+    try:
+        kv.init_data("w", (10, 2), "float32", range_policy(10, 2))  # 0-4 on server 0
+        kv.init_optimizer("w", "sgd", {})
+        kv.pull("w", np.arange(10))  # both shards mapped: updates answered early
+        for send in ({0: Barrier(rank=0), 1: Barrier(rank=0)},
+                     lambda: kv.push_update("w", np.array([1, 7]), np.ones((2, 2), np.float32),
+                                            "sgd", SGDHyper(lr=1.0))):
+            with monkeypatch.context() as m:
+                m.setattr(kv.servers.connections[1], "send", broken)
+                with pytest.raises(ServerUnavailableError, match="a test"):
+                    kv.servers.call(send) if isinstance(send, dict) else send()
+            got = kv.servers.call({0: hello})[0]
+            assert got.fields.get("server_id") == 0, "an earlier request's reply: out of step"
+        assert kv.pull("w", np.array([1, 7])).tolist() == [[-1, -1], [0, 0]]  # 7 never went
+    finally:
+        kv.delete_data("w")
+        kv.close(goodbye=False)
+
+
 def test_closing_with_a_refused_update_unread_says_goodbye_then_raises(served):
     cfg, stop = served
     kv = RemoteKVClient(cfg, 0)

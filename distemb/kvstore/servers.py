@@ -116,18 +116,24 @@ class Servers:
             raise KVStoreError("this RemoteKVClient is closed")
         for sid in requests:  # each slot free, each failure raised, before anything goes
             self.applying.settle(sid, timeout)
-        deferred = {}
+        deferred, sent = {}, {}
         for sid, msgs in requests.items():
             for msg in msgs if isinstance(msgs, list) else [msgs]:
                 if not wait:
                     msg.flags |= FLAG_NO_REPLY
                 frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
-                if later and self.applying.may_read_later(msg, frame):
-                    deferred[sid] = msg
                 try:
                     self.connections[sid].send(frame)
+                except BaseException:
+                    if wait:  # the others' answers are read: their connections in step
+                        self._drain(sent, deferred, on_reply, timeout)
+                    raise
                 finally:
                     close_fds(frame)  # a new slot's descriptor: the server has its own
+                if later and self.applying.may_read_later(msg, frame):
+                    deferred[sid] = msg
+                else:
+                    sent[sid] = sent.get(sid, 0) + 1
         waited = None
         if while_waiting is not None:
             try:
@@ -180,6 +186,20 @@ class Servers:
             return None, (type(e).__name__, str(e))
         finally:
             close_fds(frame)
+
+    def _drain(self, sent, deferred, on_reply, timeout):
+        """After a send failed: read the replies of the requests already sent (``sent``:
+        {server id: how many}), their errors dropped (the send's is raised), and leave
+        the deferred answers (``deferred``) to be read when first needed."""
+        for sid, msg in deferred.items():
+            self.applying.read_later(sid, msg, self._reader(sid, on_reply, timeout))
+        for sid, count in sent.items():
+            try:
+                self._aside.settle(sid)
+                for _ in range(count):
+                    self._take(sid, on_reply, timeout)
+            except KVStoreError:
+                pass  # that server is gone too: its connection says so next time
 
     def _reader(self, sid, on_reply, timeout):
         """A function that reads server ``sid``'s reply to one request as :meth:`call`
