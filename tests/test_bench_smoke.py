@@ -148,6 +148,17 @@ def test_bench_locks(tmp_path):
     assert figure(rec, "us.read_lock") > 0 and figure(rec, "us.write_lock") > 0
 
 
+def test_bench_doorbell(tmp_path):
+    out, rec = run(tmp_path, "bench_doorbell.py", "--rounds", "1", "--trips", "20")
+    assert table_row(out, "unix socket, a frame each way (distemb; baseline)")[3] == "1.00x"
+    assert figure(rec, "us.socket") > 0 and figure(rec, "speedup.eventfd") > 0
+    assert figure(rec, "us.spin") > 0
+    (tmp_path / "bad").mkdir()
+    out, _ = run(tmp_path / "bad", "bench_doorbell.py", "--mechanisms", "socket,bell",
+                 expect=2)
+    assert "unknown ['bell']" in out
+
+
 def test_bench_checkpoint(tmp_path):
     out, rec = run(tmp_path, "bench_checkpoint.py", "--rows", "2000", "--dim", "8",
                    "--repeat", "1", "--dir", str(tmp_path))
