@@ -281,6 +281,7 @@ TWIN_MODULES = {
     # the kernels, the hash index, the fused loss; the stores, the shard type
     "test_store_suite", "test_hash_store", "test_shard",
     "test_dynamic_embedding",  # its own HAS_EXT branch (an inexact twin comparison)
+    "test_dynamic_embedding_storage",  # split from test_dynamic_embedding, twin as it was
     "test_cachebook",  # the caches' bookkeeping kernels
 }
 #: Client suite modules: their tests on the embedded placement (the stores' and rules'
