@@ -286,7 +286,7 @@ TWIN_MODULES = {
 }
 #: Client suite modules: their tests on the embedded placement (the stores' and rules'
 #: calls into the kernels, in this process) run again on the twin.
-SUITE_MODULES = {"test_kvclient_suite", "test_keyed_suite"}
+SUITE_MODULES = {"test_kvclient_suite", "test_kvclient_jobs", "test_keyed_suite"}
 #: Parameters that already run both implementations in the compiled pass.
 BOTH_IMPLS = {"kernel_impl", "model_impl", "native"}
 
