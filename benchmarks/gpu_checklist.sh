@@ -35,7 +35,7 @@ if [ "$what" != bench ]; then
     tests/test_cuda_half_emulated.py tests/test_kernel_contract.py tests/test_dynamic_embedding.py \
     2>&1 | tee "$log/tests_gpu.log" | tail -25 || status=1
   python3 -m pytest -q $par --timeout 300 -p no:cacheprovider tests/test_kvclient_suite.py \
-    tests/test_keyed_suite.py tests/test_partition.py -k cuda \
+    tests/test_kvclient_jobs.py tests/test_keyed_suite.py tests/test_partition.py -k cuda \
     2>&1 | tee "$log/tests_client_suite.log" | tail -8 || status=1
 fi
 if [ "$what" != tests ]; then

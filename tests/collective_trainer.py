@@ -24,7 +24,7 @@ cross modes; ``--every-step``: the grouped model looks every table up on every s
 ``--prefetch``: every lookup prefetched one step ahead (distemb.pipeline's order); the
 oracle is the same (a prefetch changes no row).
 
-Bit-identical by construction (as the client suite's job in tests/test_kvclient_suite.py):
+Bit-identical by construction (as the client suite's job in tests/test_kvclient_jobs.py):
 the gradient of a looked-up row is ``c + round(8 row) / 8`` with ``c`` a multiple of 1/8, a dyadic number of small
 magnitude, so every sum of duplicate ids is exact in float32 in any order (each rank's
 partial sums, then the owner's sum of the ranks' sums, equal the one process's sum), and

@@ -9,8 +9,8 @@ placement of :data:`PLACEMENTS`:
 - ``shm1x1``: a RemoteKVClient co-located with one server (shared-memory reads and
   request slots);
 - ``tcp2x2``: two trainers of a two-server ``sync_exact`` job over TCP, seen as one
-  client by :class:`TwoTrainers` (collective calls on both at once, every pull from both
-  and compared, updates split between them);
+  client by ``TwoTrainers`` (tests/client_views.py: collective calls on both at once,
+  every pull from both and compared, updates split between them);
 - ``tcp2x2+cache_exact``: the same, each trainer behind an exact LRU trainer cache of 4
   rows (it evicts a lot); ``shm1x1+cache_stale``: a bounded-staleness LFU cache;
 - ``device_cache``: a device cache (4 rows) in front of a LocalKVClient, pulling through
@@ -20,6 +20,9 @@ placement of :data:`PLACEMENTS`:
 - ``collective1``: a CollectiveKVClient, a collective job of one rank in this process
   (gloo, file:// rendezvous; tests/test_collective.py runs 2 to 4 ranks);
 - with a GPU, the device placements again on the real kernels (``*_cuda``).
+
+The client adapters (``HostView``, ``CacheLookups``, ``TwoTrainers``) live in
+tests/client_views.py.
 
 Model-level tests run a job on a placement with :meth:`Placement.run` (one thread per
 trainer). The server clusters live for the module (spawning is the slow part); each test
@@ -42,9 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 
+from client_views import CacheLookups, HostView, TwoTrainers
 from cpu_cuda_twin import CpuCudaHalfTwin, CpuCudaTwin
 from mp_helper import ProcessGroup, cluster_dict, write_json
 
@@ -101,143 +104,6 @@ def routes(placement, kind):
 
 #: The client type that refuses what a placement does not hold, by placement base.
 REFUSERS = {"device_table": "DeviceKVClient", "device_cache": "DeviceCachedKVClient"}
-
-
-class HostView:
-    """A device client behind the numpy interface: arrays cross through from/to_host;
-    everything else is the client's own."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.num_servers = inner.num_servers
-
-    def init_data(self, name, shape, dtype, policy, init_func=None, rounding_seed=None):
-        self.inner.init_data(name, shape, dtype, policy, init_func, rounding_seed)
-
-    def data_meta(self, name):
-        return self.inner.data_meta(name)
-
-    def names(self):
-        return self.inner.names()
-
-    def delete_data(self, name):
-        self.inner.delete_data(name)
-
-    def pull(self, name, ids):
-        return self.inner.to_host(self.inner.pull(name, self.inner.from_host(ids)))
-
-    def push(self, name, ids, values):
-        self.inner.push(name, self.inner.from_host(ids), self.inner.from_host(values))
-
-    def init_optimizer(self, name, rule, options):
-        return self.inner.init_optimizer(name, rule, options)
-
-    def push_update(self, name, ids, grads, rule, hyper):
-        self.inner.push_update(name, self.inner.from_host(ids), self.inner.from_host(grads),
-                               rule, hyper)
-
-    def __getattr__(self, attr):  # everything else (key management, checkpoints): inner's
-        return getattr(self.inner, attr)
-
-    def close(self, **kw):
-        self.inner.close(**kw)
-
-
-class CacheLookups(HostView):
-    """A device cache in front of a host client, whose pulls are its device lookups
-    (misses admitted, 4 rows: it evicts a lot) and whose updates arrive as device
-    tensors, as from ``emb(ids, device=...)``. On the CPU it runs the CUDA twin; with
-    ``device="cuda"`` the real kernels on a GPU."""
-
-    def __init__(self, inner=None, device="cpu"):
-        ops = CpuCudaTwin() if device == "cpu" else None
-        self.device = torch.device(device)
-        super().__init__(DeviceCachedKVClient(inner or LocalKVClient(),
-                                              parse_cache_config({"rows": 4}), device,
-                                              ops=ops))
-
-    def pull(self, name, ids):
-        return self.inner.lookup(name, ids).cpu().numpy()
-
-    def push_update(self, name, ids, grads, rule, hyper):
-        self.inner.push_update(
-            name, torch.from_numpy(np.ascontiguousarray(ids)).to(self.device),
-            torch.from_numpy(np.ascontiguousarray(grads)).to(self.device), rule, hyper)
-
-
-class TwoTrainers:
-    """The two trainers of a two-server ``sync_exact`` job as one KVClient.
-
-    Collective calls (creation, optimizer state, barriers) run on both trainers at once;
-    every pull is read by both and must agree (both trainers see one table); each update
-    is split between them (the servers sum a step's contributions, so the halves equal
-    the whole); other writes and key management go to each trainer in turn.
-    """
-
-    COLLECTIVE = ("init_data", "create_table", "init_optimizer", "barrier")
-    EITHER = ("push", "remove", "contains", "get", "evict", "size", "export", "import_",
-              "flush", "table_state", "load_table_state", "save_table", "load_table",
-              "capacity")
-
-    def __init__(self, trainers):
-        self.trainers = list(trainers)
-        self.num_servers, self.num_threads = self.trainers[0].num_servers, 1
-        self._pool = ThreadPoolExecutor(len(self.trainers))
-        self._turn = 0
-
-    def on_all(self, method, *args):
-        """``method(*args)`` of every trainer at once; the first trainer's result."""
-        futures = [self._pool.submit(getattr(t, method), *args) for t in self.trainers]
-        return [f.result(timeout=60) for f in futures][0]
-
-    def _next(self):
-        self._turn = (self._turn + 1) % len(self.trainers)
-        return self.trainers[self._turn]
-
-    def __getattr__(self, attr):
-        if attr in self.COLLECTIVE:
-            return lambda *args: self.on_all(attr, *args)
-        if attr in self.EITHER:
-            return getattr(self._next(), attr)
-        return getattr(self.trainers[0], attr)
-
-    def init_data(self, *args):
-        self.on_all("init_data", *args)
-
-    def init_optimizer(self, *args):
-        return self.on_all("init_optimizer", *args)
-
-    def data_meta(self, name):
-        return self.trainers[0].data_meta(name)
-
-    def names(self):
-        return self.trainers[0].names()
-
-    def delete_data(self, name):
-        for t in self.trainers:
-            t.delete_data(name)
-
-    def pull(self, name, ids):
-        rows = [t.pull(name, ids) for t in self.trainers]
-        for other in rows[1:]:
-            np.testing.assert_array_equal(other, rows[0], err_msg="the trainers disagree")
-        return rows[0]
-
-    def push(self, name, ids, values):
-        self._next().push(name, ids, values)
-
-    def push_update(self, name, ids, grads, rule, hyper):
-        half = len(ids) // 2
-        parts = [(ids[:half], grads[:half]), (ids[half:], grads[half:])]
-        futures = [self._pool.submit(t.push_update, name, i, g, rule, hyper)
-                   for t, (i, g) in zip(self.trainers, parts)]
-        for f in futures:
-            f.result(timeout=60)
-
-    def close(self, **kw):
-        for t in self.trainers:
-            t.close(**kw)
-        self._pool.shutdown()
 
 
 class Cluster:
@@ -415,11 +281,12 @@ TWIN_MODULES = {
     # the kernels, the hash index, the fused loss; the stores, the shard type
     "test_store_suite", "test_hash_store", "test_shard",
     "test_dynamic_embedding",  # its own HAS_EXT branch (an inexact twin comparison)
+    "test_dynamic_embedding_storage",  # split from test_dynamic_embedding, twin as it was
     "test_cachebook",  # the caches' bookkeeping kernels
 }
 #: Client suite modules: their tests on the embedded placement (the stores' and rules'
 #: calls into the kernels, in this process) run again on the twin.
-SUITE_MODULES = {"test_kvclient_suite", "test_keyed_suite"}
+SUITE_MODULES = {"test_kvclient_suite", "test_kvclient_jobs", "test_keyed_suite"}
 #: Parameters that already run both implementations in the compiled pass.
 BOTH_IMPLS = {"kernel_impl", "model_impl", "native"}
 

@@ -29,7 +29,7 @@ def test_kvclient_suite_over_mpi(tmp_path):
     ip = tmp_path / "ip.txt"
     ip.write_text("127.0.0.1\n")
     suite = [os.path.join(os.path.dirname(__file__), f) for f in
-             ("test_kvclient_suite.py", "test_keyed_suite.py")]
+             ("test_kvclient_suite.py", "test_kvclient_jobs.py", "test_keyed_suite.py")]
     with ProcessGroup() as group:
         group.spawn([sys.executable, "-m", "distemb.launch", "--ip-config", str(ip),
                      "--launcher", "mpirun", "--num-servers", "2", "--num-trainers", "1",

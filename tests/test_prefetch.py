@@ -1,7 +1,7 @@
 """Prefetch: the next batch's rows read while the current batch computes, exact.
 
 Oracles: the same job trained embedded in one process without prefetch (the client
-suite's dyadic job, tests/test_kvclient_suite.py: a wrong row anywhere changes every
+suite's dyadic job, tests/test_kvclient_jobs.py: a wrong row anywhere changes every
 later row), bit for bit, on every placement and table kind; and, for the caches, the
 rows a prefetch pinned against a lookup whose admissions would evict them.
 """
@@ -12,8 +12,9 @@ import torch
 from conftest import make_placement
 from cpu_cuda_twin import CpuCudaTwin
 from suite_tables import Table
-from test_kvclient_suite import (B, D, OPTIMIZERS, assert_same_table, dyadic_batch, oracle,
-                                 state_names)
+from test_kvclient_jobs import (B, OPTIMIZERS, assert_same_table, dyadic_batch, oracle,
+                                state_names)
+from test_kvclient_suite import D
 
 from distemb.config import parse_cache_config
 from distemb.errors import KVStoreError

@@ -19,7 +19,7 @@ import torch
 
 from conftest import make_placement
 from suite_tables import Table
-from test_kvclient_suite import dyadic_job
+from test_kvclient_jobs import dyadic_job
 from test_collective import run_job
 
 import collective_trainer
