@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mp_helper import cluster_dict
+from served import serving
 
 from distemb.config import parse_cluster_config
 from distemb.errors import KVStoreError, ServerUnavailableError
@@ -21,12 +22,9 @@ from distemb.kvstore.server.early import may_answer_early
 from distemb.kvstore.remote import RemoteKVClient
 from distemb.partition import range_policy
 from distemb.rules import AdagradHyper, SGDHyper
-from distemb.server import build_service
 from distemb.stores.dense import DenseSpec, DenseStore
 from distemb.stores.file import FileTableSpec
-from distemb.transport import tcp
 from distemb.transport.base import FLAG_NO_REPLY
-from distemb.transport.connections import local_address
 from distemb.transport.messages import Barrier, Hello, Update
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,22 +119,12 @@ def test_a_lookup_beside_an_update_answered_early_returns_its_rows(clusters, mon
 
 
 @pytest.fixture
-def served(tmp_path):
+def served():
     """One server with shared memory, served by threads of this process (so a test can
     make its store fail): (the cluster config, the event its last goodbye sets)."""
     cfg = parse_cluster_config(cluster_dict(1, shared_memory=True, timeout_s=20.0))
-    stop = threading.Event()
-    service = build_service(cfg, 0, stop)
-    listeners = [tcp.listen_local(local_address(cfg, 0)),
-                 tcp.listen(cfg.servers[0].host, cfg.servers[0].port)]
-    thread = threading.Thread(target=tcp.serve, args=(listeners, service.handle, stop),
-                              kwargs={"timeout": cfg.timeout_s}, daemon=True)
-    thread.start()
-    yield cfg, stop
-    stop.set()
-    thread.join(10)
-    service.server.close()
-    service.arena.close()
+    with serving(cfg) as stops:
+        yield cfg, stops[0]
 
 
 @pytest.fixture
@@ -379,36 +367,6 @@ def test_a_refusal_raised_while_replies_travel_leaves_the_connections_in_step(cl
             kv.servers.call({0: Barrier(rank=0), 1: Barrier(rank=0)})
         hello = kv.servers.call({0: Hello(rank=0, token=cfg.job_token or "")})[0]
         assert hello.fields.get("server_id") == 0, "an earlier request's reply: out of step"
-    finally:
-        kv.delete_data("w")
-        kv.close(goodbye=False)
-
-
-def test_a_send_that_fails_leaves_the_other_servers_connections_in_step(clusters,
-                                                                       monkeypatch):
-    """A request goes to servers 0 and 1, and the send to server 1 fails: server 0's
-    answer (a reply, or an update's early answer read when first needed) is still read,
-    not taken later as the answer to another request."""
-    cfg = clusters("tcp_shm").cfg
-    kv = RemoteKVClient(cfg, 0)
-    hello = Hello(rank=0, token=cfg.job_token or "")
-
-    def broken(frame):
-        raise ServerUnavailableError("server 1: connection reset (a test)")
-    try:
-        kv.init_data("w", (10, 2), "float32", range_policy(10, 2))  # 0-4 on server 0
-        kv.init_optimizer("w", "sgd", {})
-        kv.pull("w", np.arange(10))  # both shards mapped: updates answered early
-        for send in ({0: Barrier(rank=0), 1: Barrier(rank=0)},
-                     lambda: kv.push_update("w", np.array([1, 7]), np.ones((2, 2), np.float32),
-                                            "sgd", SGDHyper(lr=1.0))):
-            with monkeypatch.context() as m:
-                m.setattr(kv.servers.connections[1], "send", broken)
-                with pytest.raises(ServerUnavailableError, match="a test"):
-                    kv.servers.call(send) if isinstance(send, dict) else send()
-            got = kv.servers.call({0: hello})[0]
-            assert got.fields.get("server_id") == 0, "an earlier request's reply: out of step"
-        assert kv.pull("w", np.array([1, 7])).tolist() == [[-1, -1], [0, 0]]  # 7 never went
     finally:
         kv.delete_data("w")
         kv.close(goodbye=False)

@@ -116,24 +116,29 @@ class Servers:
             raise KVStoreError("this RemoteKVClient is closed")
         for sid in requests:  # each slot free, each failure raised, before anything goes
             self.applying.settle(sid, timeout)
-        deferred, sent = {}, {}
-        for sid, msgs in requests.items():
-            for msg in msgs if isinstance(msgs, list) else [msgs]:
-                if not wait:
-                    msg.flags |= FLAG_NO_REPLY
-                frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
-                try:
-                    self.connections[sid].send(frame)
-                except BaseException:
-                    if wait:  # the others' answers are read: their connections in step
-                        self._drain(sent, deferred, on_reply, timeout)
-                    raise
-                finally:
-                    close_fds(frame)  # a new slot's descriptor: the server has its own
-                if later and self.applying.may_read_later(msg, frame):
-                    deferred[sid] = msg
-                else:
-                    sent[sid] = sent.get(sid, 0) + 1
+        deferred, unread = {}, {}  # {sid: update answered later}, {sid: replies to read}
+        try:
+            for sid, msgs in requests.items():
+                for msg in msgs if isinstance(msgs, list) else [msgs]:
+                    if not wait:
+                        msg.flags |= FLAG_NO_REPLY
+                    frame = None
+                    try:
+                        frame = self._frame_for(sid, msg, wait and not isinstance(msgs, list))
+                        self.connections[sid].send(frame)
+                    finally:
+                        if frame is not None:
+                            close_fds(frame)  # a new slot's descriptor: the server has its own
+                    if later and self.applying.may_read_later(msg, frame):
+                        deferred[sid] = msg
+                    else:
+                        unread[sid] = unread.get(sid, 0) + 1
+        except BaseException:
+            if wait:  # what went is answered: those connections stay in step
+                self._drain(unread, deferred, on_reply, timeout)
+            raise
+        for sid, msg in deferred.items():  # known before any read below can fail
+            self.applying.read_later(sid, msg, self._reader(sid, on_reply, timeout))
         waited = None
         if while_waiting is not None:
             try:
@@ -145,20 +150,23 @@ class Servers:
                 raise waited
             return {}
         replies, failed = {}, []
-        for sid, msgs in requests.items():
-            self._aside.settle(sid)  # replies to requests sent ahead come first
-            if sid in deferred:
-                self.applying.read_later(sid, deferred[sid],
-                                         self._reader(sid, on_reply, timeout))
-                continue
-            for _ in msgs if isinstance(msgs, list) else [msgs]:
-                reply, error = self._take(sid, on_reply, timeout)
-                if error is not None:
-                    failed.append(error)
-                elif isinstance(msgs, list):
-                    replies.setdefault(sid, []).append(reply)
-                else:
-                    replies[sid] = reply
+        try:
+            for sid, msgs in requests.items():
+                if sid in deferred:
+                    continue
+                self._aside.settle(sid)  # replies to requests sent ahead come first
+                for _ in msgs if isinstance(msgs, list) else [msgs]:
+                    reply, error = self._take(sid, on_reply, timeout)
+                    unread[sid] -= 1
+                    if error is not None:
+                        failed.append(error)
+                    elif isinstance(msgs, list):
+                        replies.setdefault(sid, []).append(reply)
+                    else:
+                        replies[sid] = reply
+        except BaseException:  # server sid's read failed: the others' are still read
+            self._drain({s: n for s, n in unread.items() if s != sid}, {}, on_reply, timeout)
+            raise
         if waited is not None:
             raise waited
         if failed:
@@ -187,13 +195,13 @@ class Servers:
         finally:
             close_fds(frame)
 
-    def _drain(self, sent, deferred, on_reply, timeout):
-        """After a send failed: read the replies of the requests already sent (``sent``:
-        {server id: how many}), their errors dropped (the send's is raised), and leave
-        the deferred answers (``deferred``) to be read when first needed."""
+    def _drain(self, unread, deferred, on_reply, timeout):
+        """After a send or a read failed: read the replies still due (``unread``:
+        {server id: how many}), their errors dropped (the failure is what is raised),
+        and leave the deferred answers (``deferred``) to be read when first needed."""
         for sid, msg in deferred.items():
             self.applying.read_later(sid, msg, self._reader(sid, on_reply, timeout))
-        for sid, count in sent.items():
+        for sid, count in unread.items():
             try:
                 self._aside.settle(sid)
                 for _ in range(count):
@@ -205,6 +213,7 @@ class Servers:
         """A function that reads server ``sid``'s reply to one request as :meth:`call`
         does, raising the error it reports."""
         def read():
+            self._aside.settle(sid)  # replies to requests sent ahead come first
             _, error = self._take(sid, on_reply, timeout)
             if error is not None:
                 raise _error(*error)
@@ -351,17 +360,18 @@ class Servers:
             return
         failed = []
         try:
-            if goodbye:
-                for sid in range(self.count):
-                    try:
-                        self.applying.settle(sid)
-                    except TransportError:
-                        pass  # a server gone: its goodbye fails below, and is not needed
-                    except KVStoreError as e:
-                        failed.append(e)
-                self.all(lambda sid: Bye(rank=self.rank))
-        except TransportError:
-            pass  # a server already gone needs no goodbye
+            for sid in range(self.count) if goodbye else ():
+                try:
+                    self.applying.settle(sid)
+                except TransportError:  # gone, or still applying: no goodbye, nothing read
+                    self.applying.drop(sid)
+                    continue
+                except KVStoreError as e:
+                    failed.append(e)
+                try:
+                    self.call({sid: Bye(rank=self.rank)})
+                except TransportError:
+                    pass  # a server gone meanwhile needs no goodbye
         finally:
             self.closed = True
             self._aside.close()

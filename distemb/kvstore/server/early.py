@@ -205,9 +205,23 @@ class Applying:
         return sid in self._by_server or sid in self._unread
 
     def _answer(self, sid):
-        unread = self._unread.pop(sid, None)
-        if unread is not None:
+        unread = self._unread.get(sid)
+        if unread is None:
+            return
+        try:
             unread[0]()
+        except ServerUnavailableError:
+            raise  # nothing read: the answer may still come, the server still read the slot
+        except BaseException:
+            del self._unread[sid]
+            raise
+        del self._unread[sid]
+
+    def drop(self, sid):
+        """Forget what server ``sid`` may still answer or apply (its connection is being
+        closed: nothing more is read from it)."""
+        for kept in (self._unread, self._by_server, self._headers):
+            kept.pop(sid, None)
 
     def note(self, sid, router, m, reply):
         """Remember update ``m`` (of keys ``router`` routes) sent to server ``sid`` if the
@@ -235,10 +249,11 @@ class Applying:
         conn = self._conns[sid]
         # pending until known applied: a server past the timeout may still read the slot
         failed = header is None or _failed(header, counter, conn, timeout)
+        if failed:
+            frame = conn.recv(timeout)  # not answered in time: still pending
         del self._by_server[sid]
         if not failed:
             return  # applied: the server sends nothing more
-        frame = conn.recv(timeout)
         if frame.service == Error.SERVICE:
             raise KVStoreError(str(frame.fields.get("message")))
 
