@@ -9,6 +9,7 @@ import contextlib
 import threading
 
 from distemb.server import build_service
+from distemb.stores.dense import DenseStore
 from distemb.transport import tcp
 from distemb.transport.connections import local_address
 
@@ -40,3 +41,29 @@ def serving(cfg):
         for service in services:
             service.server.close()
             service.arena.close()
+
+
+#: What an update answered early then failed by fail_updates() is raised as.
+FAILED = r"server 0: the update of 't' answered early then failed: no room"
+
+
+def fail_updates(monkeypatch):
+    """Make every update of a dense store (of servers served here) fail, after its
+    checks: as a full disk or memory would."""
+    def broken(*args, **kw):
+        raise MemoryError("no room for the update")
+    monkeypatch.setattr(DenseStore, "update", broken)
+
+
+def stall_updates(monkeypatch, request, wait_s=20):
+    """Make every update of a dense store wait (at most ``wait_s``) until the returned
+    event is set; the test's end sets it before its clients close."""
+    release = threading.Event()
+    request.addfinalizer(release.set)
+    update = DenseStore.update
+
+    def stuck(*args, **kw):
+        release.wait(wait_s)
+        return update(*args, **kw)
+    monkeypatch.setattr(DenseStore, "update", stuck)
+    return release

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mp_helper import cluster_dict
-from served import serving
+from served import FAILED, fail_updates, serving, stall_updates
 
 from distemb.config import parse_cluster_config
 from distemb.errors import KVStoreError, ServerUnavailableError
@@ -153,16 +153,12 @@ def test_an_update_that_fails_after_its_early_answer_is_raised_next(server_here,
         kv.init_data("t", (10, 2), "float32", range_policy(10, 1))
         kv.init_optimizer("t", "sgd", {})
         ones = np.ones((2, 2), np.float32)
-
-        def broken(*args, **kw):
-            raise MemoryError("no room for the update")
-        failed = r"server 0: the update of 't' answered early then failed: no room"
         with monkeypatch.context() as m:
-            m.setattr(DenseStore, "update", broken)
+            fail_updates(m)
             for then in (lambda: kv.push("t", np.array([5]), ones[:1]),  # any request
                          lambda: kv.pull("t", np.array([1]))):  # a lookup beside it
                 kv.push_update("t", np.array([1, 3]), ones, "sgd", SGDHyper(lr=1.0))
-                with pytest.raises(KVStoreError, match=failed):
+                with pytest.raises(KVStoreError, match=FAILED):
                     then()
         assert kv.pull("t", np.array([5])).tolist() == [[0, 0]]  # raised before it went
         # the shard was unlocked and the server serves on; the failed update wrote nothing
@@ -184,17 +180,13 @@ def test_each_trainer_learns_its_own_failure_though_another_fails_after(
         b.init_optimizer("t", "sgd", {})
         b.pull("t", np.array([0]))  # B maps the shard too
         ones = np.ones((1, 2), np.float32)
-
-        def broken(*args, **kw):
-            raise MemoryError("no room for the update")
-        failed = r"server 0: the update of 't' answered early then failed: no room"
         with monkeypatch.context() as m:
-            m.setattr(DenseStore, "update", broken)
+            fail_updates(m)
             a.push_update("t", np.array([1]), ones, "sgd", SGDHyper(lr=1.0))
             b.push_update("t", np.array([2]), ones, "sgd", SGDHyper(lr=1.0))
-            with pytest.raises(KVStoreError, match=failed):
+            with pytest.raises(KVStoreError, match=FAILED):
                 b.servers.applying.settle(0)  # applied after A's: both have failed now
-        with pytest.raises(KVStoreError, match=failed):
+        with pytest.raises(KVStoreError, match=FAILED):
             a.pull("t", np.array([1]))  # a lookup beside A's update learns its outcome
         assert not a.servers.connections[0].pending()
         a.push("t", np.array([5]), np.full((1, 2), 7, np.float32))
@@ -223,14 +215,7 @@ def test_a_success_read_in_the_shard_costs_no_second_frame(mapped_t):
 def test_an_update_still_applying_past_the_timeout_is_a_server_unavailable(
         mapped_t, monkeypatch, request):
     kv = mapped_t
-    release = threading.Event()
-    request.addfinalizer(release.set)  # before the client closes
-    slow = DenseStore.update
-
-    def stuck(*args, **kw):
-        release.wait(10)
-        return slow(*args, **kw)
-    monkeypatch.setattr(DenseStore, "update", stuck)
+    release = stall_updates(monkeypatch, request, wait_s=10)
     kv.push_update("t", np.array([1]), np.ones((1, 2), np.float32), "sgd",
                    SGDHyper(lr=1.0))
     with pytest.raises(ServerUnavailableError, match="not applied within 0.2 s"):

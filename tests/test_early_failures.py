@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mp_helper import cluster_dict
-from served import serving
+from served import serving, stall_updates
 
 from distemb.config import parse_cluster_config
 from distemb.errors import ServerUnavailableError, TransportError
@@ -20,7 +20,6 @@ from distemb.kvstore.remote import RemoteKVClient
 from distemb.kvstore.server.shard import ShardTable
 from distemb.partition import range_policy
 from distemb.rules import SGDHyper
-from distemb.stores.dense import DenseStore
 from distemb.transport.messages import Barrier, Hello, Pull, Update
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,15 +116,7 @@ def test_an_update_answered_later_waits_behind_the_rows_sent_ahead(two, monkeypa
 @pytest.fixture
 def stalled(monkeypatch, request):
     """Updates of dense stores wait until the returned event is set."""
-    release = threading.Event()
-    request.addfinalizer(release.set)  # before any client closes
-    update = DenseStore.update
-
-    def stuck(*args, **kw):
-        release.wait(20)
-        return update(*args, **kw)
-    monkeypatch.setattr(DenseStore, "update", stuck)
-    return release
+    return stall_updates(monkeypatch, request)
 
 
 def test_an_early_answer_later_than_the_wait_keeps_the_slot_spared(monkeypatch, request):
