@@ -248,12 +248,11 @@ class Applying:
         _, _, counter, _, header, _ = pending
         conn = self._conns[sid]
         # pending until known applied: a server past the timeout may still read the slot
-        failed = header is None or _failed(header, counter, conn, timeout)
-        if failed:
-            frame = conn.recv(timeout)  # not answered in time: still pending
-        del self._by_server[sid]
-        if not failed:
+        if header is not None and not _failed(header, counter, conn, timeout):
+            del self._by_server[sid]
             return  # applied: the server sends nothing more
+        frame = conn.recv(timeout)  # not in within the wait: the update stays pending
+        del self._by_server[sid]
         if frame.service == Error.SERVICE:
             raise KVStoreError(str(frame.fields.get("message")))
 
