@@ -180,12 +180,18 @@ def test_each_trainer_learns_its_own_failure_though_another_fails_after(
         b.init_optimizer("t", "sgd", {})
         b.pull("t", np.array([0]))  # B maps the shard too
         ones = np.ones((1, 2), np.float32)
+        counter = a.servers.mapped[("t", 0)].version  # the shard's seqlock: +2 a write
         with monkeypatch.context() as m:
             fail_updates(m)
+            start = int(counter[0])
             a.push_update("t", np.array([1]), ones, "sgd", SGDHyper(lr=1.0))
+            deadline = time.monotonic() + 20
+            while int(counter[0]) < start + 2:  # A's has failed (its answer left unread)
+                assert time.monotonic() < deadline, "A's update never ran"
+                time.sleep(0.001)
             b.push_update("t", np.array([2]), ones, "sgd", SGDHyper(lr=1.0))
             with pytest.raises(KVStoreError, match=FAILED):
-                b.servers.applying.settle(0)  # applied after A's: both have failed now
+                b.servers.applying.settle(0)  # B's has failed after A's
         with pytest.raises(KVStoreError, match=FAILED):
             a.pull("t", np.array([1]))  # a lookup beside A's update learns its outcome
         assert not a.servers.connections[0].pending()
